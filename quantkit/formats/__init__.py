@@ -1,0 +1,89 @@
+"""Quantization formats: one module per format, registered here by name.
+
+Contract every format follows (pure functions over torch tensors, no I/O):
+
+- `quantize(w, spec) -> dict[str, Tensor]`: `w` is [..., out, in] (a 2D matrix or a stack of expert
+  matrices [E, out, in]; leading dims are independent matrices). The result maps a part suffix
+  (`"qweight"`, `"scales"`, `"zeros"`, ...) to a tensor whose leading dims match `w`'s, so a slab of
+  experts quantized alone and concatenated along dim 0 equals the whole stack quantized at once.
+- `dequantize(parts, spec, shape, dtype) -> Tensor` inverts it to a dense [..., out, in] tensor.
+- `bits_per_weight(spec, shape) -> float`: storage bits per weight, scales and zeros included.
+
+In a quantized checkpoint a tensor named `N` (e.g. `...self_attn.q_proj.weight`, or the suffix-less
+fused `...mlp.experts.gate_up_proj`) is stored as `N.<suffix>` for each part, and its `QuantSpec`
+(plus original shape and dtype) is recorded under `quantization_config.tensors[N]` in config.json.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+import torch
+
+from quantkit.errors import QuantkitError
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """One tensor's quantization choice."""
+
+    format: str  # "int8", "int4", "nf4", "fp4", "mxfp4"; "bf16" means kept as is
+    group_size: int | None = None  # int4: 32/64/128; nf4/fp4: blocksize (64); mxfp4: 32; int8: None = per channel
+    symmetric: bool = True
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> QuantSpec:
+        try:
+            return cls(format=d["format"], group_size=d.get("group_size"), symmetric=d.get("symmetric", True))
+        except (KeyError, TypeError):
+            raise QuantkitError(f"malformed quantization spec {d!r}") from None
+
+
+class Format(Protocol):
+    name: str
+
+    def bits_per_weight(self, spec: QuantSpec, shape: tuple[int, ...]) -> float: ...
+
+    def quantize(self, w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]: ...
+
+    def dequantize(
+        self, parts: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor: ...
+
+
+_REGISTRY: dict[str, Format] = {}
+
+
+def register(fmt: Format) -> Format:
+    _REGISTRY[fmt.name] = fmt
+    return fmt
+
+
+def get_format(name: str) -> Format:
+    _load_builtin()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise QuantkitError(
+            f"unknown quantization format {name!r}; known: {', '.join(sorted(_REGISTRY))}"
+        ) from None
+
+
+def available_formats() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def _load_builtin() -> None:
+    import importlib
+
+    for mod in ("int8", "int4", "bnb4", "mxfp4"):
+        try:
+            importlib.import_module(f"quantkit.formats.{mod}")
+        except ModuleNotFoundError as e:
+            if e.name != f"quantkit.formats.{mod}":
+                raise

@@ -1,0 +1,46 @@
+"""The non-editable install works: a built wheel carries the profiles and the console script, and runs
+from another directory without the source tree on the path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_wheel_installs_and_runs_outside_the_repo(tmp_path: Path) -> None:
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheels), str(ROOT)],
+        check=True,
+        cwd=tmp_path,
+    )
+    (wheel,) = wheels.glob("quantkit-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "quantkit/profiles/models/Qwen-AgentWorld-35B-A3B/config.json" in names
+    assert any(n.endswith("entry_points.txt") for n in names)
+    entry_points = next(zipfile.ZipFile(wheel).read(n) for n in names if n.endswith("entry_points.txt"))
+    assert b"quantkit = quantkit.cli:main" in entry_points
+
+    target = tmp_path / "site"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+        check=True,
+    )
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    # The installed copy comes first on the path, ahead of the editable install of the repo.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(target)
+    code = (
+        "import quantkit, quantkit.spec as s; "
+        f"assert quantkit.__file__.startswith({str(target)!r}), quantkit.__file__; "
+        "print(s.default_spec().text_params)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.strip()) == 34_660_610_688
