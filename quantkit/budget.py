@@ -1,0 +1,304 @@
+"""Exact memory budgets: bytes per component for a spec, a recipe and run settings. Pure arithmetic.
+
+Storage per format (the parts fixed by the checkpoint contract in quantkit/formats):
+- kept:  numel x dtype bytes.
+- int8:  int8 codes [.., out, in] + one bf16 scale per output row.
+- int4:  codes packed two per byte [.., out, in/2] + a bf16 scale per group of `group_size` along `in`
+         (+ a bf16 zero per group when asymmetric). g128 symmetric = 4.125 bits/weight.
+- nf4/fp4 (bitsandbytes): codes two per byte + one fp32 absmax per block of 64 over each matrix = 4.5.
+- mxfp4: codes two per byte + one E8M0 byte per 32 along `in` = 4.25.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from quantkit.errors import QuantkitError
+from quantkit.formats import QuantSpec
+from quantkit.recipe import Recipe
+from quantkit.spec import ModelSpec, Role, TensorSpec, TextConfig, dtype_bytes
+
+SCALE_BYTES = {"int8": 2, "int4": 2, "nf4": 4, "fp4": 4, "mxfp4": 1}
+DEFAULT_GROUP = {"int4": 128, "nf4": 64, "fp4": 64, "mxfp4": 32}
+
+# KV cache element types: (bytes per block, elements per block). q8_0/q4_0 are llama.cpp's blocks
+# (32 values + one fp16 scale); fp8 is e4m3 without scales (vLLM's fp8 KV cache).
+CACHE_DTYPES: dict[str, tuple[int, int]] = {
+    "fp16": (2, 1), "bf16": (2, 1), "fp8": (1, 1), "q8_0": (34, 32), "q4_0": (18, 32),
+}
+CACHE_ALIASES = {"f16": "fp16", "float16": "fp16", "bfloat16": "bf16", "fp8_e4m3": "fp8", "q8": "q8_0",
+                 "q4": "q4_0", "int8": "q8_0", "int4": "q4_0"}
+
+DEFAULT_PREFILL_CHUNK = 512
+GB = 1e9
+GIB = 1 << 30
+
+
+def cache_dtype(name: str) -> str:
+    n = CACHE_ALIASES.get(name.lower(), name.lower())
+    if n not in CACHE_DTYPES:
+        raise QuantkitError(f"unknown cache dtype {name!r}; use one of fp16, bf16, fp8, q8_0, q4_0")
+    return n
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class TensorBytes:
+    weight: int = 0
+    scales: int = 0
+    zeros: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weight + self.scales + self.zeros
+
+    def __add__(self, o: TensorBytes) -> TensorBytes:
+        return TensorBytes(self.weight + o.weight, self.scales + o.scales, self.zeros + o.zeros)
+
+    def scaled(self, num: int, den: int) -> TensorBytes:
+        """A fraction num/den of this (exact when den divides every part, as for one expert of E)."""
+        return TensorBytes(self.weight * num // den, self.scales * num // den, self.zeros * num // den)
+
+
+def tensor_bytes(t: TensorSpec, q: QuantSpec | None, keep_dtype: str | None = None) -> TensorBytes:
+    """Exact stored bytes of one tensor under a QuantSpec (None or "bf16" = kept in keep_dtype)."""
+    if q is None or q.format in ("bf16", "fp16", "keep"):
+        return TensorBytes(weight=t.numel * dtype_bytes(keep_dtype or t.dtype))
+    if not t.is_matrix:
+        raise QuantkitError(f"{t.name}: shape {t.shape} is not a matrix and cannot be quantized")
+    *lead, out, inn = t.shape
+    mats = 1
+    for d in lead:
+        mats *= d
+    rows = mats * out
+    fmt = q.format
+    if fmt == "int8":
+        return TensorBytes(weight=rows * inn, scales=rows * SCALE_BYTES["int8"])
+    if fmt not in DEFAULT_GROUP:
+        raise QuantkitError(f"{t.name}: unknown quantization format {fmt!r}")
+    g = q.group_size or DEFAULT_GROUP[fmt]
+    packed = rows * _ceil_div(inn, 2)
+    if fmt in ("nf4", "fp4"):
+        # bitsandbytes quantizes each matrix flattened, in blocks of g
+        blocks = mats * _ceil_div(out * inn, g)
+        return TensorBytes(weight=mats * _ceil_div(out * inn, 2), scales=blocks * SCALE_BYTES[fmt])
+    groups = rows * _ceil_div(inn, g)
+    scales = groups * SCALE_BYTES[fmt]
+    zeros = groups * SCALE_BYTES[fmt] if (fmt == "int4" and not q.symmetric) else 0
+    return TensorBytes(weight=packed, scales=scales, zeros=zeros)
+
+
+def bits_per_weight(t: TensorSpec, q: QuantSpec | None, keep_dtype: str | None = None) -> float:
+    return tensor_bytes(t, q, keep_dtype).total * 8 / t.numel
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """How the model will be run: what the caches and buffers are sized for."""
+
+    context: int = 4096
+    batch: int = 1
+    cache_dtype: str = "fp16"
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    include_mtp: bool = False
+
+    def validate(self, c: TextConfig) -> None:
+        if self.context <= 0:
+            raise QuantkitError(f"context {self.context} must be a positive number of tokens")
+        if self.context > c.max_position_embeddings:
+            raise QuantkitError(
+                f"context {self.context} exceeds the model's maximum of {c.max_position_embeddings} tokens"
+            )
+        if self.batch <= 0:
+            raise QuantkitError(f"batch {self.batch} must be a positive integer")
+        if self.prefill_chunk <= 0:
+            raise QuantkitError(f"prefill chunk {self.prefill_chunk} must be a positive number of tokens")
+        cache_dtype(self.cache_dtype)
+
+
+def kv_bytes_per_token(c: TextConfig, dtype: str, layers: int = 1) -> int:
+    """K and V of one token in `layers` full-attention layers (blocks run along head_dim)."""
+    bb, be = CACHE_DTYPES[cache_dtype(dtype)]
+    return layers * 2 * c.num_key_value_heads * _ceil_div(c.head_dim, be) * bb
+
+
+def linear_state_bytes(c: TextConfig) -> tuple[int, int]:
+    """(recurrent, conv) state bytes of one Gated DeltaNet layer for one sequence: the recurrent state is
+    fp32 [v_heads, k_dim, v_dim]; the conv state keeps `kernel` positions of the qkv channels in bf16
+    (transformers' LinearAttentionLayer allocates [batch, conv_dim, kernel])."""
+    rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
+    conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    return rec, conv_dim * c.linear_conv_kernel_dim * 2
+
+
+def activation_bytes_per_token(c: TextConfig) -> int:
+    """Peak live bf16 activations per token inside one decoder layer: residual + normed hidden, plus the
+    largest of the linear-attention projections (qkv, conv output, z, core output, gated norm), the
+    attention projections (gated q, k, v, output) and the MoE (router logits in fp32, each routed
+    expert's gate/up, activation and down outputs, the shared expert)."""
+    h = c.hidden_size
+    kd = c.linear_num_key_heads * c.linear_key_head_dim
+    vd = c.linear_num_value_heads * c.linear_value_head_dim
+    lin = 2 * (2 * kd + vd) + 3 * vd + 2 * c.linear_num_value_heads
+    q = c.num_attention_heads * c.head_dim
+    attn = q * (2 if c.attn_output_gate else 1) + 2 * c.num_key_value_heads * c.head_dim + q
+    i, si = c.moe_intermediate_size, c.shared_expert_intermediate_size
+    moe = 2 * c.num_experts + c.num_experts_per_tok * (3 * i + h) + 3 * si + h
+    return (2 * h + max(lin, attn, moe)) * 2
+
+
+@dataclass
+class Budget:
+    """Bytes of every component. Per-layer lists are what the placement solver moves around."""
+
+    scheme: str
+    settings: RunSettings
+    weights_by_role: dict[Role, TensorBytes]
+    layer_dense: list[int]  # non-expert weights of each decoder layer
+    expert_bytes: list[int]  # one routed expert (gate, up, down with their scales) of each layer
+    layer_cache: list[int]  # KV cache (full attention) or recurrent + conv state (linear attention)
+    num_experts: int
+    embedding: int
+    lm_head: int
+    final_norm: int
+    mtp: int
+    kv_cache: int
+    recurrent_state: int
+    conv_state: int
+    activations: int
+    logits: int
+    kept_high_precision: int  # bytes of tensors the recipe keeps unquantized (router, norms, ...)
+    layer_dense_params: list[int] = field(default_factory=list)
+    expert_params: list[int] = field(default_factory=list)  # one routed expert of each layer
+    lm_head_params: int = 0
+    mtp_weights: int = 0
+
+    @property
+    def weights(self) -> int:
+        return sum(tb.total for tb in self.weights_by_role.values())
+
+    @property
+    def caches(self) -> int:
+        return self.kv_cache + self.recurrent_state + self.conv_state
+
+    @property
+    def buffers(self) -> int:
+        return self.activations + self.logits
+
+    @property
+    def model_total(self) -> int:
+        """Weights + caches + buffers (no runtime reserve: that depends on the devices)."""
+        return self.weights + self.caches + self.buffers
+
+    def components(self) -> dict[str, int]:
+        out = {f"weights.{r.value}": tb.total for r, tb in self.weights_by_role.items()}
+        out.update({
+            "scales_and_zeros": sum(tb.scales + tb.zeros for tb in self.weights_by_role.values()),
+            "kept_high_precision": self.kept_high_precision,
+            "kv_cache": self.kv_cache, "recurrent_state": self.recurrent_state, "conv_state": self.conv_state,
+            "activations": self.activations, "logits": self.logits,
+        })
+        return out
+
+
+def compute_budget(spec: ModelSpec, recipe: Recipe, settings: RunSettings) -> Budget:
+    c = spec.config
+    settings.validate(c)
+    n = c.num_hidden_layers
+    by_role: dict[Role, TensorBytes] = {}
+    layer_dense = [0] * n
+    layer_experts = [0] * n
+    dense_params = [0] * n
+    expert_params = [0] * n
+    head_params = 0
+    embedding = lm_head = final_norm = mtp = kept = 0
+    for t in spec.tensors:
+        if t.role == Role.VISION or (t.role == Role.MTP and not settings.include_mtp):
+            continue
+        q = recipe.spec_for(t)
+        tb = tensor_bytes(t, q, recipe.keep_dtype)
+        by_role[t.role] = by_role.get(t.role, TensorBytes()) + tb
+        if q is None:
+            kept += tb.total
+        if t.role == Role.MTP:
+            mtp += tb.total
+        elif t.role == Role.EMBEDDING:
+            embedding += tb.total
+        elif t.role == Role.LM_HEAD:
+            lm_head += tb.total
+            head_params += t.numel
+        elif t.layer is None:
+            final_norm += tb.total
+        elif t.role == Role.ROUTED_EXPERT:
+            layer_experts[t.layer] += tb.total
+            expert_params[t.layer] += t.numel
+        else:
+            layer_dense[t.layer] += tb.total
+            dense_params[t.layer] += t.numel
+    e = c.num_experts
+    for i, b in enumerate(layer_experts):
+        if b % e:
+            raise QuantkitError(f"layer {i}: routed expert bytes {b} do not split evenly over {e} experts")
+    base = Budget(
+        scheme=recipe.name,
+        settings=settings,
+        weights_by_role=by_role,
+        layer_dense=layer_dense,
+        expert_bytes=[b // e for b in layer_experts],
+        layer_cache=[],
+        num_experts=e,
+        embedding=embedding,
+        lm_head=lm_head,
+        final_norm=final_norm,
+        mtp=mtp,
+        kv_cache=0,
+        recurrent_state=0,
+        conv_state=0,
+        activations=0,
+        logits=0,
+        kept_high_precision=kept,
+        layer_dense_params=dense_params,
+        expert_params=[p // e for p in expert_params],
+        lm_head_params=head_params,
+        mtp_weights=mtp,
+    )
+    return with_settings(base, c, settings)
+
+
+def with_settings(b: Budget, c: TextConfig, s: RunSettings) -> Budget:
+    """The same weights with caches and buffers sized for other run settings (cheap: no tensor walk)."""
+    s.validate(c)
+    if s.include_mtp != b.settings.include_mtp:
+        raise QuantkitError("with_settings cannot change include_mtp; compute a new budget")
+    kv_tok = kv_bytes_per_token(c, s.cache_dtype)
+    rec, conv = linear_state_bytes(c)
+    layer_cache = [
+        kv_tok * s.context * s.batch if kind == "full_attention" else (rec + conv) * s.batch
+        for kind in c.layer_types
+    ]
+    n_full, n_lin = len(c.full_attention_layers), len(c.linear_attention_layers)
+    mtp_kv = kv_tok * s.context * s.batch * c.mtp_num_hidden_layers if s.include_mtp else 0
+    return replace(
+        b,
+        settings=s,
+        layer_cache=layer_cache,
+        kv_cache=kv_tok * s.context * s.batch * n_full + mtp_kv,
+        mtp=b.mtp_weights + mtp_kv,
+        recurrent_state=rec * n_lin * s.batch,
+        conv_state=conv * n_lin * s.batch,
+        activations=activation_bytes_per_token(c) * min(s.prefill_chunk, s.context) * s.batch,
+        # the runtime computes logits for the last position of each sequence only (transformers'
+        # generate passes logits_to_keep=1), in fp32
+        logits=s.batch * c.vocab_size * 4,
+    )
+
+
+def card_estimate_gb(bits: int, context: int = 4096, params: float = 35.0e9) -> float:
+    """The model card's estimate: 1.05 x weights + KV, KV = 0.5 GB x bits/16 at 4,096 tokens (scaled
+    linearly with context here). Rounded to 0.1 GB as the card prints it."""
+    weights = params * bits / 8 / GB
+    kv = 0.5 * bits / 16 * context / 4096
+    return round(1.05 * weights + kv, 1)

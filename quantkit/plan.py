@@ -1,0 +1,594 @@
+"""Placement: where every component of one scheme lives, and the speed that placement should reach.
+
+The solver puts the non-expert weights of each decoder layer, its caches and the buffers on the GPU(s),
+split by layers in proportion to each GPU's free memory, then fills each GPU with the routed experts of
+its own layers, expert by expert, until its budget (capacity minus reserve) is full. The rest of the
+experts stay resident in CPU RAM and compute there. Experts of the first layers go to the CPU first,
+as llama.cpp's --n-cpu-moe does, so at most one layer per GPU is split between GPU and CPU. The
+embedding lives in CPU RAM (one row is gathered per token; llama.cpp does the same). Layers whose dense
+part does not fit any GPU run whole on the CPU (the first layers, like llama.cpp's -ngl).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quantkit.budget import GB, GIB, Budget, RunSettings, card_estimate_gb, compute_budget, with_settings
+from quantkit.errors import QuantkitError
+from quantkit.hardware import DEFAULT_GPU_RESERVE, DEFAULT_HOST_RESERVE, Hardware
+from quantkit.recipe import QUALITY_RANK, RECIPES, Recipe
+from quantkit.spec import ModelSpec, Role
+from quantkit.speed import DeviceRates, Layout, Speed, SpeedModel, estimate
+
+PLAN_VERSION = 1
+COMMON_RAM_GIB = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
+
+
+def spec_fingerprint(spec: ModelSpec) -> str:
+    """sha256 over the names and shapes of the language-model tensors (MTP and vision left out, so a
+    checkpoint with or without them matches), sorted."""
+    h = hashlib.sha256()
+    for t in sorted((t for t in spec.tensors if t.role not in (Role.MTP, Role.VISION)), key=lambda t: t.name):
+        h.update(f"{t.name}:{','.join(map(str, t.shape))}\n".encode())
+    return h.hexdigest()
+
+
+@dataclass
+class Device:
+    id: str  # "cuda:0", "mps", "node1.cuda:3", "cpu"
+    kind: str  # "gpu" | "cpu"
+    name: str
+    capacity: int  # bytes the plan may fill (memory minus reserve)
+    reserve: int
+    bandwidth_gbs: float
+    tflops: float
+    pcie_gbs: float = float("inf")
+    unified: bool = False
+    used: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(self.used.values())
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.used_bytes
+
+    def add(self, what: str, nbytes: int) -> None:
+        if nbytes:
+            self.used[what] = self.used.get(what, 0) + nbytes
+
+    def rates(self) -> DeviceRates:
+        return DeviceRates(self.id, self.kind, self.bandwidth_gbs, self.tflops, self.pcie_gbs)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["pcie_gbs"] = None if self.pcie_gbs == float("inf") else self.pcie_gbs
+        d["used_bytes"] = self.used_bytes
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Device:
+        d = {k: v for k, v in d.items() if k != "used_bytes"}
+        d["pcie_gbs"] = float("inf") if d.get("pcie_gbs") is None else d["pcie_gbs"]
+        return cls(**d)
+
+
+@dataclass
+class Plan:
+    model: str
+    fingerprint: str
+    scheme: str
+    recipe: dict[str, Any]
+    settings: RunSettings
+    devices: list[Device]
+    layer_device: list[str]  # device of each decoder layer's non-expert weights and caches
+    expert_ranges: list[list[tuple[str, int, int]]]  # per layer: (device, first id, last id + 1)
+    embedding_device: str
+    lm_head_device: str
+    num_experts: int
+    fits: bool
+    reason: str
+    total_bytes: int  # weights + caches + buffers + reserves of the GPUs used
+    card_estimate_gb: float
+    speed: Speed | None = None
+    assumptions: list[str] = field(default_factory=list)
+    components: dict[str, int] = field(default_factory=dict)
+
+    def device(self, dev_id: str) -> Device:
+        for d in self.devices:
+            if d.id == dev_id:
+                return d
+        raise KeyError(dev_id)
+
+    def experts_on(self, layer: int, dev_id: str) -> list[int]:
+        return [i for d, a, b in self.expert_ranges[layer] if d == dev_id for i in range(a, b)]
+
+    def expert_counts(self) -> list[dict[str, int]]:
+        out = []
+        for ranges in self.expert_ranges:
+            c: dict[str, int] = {}
+            for d, a, b in ranges:
+                c[d] = c.get(d, 0) + b - a
+            out.append(c)
+        return out
+
+    @property
+    def experts_on_cpu(self) -> int:
+        return sum(c.get("cpu", 0) for c in self.expert_counts())
+
+    @property
+    def cpu_expert_layers(self) -> int:
+        """Layers with at least one expert on the CPU (what llama.cpp's --n-cpu-moe needs)."""
+        return sum(1 for c in self.expert_counts() if c.get("cpu", 0))
+
+    @property
+    def gpus(self) -> list[Device]:
+        return [d for d in self.devices if d.kind == "gpu"]
+
+    @property
+    def where(self) -> str:
+        """One-word summary: gpu, gpu+cpu or cpu."""
+        if not self.gpus or all(d == "cpu" for d in self.layer_device):
+            return "cpu"
+        if self.experts_on_cpu or any(d == "cpu" for d in self.layer_device):
+            return "gpu+cpu"
+        return "gpu"
+
+    def summary(self) -> str:
+        gpu_layers = sum(1 for d in self.layer_device if d != "cpu")
+        n = len(self.layer_device)
+        total_exp = n * self.num_experts
+        if self.where == "cpu":
+            return "all on CPU"
+        if self.where == "gpu":
+            return f"all {n} layers on GPU, embedding in RAM"
+        parts = []
+        if gpu_layers < n:
+            parts.append(f"{gpu_layers}/{n} layers on GPU")
+        parts.append(f"{self.experts_on_cpu}/{total_exp} experts in RAM")
+        return ", ".join(parts)
+
+    def layout(self) -> Layout:
+        return Layout(list(self.layer_device), self.expert_counts(), self.embedding_device, self.lm_head_device)
+
+    # -- serialization: the file the runtime consumes -------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        layers = []
+        for L, dev in enumerate(self.layer_device):
+            layers.append({
+                "layer": L,
+                "device": dev,
+                "experts": {d: self.experts_on(L, d) for d in dict.fromkeys(r[0] for r in self.expert_ranges[L])},
+            })
+        return {
+            "quantkit_plan": PLAN_VERSION,
+            "model": self.model,
+            "spec_fingerprint": self.fingerprint,
+            "scheme": self.scheme,
+            "recipe": self.recipe,
+            "settings": asdict(self.settings),
+            "num_experts": self.num_experts,
+            "devices": [d.to_dict() for d in self.devices],
+            "non_expert": {"embedding": self.embedding_device, "lm_head": self.lm_head_device,
+                           "final_norm": self.lm_head_device},
+            "layers": layers,
+            "fits": self.fits,
+            "reason": self.reason,
+            "total_bytes": self.total_bytes,
+            "card_estimate_gb": self.card_estimate_gb,
+            "components": self.components,
+            "estimates": self.speed.to_dict() if self.speed else None,
+            "assumptions": self.assumptions,
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, data: str | dict[str, Any]) -> Plan:
+        try:
+            d = json.loads(data) if isinstance(data, str) else data
+            if d.get("quantkit_plan") != PLAN_VERSION:
+                raise QuantkitError(f"plan version {d.get('quantkit_plan')!r} is not {PLAN_VERSION}")
+            ranges = []
+            for layer in d["layers"]:
+                rs: list[tuple[str, int, int]] = []
+                for dev, ids in layer["experts"].items():
+                    rs += _ranges(dev, ids)
+                ranges.append(rs)
+            est = d.get("estimates")
+            speed = None
+            if est:
+                speed = Speed(est["decode_tok_s"], est["decode_tok_s_full_context"], est["prefill_tok_s"],
+                              est.get("decode_ms_by_device", {}), est.get("transfers_per_token", 0))
+            return cls(
+                model=d["model"], fingerprint=d["spec_fingerprint"], scheme=d["scheme"], recipe=d["recipe"],
+                settings=RunSettings(**d["settings"]), devices=[Device.from_dict(x) for x in d["devices"]],
+                layer_device=[x["device"] for x in d["layers"]], expert_ranges=ranges,
+                embedding_device=d["non_expert"]["embedding"], lm_head_device=d["non_expert"]["lm_head"],
+                num_experts=d["num_experts"], fits=d["fits"], reason=d.get("reason", ""),
+                total_bytes=d["total_bytes"], card_estimate_gb=d["card_estimate_gb"], speed=speed,
+                assumptions=d.get("assumptions", []), components=d.get("components", {}),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise QuantkitError(f"plan file is malformed ({type(e).__name__}: {e})") from None
+
+    def recipe_obj(self) -> Recipe:
+        return Recipe.from_dict(self.recipe)
+
+    def save(self, path: Path) -> None:
+        write_atomic(Path(path), self.to_json())
+
+
+def _ranges(dev: str, ids: list[int]) -> list[tuple[str, int, int]]:
+    out: list[tuple[str, int, int]] = []
+    for i in sorted(ids):
+        if out and out[-1][2] == i:
+            out[-1] = (dev, out[-1][1], i + 1)
+        else:
+            out.append((dev, i, i + 1))
+    return out
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def make_devices(hw: Hardware, gpu_reserve: int = DEFAULT_GPU_RESERVE,
+                 host_reserve: int = DEFAULT_HOST_RESERVE) -> list[Device]:
+    devs: list[Device] = []
+    per_node = len(hw.gpus)
+    for node in range(hw.nodes):
+        for i, g in enumerate(hw.gpus):
+            base = "mps" if g.unified else f"cuda:{i}"
+            if g.unified and per_node > 1:
+                base = f"mps:{i}"
+            dev_id = f"node{node}.{base}" if hw.nodes > 1 else base
+            devs.append(Device(dev_id, "gpu", g.name, max(0, g.usable_bytes - gpu_reserve), gpu_reserve,
+                               g.bandwidth_gbs, g.fp16_tflops, g.pcie_gbs, g.unified))
+    h = hw.host
+    devs.append(Device("cpu", "cpu", "host RAM", max(0, h.ram_bytes - host_reserve), host_reserve,
+                       h.cpu_bandwidth_gbs, h.cpu_tflops, float("inf"), hw.unified))
+    return devs
+
+
+def solve(spec: ModelSpec, recipe: Recipe, settings: RunSettings, hw: Hardware, *,
+          gpu_reserve: int = DEFAULT_GPU_RESERVE, host_reserve: int = DEFAULT_HOST_RESERVE,
+          cpu_expert_layers: int | None = None, speed_model: SpeedModel | None = None,
+          budget: Budget | None = None, with_speed: bool = True) -> Plan:
+    """Place one scheme. `cpu_expert_layers` forces the experts of the first N layers onto the CPU
+    (llama.cpp's --n-cpu-moe) instead of filling the GPUs greedily."""
+    b = budget or compute_budget(spec, recipe, settings)
+    c = spec.config
+    n, e = c.num_hidden_layers, c.num_experts
+    devs = make_devices(hw, gpu_reserve, host_reserve)
+    gpus = [d for d in devs if d.kind == "gpu"]
+    cpu = devs[-1]
+    layer_dev = ["cpu"] * n
+    gpu_experts = [0] * n  # experts of layer L on its layer device when that is a GPU (ids 0..k-1)
+    tied = c.tie_word_embeddings
+
+    dense = [b.layer_dense[L] + b.layer_cache[L] for L in range(n)]
+    full = [dense[L] + e * b.expert_bytes[L] for L in range(n)]
+    head_dev = "cpu"
+    if gpus:
+        last = gpus[-1]
+        head = b.lm_head + b.final_norm + b.logits + (b.embedding if tied else 0)
+        if head + b.activations <= last.capacity:
+            last.add("lm_head+norm", b.lm_head + b.final_norm)
+            last.add("logits", b.logits)
+            if tied:
+                last.add("embedding", b.embedding)
+            head_dev = last.id
+            if b.mtp and b.mtp + head + b.activations <= last.capacity:
+                last.add("mtp", b.mtp)
+        for g in gpus:
+            if g.free_bytes >= b.activations:
+                g.add("activations", b.activations)
+        free = [max(0, g.free_bytes) for g in gpus]
+        # Whole layers that cannot have even their dense part on a GPU run on the CPU: the first ones.
+        first = 0
+        while first < n and sum(dense[first:]) > sum(free):
+            first += 1
+        total_full = sum(full[first:]) or 1
+        bounds, acc = [], 0
+        for f in free:
+            acc += f
+            bounds.append(acc / (sum(free) or 1) * total_full)
+        gi, cum = 0, 0
+        dense_used = [0] * len(gpus)
+        for L in range(first, n):
+            while gi < len(gpus) - 1 and (cum + full[L] / 2 > bounds[gi] or dense_used[gi] + dense[L] > free[gi]):
+                gi += 1
+            if dense_used[gi] + dense[L] > free[gi]:
+                continue  # no GPU left with room: this layer stays on the CPU
+            layer_dev[L] = gpus[gi].id
+            dense_used[gi] += dense[L]
+            cum += full[L]
+        for gi, g in enumerate(gpus):
+            mine = [L for L in range(n) if layer_dev[L] == g.id]
+            for L in mine:
+                g.add("dense", b.layer_dense[L])
+                g.add("cache", b.layer_cache[L])
+            # experts: fill from the last layer backwards so the CPU gets the first layers' experts
+            forced = set(range(cpu_expert_layers)) if cpu_expert_layers is not None else set()
+            for L in reversed(mine):
+                if L in forced:
+                    continue
+                k = min(e, max(0, g.free_bytes) // b.expert_bytes[L]) if b.expert_bytes[L] else e
+                gpu_experts[L] = k
+                g.add("experts", k * b.expert_bytes[L])
+
+    # the CPU takes the rest
+    if not tied or head_dev == "cpu":
+        cpu.add("embedding", b.embedding)
+    if head_dev == "cpu":
+        cpu.add("lm_head+norm", b.lm_head + b.final_norm)
+        cpu.add("logits", b.logits)
+    if b.mtp and not any(g.used.get("mtp") for g in gpus):
+        cpu.add("mtp", b.mtp)
+    cpu_compute = False
+    for L in range(n):
+        if layer_dev[L] == "cpu":
+            cpu.add("dense", b.layer_dense[L])
+            cpu.add("cache", b.layer_cache[L])
+            gpu_experts[L] = 0
+        k_cpu = e - gpu_experts[L]
+        if k_cpu:
+            cpu.add("experts", k_cpu * b.expert_bytes[L])
+            cpu_compute = True
+    if cpu_compute or not gpus:
+        cpu.add("activations", b.activations)
+    if cpu.unified:
+        # one memory pool: what the GPU holds (and its reserve) is not free for the CPU
+        shared = sum(g.used_bytes + g.reserve for g in gpus)
+        cpu.capacity = max(0, cpu.capacity - shared)
+
+    ranges = []
+    for L in range(n):
+        rs: list[tuple[str, int, int]] = []
+        k = gpu_experts[L]
+        if k:
+            rs.append((layer_dev[L], 0, k))
+        if k < e:
+            rs.append(("cpu", k, e))
+        ranges.append(rs)
+
+    over = [d for d in devs if d.used_bytes > d.capacity]
+    used_gpus = [g for g in gpus if g.used_bytes]
+    total = b.model_total + sum(g.reserve for g in used_gpus)
+    fits, reason = True, ""
+    if over:
+        fits = False
+        need = cpu.used_bytes - cpu.capacity
+        reason = (f"needs {total / GB:.1f} GB: the GPUs hold {sum(g.used_bytes for g in gpus) / GB:.1f} GB and "
+                  f"{cpu.used_bytes / GB:.1f} GB would go to RAM, {need / GB:.1f} GB more than the "
+                  f"{cpu.capacity / GB:.1f} GB usable")
+    elif hw.nodes > 1 and (cpu.used.get("experts") or any(d == "cpu" for d in layer_dev)):
+        fits = False
+        reason = "a multi-node plan must fit in GPU memory (vLLM does not keep experts in host RAM)"
+
+    plan = Plan(
+        model=spec.name, fingerprint=spec_fingerprint(spec), scheme=recipe.name, recipe=recipe.to_dict(),
+        settings=settings, devices=devs, layer_device=layer_dev, expert_ranges=ranges,
+        embedding_device=head_dev if tied else "cpu", lm_head_device=head_dev, num_experts=e, fits=fits,
+        reason=reason, total_bytes=total, card_estimate_gb=card_estimate_gb(recipe.nominal_bits, settings.context),
+        components=b.components(),
+    )
+    if with_speed:
+        sm = speed_model or SpeedModel()
+        plan.speed = estimate(b, plan.layout(), {d.id: d.rates() for d in devs}, c, sm)
+        plan.assumptions = assumptions(hw, sm, gpu_reserve, host_reserve)
+    return plan
+
+
+def assumptions(hw: Hardware, sm: SpeedModel, gpu_reserve: int, host_reserve: int) -> list[str]:
+    h = hw.host
+    out = [
+        f"runtime reserve {gpu_reserve / GIB:.2f} GiB per GPU (llama.cpp --fit leaves 1 GiB, Ollama 457 MiB "
+        f"+ a layer, vLLM 8% of the card); {host_reserve / GIB:.0f} GiB of RAM kept for the OS and Python",
+        f"CPU memory bandwidth {h.cpu_bandwidth_gbs:g} GB/s ({h.bandwidth_source}"
+        + ("; pass --cpu-bandwidth for yours" if h.bandwidth_source == "assumed" else "")
+        + f"), CPU prefill {h.cpu_tflops:g} TFLOP/s",
+        "logits for the last position of each sequence only; attention via SDPA/flash (no score matrix)",
+    ]
+    if hw.unified:
+        out.append("unified memory: the GPU may wire 75% of it (macOS default); CPU and GPU share one pool")
+    return out + sm.assumptions()
+
+
+def max_context(spec: ModelSpec, recipe: Recipe, settings: RunSettings, hw: Hardware, *, on_gpu: bool = False,
+                **kw: Any) -> int:
+    """The longest context (a multiple of 256 above 256, up to the model's maximum) that still fits (with
+    `on_gpu`: fits with nothing but the embedding off the GPUs); 0 if none."""
+    hi = spec.config.max_position_embeddings
+    kw.pop("budget", None)
+    base = compute_budget(spec, recipe, settings)
+
+    def ok(ctx: int) -> bool:
+        st = _with(settings, context=ctx)
+        p = solve(spec, recipe, st, hw, with_speed=False, budget=with_settings(base, spec.config, st), **kw)
+        return p.fits and (not on_gpu or p.where == "gpu")
+
+    if ok(hi):
+        return hi
+    if not ok(1):
+        return 0
+    lo = 1  # ok(lo), not ok(hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo - lo % 256 if lo >= 256 else lo
+
+
+def _with(s: RunSettings, **kw: Any) -> RunSettings:
+    d = asdict(s)
+    d.update(kw)
+    return RunSettings(**d)
+
+
+@dataclass
+class SchemeResult:
+    plan: Plan
+    max_context: int
+    max_context_on_gpu: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        p = self.plan
+        s = p.speed
+        gpu_used = {g.id: round(g.used_bytes / GB, 2) for g in p.gpus}
+        return {
+            "scheme": p.scheme,
+            "context": p.settings.context,
+            "card_estimate_gb": p.card_estimate_gb,
+            "total_gb": round(p.total_bytes / GB, 2),
+            "fits": p.fits,
+            "placement": {
+                "where": p.where,
+                "summary": p.summary(),
+                "gpu_gb": gpu_used,
+                "ram_gb": round(p.device("cpu").used_bytes / GB, 2),
+                "experts_on_cpu": p.experts_on_cpu,
+                "cpu_expert_layers": p.cpu_expert_layers,
+                "gpu_layers": sum(1 for d in p.layer_device if d != "cpu"),
+            },
+            "max_context": self.max_context,
+            "max_context_on_gpu": self.max_context_on_gpu,
+            "est_decode_tok_s": round(s.decode_tok_s, 1) if s else None,
+            "est_decode_tok_s_full_context": round(s.decode_tok_s_full_context, 1) if s else None,
+            "est_prefill_tok_s": round(s.prefill_tok_s, 1) if s else None,
+            "components_bytes": p.components,
+            "reason": p.reason,
+        }
+
+
+def plan_schemes(spec: ModelSpec, hw: Hardware, settings: RunSettings, schemes: list[str] | None = None,
+                 **kw: Any) -> list[SchemeResult]:
+    out = []
+    for name in schemes or list(RECIPES):
+        r = RECIPES[name]
+        p = solve(spec, r, settings, hw, **kw)
+        on_gpu = max_context(spec, r, settings, hw, on_gpu=True, **kw) if hw.gpus else 0
+        out.append(SchemeResult(p, max_context(spec, r, settings, hw, **kw), on_gpu))
+    return out
+
+
+def recommend(results: list[SchemeResult]) -> SchemeResult | None:
+    """The closest-to-bf16 scheme that fits and runs at least half as fast as the fastest fitting one."""
+    ok = [r for r in results if r.plan.fits and r.plan.speed]
+    if not ok:
+        return None
+    fastest = max(r.plan.speed.decode_tok_s for r in ok)
+    eligible = [r for r in ok if r.plan.speed.decode_tok_s >= 0.5 * fastest]
+    return max(eligible, key=lambda r: (QUALITY_RANK.get(r.plan.scheme, 0), r.plan.speed.decode_tok_s))
+
+
+def ram_needed_gib(plan: Plan, host_reserve: int = DEFAULT_HOST_RESERVE) -> int:
+    """The smallest common RAM size that would hold what this plan puts in RAM."""
+    cpu = plan.device("cpu")
+    need = cpu.used_bytes + host_reserve + (sum(g.used_bytes + g.reserve for g in plan.gpus) if cpu.unified else 0)
+    for size in COMMON_RAM_GIB:
+        if size * GIB >= need:
+            return size
+    return -(-need // GIB)
+
+
+def suggestions(spec: ModelSpec, hw: Hardware, settings: RunSettings, failed: Plan, **kw: Any) -> list[str]:
+    """What would fit instead of `failed`: other schemes, a shorter context, more RAM."""
+    out = []
+    others = [r for r in plan_schemes(spec, hw, settings, **kw) if r.plan.fits]
+    others.sort(key=lambda r: -QUALITY_RANK.get(r.plan.scheme, 0))
+    for r in others[:3]:
+        p = r.plan
+        out.append(f"{p.scheme} ({p.total_bytes / GB:.1f} GB, {p.summary()}, ~{p.speed.decode_tok_s:.0f} tok/s)")
+    mc = max_context(spec, RECIPES[failed.scheme], settings, hw, **kw)
+    if 0 < mc < settings.context:
+        out.append(f"{failed.scheme} at --context {mc}")
+    if not failed.fits and hw.nodes == 1:
+        out.append(f"{failed.scheme} with --ram {ram_needed_gib(failed)}GB")
+    return out
+
+
+# -- exports ------------------------------------------------------------------------------------
+_LLAMA_CACHE = {"fp16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0", "fp8": "q8_0"}
+
+
+def llama_cpp_command(plan: Plan, model_path: str = "model.gguf") -> str:
+    """llama-server flags for this placement. llama.cpp keeps a layer's experts in one stacked tensor,
+    so a layer split between GPU and CPU goes wholly to the CPU (--n-cpu-moe rounds up)."""
+    n = len(plan.layer_device)
+    gpu_layers = sum(1 for d in plan.layer_device if d != "cpu")
+    args = ["llama-server", "-m", model_path, "-c", str(plan.settings.context)]
+    if not plan.gpus:
+        args += ["-ngl", "0"]
+    else:
+        args += ["-ngl", "99" if gpu_layers == n else str(gpu_layers)]
+        cpu_moe = plan.cpu_expert_layers
+        contiguous = all(c.get("cpu", 0) for c in plan.expert_counts()[:cpu_moe])
+        if cpu_moe and len(plan.gpus) == 1 and contiguous:
+            args += ["--n-cpu-moe", str(cpu_moe)]
+        elif cpu_moe:
+            layers = [str(L) for L, c in enumerate(plan.expert_counts()) if c.get("cpu", 0)]
+            args += ["-ot", f"blk\\.({'|'.join(layers)})\\.ffn_.*_exps\\.=CPU"]
+        if len(plan.gpus) > 1:
+            share = [sum(1 for d in plan.layer_device if d == g.id) for g in plan.gpus]
+            args += ["--tensor-split", ",".join(map(str, share)), "--split-mode", "layer"]
+    args += ["-fa", "on"]
+    ct = _LLAMA_CACHE[plan.settings.cache_dtype]
+    if ct != "f16":
+        args += ["-ctk", ct, "-ctv", ct]
+    if plan.settings.batch > 1:
+        args += ["-np", str(plan.settings.batch)]
+    return " ".join(args)
+
+
+def vllm_command(plan: Plan, hw: Hardware, model: str) -> tuple[str, list[str]]:
+    """A vLLM launch line (tensor parallel within a node, pipeline parallel across nodes, expert
+    parallel for the MoE) and warnings when the plan does not fit vLLM's all-on-GPU model."""
+    warns = []
+    per_node = len(hw.gpus)
+    if per_node == 0:
+        return "", ["vLLM needs GPUs; this plan is CPU-only"]
+    tp, pp = per_node, hw.nodes
+    c_heads = 16
+    while tp > 1 and c_heads % tp:
+        tp //= 2
+    if tp != per_node:
+        pp = hw.nodes * per_node // tp
+        warns.append(f"attention heads do not split {per_node} ways: using TP {tp} x PP {pp}")
+    if plan.where != "gpu":
+        warns.append(
+            "vLLM keeps all weights on the GPUs (its --cpu-offload-gb streams weights each step): "
+            "this plan needs CPU-resident experts, use quantkit's runtime or llama.cpp instead"
+        )
+    args = ["vllm", "serve", model, "--tensor-parallel-size", str(tp)]
+    if pp > 1:
+        args += ["--pipeline-parallel-size", str(pp)]
+    if tp * pp > 1:
+        args += ["--enable-expert-parallel"]
+    args += ["--language-model-only", "--max-model-len", str(plan.settings.context),
+             "--gpu-memory-utilization", "0.92", "--reasoning-parser", "qwen3"]
+    if plan.settings.cache_dtype == "fp8":
+        args += ["--kv-cache-dtype", "fp8"]
+    elif plan.settings.cache_dtype in ("q8_0", "q4_0"):
+        warns.append(f"vLLM has no {plan.settings.cache_dtype} KV cache; use fp8 or fp16")
+    if hw.nodes > 1:
+        args += ["--distributed-executor-backend", "ray"]
+    return " ".join(args), warns

@@ -1,0 +1,218 @@
+"""Speed model: decode and prefill tok/s of a placement, from bytes read per token over bandwidth.
+
+Decode is memory-bound at batch 1: each step every device reads its weights for the token (all dense
+weights of its layers, the routed experts expected on it, the lm_head), its caches (KV up to the filled
+length, Gated DeltaNet states read and written) and pays a fixed per-layer cost (kernel launches, thread
+sync). Devices run one after another, so their times add; every change of device along the layer
+sequence moves one hidden-state row across the host link. Prefill takes, per device, the larger of
+compute (2 FLOPs per active parameter per token) and one pass over its weights per chunk; CPU-resident
+experts are either computed on the CPU or streamed to the GPU over PCIe (llama.cpp's choice at
+batch >= 32), whichever is faster.
+
+The efficiency factors below were set with REFERENCE.md section 3 in view (tests/test_plan.py checks
+the model against those data points within a stated factor); they are assumptions, printed with each plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from quantkit.budget import Budget, kv_bytes_per_token
+from quantkit.spec import TextConfig
+
+
+@dataclass(frozen=True)
+class SpeedModel:
+    gpu_bw_efficiency: float = 0.8  # batch-1 GEMV kernels reach ~80% of peak DRAM bandwidth
+    cpu_bw_efficiency: float = 0.6  # llama.cpp CPU matvec: ~60% of peak (STREAM-like) DDR bandwidth
+    gpu_layer_overhead_s: float = 150e-6  # launches of ~30 small kernels per Gated DeltaNet/MoE layer
+    cpu_layer_overhead_s: float = 50e-6  # thread-pool sync per layer that computes on the CPU
+    transfer_latency_s: float = 10e-6  # one small PCIe copy + stream sync
+    # prefill: MoE GEMMs with ~16 tokens per expert per 512-token chunk run far below tensor peak; no GPU
+    # prefill data point in REFERENCE.md calibrates this, so treat GPU prefill figures as rough
+    gpu_compute_efficiency: float = 0.15
+    routing: str = "uniform"  # each expert equally likely (no routing statistics)
+
+    def assumptions(self) -> list[str]:
+        return [
+            f"decode: bytes read per token / bandwidth; GPU at {self.gpu_bw_efficiency:.0%} and CPU at "
+            f"{self.cpu_bw_efficiency:.0%} of peak bandwidth, plus {self.gpu_layer_overhead_s * 1e6:.0f} us "
+            f"per GPU layer and {self.cpu_layer_overhead_s * 1e6:.0f} us per CPU layer",
+            f"routing {self.routing}: a device holding n of E experts of a layer serves n/E of the top-k",
+            f"each GPU<->CPU hand-off of a hidden row costs {self.transfer_latency_s * 1e6:.0f} us + bytes/PCIe",
+            "decode tok/s at an empty cache (as llama-bench tg128); *_full_context with the cache full",
+            f"prefill: max(2 FLOPs/param/token at {self.gpu_compute_efficiency:.0%} of FP16 tensor peak, one "
+            "weight pass per chunk); CPU experts computed on CPU or streamed over PCIe, whichever is faster",
+        ]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class DeviceRates:
+    id: str
+    kind: str  # "gpu" | "cpu"
+    bandwidth_gbs: float
+    tflops: float
+    pcie_gbs: float = float("inf")
+
+
+@dataclass
+class Speed:
+    decode_tok_s: float
+    decode_tok_s_full_context: float
+    prefill_tok_s: float
+    decode_ms_by_device: dict[str, float] = field(default_factory=dict)
+    transfers_per_token: int = 0
+
+    def to_dict(self) -> dict:
+        return {
+            "decode_tok_s": round(self.decode_tok_s, 1),
+            "decode_tok_s_full_context": round(self.decode_tok_s_full_context, 1),
+            "prefill_tok_s": round(self.prefill_tok_s, 1),
+            "decode_ms_by_device": {k: round(v, 3) for k, v in self.decode_ms_by_device.items()},
+            "transfers_per_token": self.transfers_per_token,
+        }
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What the speed model needs of a placement."""
+
+    layer_device: list[str]
+    expert_counts: list[dict[str, int]]  # per layer: device -> number of experts
+    embedding_device: str
+    lm_head_device: str
+
+
+def _distinct_experts(e: int, k: int, batch: int) -> float:
+    """Expected distinct experts a layer touches for `batch` tokens under uniform routing."""
+    return e * (1 - (1 - k / e) ** batch)
+
+
+def estimate(b: Budget, layout: Layout, rates: dict[str, DeviceRates], cfg: TextConfig,
+             model: SpeedModel | None = None) -> Speed:
+    """Decode and prefill estimates for `layout` under budget `b`."""
+    m = model or SpeedModel()
+    s = b.settings
+    batch = s.batch
+    e = b.num_experts
+    hidden, top_k = cfg.hidden_size, cfg.num_experts_per_tok
+    kv_tok = kv_bytes_per_token(cfg, s.cache_dtype)
+    n = len(layout.layer_device)
+    distinct = _distinct_experts(e, top_k, batch)
+
+    def decode_time(filled: int) -> tuple[float, dict[str, float], int]:
+        read: dict[str, float] = {d: 0.0 for d in rates}
+        layers_on: dict[str, int] = {d: 0 for d in rates}
+        for L in range(n):
+            dev = layout.layer_device[L]
+            if cfg.layer_types[L] == "full_attention":
+                cache_read = kv_tok * filled * batch  # K and V up to the filled length
+            else:
+                cache_read = 2 * b.layer_cache[L]  # recurrent + conv state read and written each step
+            read[dev] += b.layer_dense[L] + cache_read
+            touched = {dev}
+            for d, cnt in layout.expert_counts[L].items():
+                if cnt:
+                    read[d] += b.expert_bytes[L] * distinct * cnt / e
+                    touched.add(d)
+            for d in touched:
+                layers_on[d] += 1
+        read[layout.lm_head_device] += b.lm_head + b.final_norm
+        read[layout.embedding_device] += hidden * 2 * batch
+        per_dev: dict[str, float] = {}
+        for d, r in rates.items():
+            eff = m.gpu_bw_efficiency if r.kind == "gpu" else m.cpu_bw_efficiency
+            oh = m.gpu_layer_overhead_s if r.kind == "gpu" else m.cpu_layer_overhead_s
+            t = read[d] / (r.bandwidth_gbs * 1e9 * eff) + layers_on[d] * oh
+            if read[d] or layers_on[d]:
+                per_dev[d] = t
+        t_xfer, hops = _transfers(layout, rates, hidden * 2 * batch, m)
+        return sum(per_dev.values()) + t_xfer, per_dev, hops
+
+    t0, per_dev, hops = decode_time(0)
+    t_full, _, _ = decode_time(s.context)
+    prefill = _prefill_tok_s(b, layout, rates, top_k, m)
+    return Speed(
+        decode_tok_s=batch / t0,
+        decode_tok_s_full_context=batch / t_full,
+        prefill_tok_s=prefill,
+        decode_ms_by_device={d: t * 1e3 for d, t in per_dev.items()},
+        transfers_per_token=hops,
+    )
+
+
+def _hop_cost(a: str, b: str, rates: dict[str, DeviceRates], nbytes: int, m: SpeedModel) -> float:
+    link = min(rates[a].pcie_gbs, rates[b].pcie_gbs)
+    if link == float("inf"):
+        return 0.0
+    return m.transfer_latency_s + nbytes / (link * 1e9)
+
+
+def _sites(layout: Layout) -> list[str]:
+    seq = [layout.embedding_device]
+    for L, dev in enumerate(layout.layer_device):
+        seq.append(dev)
+        for d, cnt in layout.expert_counts[L].items():
+            if cnt and d != dev:
+                seq += [d, dev]
+    seq.append(layout.lm_head_device)
+    return seq
+
+
+def _transfers(layout: Layout, rates: dict[str, DeviceRates], nbytes: int, m: SpeedModel) -> tuple[float, int]:
+    seq = _sites(layout)
+    t, hops = 0.0, 0
+    for a, c in zip(seq, seq[1:]):
+        if a != c:
+            t += _hop_cost(a, c, rates, nbytes, m)
+            hops += 1
+    return t, hops
+
+
+def _prefill_tok_s(b: Budget, layout: Layout, rates: dict[str, DeviceRates], top_k: int, m: SpeedModel) -> float:
+    chunk = min(b.settings.prefill_chunk, b.settings.context)
+    e = b.num_experts
+    flops: dict[str, float] = {d: 0.0 for d in rates}
+    wbytes: dict[str, float] = {d: 0.0 for d in rates}
+    layers_on: dict[str, int] = {d: 0 for d in rates}
+    cpu_exp_flops = cpu_exp_bytes = 0.0
+    gpus = [d for d, r in rates.items() if r.kind == "gpu"]
+    for L, dev in enumerate(layout.layer_device):
+        flops[dev] += 2 * chunk * b.layer_dense_params[L]
+        wbytes[dev] += b.layer_dense[L]
+        layers_on[dev] += 1
+        for d, cnt in layout.expert_counts[L].items():
+            if not cnt:
+                continue
+            f = 2 * chunk * top_k * b.expert_params[L] * cnt / e
+            if rates[d].kind == "cpu" and rates[dev].kind == "gpu":
+                cpu_exp_flops += f
+                cpu_exp_bytes += b.expert_bytes[L] * cnt
+            else:
+                flops[d] += f
+                wbytes[d] += b.expert_bytes[L] * cnt
+    flops[layout.lm_head_device] += 2 * b.lm_head_params  # the last position only
+    wbytes[layout.lm_head_device] += b.lm_head
+    total = 0.0
+    for d, r in rates.items():
+        if not (flops[d] or wbytes[d]):
+            continue
+        if r.kind == "gpu":
+            t_c = flops[d] / (r.tflops * 1e12 * m.gpu_compute_efficiency)
+            t_m = wbytes[d] / (r.bandwidth_gbs * 1e9 * m.gpu_bw_efficiency)
+            total += max(t_c, t_m) + layers_on[d] * m.gpu_layer_overhead_s
+        else:
+            t_c = flops[d] / (r.tflops * 1e12)
+            t_m = wbytes[d] / (r.bandwidth_gbs * 1e9 * m.cpu_bw_efficiency)
+            total += max(t_c, t_m) + layers_on[d] * m.cpu_layer_overhead_s
+    if cpu_exp_flops:
+        cpu = rates["cpu"]
+        on_cpu = max(cpu_exp_flops / (cpu.tflops * 1e12),
+                     cpu_exp_bytes / (cpu.bandwidth_gbs * 1e9 * m.cpu_bw_efficiency))
+        g = rates[gpus[0]]
+        streamed = cpu_exp_bytes / (g.pcie_gbs * 1e9) + cpu_exp_flops / (g.tflops * 1e12 * m.gpu_compute_efficiency)
+        total += min(on_cpu, streamed)
+    return chunk / total if total else 0.0
