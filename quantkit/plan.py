@@ -142,18 +142,26 @@ class Plan:
         return "gpu"
 
     def summary(self) -> str:
-        gpu_layers = sum(1 for d in self.layer_device if d != "cpu")
+        """Short text: where the model goes."""
         n = len(self.layer_device)
-        total_exp = n * self.num_experts
+        gpu_layers = sum(1 for d in self.layer_device if d != "cpu")
         if self.where == "cpu":
-            return "all on CPU"
+            return "CPU only"
         if self.where == "gpu":
-            return f"all {n} layers on GPU, embedding in RAM"
-        parts = []
+            return "GPU" if len(self.gpus) == 1 else f"{len(self.gpus)} GPUs"
+        exp_gb = self.device("cpu").used.get("experts", 0) / GB
+        s = f"GPU + {self.experts_on_cpu}/{n * self.num_experts} experts in RAM ({exp_gb:.1f} GB)"
         if gpu_layers < n:
-            parts.append(f"{gpu_layers}/{n} layers on GPU")
-        parts.append(f"{self.experts_on_cpu}/{total_exp} experts in RAM")
-        return ", ".join(parts)
+            s = f"{gpu_layers}/{n} layers on GPU, " + s
+        return s
+
+    def short_summary(self) -> str:
+        if self.where != "gpu+cpu":
+            return self.summary()
+        ram = self.device("cpu").used_bytes / GB
+        gpu_layers = sum(1 for d in self.layer_device if d != "cpu")
+        pre = "" if gpu_layers == len(self.layer_device) else f"{gpu_layers}L "
+        return f"{pre}GPU+{ram:.1f}GB RAM"
 
     def layout(self) -> Layout:
         return Layout(list(self.layer_device), self.expert_counts(), self.embedding_device, self.lm_head_device)
@@ -240,6 +248,9 @@ def _ranges(dev: str, ids: list[int]) -> list[tuple[str, int, int]]:
 def write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; give the file the mode open() would
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
@@ -322,7 +333,7 @@ def solve(spec: ModelSpec, recipe: Recipe, settings: RunSettings, hw: Hardware, 
             layer_dev[L] = gpus[gi].id
             dense_used[gi] += dense[L]
             cum += full[L]
-        for gi, g in enumerate(gpus):
+        for g in gpus:
             mine = [L for L in range(n) if layer_dev[L] == g.id]
             for L in mine:
                 g.add("dense", b.layer_dense[L])

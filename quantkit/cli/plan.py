@@ -1,0 +1,344 @@
+"""`quantkit plan`, `quantkit gpus`, `quantkit inspect`: parse, call budget/plan, render."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import typer
+from rich import box
+from rich.table import Table
+
+from quantkit.budget import GB, GIB, RunSettings, cache_dtype, compute_budget
+from quantkit.cli import app, console
+from quantkit.errors import QuantkitError
+from quantkit.hardware import DEFAULT_GPU_RESERVE, Hardware, build_hardware, load_catalog, parse_size
+from quantkit.plan import (
+    RECIPES, Plan, SchemeResult, llama_cpp_command, plan_schemes, recommend, solve, suggestions, vllm_command,
+)
+from quantkit.recipe import get_recipe
+from quantkit.spec import DEFAULT_MODEL, ModelSpec, Role, default_spec, load_config, spec_from_config
+
+
+def load_model_spec(model: str | None) -> ModelSpec:
+    """The spec of MODEL: the embedded default, a config.json, a checkpoint folder or a cached HF id."""
+    if not model:
+        return default_spec()
+    try:
+        from quantkit.checkpoint import spec_from_path  # reads safetensors headers / the HF cache
+    except ModuleNotFoundError as e:
+        if e.name != "quantkit.checkpoint":
+            raise
+        spec_from_path = None
+    p = Path(model)
+    if p.is_file() and p.suffix == ".json":
+        return spec_from_config(load_config(p), name=p.parent.name or "model", source=str(p))
+    if spec_from_path is not None:
+        return spec_from_path(model)
+    if p.is_dir():
+        if (p / "config.json").is_file():
+            return spec_from_config(load_config(p / "config.json"), name=p.name, source=str(p / "config.json"))
+        raise QuantkitError(f"{p}: no config.json or *.safetensors checkpoint in this folder")
+    raise QuantkitError(f"{model}: not a config.json, a checkpoint folder or a model in the local HF cache")
+
+
+def parse_contexts(text: str, max_ctx: int) -> list[int]:
+    """`4096`, `4k,32k,128k,262k`, `max`. k = 1024; `262k` (and any Nk that overshoots the model's
+    maximum only because of the 1000/1024 difference) means the maximum."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if part in ("max", "full"):
+            out.append(max_ctx)
+            continue
+        m = re.fullmatch(r"(-?\d+)\s*(k?)", part)
+        if not m:
+            raise QuantkitError(f"context {part!r} does not parse; give tokens like 4096, 32k or max")
+        n = int(m.group(1))
+        if m.group(2):
+            n = max_ctx if n * 1024 > max_ctx >= n * 1000 else n * 1024
+        out.append(n)
+    return out
+
+
+def _settings(ctx: int, batch: int, cache: str, chunk: int, mtp: bool, spec: ModelSpec) -> RunSettings:
+    s = RunSettings(context=ctx, batch=batch, cache_dtype=cache_dtype(cache), prefill_chunk=chunk, include_mtp=mtp)
+    s.validate(spec.config)
+    return s
+
+
+def _gb(n: float) -> str:
+    return f"{n / GB:.1f}"
+
+
+def _ctx(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def _results_table(rows: list[SchemeResult], sweep: bool, recommended: str | None) -> Table:
+    t = Table(title="Schemes (sizes in GB)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    t.add_column("scheme", no_wrap=True)
+    if sweep:
+        t.add_column("ctx", justify="right", no_wrap=True)
+    for col in ("card", "exact", "fits", "where", "max ctx", "tok/s", "pp/s"):
+        t.add_column(col, justify="left" if col in ("fits", "where") else "right", no_wrap=True)
+    for r in rows:
+        p = r.plan
+        s = p.speed
+        first = r is rows[0] or p.settings.context == rows[0].plan.settings.context
+        name = p.scheme + (" *" if p.scheme == recommended and first else "")
+        fits = "[green]yes[/]" if p.fits else "[red]no[/]"
+        where = p.short_summary() if p.fits else f"[red]{p.short_summary()}[/]"
+        cells = [name] + ([_ctx(p.settings.context)] if sweep else [])
+        cells += [f"{p.card_estimate_gb:.1f}", _gb(p.total_bytes), fits, where,
+                  _ctx(r.max_context) if r.max_context else "-",
+                  f"{s.decode_tok_s:.0f}" if s and p.fits else "-", f"{s.prefill_tok_s:.0f}" if s and p.fits else "-"]
+        t.add_row(*cells)
+    return t
+
+
+def _budget_table(spec: ModelSpec, plan: Plan) -> Table:
+    b = compute_budget(spec, RECIPES[plan.scheme], plan.settings)
+    t = Table(title=f"Exact budget: {plan.scheme} at {plan.settings.context} tokens, batch {plan.settings.batch}, "
+              f"{plan.settings.cache_dtype} cache", title_justify="left")
+    t.add_column("component")
+    t.add_column("bytes", justify="right")
+    t.add_column("GB", justify="right")
+    t.add_column("of which scales/zeros", justify="right")
+    for role, tb in sorted(b.weights_by_role.items(), key=lambda kv: -kv[1].total):
+        t.add_row(f"weights: {role.value}", f"{tb.total:,}", _gb(tb.total),
+                  f"{tb.scales + tb.zeros:,}" if tb.scales + tb.zeros else "")
+    t.add_row("  (kept in high precision)", f"{b.kept_high_precision:,}", _gb(b.kept_high_precision), "")
+    n_full = len(spec.config.full_attention_layers)
+    t.add_row(f"KV cache ({n_full} full-attention layers)", f"{b.kv_cache:,}", _gb(b.kv_cache), "")
+    t.add_row("Gated DeltaNet recurrent state (fp32)", f"{b.recurrent_state:,}", _gb(b.recurrent_state), "")
+    t.add_row("Gated DeltaNet conv state", f"{b.conv_state:,}", _gb(b.conv_state), "")
+    t.add_row(f"activations (prefill chunk {min(plan.settings.prefill_chunk, plan.settings.context)})",
+              f"{b.activations:,}", _gb(b.activations), "")
+    t.add_row("logits (fp32, last position)", f"{b.logits:,}", _gb(b.logits), "")
+    reserve = sum(g.reserve for g in plan.gpus if g.used_bytes)
+    if reserve:
+        t.add_row(f"runtime reserve ({len([g for g in plan.gpus if g.used_bytes])} GPU)", f"{reserve:,}",
+                  _gb(reserve), "")
+    t.add_row("[bold]total[/]", f"[bold]{plan.total_bytes:,}[/]", f"[bold]{_gb(plan.total_bytes)}[/]", "")
+    return t
+
+
+def _placement_table(plan: Plan) -> Table:
+    t = Table(title=f"Placement: {plan.scheme}", title_justify="left")
+    for col in ("device", "holds", "used GB", "budget GB", "experts", "layers"):
+        t.add_column(col, justify="right" if col not in ("device", "holds") else "left")
+    counts = plan.expert_counts()
+    for d in plan.devices:
+        if not d.used_bytes and d.kind == "gpu":
+            continue
+        n_exp = sum(c.get(d.id, 0) for c in counts)
+        layers = [L for L, x in enumerate(plan.layer_device) if x == d.id]
+        span = f"{layers[0]}-{layers[-1]}" if layers else "-"
+        holds = ", ".join(f"{k} {_gb(v)}" for k, v in sorted(d.used.items(), key=lambda kv: -kv[1]))
+        over = d.used_bytes > d.capacity
+        used = f"[red]{_gb(d.used_bytes)}[/]" if over else _gb(d.used_bytes)
+        t.add_row(f"{d.id} ({d.name})", holds, used, _gb(d.capacity), str(n_exp), span)
+    return t
+
+
+def _hardware_dict(hw: Hardware) -> dict:
+    return {
+        "gpus": [{"id": g.id, "name": g.name, "memory_gib": g.memory_gib, "bandwidth_gbs": g.bandwidth_gbs,
+                  "unified": g.unified} for g in hw.gpus],
+        "nodes": hw.nodes,
+        "ram_gib": round(hw.host.ram_bytes / GIB, 2),
+        "ram_source": hw.host.ram_source,
+        "cpu_bandwidth_gbs": hw.host.cpu_bandwidth_gbs,
+        "cpu_bandwidth_source": hw.host.bandwidth_source,
+    }
+
+
+@app.command("plan")
+def plan_cmd(
+    model: str = typer.Option(None, "--model", "-m", help="config.json, checkpoint folder or cached HF id"),
+    gpu: list[str] = typer.Option(None, "--gpu", "-g", help="GPU name, e.g. rtx4090, 2x3090; repeatable"),
+    nodes: int = typer.Option(1, "--nodes", help="identical nodes (for multi-node vLLM)"),
+    ram: str = typer.Option(None, "--ram", help="host RAM, e.g. 64GB (default: this machine's)"),
+    cpu_bandwidth: str = typer.Option(None, "--cpu-bandwidth", help="host memory bandwidth in GB/s"),
+    cpu_tflops: float = typer.Option(None, "--cpu-tflops", help="host prefill TFLOP/s (default 1.0)"),
+    scheme: list[str] = typer.Option(None, "--scheme", "-s", help=f"one of {', '.join(RECIPES)}; repeatable"),
+    context: str = typer.Option("4096", "--context", "-c", help="tokens; a sweep like 4k,32k,128k,262k"),
+    batch: int = typer.Option(1, "--batch", "-b", help="concurrent sequences"),
+    cache: str = typer.Option("fp16", "--cache-dtype", help="KV cache: fp16, bf16, fp8, q8_0, q4_0"),
+    prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="tokens per prefill step"),
+    gpu_reserve: str = typer.Option(None, "--gpu-reserve", help="runtime reserve per GPU (default 1GiB)"),
+    mtp: bool = typer.Option(False, "--mtp", help="also load the MTP layer (speculative decoding)"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+    out: Path = typer.Option(None, "--out", "-o", help="save the chosen plan for the runtime"),
+    export: str = typer.Option(None, "--export", help="print launch flags: llama.cpp or vllm"),
+) -> None:
+    """Memory budget per scheme, a placement over GPUs and RAM, and the speed it should reach."""
+    spec = load_model_spec(model)
+    hw = build_hardware(gpu, ram, cpu_bandwidth, nodes, cpu_tflops)
+    if export and export.lower() not in ("llama.cpp", "llamacpp", "llama-cpp", "vllm"):
+        raise QuantkitError(f"--export {export!r}: use llama.cpp or vllm")
+    schemes = [get_recipe(x.strip()).name for s in (scheme or []) for x in s.split(",") if x.strip()]
+    contexts = parse_contexts(context, spec.config.max_position_embeddings)
+    kw = {"gpu_reserve": parse_size(gpu_reserve, "GPU reserve") if gpu_reserve else DEFAULT_GPU_RESERVE}
+    rows: list[SchemeResult] = []
+    for ctx in contexts:
+        st = _settings(ctx, batch, cache, prefill_chunk, mtp, spec)
+        rows += plan_schemes(spec, hw, st, schemes or None, **kw)
+    first = [r for r in rows if r.plan.settings.context == contexts[0]]
+    chosen = recommend(first)
+    if schemes and len(schemes) == 1:
+        chosen = first[0] if first[0].plan.fits else None
+    if chosen is None:
+        failed = first[0].plan if schemes else max(first, key=lambda r: -r.plan.total_bytes).plan
+        st = failed.settings
+        alts = suggestions(spec, hw, st, failed, **kw)
+        what = f"{failed.scheme} does not fit" if schemes else "no scheme fits"
+        hint = ("; what fits: " + "; ".join(alts)) if alts else "; nothing fits this hardware, add RAM or GPUs"
+        if not as_json:
+            for n in hw.notes:
+                console.print(f"[dim]{n}[/]")
+        raise QuantkitError(f"{what} on {hw.describe()}: {failed.reason}{hint}")
+    plan = chosen.plan
+    if out:
+        plan.save(out)
+    cmd, warns = "", []
+    if export:
+        if export.lower() == "vllm":
+            cmd, warns = vllm_command(plan, hw, model or f"<path to {DEFAULT_MODEL}>")
+        else:
+            cmd = llama_cpp_command(plan, f"{spec.name}-{plan.scheme}.gguf")
+    if as_json:
+        obj = {
+            "model": spec.name,
+            "spec_fingerprint": plan.fingerprint,
+            "hardware": _hardware_dict(hw),
+            "notes": list(hw.notes),
+            "contexts": contexts,
+            "schemes": [r.to_dict() for r in rows],
+            "recommended": plan.scheme,
+            "plan": {k: v for k, v in plan.to_dict().items() if k not in ("layers", "assumptions")},
+            "assumptions": plan.assumptions,
+        }
+        if out:
+            obj["plan_file"] = str(out)
+        if export:
+            obj["export"] = {"target": export.lower(), "command": cmd, "warnings": warns}
+        print(json.dumps(obj, indent=1))
+        return
+    for n in hw.notes:
+        console.print(f"[dim]{n}[/]")
+    console.print(f"[bold]{spec.name}[/] ({spec.text_params / 1e9:.2f}B params, "
+                  f"{spec.active_params_per_token / 1e9:.2f}B active) on {hw.describe()}")
+    console.print(_results_table(rows, len(contexts) > 1, plan.scheme))
+    console.print("[dim]card = the model card's formula (1.05 x weights + KV); exact = tensor by tensor, with "
+                  "caches, buffers and GPU reserve; max ctx = longest context that still fits; tok/s = "
+                  "estimated decode, pp/s = estimated prefill tok/s; * = recommended[/]")
+    console.print(_budget_table(spec, plan))
+    console.print(_placement_table(plan))
+    s = plan.speed
+    ctx_gpu = chosen.max_context_on_gpu
+    gpu_note = f", all on GPU up to {_ctx(ctx_gpu)} tokens" if plan.where == "gpu" and ctx_gpu else ""
+    console.print(
+        f"[bold green]Recommended:[/] {plan.scheme} ({RECIPES[plan.scheme].description}): "
+        f"{_gb(plan.total_bytes)} GB, {plan.summary()}{gpu_note}; ~{s.decode_tok_s:.0f} tok/s decode, "
+        f"~{s.prefill_tok_s:.0f} tok/s prefill, up to {_ctx(chosen.max_context)} tokens of context"
+    )
+    console.print("[dim]assumptions:[/]")
+    for a in plan.assumptions:
+        console.print(f"[dim]  - {a}[/]")
+    if out:
+        console.print(f"plan saved to {out}")
+    if export:
+        for w in warns:
+            console.print(f"[yellow]warning:[/] {w}")
+        if cmd:
+            console.print(cmd, highlight=False, soft_wrap=True)
+
+
+@app.command("gpus")
+def gpus_cmd(
+    model: str = typer.Option(None, "--model", "-m", help="config.json, checkpoint folder or cached HF id"),
+    context: int = typer.Option(4096, "--context", "-c"),
+    ram: str = typer.Option("1TB", "--ram", help="host RAM assumed for offload"),
+    scheme: list[str] = typer.Option(None, "--scheme", "-s"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Which catalog GPUs run each scheme on the GPU alone, with expert offload (RAM needed), or not at all."""
+    from quantkit.plan import ram_needed_gib
+
+    spec = load_model_spec(model)
+    st = _settings(context, 1, "fp16", 512, False, spec)
+    names = [get_recipe(x.strip()).name for s in (scheme or []) for x in s.split(",") if x.strip()] or [
+        "bf16", "int8", "quality", "int4", "mxfp4"]
+    budgets = {n: compute_budget(spec, RECIPES[n], st) for n in names}
+    table = Table(title=f"GPUs x schemes at {context} tokens (offload: RAM needed)", title_justify="left")
+    table.add_column("gpu")
+    table.add_column("memory", justify="right")
+    table.add_column("GB/s", justify="right")
+    table.add_column("native")
+    for n in names:
+        table.add_column(n)
+    data = []
+    for g in load_catalog():
+        hw = build_hardware([g.id], ram, None, 1)
+        row = {"gpu": g.id, "name": g.name, "memory_gib": g.memory_gib, "bandwidth_gbs": g.bandwidth_gbs,
+               "native": list(g.native), "schemes": {}}
+        cells = []
+        for n in names:
+            p = solve(spec, RECIPES[n], st, hw, budget=budgets[n])
+            if not p.fits:
+                row["schemes"][n] = {"runs": "no"}
+                cells.append("[red]no[/]")
+            elif p.where == "gpu":
+                row["schemes"][n] = {"runs": "gpu", "decode_tok_s": round(p.speed.decode_tok_s, 1)}
+                cells.append(f"[green]GPU[/] {p.speed.decode_tok_s:.0f} t/s")
+            else:
+                need = ram_needed_gib(p)
+                row["schemes"][n] = {"runs": "offload", "ram_gib": need,
+                                     "decode_tok_s": round(p.speed.decode_tok_s, 1)}
+                cells.append(f"[yellow]+{need} GiB RAM[/] {p.speed.decode_tok_s:.0f} t/s")
+        data.append(row)
+        table.add_row(g.id, f"{g.memory_gib:g} GiB", f"{g.bandwidth_gbs:g}", ",".join(g.native), *cells)
+    if as_json:
+        print(json.dumps({"context": context, "gpus": data}, indent=1))
+        return
+    console.print(table)
+    console.print("[dim]t/s: estimated decode with the default CPU bandwidth assumption; "
+                  "RAM needed includes 3 GiB for the OS[/]")
+
+
+@app.command("inspect")
+def inspect_cmd(
+    model: str = typer.Argument(None, help="config.json, checkpoint folder or cached HF id (default: embedded)"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """The tensor breakdown by role: count, parameters, bytes."""
+    spec = load_model_spec(model)
+    counts: dict[Role, int] = {}
+    for t in spec.tensors:
+        counts[t.role] = counts.get(t.role, 0) + 1
+    params, nbytes = spec.params_by_role(), spec.bytes_by_role()
+    roles = sorted(counts, key=lambda r: -params.get(r, 0))
+    if as_json:
+        print(json.dumps({
+            "model": spec.name, "exact": spec.exact, "total_params": spec.total_params,
+            "text_params": spec.text_params, "active_params_per_token": spec.active_params_per_token,
+            "roles": {r.value: {"tensors": counts[r], "params": params.get(r, 0), "bytes": nbytes.get(r, 0)}
+                      for r in roles},
+        }, indent=1))
+        return
+    src = "safetensors headers" if spec.exact else "config.json"
+    t = Table(title=f"{spec.name} (from {src})", title_justify="left")
+    for col in ("role", "tensors", "params", "share", "bytes", "GB"):
+        t.add_column(col, justify="left" if col == "role" else "right")
+    total = spec.total_params
+    for r in roles:
+        t.add_row(r.value, str(counts[r]), f"{params.get(r, 0):,}", f"{params.get(r, 0) / total:.1%}",
+                  f"{nbytes.get(r, 0):,}", _gb(nbytes.get(r, 0)))
+    t.add_row("[bold]total[/]", str(len(spec.tensors)), f"[bold]{total:,}[/]", "", f"{sum(nbytes.values()):,}",
+              _gb(sum(nbytes.values())))
+    console.print(t)
+    console.print(f"text model {spec.text_params / 1e9:.3f}B params, about "
+                  f"{spec.active_params_per_token / 1e9:.2f}B active per token")
