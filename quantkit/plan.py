@@ -95,7 +95,7 @@ class Plan:
     num_experts: int
     fits: bool
     reason: str
-    total_bytes: int  # weights + caches + buffers + reserves of the GPUs used
+    total_bytes: int  # what the devices hold (weights, caches, buffers) + reserves of the GPUs used
     card_estimate_gb: float
     speed: Speed | None = None
     assumptions: list[str] = field(default_factory=list)
@@ -310,10 +310,8 @@ def solve(spec: ModelSpec, recipe: Recipe, settings: RunSettings, hw: Hardware, 
             head_dev = last.id
             if b.mtp and b.mtp + head + b.activations <= last.capacity:
                 last.add("mtp", b.mtp)
-        for g in gpus:
-            if g.free_bytes >= b.activations:
-                g.add("activations", b.activations)
-        free = [max(0, g.free_bytes) for g in gpus]
+        # each GPU that computes layers holds its own activation buffer
+        free = [max(0, g.free_bytes - b.activations) for g in gpus]
         # Whole layers that cannot have even their dense part on a GPU run on the CPU: the first ones.
         first = 0
         while first < n and sum(dense[first:]) > sum(free):
@@ -335,6 +333,8 @@ def solve(spec: ModelSpec, recipe: Recipe, settings: RunSettings, hw: Hardware, 
             cum += full[L]
         for g in gpus:
             mine = [L for L in range(n) if layer_dev[L] == g.id]
+            if mine:
+                g.add("activations", b.activations)
             for L in mine:
                 g.add("dense", b.layer_dense[L])
                 g.add("cache", b.layer_cache[L])
@@ -384,7 +384,8 @@ def solve(spec: ModelSpec, recipe: Recipe, settings: RunSettings, hw: Hardware, 
 
     over = [d for d in devs if d.used_bytes > d.capacity]
     used_gpus = [g for g in gpus if g.used_bytes]
-    total = b.model_total + sum(g.reserve for g in used_gpus)
+    # the budget's weights, caches and buffers, plus one activation buffer per extra computing device
+    total = sum(d.used_bytes for d in devs) + sum(g.reserve for g in used_gpus)
     fits, reason = True, ""
     if over:
         fits = False

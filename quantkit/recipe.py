@@ -47,6 +47,7 @@ class Recipe:
             "name": self.name,
             "keep_dtype": self.keep_dtype,
             "nominal_bits": self.nominal_bits,
+            "description": self.description,
             "rules": {r.value: (q.to_dict() if q else None) for r, q in self.rules.items()},
         }
 
@@ -55,7 +56,7 @@ class Recipe:
         try:
             rules = {Role(k): (QuantSpec.from_dict(v) if v else None) for k, v in d.get("rules", {}).items()}
             return cls(name=d["name"], rules=rules, keep_dtype=d.get("keep_dtype", "bfloat16"),
-                       nominal_bits=int(d.get("nominal_bits", 16)))
+                       description=d.get("description", ""), nominal_bits=int(d.get("nominal_bits", 16)))
         except (KeyError, ValueError, TypeError, AttributeError):
             raise QuantkitError(f"malformed recipe {d!r}") from None
 
@@ -109,3 +110,169 @@ def get_recipe(name: str) -> Recipe:
         return RECIPES[name.lower()]
     except KeyError:
         raise QuantkitError(f"unknown scheme {name!r}; known: {', '.join(RECIPES)}") from None
+
+
+# --- Building a recipe from the quantizer's options, and the per-tensor decision -------------------
+
+FORMAT_CHOICES = ("int", "nf4", "fp4", "mxfp4")
+_GROUPS = {"int4": (32, 64, 128, 256), "nf4": (32, 64, 128, 256, 512, 1024, 2048, 4096),
+           "fp4": (32, 64, 128, 256, 512, 1024, 2048, 4096), "mxfp4": (32,)}
+_DEFAULT_GROUPS = {"int4": 128, "nf4": 64, "fp4": 64, "mxfp4": 32}
+_KEEP_WORDS = ("bf16", "bfloat16", "16", "keep", "none", "fp16", "float16")
+
+
+def four_bit_spec(fmt: str = "int", group_size: int | None = None, symmetric: bool = True) -> QuantSpec:
+    """The 4-bit QuantSpec for `--format` (int = int4) and `--group-size`."""
+    name = "int4" if fmt in ("int", "int4") else fmt
+    if name not in _GROUPS:
+        raise QuantkitError(f"format {fmt!r} is not a 4-bit format; use one of {', '.join(FORMAT_CHOICES)}")
+    g = group_size or _DEFAULT_GROUPS[name]
+    if g not in _GROUPS[name]:
+        raise QuantkitError(f"group size {g} is not supported by {name}; use one of {', '.join(map(str, _GROUPS[name]))}")
+    if name != "int4" and not symmetric:
+        raise QuantkitError(f"{name} is symmetric only; asymmetric applies to int4")
+    return QuantSpec(name, g, symmetric)
+
+
+def parse_spec_text(text: str, group_size: int | None = None) -> QuantSpec | None:
+    """`8`, `4`, `int8`, `int4`, `int4:g64`, `int4:g64:asym`, `nf4`, `fp4`, `mxfp4`, `bf16`/`keep` (None)."""
+    t = text.strip().lower()
+    if t in _KEEP_WORDS:
+        return None
+    head, *opts = t.split(":")
+    g = group_size
+    sym = True
+    for o in opts:
+        if o.startswith("g") and o[1:].isdigit():
+            g = int(o[1:])
+        elif o in ("asym", "asymmetric"):
+            sym = False
+        elif o in ("sym", "symmetric"):
+            sym = True
+        else:
+            raise QuantkitError(f"spec {text!r}: unknown option {o!r}; options are gN, sym, asym")
+    if head in ("8", "int8"):
+        if opts:
+            raise QuantkitError(f"spec {text!r}: int8 is per output channel and takes no options")
+        return INT8
+    if head in ("4", "int4", "int"):
+        return four_bit_spec("int", g, sym)
+    if head in ("nf4", "fp4", "mxfp4"):
+        return four_bit_spec(head, g, sym)
+    raise QuantkitError(f"spec {text!r} does not parse; use 8, 4, int8, int4[:gN][:asym], nf4, fp4, mxfp4 or bf16")
+
+
+def parse_override(text: str, group_size: int | None = None) -> tuple[Role, QuantSpec | None]:
+    """`ROLE=SPEC`, e.g. `linear_attention=8`, `routed_expert=nf4`, `lm_head=bf16`."""
+    if "=" not in text:
+        raise QuantkitError(f"override {text!r}: expected ROLE=SPEC, e.g. linear_attention=8")
+    role_s, spec_s = (s.strip() for s in text.split("=", 1))
+    try:
+        role = Role(role_s.lower())
+    except ValueError:
+        raise QuantkitError(
+            f"override {text!r}: unknown role {role_s!r}; roles: {', '.join(r.value for r in Role)}"
+        ) from None
+    if role in (Role.NORM, Role.VISION, Role.MTP):
+        raise QuantkitError(f"override {text!r}: {role.value} tensors are always kept as they are")
+    return role, parse_spec_text(spec_s, group_size)
+
+
+def load_recipe_file(path: str) -> Recipe:
+    """A JSON recipe: `{"name": ..., "rules": {ROLE: SPEC-or-null}}`, optionally `"base": "quality"` to
+    start from a built-in recipe. A SPEC is a dict (`{"format": "int4", "group_size": 64}`) or a string
+    as in --override."""
+    import json
+    from pathlib import Path
+
+    p = Path(path)
+    try:
+        d = json.loads(p.read_text())
+    except OSError as e:
+        raise QuantkitError(f"{p}: cannot read recipe file ({e.strerror})") from None
+    except json.JSONDecodeError as e:
+        raise QuantkitError(f"{p}: recipe file is not valid JSON (line {e.lineno}: {e.msg})") from None
+    if not isinstance(d, dict) or not isinstance(d.get("rules", {}), dict):
+        raise QuantkitError(f"{p}: a recipe file is a JSON object with a 'rules' object")
+    base = get_recipe(d["base"]) if "base" in d else Recipe(str(d.get("name", p.stem)), {})
+    rules = dict(base.rules)
+    for k, v in d.get("rules", {}).items():
+        try:
+            role = Role(k)
+        except ValueError:
+            raise QuantkitError(f"{p}: unknown role {k!r}; roles: {', '.join(r.value for r in Role)}") from None
+        if v is None or isinstance(v, str):
+            rules[role] = parse_spec_text(v or "keep")
+        else:
+            q = QuantSpec.from_dict(v)
+            rules[role] = None if q.format in _KEEP_WORDS else (
+                INT8 if q.format == "int8" else four_bit_spec(q.format, q.group_size, q.symmetric))
+    return Recipe(str(d.get("name", p.stem)), rules, str(d.get("keep_dtype", base.keep_dtype)),
+                  str(d.get("description", base.description)), int(d.get("nominal_bits", base.nominal_bits)))
+
+
+def build_recipe(bits: int = 4, fmt: str = "int", group_size: int | None = None, uniform: bool = False,
+                 overrides: list[str] | tuple[str, ...] = (), recipe_file: str | None = None) -> Recipe:
+    """The recipe `quantkit quantize` runs: `--recipe FILE` or `--bits/--format/--group-size/--uniform`,
+    then each `--override ROLE=SPEC`. --bits 4 is the `quality` recipe with `--format` on the routed
+    experts (on every matrix with --uniform); --bits 8 is int8 on every matrix."""
+    if fmt not in FORMAT_CHOICES:
+        raise QuantkitError(f"--format {fmt!r}: use one of {', '.join(FORMAT_CHOICES)}")
+    if recipe_file:
+        r = load_recipe_file(recipe_file)
+    elif bits == 8:
+        if fmt != "int":
+            raise QuantkitError(f"--format {fmt} is a 4-bit format; with --bits 8 the format is int8")
+        if group_size:
+            raise QuantkitError("--group-size does not apply to --bits 8 (int8 is per output channel)")
+        r = RECIPES["int8"]
+    elif bits == 4:
+        q4 = four_bit_spec(fmt, group_size)
+        tag = q4.format + (f"-g{q4.group_size}" if q4.group_size != _DEFAULT_GROUPS[q4.format] else "")
+        if uniform:
+            r = Recipe(f"uniform-{tag}", {ro: q4 for ro in _MATRIX_ROLES},
+                       description=f"{tag} on every matrix; router and norms bf16", nominal_bits=4)
+        else:
+            base = RECIPES["quality"]
+            rules = dict(base.rules)
+            rules[Role.ROUTED_EXPERT] = q4
+            name = "quality" if q4 == INT4_G128 else f"quality-{tag}"
+            desc = base.description.replace("int4 g128", tag) if q4 != INT4_G128 else base.description
+            r = Recipe(name, rules, base.keep_dtype, desc, 4)
+    else:
+        raise QuantkitError(f"--bits {bits}: use 8 or 4")
+    if overrides:
+        rules = dict(r.rules)
+        for o in overrides:
+            role, q = parse_override(o, group_size)
+            rules[role] = q
+        r = Recipe(r.name + "+overrides", rules, r.keep_dtype,
+                   r.description + "; overrides: " + ", ".join(overrides), r.nominal_bits)
+    return r
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the quantizer does with one tensor: `spec` None = stored as is. `note` says why, when the
+    recipe's choice could not be applied (fallback) or the tensor is kept for a reason of its own."""
+
+    spec: QuantSpec | None
+    note: str = ""
+
+
+def decide(recipe: Recipe, t: TensorSpec) -> Decision:
+    """The recipe's spec for `t` if the tensor can take it; else int8 (any matrix can), else keep."""
+    if t.role == Role.VISION:
+        return Decision(None, "vision weights are kept as they are")
+    if not t.is_matrix:
+        return Decision(None)
+    q = recipe.spec_for(t)
+    if q is None or q.format in _KEEP_WORDS:
+        return Decision(None)
+    if q.format == "int8":
+        return Decision(q)
+    row = t.shape[-1]
+    g = q.group_size or _DEFAULT_GROUPS.get(q.format, 1)
+    if row % g == 0:
+        return Decision(q)
+    return Decision(INT8, f"{q.format} group {g} does not divide the row length {row}: int8 instead")

@@ -165,7 +165,7 @@ def _sites(layout: Layout) -> list[str]:
 def _transfers(layout: Layout, rates: dict[str, DeviceRates], nbytes: int, m: SpeedModel) -> tuple[float, int]:
     seq = _sites(layout)
     t, hops = 0.0, 0
-    for a, c in zip(seq, seq[1:]):
+    for a, c in zip(seq, seq[1:], strict=False):
         if a != c:
             t += _hop_cost(a, c, rates, nbytes, m)
             hops += 1

@@ -15,7 +15,15 @@ from quantkit.cli import app, console
 from quantkit.errors import QuantkitError
 from quantkit.hardware import DEFAULT_GPU_RESERVE, Hardware, build_hardware, load_catalog, parse_size
 from quantkit.plan import (
-    RECIPES, Plan, SchemeResult, llama_cpp_command, plan_schemes, recommend, solve, suggestions, vllm_command,
+    RECIPES,
+    Plan,
+    SchemeResult,
+    llama_cpp_command,
+    plan_schemes,
+    recommend,
+    solve,
+    suggestions,
+    vllm_command,
 )
 from quantkit.recipe import get_recipe
 from quantkit.spec import DEFAULT_MODEL, ModelSpec, Role, default_spec, load_config, spec_from_config
