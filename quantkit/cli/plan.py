@@ -269,7 +269,7 @@ def plan_cmd(
 def gpus_cmd(
     model: str = typer.Option(None, "--model", "-m", help="config.json, checkpoint folder or cached HF id"),
     context: int = typer.Option(4096, "--context", "-c"),
-    ram: str = typer.Option("1TB", "--ram", help="host RAM assumed for offload"),
+    ram: str = typer.Option("128GB", "--ram", help="host RAM available for offload (default 128GB)"),
     scheme: list[str] = typer.Option(None, "--scheme", "-s"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -281,16 +281,18 @@ def gpus_cmd(
     names = [get_recipe(x.strip()).name for s in (scheme or []) for x in s.split(",") if x.strip()] or [
         "bf16", "int8", "quality", "int4", "mxfp4"]
     budgets = {n: compute_budget(spec, RECIPES[n], st) for n in names}
-    table = Table(title=f"GPUs x schemes at {context} tokens (offload: RAM needed)", title_justify="left")
-    table.add_column("gpu")
-    table.add_column("memory", justify="right")
-    table.add_column("GB/s", justify="right")
+    table = Table(title=f"GPUs x schemes at {context} tokens: GPU only, +RAM needed for expert offload, or no "
+                  f"(not even with {ram} of RAM; Apple: its unified memory)", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
+    table.add_column("gpu", no_wrap=True)
+    table.add_column("GiB", justify="right", no_wrap=True)
+    table.add_column("GB/s", justify="right", no_wrap=True)
     table.add_column("native")
     for n in names:
-        table.add_column(n)
+        table.add_column(n, no_wrap=True, min_width=len(n))
     data = []
     for g in load_catalog():
-        hw = build_hardware([g.id], ram, None, 1)
+        hw = build_hardware([g.id], None if g.unified else ram, None, 1)
         row = {"gpu": g.id, "name": g.name, "memory_gib": g.memory_gib, "bandwidth_gbs": g.bandwidth_gbs,
                "native": list(g.native), "schemes": {}}
         cells = []
@@ -301,20 +303,21 @@ def gpus_cmd(
                 cells.append("[red]no[/]")
             elif p.where == "gpu":
                 row["schemes"][n] = {"runs": "gpu", "decode_tok_s": round(p.speed.decode_tok_s, 1)}
-                cells.append(f"[green]GPU[/] {p.speed.decode_tok_s:.0f} t/s")
+                cells.append("[green]GPU[/]")
             else:
                 need = ram_needed_gib(p)
                 row["schemes"][n] = {"runs": "offload", "ram_gib": need,
                                      "decode_tok_s": round(p.speed.decode_tok_s, 1)}
-                cells.append(f"[yellow]+{need} GiB RAM[/] {p.speed.decode_tok_s:.0f} t/s")
+                cells.append(f"[yellow]+{need}G[/]")
         data.append(row)
-        table.add_row(g.id, f"{g.memory_gib:g} GiB", f"{g.bandwidth_gbs:g}", ",".join(g.native), *cells)
+        native = ",".join(x for x in g.native if x != "fp16") or "fp16"
+        table.add_row(g.id, f"{g.memory_gib:g}", f"{g.bandwidth_gbs:g}", native, *cells)
     if as_json:
-        print(json.dumps({"context": context, "gpus": data}, indent=1))
+        print(json.dumps({"context": context, "ram": ram, "gpus": data}, indent=1))
         return
     console.print(table)
-    console.print("[dim]t/s: estimated decode with the default CPU bandwidth assumption; "
-                  "RAM needed includes 3 GiB for the OS[/]")
+    console.print("[dim]GPU = fits on the GPU alone; +NG = with experts in RAM, needing N GiB of RAM (3 GiB for "
+                  "the OS included); --json adds estimated decode tok/s; `quantkit plan --gpu X` for details[/]")
 
 
 @app.command("inspect")

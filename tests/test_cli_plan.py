@@ -1,0 +1,155 @@
+"""`quantkit plan / gpus / inspect` through the real entry point (quantkit.cli.main), bad input included."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from quantkit.cli import main
+from quantkit.plan import Plan
+from quantkit.spec import default_config_path, load_config
+
+
+def run(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["quantkit", *args])
+    monkeypatch.setenv("COLUMNS", "160")
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_rtx4090_shows_card_figures_and_a_fitting_plan(capsys, monkeypatch) -> None:
+    code, out, err = run(["plan", "--gpu", "rtx4090"], capsys, monkeypatch)
+    assert code == 0, err
+    for figure in ("74.0", "37.0", "18.5"):
+        assert figure in out
+    assert "Recommended:" in out and "no --ram given" in out  # RAM detected and said so
+    code, out, _ = run(["plan", "--gpu", "rtx4090", "--ram", "64GB", "--json"], capsys, monkeypatch)
+    d = json.loads(out)
+    rows = {r["scheme"]: r for r in d["schemes"]}
+    assert [rows[s]["card_estimate_gb"] for s in ("fp16", "int8", "int4", "fp4")] == [74.0, 37.0, 18.5, 18.5]
+    for key in ("scheme", "card_estimate_gb", "total_gb", "fits", "placement", "max_context",
+                "est_decode_tok_s", "est_prefill_tok_s"):
+        assert key in rows["quality"]
+    rec = rows[d["recommended"]]
+    assert rec["fits"] and rec["placement"]["where"] == "gpu"
+
+
+def test_plan_16gb_card_puts_experts_on_cpu_and_saves_the_plan(capsys, monkeypatch, tmp_path: Path) -> None:
+    out_file = tmp_path / "plan.json"
+    code, out, err = run(["plan", "--gpu", "rtx4060ti-16gb", "--ram", "64GB", "--json", "--out", str(out_file),
+                          "--export", "llama.cpp"], capsys, monkeypatch)
+    assert code == 0, err
+    d = json.loads(out)
+    rec = next(r for r in d["schemes"] if r["scheme"] == d["recommended"])
+    assert rec["fits"] and rec["placement"]["experts_on_cpu"] > 0
+    plan = Plan.from_json(out_file.read_text())
+    assert plan.scheme == d["recommended"] and plan.experts_on_cpu == rec["placement"]["experts_on_cpu"]
+    assert f"--n-cpu-moe {plan.cpu_expert_layers}" in d["export"]["command"]
+
+
+def test_plan_fp16_on_rtx3060_fails_and_says_what_fits(capsys, monkeypatch) -> None:
+    code, out, err = run(["plan", "--gpu", "rtx3060", "--ram", "16GB", "--scheme", "fp16"], capsys, monkeypatch)
+    assert code == 2
+    assert "fp16 does not fit" in err and "what fits" in err and "quality" in err and "--ram" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_context_sweep_and_vllm_export(capsys, monkeypatch) -> None:
+    code, out, err = run(["plan", "--gpu", "8xh100", "--nodes", "2", "--ram", "512GB", "-s", "bf16",
+                          "--context", "4k,32k,128k,262k", "--json", "--export", "vllm"], capsys, monkeypatch)
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["contexts"] == [4096, 32768, 131072, 262144]
+    assert [r["context"] for r in d["schemes"]] == d["contexts"]
+    assert "--pipeline-parallel-size 2" in d["export"]["command"]
+    assert "--max-model-len 4096" in d["export"]["command"]
+
+
+def test_gpus_and_inspect(capsys, monkeypatch) -> None:
+    code, out, err = run(["gpus", "--json", "--ram", "32GB"], capsys, monkeypatch)
+    assert code == 0, err
+    d = {g["gpu"]: g["schemes"] for g in json.loads(out)["gpus"]}
+    assert len(d) >= 30
+    assert d["rtx4090"]["quality"]["runs"] == "gpu"
+    assert d["rtx4060ti-16gb"]["quality"]["runs"] == "offload" and d["rtx4060ti-16gb"]["quality"]["ram_gib"] > 0
+    assert d["rtx3050-8gb"]["bf16"]["runs"] == "no"
+    assert d["h200"]["bf16"]["runs"] == "gpu"
+    code, out, err = run(["inspect", "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["text_params"] == 34_660_610_688
+    assert d["roles"]["routed_expert"]["params"] == 32_212_254_720
+    code, out, _ = run(["inspect", str(default_config_path())], capsys, monkeypatch)
+    assert code == 0 and "routed_expert" in out and "linear_attention" in out
+
+
+def _bad_config(tmp_path: Path, mutate) -> Path:
+    cfg = load_config(default_config_path())
+    mutate(cfg)
+    p = tmp_path / "config.json"
+    p.write_text(json.dumps(cfg))
+    return p
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["plan", "--gpu", "rtx4099"], "did you mean"),
+        (["plan", "--gpu", "rtx4060ti"], "ambiguous"),
+        (["plan", "--gpu", "rtx4090", "--context", "0"], "positive"),
+        (["plan", "--gpu", "rtx4090", "--context", "300000"], "maximum of 262144"),
+        (["plan", "--gpu", "rtx4090", "--context", "lots"], "does not parse"),
+        (["plan", "--gpu", "rtx4090", "--ram", "sixty-four"], "RAM size"),
+        (["plan", "--gpu", "rtx4090", "--cpu-bandwidth", "fast"], "CPU bandwidth"),
+        (["plan", "--gpu", "rtx4090", "--scheme", "int3"], "unknown scheme"),
+        (["plan", "--gpu", "rtx4090", "--cache-dtype", "fp2"], "cache dtype"),
+        (["plan", "--gpu", "rtx4090", "--export", "tgi"], "--export"),
+    ],
+)
+def test_bad_input_one_line(args, needle, capsys, monkeypatch) -> None:
+    code, _, err = run(args, capsys, monkeypatch)
+    assert code == 2 and needle in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    "mutate,needle",
+    [
+        (lambda c: c["text_config"].pop("num_experts"), "text_config.num_experts"),
+        (lambda c: c.update(model_type="llama"), "model_type 'llama'"),
+        (lambda c: c["text_config"].update(layer_types=["full_attention"]), "text_config.layer_types"),
+        (lambda c: c["text_config"].update(hidden_size="2048"), "text_config.hidden_size"),
+    ],
+)
+def test_bad_config_names_the_field(mutate, needle, tmp_path, capsys, monkeypatch) -> None:
+    path = _bad_config(tmp_path, mutate)
+    code, _, err = run(["plan", "--gpu", "rtx4090", "--model", str(path)], capsys, monkeypatch)
+    assert code == 2 and needle in err and str(path) in err, err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_invalid_json_and_empty_checkpoint_folder(tmp_path, capsys, monkeypatch) -> None:
+    p = tmp_path / "config.json"
+    p.write_text("{not json")
+    code, _, err = run(["inspect", str(p)], capsys, monkeypatch)
+    assert code == 2 and "not valid JSON" in err
+    empty = tmp_path / "ckpt"
+    empty.mkdir()
+    (empty / "pytorch_model.bin").write_bytes(b"\0")
+    code, _, err = run(["plan", "--gpu", "rtx4090", "--model", str(empty)], capsys, monkeypatch)
+    assert code == 2 and "safetensors" in err and len(err.strip().splitlines()) == 1
+
+
+def test_console_script_error_has_no_traceback() -> None:
+    r = subprocess.run([sys.executable, "-m", "quantkit", "plan", "--gpu", "rtx4099"], capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and "unknown GPU 'rtx4099'" in r.stderr and "Traceback" not in r.stderr
