@@ -81,7 +81,7 @@ def _gb(n: float) -> str:
 
 
 def _ctx(n: int) -> str:
-    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
 
 
 def _results_table(rows: list[SchemeResult], sweep: bool, recommended: str | None) -> Table:
