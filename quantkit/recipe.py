@@ -275,4 +275,9 @@ def decide(recipe: Recipe, t: TensorSpec) -> Decision:
     g = q.group_size or _DEFAULT_GROUPS.get(q.format, 1)
     if row % g == 0:
         return Decision(q)
+    # A smaller group of the same format keeps the bits (small models, odd rows); else int8, any row.
+    for g2 in sorted(_GROUPS.get(q.format, ()), reverse=True):
+        if g2 < g and row % g2 == 0:
+            return Decision(QuantSpec(q.format, g2, q.symmetric),
+                            f"{q.format} group {g} does not divide the row length {row}: group {g2} instead")
     return Decision(INT8, f"{q.format} group {g} does not divide the row length {row}: int8 instead")

@@ -1,0 +1,162 @@
+"""`quantkit quantize` and `quantkit verify`: parse, call quantkit.quantize / quantkit.verify, render."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import typer
+from rich import box
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from quantkit.cli import app, console, err_console, fail
+from quantkit.errors import QuantkitError
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
+_MULT = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k": 10**3, "m": 10**6,
+         "g": 10**9, "t": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_shard_size(text: str) -> int:
+    """`2GB` (decimal, as transformers' max_shard_size), `500MB`, `1GiB`, `1048576` (bytes)."""
+    m = _SIZE.match(text or "")
+    unit = (m.group(2) or "").lower() if m else ""
+    if not m or unit not in _MULT or float(m.group(1)) <= 0:
+        raise QuantkitError(f"--max-shard-size {text!r} does not parse; write it like 2GB, 500MB or 1GiB")
+    return int(float(m.group(1)) * _MULT[unit])
+
+
+class _RichProgress:
+    def __init__(self, progress: Progress):
+        self.p = progress
+        self.task = None
+        self.total_tensors = 0
+        self.done = 0
+
+    def start(self, tensors: int, nbytes: int) -> None:
+        self.total_tensors = tensors
+        self.task = self.p.add_task("quantizing", total=nbytes, tensors=f"0/{tensors}", name="")
+
+    def advance(self, name: str, nbytes: int, tensor_done: bool) -> None:
+        if tensor_done:
+            self.done += 1
+        self.p.update(self.task, advance=nbytes, tensors=f"{self.done}/{self.total_tensors}",
+                      name=name.removeprefix("model.language_model."))
+
+
+def _mb(n: float) -> str:
+    return f"{n / 1e6:,.1f}"
+
+
+def _roles_table(rows: list, title: str, measured: bool) -> Table:
+    from quantkit.quantize_report import total_row
+
+    t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
+    cols = ["role", "formats", "tensors", "MB before", "MB after", "bits/w"]
+    if measured:
+        cols += ["rel. err", "SQNR dB", "s"]
+    for c in cols:
+        t.add_column(c, justify="left" if c in ("role", "formats") else "right")
+    for r in [*rows, total_row(rows)]:
+        cells = [r.role, r.formats, str(r.count), _mb(r.in_bytes), _mb(r.out_bytes), f"{r.bits_per_weight:.3f}"]
+        if measured:
+            cells += ["-" if r.rel_error is None else f"{r.rel_error:.4f}",
+                      "-" if r.sqnr_db is None else f"{r.sqnr_db:.2f}", f"{r.seconds:.1f}"]
+        t.add_row(*cells, style="bold" if r.role == "total" else None)
+    return t
+
+
+@app.command()
+def quantize(
+    src: str = typer.Argument(..., help="checkpoint folder (sharded safetensors) or a model in the local HF cache"),
+    out: Path = typer.Option(None, "--out", "-o", help="output folder (must not exist, unless --resume/--overwrite)"),
+    bits: int = typer.Option(4, "--bits", help="4: the quality recipe (routed experts 4-bit, attention 8-bit); 8: int8"),
+    fmt: str = typer.Option("int", "--format", help="4-bit format: int (int4), nf4, fp4, mxfp4"),
+    group_size: int = typer.Option(None, "--group-size", help="group/block size of the 4-bit format"),
+    uniform: bool = typer.Option(False, "--uniform", help="the same 4-bit format on every eligible matrix"),
+    override: list[str] = typer.Option([], "--override", help="ROLE=SPEC, e.g. linear_attention=8, lm_head=bf16"),
+    recipe_file: str = typer.Option(None, "--recipe", help="a JSON recipe file (replaces --bits/--format)"),
+    keep_mtp: bool = typer.Option(False, "--keep-mtp", help="keep (and quantize) the MTP layer"),
+    resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier quantkit output in --out"),
+    report: Path = typer.Option(None, "--report", help="report path (.md, with .json beside it); default in --out"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the recipe and sizes; write nothing"),
+    max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="output shard size bound"),
+) -> None:
+    """Quantize a checkpoint, streaming, into an HF-style folder with a manifest."""
+    from quantkit.checkpoint import Checkpoint, resolve_model
+    from quantkit.quantize import Interrupted, QuantizeOptions, free_bytes, make_plan, run_quantize
+    from quantkit.quantize_report import role_rows
+    from quantkit.recipe import build_recipe
+
+    if resume and overwrite:
+        fail("--resume and --overwrite exclude each other")
+    if out is None and not dry_run:
+        fail("--out DIR is required (or --dry-run)")
+    recipe = build_recipe(bits, fmt.lower(), group_size, uniform, override, recipe_file)
+    shard = parse_shard_size(max_shard_size)
+    ckpt = Checkpoint.open(resolve_model(src))
+    if dry_run:
+        from quantkit.quantize import TensorStats
+
+        plan = make_plan(list(ckpt.canonical()), recipe, keep_mtp, shard)
+        console.print(f"recipe [bold]{recipe.name}[/]: {recipe.description}")
+        for role, q in recipe.rules.items():
+            console.print(f"  {role.value:17s} {q.format + (f' g{q.group_size}' if q.group_size else '') if q else recipe.keep_dtype}")
+        stats = [TensorStats(t.name, t.role.value, t.spec.format if t.spec else t.dtype, t.numel, t.in_bytes,
+                             t.out_bytes) for t in plan.tensors]
+        console.print(_roles_table(role_rows(stats), f"{src}: dry run, nothing written", measured=False))
+        console.print(f"{len(plan.shards)} shards of at most {shard / 1e9:.2f} GB; "
+                      f"{len(plan.dropped)} MTP tensors dropped" + (" (--keep-mtp keeps them)" if plan.dropped else ""))
+        for t in plan.tensors:
+            if t.note:
+                console.print(f"  note: {t.name}: {t.note}")
+        if out is not None:
+            console.print(f"free disk at {out}: {free_bytes(out) / 1e9:.2f} GB; output {plan.out_bytes / 1e9:.2f} GB")
+        return
+    opts = QuantizeOptions(recipe=recipe, keep_mtp=keep_mtp, max_shard_size=shard,
+                           mode="resume" if resume else "overwrite" if overwrite else "new", report=report)
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[tensors]} tensors"),
+               TextColumn("{task.percentage:>5.1f}%"), TransferSpeedColumn(), TimeElapsedColumn(),
+               TimeRemainingColumn(), TextColumn("[dim]{task.fields[name]}")]
+    try:
+        with Progress(*columns, console=err_console, transient=False) as p:
+            res = run_quantize(ckpt, out, opts, _RichProgress(p))
+    except Interrupted as e:
+        fail(str(e), 130)
+    console.print(_roles_table(role_rows(res.stats), f"{out}: {len(res.plan.shards)} shards", measured=True))
+    if res.reused_shards:
+        console.print(f"reused {len(res.reused_shards)} finished shards from the interrupted run")
+    for t in res.plan.tensors:
+        if t.note:
+            console.print(f"note: {t.name}: {t.note}")
+    console.print(f"report: {res.report_md} and {res.report_json}")
+    console.print(f"done in {res.seconds:.1f} s; check with `quantkit verify {out}`")
+
+
+@app.command()
+def verify(
+    folder: Path = typer.Argument(..., help="a quantized folder written by `quantkit quantize`"),
+    quick: bool = typer.Option(False, "--quick", help="check sizes only, not sha256"),
+) -> None:
+    """Check a quantized folder against its manifest, index and quantization_config."""
+    from quantkit.verify import verify_folder
+
+    res = verify_folder(folder, hash_files=not quick)
+    if not res.ok:
+        for p in res.problems:
+            err_console.print(f"[bold red]error:[/] {folder}: {p}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+    fm = ", ".join(f"{v} {k}" for k, v in sorted(res.formats.items())) or "none"
+    console.print(
+        f"{folder}: OK: {res.shards} shards, {res.tensors} stored tensors, {res.quantized} quantized ({fm}), "
+        f"{res.bytes / 1e9:.3f} GB {'checked by size' if quick else 'checked by sha256'}"
+    )

@@ -1,0 +1,602 @@
+"""The streaming quantizer: a source checkpoint in, a quantized HF-style folder out, in bounded memory.
+
+Flow: `make_plan` decides every tensor (recipe + eligibility), works out the exact shape and dtype of
+every output part and assigns tensors to shards of bounded size, so shard names, headers and the total
+output size are known before any weight is read. `run_quantize` then streams: one tensor (fused expert
+stacks: one slab of experts; big matrices: one block of rows) is read, quantized, measured and written
+to its offset in the shard being written, then freed. Shards are written under temporary names and
+renamed; a journal records each finished shard (size, sha256) so `--resume` reuses them; the manifest
+is written last. Output bytes depend only on the source and the options (no timestamps), so a resumed
+run is byte-identical to an uninterrupted one.
+
+The default 4-bit recipe (`quality` in quantkit/recipe.py) keeps lm_head at int8: measured on the
+realistic-shape checkpoint (reports/bench-quantize.md), int4 g128 on lm_head has ~20x the weight error
+of int8 and the logits' error grows accordingly, for a saving of 0.24 GB out of ~19 GB. The embedding
+stays bf16: it is gathered one row per token, so its bits do not cost bandwidth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.formats import QuantSpec, get_format
+from quantkit.manifest import (
+    JOURNAL_NAME,
+    MANIFEST_NAME,
+    FileEntry,
+    Journal,
+    Manifest,
+    atomic_write_json,
+    check_file,
+    file_entry,
+    fingerprint,
+    fsync_dir,
+    temp_name,
+)
+from quantkit.recipe import Recipe, decide
+from quantkit.shards import ShardLayout, ShardWriter, TensorLayout, dtype_name, read_header
+from quantkit.spec import Role, TensorSpec, role_of
+
+INDEX_NAME = "model.safetensors.index.json"
+REPORT_STEM = "quantkit-report"
+# Input bytes per slab of experts / block of rows: the formats work in fp32 (x2) and the error metrics
+# dequantize (x2 more), so a 256 MB slab keeps the working set near 1.5 GB whatever the tensor size.
+DEFAULT_SLAB_BYTES = 256 << 20
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".gguf", ".h5",
+                   ".msgpack", ".onnx", ".npz", ".npy")
+NOT_COPIED = {"config.json", INDEX_NAME, MANIFEST_NAME, JOURNAL_NAME, "pytorch_model.bin.index.json"}
+
+
+# --- parts: the exact output tensors of one quantized tensor -------------------------------------------
+
+@lru_cache(maxsize=256)
+def _probe(spec: QuantSpec, in_features: int) -> tuple[tuple[str, tuple[tuple[int, int], ...], torch.dtype], ...]:
+    """Each part's dims as `a * out + b` and its dtype, from quantizing a 1-row and a 2-row matrix.
+    (The formats fix their layouts; probing them keeps this module free of a copy of each layout.)"""
+    fmt = get_format(spec.format)
+    g = torch.Generator().manual_seed(0)
+    one = fmt.quantize(torch.randn(1, in_features, generator=g).to(torch.bfloat16), spec)
+    two = fmt.quantize(torch.randn(2, in_features, generator=g).to(torch.bfloat16), spec)
+    out = []
+    for k in sorted(one):
+        s1, s2 = tuple(one[k].shape), tuple(two[k].shape)
+        if len(s1) != len(s2):
+            raise QuantkitError(f"internal: format {spec.format} part {k} changes rank with the row count")
+        dims = tuple((b - a, 2 * a - b) for a, b in zip(s1, s2, strict=True))
+        out.append((k, dims, one[k].dtype))
+    return tuple(out)
+
+
+def part_layouts(name: str, spec: QuantSpec, shape: tuple[int, ...]) -> list[TensorLayout]:
+    """The stored parts `name.<suffix>` of a tensor of `shape` [..., out, in] under `spec`."""
+    *lead, rows, cols = shape
+    parts = []
+    for suffix, dims, dt in _probe(spec, cols):
+        parts.append(TensorLayout(f"{name}.{suffix}", tuple(lead) + tuple(a * rows + b for a, b in dims), dt))
+    return parts
+
+
+@lru_cache(maxsize=64)
+def rows_chunkable(spec: QuantSpec, in_features: int) -> bool:
+    """True when a 2D matrix quantized in blocks of rows gives the same parts as quantized whole (every
+    per-row or per-group format; checked, not assumed, because the contract only promises it for dim 0
+    of expert stacks)."""
+    dims = _probe(spec, in_features)
+    if any(d[0][1] != 0 or d[0][0] <= 0 for _, d, _ in dims):
+        return False
+    fmt = get_format(spec.format)
+    w = torch.randn(4, in_features, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    whole = fmt.quantize(w, spec)
+    halves = [fmt.quantize(w[:2], spec), fmt.quantize(w[2:], spec)]
+    return all(torch.equal(whole[k], torch.cat([h[k] for h in halves])) for k in whole)
+
+
+# --- the plan ------------------------------------------------------------------------------------------
+
+@dataclass
+class TensorPlan:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    role: Role
+    spec: QuantSpec | None
+    note: str
+    outputs: list[TensorLayout]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def in_bytes(self) -> int:
+        return self.numel * _torch_dtype(self.dtype).itemsize
+
+    @property
+    def out_bytes(self) -> int:
+        return sum(o.nbytes for o in self.outputs)
+
+
+@dataclass
+class QuantPlan:
+    recipe: Recipe
+    tensors: list[TensorPlan]
+    shards: list[list[TensorPlan]]
+    dropped: list[str]
+    keep_mtp: bool
+    max_shard_size: int
+
+    @property
+    def shard_names(self) -> list[str]:
+        n = len(self.shards)
+        return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+    def layouts(self) -> list[ShardLayout]:
+        return [ShardLayout([o for t in s for o in t.outputs]) for s in self.shards]
+
+    @property
+    def in_bytes(self) -> int:
+        return sum(t.in_bytes for t in self.tensors)
+
+    @property
+    def out_bytes(self) -> int:
+        return sum(t.out_bytes for t in self.tensors)
+
+    def weight_map(self) -> dict[str, str]:
+        return {o.name: sn for sn, s in zip(self.shard_names, self.shards, strict=True) for t in s for o in t.outputs}
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    d = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(d, torch.dtype):
+        raise QuantkitError(f"unknown dtype {name!r}")
+    return d
+
+
+def make_plan(tensors: list[TensorSpec], recipe: Recipe, keep_mtp: bool = False,
+              max_shard_size: int = 2_000_000_000) -> QuantPlan:
+    """Decide every tensor and place it in a shard (greedy in checkpoint order; a tensor larger than the
+    shard size gets a shard of its own)."""
+    if max_shard_size <= 0:
+        raise QuantkitError("--max-shard-size must be positive")
+    planned: list[TensorPlan] = []
+    dropped: list[str] = []
+    for t in tensors:
+        if t.role == Role.MTP and not keep_mtp:
+            dropped.append(t.name)
+            continue
+        d = decide(recipe, t)
+        dt = _torch_dtype(t.dtype)
+        if d.spec is None:
+            outs = [TensorLayout(t.name, tuple(t.shape), dt)]
+        else:
+            outs = part_layouts(t.name, d.spec, tuple(t.shape))
+        planned.append(TensorPlan(t.name, tuple(t.shape), dtype_name(dt), t.role, d.spec, d.note, outs))
+    shards: list[list[TensorPlan]] = []
+    size = 0
+    for tp in planned:
+        if not shards or (size + tp.out_bytes > max_shard_size and shards[-1]):
+            shards.append([])
+            size = 0
+        shards[-1].append(tp)
+        size += tp.out_bytes
+    return QuantPlan(recipe, planned, shards, dropped, keep_mtp, max_shard_size)
+
+
+def quantization_config(plan: QuantPlan) -> dict[str, Any]:
+    """config.json["quantization_config"] for the plan (the checkpoint contract)."""
+    tensors = {}
+    for t in plan.tensors:
+        if t.spec is not None:
+            tensors[t.name] = {"format": t.spec.format, "group_size": t.spec.group_size,
+                               "symmetric": t.spec.symmetric, "shape": list(t.shape), "dtype": t.dtype}
+    return {
+        "quant_method": "quantkit",
+        "version": 1,
+        "recipe": plan.recipe.to_dict(),
+        "mtp": "kept" if plan.keep_mtp else ("dropped" if plan.dropped else "absent"),
+        "fallbacks": {t.name: t.note for t in plan.tensors if t.note},
+        "tensors": tensors,
+    }
+
+
+def output_config(src_config: dict[str, Any], plan: QuantPlan) -> dict[str, Any]:
+    cfg = copy.deepcopy(src_config)
+    if plan.dropped:
+        # The folder holds no MTP weights: say so, so loaders and the planner do not look for them.
+        text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+        if "mtp_num_hidden_layers" in text:
+            text["mtp_num_hidden_layers"] = 0
+    cfg["quantization_config"] = quantization_config(plan)
+    return cfg
+
+
+# --- measuring ------------------------------------------------------------------------------------------
+
+@dataclass
+class TensorStats:
+    name: str
+    role: str
+    format: str
+    numel: int
+    in_bytes: int
+    out_bytes: int
+    sq_err: float = 0.0
+    sq_ref: float = 0.0
+    seconds: float = 0.0
+    note: str = ""
+
+    @property
+    def rel_error(self) -> float:
+        return math.sqrt(self.sq_err / self.sq_ref) if self.sq_ref > 0 else 0.0
+
+    @property
+    def sqnr_db(self) -> float:
+        if self.sq_err == 0:
+            return math.inf
+        return 10 * math.log10(self.sq_ref / self.sq_err) if self.sq_ref > 0 else -math.inf
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "role": self.role, "format": self.format, "numel": self.numel,
+                "in_bytes": self.in_bytes, "out_bytes": self.out_bytes, "sq_err": self.sq_err,
+                "sq_ref": self.sq_ref, "seconds": self.seconds, "note": self.note}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TensorStats:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+
+def _error_sums(w: torch.Tensor, deq: torch.Tensor) -> tuple[float, float]:
+    w32 = w.float()
+    e = deq.float() - w32
+    return float(e.pow(2).sum(dtype=torch.float64)), float(w32.pow(2).sum(dtype=torch.float64))
+
+
+# --- running --------------------------------------------------------------------------------------------
+
+class Progress(Protocol):
+    def start(self, tensors: int, nbytes: int) -> None: ...
+    def advance(self, name: str, nbytes: int, tensor_done: bool) -> None: ...
+
+
+class _NoProgress:
+    def start(self, tensors: int, nbytes: int) -> None:
+        pass
+
+    def advance(self, name: str, nbytes: int, tensor_done: bool) -> None:
+        pass
+
+
+@dataclass
+class QuantizeOptions:
+    recipe: Recipe
+    keep_mtp: bool = False
+    max_shard_size: int = 2_000_000_000
+    mode: str = "new"  # "new", "resume", "overwrite"
+    report: Path | None = None
+    slab_bytes: int = DEFAULT_SLAB_BYTES
+    check_finite: bool = True
+
+    def fingerprint_data(self) -> dict[str, Any]:
+        """What the output bytes depend on (not mode/report/slab size: those do not change them)."""
+        return {"recipe": self.recipe.to_dict(), "keep_mtp": self.keep_mtp, "max_shard_size": self.max_shard_size}
+
+
+@dataclass
+class QuantizeResult:
+    out: Path
+    plan: QuantPlan
+    stats: list[TensorStats]
+    seconds: float
+    reused_shards: list[str]
+    report_md: Path | None
+    report_json: Path | None
+    copied: list[str] = field(default_factory=list)
+
+
+class Interrupted(QuantkitError):
+    """Raised (instead of KeyboardInterrupt) when a run is stopped; the folder can be resumed."""
+
+
+def source_fingerprint(ckpt: Any) -> dict[str, Any]:
+    """Names, sizes and header hashes of the source files: cheap, and any rewrite of a shard changes it."""
+    import hashlib
+
+    root = Path(ckpt.path)
+    files = {}
+    for f in sorted({Path(p) for p in ckpt.files}):
+        p = f if f.is_absolute() else root / f
+        with open(p, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else 0
+            hdr = fh.read(min(n, 100 << 20))
+        files[p.name] = {"size": p.stat().st_size, "header_sha256": hashlib.sha256(head + hdr).hexdigest()}
+    return {"config_sha256": fingerprint(ckpt.config), "files": files}
+
+
+def copyable_files(src: Path) -> list[Path]:
+    """Non-weight files of the source folder (tokenizer, chat template, generation config, README...)."""
+    out = []
+    for p in sorted(src.iterdir()):
+        if p.name.startswith(".") or p.name in NOT_COPIED or not p.is_file():
+            continue
+        if p.suffix.lower() in WEIGHT_SUFFIXES or p.name.endswith(".index.json"):
+            continue
+        out.append(p)
+    return out
+
+
+def free_bytes(folder: Path) -> int:
+    """Free bytes on the file system that holds `folder` (or its nearest existing parent)."""
+    p = folder.resolve()
+    while not p.exists():
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def _is_quantkit_output(folder: Path) -> bool:
+    return (folder / MANIFEST_NAME).is_file() or (folder / JOURNAL_NAME).is_file()
+
+
+def _prepare_out(src: Path, out: Path, mode: str) -> None:
+    s, o = src.resolve(), out.resolve()
+    if o == s or s in o.parents or o in s.parents:
+        raise QuantkitError(f"--out {out} overlaps the source folder {src}; pick a separate folder")
+    if out.exists() and not out.is_dir():
+        raise QuantkitError(f"--out {out} exists and is not a folder")
+    if not out.exists() or not any(out.iterdir()):
+        return
+    if mode == "overwrite":
+        if not _is_quantkit_output(out):
+            raise QuantkitError(
+                f"{out} exists and is not a quantkit output (no {MANIFEST_NAME}); refusing to delete it: "
+                "remove it yourself or pick another --out"
+            )
+        shutil.rmtree(out)
+    elif mode == "resume":
+        if not _is_quantkit_output(out):
+            raise QuantkitError(f"{out} holds no quantkit run to resume (no {JOURNAL_NAME}); pick an empty --out")
+    else:
+        raise QuantkitError(f"{out} already exists; pass --resume to continue a run or --overwrite to replace it")
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+
+
+def check_disk(out: Path, need: int) -> None:
+    free = free_bytes(out.parent if not out.exists() else out)
+    if need > free:
+        raise QuantkitError(
+            f"not enough free disk for {out}: the output needs {need / 1e9:.2f} GB more, "
+            f"{free / 1e9:.2f} GB free; free space or pick another --out"
+        )
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM stops a run like Ctrl-C does (shards in place, temporaries removed, journal saved)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _chunks(tp: TensorPlan, slab_bytes: int) -> tuple[str, int]:
+    """How to stream a tensor: ("experts", n) for fused stacks, ("rows", n) for big matrices, ("whole", 0)."""
+    if tp.spec is None:
+        return ("whole", 0)
+    if len(tp.shape) == 3:
+        per = tp.in_bytes // tp.shape[0]
+        return ("experts", max(1, slab_bytes // max(per, 1)))
+    if tp.in_bytes > slab_bytes and rows_chunkable(tp.spec, tp.shape[-1]):
+        per = tp.in_bytes // tp.shape[0]
+        return ("rows", max(1, slab_bytes // max(per, 1)))
+    return ("whole", 0)
+
+
+def _check_finite(name: str, t: torch.Tensor) -> None:
+    if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+        bad = int((~torch.isfinite(t)).sum())
+        raise QuantkitError(f"{name}: {bad} NaN/Inf values in the source weights; the checkpoint is damaged")
+
+
+def _quantize_tensor(ckpt: Any, tp: TensorPlan, writer: ShardWriter, opts: QuantizeOptions,
+                     progress: Progress) -> TensorStats:
+    t0 = time.perf_counter()
+    st = TensorStats(tp.name, tp.role.value, tp.spec.format if tp.spec else tp.dtype, tp.numel, tp.in_bytes,
+                     tp.out_bytes, note=tp.note)
+    mode, n = _chunks(tp, opts.slab_bytes)
+    if mode == "whole":
+        w = ckpt.load(tp.name)
+        _check_shape(tp, w)
+        if opts.check_finite:
+            _check_finite(tp.name, w)
+        _emit(tp, w, 0, writer, st)
+        progress.advance(tp.name, tp.in_bytes, False)
+    elif mode == "experts":
+        for e0 in range(0, tp.shape[0], n):
+            w = ckpt.load(tp.name, experts=slice(e0, min(e0 + n, tp.shape[0])))
+            _check_shape(tp, w, lead=(min(n, tp.shape[0] - e0),))
+            if opts.check_finite:
+                _check_finite(tp.name, w)
+            _emit(tp, w, e0, writer, st)
+            progress.advance(tp.name, w.numel() * w.element_size(), False)
+            del w
+    else:
+        full = ckpt.load(tp.name)
+        _check_shape(tp, full)
+        if opts.check_finite:
+            _check_finite(tp.name, full)
+        for r0 in range(0, tp.shape[0], n):
+            w = full[r0:r0 + n]
+            _emit(tp, w, r0, writer, st)
+            progress.advance(tp.name, w.numel() * w.element_size(), False)
+        del full
+    st.seconds = time.perf_counter() - t0
+    progress.advance(tp.name, 0, True)
+    return st
+
+
+def _check_shape(tp: TensorPlan, w: torch.Tensor, lead: tuple[int, ...] | None = None) -> None:
+    want = tp.shape if lead is None else lead + tp.shape[1:]
+    if tuple(w.shape) != tuple(want):
+        raise QuantkitError(f"{tp.name}: the checkpoint gives shape {tuple(w.shape)}, its header says {want}")
+
+
+def _emit(tp: TensorPlan, w: torch.Tensor, start: int, writer: ShardWriter, st: TensorStats) -> None:
+    """Quantize (or keep) one block along dim 0 and write it at row `start` of each part."""
+    if tp.spec is None:
+        writer.write(tp.name, w.to(_torch_dtype(tp.dtype)), start)
+        return
+    fmt = get_format(tp.spec.format)
+    parts = fmt.quantize(w, tp.spec)
+    deq = fmt.dequantize(parts, tp.spec, tuple(w.shape), torch.float32)
+    e, r = _error_sums(w, deq)
+    st.sq_err += e
+    st.sq_ref += r
+    del deq
+    a_of = {o.name: o for o in tp.outputs}
+    for suffix, p in parts.items():
+        name = f"{tp.name}.{suffix}"
+        if name not in a_of:
+            raise QuantkitError(f"internal: format {tp.spec.format} made an unplanned part {suffix}")
+        # rows of a part per row of input along dim 0 (1 for expert stacks; a for flattened layouts)
+        full0 = a_of[name].shape[0]
+        scale = full0 // tp.shape[0] if full0 % tp.shape[0] == 0 else 1
+        writer.write(name, p, start * scale)
+
+
+def run_quantize(ckpt: Any, out: Path, opts: QuantizeOptions, progress: Progress | None = None) -> QuantizeResult:
+    """Quantize an opened Checkpoint into `out` (see the module docstring for the guarantees)."""
+    progress = progress or _NoProgress()
+    t_start = time.perf_counter()
+    src = Path(ckpt.path)
+    plan = make_plan(list(ckpt.canonical()), opts.recipe, opts.keep_mtp, opts.max_shard_size)
+    _prepare_out(src, out, opts.mode)
+    layouts = plan.layouts()
+    names = plan.shard_names
+    src_fp = source_fingerprint(ckpt)
+    key = fingerprint({"source": src_fp, "options": opts.fingerprint_data(),
+                       "shards": [lay.header.hex() for lay in layouts]})
+
+    journal = Journal.load(out) if out.is_dir() else None
+    if opts.mode == "resume" and (out / MANIFEST_NAME).is_file() and journal is None:
+        raise QuantkitError(f"{out} is already complete; check it with `quantkit verify {out}`")
+    if journal is not None and journal.key != key:
+        raise QuantkitError(
+            f"{out} holds an interrupted run of a different source or different options; "
+            "rerun with the same options, or pass --overwrite"
+        )
+    journal = journal or Journal(key)
+    stats_by_shard: dict[str, list[TensorStats]] = {
+        k: [TensorStats.from_dict(d) for d in v] for k, v in journal.stats.items()
+    }
+
+    # Reuse finished shards only after checking them; anything else is rewritten.
+    reused: list[str] = []
+    for sn in list(journal.done):
+        if sn in names and check_file(out, sn, journal.done[sn]) is None and sn in stats_by_shard:
+            reused.append(sn)
+        else:
+            journal.done.pop(sn, None)
+            stats_by_shard.pop(sn, None)
+    copies = copyable_files(src)
+    need = sum(lay.size for sn, lay in zip(names, layouts, strict=True) if sn not in reused)
+    need += sum(p.stat().st_size for p in copies) + (1 << 20)
+    check_disk(out, need)
+    out.mkdir(parents=True, exist_ok=True)
+    for p in out.glob(".*.tmp"):
+        p.unlink()
+    journal.stats = {k: [s.to_dict() for s in v] for k, v in stats_by_shard.items()}
+    journal.save(out)
+
+    todo_bytes = sum(t.in_bytes for sn, s in zip(names, plan.shards, strict=True) if sn not in reused for t in s)
+    progress.start(sum(len(s) for sn, s in zip(names, plan.shards, strict=True) if sn not in reused), todo_bytes)
+    try:
+        with _sigterm_as_interrupt():
+            for sn, shard, lay in zip(names, plan.shards, layouts, strict=True):
+                if sn in reused:
+                    continue
+                with ShardWriter(out / sn, lay) as w:
+                    shard_stats = [_quantize_tensor(ckpt, tp, w, opts, progress) for tp in shard]
+                    w.commit()
+                journal.done[sn] = file_entry(out / sn)
+                journal.stats[sn] = [s.to_dict() for s in shard_stats]
+                stats_by_shard[sn] = shard_stats
+                journal.save(out)
+    except KeyboardInterrupt:
+        for p in out.glob(".*.tmp"):
+            p.unlink(missing_ok=True)
+        raise Interrupted(
+            f"interrupted: {len(journal.done)} of {len(names)} shards are finished in {out}; "
+            "run the same command with --resume to continue"
+        ) from None
+
+    # Everything below is small; the manifest goes last.
+    files: dict[str, FileEntry] = {}
+    copied = []
+    for p in copies:
+        dst = out / p.name
+        tmp = temp_name(dst)
+        shutil.copyfile(p, tmp)
+        os.replace(tmp, dst)
+        files[p.name] = file_entry(dst)
+        copied.append(p.name)
+    index = {"metadata": {"total_size": sum(lay.data_bytes for lay in layouts), "format": "quantkit"},
+             "weight_map": dict(sorted(plan.weight_map().items()))}
+    atomic_write_json(out / INDEX_NAME, index)
+    atomic_write_json(out / "config.json", output_config(ckpt.config, plan))
+    for n in (INDEX_NAME, "config.json"):
+        files[n] = file_entry(out / n)
+    stats = [s for sn in names for s in stats_by_shard[sn]]
+    seconds = time.perf_counter() - t_start
+    from quantkit.quantize_report import write_report
+
+    md, js = write_report(opts.report or (out / f"{REPORT_STEM}.md"), plan, stats, seconds, src, out, reused)
+    Manifest(
+        shards={sn: journal.done[sn] for sn in names},
+        files=files,
+        source={"path": str(src), **src_fp},
+        options=opts.fingerprint_data(),
+    ).write(out)
+    (out / JOURNAL_NAME).unlink(missing_ok=True)
+    fsync_dir(out)
+    return QuantizeResult(out, plan, stats, seconds, reused, md, js, copied)
+
+
+def check_output_shards(out: Path, plan: QuantPlan) -> list[str]:
+    """Problems where the shards' headers differ from the plan (used by tests and verify)."""
+    problems = []
+    for sn, lay in zip(plan.shard_names, plan.layouts(), strict=True):
+        hdr = read_header(out / sn)
+        want = {t.name for t in lay.tensors}
+        if set(hdr) != want:
+            problems.append(f"{sn}: tensors differ from the plan")
+    return problems
+
+
+__all__ = ["QuantizeOptions", "QuantizeResult", "Interrupted", "make_plan", "run_quantize", "part_layouts",
+           "quantization_config", "role_of"]

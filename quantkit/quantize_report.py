@@ -1,0 +1,132 @@
+"""The quantization report: per role count, bytes before/after, bits per weight, error, time (md + JSON)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from quantkit.manifest import atomic_write_bytes
+
+
+@dataclass
+class RoleRow:
+    role: str
+    formats: str
+    count: int
+    numel: int
+    in_bytes: int
+    out_bytes: int
+    sq_err: float
+    sq_ref: float
+    seconds: float
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.out_bytes / self.numel if self.numel else 0.0
+
+    @property
+    def rel_error(self) -> float | None:
+        if self.sq_ref <= 0:  # only quantized tensors are measured
+            return None
+        return math.sqrt(self.sq_err / self.sq_ref)
+
+    @property
+    def sqnr_db(self) -> float | None:
+        if self.sq_ref <= 0 or self.sq_err <= 0:
+            return None
+        return 10 * math.log10(self.sq_ref / self.sq_err)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"role": self.role, "formats": self.formats, "count": self.count, "params": self.numel,
+                "bytes_before": self.in_bytes, "bytes_after": self.out_bytes,
+                "bits_per_weight": round(self.bits_per_weight, 4),
+                "rel_error": self.rel_error, "sqnr_db": self.sqnr_db, "seconds": round(self.seconds, 3)}
+
+
+def role_rows(stats: list[Any]) -> list[RoleRow]:
+    """Aggregate TensorStats per role (errors pooled: sum of squared errors over sum of squares)."""
+    rows: dict[str, RoleRow] = {}
+    fmts: dict[str, set[str]] = {}
+    for s in stats:
+        r = rows.setdefault(s.role, RoleRow(s.role, "", 0, 0, 0, 0, 0.0, 0.0, 0.0))
+        fmts.setdefault(s.role, set()).add(s.format)
+        r.count += 1
+        r.numel += s.numel
+        r.in_bytes += s.in_bytes
+        r.out_bytes += s.out_bytes
+        r.sq_err += s.sq_err
+        r.sq_ref += s.sq_ref
+        r.seconds += s.seconds
+    for k, r in rows.items():
+        r.formats = ", ".join(sorted(fmts[k]))
+    return sorted(rows.values(), key=lambda r: -r.in_bytes)
+
+
+def total_row(rows: list[RoleRow]) -> RoleRow:
+    return RoleRow("total", "", sum(r.count for r in rows), sum(r.numel for r in rows),
+                   sum(r.in_bytes for r in rows), sum(r.out_bytes for r in rows),
+                   sum(r.sq_err for r in rows), sum(r.sq_ref for r in rows), sum(r.seconds for r in rows))
+
+
+def _fmt_err(x: float | None, digits: int = 4) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def write_report(md_path: Path, plan: Any, stats: list[Any], seconds: float, src: Path, out: Path,
+                 reused: list[str]) -> tuple[Path, Path]:
+    """Write `md_path` and the JSON beside it (same stem). Atomic; returns both paths."""
+    md_path = Path(md_path)
+    if md_path.suffix.lower() == ".json":
+        js_path, md_path = md_path, md_path.with_suffix(".md")
+    else:
+        js_path = md_path.with_suffix(".json")
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    rows = role_rows(stats)
+    tot = total_row(rows)
+    in_mb = tot.in_bytes / 1e6
+    data = {
+        "source": str(src),
+        "output": str(out),
+        "recipe": plan.recipe.to_dict(),
+        "keep_mtp": plan.keep_mtp,
+        "dropped": plan.dropped,
+        "shards": len(plan.shards),
+        "reused_shards": reused,
+        "seconds": round(seconds, 3),
+        "throughput_mb_s": round(in_mb / seconds, 2) if seconds > 0 else None,
+        "roles": [r.to_dict() for r in rows],
+        "total": tot.to_dict(),
+        "fallbacks": {t.name: t.note for t in plan.tensors if t.note},
+        "tensors": [s.to_dict() | {"rel_error": s.rel_error if s.sq_ref else None,
+                                   "sqnr_db": s.sqnr_db if s.sq_err else None} for s in stats],
+    }
+    lines = [
+        "# quantkit quantization report",
+        "",
+        f"- source: `{src}`",
+        f"- output: `{out}`",
+        f"- recipe: `{plan.recipe.name}` ({plan.recipe.description})",
+        f"- MTP: {'kept' if plan.keep_mtp else ('dropped, ' + str(len(plan.dropped)) + ' tensors') if plan.dropped else 'absent'}",
+        f"- size: {tot.in_bytes / 1e9:.3f} GB -> {tot.out_bytes / 1e9:.3f} GB "
+        f"({tot.bits_per_weight:.3f} bits/weight) in {len(plan.shards)} shards",
+        f"- time: {seconds:.1f} s" + (f" ({in_mb / seconds:.1f} MB/s of input)" if seconds > 0 else "")
+        + (f"; {len(reused)} shards reused from an interrupted run (their time is that run's)" if reused else ""),
+        "",
+        "| role | formats | tensors | MB before | MB after | bits/weight | rel. error | SQNR dB | seconds |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in [*rows, tot]:
+        lines.append(
+            f"| {r.role} | {r.formats} | {r.count} | {r.in_bytes / 1e6:.2f} | {r.out_bytes / 1e6:.2f} | "
+            f"{r.bits_per_weight:.3f} | {_fmt_err(r.rel_error)} | {_fmt_err(r.sqnr_db, 2)} | {r.seconds:.2f} |"
+        )
+    if data["fallbacks"]:
+        lines += ["", "Fallbacks:", ""] + [f"- `{k}`: {v}" for k, v in data["fallbacks"].items()]
+    lines += ["", "Errors are of the dequantized weights against the source weights, pooled over each role "
+              "(rel. error = ||W - Q(W)||_F / ||W||_F; SQNR = 10 log10(||W||^2 / ||W - Q(W)||^2)).", ""]
+    atomic_write_bytes(md_path, "\n".join(lines).encode())
+    atomic_write_bytes(js_path, (json.dumps(data, indent=2) + "\n").encode())
+    return md_path, js_path
