@@ -3,6 +3,7 @@ from another directory without the source tree on the path."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -44,3 +45,11 @@ def test_wheel_installs_and_runs_outside_the_repo(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=elsewhere, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip()) == 34_660_610_688
+    plan = subprocess.run(
+        [sys.executable, "-m", "quantkit", "plan", "--gpu", "rtx4090", "--ram", "64GB", "--json"],
+        cwd=elsewhere, env=env, capture_output=True, text=True,
+    )
+    assert plan.returncode == 0, plan.stderr
+    schemes = {s["scheme"]: s for s in json.loads(plan.stdout)["schemes"]}
+    assert schemes["int4"]["card_estimate_gb"] == 18.5
+    assert schemes["int4"]["fits"] is True
