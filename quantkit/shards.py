@@ -30,6 +30,9 @@ ST_DTYPES: dict[torch.dtype, str] = {
     torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
 }
 TORCH_DTYPES = {v: k for k, v in ST_DTYPES.items()}
+# The order the safetensors writer puts tensors in (its Dtype enum, descending), then by name.
+_ST_ORDER = ["U64", "I64", "F64", "F32", "U32", "I32", "BF16", "F16", "U16", "I16", "F8_E4M3", "F8_E5M2",
+             "I8", "U8", "BOOL"]
 
 
 def dtype_name(d: torch.dtype) -> str:
@@ -62,7 +65,7 @@ class ShardLayout:
         names = [t.name for t in tensors]
         if len(set(names)) != len(names):
             raise QuantkitError("internal: duplicate tensor names in one shard")
-        self.tensors = sorted(tensors, key=lambda t: (-t.dtype.itemsize, t.name))
+        self.tensors = sorted(tensors, key=lambda t: (_ST_ORDER.index(ST_DTYPES[t.dtype]), t.name))
         header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
         self.offsets: dict[str, int] = {}
         pos = 0
