@@ -1,0 +1,1 @@
+"""Benchmarks that write reports/ (markdown + json); `quantkit bench <name>` runs them."""

@@ -1,0 +1,29 @@
+"""`quantkit bench <name>`: benchmarks that write reports/ (markdown + JSON, peers side by side)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from quantkit.cli import app, console
+
+bench_app = typer.Typer(help="Benchmarks that write reports/ (markdown + json).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("quantize")
+def bench_quantize(
+    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-quantize.{md,json,png} go"),
+    workdir: Path = typer.Option(Path("/tmp/quantkit-bench"), "--workdir", help="generated checkpoints go here"),
+    experts: int = typer.Option(128, "--experts", help="experts per layer of the generated checkpoint"),
+    layers: int = typer.Option(4, "--layers", help="layers of the generated checkpoint"),
+    slab: int = typer.Option(16, "--slab", help="experts of layer 0 the format timings run on"),
+    reps: int = typer.Option(2, "--reps", help="repetitions per method (best is reported)"),
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="use this realistic-shape checkpoint instead"),
+) -> None:
+    """Quantizer throughput and error vs bitsandbytes and gguf, and peak RSS of a full run."""
+    from quantkit.bench.quantize import run
+
+    d = run(reports, workdir, experts, layers, slab, reps, checkpoint, log=console.print)
+    console.print(f"wrote {reports / 'bench-quantize.md'} ({d['seconds']:.0f} s)")
