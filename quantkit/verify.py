@@ -11,6 +11,7 @@ from quantkit.formats import QuantSpec
 from quantkit.manifest import Manifest, check_file, read_json
 from quantkit.quantize import INDEX_NAME, part_layouts
 from quantkit.shards import ST_DTYPES, read_header
+from quantkit.spec import spec_from_config
 
 
 @dataclass
@@ -103,4 +104,14 @@ def verify_folder(folder: Path, hash_files: bool = True, progress: Any = None) -
     for k in stored:
         if k not in claimed and k.rsplit(".", 1)[0] in prefixes:
             res.problems.append(f"{k}: an extra part of quantized tensor {k.rsplit('.', 1)[0]}")
+    # Every tensor the config implies is there, quantized or not.
+    try:
+        spec = spec_from_config(cfg, source=str(folder / "config.json"))
+    except QuantkitError as e:
+        res.problems.append(str(e))
+        return res
+    missing = [t.name for t in spec.tensors if t.name not in stored and t.name not in prefixes]
+    if missing:
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        res.problems.append(f"{missing[0]}{more}: missing, though config.json describes them")
     return res
