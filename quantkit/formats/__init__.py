@@ -31,6 +31,7 @@ class QuantSpec:
     format: str  # "int8", "int4", "nf4", "fp4", "mxfp4"; "bf16" means kept as is
     group_size: int | None = None  # int4: 32/64/128; nf4/fp4: blocksize (64); mxfp4: 32; int8: None = per channel
     symmetric: bool = True
+    clip_search: bool = True  # int4 only: per-group search over clipped scales (see formats/int4.py)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -38,7 +39,12 @@ class QuantSpec:
     @classmethod
     def from_dict(cls, d: dict) -> QuantSpec:
         try:
-            return cls(format=d["format"], group_size=d.get("group_size"), symmetric=d.get("symmetric", True))
+            return cls(
+                format=d["format"],
+                group_size=d.get("group_size"),
+                symmetric=d.get("symmetric", True),
+                clip_search=d.get("clip_search", True),
+            )
         except (KeyError, TypeError):
             raise QuantkitError(f"malformed quantization spec {d!r}") from None
 

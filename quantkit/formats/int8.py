@@ -1,0 +1,44 @@
+"""int8: symmetric, one scale per output channel.
+
+Parts: `qweight` int8 [..., out, in] and `scales` bf16 [..., out], w = qweight * scales. bf16 scales
+are what torch's `_weight_int8pack_mm(x_bf16, qweight, scales)` takes, so the runtime uses the stored
+tensors as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantkit.formats import QuantSpec, register
+from quantkit.formats._common import check_matrix, row_chunks
+
+
+class Int8:
+    name = "int8"
+
+    def bits_per_weight(self, spec: QuantSpec, shape: tuple[int, ...]) -> float:
+        return 8.0 + 16.0 / shape[-1]
+
+    def quantize(self, w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
+        check_matrix(w, None, self.name)
+        cols = w.shape[-1]
+        flat = w.reshape(-1, cols)
+        q = torch.empty(flat.shape, dtype=torch.int8)
+        scales = torch.empty(flat.shape[0], dtype=torch.bfloat16)
+        for sl in row_chunks(flat.shape[0], cols):
+            x = flat[sl].float()
+            s = (x.abs().amax(dim=1) / 127.0).to(torch.bfloat16)
+            sf = s.float()
+            inv = torch.where(sf > 0, 1.0 / sf, torch.zeros_like(sf))
+            q[sl] = torch.round(x * inv[:, None]).clamp_(-127, 127).to(torch.int8)
+            scales[sl] = s
+        return {"qweight": q.reshape(w.shape), "scales": scales.reshape(w.shape[:-1])}
+
+    def dequantize(
+        self, parts: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        w = parts["qweight"].float() * parts["scales"].float()[..., None]
+        return w.reshape(shape).to(dtype)
+
+
+INT8 = register(Int8())

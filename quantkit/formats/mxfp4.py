@@ -1,0 +1,84 @@
+"""mxfp4 (OCP MX): E2M1 codes in blocks of 32 with one E8M0 scale byte, as ggml stores it.
+
+Parts: `scales` uint8 [..., out, in/32] (E8M0 exponents) and `qweight` uint8 [..., out, in/2] where
+each block's 16 bytes hold elements 0..15 in the low nibbles and 16..31 in the high ones (ggml's
+order). Scale and code choices follow the `gguf` package's MXFP4 exactly (floor(log2(absmax)) - 2,
+nearest code with ties to the smaller magnitude), so `to_gguf_blocks` rebuilds its bytes as they are.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from quantkit.formats import QuantSpec, register
+from quantkit.formats._common import check_matrix, row_chunks
+
+BLOCK = 32
+# E2M1 magnitudes, doubled (0, .5, 1, 1.5, 2, 3, 4, 6); codes 8..15 are the negatives.
+LEVELS = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12], dtype=torch.float32)
+KVALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32)
+
+
+def e8m0_to_fp32_half(e: torch.Tensor) -> torch.Tensor:
+    """2**(e - 128) as float32, subnormals included (ggml_e8m0_to_fp32_half)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _exponents(amax: torch.Tensor) -> torch.Tensor:
+    # numpy's float32 log2, as the gguf package uses it: torch's log2 may round differently just
+    # below a power of two, which would pick another exponent. This runs on block maxima only (1/32).
+    a = amax.numpy()
+    with np.errstate(divide="ignore"):
+        e = np.where(a > 0, np.floor(np.log2(a)) - 2 + 127, 0).astype(np.uint8)
+    return torch.from_numpy(e)
+
+
+class MXFP4:
+    name = "mxfp4"
+
+    def bits_per_weight(self, spec: QuantSpec, shape: tuple[int, ...]) -> float:
+        return 4.0 + 8.0 / BLOCK
+
+    def quantize(self, w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
+        check_matrix(w, BLOCK, self.name)
+        cols = w.shape[-1]
+        flat = w.reshape(-1, BLOCK)
+        n = flat.shape[0]
+        scales = torch.empty(n, dtype=torch.uint8)
+        packed = torch.empty(n, BLOCK // 2, dtype=torch.uint8)
+        for sl in row_chunks(n, BLOCK):
+            x = flat[sl].float()
+            e = _exponents(x.abs().amax(dim=1))
+            d = e8m0_to_fp32_half(e)[:, None]
+            a = x.abs()
+            v = d[..., None] * LEVELS  # [n, 1, 8], exact: powers of two times small integers
+            i = (a[..., None] >= v[..., 1:]).sum(dim=-1)  # largest level <= |x|
+            lo = torch.gather(v.expand(-1, BLOCK, -1), 2, i[..., None]).squeeze(-1)
+            hi = torch.gather(v.expand(-1, BLOCK, -1), 2, (i + 1).clamp(max=7)[..., None]).squeeze(-1)
+            i = torch.where((i < 7) & ((hi - a) < (a - lo)), i + 1, i)
+            q = torch.where((x < 0) & (i > 0), i + 8, i).to(torch.uint8)
+            packed[sl] = q[:, :16] | (q[:, 16:] << 4)
+            scales[sl] = e
+        lead = w.shape[:-1]
+        return {"scales": scales.reshape(*lead, cols // BLOCK), "qweight": packed.reshape(*lead, cols // 2)}
+
+    def dequantize(
+        self, parts: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        p = parts["qweight"].reshape(-1, BLOCK // 2)
+        q = torch.cat([p & 0x0F, p >> 4], dim=1).long()
+        d = e8m0_to_fp32_half(parts["scales"].reshape(-1))[:, None]
+        return (d * KVALUES[q]).reshape(shape).to(dtype)
+
+
+def to_gguf_blocks(parts: dict[str, torch.Tensor]) -> np.ndarray:
+    """ggml's MXFP4 bytes for the stored parts: uint8 [..., out, in/32*17] (scale byte, then 16 bytes)."""
+    s = parts["scales"]
+    q = parts["qweight"].reshape(*s.shape, BLOCK // 2)
+    return torch.cat([s[..., None], q], dim=-1).reshape(*s.shape[:-1], -1).numpy()
+
+
+MXFP4_FORMAT = register(MXFP4())
