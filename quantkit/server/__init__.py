@@ -1,0 +1,1 @@
+"""`quantkit serve`: an OpenAI-compatible HTTP server on the quantized runtime (see app.py)."""

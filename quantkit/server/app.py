@@ -1,0 +1,437 @@
+"""The OpenAI-compatible HTTP app (FastAPI): /v1/models, /v1/chat/completions (plain and SSE), /health.
+
+`create_app(backend, config)` serves one loaded model through a `GenerationQueue`. Every error is an
+OpenAI error object (`{"error": {"message", "type", "param", "code"}}`) with its HTTP status: 400 for
+malformed JSON, a missing or wrong-typed field, an unknown role, `max_tokens` < 1 or a prompt that does
+not fit the context (with the numbers); 404 for an unknown model or path; 413 for a body over the size
+limit; 429 when the line of waiting requests is full; 503 while shutting down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from quantkit.server.backend import Backend, Prompt, SamplingParams
+from quantkit.server.parsing import OutputDelta, OutputParser
+from quantkit.server.queue import Done, Failed, GenerationQueue, Job, QueueClosed, QueueFull
+from quantkit.server.schemas import (
+    AssistantOut,
+    ChatCompletion,
+    ChatCompletionRequest,
+    Choice,
+    CompletionTokensDetails,
+    ErrorInfo,
+    ErrorResponse,
+    FunctionOut,
+    ModelCard,
+    ModelList,
+    Timings,
+    ToolCallOut,
+    Usage,
+)
+
+DEFAULT_MAX_BODY = 8 << 20  # 8 MiB: a full 262k-token context is about 1 MB of text
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    max_queue: int = 8  # requests waiting behind the one being generated
+    max_body_bytes: int = DEFAULT_MAX_BODY
+    default_max_tokens: int | None = None  # cap when a request gives no max_tokens (None: rest of context)
+    retry_after_s: int = 1
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
+
+    def response(self) -> JSONResponse:
+        body = ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                             code=self.code))
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
+
+
+_STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                 405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
+                 503: "service_unavailable"}
+
+
+_ROLE_TAGS = {"system", "developer", "user", "assistant", "tool"}
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _param(loc: tuple[Any, ...]) -> str | None:
+    """pydantic's error location as the request path a user wrote (`messages[0].content`), without the
+    union-branch and discriminator labels pydantic inserts."""
+    out = ""
+    for i, part in enumerate(loc):
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in _TYPE_TAGS or "[" in part or part[:1].isupper() or (
+                part in _ROLE_TAGS and i > 0 and isinstance(loc[i - 1], int)):
+            continue
+        else:
+            out += f".{part}" if out else part
+    return out or None
+
+
+def _validation_error(e: ValidationError) -> ApiError:
+    errs = e.errors(include_url=False)
+    for err in errs:
+        if err["type"] == "json_invalid":
+            return ApiError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', err['msg'])}",
+                            code="invalid_json")
+    err = errs[0]
+    param = _param(err["loc"])
+    if err["type"] == "union_tag_invalid":
+        param = f"{param}.role" if param else "role"
+        got = err.get("ctx", {}).get("tag")
+        msg = f"unknown role {got!r} in {param}: expected one of system, developer, user, assistant, tool"
+    elif err["type"] == "missing":
+        msg = f"missing required field {param}"
+    else:
+        msg = f"{param}: {err['msg']}" if param else err["msg"]
+    others = {_param(x["loc"]) for x in errs} - {_param(err["loc"])}
+    if others:
+        msg += f" (and {len(others)} more problem{'s' if len(others) > 1 else ''}: {', '.join(sorted(map(str, others)))})"
+    return ApiError(400, msg, param=param, code="missing_field" if err["type"] == "missing" else err["type"])
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    too_big = ApiError(413, f"request body is larger than the server's limit of {limit} bytes "
+                            f"(start the server with a larger --max-body to allow it)", code="body_too_large")
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _text(content: Any, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    out = []
+    for i, part in enumerate(content):
+        if part.type != "text":
+            raise ApiError(400, f"{where}.content[{i}]: content parts of type {part.type!r} are not supported "
+                                f"(this model takes text only)", param=f"{where}.content")
+        out.append(part.text)
+    return "".join(out)
+
+
+def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The request's messages as the chat template expects them (text content, tool-call arguments as dicts)."""
+    out = []
+    for i, m in enumerate(req.messages):
+        where = f"messages[{i}]"
+        role = "system" if m.role == "developer" else m.role
+        d: dict[str, Any] = {"role": role, "content": _text(m.content, where)}
+        if m.role == "assistant":
+            if m.reasoning_content:
+                d["reasoning_content"] = m.reasoning_content
+            if m.tool_calls:
+                calls = []
+                for j, tc in enumerate(m.tool_calls):
+                    args = tc.function.arguments
+                    if isinstance(args, str):
+                        try:
+                            args = json.loads(args) if args.strip() else {}
+                        except ValueError as e:
+                            raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments is not valid JSON: {e}",
+                                           param=f"{where}.tool_calls") from None
+                    if not isinstance(args, dict):
+                        raise ApiError(400, f"{where}.tool_calls[{j}].function.arguments must be a JSON object",
+                                       param=f"{where}.tool_calls")
+                    calls.append({"id": tc.id, "type": "function",
+                                  "function": {"name": tc.function.name, "arguments": args}})
+                d["tool_calls"] = calls
+        if m.role == "tool" and m.tool_call_id:
+            d["tool_call_id"] = m.tool_call_id
+        out.append(d)
+    return out
+
+
+def _enable_thinking(req: ChatCompletionRequest) -> bool:
+    kw = req.chat_template_kwargs or {}
+    v = kw.get("enable_thinking", True)
+    if not isinstance(v, bool):
+        raise ApiError(400, "chat_template_kwargs.enable_thinking must be true or false",
+                       param="chat_template_kwargs.enable_thinking")
+    return v
+
+
+def _tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
+    tc = req.tool_choice
+    if tc is not None and tc not in ("auto", "none"):
+        raise ApiError(400, f"tool_choice {tc!r} is not supported: use \"auto\" or \"none\" (the model decides "
+                            f"whether to call a tool; forcing a call needs constrained decoding)",
+                       param="tool_choice")
+    if not req.tools or tc == "none":
+        return None
+    return [t.model_dump(exclude_none=True) for t in req.tools]
+
+
+def _timings(done: Done, completion_tokens: int) -> Timings:
+    def rate(n: int, s: float) -> float | None:
+        return round(n / s, 2) if s > 0 and n > 0 else None
+    return Timings(queue_ms=round(done.queue_s * 1e3, 2), prompt_n=done.prompt_tokens,
+                   prompt_ms=round(done.prompt_s * 1e3, 2), prompt_per_second=rate(done.prompt_tokens, done.prompt_s),
+                   predicted_n=completion_tokens, predicted_ms=round(done.decode_s * 1e3, 2),
+                   predicted_per_second=rate(completion_tokens - 1, done.decode_s))
+
+
+class _Answer:
+    """Accumulates one request's output: parsed deltas, token counts, the finish reason."""
+
+    def __init__(self, job: Job, parser: OutputParser):
+        self.job, self.parser = job, parser
+        self.tokens = 0
+        self.reasoning_tokens = 0
+        self.finish: str | None = None
+        self.done: Done | None = None
+        self.error: str | None = None
+
+    def token(self, text: str) -> OutputDelta:
+        self.tokens += 1
+        if self.parser.reasoning.mode == "reasoning":
+            self.reasoning_tokens += 1
+        d = self.parser.feed(text)
+        if self.parser.stopped:
+            self.job.stop("stop")
+        return d
+
+    def end(self, done: Done) -> OutputDelta:
+        self.done = done
+        if not self.parser.stopped:
+            self.tokens = done.completion_tokens if done.finish_reason != "cancelled" else self.tokens
+        self.finish = "stop" if self.parser.stopped else done.finish_reason
+        d = self.parser.finish()
+        if self.finish == "stop" and self.parser.tools is not None and self.parser.tools.calls:
+            self.finish = "tool_calls"
+        return d
+
+    def usage(self) -> Usage:
+        p = len(self.job.prompt.ids)
+        return Usage(prompt_tokens=p, completion_tokens=self.tokens, total_tokens=p + self.tokens,
+                     completion_tokens_details=CompletionTokensDetails(reasoning_tokens=self.reasoning_tokens))
+
+
+def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    created = int(time.time())
+    state: dict[str, GenerationQueue] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state["queue"] = GenerationQueue(backend, config.max_queue)
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(state["queue"].close)
+
+    app = FastAPI(title="quantkit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.backend = backend
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, e: ApiError) -> JSONResponse:
+        return e.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        msg = {404: f"no such endpoint: {request.method} {request.url.path}",
+               405: f"method {request.method} is not allowed on {request.url.path}"}.get(e.status_code, str(e.detail))
+        return ApiError(e.status_code, msg, _STATUS_TYPES.get(e.status_code, "server_error")).response()
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, e: Exception) -> JSONResponse:
+        return ApiError(500, f"internal error: {type(e).__name__}: {e}", "server_error").response()
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        q = state.get("queue")
+        return {"status": "ok" if q is not None else "starting", "model": backend.model_id,
+                "max_context": backend.max_context, "queue": q.stats.as_dict() if q else None}
+
+    def card() -> ModelCard:
+        return ModelCard(id=backend.model_id, created=created, max_model_len=backend.max_context)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return ModelList(data=[card()]).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != backend.model_id:
+            raise _unknown_model(model_id)
+        return card().model_dump()
+
+    def _unknown_model(name: str) -> ApiError:
+        return ApiError(404, f"the model {name!r} does not exist: this server serves {backend.model_id!r}",
+                        "not_found_error", param="model", code="model_not_found")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _read_body(request, config.max_body_bytes)
+        try:
+            req = ChatCompletionRequest.model_validate_json(body)
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        if req.model != backend.model_id:
+            raise _unknown_model(req.model)
+        if req.n not in (None, 1):
+            raise ApiError(400, "n > 1 is not supported: ask for one choice per request", param="n")
+        messages = template_messages(req)
+        tools = _tools(req)
+        thinking = _enable_thinking(req)
+        try:
+            prompt: Prompt = await asyncio.to_thread(backend.render, messages, tools, thinking)
+        except Exception as e:  # the template refused these messages (e.g. roles out of order)
+            raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from None
+        ctx, p = backend.max_context, len(prompt.ids)
+        asked = req.max_completion_tokens or req.max_tokens
+        max_tokens = asked if asked is not None else max(ctx - p, 0)
+        if asked is None and config.default_max_tokens is not None:
+            max_tokens = min(max_tokens, config.default_max_tokens)
+        if p + max(max_tokens, 1) > ctx:
+            raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, you requested "
+                                f"{p + max_tokens} tokens ({p} in the messages, {max_tokens} in the completion). "
+                                f"Please reduce the length of the messages or completion.",
+                           param="messages", code="context_length_exceeded")
+        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                top_k=req.top_k if req.top_k and req.top_k > 0 else None, seed=req.seed)
+        job = Job(prompt=prompt, params=params, loop=asyncio.get_running_loop())
+        try:
+            state["queue"].submit(job)
+        except QueueFull as e:
+            raise ApiError(429, f"server busy: {e}", "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(config.retry_after_s)}) from None
+        except QueueClosed as e:
+            raise ApiError(503, str(e), "service_unavailable", code="shutting_down") from None
+        answer = _Answer(job, OutputParser(in_reasoning=prompt.opens_reasoning, stops=req.stop_list, tools=tools))
+        rid, now = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
+        watcher = asyncio.create_task(_watch_disconnect(request, job))
+        if req.stream:
+            return StreamingResponse(_stream(answer, watcher, rid, now, backend.model_id),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            return await _complete(answer, rid, now, backend.model_id)
+        finally:
+            job.stop()
+            watcher.cancel()
+
+    return app
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    """Cancel the job when the client goes away (the body is read, so the next message is the disconnect)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            job.stop("cancelled")
+            job.events.put_nowait(None)  # wake the consumer
+            return
+
+
+async def _complete(answer: _Answer, rid: str, created: int, model: str) -> JSONResponse:
+    reasoning, content, calls = [], [], []
+    while True:
+        ev = await answer.job.events.get()
+        if ev is None:  # the client went away
+            return JSONResponse({}, status_code=499)
+        if isinstance(ev, Failed):
+            raise ApiError(500, ev.message, "server_error")
+        if isinstance(ev, Done) and ev.finish_reason == "cancelled":
+            raise ApiError(503, "generation was cancelled: the server is shutting down", "service_unavailable")
+        d = answer.end(ev) if isinstance(ev, Done) else answer.token(ev.text)
+        reasoning.append(d.reasoning)
+        content.append(d.content)
+        calls.extend(d.tool_calls)
+        if isinstance(ev, Done):
+            break
+    text = "".join(content)
+    msg = AssistantOut(content=(text if text.strip() or not calls else None),
+                       reasoning_content="".join(reasoning) or None,
+                       tool_calls=[ToolCallOut(id=c.id, function=FunctionOut(name=c.name, arguments=c.arguments))
+                                   for c in calls] or None)
+    out = ChatCompletion(id=rid, created=created, model=model,
+                         choices=[Choice(message=msg, finish_reason=answer.finish or "stop")],
+                         usage=answer.usage(), timings=_timings(answer.done, answer.tokens))
+    body = out.model_dump()
+    if not calls:
+        del body["choices"][0]["message"]["tool_calls"]
+    return JSONResponse(body)
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _stream(answer: _Answer, watcher: asyncio.Task, rid: str, created: int, model: str) -> AsyncIterator[str]:
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                     "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+
+    n_calls = 0
+
+    def deltas(d: OutputDelta) -> list[str]:
+        nonlocal n_calls
+        out = []
+        if d.reasoning:
+            out.append(chunk({"reasoning_content": d.reasoning}))
+        if d.content:
+            out.append(chunk({"content": d.content}))
+        for c in d.tool_calls:
+            out.append(chunk({"tool_calls": [c.to_openai(index=n_calls)]}))
+            n_calls += 1
+        return out
+
+    job = answer.job
+    try:
+        yield chunk({"role": "assistant", "content": ""})
+        while True:
+            ev = await job.events.get()
+            if ev is None:
+                return
+            if isinstance(ev, Done) and ev.finish_reason == "cancelled":
+                ev = Failed("generation was cancelled: the server is shutting down")
+            if isinstance(ev, Failed):
+                yield _sse({"error": ErrorInfo(message=ev.message, type="server_error").model_dump()})
+                yield "data: [DONE]\n\n"
+                return
+            if isinstance(ev, Done):
+                for s in deltas(answer.end(ev)):
+                    yield s
+                yield chunk({}, answer.finish)
+                yield _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+                            "choices": [], "usage": answer.usage().model_dump(),
+                            "timings": _timings(ev, answer.tokens).model_dump()})
+                yield "data: [DONE]\n\n"
+                return
+            for s in deltas(answer.token(ev.text)):
+                yield s
+    finally:
+        job.stop()
+        watcher.cancel()

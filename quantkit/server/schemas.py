@@ -1,0 +1,195 @@
+"""OpenAI-shaped request and response models for /v1/chat/completions and /v1/models.
+
+Requests are validated strictly (a string is not an integer, as in OpenAI's API) but unknown fields are
+accepted and ignored, since clients send many optional ones (`frequency_penalty`, `user`, ...).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+# --- request ---------------------------------------------------------------------------------------------
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ContentPart(_Strict):
+    """Any content part; only text parts are served (checked in the app for a clear message)."""
+    type: str
+
+
+Content = str | list[TextPart | ContentPart] | None
+
+
+class FunctionCall(_Strict):
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCallIn(_Strict):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class SystemMessage(_Strict):
+    role: Literal["system", "developer"]
+    content: Content
+    name: str | None = None
+
+
+class UserMessage(_Strict):
+    role: Literal["user"]
+    content: Content
+    name: str | None = None
+
+
+class AssistantMessage(_Strict):
+    role: Literal["assistant"]
+    content: Content = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    name: str | None = None
+
+
+class ToolMessage(_Strict):
+    role: Literal["tool"]
+    content: Content
+    tool_call_id: str | None = None
+
+
+Message = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMessage, Field(discriminator="role")]
+
+
+class FunctionDef(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDef(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
+
+
+class ChatCompletionRequest(_Strict):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # -1 or 0: no top-k
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = Field(None, ge=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+# --- responses -------------------------------------------------------------------------------------------
+
+class FunctionOut(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionOut
+
+
+class AssistantOut(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
+
+
+class Choice(BaseModel):
+    index: int = 0
+    message: AssistantOut
+    finish_reason: str
+    logprobs: None = None
+
+
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    completion_tokens_details: CompletionTokensDetails
+
+
+class Timings(BaseModel):
+    """llama-server's `timings` names; times in ms. prompt: start of generation -> first token;
+    predicted: first -> last token (so predicted_per_second counts the tokens after the first)."""
+    queue_ms: float
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_second: float | None
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_second: float | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[Choice]
+    usage: Usage
+    timings: Timings
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "quantkit"
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
