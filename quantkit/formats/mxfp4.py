@@ -17,6 +17,7 @@ from quantkit.formats._common import check_matrix, row_chunks
 BLOCK = 32
 # E2M1 magnitudes, doubled (0, .5, 1, 1.5, 2, 3, 4, 6); codes 8..15 are the negatives.
 LEVELS = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12], dtype=torch.float32)
+MIDPOINTS = (LEVELS[1:] + LEVELS[:-1]) / 2
 KVALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32)
 
 
@@ -53,12 +54,9 @@ class MXFP4:
             x = flat[sl].float()
             e = _exponents(x.abs().amax(dim=1))
             d = e8m0_to_fp32_half(e)[:, None]
-            a = x.abs()
-            v = d[..., None] * LEVELS  # [n, 1, 8], exact: powers of two times small integers
-            i = (a[..., None] >= v[..., 1:]).sum(dim=-1)  # largest level <= |x|
-            lo = torch.gather(v.expand(-1, BLOCK, -1), 2, i[..., None]).squeeze(-1)
-            hi = torch.gather(v.expand(-1, BLOCK, -1), 2, (i + 1).clamp(max=7)[..., None]).squeeze(-1)
-            i = torch.where((i < 7) & ((hi - a) < (a - lo)), i + 1, i)
+            # |x| / d is exact (d is a power of two), so rounding to the nearest level on that scale,
+            # ties to the smaller magnitude, picks the same code as gguf's argmin over |d*k - x|.
+            i = torch.bucketize(x.abs() / d, MIDPOINTS, right=False)
             q = torch.where((x < 0) & (i > 0), i + 8, i).to(torch.uint8)
             packed[sl] = q[:, :16] | (q[:, 16:] << 4)
             scales[sl] = e
