@@ -296,9 +296,19 @@ def with_settings(b: Budget, c: TextConfig, s: RunSettings) -> Budget:
     )
 
 
-def card_estimate_gb(bits: int, context: int = 4096, params: float = 35.0e9) -> float:
+CARD_PARAMS = 35.0e9  # the model card's parameter count for Qwen-AgentWorld-35B-A3B
+
+
+def card_params(spec: ModelSpec) -> float:
+    """The parameter count the card formula takes: the card's 35.0B for the model it describes (34.66B
+    text + 0.84B MTP rounds to it), the spec's own total for any other model."""
+    return CARD_PARAMS if abs(spec.text_params - 34.66e9) < 0.01 * 34.66e9 else float(spec.total_params)
+
+
+def card_estimate_gb(bits: int, context: int = 4096, params: float = CARD_PARAMS) -> float:
     """The model card's estimate: 1.05 x weights + KV, KV = 0.5 GB x bits/16 at 4,096 tokens (scaled
-    linearly with context here). Rounded to 0.1 GB as the card prints it."""
+    linearly with context here). Rounded to 0.1 GB as the card prints it. For another model, `params`
+    is its own count and the KV term is scaled by its size relative to the card's 35.0B."""
     weights = params * bits / 8 / GB
-    kv = 0.5 * bits / 16 * context / 4096
+    kv = 0.5 * bits / 16 * context / 4096 * (1.0 if params == CARD_PARAMS else params / CARD_PARAMS)
     return round(1.05 * weights + kv, 1)

@@ -19,7 +19,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantkit.budget import GB, GIB, Budget, RunSettings, card_estimate_gb, compute_budget, with_settings
+from quantkit.budget import (
+    GB,
+    GIB,
+    Budget,
+    RunSettings,
+    card_estimate_gb,
+    card_params,
+    compute_budget,
+    with_settings,
+)
 from quantkit.errors import QuantkitError
 from quantkit.hardware import DEFAULT_GPU_RESERVE, DEFAULT_HOST_RESERVE, Hardware
 from quantkit.recipe import QUALITY_RANK, RECIPES, Recipe
@@ -401,7 +410,7 @@ def solve(spec: ModelSpec, recipe: Recipe, settings: RunSettings, hw: Hardware, 
         model=spec.name, fingerprint=spec_fingerprint(spec), scheme=recipe.name, recipe=recipe.to_dict(),
         settings=settings, devices=devs, layer_device=layer_dev, expert_ranges=ranges,
         embedding_device=head_dev if tied else "cpu", lm_head_device=head_dev, num_experts=e, fits=fits,
-        reason=reason, total_bytes=total, card_estimate_gb=card_estimate_gb(recipe.nominal_bits, settings.context),
+        reason=reason, total_bytes=total, card_estimate_gb=card_estimate_gb(recipe.nominal_bits, settings.context, card_params(spec)),
         components=b.components(),
     )
     if with_speed:

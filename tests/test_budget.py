@@ -176,3 +176,17 @@ def test_bytes_match_the_format_implementation(fmt: str, mod: str) -> None:
     stored = sum(p.numel() * p.element_size() for p in parts.values())
     assert stored == tensor_bytes(TensorSpec("x.mlp.experts.down_proj", (3, 64, 256), "bfloat16",
                                              Role.ROUTED_EXPERT, 0), q).total
+
+
+def test_card_formula_uses_the_models_own_size_for_other_models() -> None:
+    from quantkit.budget import CARD_PARAMS, card_params
+    from quantkit.spec import default_spec, spec_from_config
+
+    assert card_params(default_spec()) == CARD_PARAMS
+    no_mtp = spec_from_config(default_spec().raw_config, include_mtp=False)
+    assert card_params(no_mtp) == CARD_PARAMS  # the published checkpoint without its MTP layer
+    small = dict(default_spec().raw_config)
+    small["text_config"] = {**small["text_config"], "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
+    spec = spec_from_config(small)
+    assert card_params(spec) == spec.total_params
+    assert card_estimate_gb(16, 4096, card_params(spec)) < 74.0 / 5
