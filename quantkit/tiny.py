@@ -182,6 +182,14 @@ def build_model(tc: dict[str, Any], seed: int = 0) -> Any:
 _PROBE: dict[tuple[int, int], torch.Tensor] = {}
 
 
+def cast_weights(model: Any, dtype: torch.dtype) -> Any:
+    """Cast parameters only, as from_pretrained(dtype=...) leaves them: `model.to(dtype)` would also round
+    the rotary inv_freq buffers, which changes bf16 logits by an ulp."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
+
+
 def probe_ids(n_seq: int = 4, length: int = 80) -> torch.Tensor:
     """A fixed [n_seq, length] batch of token ids from the tokenizer's corpus (chat-formatted)."""
     key = (n_seq, length)
@@ -516,7 +524,7 @@ def make_tiny_model(out_dir: str | Path, *, layers: int = 4, experts: int = 8, t
             model, report = _built_model(tc, seed, decisive)
             if report is not None:
                 info["decisive"] = report
-            model = model.to(tdt)
+            model = cast_weights(model, tdt)
             if layout == "published":
                 cfg = full_config(tc)
                 _write_shards(tmp, _published_tensors(model, cfg, seed, tdt, mtp), shard)
