@@ -153,6 +153,14 @@ def full_config(tc: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def estimate_bytes(o: TinyOptions) -> int:
+    """Bytes of safetensors data the options will write (for progress bars and disk checks)."""
+    from quantkit.spec import dtype_bytes
+
+    spec = spec_from_config(full_config(text_config(o)), include_mtp=o.mtp)
+    return spec.total_params * dtype_bytes(o.dtype)
+
+
 def generation_config() -> dict[str, Any]:
     ids = special_ids(BPE_VOCAB)
     return {"bos_token_id": None, "eos_token_id": [ids["<|endoftext|>"], ids["<|im_end|>"]],
@@ -474,6 +482,14 @@ def _built_model(tc: dict[str, Any], seed: int, decisive: bool) -> tuple[Any, di
     return model, (json.loads(json.dumps(report)) if report is not None else None)
 
 
+def _normal_permissions(folder: Path) -> None:
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for f in folder.iterdir():
+        os.chmod(f, 0o666 & ~umask)
+
+
 @contextmanager
 def _one_thread() -> Iterator[None]:
     n = torch.get_num_threads()
@@ -534,6 +550,7 @@ def make_tiny_model(out_dir: str | Path, *, layers: int = 4, experts: int = 8, t
         write_tokenizer(tmp)
         (tmp / "generation_config.json").write_text(json.dumps(generation_config(), indent=2) + "\n")
         (tmp / SIDECAR).write_text(json.dumps(info, indent=2) + "\n")
+        _normal_permissions(tmp)  # mkdtemp makes 0700; the result should look like any written folder
         if out.exists():
             trash = out.parent / f".{out.name}.old-{os.getpid()}"
             os.replace(out, trash)

@@ -30,6 +30,15 @@ from quantkit.tiny import (
 from quantkit.tokenizer_tiny import N_TOKENS
 
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny matmuls: one thread is several times faster than two on a busy 2-core machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def run_cli(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
     monkeypatch.setattr(sys, "argv", ["quantkit", *args])
     monkeypatch.setenv("COLUMNS", "200")

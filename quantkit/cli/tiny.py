@@ -6,7 +6,14 @@ import json
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TransferSpeedColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
 from quantkit.cli import app, console
 
@@ -28,16 +35,21 @@ def tiny_model(
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a non-empty OUT_DIR"),
 ) -> None:
     """Write a small random checkpoint of the real qwen3_5_moe architecture, with a working tokenizer."""
-    from quantkit.tiny import SIDECAR, make_tiny_model
+    import transformers
 
+    from quantkit.tiny import SIDECAR, TinyOptions, estimate_bytes, make_tiny_model
+
+    transformers.logging.set_verbosity_error()  # its missing-fast-kernel notices are noise here
     experts = experts if experts is not None else (32 if realistic else 8)
     top_k = top_k if top_k is not None else (min(8, experts) if realistic else min(2, experts))
     kw = dict(layers=layers, experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate, layout=layout,
               mtp=mtp, decisive=decisive, realistic=realistic, seed=seed, dtype=dtype, overwrite=overwrite)
     if realistic:
         with Progress(TextColumn("{task.description}"), BarColumn(), TransferSpeedColumn(), TimeElapsedColumn(),
+                      TimeRemainingColumn(),
                       console=console, transient=True) as prog:
-            task = prog.add_task("generating tensors", total=None)
+            opts = {k: v for k, v in kw.items() if k != "overwrite"}
+            task = prog.add_task("generating tensors", total=estimate_bytes(TinyOptions(**opts)))
             out = make_tiny_model(out_dir, **kw, on_tensor=lambda _n, b: prog.advance(task, b))
     else:
         out = make_tiny_model(out_dir, **kw)
