@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from quantkit.server.backend import Backend, Prompt, SamplingParams
+from quantkit.server.backend import Backend, Prompt, SamplingParams, TokenEvent
 from quantkit.server.parsing import OutputDelta, OutputParser
 from quantkit.server.queue import Done, Failed, GenerationQueue, Job, QueueClosed, QueueFull
 from quantkit.server.schemas import (
@@ -213,10 +213,12 @@ class _Answer:
         self.done: Done | None = None
         self.error: str | None = None
 
-    def token(self, text: str) -> OutputDelta:
-        self.tokens += 1
-        if self.parser.reasoning.mode == "reasoning":
-            self.reasoning_tokens += 1
+    def token(self, ev: TokenEvent) -> OutputDelta:
+        if ev.token_id >= 0:
+            self.tokens += 1
+            if self.parser.reasoning.mode == "reasoning":
+                self.reasoning_tokens += 1
+        text = ev.text
         d = self.parser.feed(text)
         if self.parser.stopped:
             self.job.stop("stop")
@@ -320,7 +322,8 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
                                 f"Please reduce the length of the messages or completion.",
                            param="messages", code="context_length_exceeded")
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                top_k=req.top_k if req.top_k and req.top_k > 0 else None, seed=req.seed)
+                                top_k=req.top_k if req.top_k and req.top_k > 0 else None, seed=req.seed,
+                                ignore_eos=req.ignore_eos)
         job = Job(prompt=prompt, params=params, loop=asyncio.get_running_loop())
         try:
             state["queue"].submit(job)
@@ -365,7 +368,7 @@ async def _complete(answer: _Answer, rid: str, created: int, model: str) -> JSON
             raise ApiError(500, ev.message, "server_error")
         if isinstance(ev, Done) and ev.finish_reason == "cancelled":
             raise ApiError(503, "generation was cancelled: the server is shutting down", "service_unavailable")
-        d = answer.end(ev) if isinstance(ev, Done) else answer.token(ev.text)
+        d = answer.end(ev) if isinstance(ev, Done) else answer.token(ev)
         reasoning.append(d.reasoning)
         content.append(d.content)
         calls.extend(d.tool_calls)
@@ -430,7 +433,7 @@ async def _stream(answer: _Answer, watcher: asyncio.Task, rid: str, created: int
                             "timings": _timings(ev, answer.tokens).model_dump()})
                 yield "data: [DONE]\n\n"
                 return
-            for s in deltas(answer.token(ev.text)):
+            for s in deltas(answer.token(ev)):
                 yield s
     finally:
         job.stop()

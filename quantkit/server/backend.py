@@ -20,6 +20,7 @@ class SamplingParams:
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
+    ignore_eos: bool = False  # keep going past end-of-turn tokens (vLLM's extension; for benchmarks and tests)
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class Prompt:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    token_id: int
+    token_id: int  # -1: no new token, only text held back until the end (an incomplete character)
     text: str  # the text this token adds to the output (may be "" while a multi-byte character is split)
 
 

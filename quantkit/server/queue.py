@@ -149,10 +149,11 @@ class GenerationQueue:
         try:
             if not job.cancel.is_set():
                 for ev in self.backend.generate(job.prompt, job.params, job.cancel):
-                    n += 1
-                    last = time.perf_counter()
-                    if first is None:
-                        first = last
+                    if ev.token_id >= 0:
+                        n += 1
+                        last = time.perf_counter()
+                        if first is None:
+                            first = last
                     job._put(ev)
                     if job.cancel.is_set() or n >= job.params.max_tokens:
                         break

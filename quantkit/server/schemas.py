@@ -102,6 +102,7 @@ class ChatCompletionRequest(_Strict):
     tools: list[ToolDef] | None = None
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
 
     @property
     def stop_list(self) -> list[str]:
