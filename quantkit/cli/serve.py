@@ -42,7 +42,7 @@ def serve(
     max_queue: int = typer.Option(8, "--max-queue", help="requests that may wait behind the running one; more get 429"),
     max_body: str = typer.Option("8MB", "--max-body", help="largest request body accepted (413 beyond)"),
     model_name: str = typer.Option(None, "--served-model-name", help="model id clients use (default: folder name)"),
-    max_context: int = typer.Option(None, "--max-context", help="cap the context length (default: the model's)"),
+    context: int = typer.Option(None, "--context", help="context length to plan for (default: the plan's, or 4096)"),
     default_max_tokens: int = typer.Option(None, "--default-max-tokens",
                                            help="max_tokens when a request gives none (default: rest of context)"),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
@@ -62,7 +62,7 @@ def serve(
     from quantkit.server.app import ServerConfig, create_app
     from quantkit.server.runtime_backend import load_backend
 
-    backend = load_backend(model_dir, plan=plan, model_id=model_name, max_context=max_context)
+    backend = load_backend(model_dir, plan=plan, model_id=model_name, max_context=context)
     config = ServerConfig(max_queue=max_queue, max_body_bytes=body_limit, default_max_tokens=default_max_tokens)
     shown = f"[{host}]" if ":" in host else host
     console.print(f"serving [bold]{backend.model_id}[/] on http://{shown}:{port}/v1 (context {backend.max_context} "

@@ -322,7 +322,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
                                 f"Please reduce the length of the messages or completion.",
                            param="messages", code="context_length_exceeded")
         params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                top_k=req.top_k if req.top_k and req.top_k > 0 else None, seed=req.seed,
+                                top_k=None if req.top_k is None else max(req.top_k, 0), seed=req.seed,
                                 ignore_eos=req.ignore_eos)
         job = Job(prompt=prompt, params=params, loop=asyncio.get_running_loop())
         try:

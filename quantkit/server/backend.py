@@ -18,7 +18,7 @@ class SamplingParams:
     max_tokens: int
     temperature: float | None = None  # None: the model's generation_config default
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = None  # 0: off
     seed: int | None = None
     ignore_eos: bool = False  # keep going past end-of-turn tokens (vLLM's extension; for benchmarks and tests)
 
