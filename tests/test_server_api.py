@@ -29,7 +29,7 @@ from quantkit.server.app import ServerConfig, create_app
 from quantkit.server.backend import SamplingParams
 from quantkit.server.parsing import split_reasoning
 
-MAX_CONTEXT = 512
+MAX_CONTEXT = 2048
 MAX_BODY = 64_000
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "Current weather for a city",
@@ -292,7 +292,7 @@ def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, q4,
 
 
 def test_prompt_longer_than_the_context_is_refused_with_the_numbers(server, backend, q4):
-    long = [{"role": "user", "content": "the agent world model predicts " * 150}]
+    long = [{"role": "user", "content": "the agent world model predicts " * 500}]
     n = len(backend.render(long, None, True).ids)
     assert n > MAX_CONTEXT
     r = _post(server, {"model": q4.name, "messages": long})
@@ -357,4 +357,16 @@ def test_a_full_queue_answers_429_and_the_others_finish(server, q4):
             text = "".join(line for line in waiting.iter_lines())
             assert text.rstrip().endswith("data: [DONE]")
     assert httpx.get(server.url + "/health").json()["queue"]["rejected"] >= 1
+    assert _post(server, _ok_body(q4)).status_code == 200
+
+
+def test_a_plain_request_whose_client_gives_up_is_cancelled(server, q4):
+    before = idle(server)["queue"]
+    long = MAX_CONTEXT - 40
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/chat/completions", json=_ok_body(q4, max_tokens=long, ignore_eos=True),
+                   timeout=httpx.Timeout(120, read=0.5))
+    after = idle(server)["queue"]
+    assert after["cancelled"] == before["cancelled"] + 1
+    assert after["last_cancelled_tokens"] < long
     assert _post(server, _ok_body(q4)).status_code == 200

@@ -67,4 +67,9 @@ def serve(
     shown = f"[{host}]" if ":" in host else host
     console.print(f"serving [bold]{backend.model_id}[/] on http://{shown}:{port}/v1 (context {backend.max_context} "
                   f"tokens, up to {max_queue} waiting requests)", highlight=False)
-    uvicorn.run(create_app(backend, config), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(create_app(backend, config), host=host, port=port, log_level=log_level,
+                    timeout_graceful_shutdown=5)
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on; that is a normal stop
+        pass
+    console.print("server stopped")

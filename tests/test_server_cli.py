@@ -1,0 +1,119 @@
+"""`quantkit serve` as users start it: the real command in a subprocess answering the openai client
+(plain, streaming, tools), and its bad input through the real entry point (one line, exit 2)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from quantkit.cli import main
+from quantkit.cli.serve import is_loopback
+
+
+@pytest.fixture(scope="module")
+def q4(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("serve-cli") / "q4"
+    r = subprocess.run([sys.executable, "-m", "quantkit", "quantize", str(tiny_model), "--bits", "4", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def run(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
+    monkeypatch.setattr(sys, "argv", ["quantkit", *args])
+    monkeypatch.setenv("COLUMNS", "200")
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
+                                           "parameters": {"type": "object",
+                                                          "properties": {"path": {"type": "string"}}}}}]
+
+
+@pytest.mark.slow
+def test_quantkit_serve_answers_the_openai_client(q4: Path, tmp_path: Path):
+    port = free_port()
+    log = (tmp_path / "serve.log").open("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "quantkit", "serve", str(q4), "--port", str(port),
+                             "--max-queue", "2", "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "COLUMNS": "200"})
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, Path(log.name).read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()["status"] == "ok":
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.5)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+        assert [m.id for m in client.models.list().data] == ["q4"]
+        msgs = [{"role": "user", "content": "hello"}]
+        r = client.chat.completions.create(model="q4", messages=msgs, max_tokens=5)
+        assert r.choices[0].message.role == "assistant" and 1 <= r.usage.completion_tokens <= 5
+        chunks = list(client.chat.completions.create(model="q4", messages=msgs, max_tokens=5, stream=True))
+        assert chunks[-1].usage is not None and any(c.choices and c.choices[0].finish_reason for c in chunks)
+        r = client.chat.completions.create(model="q4", messages=msgs, tools=TOOLS, max_tokens=5,
+                                           extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+        assert r.usage.prompt_tokens > 100  # the tool schema and instructions went into the prompt
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    out = Path(log.name).read_text()
+    assert f"serving q4 on http://127.0.0.1:{port}/v1" in out and "server stopped" in out
+    assert proc.returncode == 0, out
+
+
+def test_serve_bad_input_is_one_line(tmp_path: Path, capsys, monkeypatch):
+    cases = [
+        (["serve", str(tmp_path / "missing")], "not a folder"),
+        (["serve", str(tmp_path), "--max-queue", "0"], "--max-queue 0"),
+        (["serve", str(tmp_path), "--max-body", "lots"], "--max-body 'lots'"),
+        (["serve", str(tmp_path), "--port", "70000"], "--port 70000"),
+    ]
+    for args, needle in cases:
+        code, out, err = run(args, capsys, monkeypatch)
+        assert code == 2, (args, out, err)
+        assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (args, err)
+
+
+def test_binding_beyond_loopback_warns(tmp_path: Path, capsys, monkeypatch):
+    # the folder is missing, so nothing is ever bound: this checks the warning comes first
+    code, _, err = run(["serve", str(tmp_path / "missing"), "--host", "0.0.0.0"], capsys, monkeypatch)
+    assert code == 2
+    assert "warning" in err and "0.0.0.0" in err and "no authentication" in err
+    code, _, err = run(["serve", str(tmp_path / "missing")], capsys, monkeypatch)
+    assert "warning" not in err
+
+
+def test_loopback_addresses():
+    assert all(is_loopback(h) for h in ("127.0.0.1", "127.1.2.3", "::1", "[::1]", "localhost"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.5", "10.0.0.1", "example.org"))
