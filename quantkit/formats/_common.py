@@ -1,15 +1,26 @@
-"""Helpers shared by the formats: shape checks and chunked iteration over matrix rows."""
+"""Helpers shared by the formats: shape checks, chunked iteration over matrix rows, nibble packing.
+
+Speed notes (torch 2.13 CPU, measured per 256K elements on one core): float elementwise ops cost
+40-100 us, but a float -> uint8 cast or any op producing bool costs 250-300 us and strided pair
+slicing (q[..., 0::2]) about 400 us; `torch.bucketize` costs 10 ms. So codes are made as int8 (fast
+cast) and packed through an int16/int64 view of adjacent bytes, comparisons write float outputs, and
+non-uniform code books go through a lookup table (`torch.index_select`) instead of a search.
+"""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 
 import torch
 
 from quantkit.errors import QuantkitError
 
+# The byte-view packing below assumes little-endian element order inside a 16/64-bit word.
+assert sys.byteorder == "little", "quantkit.formats packs nibbles through little-endian views"
+
 # Rows are processed in chunks of about this many elements: the fp32 temporaries of a chunk stay in
-# the L2 cache (1 MB), which measured 2-3x faster than 8M-element chunks, and memory stays bounded.
+# the L2 cache, which measured 2-3x faster than 8M-element chunks, and memory stays bounded.
 CHUNK_ELEMENTS = 1 << 18
 
 
@@ -33,10 +44,27 @@ def row_chunks(rows: int, cols: int) -> Iterator[slice]:
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [..., n] (values 0..15) -> [..., n/2]: element 2j in the low nibble, 2j+1 in the high."""
-    return q[..., 0::2] | (q[..., 1::2] << 4)
+    """int8/uint8 codes [..., n] (0..15) -> uint8 [..., n/2]: element 2j low nibble, 2j+1 high."""
+    a = q.contiguous().view(torch.int16)  # little-endian: low byte = element 2j
+    return (a | (a >> 4)).to(torch.uint8)
+
+
+def pack_nibbles_hi_first(q: torch.Tensor) -> torch.Tensor:
+    """int8/uint8 codes [..., n] (0..15) -> uint8 [..., n/2]: element 2j HIGH nibble (bitsandbytes)."""
+    a = q.contiguous().view(torch.int16)
+    return ((a << 4) | (a >> 8)).to(torch.uint8)
 
 
 def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
     """Inverse of pack_nibbles: uint8 [..., n/2] -> uint8 codes [..., n]."""
     return torch.stack([p & 0x0F, p >> 4], dim=-1).flatten(-2)
+
+
+def unpack_nibbles_hi_first(p: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_nibbles_hi_first."""
+    return torch.stack([p >> 4, p & 0x0F], dim=-1).flatten(-2)
+
+
+def to_codes(qf: torch.Tensor) -> torch.Tensor:
+    """Float codes holding small non-negative integers -> int8 (the fast cast; see module notes)."""
+    return qf.to(torch.int8)

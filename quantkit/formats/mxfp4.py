@@ -11,14 +11,26 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec, register
 from quantkit.formats._common import check_matrix, row_chunks
 
 BLOCK = 32
 # E2M1 magnitudes, doubled (0, .5, 1, 1.5, 2, 3, 4, 6); codes 8..15 are the negatives.
 LEVELS = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12], dtype=torch.float32)
-MIDPOINTS = (LEVELS[1:] + LEVELS[:-1]) / 2
 KVALUES = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.float32)
+
+
+def _code_of_ceil() -> torch.Tensor:
+    """Code for each signed k = ceil(|2x/d|) * sign(x) + 32, k in 0..64: the level index is the count of
+    doubled midpoints (1, 3, 5, 7, 10, 14, 20) below k; negative magnitudes add 8 (zero stays code 0)."""
+    mids2 = torch.tensor([1, 3, 5, 7, 10, 14, 20])
+    mag = (torch.arange(33)[:, None] > mids2).sum(dim=1)
+    neg = torch.where(mag > 0, mag + 8, mag)
+    return torch.cat([neg.flip(0)[:-1], mag]).to(torch.int8)
+
+
+CODE_OF_CEIL = _code_of_ceil()
 
 
 def e8m0_to_fp32_half(e: torch.Tensor) -> torch.Tensor:
@@ -45,6 +57,8 @@ class MXFP4:
 
     def quantize(self, w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
         check_matrix(w, BLOCK, self.name)
+        if spec.group_size not in (None, BLOCK):
+            raise QuantkitError(f"mxfp4: blocks are {BLOCK} elements by definition, not {spec.group_size}")
         cols = w.shape[-1]
         flat = w.reshape(-1, BLOCK)
         n = flat.shape[0]
@@ -53,12 +67,15 @@ class MXFP4:
         for sl in row_chunks(n, BLOCK):
             x = flat[sl].float()
             e = _exponents(x.abs().amax(dim=1))
-            d = e8m0_to_fp32_half(e)[:, None]
-            # |x| / d is exact (d is a power of two), so rounding to the nearest level on that scale,
-            # ties to the smaller magnitude, picks the same code as gguf's argmin over |d*k - x|.
-            i = torch.bucketize(x.abs() / d, MIDPOINTS, right=False)
-            q = torch.where((x < 0) & (i > 0), i + 8, i).to(torch.uint8)
-            packed[sl] = q[:, :16] | (q[:, 16:] << 4)
+            # v = 2x/d is exact (d is a power of two; divide, since 2/d overflows for the smallest d).
+            # The E2M1 midpoints are odd integers or 10, 14, 20 on that doubled scale, so ceil(|v|)
+            # alone decides the code, ties to the smaller magnitude as gguf's first-argmin does.
+            v = x / (e8m0_to_fp32_half(e) * 0.5)[:, None]  # not in place: x may be the caller's w
+            k = torch.copysign(v.abs().ceil_(), v).add_(32)  # -0.0 -> 32 like +0.0: code 0
+            q = torch.index_select(CODE_OF_CEIL, 0, k.to(torch.int32).view(-1)).view(-1, BLOCK)
+            # elements 0..15 low nibbles, 16..31 high: as int64 words of 8 codes, lo | hi << 4
+            q64 = q.view(torch.int64)
+            packed[sl] = (q64[:, :2] | (q64[:, 2:] << 4)).view(torch.uint8)
             scales[sl] = e
         lead = w.shape[:-1]
         return {"scales": scales.reshape(*lead, cols // BLOCK), "qweight": packed.reshape(*lead, cols // 2)}
