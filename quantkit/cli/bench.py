@@ -27,3 +27,26 @@ def bench_quantize(
 
     d = run(reports, workdir, experts, layers, slab, reps, checkpoint, log=console.print)
     console.print(f"wrote {reports / 'bench-quantize.md'} ({d['seconds']:.0f} s)")
+
+
+@bench_app.command("serve")
+def bench_serve(
+    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-serve.{md,json} go"),
+    model: Path = typer.Option(None, "--model", help="checkpoint to serve (default: a tiny int4 one made in --workdir)"),
+    workdir: Path = typer.Option(Path("/tmp/quantkit-bench-serve"), "--workdir", help="generated model and server log"),
+    clients: int = typer.Option(8, "--clients", help="concurrent clients"),
+    requests: int = typer.Option(10, "--requests", help="requests per client"),
+    max_tokens: int = typer.Option(16, "--max-tokens", help="tokens generated per request"),
+    max_queue: int = typer.Option(4, "--max-queue", help="the server's --max-queue (fewer than clients: 429s)"),
+    retries: int = typer.Option(20, "--retries", help="retries of a request after 429 (Retry-After apart)"),
+    disconnects: int = typer.Option(3, "--disconnects", help="clients that hang up mid-stream in the fault phase"),
+    context: int = typer.Option(None, "--context", help="the server's --context"),
+) -> None:
+    """Load and fault test of `quantkit serve`: latency percentiles, throughput, RSS before/after."""
+    from quantkit.bench.serve import run
+
+    d = run(reports, model, workdir, clients, requests, max_tokens, max_queue, retries, disconnects, context,
+            log=console.print)
+    for name, ok in d["checks"].items():
+        console.print(f"{'PASS' if ok else 'FAIL'} {name}")
+    console.print(f"wrote {reports / 'bench-serve.md'}")
