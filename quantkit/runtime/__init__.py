@@ -1,0 +1,37 @@
+"""The quantized runtime: load a checkpoint onto a placement (experts resident), generate, chat.
+
+Python API (what `quantkit generate`, `quantkit chat` and the server use):
+
+    from quantkit.runtime import load_model, SamplingParams
+
+    rt = load_model("/tmp/q4")                       # plans for the detected hardware
+    rt = load_model("/tmp/q4", plan="plan.json")     # or a plan from `quantkit plan --out`
+    rt = load_model("/tmp/bf16", recipe="int4")      # an unquantized checkpoint, quantized while loading
+
+    for ev in rt.generate_stream(messages, tools=None, enable_thinking=True,
+                                 temperature=0.6, top_p=0.95, top_k=20, seed=0, max_new_tokens=256):
+        if ev.response is None:
+            print(ev.text, end="")                   # ev.channel is "thinking" or "answer"
+        else:
+            resp = ev.response                       # GenerationResponse: text, thinking, token counts,
+                                                     # prompt_tps, generation_tps, peak_memory, finish_reason
+    rt.stop()                                        # from another thread: ends the stream ("cancelled")
+    # or pass cancel=threading.Event() to generate_stream and set it
+
+`messages` are chat-template messages ({"role": "system"|"user"|"assistant"|"tool", "content": ...},
+assistant turns may carry `reasoning_content` and `tool_calls`); `tools` are OpenAI-style function
+schemas, rendered by the model's own template. One generation runs at a time per Runtime (a lock);
+`rt.context` is the context length the placement was planned for, `rt.memory()` the resident weight
+bytes per device, `rt.report.routes` the kernel each matrix uses.
+
+Modules: kernels (per-format matmuls and their dequantize-then-matmul reference), qlinear
+(QuantLinear), qexperts (QuantExperts), loader (load_model, Placement), generate (sampling loop,
+GenerationResponse, TokenEvent), engine (Runtime), chat (the interactive loop), worlds (AgentWorld
+domain system prompts).
+"""
+
+from quantkit.runtime.engine import Runtime
+from quantkit.runtime.generate import GenerationResponse, SamplingParams, TokenEvent
+from quantkit.runtime.loader import Placement, load_model
+
+__all__ = ["GenerationResponse", "Placement", "Runtime", "SamplingParams", "TokenEvent", "load_model"]

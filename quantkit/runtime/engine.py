@@ -1,0 +1,176 @@
+"""`Runtime`: a loaded model with its tokenizer and chat template, generating token streams."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.runtime.generate import GenerationResponse, SamplingParams, TokenEvent, stream_tokens
+
+
+def load_tokenizer(folder: Path) -> Any:
+    """The model's own tokenizer, from local files only, never with remote code."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise QuantkitError(f"{folder}: cannot load the tokenizer ({str(e).splitlines()[0]})") from None
+    if not getattr(tok, "chat_template", None):
+        raise QuantkitError(f"{folder}: the tokenizer has no chat template (tokenizer_config.json chat_template)")
+    return tok
+
+
+def stop_token_ids(folder: Path, config: dict[str, Any], tok: Any) -> set[int]:
+    """eos ids from generation_config.json and config.json, plus <|im_end|> and <|endoftext|>."""
+    ids: set[int] = set()
+
+    def add(v: Any) -> None:
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, list):
+            ids.update(x for x in v if isinstance(x, int))
+
+    gc = folder / "generation_config.json"
+    if gc.is_file():
+        try:
+            add(json.loads(gc.read_text()).get("eos_token_id"))
+        except (json.JSONDecodeError, AttributeError):
+            pass
+    add(config.get("text_config", config).get("eos_token_id"))
+    for t in ("<|im_end|>", "<|endoftext|>"):
+        i = tok.convert_tokens_to_ids(t)
+        if isinstance(i, int) and i != tok.unk_token_id:
+            ids.add(i)
+    return ids
+
+
+def generation_defaults(folder: Path) -> dict[str, Any]:
+    gc = folder / "generation_config.json"
+    if not gc.is_file():
+        return {}
+    try:
+        d = json.loads(gc.read_text())
+    except json.JSONDecodeError:
+        return {}
+    return {k: d[k] for k in ("temperature", "top_p", "top_k") if isinstance(d.get(k), (int, float))}
+
+
+class Runtime:
+    """A model ready to generate. Built by `quantkit.runtime.load_model`."""
+
+    def __init__(self, model: Any, folder: Path, config: dict[str, Any], placement: Any, report: Any,
+                 recipe: Any = None, plan: Any = None):
+        self.model = model
+        self.folder = folder
+        self.config = config
+        self.placement = placement
+        self.report = report
+        self.recipe = recipe
+        self.plan = plan
+        self.tokenizer = load_tokenizer(folder)
+        self.stop_ids = stop_token_ids(folder, config, self.tokenizer)
+        self.defaults = generation_defaults(folder)
+        vocab = self.tokenizer.get_vocab()
+        self.think_ids = (vocab.get("<think>"), vocab.get("</think>"))
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()
+        self.last: GenerationResponse | None = None
+
+    # ---- facts ----
+    @property
+    def context(self) -> int:
+        return self.placement.context
+
+    @property
+    def devices(self) -> list[str]:
+        return self.placement.devices()
+
+    def memory(self) -> dict[str, int]:
+        """Resident weight bytes per device (what the loader placed)."""
+        return dict(self.report.bytes_by_device)
+
+    # ---- prompts ----
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+               enable_thinking: bool = True) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                      enable_thinking=enable_thinking, tokenize=False)
+        except Exception as e:  # jinja2 raises TemplateError subclasses for malformed messages
+            raise QuantkitError(f"the chat template rejects these messages ({e})") from None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                     enable_thinking: bool = True) -> int:
+        return len(self.encode(self.render(messages, tools, enable_thinking)))
+
+    # ---- generation ----
+    def sampling(self, **overrides: Any) -> SamplingParams:
+        """SamplingParams from the model's generation_config.json, then `overrides` (None = keep)."""
+        d = dict(self.defaults)
+        d.update({k: v for k, v in overrides.items() if v is not None})
+        return SamplingParams(**d)
+
+    def generate_stream(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                        enable_thinking: bool = True, sampling: SamplingParams | None = None,
+                        cancel: threading.Event | None = None, **sampling_kw: Any) -> Iterator[TokenEvent]:
+        """Token events for the assistant's reply to `messages`; the last event carries the response."""
+        if not messages:
+            raise QuantkitError("empty conversation: give at least one message")
+        sp = sampling or self.sampling(**sampling_kw)
+        ids = self.encode(self.render(messages, tools, enable_thinking))
+        yield from self.generate_ids(ids, sampling=sp, thinking=enable_thinking, cancel=cancel)
+
+    def generate_ids(self, ids: list[int], sampling: SamplingParams, thinking: bool = True,
+                     cancel: threading.Event | None = None,
+                     stop_ids: set[int] | None = None) -> Iterator[TokenEvent]:
+        """stop_ids: None = the model's end-of-turn tokens; set() = none (the server's ignore_eos)."""
+        with self._lock:
+            self._cancel.clear()
+            ev = _AnyEvent(self._cancel, cancel)
+            stops = self.stop_ids if stop_ids is None else stop_ids
+            for e in stream_tokens(self.model, self.tokenizer, ids, sampling=sampling, stop_ids=stops,
+                                   context=self.context, devices=self._io_devices(), thinking=thinking,
+                                   think_ids=self.think_ids, cancel=ev):
+                if e.response is not None:
+                    self.last = e.response
+                yield e
+
+    def generate(self, messages: list[dict[str, Any]], **kw: Any) -> GenerationResponse:
+        resp = None
+        for e in self.generate_stream(messages, **kw):
+            resp = e.response or resp
+        assert resp is not None
+        return resp
+
+    def stop(self) -> None:
+        """Stop the generation in progress (it ends with finish_reason "cancelled")."""
+        self._cancel.set()
+
+    def _io_devices(self) -> list[str]:
+        # the embedding's device first: input ids go there
+        return [self.placement.embedding, *[d for d in self.devices if d != self.placement.embedding]]
+
+    @torch.inference_mode()
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        """Full-sequence logits [B, T, V] (no cache), for evaluation."""
+        dev = torch.device(self.placement.embedding)
+        return self.model(input_ids=ids.to(dev), use_cache=False).logits.float()
+
+
+class _AnyEvent:
+    """Set when either event is set (the runtime's stop() or the caller's own cancel)."""
+
+    def __init__(self, *events: threading.Event | None):
+        self.events = [e for e in events if e is not None]
+
+    def is_set(self) -> bool:
+        return any(e.is_set() for e in self.events)

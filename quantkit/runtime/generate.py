@@ -1,0 +1,220 @@
+"""The decoding loop: chunked prefill, sampling, streaming detokenization, thinking vs answer channels.
+
+`stream_tokens(model, tokenizer, prompt_ids, ...)` yields a `TokenEvent` per generated token and a last
+event carrying the `GenerationResponse` (text, thinking, token counts, prompt and generation tok/s,
+peak memory per device, finish reason). Prompt tok/s = prompt tokens / prefill seconds; generation
+tok/s = tokens after the first / seconds of the decode steps that produced them (the first token comes
+from the prefill's logits, as mlx-lm and llama.cpp count it).
+
+Channels: with thinking on, the chat template's generation prompt ends inside `<think>`, so tokens are
+"thinking" until the model emits `</think>`, then "answer"; a `<think>` token switches back. The tags
+themselves are not part of either text.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from quantkit.errors import QuantkitError
+
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class SamplingParams:
+    """temperature 0 means greedy. Defaults are the model card's evaluation settings."""
+
+    temperature: float = 0.6
+    top_p: float = 0.95
+    top_k: int = 20
+    seed: int | None = None
+    max_new_tokens: int = 512
+
+    def validate(self) -> None:
+        if self.temperature < 0:
+            raise QuantkitError(f"--temperature {self.temperature}: must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise QuantkitError(f"--top-p {self.top_p}: must be in (0, 1]")
+        if self.top_k < 0:
+            raise QuantkitError(f"--top-k {self.top_k}: must be >= 0 (0 = off)")
+        if self.max_new_tokens < 1:
+            raise QuantkitError(f"--max-new-tokens {self.max_new_tokens}: must be at least 1")
+
+
+@dataclass
+class GenerationResponse:
+    text: str  # the answer (thinking excluded)
+    thinking: str
+    token: int | None  # the last token generated
+    prompt_tokens: int
+    generation_tokens: int
+    prompt_tps: float
+    generation_tps: float
+    peak_memory: dict[str, int] = field(default_factory=dict)  # device -> bytes
+    finish_reason: str = "stop"  # stop | length | context | cancelled
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    token_ids: list[int] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d.pop("token_ids")
+        d["prompt_tps"] = round(self.prompt_tps, 2)
+        d["generation_tps"] = round(self.generation_tps, 2)
+        return d
+
+
+@dataclass
+class TokenEvent:
+    """One streamed token. `text` is the new printable text (may be empty while a multi-byte character
+    is incomplete). The final event has `token` None and `response` set."""
+
+    text: str
+    token: int | None
+    channel: str  # "thinking" | "answer"
+    index: int
+    response: GenerationResponse | None = None
+
+
+class StreamingDetokenizer:
+    """Incremental decode: re-decodes only the tokens since the last clean character boundary."""
+
+    def __init__(self, tokenizer: Any):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.printed = ""
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        if text.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 sequence: wait for the next byte
+        delta = text[len(self.printed):]
+        if len(self.ids) > 8:  # start afresh from a clean boundary so decode cost stays constant
+            self.ids, self.printed = [], ""
+        else:
+            self.printed = text
+        return delta
+
+    def reset(self) -> None:
+        self.ids, self.printed = [], ""
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    """One token from [V] logits: greedy at temperature 0, else top-k, then top-p, then temperature."""
+    logits = logits.float()
+    if p.temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits / p.temperature
+    if p.top_k and p.top_k < logits.numel():
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if p.top_p < 1.0:
+        sorted_l, idx = torch.sort(logits, descending=True)
+        probs = torch.softmax(sorted_l, dim=-1)
+        cum = probs.cumsum(-1)
+        drop = cum - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_l = sorted_l.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(0, idx, sorted_l)
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def peak_memory(devices: list[str]) -> dict[str, int]:
+    """Peak bytes per device: CPU = the process's peak RSS; CUDA = torch's peak allocation."""
+    out: dict[str, int] = {}
+    for d in dict.fromkeys(devices):
+        dev = torch.device(d)
+        if dev.type == "cuda":
+            out[str(dev)] = int(torch.cuda.max_memory_allocated(dev))
+        elif dev.type == "cpu":
+            import resource
+            import sys
+
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            out["cpu"] = int(rss if sys.platform == "darwin" else rss * 1024)
+    return out
+
+
+def _forward(model: Any, ids: torch.Tensor, cache: Any) -> torch.Tensor:
+    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[0, -1]
+
+
+def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling: SamplingParams,
+                  stop_ids: set[int], context: int, devices: list[str], thinking: bool,
+                  think_ids: tuple[int | None, int | None] = (None, None),
+                  cancel: threading.Event | None = None) -> Iterator[TokenEvent]:
+    """Generate from `prompt_ids` (already rendered by the chat template). See the module docstring."""
+    from transformers import DynamicCache
+
+    sampling.validate()
+    n_prompt = len(prompt_ids)
+    if n_prompt == 0:
+        raise QuantkitError("empty prompt: give some text")
+    if n_prompt >= context:
+        raise QuantkitError(f"the prompt is {n_prompt} tokens; the context holds {context} "
+                            "(shorten it, or run with a larger --context)")
+    gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
+    think_start, think_end = think_ids
+    dev = torch.device(devices[0]) if devices else torch.device("cpu")
+    cache = DynamicCache(config=model.config)
+    detok = StreamingDetokenizer(tokenizer)
+    channel = "thinking" if thinking else "answer"
+    texts = {"thinking": [], "answer": []}
+    generated: list[int] = []
+    finish = "length"
+    t_dec = 0.0
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
+        logits = None
+        for s in range(0, n_prompt, PREFILL_CHUNK):
+            logits = _forward(model, ids[:, s:s + PREFILL_CHUNK], cache)
+        t_pre = time.perf_counter() - t0
+        assert logits is not None
+        budget = min(sampling.max_new_tokens, context - n_prompt)
+        for i in range(budget):
+            if cancel is not None and cancel.is_set():
+                finish = "cancelled"
+                break
+            tok = sample(logits, sampling, gen)
+            generated.append(tok)
+            if tok in stop_ids:
+                finish = "stop"
+                break
+            if tok == think_end:
+                delta, channel = "", "answer"
+                detok.reset()
+            elif tok == think_start:
+                delta, channel = "", "thinking"
+                detok.reset()
+            else:
+                delta = detok.add(tok)
+                if channel == "answer" and not "".join(texts["answer"]):
+                    delta = delta.lstrip("\n")
+                texts[channel].append(delta)
+            yield TokenEvent(delta, tok, channel, i)
+            if i == budget - 1:
+                finish = "length" if budget == sampling.max_new_tokens else "context"
+                break
+            t1 = time.perf_counter()
+            logits = _forward(model, torch.tensor([[tok]], dtype=torch.long, device=dev), cache)
+            t_dec += time.perf_counter() - t1
+    n_gen = len(generated)
+    steps = max(0, n_gen - 1) if finish != "cancelled" else n_gen
+    resp = GenerationResponse(
+        text="".join(texts["answer"]).strip(), thinking="".join(texts["thinking"]).strip("\n"),
+        token=generated[-1] if generated else None, prompt_tokens=n_prompt, generation_tokens=n_gen,
+        prompt_tps=n_prompt / t_pre if t_pre > 0 else 0.0,
+        generation_tps=steps / t_dec if t_dec > 0 and steps else 0.0,
+        peak_memory=peak_memory(devices), finish_reason=finish, prefill_seconds=t_pre, decode_seconds=t_dec,
+        token_ids=generated,
+    )
+    yield TokenEvent("", None, channel, n_gen, resp)

@@ -1,0 +1,332 @@
+"""Per-format matmul kernels: `y = x @ W^T` for one stored matrix W [out, in], on the device it lives on.
+
+`prepare(parts, spec, shape, device)` turns a tensor's stored parts (quantkit/formats contract) into a
+`Kernel` ONCE at load (packing, layout conversion); `kernel(x)` then runs on every forward without
+touching the weight again. `reference_matmul` is the plain dequantize-then-matmul every kernel is
+tested against.
+
+Routes (the first that applies):
+- bf16 (kept tensors): `F.linear`.
+- int8: `torch._weight_int8pack_mm` (CPU; CUDA where torch has it, else dequantize-on-the-fly).
+- int4: CPU `_convert_weight_to_int4pack_for_cpu` at load + `_weight_int4pack_mm_for_cpu`; CUDA
+  `_convert_weight_to_int4pack` + `_weight_int4pack_mm` (tinygemm). The stored codes/scales already
+  follow tinygemm's float-zero convention, so nothing is requantized. Rows are padded to a multiple
+  of 16 (the CPU packer's requirement) and the padding sliced off the output.
+- nf4/fp4: bitsandbytes. On a CPU with AVX512-BF16 its packed gemv (`_convert_weight_packed_for_cpu`
+  once, then `gemv_4bit`: what `Linear4bit.eval()` does); elsewhere on CPU bitsandbytes'
+  C dequantizer + `F.linear` (again what `Linear4bit` does there); CUDA `bnb.matmul_4bit`.
+  Without bitsandbytes: dequantize-on-the-fly in torch.
+- mxfp4: no library has a CPU MXFP4 matmul for torch, so at load each E2M1 code (doubled values
+  0,1,2,3,4,6,8,12 and negatives) is split EXACTLY into lo + 4*hi with lo, hi in -3..3, and the two
+  halves become one tinygemm int4 matrix over a doubled inner dimension: y = [x, x] @ [W_lo, W_hi]^T
+  with group scales 2^(e-128) and 2^(e-126) (powers of two: exact in bf16). One int4 kernel call,
+  9 bits per weight resident instead of 4.25 (`MXFP4_ROUTE="dequant"` keeps the stored 4.25 bits and
+  dequantizes per call instead, slower).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from quantkit.errors import QuantkitError
+from quantkit.formats import QuantSpec, get_format
+
+COMPUTE_DTYPE = torch.bfloat16
+MXFP4_ROUTE = os.environ.get("QUANTKIT_MXFP4_ROUTE", "int4x2")  # or "dequant"
+
+
+def reference_matmul(x: torch.Tensor, parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | None,
+                     shape: tuple[int, ...]) -> torch.Tensor:
+    """Dequantize (formats' own dequantize) to fp32, then x @ W^T in fp32."""
+    if spec is None:
+        w = parts.float() if isinstance(parts, torch.Tensor) else parts["weight"].float()
+    else:
+        cpu_parts = {k: v.cpu() for k, v in parts.items()}
+        w = get_format(spec.format).dequantize(cpu_parts, spec, tuple(shape), torch.float32).to(x.device)
+    return x.float() @ w.t()
+
+
+class Kernel:
+    """One prepared matrix. Call with x [M, in] (any float dtype) -> [M, out] in x's dtype."""
+
+    route: str = "?"
+    out_features: int
+    in_features: int
+    device: torch.device
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def tensors(self) -> list[torch.Tensor]:
+        return []
+
+
+class DenseKernel(Kernel):
+    route = "bf16 F.linear"
+
+    def __init__(self, w: torch.Tensor):
+        self.w = w
+        self.out_features, self.in_features = w.shape
+        self.device = w.device
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.w.dtype), self.w).to(x.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.w]
+
+
+class DequantKernel(Kernel):
+    """Fallback: dequantize the stored parts on every call (in torch), then F.linear."""
+
+    route = "dequantize + F.linear"
+
+    def __init__(self, parts: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, int]):
+        self.parts, self.spec, self.shape = parts, spec, tuple(shape)
+        self.fmt = get_format(spec.format)
+        self.out_features, self.in_features = shape
+        self.device = next(iter(parts.values())).device
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.fmt.dequantize(self.parts, self.spec, self.shape, COMPUTE_DTYPE)
+        return F.linear(x.to(COMPUTE_DTYPE), w).to(x.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.parts.values())
+
+
+class Int8Kernel(Kernel):
+    route = "torch._weight_int8pack_mm"
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor):
+        self.q, self.s = q.contiguous(), scales.to(COMPUTE_DTYPE).contiguous()
+        self.out_features, self.in_features = q.shape
+        self.device = q.device
+        if q.device.type != "cpu" and not _int8pack_works(q.device):
+            self.route = "int8 dequantize + F.linear"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xb = x.to(COMPUTE_DTYPE)
+        if self.route == "torch._weight_int8pack_mm":
+            return torch._weight_int8pack_mm(xb, self.q, self.s).to(x.dtype)
+        return (F.linear(xb, self.q.to(COMPUTE_DTYPE)) * self.s).to(x.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.q, self.s]
+
+
+@functools.lru_cache(maxsize=8)
+def _int8pack_works(device: torch.device) -> bool:
+    try:
+        x = torch.randn(1, 64, dtype=COMPUTE_DTYPE, device=device)
+        torch._weight_int8pack_mm(x, torch.ones(16, 64, dtype=torch.int8, device=device),
+                                  torch.ones(16, dtype=COMPUTE_DTYPE, device=device))
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _pad_rows(t: torch.Tensor, rows: int, value: int | float) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    pad = torch.full((rows - t.shape[0], *t.shape[1:]), value, dtype=t.dtype, device=t.device)
+    return torch.cat([t, pad])
+
+
+class Int4Kernel(Kernel):
+    """tinygemm int4 from unsigned codes [out, in] (0..15), bf16 scales/zeros [out, in/g]."""
+
+    route = "torch _weight_int4pack_mm_for_cpu"
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int,
+                 in_features: int | None = None, dup_input: int = 1):
+        n, k = codes.shape
+        self.out_features, self.in_features = n, in_features or k
+        self.dup = dup_input
+        self.group = group
+        self.device = codes.device
+        npad = -(-n // 16) * 16
+        codes = _pad_rows(codes, npad, 8)  # code 8 with scale 0 is an exact zero row
+        scales = _pad_rows(scales.to(COMPUTE_DTYPE), npad, 0)
+        zeros = _pad_rows(zeros.to(COMPUTE_DTYPE), npad, 0) if zeros is not None else torch.zeros_like(scales)
+        self.sz = torch.stack([scales.t(), zeros.t()], dim=-1).contiguous()  # [in/g, out, 2]
+        if codes.device.type == "cpu":
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 2)
+            self._mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+        else:
+            self.route = "torch _weight_int4pack_mm (tinygemm CUDA)"
+            packed_u8 = ((codes[:, 0::2] << 4) | codes[:, 1::2]).to(torch.uint8).contiguous()
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(packed_u8, 8)
+            self._mm = torch.ops.aten._weight_int4pack_mm
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xb = x.to(COMPUTE_DTYPE)
+        if self.dup > 1:
+            xb = xb.repeat(1, self.dup)
+        y = self._mm(xb.contiguous(), self.packed, self.group, self.sz)
+        return y[:, :self.out_features].to(x.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed, self.sz]
+
+
+class Bnb4Kernel(Kernel):
+    """bitsandbytes nf4/fp4 from our stored bytes (bitsandbytes' own layout)."""
+
+    def __init__(self, parts: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, int]):
+        import bitsandbytes.functional as bf
+
+        self.out_features, self.in_features = shape
+        self.device = parts["qweight"].device
+        block = spec.group_size or 64
+        qs = bf.QuantState(absmax=parts["absmax"].float().reshape(-1).contiguous(), shape=torch.Size(shape),
+                           code=bf.get_4bit_type(spec.format, device=self.device), blocksize=block,
+                           quant_type=spec.format, dtype=COMPUTE_DTYPE)
+        q = parts["qweight"].reshape(-1, 1).contiguous()
+        self._bf = bf
+        if self.device.type == "cpu" and _bnb_avx512bf16() and shape[0] % 32 == 0:
+            q, qs = bf._convert_weight_packed_for_cpu(q, qs)
+            self.route = "bitsandbytes gemv_4bit (CPU packed, AVX512-BF16)"
+            self.mode = "gemv"
+        elif self.device.type == "cpu":
+            self.route = "bitsandbytes dequantize_4bit (C) + F.linear"
+            self.mode = "dequant"
+        else:
+            self.route = "bitsandbytes matmul_4bit"
+            self.mode = "matmul"
+        self.q, self.qs = q, qs
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xb = x.to(COMPUTE_DTYPE)
+        if self.mode == "gemv":
+            y = self._bf.gemv_4bit(xb, self.q, state=self.qs)
+        elif self.mode == "dequant":
+            w = self._bf.dequantize_4bit(self.q, self.qs)
+            y = F.linear(xb, w.to(COMPUTE_DTYPE))
+        else:
+            import bitsandbytes as bnb
+
+            y = bnb.matmul_4bit(xb, self.q, quant_state=self.qs)
+        return y.to(x.dtype)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.q, self.qs.absmax]
+
+
+@functools.lru_cache(maxsize=1)
+def _bnb_available() -> bool:
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception:  # bitsandbytes raises assorted errors on unsupported platforms
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def _bnb_avx512bf16() -> bool:
+    try:
+        from bitsandbytes.nn.modules import has_avx512bf16
+
+        return bool(has_avx512bf16())
+    except Exception:
+        return False
+
+
+def mxfp4_to_int4x2(parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact split of an MXFP4 matrix into tinygemm codes [out, 2*in] and scales [out, 2*in/32].
+
+    Doubled E2M1 magnitude m = lo + 4*hi (m: 0,1,2,3,4,6,8,12 -> lo 0,1,2,3,0,2,0,0 and hi
+    0,0,0,0,1,1,2,3); the sign goes on both. w = 2^(e-128) * m, so lo carries scale 2^(e-128) and hi
+    2^(e-126), each stored as the code + 8."""
+    from quantkit.formats.mxfp4 import e8m0_to_fp32_half
+
+    s = parts["scales"]
+    out, nb = s.shape
+    p = parts["qweight"].reshape(out, nb, 16)
+    q = torch.cat([p & 0x0F, p >> 4], dim=-1).to(torch.int64)  # [out, nb, 32]: element order 0..31
+    mag = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12])[q & 7]
+    sign = torch.where(q >= 8, -1, 1)
+    hi = mag // 4
+    hi = torch.where(mag == 6, 1, hi)
+    lo = mag - 4 * hi
+    codes = torch.cat([(sign * lo + 8).reshape(out, -1), (sign * hi + 8).reshape(out, -1)], dim=1)
+    d = e8m0_to_fp32_half(s.cpu()).to(s.device)
+    scales = torch.cat([d, d * 4], dim=1).to(COMPUTE_DTYPE)
+    return codes.to(torch.uint8), scales
+
+
+def prepare(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | None, shape: tuple[int, ...],
+            route: str | None = None) -> Kernel:
+    """The kernel for one matrix whose parts already sit on their device. `route` forces a route
+    ("dequant" for the generic fallback), for tests and benchmarks."""
+    if len(shape) != 2:
+        raise QuantkitError(f"prepare takes one matrix [out, in]; got shape {list(shape)}")
+    if spec is None:
+        w = parts if isinstance(parts, torch.Tensor) else parts["weight"]
+        return DenseKernel(w)
+    assert isinstance(parts, dict)
+    if route == "dequant":
+        return DequantKernel(parts, spec, shape)
+    f = spec.format
+    if f == "int8":
+        return Int8Kernel(parts["qweight"], parts["scales"])
+    if f == "int4":
+        from quantkit.formats.int4 import codes
+
+        g = spec.group_size or 128
+        try:
+            return Int4Kernel(codes(parts), parts["scales"], parts.get("zeros"), g)
+        except RuntimeError:
+            return DequantKernel(parts, spec, shape)
+    if f in ("nf4", "fp4"):
+        if _bnb_available():
+            return Bnb4Kernel(parts, spec, shape)
+        return DequantKernel(parts, spec, shape)
+    if f == "mxfp4":
+        if (route or MXFP4_ROUTE) == "int4x2":
+            c, s = mxfp4_to_int4x2(parts)
+            try:
+                k = Int4Kernel(c, s, None, 32, in_features=shape[1], dup_input=2)
+                k.route = "mxfp4 as exact int4 pair, " + k.route
+                return k
+            except RuntimeError:
+                pass
+        return DequantKernel(parts, spec, shape)
+    raise QuantkitError(f"no kernel for format {f!r}")
+
+
+@dataclass
+class KernelInfo:
+    """What `describe` reports for one prepared kernel."""
+
+    route: str
+    out_features: int
+    in_features: int
+    device: str
+    nbytes: int
+
+
+def describe(k: Kernel) -> KernelInfo:
+    return KernelInfo(k.route, k.out_features, k.in_features, str(k.device), k.nbytes)
+
+
+def slice_parts(parts: dict[str, torch.Tensor], i: int) -> dict[str, torch.Tensor]:
+    """Expert i's parts from a stack's parts (every part's dim 0 is the expert)."""
+    return {k: v[i] for k, v in parts.items()}
+
+
+def kernel_routes(kernels: list[Any]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for k in kernels:
+        out[k.route] = out.get(k.route, 0) + 1
+    return out

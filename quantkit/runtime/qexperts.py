@@ -1,0 +1,119 @@
+"""`QuantExperts`: routed experts resident where the plan put them, with transformers' forward signature.
+
+Per layer the experts are split into device groups (e.g. ids 0..99 on cuda:0, 100..255 on cpu). A batch
+of tokens is routed (by transformers' router, unchanged); each group computes ITS experts on ITS device:
+only the hidden rows routed to it cross over, never a weight. Each (token, slot) result lands in a
+[T, k, H] buffer on the layer's device, which is summed in slot order, so the output does not depend on
+how the experts are split (bit for bit, as the tests check).
+
+Decode (one token) touches only the k routed experts; prefill sorts the (token, slot) pairs by expert and
+runs one matmul per hit expert over all its tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from quantkit.runtime.kernels import Kernel
+
+
+@dataclass
+class ExpertGroup:
+    """The experts of one layer that live on one device."""
+
+    device: torch.device
+    ids: list[int]
+    gate_up: list[Kernel] = field(default_factory=list)  # per expert: [2I, H]
+    down: list[Kernel] = field(default_factory=list)  # per expert: [H, I]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(k.nbytes for k in self.gate_up) + sum(k.nbytes for k in self.down)
+
+
+class QuantExperts(nn.Module):
+    """Drop-in for `Qwen3_5MoeExperts`: forward(hidden_states [T, H], top_k_index [T, k],
+    top_k_weights [T, k]) -> [T, H] on hidden_states' device."""
+
+    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, groups: list[ExpertGroup],
+                 act_fn: nn.Module | None = None, fmt: str = "bf16"):
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_dim = hidden_dim
+        self.intermediate_dim = intermediate_dim
+        self.groups = groups
+        self.format = fmt
+        self.act_fn = act_fn or nn.SiLU()
+        owner, local = [-1] * num_experts, [-1] * num_experts
+        for gi, g in enumerate(groups):
+            if len(g.gate_up) != len(g.ids) or len(g.down) != len(g.ids):
+                raise ValueError("each expert of a group needs a gate_up and a down kernel")
+            for li, e in enumerate(g.ids):
+                if owner[e] != -1:
+                    raise ValueError(f"expert {e} is placed twice")
+                owner[e], local[e] = gi, li
+        missing = [e for e in range(num_experts) if owner[e] == -1]
+        if missing:
+            raise ValueError(f"experts {missing[:5]} are placed nowhere")
+        self._owner, self._local = owner, local
+        # GPU groups first: their kernels run asynchronously while the CPU computes its own experts.
+        self._order = sorted(range(len(groups)), key=lambda i: groups[i].device.type == "cpu")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self.groups)
+
+    def placement(self) -> dict[str, list[int]]:
+        return {str(g.device): list(g.ids) for g in self.groups}
+
+    def _expert(self, g: ExpertGroup, li: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = g.gate_up[li](x).chunk(2, dim=-1)
+        return g.down[li](self.act_fn(gate) * up)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        t, k = top_k_index.shape
+        dev = hidden_states.device
+        buf = torch.zeros(t * k, self.hidden_dim, dtype=torch.float32, device=dev)
+        flat = top_k_index.reshape(-1)
+        if t == 1:
+            experts = flat.tolist()
+            for slot, e in enumerate(experts):
+                g = self.groups[self._owner[e]]
+                x = hidden_states.to(g.device, non_blocking=True)
+                buf[slot] = self._expert(g, self._local[e], x)[0].to(dev, torch.float32)
+        else:
+            order = torch.argsort(flat, stable=True)
+            counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+            starts = [0] * (self.num_experts + 1)
+            for e in range(self.num_experts):
+                starts[e + 1] = starts[e] + counts[e]
+            token_of = order // k  # (token, slot) pair -> token row
+            for gi in self._order:
+                g = self.groups[gi]
+                hit = [e for e in g.ids if counts[e]]
+                if not hit:
+                    continue
+                sel = torch.cat([order[starts[e]:starts[e + 1]] for e in hit])
+                rows = hidden_states[token_of[torch.cat([torch.arange(starts[e], starts[e + 1], device=dev)
+                                                         for e in hit])]]
+                xg = rows.to(g.device, non_blocking=True)
+                outs, off = [], 0
+                for e in hit:
+                    n = counts[e]
+                    outs.append(self._expert(g, self._local[e], xg[off:off + n]))
+                    off += n
+                buf[sel] = torch.cat(outs).to(dev, torch.float32)
+        w = top_k_weights.reshape(t, k, 1).float()
+        y = buf.view(t, k, self.hidden_dim).mul_(w)
+        out = y[:, 0]
+        for slot in range(1, k):
+            out = out + y[:, slot]
+        return out.to(hidden_states.dtype)
+
+    def extra_repr(self) -> str:
+        where = ", ".join(f"{d}: {len(ids)}" for d, ids in self.placement().items())
+        return f"experts={self.num_experts}, format={self.format}, placement=({where})"
