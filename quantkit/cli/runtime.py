@@ -1,0 +1,141 @@
+"""`quantkit generate` and `quantkit chat`: parse, load through quantkit.runtime, render."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from quantkit.cli import app, console, err_console, fail
+from quantkit.errors import QuantkitError
+
+_PLAN = typer.Option(None, "--plan", help="a plan from `quantkit plan --out` (default: plan for this machine)")
+_RECIPE = typer.Option(None, "--recipe", help="quantize an unquantized checkpoint while loading (int8, int4, "
+                       "quality, nf4, fp4, mxfp4; default: keep bf16)")
+_CONTEXT = typer.Option(None, "--context", help="context length to plan for [default: the plan's, else 4096]")
+_VERIFY = typer.Option("auto", "--verify", help="check a quantized folder first: auto (hash shards under 4 GB), "
+                       "full, quick (sizes and headers), off")
+_MAX_NEW = "--max-new-tokens"
+
+
+def _load(model: str, plan: Path | None, recipe: str | None, context: int | None, verify: str):
+    from quantkit.runtime import load_model
+
+    if verify not in ("auto", "full", "quick", "off"):
+        raise QuantkitError(f"--verify {verify!r}: use auto, full, quick or off")
+    with err_console.status(f"loading {model}") as st:
+        rt = load_model(model, plan=plan, recipe=recipe, context=context, verify=verify,
+                        progress=lambda m: st.update(f"loading {model}: {m}"))
+    return rt
+
+
+@app.command("generate")
+def generate_cmd(
+    model: str = typer.Argument(..., help="a quantized folder (quantkit quantize) or a bf16 checkpoint"),
+    prompt: str = typer.Option(None, "--prompt", "-p", help="the user message (default: read stdin)"),
+    system: str = typer.Option(None, "--system", help="system prompt"),
+    world: str = typer.Option(None, "--world", help="AgentWorld domain system prompt: mcp, search, terminal, "
+                              "swe, android, web, os"),
+    max_new_tokens: int = typer.Option(512, _MAX_NEW),
+    temperature: float = typer.Option(0.6, "--temperature", help="0 = greedy; 0.6 as the model card evaluates"),
+    top_p: float = typer.Option(0.95, "--top-p"),
+    top_k: int = typer.Option(20, "--top-k", help="0 = off"),
+    seed: int = typer.Option(None, "--seed"),
+    think: bool = typer.Option(True, "--think/--no-think", help="let the model reason first (default on)"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON object: text, thinking, token counts, tok/s, "
+                                 "finish reason"),
+    plan: Path = _PLAN, recipe: str = _RECIPE, context: int = _CONTEXT, verify: str = _VERIFY,
+) -> None:
+    """Generate one reply for scripts (plain text, or --json)."""
+    from quantkit.runtime import SamplingParams
+    from quantkit.runtime.worlds import world_prompt
+
+    try:
+        if prompt is None:
+            if sys.stdin is None or sys.stdin.isatty():
+                raise QuantkitError("no prompt: pass --prompt TEXT or pipe it on stdin")
+            prompt = sys.stdin.read()
+        if not prompt.strip():
+            raise QuantkitError("empty prompt: give some text with --prompt or on stdin")
+        if world and system:
+            raise QuantkitError("--world sets the system prompt; drop --system or --world")
+        sys_prompt = world_prompt(world) if world else system
+        sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                            max_new_tokens=max_new_tokens)
+        sp.validate()
+        rt = _load(model, plan, recipe, context, verify)
+        msgs = ([{"role": "system", "content": sys_prompt}] if sys_prompt else []) + \
+            [{"role": "user", "content": prompt}]
+        resp = None
+        shown = False
+        for ev in rt.generate_stream(msgs, enable_thinking=think, sampling=sp):
+            if ev.response is not None:
+                resp = ev.response
+            elif not as_json and ev.text:
+                if ev.channel == "thinking" and not shown:
+                    sys.stdout.write("<think>\n")
+                    shown = True
+                elif ev.channel == "answer" and shown:
+                    sys.stdout.write("\n</think>\n\n")
+                    shown = False
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
+    except QuantkitError as e:
+        fail(str(e))
+        return
+    assert resp is not None
+    if as_json:
+        d = resp.to_dict()
+        d["model"] = str(rt.folder)
+        d["memory_weights"] = rt.memory()
+        console.print_json(json.dumps(d))
+        return
+    if shown:
+        sys.stdout.write("\n</think>\n")
+    sys.stdout.write("\n")
+    err_console.print(f"[dim]prompt {resp.prompt_tokens} tok at {resp.prompt_tps:.1f} tok/s, generated "
+                      f"{resp.generation_tokens} at {resp.generation_tps:.1f} tok/s, {resp.finish_reason}[/]")
+
+
+@app.command("chat")
+def chat_cmd(
+    model: str = typer.Argument(..., help="a quantized folder (quantkit quantize) or a bf16 checkpoint"),
+    system: str = typer.Option(None, "--system", help="system prompt"),
+    world: str = typer.Option(None, "--world", help="be the world model of a domain: mcp, search, terminal, "
+                              "swe, android, web, os (type the agent's actions)"),
+    max_new_tokens: int = typer.Option(2048, _MAX_NEW),
+    temperature: float = typer.Option(0.6, "--temperature"),
+    top_p: float = typer.Option(0.95, "--top-p"),
+    top_k: int = typer.Option(20, "--top-k"),
+    seed: int = typer.Option(None, "--seed"),
+    think: bool = typer.Option(True, "--think/--no-think"),
+    load: Path = typer.Option(None, "--load", help="start from a conversation saved with /save"),
+    plan: Path = _PLAN, recipe: str = _RECIPE, context: int = _CONTEXT, verify: str = _VERIFY,
+) -> None:
+    """Talk to the model: streamed replies, thinking shown apart, /help for commands."""
+    try:
+        import readline  # noqa: F401  (line editing and history for input())
+    except ImportError:
+        pass
+    from quantkit.runtime import SamplingParams
+    from quantkit.runtime.chat import Chat, ChatSession
+    from quantkit.runtime.worlds import world_prompt
+
+    try:
+        if world and system:
+            raise QuantkitError("--world sets the system prompt; drop --system or --world")
+        sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                            max_new_tokens=max_new_tokens)
+        sp.validate()
+        session = ChatSession(system=world_prompt(world) if world else system, thinking=think)
+        if load:
+            try:
+                session = ChatSession.from_json(load.read_text(), str(load))
+            except OSError as e:
+                raise QuantkitError(f"{load}: cannot read ({e.strerror})") from None
+        rt = _load(model, plan, recipe, context, verify)
+        Chat(rt, session, sp, console).run()
+    except QuantkitError as e:
+        fail(str(e))
