@@ -87,7 +87,7 @@ class DenseKernel(Kernel):
 
 
 class DequantKernel(Kernel):
-    """Fallback: dequantize the stored parts on every call (in torch), then F.linear."""
+    """Fallback: dequantize the stored parts on every call (in torch, fp32), then F.linear."""
 
     route = "dequantize + F.linear"
 
@@ -98,8 +98,9 @@ class DequantKernel(Kernel):
         self.device = next(iter(parts.values())).device
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.fmt.dequantize(self.parts, self.spec, self.shape, COMPUTE_DTYPE)
-        return F.linear(x.to(COMPUTE_DTYPE), w).to(x.dtype)
+        # fp32: dequantized values such as (q - 8) * scale need more bits than bf16 holds
+        w = self.fmt.dequantize(self.parts, self.spec, self.shape, torch.float32)
+        return F.linear(x.float(), w).to(x.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         return list(self.parts.values())

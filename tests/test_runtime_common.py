@@ -1,0 +1,58 @@
+"""Shared helpers of the runtime tests (no tests here): quantized copies of the session's tiny models,
+made once per session with the real quantizer, and the CLI entry point run in process."""
+
+from __future__ import annotations
+
+import atexit
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+_CACHE: dict[tuple[str, str], Path] = {}
+_ROOT: list[Path] = []
+
+
+def quantized(src: Path, recipe: str) -> Path:
+    """`src` quantized with a built-in recipe (int8, int4, nf4, fp4, mxfp4, quality) by quantkit.quantize."""
+    from quantkit.checkpoint import Checkpoint
+    from quantkit.quantize import QuantizeOptions, run_quantize
+    from quantkit.recipe import get_recipe
+
+    key = (str(src), recipe)
+    if key not in _CACHE:
+        if not _ROOT:
+            _ROOT.append(Path(tempfile.mkdtemp(prefix="qk-runtime-tests-")))
+            atexit.register(shutil.rmtree, _ROOT[0], True)
+        out = _ROOT[0] / f"{Path(src).parent.name}-{Path(src).name}-{recipe}"
+        with Checkpoint.open(src) as ck:
+            run_quantize(ck, out, QuantizeOptions(get_recipe(recipe)))
+        _CACHE[key] = out
+    return _CACHE[key]
+
+
+def run_cli(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
+    """quantkit.cli.main() with `args` (QuantkitError -> one line, exit 2), output captured."""
+    from quantkit.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
+    monkeypatch.setenv("COLUMNS", "200")
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture
+def one_thread():
+    """Small models run faster on one thread, and a shared CI box is not oversubscribed by OpenMP."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
