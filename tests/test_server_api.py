@@ -370,3 +370,38 @@ def test_a_plain_request_whose_client_gives_up_is_cancelled(server, q4):
     assert after["cancelled"] == before["cancelled"] + 1
     assert after["last_cancelled_tokens"] < long
     assert _post(server, _ok_body(q4)).status_code == 200
+
+
+def test_concurrent_clients_each_get_a_complete_answer_or_a_clean_429(server, q4):
+    from quantkit.bench.serve import run_faults, run_load
+
+    idle(server)
+    res = run_load(server.url + "/v1/chat/completions", q4.name, clients=4, requests=2, max_tokens=4, retries=0,
+                   timeout=120)
+    kinds = [o.kind for o in res.outcomes]
+    assert len(kinds) == 8 and set(kinds) <= {"ok", "429"}, [o.detail for o in res.outcomes if o.kind == "bad"]
+    assert "ok" in kinds and {o.stream for o in res.outcomes if o.kind == "ok"} == {True, False}
+    faults = run_faults(server.url, q4.name, n_disconnects=1, max_body=MAX_BODY)
+    assert faults["wrong_answers"] == [] and faults["hang_ups"] == [("hang-up", 200)]
+    idle(server)
+    assert _post(server, _ok_body(q4)).status_code == 200
+
+
+def test_the_load_checkers_catch_incomplete_answers():
+    from quantkit.bench.serve import check_plain, check_stream
+
+    role = json.dumps({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
+    text = json.dumps({"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]})
+    fin = json.dumps({"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]})
+    usage = json.dumps({"choices": [], "usage": {"completion_tokens": 4}})
+    assert check_stream([role, text, fin, usage, "[DONE]"], 4) == ""
+    assert "DONE" in check_stream([role, text, fin, usage], 4)  # cut off
+    assert check_stream([role, text, usage, "[DONE]"], 4)  # no finish chunk
+    assert check_stream([role, text, fin, usage, "[DONE]"], 5)  # short
+    assert check_stream([role, '{"error": {"message": "boom"}}', "[DONE]"], 4)
+    good = {"object": "chat.completion", "choices": [{"message": {"role": "assistant", "content": "x"},
+                                                      "finish_reason": "length"}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}, "timings": {"predicted_n": 4}}
+    assert check_plain(good, 4) == ""
+    assert check_plain({**good, "usage": {**good["usage"], "total_tokens": 8}}, 4)
+    assert check_plain({"choices": []}, 4)

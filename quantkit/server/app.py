@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from quantkit.errors import QuantkitError
 from quantkit.server.backend import Backend, Prompt, SamplingParams, TokenEvent
 from quantkit.server.parsing import OutputDelta, OutputParser
 from quantkit.server.queue import Done, Failed, GenerationQueue, Job, QueueClosed, QueueFull
@@ -309,8 +310,10 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
         thinking = _enable_thinking(req)
         try:
             prompt: Prompt = await asyncio.to_thread(backend.render, messages, tools, thinking)
-        except Exception as e:  # the template refused these messages (e.g. roles out of order)
-            raise ApiError(400, f"the chat template refused these messages: {e}", param="messages") from None
+        except QuantkitError as e:  # the template refused these messages (e.g. roles out of order)
+            raise ApiError(400, str(e), param="messages") from None
+        except Exception as e:  # noqa: BLE001 - jinja's errors are the user's messages, not a server fault
+            raise ApiError(400, f"the chat template rejects these messages ({e})", param="messages") from None
         ctx, p = backend.max_context, len(prompt.ids)
         asked = req.max_completion_tokens or req.max_tokens
         max_tokens = asked if asked is not None else max(ctx - p, 0)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -148,15 +149,17 @@ class GenerationQueue:
             job.stop()
         try:
             if not job.cancel.is_set():
-                for ev in self.backend.generate(job.prompt, job.params, job.cancel):
-                    if ev.token_id >= 0:
-                        n += 1
-                        last = time.perf_counter()
-                        if first is None:
-                            first = last
-                    job._put(ev)
-                    if job.cancel.is_set() or n >= job.params.max_tokens:
-                        break
+                # closed explicitly so the backend's own cleanup (its lock, its cache) runs now
+                with contextlib.closing(self.backend.generate(job.prompt, job.params, job.cancel)) as events:
+                    for ev in events:
+                        if ev.token_id >= 0:
+                            n += 1
+                            last = time.perf_counter()
+                            if first is None:
+                                first = last
+                        job._put(ev)
+                        if job.cancel.is_set() or n >= job.params.max_tokens:
+                            break
         except Exception as e:  # a failed generation answers its request; the server keeps serving
             with self._cv:
                 self.stats.failed += 1
