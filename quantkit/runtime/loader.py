@@ -330,8 +330,10 @@ class QuantEmbedding(nn.Module):
     def __init__(self, parts: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, int]):
         super().__init__()
         self.num_embeddings, self.embedding_dim = shape
-        # every format's parts split by rows here (nf4/fp4 blocks never straddle rows when dim % block == 0)
-        self.parts = {k: v.reshape(shape[0], -1) for k, v in parts.items()}
+        # int8/int4/mxfp4 parts are stored by rows; nf4/fp4 over the flattened matrix, whose blocks never
+        # straddle two rows when the row length is a multiple of the block (the quantizer checks it)
+        flat = spec.format in ("nf4", "fp4")
+        self.parts = {k: v.reshape(shape[0], -1) if flat else v for k, v in parts.items()}
         self.spec, self.fmt = spec, get_format(spec.format)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
