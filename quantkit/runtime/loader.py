@@ -105,7 +105,7 @@ def check_plan(plan: Any, spec: Any, folder: Path, plan_path: str) -> None:
     if plan.fingerprint != fp:
         raise QuantkitError(
             f"{plan_path}: plan was made for model {plan.model!r} (fingerprint {plan.fingerprint[:12]}), not for "
-            f"{folder} ({fp[:12]}); make one with `quantkit plan {folder} --out plan.json`")
+            f"{folder} ({fp[:12]}); make one with `quantkit plan --model {folder / 'config.json'} --out plan.json`")
     if any("." in d for d in plan.layer_device):
         raise QuantkitError(f"{plan_path}: a multi-node plan cannot run in one quantkit process")
     if not plan.fits:

@@ -1,0 +1,178 @@
+"""Loading: skeleton on meta filled from safetensors, placement from a plan or planned here, and every
+bad input refused with one line (exit 2, no traceback) through the CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_runtime_common import one_thread, quantized, run_cli  # noqa: F401
+
+from quantkit.errors import QuantkitError
+from quantkit.runtime import Placement, load_model
+from quantkit.runtime.qexperts import QuantExperts
+from quantkit.runtime.qlinear import QuantLinear
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_quantized_modules_replace_transformers_ones(tiny_model):
+    q = quantized(tiny_model, "quality")
+    rt = load_model(q)
+    m = rt.model
+    assert not [n for n, p in m.named_parameters() if p.device.type == "meta"]
+    layer0, layer3 = m.model.layers[0], m.model.layers[3]
+    for lin in (layer0.linear_attn.in_proj_qkv, layer0.linear_attn.out_proj, layer3.self_attn.q_proj,
+                layer3.self_attn.o_proj, layer0.mlp.shared_expert.down_proj, m.lm_head):
+        assert isinstance(lin, QuantLinear) and lin.format == "int8"
+    assert all(isinstance(layer.mlp.experts, QuantExperts) and layer.mlp.experts.format == "int4"
+               for layer in m.model.layers)
+    assert any("_weight_int4pack_mm_for_cpu" in r for r in rt.report.routes)
+    assert any("_weight_int8pack_mm" in r for r in rt.report.routes)
+    # resident bytes: the packed weights plus the bf16 rest, less than the bf16 checkpoint
+    src = sum(p.stat().st_size for p in Path(tiny_model).glob("*.safetensors"))
+    assert 0 < rt.memory()["cpu"] < src
+
+
+def test_bf16_checkpoint_loads_both_layouts_identically(tiny_model, tiny_model_transformers_layout):
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
+    a = load_model(tiny_model).logits(ids)
+    b = load_model(tiny_model_transformers_layout).logits(ids)
+    assert torch.equal(a, b)
+
+
+def test_runtime_bf16_matches_transformers(tiny_model):
+    from quantkit.tiny import load_reference_model
+
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
+    ref = load_reference_model(tiny_model, torch.bfloat16)
+    with torch.no_grad():
+        want = ref(ids).logits.float()
+    got = load_model(tiny_model).logits(ids)
+    assert float((got - want).norm() / want.norm()) < 2e-2
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_expert_split_placement_gives_the_same_logits(tiny_model):
+    q = quantized(tiny_model, "quality")
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3]])
+    whole = load_model(q, placement=Placement.single(4, 8)).logits(ids)
+    split = Placement(["cpu"] * 4, [[("cpu", [0, 2, 4, 6]), ("cpu", [1, 3, 5, 7])] for _ in range(4)])
+    rt = load_model(q, placement=split)
+    assert [len(g.groups) for g in (layer.mlp.experts for layer in rt.model.model.layers)] == [2, 2, 2, 2]
+    assert torch.equal(rt.logits(ids), whole)
+
+
+def _plan(tiny_model: Path, tmp_path: Path, capsys, monkeypatch, *extra: str) -> Path:
+    out = tmp_path / "plan.json"
+    code, _o, err = run_cli(["plan", "--model", tiny_model, "--scheme", "quality", "--out", out, *extra],
+                            capsys, monkeypatch)
+    assert code == 0, err
+    return out
+
+
+def test_plan_file_from_quantkit_plan(tiny_model, tmp_path, capsys, monkeypatch):
+    plan = _plan(tiny_model, tmp_path, capsys, monkeypatch)
+    rt = load_model(quantized(tiny_model, "quality"), plan=plan)
+    assert rt.placement.source.startswith("plan ")
+    assert rt.context == json.loads(plan.read_text())["settings"]["context"]
+
+
+def _one_line_error(code: int, out: str, err: str, *needles: str) -> None:
+    assert code == 2, (out, err)
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert "Traceback" not in err + out
+    for n in needles:
+        assert n in " ".join(err.split()), err
+
+
+@pytest.fixture
+def q_copy(tiny_model, tmp_path) -> Path:
+    dst = tmp_path / "q"
+    shutil.copytree(quantized(tiny_model, "quality"), dst)
+    return dst
+
+
+def test_bad_folder_fails_verification(q_copy, capsys, monkeypatch):
+    shard = sorted(q_copy.glob("model-*.safetensors"))[0]
+    data = bytearray(shard.read_bytes())
+    data[-10] ^= 0xFF  # same size, different bytes: only the hash sees it
+    shard.write_bytes(bytes(data))
+    _one_line_error(*run_cli(["generate", q_copy, "--prompt", "hi"], capsys, monkeypatch), "fails verification")
+    shard.write_bytes(bytes(data[:-100]))
+    _one_line_error(*run_cli(["generate", q_copy, "--prompt", "hi", "--verify", "quick"], capsys, monkeypatch),
+                    "fails verification")
+
+
+def test_unknown_quantization_version(q_copy, capsys, monkeypatch):
+    cfg = json.loads((q_copy / "config.json").read_text())
+    cfg["quantization_config"]["version"] = 99
+    (q_copy / "config.json").write_text(json.dumps(cfg))
+    _one_line_error(*run_cli(["generate", q_copy, "--prompt", "hi", "--verify", "off"], capsys, monkeypatch),
+                    "version 99", "unknown")
+
+
+def _refuse_loading(monkeypatch):
+    import quantkit.runtime.loader as loader
+
+    def boom(*_a, **_k):
+        raise AssertionError("loading started")
+
+    monkeypatch.setattr(loader, "build_skeleton", boom)
+
+
+def test_plan_that_does_not_fit_is_refused_before_loading(tiny_model, tmp_path, capsys, monkeypatch):
+    plan = _plan(tiny_model, tmp_path, capsys, monkeypatch)
+    d = json.loads(plan.read_text())
+    cpu = next(x for x in d["devices"] if x["id"] == "cpu")
+    cpu["used"]["experts"] = 50 * 10**12  # 50 TB of experts in RAM
+    plan.write_text(json.dumps(d))
+    _refuse_loading(monkeypatch)
+    _one_line_error(*run_cli(["generate", quantized(tiny_model, "quality"), "--prompt", "hi", "--plan", plan],
+                             capsys, monkeypatch), "only", "free", "this recipe fits")
+    d["layers"][0]["device"] = "cuda:0"
+    d["non_expert"]["lm_head"] = "cuda:0"
+    plan.write_text(json.dumps(d))
+    _one_line_error(*run_cli(["generate", quantized(tiny_model, "quality"), "--prompt", "hi", "--plan", plan],
+                             capsys, monkeypatch), "cuda:0")
+
+
+def test_plan_for_another_model(tiny_model, tmp_path, capsys, monkeypatch):
+    other = tmp_path / "other.json"
+    code, _o, err = run_cli(["plan", "--scheme", "quality", "--ram", "512GB", "--out", other], capsys, monkeypatch)
+    assert code == 0, err  # a plan for the default model (the 35B), not the tiny one
+    _refuse_loading(monkeypatch)
+    _one_line_error(*run_cli(["generate", quantized(tiny_model, "quality"), "--prompt", "hi", "--plan", other],
+                             capsys, monkeypatch), "was made for model", "quantkit plan")
+
+
+def test_prompt_longer_than_context_and_empty_prompt(tiny_model, capsys, monkeypatch):
+    q = quantized(tiny_model, "quality")
+    long = "the agent world model predicts the next observation " * 20
+    _one_line_error(*run_cli(["generate", q, "--prompt", long, "--context", "64"], capsys, monkeypatch),
+                    "the context holds 64")
+    _refuse_loading(monkeypatch)
+    _one_line_error(*run_cli(["generate", q, "--prompt", "   "], capsys, monkeypatch), "empty prompt")
+
+
+def test_recipe_on_a_quantized_folder_and_unknown_recipe(tiny_model):
+    with pytest.raises(QuantkitError, match="already quantized"):
+        load_model(quantized(tiny_model, "quality"), recipe="int4")
+    with pytest.raises(QuantkitError, match="unknown scheme"):
+        load_model(tiny_model, recipe="int3")
+
+
+def test_quantized_embedding_and_lm_head(tiny_model):
+    """Uniform recipes quantize the embedding too: rows are gathered then dequantized."""
+    from quantkit.runtime.loader import QuantEmbedding
+
+    for recipe in ("int4", "nf4", "mxfp4", "int8"):
+        rt = load_model(quantized(tiny_model, recipe))
+        assert isinstance(rt.model.model.embed_tokens, QuantEmbedding)
+        ids = torch.tensor([[1, 5, 700]])
+        e = rt.model.model.embed_tokens(ids)
+        assert e.shape == (1, 3, 64) and torch.isfinite(e).all()
