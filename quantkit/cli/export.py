@@ -1,0 +1,113 @@
+"""`quantkit export gguf|vllm`: parse, call quantkit.export, render."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich import box
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
+from rich.table import Table
+
+from quantkit.cli import app, console
+
+export_app = typer.Typer(help="Export for other engines: GGUF (llama.cpp, Ollama, LM Studio), "
+                              "compressed-tensors (vLLM, SGLang).", no_args_is_help=True)
+app.add_typer(export_app, name="export")
+
+
+class _RichProgress:
+    def __init__(self, progress: Progress, what: str):
+        self.p = progress
+        self.what = what
+        self.task = None
+        self.total = 0
+        self.done = 0
+
+    def start(self, tensors: int, nbytes: int) -> None:
+        self.total = tensors
+        self.task = self.p.add_task(self.what, total=nbytes, tensors=f"0/{tensors}", name="")
+
+    def advance(self, name: str, nbytes: int, tensor_done: bool) -> None:
+        if tensor_done:
+            self.done += 1
+        self.p.update(self.task, advance=nbytes, tensors=f"{self.done}/{self.total}",
+                      name=name.removeprefix("model.language_model."))
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
+                    TimeElapsedColumn(), TextColumn("{task.fields[tensors]} {task.fields[name]}"),
+                    console=console, transient=True)
+
+
+@export_app.command("gguf")
+def export_gguf_cmd(
+    src: Path = typer.Argument(..., help="bf16 checkpoint folder or quantkit quantized folder"),
+    out: Path = typer.Argument(..., help="the .gguf file to write"),
+    type: str = typer.Option("mixed", "--type", "-t",
+                             help="mixed (experts Q4_0, rest Q8_0), q8_0, q4_0, mxfp4, f16, bf16 or f32"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing output file"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="list every tensor"),
+) -> None:
+    """Write a GGUF file for llama.cpp / Ollama / LM Studio (architecture qwen35moe)."""
+    from quantkit.export.gguf import export_gguf
+
+    with _progress() as p:
+        res = export_gguf(src, out, type, overwrite=overwrite, progress=_RichProgress(p, "exporting gguf"))
+    t = Table(box=box.SIMPLE, title=f"{res.path} ({res.nbytes / 1e6:,.1f} MB, {res.seconds:.1f} s)")
+    for col in ("tensors", "how", "types"):
+        t.add_column(col)
+    kinds: dict[str, dict[str, int]] = {}
+    for x in res.tensors:
+        kinds.setdefault(x.how, {}).setdefault(x.qtype.name, 0)
+        kinds[x.how][x.qtype.name] += 1
+    for how, types in kinds.items():
+        t.add_row(str(sum(types.values())), how, ", ".join(f"{k} {v}" for k, v in sorted(types.items())))
+    console.print(t)
+    for x in res.tensors:
+        if verbose or x.how == "fallback":
+            console.print(f"  {x.name}: {x.qtype.name} ({x.how}; {x.note})", highlight=False)
+    tok = res.tokenizer
+    console.print(f"tokenizer: {tok['tokens']} tokens, {tok['merges']} merges, pre-tokenizer {tok['pre']}, "
+                  f"chat template {'yes' if tok['chat_template'] else 'no'}", highlight=False)
+    for n in res.notes:
+        console.print(f"note: {n}", highlight=False)
+
+
+@export_app.command("vllm")
+def export_vllm_cmd(
+    src: Path = typer.Argument(..., help="bf16 checkpoint folder or quantkit quantized folder"),
+    out: Path = typer.Argument(..., help="the folder to write"),
+    group_size: int = typer.Option(None, "--group-size", help="int4 group size for the experts (32, 64, 128); "
+                                   "default: the source's, else 128"),
+    rest: str = typer.Option("bf16", "--rest", help="bf16 (every non-expert tensor) or int8 (attention, linear "
+                             "attention and shared expert int8 per channel)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing output folder"),
+) -> None:
+    """Write a compressed-tensors pack-quantized folder for vLLM / SGLang (experts int4, unfused)."""
+    from quantkit.export.compressed_tensors import export_vllm
+
+    with _progress() as p:
+        res = export_vllm(src, out, group_size=group_size, rest=rest, overwrite=overwrite,
+                          progress=_RichProgress(p, "exporting compressed-tensors"))
+    t = Table(box=box.SIMPLE, title=f"{res.path} ({res.nbytes / 1e6:,.1f} MB in {res.shards} shards, "
+                                    f"{res.seconds:.1f} s)")
+    t.add_column("source tensors")
+    t.add_column("as")
+    t.add_column("how")
+    for key, n in sorted(res.counts().items()):
+        kind, how = key.split(":")
+        t.add_row(str(n), kind, how)
+    console.print(t)
+    console.print(f"experts int4 symmetric group {res.group_size}; rest {res.rest}. Serve with: "
+                  f"vllm serve {res.path} --language-model-only", highlight=False)
+    for n in res.notes:
+        console.print(f"note: {n}", highlight=False)

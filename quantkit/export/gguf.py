@@ -1,0 +1,394 @@
+"""`quantkit export gguf`: a checkpoint (bf16 or a quantkit folder) as one GGUF file llama.cpp, Ollama
+and LM Studio load, architecture `qwen35moe`.
+
+Types (`--type`): f32, f16, bf16, q8_0, q4_0, mxfp4 on every matrix, or `mixed` (default), which mirrors
+quantkit's 4-bit recipe: routed experts Q4_0 (MXFP4 when the source experts are stored MXFP4, reused
+as they are), attention, linear attention, shared expert, lm_head and embedding Q8_0. Whatever the type,
+norms, the router, the shared-expert gate, conv1d, A_log and dt_bias stay F32 as llama.cpp expects.
+Q4_0 over MXFP4 for experts is measured, not assumed: through llama.cpp on the tiny decisive model the
+Q4_0 export is closer to the bf16 logits (tests/test_export_gguf.py prints both; reports/bench-engines.md).
+
+Streaming: the tensor table is planned first (every type and byte size is known before a weight is
+read), then each tensor is read alone (an expert stack one slab of experts at a time), converted,
+quantized and appended to the file. The `gguf` package's `GGUFWriter` writes the header, metadata and
+tensor table; its `write_tensor_data` takes only a whole array per tensor, so the data of each tensor
+is appended here to the writer's own file handle, slab by slab, with the writer's alignment padding.
+The file is written under a temporary name and renamed when complete.
+
+Reuse: codes already in a GGUF block format are copied, not requantized: a quantkit MXFP4 tensor to
+MXFP4 (same bytes), symmetric int4 with group 32 to Q4_0 (same codes and scales). Other stored formats
+(int8 per channel, int4 with another group or asymmetric, nf4/fp4) are dequantized and requantized;
+the result lists every tensor as reused / converted / fallback. A matrix whose row length is not a
+multiple of the block size (32) cannot take a block type; it falls back to F16 and the result says so.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.export.gguf_layout import Piece, convert, permute_blocks, pieces_for
+from quantkit.export.source import ExportSource, SourceTensor
+from quantkit.spec import Role
+
+ARCH = "qwen35moe"
+TYPES = ("mixed", "q8_0", "q4_0", "mxfp4", "f16", "bf16", "f32")
+MIXED_EXPERT_TYPE = "q4_0"
+# fp32 bytes per slab of a converted tensor: the quantizers' numpy temporaries are about 3x that.
+SLAB_BYTES = 128 << 20
+F16_MAX = 65504.0
+
+
+def _qt(name: str) -> Any:
+    from gguf import GGMLQuantizationType as Q
+
+    return {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "mxfp4": Q.MXFP4}[name]
+
+
+class Progress(Protocol):
+    def start(self, tensors: int, nbytes: int) -> None: ...
+    def advance(self, name: str, nbytes: int, tensor_done: bool) -> None: ...
+
+
+class _NoProgress:
+    def start(self, tensors: int, nbytes: int) -> None:
+        pass
+
+    def advance(self, name: str, nbytes: int, tensor_done: bool) -> None:
+        pass
+
+
+@dataclass
+class GgufTensor:
+    """One planned GGUF tensor."""
+
+    piece: Piece
+    source: SourceTensor
+    qtype: Any  # gguf.GGMLQuantizationType
+    how: str  # "reused", "converted", "fallback"
+    note: str
+    nbytes: int
+
+    @property
+    def name(self) -> str:
+        return self.piece.gguf_name
+
+
+@dataclass
+class GgufResult:
+    path: Path
+    type: str
+    tensors: list[GgufTensor]
+    skipped: list[str]  # canonical tensors llama.cpp does not take (MTP, vision)
+    tokenizer: dict[str, Any]
+    nbytes: int
+    seconds: float
+    in_bytes: int
+    notes: list[str] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for t in self.tensors:
+            out[t.how] = out.get(t.how, 0) + 1
+        return out
+
+    def by_type(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for t in self.tensors:
+            out[t.qtype.name] = out.get(t.qtype.name, 0) + 1
+        return out
+
+
+# ---- type decisions ---------------------------------------------------------------------------------
+
+def _target_type(ftype: str, st: SourceTensor, piece: Piece) -> str:
+    if piece.f32_only or len(piece.shape) < 2:
+        return "f32"
+    if ftype != "mixed":
+        return ftype
+    if st.role == Role.ROUTED_EXPERT:
+        return "mxfp4" if st.spec is not None and st.spec.format == "mxfp4" else MIXED_EXPERT_TYPE
+    return "q8_0"
+
+
+def _reusable(st: SourceTensor, target: str) -> bool:
+    s = st.spec
+    if s is None:
+        return False
+    if target == "mxfp4":
+        return s.format == "mxfp4"
+    if target == "q4_0":
+        return s.format == "int4" and s.symmetric and (s.group_size or 128) == 32
+    return False
+
+
+def plan_tensors(src: ExportSource, ftype: str) -> tuple[list[GgufTensor], list[str]]:
+    """Every GGUF tensor with its type, provenance and byte size, in file order."""
+    import gguf
+
+    if ftype not in TYPES:
+        raise QuantkitError(f"--type {ftype!r}: use one of {', '.join(TYPES)}")
+    out: list[GgufTensor] = []
+    skipped: list[str] = []
+    for st in src.tensors():
+        pieces = pieces_for(st.name, st.shape, src.text)
+        if not pieces:
+            skipped.append(st.name)
+            continue
+        for pc in pieces:
+            target = _target_type(ftype, st, pc)
+            qt = _qt(target)
+            block, _ = gguf.GGML_QUANT_SIZES[qt]
+            how, note = "converted", ""
+            if block > 1 and pc.shape[-1] % block:
+                target, qt = "f16", _qt("f16")
+                how = "fallback"
+                note = (f"row length {pc.shape[-1]} is not a multiple of {block}, so {_qt_name(target, True)} "
+                        "cannot hold it: F16 instead")
+            elif _reusable(st, target) and _reuse_ok(pc, block):
+                how = "reused"
+                note = f"{st.spec.format} codes copied as {qt.name}"
+            elif st.spec is not None:
+                note = f"{st.spec.format} g{st.spec.group_size} dequantized, requantized to {qt.name}"
+            else:
+                note = f"{st.dtype} -> {qt.name}"
+            nbytes = int(np.prod(gguf.quant_shape_to_byte_shape(pc.shape, qt)))
+            out.append(GgufTensor(pc, st, qt, how, note, nbytes))
+    names = [t.name for t in out]
+    if len(set(names)) != len(names):
+        raise QuantkitError(f"{src.path}: two source tensors map to the same GGUF tensor")
+    required = {"token_embd.weight", "output_norm.weight"}
+    if not required <= set(names):
+        raise QuantkitError(f"{src.path}: no embedding or final norm (model.language_model.embed_tokens / norm); "
+                            "not a Qwen3.5-MoE checkpoint")
+    return out, skipped
+
+
+def _qt_name(target: str, block_type: bool) -> str:
+    return target.upper() if block_type else target
+
+
+def _reuse_ok(pc: Piece, block: int) -> bool:
+    return pc.col_perm is None or pc.col_unit % block == 0
+
+
+# ---- metadata -----------------------------------------------------------------------------------------
+
+def add_metadata(w: Any, src: ExportSource, ftype: str) -> None:
+    """The qwen35moe hyperparameters llama.cpp's loader reads (src/models/qwen35moe.cpp and the common
+    loader), from the text config."""
+    import gguf
+
+    c = src.text
+    raw = src.config.get("text_config", src.config) if isinstance(src.config, dict) else {}
+    rope = raw.get("rope_parameters") or {}
+    a = ARCH
+    w.add_name(src.path.name)
+    w.add_type("model")
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(int(raw.get("max_position_embeddings", 262144)))
+    w.add_embedding_length(c.hidden_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_layer_norm_rms_eps(float(raw.get("rms_norm_eps", 1e-6)))
+    w.add_rope_freq_base(float(rope.get("rope_theta", raw.get("rope_theta", 1e7))))
+    partial = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 0.25)))
+    n_rot = int(c.head_dim * partial)
+    w.add_rope_dimension_count(n_rot)
+    sections = list(rope.get("mrope_section") or [11, 11, 10])
+    sections = (sections + [0, 0, 0, 0])[:4]
+    if 2 * sum(sections) != n_rot:
+        raise QuantkitError(f"{src.path / 'config.json'}: mrope_section {sections[:3]} covers {2 * sum(sections)} "
+                            f"rotary dims, the model rotates {n_rot}; llama.cpp needs them to agree")
+    w.add_rope_dimension_sections(sections)
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    w.add_ssm_conv_kernel(int(raw.get("linear_conv_kernel_dim", 4)))
+    w.add_ssm_state_size(c.linear_key_head_dim)
+    w.add_ssm_group_count(c.linear_num_key_heads)
+    w.add_ssm_time_step_rank(c.linear_num_value_heads)
+    w.add_ssm_inner_size(c.linear_value_head_dim * c.linear_num_value_heads)
+    if c.linear_key_head_dim != c.linear_value_head_dim:
+        raise QuantkitError("llama.cpp's qwen35moe takes equal linear-attention key and value head dims "
+                            f"(got {c.linear_key_head_dim} and {c.linear_value_head_dim})")
+    recurrent = [t == "linear_attention" for t in c.layer_types]
+    # gguf 0.19 has no add_recurrent_layers; the key is llama.cpp's LLM_KV_ATTENTION_RECURRENT_LAYERS.
+    w.add_array(f"{a}.attention.recurrent_layers", recurrent)
+    w.add_full_attention_interval(int(raw.get("full_attention_interval", 4)))
+    w.add_file_type(_file_type(ftype))
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_string("quantkit.export.type", ftype)
+
+
+def _file_type(ftype: str) -> int:
+    from gguf import LlamaFileType as F
+
+    return {"f32": F.ALL_F32, "f16": F.MOSTLY_F16, "bf16": F.MOSTLY_BF16, "q8_0": F.MOSTLY_Q8_0,
+            "q4_0": F.MOSTLY_Q4_0, "mxfp4": F.MOSTLY_MXFP4_MOE, "mixed": F.MOSTLY_Q4_0}[ftype]
+
+
+# ---- data ---------------------------------------------------------------------------------------------
+
+def _encode(x: torch.Tensor, qt: Any, name: str) -> np.ndarray:
+    """Dense fp32 slab -> GGUF bytes of type `qt` (uint8, rows along the last dim)."""
+    import gguf
+
+    if qt == gguf.GGMLQuantizationType.F32:
+        return x.float().numpy().view(np.uint8)
+    if qt == gguf.GGMLQuantizationType.F16:
+        m = float(x.abs().max()) if x.numel() else 0.0
+        if not m <= F16_MAX:
+            raise QuantkitError(f"{name}: values up to {m:.3g} overflow F16 (the block-size fallback); "
+                                "export with --type bf16")
+        return x.half().numpy().view(np.uint8)
+    if qt == gguf.GGMLQuantizationType.BF16:
+        return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint8)
+    if qt == gguf.GGMLQuantizationType.MXFP4:
+        # quantkit's MXFP4 is byte-identical to the gguf package's and runs in torch (several times faster
+        # than gguf's numpy MXFP4 quantizer)
+        from quantkit.formats import QuantSpec, get_format
+        from quantkit.formats.mxfp4 import to_gguf_blocks
+
+        return to_gguf_blocks(get_format("mxfp4").quantize(x, QuantSpec("mxfp4", 32)))
+    return gguf.quants.quantize(x.float().numpy(), qt)
+
+
+def _reuse_bytes(src: ExportSource, t: GgufTensor, experts: slice | None) -> np.ndarray:
+    import gguf
+
+    parts = src.parts(t.source.name, experts)
+    if t.qtype == gguf.GGMLQuantizationType.MXFP4:
+        from quantkit.formats.mxfp4 import to_gguf_blocks
+
+        raw = to_gguf_blocks(parts)
+    else:
+        from quantkit.formats.int4 import int4_to_q4_0_blocks
+
+        raw = int4_to_q4_0_blocks(parts, t.source.spec)
+    block, bpb = gguf.GGML_QUANT_SIZES[t.qtype]
+    out = permute_blocks(t.piece, torch.from_numpy(np.ascontiguousarray(raw)), block, bpb)
+    assert out is not None  # plan_tensors checked block alignment
+    return out.numpy()
+
+
+def _slabs(t: GgufTensor, slab_bytes: int) -> list[slice | None]:
+    shape = t.source.shape
+    if len(shape) == 3 and t.source.role in (Role.ROUTED_EXPERT,):
+        per = math.prod(shape[1:]) * 4
+        n = max(1, slab_bytes // max(per, 1))
+        return [slice(e, min(e + n, shape[0])) for e in range(0, shape[0], n)]
+    return [None]
+
+
+def _row_chunks(x: torch.Tensor, slab_bytes: int) -> list[torch.Tensor]:
+    if x.dim() < 2 or x.numel() * 4 <= slab_bytes:
+        return [x]
+    per = x[0].numel() * 4
+    n = max(1, slab_bytes // per)
+    return [x[i:i + n] for i in range(0, x.shape[0], n)]
+
+
+def _write_tensor(fout: Any, src: ExportSource, t: GgufTensor, slab_bytes: int, progress: Progress,
+                  reuse: bool) -> int:
+    written = 0
+    for sl in _slabs(t, slab_bytes):
+        if t.how == "reused" and reuse:
+            data = _reuse_bytes(src, t, sl)
+            fout.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+            written += data.nbytes
+            progress.advance(t.name, data.nbytes, False)
+        else:
+            w = src.dense(t.source.name, sl)
+            if not bool(torch.isfinite(w).all()):
+                raise QuantkitError(f"{t.source.name}: NaN/Inf values in the source weights; the checkpoint is damaged")
+            w = convert(t.piece, w)
+            for chunk in _row_chunks(w, slab_bytes):
+                data = _encode(chunk, t.qtype, t.source.name)
+                fout.write(memoryview(np.ascontiguousarray(data)).cast("B"))
+                written += data.nbytes
+                progress.advance(t.name, data.nbytes, False)
+            del w
+    if written != t.nbytes:
+        raise QuantkitError(f"internal: {t.name} wrote {written} bytes, planned {t.nbytes}")
+    return written
+
+
+def export_gguf(src_path: str | Path, out_path: str | Path, type: str = "mixed", overwrite: bool = False,
+                progress: Progress | None = None, slab_bytes: int = SLAB_BYTES,
+                reuse: bool = True) -> GgufResult:
+    """Write `src_path` as a GGUF file at `out_path` (atomically). `reuse=False` requantizes from the
+    dequantized weights even where codes could be copied (for tests and comparisons)."""
+    import gguf
+
+    t0 = time.perf_counter()
+    out = Path(out_path)
+    ftype = type.lower()
+    if ftype not in TYPES:
+        raise QuantkitError(f"--type {type!r}: use one of {', '.join(TYPES)}")
+    if out.exists() and not overwrite:
+        raise QuantkitError(f"{out}: exists; pass --overwrite to replace it")
+    if out.exists() and out.is_dir():
+        raise QuantkitError(f"{out}: is a folder; name the .gguf file to write")
+    if not out.parent.is_dir():
+        raise QuantkitError(f"{out.parent}: no such folder for the output")
+    src = ExportSource.open(src_path)
+    progress = progress or _NoProgress()
+    try:
+        tensors, skipped = plan_tensors(src, ftype)
+        if not reuse:
+            for t in tensors:
+                if t.how == "reused":
+                    t.how = "converted"
+                    t.note = f"{t.source.spec.format} dequantized, requantized to {t.qtype.name} (reuse off)"
+        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        w = gguf.GGUFWriter(None, ARCH)
+        try:
+            add_metadata(w, src, ftype)
+            vocab = src.get("model.language_model.embed_tokens.weight").shape[0]
+            tok = add_tokenizer_meta(w, src.path, vocab)
+            for t in tensors:
+                w.add_tensor_info(t.name, t.piece.shape, np.dtype(np.float32), t.nbytes, raw_dtype=t.qtype)
+            w.write_header_to_file(path=tmp)
+            w.write_kv_data_to_file()
+            w.write_ti_data_to_file()
+            fout = w.fout[0]
+            in_bytes = sum(math.prod(s.shape) * 2 for s in {t.source.name: t.source for t in tensors}.values())
+            progress.start(len(tensors), sum(t.nbytes for t in tensors))
+            for t in tensors:
+                w.write_padding(fout, fout.tell())
+                n = _write_tensor(fout, src, t, slab_bytes, progress, reuse)
+                w.write_padding(fout, n)
+                progress.advance(t.name, 0, True)
+            fout.flush()
+            os.fsync(fout.fileno())
+            w.close()
+            os.replace(tmp, out)
+        except BaseException:
+            w.close()
+            tmp.unlink(missing_ok=True)
+            raise
+    finally:
+        src.close()
+    notes = []
+    if any(n.startswith("mtp.") for n in skipped):
+        notes.append("MTP layer not exported (as llama.cpp's converter with --no-mtp)")
+    return GgufResult(out, ftype, tensors, skipped, tok, out.stat().st_size, time.perf_counter() - t0, in_bytes,
+                      notes)
+
+
+def add_tokenizer_meta(w: Any, folder: Path, vocab: int) -> dict[str, Any]:
+    from quantkit.export.gguf_tokenizer import add_tokenizer
+
+    return add_tokenizer(w, folder, vocab)
