@@ -19,7 +19,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec, register
-from quantkit.formats._common import check_matrix, pack_nibbles_hi_first, row_chunks, unpack_nibbles_hi_first
+from quantkit.formats._common import check_matrix, pack_nibbles_hi_first, run_chunks, unpack_nibbles_hi_first
 
 DEFAULT_BLOCK = 64
 LUT_BINS = 1024  # per unit of v; FP4's closest bounds are 0.0026 apart, more than a bin (0.001)
@@ -95,10 +95,13 @@ class Bnb4:
         n = flat.shape[0]
         packed = torch.empty(n, b // 2, dtype=torch.uint8)
         absmax = torch.empty(n, dtype=torch.float32)
-        for sl in row_chunks(n, b):
+
+        def work(sl: slice) -> None:
             q, am = self._codes(flat[sl].float())
             packed[sl] = pack_nibbles_hi_first(q)
             absmax[sl] = am
+
+        run_chunks(n, b, work)
         return {"qweight": packed.reshape(*lead, per // 2), "absmax": absmax.reshape(*lead, per // b)}
 
     def dequantize(

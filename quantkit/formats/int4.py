@@ -36,7 +36,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec, register
-from quantkit.formats._common import check_matrix, pack_nibbles, row_chunks, to_codes, unpack_nibbles
+from quantkit.formats._common import check_matrix, pack_nibbles, run_chunks, to_codes, unpack_nibbles
 
 DEFAULT_GROUP = 128
 GROUPS = (32, 64, 128)
@@ -75,7 +75,24 @@ def _pick(x: torch.Tensor, inv: torch.Tensor, off: torch.Tensor | None, scale: t
         torch.clamp(t, lo, hi, out=r).round_().sub_(t)
         # sum of squares per group as a matrix-vector product: 1.7x faster than a dim=-1 reduction
         torch.mv(torch.mul(r, r, out=r).view(-1, g), ones, out=err[c].view(-1))
-    return err.mul_(scale.square()).argmin(dim=0)
+    err.mul_(scale.square())
+    # first minimum per group, by elementwise steps: argmin/gather over a short leading dim measured
+    # 10x slower than these on [R, G]
+    best = torch.zeros(scale.shape[1:], dtype=torch.long)
+    best_err = err[0]
+    for c in range(1, scale.shape[0]):
+        better = err[c] < best_err
+        best = torch.where(better, c, best)
+        best_err = torch.where(better, err[c], best_err)
+    return best
+
+
+def _select(cand: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
+    """cand [C, R, G], best [R, G] -> cand[best[r, g], r, g]."""
+    out = cand[0]
+    for c in range(1, cand.shape[0]):
+        out = torch.where(best == c, cand[c], out)
+    return out
 
 
 def _sym(x: torch.Tensor, grid: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,8 +104,8 @@ def _sym(x: torch.Tensor, grid: tuple[float, ...]) -> tuple[torch.Tensor, torch.
         cand = (base * f).to(torch.bfloat16)  # [C, R, G]
         candf = cand.float()
         inv = _inv(candf)
-        best = _pick(x, inv, None, candf, -8, 7)[None]
-        s, inv_s = cand.gather(0, best)[0], inv.gather(0, best)[0]
+        best = _pick(x, inv, None, candf, -8, 7)
+        s, inv_s = _select(cand, best), _select(inv, best)
     else:
         s = base.to(torch.bfloat16)
         inv_s = _inv(s.float())
@@ -110,9 +127,11 @@ def _asym(x: torch.Tensor, grid: tuple[float, ...]) -> tuple[torch.Tensor, torch
     sf, zf = cand_s.float(), cand_z.float()
     inv = _inv(sf)
     off = 8.0 - zf * inv  # code = (x - (z - 8 s)) / s = x * inv + off
-    best = _pick(x, inv, off, sf, 0, 15)[None] if grid else torch.zeros_like(mn, dtype=torch.long)[None]
-    s, z = cand_s.gather(0, best)[0], cand_z.gather(0, best)[0]
-    inv_b, off_b = inv.gather(0, best)[0], off.gather(0, best)[0]
+    if grid:
+        best = _pick(x, inv, off, sf, 0, 15)
+        s, z, inv_b, off_b = (_select(t, best) for t in (cand_s, cand_z, inv, off))
+    else:
+        s, z, inv_b, off_b = cand_s[0], cand_z[0], inv[0], off[0]
     q = (x * inv_b[..., None]).add_(off_b[..., None]).clamp_(0, 15).round_()
     return to_codes(q), s, z
 
@@ -133,7 +152,8 @@ class Int4:
         packed = torch.empty(rows, cols // 2, dtype=torch.uint8)
         scales = torch.empty(rows, cols // g, dtype=torch.bfloat16)
         zeros = None if spec.symmetric else torch.empty(rows, cols // g, dtype=torch.bfloat16)
-        for sl in row_chunks(rows, cols):
+
+        def work(sl: slice) -> None:
             x = flat[sl].float().reshape(-1, cols // g, g)
             if spec.symmetric:
                 q, s = _sym(x, grid)
@@ -142,6 +162,8 @@ class Int4:
                 zeros[sl] = z
             scales[sl] = s
             packed[sl] = pack_nibbles(q.reshape(-1, cols))
+
+        run_chunks(rows, cols, work)
         lead = w.shape[:-1]
         parts = {"qweight": packed.reshape(*lead, cols // 2), "scales": scales.reshape(*lead, cols // g)}
         if zeros is not None:

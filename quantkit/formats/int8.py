@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from quantkit.formats import QuantSpec, register
-from quantkit.formats._common import check_matrix, row_chunks
+from quantkit.formats._common import check_matrix, run_chunks
 
 
 class Int8:
@@ -25,13 +25,16 @@ class Int8:
         flat = w.reshape(-1, cols)
         q = torch.empty(flat.shape, dtype=torch.int8)
         scales = torch.empty(flat.shape[0], dtype=torch.bfloat16)
-        for sl in row_chunks(flat.shape[0], cols):
+
+        def work(sl: slice) -> None:
             x = flat[sl].float()
             s = (x.abs().amax(dim=1) / 127.0).to(torch.bfloat16)
             sf = s.float()
             inv = torch.where(sf > 0, 1.0 / sf, torch.zeros_like(sf))
-            q[sl] = torch.round(x * inv[:, None]).clamp_(-127, 127).to(torch.int8)
+            q[sl] = (x * inv[:, None]).clamp_(-127, 127).round_().to(torch.int8)
             scales[sl] = s
+
+        run_chunks(flat.shape[0], cols, work)
         return {"qweight": q.reshape(w.shape), "scales": scales.reshape(w.shape[:-1])}
 
     def dequantize(

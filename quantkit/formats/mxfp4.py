@@ -13,7 +13,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec, register
-from quantkit.formats._common import check_matrix, row_chunks
+from quantkit.formats._common import check_matrix, run_chunks
 
 BLOCK = 32
 # E2M1 magnitudes, doubled (0, .5, 1, 1.5, 2, 3, 4, 6); codes 8..15 are the negatives.
@@ -64,7 +64,8 @@ class MXFP4:
         n = flat.shape[0]
         scales = torch.empty(n, dtype=torch.uint8)
         packed = torch.empty(n, BLOCK // 2, dtype=torch.uint8)
-        for sl in row_chunks(n, BLOCK):
+
+        def work(sl: slice) -> None:
             x = flat[sl].float()
             e = _exponents(x.abs().amax(dim=1))
             # v = 2x/d is exact (d is a power of two; divide, since 2/d overflows for the smallest d).
@@ -77,6 +78,8 @@ class MXFP4:
             q64 = q.view(torch.int64)
             packed[sl] = (q64[:, :2] | (q64[:, 2:] << 4)).view(torch.uint8)
             scales[sl] = e
+
+        run_chunks(n, BLOCK, work)
         lead = w.shape[:-1]
         return {"scales": scales.reshape(*lead, cols // BLOCK), "qweight": packed.reshape(*lead, cols // 2)}
 
