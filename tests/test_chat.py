@@ -8,10 +8,11 @@ import sys
 
 import pexpect
 import pytest
-from test_runtime_common import quantized
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime.chat import ChatSession, fit_context
+
+from test_runtime_common import quantized
 
 
 @pytest.mark.slow

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_runtime_common import one_thread, quantized  # noqa: F401
 
 from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.evaluate import layer_errors, logit_agreement
 from quantkit.tiny import load_reference_model, probe_ids
+
+from test_runtime_common import one_thread, quantized  # noqa: F401
 
 # recipe: (max layer error, min top-1 agreement, max mean KL, greedy identical required)
 BOUNDS = {

@@ -7,12 +7,13 @@ import threading
 
 import pytest
 import torch
-from test_runtime_common import one_thread, quantized, run_cli  # noqa: F401
 from transformers import Qwen3_5MoeTextConfig
 
 from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.engine import load_tokenizer
 from quantkit.runtime.generate import StreamingDetokenizer, sample, stream_tokens
+
+from test_runtime_common import one_thread, quantized, run_cli  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

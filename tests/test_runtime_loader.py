@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_runtime_common import one_thread, quantized, run_cli  # noqa: F401
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime import Placement, load_model
 from quantkit.runtime.qexperts import QuantExperts
 from quantkit.runtime.qlinear import QuantLinear
+
+from test_runtime_common import one_thread, quantized, run_cli  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
