@@ -50,3 +50,22 @@ def bench_serve(
     for name, ok in d["checks"].items():
         console.print(f"{'PASS' if ok else 'FAIL'} {name}")
     console.print(f"wrote {reports / 'bench-serve.md'}")
+
+
+@bench_app.command("engines")
+def bench_engines(
+    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-engines.{md,json} go"),
+    workdir: Path = typer.Option(Path("/tmp/quantkit-bench"), "--workdir", help="generated files go here"),
+    layers: int = typer.Option(4, "--layers", help="layers of the generated realistic-shape checkpoint"),
+    experts: int = typer.Option(64, "--experts", help="experts per layer of the generated checkpoint"),
+    top_k: int = typer.Option(8, "--top-k", help="experts per token"),
+    vocab: int = typer.Option(248320, "--vocab", help="vocabulary (embedding and lm_head rows)"),
+    threads: int = typer.Option(None, "--threads", help="threads for both engines (default: torch's)"),
+    reps: int = typer.Option(2, "--reps", help="decode repetitions per engine (best is reported)"),
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="use this bf16 checkpoint instead"),
+) -> None:
+    """llama.cpp on our GGUF export beside quantkit's runtime: decode tok/s and error vs bf16, same bits."""
+    from quantkit.bench.engines import run
+
+    d = run(reports, workdir, layers, experts, top_k, vocab, checkpoint, threads, reps, log=console.print)
+    console.print(f"wrote {reports / 'bench-engines.md'} ({d['seconds']:.0f} s)")
