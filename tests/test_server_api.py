@@ -405,3 +405,12 @@ def test_the_load_checkers_catch_incomplete_answers():
     assert check_plain(good, 4) == ""
     assert check_plain({**good, "usage": {**good["usage"], "total_tokens": 8}}, 4)
     assert check_plain({"choices": []}, 4)
+
+
+def test_a_closed_queue_answers_503(backend, q4):
+    app = create_app(backend, ServerConfig(max_queue=1))
+    with ServerThread(app) as s:
+        app.state.queue.close()  # what shutdown does: refuse new work, cancel what is left
+        r = httpx.post(s.url + "/v1/chat/completions", json=_ok_body(q4), timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert httpx.get(s.url + "/health").json()["status"] == "shutting_down"

@@ -248,7 +248,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        state["queue"] = GenerationQueue(backend, config.max_queue)
+        state["queue"] = app.state.queue = GenerationQueue(backend, config.max_queue)
         try:
             yield
         finally:
@@ -274,7 +274,8 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
     @app.get("/health")
     async def health() -> dict[str, Any]:
         q = state.get("queue")
-        return {"status": "ok" if q is not None else "starting", "model": backend.model_id,
+        status = "starting" if q is None else "ok" if q.accepting else "shutting_down"
+        return {"status": status, "model": backend.model_id,
                 "max_context": backend.max_context, "queue": q.stats.as_dict() if q else None}
 
     def card() -> ModelCard:

@@ -96,6 +96,10 @@ class GenerationQueue:
         self._thread = threading.Thread(target=self._work, name="quantkit-generate", daemon=True)
         self._thread.start()
 
+    @property
+    def accepting(self) -> bool:
+        return not self._closed and self._thread.is_alive()
+
     def submit(self, job: Job) -> None:
         with self._cv:
             if self._closed or not self._thread.is_alive():
