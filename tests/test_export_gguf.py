@@ -32,11 +32,15 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is built i
 gguf = pytest.importorskip("gguf")
 
 N_SEQ, SEQ_LEN = 3, 48
-# (top-1 agreement at least, max |logit error| at most) for llama.cpp vs transformers on the same weights
-SAME_WEIGHTS = {"f32": (1.0, 2e-3), "q8_0": (0.99, 2e-2), "q4_0": (0.99, 2e-2), "mxfp4": (0.99, 2e-2),
+# (top-1 agreement at least, max |logit error| at most) for llama.cpp vs transformers on the same weights.
+# Measured (3 x 48 tokens): f32 1.0 / 7.0e-5; q8_0 1.0 / 8.1e-3; q4_0 1.0 / 7.5e-3; mxfp4 1.0 / 7.9e-3;
+# mixed 1.0 / 8.1e-3. The quantized files' residual is llama.cpp quantizing ACTIVATIONS to 8 bits in its
+# block dot products (transformers multiplies in fp32); bounds are about 2.5x the measurement.
+SAME_WEIGHTS = {"f32": (1.0, 5e-4), "q8_0": (0.99, 2e-2), "q4_0": (0.99, 2e-2), "mxfp4": (0.99, 2e-2),
                 "mixed": (0.99, 2e-2)}
-# top-1 agreement with the bf16 checkpoint at least (quantization error included)
-VS_BF16 = {"f32": 1.0, "q8_0": 0.99, "q4_0": 0.95, "mxfp4": 0.90, "mixed": 0.95}
+# top-1 agreement with the bf16 checkpoint at least (quantization error included). Measured: q8_0 1.0
+# (max 1.2e-2), q4_0 0.993 (max 0.133), mxfp4 0.993 (max 0.161), mixed 1.0 (max 1.5e-2).
+VS_BF16 = {"f32": 1.0, "q8_0": 0.99, "q4_0": 0.97, "mxfp4": 0.97, "mixed": 0.99}
 
 
 def run_cli(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
@@ -163,6 +167,25 @@ def test_quantized_export_matches_transformers_on_its_weights(ty: str, exports: 
     assert q_top1 >= VS_BF16[ty], q_top1
 
 
+def kl(ref: np.ndarray, got: np.ndarray) -> float:
+    r = torch.log_softmax(torch.from_numpy(ref).double(), -1)
+    g = torch.log_softmax(torch.from_numpy(got).double(), -1)
+    return float((r.exp() * (r - g)).sum(-1).mean())
+
+
+def test_mixed_default_experts_are_the_measured_better_type(tiny_model: Path, tmp_path: Path,
+                                                              bf16_logits: np.ndarray) -> None:
+    """mixed's Q4_0 experts (fp16 scale per 32) beat MXFP4 (power-of-two scale per 32) through llama.cpp.
+    Measured: KL vs bf16 3.7e-6 (Q4_0) vs 4.8e-6 (MXFP4); expert weight SQNR 21.3 vs 18.9 dB."""
+    out = {}
+    for et in ("q4_0", "mxfp4"):
+        res = export_gguf(tiny_model, tmp_path / f"{et}.gguf", "mixed", expert_type=et)
+        assert {t.qtype.name for t in res.tensors if "_exps" in t.name} == {et.upper()}
+        out[et] = kl(bf16_logits, llama_logits(res.path, prompts()))
+    print(f"mixed experts: KL vs bf16 q4_0 {out['q4_0']:.2e}, mxfp4 {out['mxfp4']:.2e}")
+    assert out["q4_0"] < out["mxfp4"]
+
+
 def test_mixed_types_follow_the_recipe(exports: dict[str, Path]) -> None:
     reader = gguf.GGUFReader(str(exports["mixed"]))
     types = {t.name: t.tensor_type.name for t in reader.tensors}
@@ -267,7 +290,7 @@ def test_bad_inputs_one_line_each(tiny_model: Path, tmp_path: Path, capsys, monk
     shard = sorted(bad.glob("*.safetensors"))[0]
     shard.write_bytes(shard.read_bytes()[:200])
     code, _, err = run_cli(["export", "gguf", str(bad), str(tmp_path / "o.gguf")], capsys, monkeypatch)
-    assert code == 2 and "truncated" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "re-download it" in err and len(err.strip().splitlines()) == 1
     code, _, err = run_cli(["export", "gguf", str(tiny_model), str(tmp_path / "o.gguf"), "--type", "q2_k"],
                            capsys, monkeypatch)
     assert code == 2 and "--type" in err and len(err.strip().splitlines()) == 1

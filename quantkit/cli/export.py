@@ -54,6 +54,8 @@ def export_gguf_cmd(
     out: Path = typer.Argument(..., help="the .gguf file to write"),
     type: str = typer.Option("mixed", "--type", "-t",
                              help="mixed (experts Q4_0, rest Q8_0), q8_0, q4_0, mxfp4, f16, bf16 or f32"),
+    experts: str = typer.Option(None, "--experts", help="routed experts' type in mixed: q4_0 (default; MXFP4 "
+                                "when the source experts are MXFP4), mxfp4 or q8_0"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing output file"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="list every tensor"),
 ) -> None:
@@ -61,7 +63,8 @@ def export_gguf_cmd(
     from quantkit.export.gguf import export_gguf
 
     with _progress() as p:
-        res = export_gguf(src, out, type, overwrite=overwrite, progress=_RichProgress(p, "exporting gguf"))
+        res = export_gguf(src, out, type, overwrite=overwrite, progress=_RichProgress(p, "exporting gguf"),
+                          expert_type=experts)
     t = Table(box=box.SIMPLE, title=f"{res.path} ({res.nbytes / 1e6:,.1f} MB, {res.seconds:.1f} s)")
     for col in ("tensors", "how", "types"):
         t.add_column(col)
