@@ -94,3 +94,21 @@ def test_zero_matrix_gives_zero():
         w = torch.zeros(32, 128, dtype=torch.bfloat16)
         k = prepare(get_format(spec.format).quantize(w, spec), spec, (32, 128))
         assert torch.count_nonzero(k(torch.randn(2, 128).to(torch.bfloat16))) == 0, spec.format
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.format}-g{s.group_size}-{'s' if s.symmetric else 'a'}")
+def test_parts_at_any_byte_offset(spec):
+    """Stored parts read from a shard can start at any byte offset (views into one buffer); torch's int8
+    kernel crashed on a weight 8 bytes off, so every route must work on such views."""
+    shape = (128, 256)
+    w = (torch.randn(shape, generator=torch.Generator().manual_seed(3)) * 0.02).to(torch.bfloat16)
+    parts = get_format(spec.format).quantize(w, spec)
+    shifted = {}
+    for name, t in parts.items():
+        raw = t.contiguous().view(-1).view(torch.uint8)
+        buf = torch.zeros(raw.numel() + 8, dtype=torch.uint8)
+        buf[8:] = raw
+        shifted[name] = buf[8:].view(t.dtype).view(t.shape)
+        assert shifted[name].data_ptr() % 16 == 8
+    x = torch.randn(5, shape[1], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    assert rel(prepare(shifted, spec, shape)(x), reference_matmul(x, parts, spec, shape)) < 1e-2

@@ -110,7 +110,7 @@ class Int8Kernel(Kernel):
     route = "torch._weight_int8pack_mm"
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor):
-        self.q, self.s = q.contiguous(), scales.to(COMPUTE_DTYPE).contiguous()
+        self.q, self.s = aligned(q), aligned(scales.to(COMPUTE_DTYPE))
         self.out_features, self.in_features = q.shape
         self.device = q.device
         if q.device.type != "cpu" and not _int8pack_works(q.device):
@@ -124,6 +124,14 @@ class Int8Kernel(Kernel):
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.q, self.s]
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous and starting on a 64-byte boundary. A tensor read from a safetensors file can be a
+    view at any byte offset of its shard's buffer, and torch 2.13's CPU `_weight_int8pack_mm` crashes
+    (SIGSEGV, measured) on an int8 weight that starts 8 bytes off; torch's own allocator aligns to 64."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 64 == 0 else t.clone()
 
 
 @functools.lru_cache(maxsize=8)
@@ -193,7 +201,7 @@ class Bnb4Kernel(Kernel):
         qs = bf.QuantState(absmax=parts["absmax"].float().reshape(-1).contiguous(), shape=torch.Size(shape),
                            code=bf.get_4bit_type(spec.format, device=self.device), blocksize=block,
                            quant_type=spec.format, dtype=COMPUTE_DTYPE)
-        q = parts["qweight"].reshape(-1, 1).contiguous()
+        q = aligned(parts["qweight"].reshape(-1, 1))
         self._bf = bf
         if self.device.type == "cpu" and _bnb_avx512bf16() and shape[0] % 32 == 0:
             q, qs = bf._convert_weight_packed_for_cpu(q, qs)
