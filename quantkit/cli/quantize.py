@@ -128,7 +128,7 @@ def quantize(
                TextColumn("{task.percentage:>5.1f}%"), TransferSpeedColumn(), TimeElapsedColumn(),
                TimeRemainingColumn(), TextColumn("[dim]{task.fields[name]}")]
     try:
-        with Progress(*columns, console=err_console, transient=False) as p:
+        with Progress(*columns, console=err_console, transient=True) as p:
             res = run_quantize(ckpt, out, opts, _RichProgress(p))
     except Interrupted as e:
         fail(str(e), 130)
