@@ -372,7 +372,6 @@ def test_a_plain_request_whose_client_gives_up_is_cancelled(server, q4):
     assert _post(server, _ok_body(q4)).status_code == 200
 
 
-@pytest.mark.xfail(strict=False, reason="known bug: a client hang-up during the concurrent run is answered 400, not 200; open in the closing note")
 def test_concurrent_clients_each_get_a_complete_answer_or_a_clean_429(server, q4):
     from quantkit.bench.serve import run_faults, run_load
 
