@@ -13,17 +13,16 @@ from rich.table import Table
 from quantkit.budget import GB, GIB, RunSettings, cache_dtype, compute_budget
 from quantkit.cli import app, console
 from quantkit.errors import QuantkitError
+from quantkit.export.launch import ENGINES, launch_plan
 from quantkit.hardware import DEFAULT_GPU_RESERVE, Hardware, build_hardware, load_catalog, parse_size
 from quantkit.plan import (
     RECIPES,
     Plan,
     SchemeResult,
-    llama_cpp_command,
     plan_schemes,
     recommend,
     solve,
     suggestions,
-    vllm_command,
 )
 from quantkit.recipe import get_recipe
 from quantkit.spec import DEFAULT_MODEL, ModelSpec, Role, default_spec, load_config, spec_from_config
@@ -185,7 +184,7 @@ def plan_cmd(
     """Memory budget per scheme, a placement over GPUs and RAM, and the speed it should reach."""
     spec = load_model_spec(model)
     hw = build_hardware(gpu, ram, cpu_bandwidth, nodes, cpu_tflops)
-    if export and export.lower() not in ("llama.cpp", "llamacpp", "llama-cpp", "vllm"):
+    if export and export.lower() not in ENGINES:
         raise QuantkitError(f"--export {export!r}: use llama.cpp or vllm")
     schemes = [get_recipe(x.strip()).name for s in (scheme or []) for x in s.split(",") if x.strip()]
     contexts = parse_contexts(context, spec.config.max_position_embeddings)
@@ -211,12 +210,7 @@ def plan_cmd(
     plan = chosen.plan
     if out:
         plan.save(out)
-    cmd, warns = "", []
-    if export:
-        if export.lower() == "vllm":
-            cmd, warns = vllm_command(plan, hw, model or f"<path to {DEFAULT_MODEL}>")
-        else:
-            cmd = llama_cpp_command(plan, f"{spec.name}-{plan.scheme}.gguf")
+    launch = launch_plan(export, plan, hw, spec.name, model or f"<path to {DEFAULT_MODEL}>") if export else None
     if as_json:
         obj = {
             "model": spec.name,
@@ -231,8 +225,8 @@ def plan_cmd(
         }
         if out:
             obj["plan_file"] = str(out)
-        if export:
-            obj["export"] = {"target": export.lower(), "command": cmd, "warnings": warns}
+        if launch:
+            obj["export"] = launch.to_dict()
         print(json.dumps(obj, indent=1))
         return
     for n in hw.notes:
@@ -258,11 +252,13 @@ def plan_cmd(
         console.print(f"[dim]  - {a}[/]")
     if out:
         console.print(f"plan saved to {out}")
-    if export:
-        for w in warns:
+    if launch:
+        for w in launch.warnings:
             console.print(f"[yellow]warning:[/] {w}")
-        if cmd:
-            console.print(cmd, highlight=False, soft_wrap=True)
+        if launch.export_command:
+            console.print(launch.export_command, highlight=False, soft_wrap=True)
+        if launch.command:
+            console.print(launch.command, highlight=False, soft_wrap=True)
 
 
 @app.command("gpus")

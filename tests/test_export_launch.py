@@ -1,0 +1,55 @@
+"""`quantkit plan --export`: the launch line loads exactly what the printed `quantkit export` line writes."""
+
+from __future__ import annotations
+
+import json
+import shlex
+
+import pytest
+from test_cli_plan import run
+
+from quantkit.budget import RunSettings
+from quantkit.export.launch import GGUF_TYPES, launch_plan
+from quantkit.hardware import build_hardware
+from quantkit.plan import solve
+from quantkit.recipe import RECIPES
+from quantkit.spec import default_spec
+
+
+@pytest.mark.parametrize("engine", ["llama.cpp", "vllm"])
+def test_launch_line_loads_what_the_export_line_writes(engine, tiny_model, tmp_path, capsys, monkeypatch):
+    code, out, err = run(["plan", "--model", str(tiny_model), "--gpu", "rtx4090", "-s", "quality", "--json",
+                          "--export", engine], capsys, monkeypatch)
+    assert code == 0, err
+    d = json.loads(out)["export"]
+    export = shlex.split(d["export_command"])
+    assert export[:3] == ["quantkit", "export", "gguf" if engine == "llama.cpp" else "vllm"]
+    assert export[3] == str(tiny_model)
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(export[1:], capsys, monkeypatch)
+    assert code == 0, err
+    written = tmp_path / export[4]
+    launch = shlex.split(d["command"])
+    if engine == "llama.cpp":
+        assert written.is_file() and written.read_bytes()[:4] == b"GGUF"
+        assert launch[0] == "llama-server" and launch[launch.index("-m") + 1] == export[4]
+    else:
+        cfg = json.loads((written / "config.json").read_text())
+        assert cfg["quantization_config"]["format"] == "pack-quantized"
+        assert launch[:3] == ["vllm", "serve", export[4]]
+
+
+def test_each_scheme_gets_a_launch_for_each_engine():
+    spec = default_spec()
+    hw = build_hardware(["2xh100"], "256GB", None, 1, None)
+    st = RunSettings(context=4096)
+    for scheme in RECIPES:
+        plan = solve(spec, RECIPES[scheme], st, hw)
+        gg = launch_plan("llama.cpp", plan, hw, spec.name, "SRC")
+        assert f"--type {GGUF_TYPES[scheme]}" in gg.export_command and "-m " + gg.export_command.split()[4] in gg.command
+        vl = launch_plan("vllm", plan, hw, spec.name, "SRC")
+        if scheme in ("bf16", "fp16", "int8"):
+            assert vl.export_command is None and vl.command.startswith("vllm serve SRC ")
+            assert ("--quantization fp8" in vl.command) == (scheme == "int8")
+        else:
+            assert vl.command.startswith(f"vllm serve {vl.export_command.split()[4]} ")
