@@ -7,11 +7,17 @@ They are shared by many test files: treat them as read-only (copy a folder befor
 - `tiny_model_transformers_layout`: the SAME weights written by transformers' save_pretrained
   (`model.layers.*`, per-expert experts): its canonical tensors equal `tiny_model`'s.
 - `tiny_model_mtp`: published layout with the MTP layer (`mtp.*`, per-expert), not decisive.
+
+Plain helpers the tests import (`from conftest import run_cli, run_main`):
+- `run_cli`: the entry point quantkit.cli.main() in this process (monkeypatch applies), output captured;
+- `run_main`: `python -m quantkit ...` in a fresh process, as users run it.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +26,28 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 TINY_KW = {"layers": 4, "experts": 8, "top_k": 2, "hidden": 64, "intermediate": 32, "seed": 0}
+
+
+def run_cli(args: list, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> tuple[int, str, str]:
+    """quantkit.cli.main() with `args` in this process (a QuantkitError is one `error:` line, exit 2):
+    (exit code, stdout, stderr)."""
+    from quantkit.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
+    monkeypatch.setenv("COLUMNS", "200")
+    code = 0
+    try:
+        main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def run_main(*args: object, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    """`python -m quantkit *args` in a fresh process, stdout and stderr captured as text."""
+    return subprocess.run([sys.executable, "-m", "quantkit", *map(str, args)], capture_output=True, text=True,
+                          env={**os.environ, "COLUMNS": "200"}, timeout=timeout)
 
 
 @pytest.fixture(scope="session")

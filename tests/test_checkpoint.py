@@ -7,15 +7,14 @@ import os
 import pickle
 import shutil
 import struct
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 from safetensors.torch import save_file
 
 from quantkit.checkpoint import Checkpoint, check_finite, resolve_model, spec_from_path
-from quantkit.cli import main
 from quantkit.errors import QuantkitError
 from quantkit.spec import load_config, spec_from_config
 
@@ -26,18 +25,6 @@ DN = "model.language_model.layers.1.mlp.experts.down_proj"
 def copy_ckpt(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
-
-
-def run_cli(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["quantkit", *args])
-    monkeypatch.setenv("COLUMNS", "200")
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 # ---- reading ----

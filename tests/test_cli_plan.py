@@ -3,36 +3,22 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_cli, run_main
 
-from quantkit.cli import main
 from quantkit.plan import Plan
 from quantkit.spec import default_config_path, load_config
 
 
-def run(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["quantkit", *args])
-    monkeypatch.setenv("COLUMNS", "160")
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out, out.err
-
-
 def test_plan_rtx4090_shows_card_figures_and_a_fitting_plan(capsys, monkeypatch) -> None:
-    code, out, err = run(["plan", "--gpu", "rtx4090"], capsys, monkeypatch)
+    code, out, err = run_cli(["plan", "--gpu", "rtx4090"], capsys, monkeypatch)
     assert code == 0, err
     for figure in ("74.0", "37.0", "18.5"):
         assert figure in out
     assert "Recommended:" in out and "no --ram given" in out  # RAM detected and said so
-    code, out, _ = run(["plan", "--gpu", "rtx4090", "--ram", "64GB", "--json"], capsys, monkeypatch)
+    code, out, _ = run_cli(["plan", "--gpu", "rtx4090", "--ram", "64GB", "--json"], capsys, monkeypatch)
     d = json.loads(out)
     rows = {r["scheme"]: r for r in d["schemes"]}
     assert [rows[s]["card_estimate_gb"] for s in ("fp16", "int8", "int4", "fp4")] == [74.0, 37.0, 18.5, 18.5]
@@ -45,8 +31,8 @@ def test_plan_rtx4090_shows_card_figures_and_a_fitting_plan(capsys, monkeypatch)
 
 def test_plan_16gb_card_puts_experts_on_cpu_and_saves_the_plan(capsys, monkeypatch, tmp_path: Path) -> None:
     out_file = tmp_path / "plan.json"
-    code, out, err = run(["plan", "--gpu", "rtx4060ti-16gb", "--ram", "64GB", "--json", "--out", str(out_file),
-                          "--export", "llama.cpp"], capsys, monkeypatch)
+    code, out, err = run_cli(["plan", "--gpu", "rtx4060ti-16gb", "--ram", "64GB", "--json", "--out", str(out_file),
+                              "--export", "llama.cpp"], capsys, monkeypatch)
     assert code == 0, err
     d = json.loads(out)
     rec = next(r for r in d["schemes"] if r["scheme"] == d["recommended"])
@@ -57,15 +43,15 @@ def test_plan_16gb_card_puts_experts_on_cpu_and_saves_the_plan(capsys, monkeypat
 
 
 def test_plan_fp16_on_rtx3060_fails_and_says_what_fits(capsys, monkeypatch) -> None:
-    code, out, err = run(["plan", "--gpu", "rtx3060", "--ram", "16GB", "--scheme", "fp16"], capsys, monkeypatch)
+    code, out, err = run_cli(["plan", "--gpu", "rtx3060", "--ram", "16GB", "--scheme", "fp16"], capsys, monkeypatch)
     assert code == 2
     assert "fp16 does not fit" in err and "what fits" in err and "quality" in err and "--ram" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_context_sweep_and_vllm_export(capsys, monkeypatch) -> None:
-    code, out, err = run(["plan", "--gpu", "8xh100", "--nodes", "2", "--ram", "512GB", "-s", "bf16",
-                          "--context", "4k,32k,128k,262k", "--json", "--export", "vllm"], capsys, monkeypatch)
+    code, out, err = run_cli(["plan", "--gpu", "8xh100", "--nodes", "2", "--ram", "512GB", "-s", "bf16",
+                              "--context", "4k,32k,128k,262k", "--json", "--export", "vllm"], capsys, monkeypatch)
     assert code == 0, err
     d = json.loads(out)
     assert d["contexts"] == [4096, 32768, 131072, 262144]
@@ -75,7 +61,7 @@ def test_context_sweep_and_vllm_export(capsys, monkeypatch) -> None:
 
 
 def test_gpus_and_inspect(capsys, monkeypatch) -> None:
-    code, out, err = run(["gpus", "--json", "--ram", "32GB"], capsys, monkeypatch)
+    code, out, err = run_cli(["gpus", "--json", "--ram", "32GB"], capsys, monkeypatch)
     assert code == 0, err
     d = {g["gpu"]: g["schemes"] for g in json.loads(out)["gpus"]}
     assert len(d) >= 30
@@ -83,12 +69,12 @@ def test_gpus_and_inspect(capsys, monkeypatch) -> None:
     assert d["rtx4060ti-16gb"]["quality"]["runs"] == "offload" and d["rtx4060ti-16gb"]["quality"]["ram_gib"] > 0
     assert d["rtx3050-8gb"]["bf16"]["runs"] == "no"
     assert d["h200"]["bf16"]["runs"] == "gpu"
-    code, out, err = run(["inspect", "--json"], capsys, monkeypatch)
+    code, out, err = run_cli(["inspect", "--json"], capsys, monkeypatch)
     assert code == 0, err
     d = json.loads(out)
     assert d["text_params"] == 34_660_610_688
     assert d["roles"]["routed_expert"]["params"] == 32_212_254_720
-    code, out, _ = run(["inspect", str(default_config_path())], capsys, monkeypatch)
+    code, out, _ = run_cli(["inspect", str(default_config_path())], capsys, monkeypatch)
     assert code == 0 and "routed_expert" in out and "linear_attention" in out
 
 
@@ -116,7 +102,7 @@ def _bad_config(tmp_path: Path, mutate) -> Path:
     ],
 )
 def test_bad_input_one_line(args, needle, capsys, monkeypatch) -> None:
-    code, _, err = run(args, capsys, monkeypatch)
+    code, _, err = run_cli(args, capsys, monkeypatch)
     assert code == 2 and needle in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
@@ -132,7 +118,7 @@ def test_bad_input_one_line(args, needle, capsys, monkeypatch) -> None:
 )
 def test_bad_config_names_the_field(mutate, needle, tmp_path, capsys, monkeypatch) -> None:
     path = _bad_config(tmp_path, mutate)
-    code, _, err = run(["plan", "--gpu", "rtx4090", "--model", str(path)], capsys, monkeypatch)
+    code, _, err = run_cli(["plan", "--gpu", "rtx4090", "--model", str(path)], capsys, monkeypatch)
     assert code == 2 and needle in err and str(path) in err, err
     assert len(err.strip().splitlines()) == 1
 
@@ -140,16 +126,15 @@ def test_bad_config_names_the_field(mutate, needle, tmp_path, capsys, monkeypatc
 def test_invalid_json_and_empty_checkpoint_folder(tmp_path, capsys, monkeypatch) -> None:
     p = tmp_path / "config.json"
     p.write_text("{not json")
-    code, _, err = run(["inspect", str(p)], capsys, monkeypatch)
+    code, _, err = run_cli(["inspect", str(p)], capsys, monkeypatch)
     assert code == 2 and "not valid JSON" in err
     empty = tmp_path / "ckpt"
     empty.mkdir()
     (empty / "pytorch_model.bin").write_bytes(b"\0")
-    code, _, err = run(["plan", "--gpu", "rtx4090", "--model", str(empty)], capsys, monkeypatch)
+    code, _, err = run_cli(["plan", "--gpu", "rtx4090", "--model", str(empty)], capsys, monkeypatch)
     assert code == 2 and "safetensors" in err and len(err.strip().splitlines()) == 1
 
 
 def test_console_script_error_has_no_traceback() -> None:
-    r = subprocess.run([sys.executable, "-m", "quantkit", "plan", "--gpu", "rtx4099"], capture_output=True,
-                       text=True)
+    r = run_main("plan", "--gpu", "rtx4099")
     assert r.returncode == 2 and "unknown GPU 'rtx4099'" in r.stderr and "Traceback" not in r.stderr

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import shutil
 import signal
@@ -15,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import run_main
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
@@ -45,11 +45,6 @@ def main_cli(*args: str) -> SimpleNamespace:
     if r.exception is not None and not isinstance(r.exception, SystemExit):
         raise r.exception
     return SimpleNamespace(exit_code=r.exit_code, output=r.output)
-
-
-def run_main(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "quantkit", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, "COLUMNS": "200"})
 
 
 def stored(folder: Path) -> dict[str, torch.Tensor]:

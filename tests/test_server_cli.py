@@ -14,30 +14,17 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from conftest import run_cli, run_main
 
-from quantkit.cli import main
 from quantkit.cli.serve import is_loopback
 
 
 @pytest.fixture(scope="module")
 def q4(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("serve-cli") / "q4"
-    r = subprocess.run([sys.executable, "-m", "quantkit", "quantize", str(tiny_model), "--bits", "4", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600)
+    r = run_main("quantize", tiny_model, "--bits", "4", "--out", out, timeout=600)
     assert r.returncode == 0, r.stderr
     return out
-
-
-def run(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["quantkit", *args])
-    monkeypatch.setenv("COLUMNS", "200")
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def free_port() -> int:
@@ -100,17 +87,17 @@ def test_serve_bad_input_is_one_line(tmp_path: Path, capsys, monkeypatch):
         (["serve", str(tmp_path), "--port", "70000"], "--port 70000"),
     ]
     for args, needle in cases:
-        code, out, err = run(args, capsys, monkeypatch)
+        code, out, err = run_cli(args, capsys, monkeypatch)
         assert code == 2, (args, out, err)
         assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, (args, err)
 
 
 def test_binding_beyond_loopback_warns(tmp_path: Path, capsys, monkeypatch):
     # the folder is missing, so nothing is ever bound: this checks the warning comes first
-    code, _, err = run(["serve", str(tmp_path / "missing"), "--host", "0.0.0.0"], capsys, monkeypatch)
+    code, _, err = run_cli(["serve", str(tmp_path / "missing"), "--host", "0.0.0.0"], capsys, monkeypatch)
     assert code == 2
     assert "warning" in err and "0.0.0.0" in err and "no authentication" in err
-    code, _, err = run(["serve", str(tmp_path / "missing")], capsys, monkeypatch)
+    code, _, err = run_cli(["serve", str(tmp_path / "missing")], capsys, monkeypatch)
     assert "warning" not in err
 
 

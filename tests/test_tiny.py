@@ -4,14 +4,13 @@ chat template, decisive routing that survives weight perturbation, realistic sha
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 
 from quantkit.checkpoint import Checkpoint
-from quantkit.cli import main
 from quantkit.errors import QuantkitError
 from quantkit.spec import spec_from_config
 from quantkit.tiny import (
@@ -37,18 +36,6 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def run_cli(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["quantkit", *args])
-    monkeypatch.setenv("COLUMNS", "200")
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def test_published_layout_on_disk(tiny_model: Path) -> None:
