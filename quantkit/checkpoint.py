@@ -295,15 +295,11 @@ class Checkpoint:
             self._handles[file] = h
         return h
 
-    def get(self, name: str) -> torch.Tensor:
-        """A source tensor as stored (no conversion)."""
+    def get(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """A source tensor as stored (no conversion); `rows` reads only that slab of dim 0 from disk."""
         st = self._source(name)
-        return self._handle(st.file).get_tensor(name)
-
-    def _get_rows(self, name: str, rows: slice | None) -> torch.Tensor:
         if rows is None:
-            return self.get(name)
-        st = self._source(name)
+            return self._handle(st.file).get_tensor(name)
         return self._handle(st.file).get_slice(name)[rows.start:rows.stop]
 
     # ---- canonical view ----
@@ -397,7 +393,7 @@ class Checkpoint:
 
     def _dequant_fp8(self, name: str, w: torch.Tensor, rows: slice | None) -> torch.Tensor:
         b0, b1 = self._fp8_block()
-        s = self._get_rows(self._scale_name(name), rows).float()
+        s = self.get(self._scale_name(name), rows).float()
         out, inn = w.shape[-2], w.shape[-1]
         want = (-(-out // b0), -(-inn // b1))
         if tuple(s.shape[-2:]) != want or s.shape[:-2] != w.shape[:-2]:
@@ -407,7 +403,7 @@ class Checkpoint:
         return (w.float() * full).to(torch.bfloat16)
 
     def _read(self, src: str, rows: slice | None = None) -> torch.Tensor:
-        w = self._get_rows(src, rows)
+        w = self.get(src, rows)
         if w.dtype in (torch.float8_e4m3fn,):
             w = self._dequant_fp8(src, w, rows)
         return w

@@ -6,7 +6,6 @@ import json
 import shlex
 
 import pytest
-from test_cli_plan import run
 
 from quantkit.budget import RunSettings
 from quantkit.export.launch import GGUF_TYPES, launch_plan
@@ -15,10 +14,12 @@ from quantkit.plan import solve
 from quantkit.recipe import RECIPES
 from quantkit.spec import default_spec
 
+from conftest import run_cli
+
 
 @pytest.mark.parametrize("engine", ["llama.cpp", "vllm"])
 def test_launch_line_loads_what_the_export_line_writes(engine, tiny_model, tmp_path, capsys, monkeypatch):
-    code, out, err = run(["plan", "--model", str(tiny_model), "--gpu", "rtx4090", "-s", "quality", "--json",
+    code, out, err = run_cli(["plan", "--model", str(tiny_model), "--gpu", "rtx4090", "-s", "quality", "--json",
                           "--export", engine], capsys, monkeypatch)
     assert code == 0, err
     d = json.loads(out)["export"]
@@ -26,7 +27,7 @@ def test_launch_line_loads_what_the_export_line_writes(engine, tiny_model, tmp_p
     assert export[:3] == ["quantkit", "export", "gguf" if engine == "llama.cpp" else "vllm"]
     assert export[3] == str(tiny_model)
     monkeypatch.chdir(tmp_path)
-    code, _, err = run(export[1:], capsys, monkeypatch)
+    code, _, err = run_cli(export[1:], capsys, monkeypatch)
     assert code == 0, err
     written = tmp_path / export[4]
     launch = shlex.split(d["command"])

@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import glob
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from quantkit.checkpoint import Checkpoint
-from quantkit.cli import main
 from quantkit.export.compressed_tensors import export_vllm, pack_int32
 from quantkit.formats import QuantSpec, get_format
 from quantkit.quantize import QuantizeOptions, run_quantize
 from quantkit.recipe import INT8, Recipe
 from quantkit.spec import Role
+
+from conftest import run_cli
 
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # noqa: E402
@@ -31,18 +31,6 @@ LM = "model.language_model."
 INT8_SUFFIXES = tuple(f"self_attn.{p}_proj.weight" for p in "qkvo") + tuple(
     f"linear_attn.{p}.weight" for p in ("in_proj_qkv", "in_proj_z", "out_proj")) + tuple(
     f"shared_expert.{p}_proj.weight" for p in ("gate", "up", "down"))
-
-
-def run_cli(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["quantkit", *args])
-    monkeypatch.setenv("COLUMNS", "200")
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def ct_dense(folder: Path) -> dict[str, torch.Tensor]:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import atexit
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+from conftest import run_cli  # noqa: F401  (re-exported to the runtime tests)
 
 _CACHE: dict[tuple[str, str], Path] = {}
 _ROOT: list[Path] = []
@@ -32,21 +33,6 @@ def quantized(src: Path, recipe: str) -> Path:
             run_quantize(ck, out, QuantizeOptions(get_recipe(recipe)))
         _CACHE[key] = out
     return _CACHE[key]
-
-
-def run_cli(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:
-    """quantkit.cli.main() with `args` (QuantkitError -> one line, exit 2), output captured."""
-    from quantkit.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["quantkit", *map(str, args)])
-    monkeypatch.setenv("COLUMNS", "200")
-    code = 0
-    try:
-        main()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture
