@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
 from safetensors.torch import save_file
 
 from quantkit.checkpoint import Checkpoint, check_finite, resolve_model, spec_from_path
 from quantkit.errors import QuantkitError
 from quantkit.spec import load_config, spec_from_config
+
+from conftest import run_cli
 
 GU = "model.language_model.layers.1.mlp.experts.gate_up_proj"
 DN = "model.language_model.layers.1.mlp.experts.down_proj"

@@ -6,10 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_cli, run_main
 
 from quantkit.plan import Plan
 from quantkit.spec import default_config_path, load_config
+
+from conftest import run_cli, run_main
 
 
 def test_plan_rtx4090_shows_card_figures_and_a_fitting_plan(capsys, monkeypatch) -> None:

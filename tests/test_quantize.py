@@ -14,7 +14,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import run_main
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
@@ -25,6 +24,8 @@ from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec, get_format
 from quantkit.manifest import JOURNAL_NAME, MANIFEST_NAME
 from quantkit.quantize import INDEX_NAME
+
+from conftest import run_main
 
 quantkit.cli._register()
 runner = CliRunner()

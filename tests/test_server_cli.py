@@ -14,9 +14,10 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import run_cli, run_main
 
 from quantkit.cli.serve import is_loopback
+
+from conftest import run_cli, run_main
 
 
 @pytest.fixture(scope="module")

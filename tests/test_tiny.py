@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
 
 from quantkit.checkpoint import Checkpoint
 from quantkit.errors import QuantkitError
@@ -27,6 +26,8 @@ from quantkit.tiny import (
     text_config,
 )
 from quantkit.tokenizer_tiny import N_TOKENS
+
+from conftest import run_cli
 
 
 @pytest.fixture(autouse=True)
