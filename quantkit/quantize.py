@@ -316,10 +316,8 @@ def source_fingerprint(ckpt: Any) -> dict[str, Any]:
     """Names, sizes and header hashes of the source files: cheap, and any rewrite of a shard changes it."""
     import hashlib
 
-    root = Path(ckpt.path)
     files = {}
-    for f in sorted({Path(p) for p in ckpt.files}):
-        p = f if f.is_absolute() else root / f
+    for p in sorted({Path(f) for f in ckpt.files}):  # each already under the checkpoint's folder
         with open(p, "rb") as fh:
             head = fh.read(8)
             n = int.from_bytes(head, "little") if len(head) == 8 else 0

@@ -525,3 +525,12 @@ def test_bad_options(tiny_model, tmp_path):
                        (["--bits", "8", "--format", "nf4"], "4-bit format")]:
         assert want in _bad(tiny_model, tmp_path / "o", *args), args
         assert not (tmp_path / "o").exists()
+
+
+def test_relative_paths_from_another_folder(tiny_model, tmp_path, monkeypatch):
+    """`quantkit quantize t --out q4` run where `t` lives (the README's round trip): every path relative."""
+    shutil.copytree(tiny_model, tmp_path / "t")
+    monkeypatch.chdir(tmp_path)
+    r = cli("quantize", "t", "--bits", "4", "--out", "q4")
+    assert r.exit_code == 0, r.output
+    assert cli("verify", "q4").exit_code == 0
