@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,19 @@ def fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def replace_folder(tmp: Path, out: Path) -> None:
+    """Move the finished folder `tmp` to `out` (a sibling) by rename; an old `out` is renamed away first and
+    removed only after, so `out` is at every moment absent, the old folder or the new one, never half."""
+    if out.exists():
+        trash = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.replace(out, trash)
+        os.replace(tmp, out)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, out)
+    fsync_dir(out.parent)
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

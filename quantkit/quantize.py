@@ -29,7 +29,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -48,6 +48,7 @@ from quantkit.manifest import (
     fsync_dir,
     temp_name,
 )
+from quantkit.progress import NoProgress, Progress
 from quantkit.recipe import Recipe, decide
 from quantkit.shards import ShardLayout, ShardWriter, TensorLayout, dtype_name, read_header
 from quantkit.spec import Role, TensorSpec, role_of
@@ -268,19 +269,6 @@ def _error_sums(w: torch.Tensor, deq: torch.Tensor) -> tuple[float, float]:
 
 # --- running --------------------------------------------------------------------------------------------
 
-class Progress(Protocol):
-    def start(self, tensors: int, nbytes: int) -> None: ...
-    def advance(self, name: str, nbytes: int, tensor_done: bool) -> None: ...
-
-
-class _NoProgress:
-    def start(self, tensors: int, nbytes: int) -> None:
-        pass
-
-    def advance(self, name: str, nbytes: int, tensor_done: bool) -> None:
-        pass
-
-
 @dataclass
 class QuantizeOptions:
     recipe: Recipe
@@ -489,7 +477,7 @@ def _emit(tp: TensorPlan, w: torch.Tensor, start: int, writer: ShardWriter, st: 
 
 def run_quantize(ckpt: Any, out: Path, opts: QuantizeOptions, progress: Progress | None = None) -> QuantizeResult:
     """Quantize an opened Checkpoint into `out` (see the module docstring for the guarantees)."""
-    progress = progress or _NoProgress()
+    progress = progress or NoProgress()
     t_start = time.perf_counter()
     src = Path(ckpt.path)
     plan = make_plan(list(ckpt.canonical()), opts.recipe, opts.keep_mtp, opts.max_shard_size)

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.manifest import replace_folder
 from quantkit.spec import spec_from_config
 from quantkit.tokenizer_tiny import BPE_VOCAB, N_TOKENS, special_ids, tiny_corpus, write_tokenizer
 
@@ -551,13 +552,7 @@ def make_tiny_model(out_dir: str | Path, *, layers: int = 4, experts: int = 8, t
         (tmp / "generation_config.json").write_text(json.dumps(generation_config(), indent=2) + "\n")
         (tmp / SIDECAR).write_text(json.dumps(info, indent=2) + "\n")
         _normal_permissions(tmp)  # mkdtemp makes 0700; the result should look like any written folder
-        if out.exists():
-            trash = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, trash)
-            os.replace(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        replace_folder(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -6,46 +6,14 @@ from pathlib import Path
 
 import typer
 from rich import box
-from rich.progress import (
-    BarColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 from rich.table import Table
 
-from quantkit.cli import app, console
+from quantkit.cli import app, console, err_console
+from quantkit.cli.progress import RichProgress, tensor_progress
 
 export_app = typer.Typer(help="Export for other engines: GGUF (llama.cpp, Ollama, LM Studio), "
                               "compressed-tensors (vLLM, SGLang).", no_args_is_help=True)
 app.add_typer(export_app, name="export")
-
-
-class _RichProgress:
-    def __init__(self, progress: Progress, what: str):
-        self.p = progress
-        self.what = what
-        self.task = None
-        self.total = 0
-        self.done = 0
-
-    def start(self, tensors: int, nbytes: int) -> None:
-        self.total = tensors
-        self.task = self.p.add_task(self.what, total=nbytes, tensors=f"0/{tensors}", name="")
-
-    def advance(self, name: str, nbytes: int, tensor_done: bool) -> None:
-        if tensor_done:
-            self.done += 1
-        self.p.update(self.task, advance=nbytes, tensors=f"{self.done}/{self.total}",
-                      name=name.removeprefix("model.language_model."))
-
-
-def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), TransferSpeedColumn(), TimeRemainingColumn(),
-                    TimeElapsedColumn(), TextColumn("{task.fields[tensors]} {task.fields[name]}"),
-                    console=console, transient=True)
 
 
 @export_app.command("gguf")
@@ -62,8 +30,8 @@ def export_gguf_cmd(
     """Write a GGUF file for llama.cpp / Ollama / LM Studio (architecture qwen35moe)."""
     from quantkit.export.gguf import export_gguf
 
-    with _progress() as p:
-        res = export_gguf(src, out, type, overwrite=overwrite, progress=_RichProgress(p, "exporting gguf"),
+    with tensor_progress(err_console) as p:
+        res = export_gguf(src, out, type, overwrite=overwrite, progress=RichProgress(p, "exporting gguf"),
                           expert_type=experts)
     t = Table(box=box.SIMPLE, title=f"{res.path} ({res.nbytes / 1e6:,.1f} MB, {res.seconds:.1f} s)")
     for col in ("tensors", "how", "types"):
@@ -98,9 +66,9 @@ def export_vllm_cmd(
     """Write a compressed-tensors pack-quantized folder for vLLM / SGLang (experts int4, unfused)."""
     from quantkit.export.compressed_tensors import export_vllm
 
-    with _progress() as p:
+    with tensor_progress(err_console) as p:
         res = export_vllm(src, out, group_size=group_size, rest=rest, overwrite=overwrite,
-                          progress=_RichProgress(p, "exporting compressed-tensors"))
+                          progress=RichProgress(p, "exporting compressed-tensors"))
     t = Table(box=box.SIMPLE, title=f"{res.path} ({res.nbytes / 1e6:,.1f} MB in {res.shards} shards, "
                                     f"{res.seconds:.1f} s)")
     t.add_column("source tensors")

@@ -7,17 +7,10 @@ from pathlib import Path
 
 import typer
 from rich import box
-from rich.progress import (
-    BarColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
 from rich.table import Table
 
 from quantkit.cli import app, console, err_console, fail
+from quantkit.cli.progress import RichProgress, tensor_progress
 from quantkit.errors import QuantkitError
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
@@ -32,24 +25,6 @@ def parse_shard_size(text: str) -> int:
     if not m or unit not in _MULT or float(m.group(1)) <= 0:
         raise QuantkitError(f"--max-shard-size {text!r} does not parse; write it like 2GB, 500MB or 1GiB")
     return int(float(m.group(1)) * _MULT[unit])
-
-
-class _RichProgress:
-    def __init__(self, progress: Progress):
-        self.p = progress
-        self.task = None
-        self.total_tensors = 0
-        self.done = 0
-
-    def start(self, tensors: int, nbytes: int) -> None:
-        self.total_tensors = tensors
-        self.task = self.p.add_task("quantizing", total=nbytes, tensors=f"0/{tensors}", name="")
-
-    def advance(self, name: str, nbytes: int, tensor_done: bool) -> None:
-        if tensor_done:
-            self.done += 1
-        self.p.update(self.task, advance=nbytes, tensors=f"{self.done}/{self.total_tensors}",
-                      name=name.removeprefix("model.language_model."))
 
 
 def _mb(n: float) -> str:
@@ -124,12 +99,9 @@ def quantize(
         return
     opts = QuantizeOptions(recipe=recipe, keep_mtp=keep_mtp, max_shard_size=shard,
                            mode="resume" if resume else "overwrite" if overwrite else "new", report=report)
-    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[tensors]} tensors"),
-               TextColumn("{task.percentage:>5.1f}%"), TransferSpeedColumn(), TimeElapsedColumn(),
-               TimeRemainingColumn(), TextColumn("[dim]{task.fields[name]}")]
     try:
-        with Progress(*columns, console=err_console, transient=True) as p:
-            res = run_quantize(ckpt, out, opts, _RichProgress(p))
+        with tensor_progress(err_console) as p:
+            res = run_quantize(ckpt, out, opts, RichProgress(p, "quantizing"))
     except Interrupted as e:
         fail(str(e), 130)
     console.print(_roles_table(role_rows(res.stats), f"{out}: {len(res.plan.shards)} shards", measured=True))

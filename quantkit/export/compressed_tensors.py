@@ -38,14 +38,15 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.export.source import ExportSource, SourceTensor
 from quantkit.formats import QuantSpec, get_format
-from quantkit.manifest import fsync_dir
+from quantkit.manifest import fsync_dir, replace_folder
+from quantkit.progress import NoProgress, Progress
 from quantkit.shards import ShardLayout, ShardWriter, TensorLayout
 from quantkit.spec import Role
 
@@ -68,19 +69,6 @@ IGNORE_BF16 = ["lm_head", r"re:.*self_attn\.[qkvo]_proj$", r"re:.*linear_attn\.i
                r"re:.*linear_attn\.out_proj$", r"re:.*shared_expert\.(gate|up|down)_proj$",
                r"re:.*mlp\.gate$", r"re:.*shared_expert_gate$", r"re:.*mtp\.fc$", VISUAL]
 IGNORE_INT8 = ["lm_head", r"re:.*linear_attn\.in_proj_(a|b)$", r"re:.*mlp\.gate$", r"re:.*shared_expert_gate$", VISUAL]
-
-
-class Progress(Protocol):
-    def start(self, tensors: int, nbytes: int) -> None: ...
-    def advance(self, name: str, nbytes: int, tensor_done: bool) -> None: ...
-
-
-class _NoProgress:
-    def start(self, tensors: int, nbytes: int) -> None:
-        pass
-
-    def advance(self, name: str, nbytes: int, tensor_done: bool) -> None:
-        pass
 
 
 @dataclass
@@ -349,7 +337,7 @@ def export_vllm(src_path: str | Path, out_dir: str | Path, group_size: int | Non
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise QuantkitError(f"{out}: exists; pass --overwrite to replace it")
     src = ExportSource.open(src_path)
-    progress = progress or _NoProgress()
+    progress = progress or NoProgress()
     s, o = src.path.resolve(), out.resolve()
     if o == s or s in o.parents or o in s.parents:
         raise QuantkitError(f"{out}: overlaps the source folder {src.path}; pick a separate folder")
@@ -386,14 +374,7 @@ def export_vllm(src_path: str | Path, out_dir: str | Path, group_size: int | Non
         for f in copyable_files(src.path):
             shutil.copy2(f, tmp / f.name)
         fsync_dir(tmp)
-        if out.exists():
-            trash = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.replace(out, trash)
-            os.replace(tmp, out)
-            shutil.rmtree(trash, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
-        fsync_dir(out.parent)
+        replace_folder(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
