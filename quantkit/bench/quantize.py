@@ -72,10 +72,12 @@ def machine_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "load_avg_at_start": [round(x, 2) for x in os.getloadavg()],
     }
+    from importlib.metadata import PackageNotFoundError, version
+
     for mod in ("bitsandbytes", "gguf", "numpy", "safetensors"):
         try:
-            info[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001 - a missing peer is reported, not fatal
+            info[mod] = version(mod)  # the gguf package has no __version__
+        except PackageNotFoundError:
             info[mod] = None
     return info
 

@@ -359,6 +359,7 @@ def export_vllm(src_path: str | Path, out_dir: str | Path, group_size: int | Non
             with ShardWriter(tmp / sname, layout) as wr:
                 for ot in group:
                     _write(src, ot, g, lambda _n, _w=wr: _w, progress)
+                    src.close()  # unmap the pages read, so RSS does not grow to the checkpoint's size
                 wr.commit()
             weight_map.update(dict.fromkeys((o.name for ot in group for o in ot.outputs), sname))
         total = sum(t.nbytes for t in tensors)
