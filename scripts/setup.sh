@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv with everything quantkit and its tests need, on a fresh machine.
+# Create .venv with quantkit (extras: $1, default bnb; `test` adds the test tools and llama.cpp), on a fresh machine.
 # torch is pinned to the CPU wheel here only (the project itself takes any torch >= 2.6):
 # an unpinned install would pull a multi-GB CUDA build on machines without a GPU.
 set -euo pipefail
@@ -10,4 +10,10 @@ PY=${PYTHON:-python3}
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/pip install -q "torch==${QUANTKIT_TORCH:-2.13.0}"
 fi
-.venv/bin/pip install -q -e ".[${1:-test}]"
+.venv/bin/pip install -q -e ".[${1:-bnb}]"
+# The tests prove the GGUF export with llama.cpp itself: llama-cpp-python builds from its sdist (about
+# 4 minutes on 2 cores, once; pip caches the wheel). Pinned to the release whose llama.cpp knows qwen35moe.
+if [ "${1:-bnb}" = test ] && ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+  echo "building llama-cpp-python (llama.cpp for the GGUF export proof, ~4 min)..." >&2
+  CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" .venv/bin/pip install -q "llama-cpp-python==${QUANTKIT_LLAMA_CPP:-0.3.36}"
+fi

@@ -4,4 +4,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
 .venv/bin/ruff check quantkit tests cli.py
-.venv/bin/python -m pytest -q
+# the llama.cpp proof of the GGUF export must run here, not skip
+QUANTKIT_REQUIRE_ENGINES=1 .venv/bin/python -m pytest -q

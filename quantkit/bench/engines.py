@@ -79,7 +79,9 @@ def llama_decode(path: Path, prompt: list[int], new_tokens: int, threads: int, r
             t1 = time.perf_counter()
             toks = []
             for _i in range(new_tokens):
-                tok = int(np.argmax(llm.eval_logits[-1]))
+                # the numpy row, not `llm.eval_logits`: that property turns every past row into Python lists
+                # (n_tokens x vocab floats) on each call, which would dominate the timing
+                tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
                 toks.append(tok)
                 llm.eval([tok])
             t2 = time.perf_counter()
@@ -133,6 +135,7 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
     from quantkit.tiny import load_reference_model, make_tiny_model
 
     t_start = time.perf_counter()
+    given = checkpoint is not None
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -192,7 +195,8 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
     for r in rows:
         r["decode_vs_llama_4bit"] = r["decode_tps"] / base if base else math.nan
     data = {
-        "command": "quantkit bench engines" + (f" --checkpoint {checkpoint}" if checkpoint else ""),
+        "command": "quantkit bench engines" + (f" --checkpoint {checkpoint}" if given else
+                                               f" --layers {layers} --experts {experts} --top-k {top_k} --vocab {vocab}"),
         "machine": machine, "threads": threads, "checkpoint": str(checkpoint),
         "shape": {"layers": tc["num_hidden_layers"], "experts": tc["num_experts"], "top_k": tc["num_experts_per_tok"],
                   "hidden": tc["hidden_size"], "vocab": tc["vocab_size"]},

@@ -31,7 +31,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,6 +39,7 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf_layout import Piece, convert, permute_blocks, pieces_for
 from quantkit.export.source import ExportSource, SourceTensor
+from quantkit.progress import NoProgress, Progress
 from quantkit.spec import Role
 
 ARCH = "qwen35moe"
@@ -54,19 +55,6 @@ def _qt(name: str) -> Any:
     from gguf import GGMLQuantizationType as Q
 
     return {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "mxfp4": Q.MXFP4}[name]
-
-
-class Progress(Protocol):
-    def start(self, tensors: int, nbytes: int) -> None: ...
-    def advance(self, name: str, nbytes: int, tensor_done: bool) -> None: ...
-
-
-class _NoProgress:
-    def start(self, tensors: int, nbytes: int) -> None:
-        pass
-
-    def advance(self, name: str, nbytes: int, tensor_done: bool) -> None:
-        pass
 
 
 @dataclass
@@ -318,12 +306,19 @@ def _write_tensor(fout: Any, src: ExportSource, t: GgufTensor, slab_bytes: int, 
             written += data.nbytes
             progress.advance(t.name, data.nbytes, False)
         else:
-            w = src.dense(t.source.name, sl)
-            if not bool(torch.isfinite(w).all()):
-                raise QuantkitError(f"{t.source.name}: NaN/Inf values in the source weights; the checkpoint is damaged")
-            w = convert(t.piece, w)
+            pc = t.piece
+            plain = not pc.value and pc.rows is None and pc.row_perm is None and pc.col_perm is None
+            # a plain tensor stays in its stored dtype and is widened chunk by chunk (the real model's
+            # embedding is 1 GB in bf16, 2 GB in fp32); converted ones are small or one slab
+            w = src.dense(t.source.name, sl, native=plain)
+            if not plain:
+                w = convert(pc, w)
             for chunk in _row_chunks(w, slab_bytes):
-                data = _encode(chunk, t.qtype, t.source.name)
+                c = chunk.float()
+                if not bool(torch.isfinite(c).all()):
+                    raise QuantkitError(f"{t.source.name}: NaN/Inf values in the source weights; the checkpoint "
+                                        "is damaged")
+                data = _encode(c, t.qtype, t.source.name)
                 fout.write(memoryview(np.ascontiguousarray(data)).cast("B"))
                 written += data.nbytes
                 progress.advance(t.name, data.nbytes, False)
@@ -346,14 +341,14 @@ def export_gguf(src_path: str | Path, out_path: str | Path, type: str = "mixed",
     ftype = type.lower()
     if ftype not in TYPES:
         raise QuantkitError(f"--type {type!r}: use one of {', '.join(TYPES)}")
+    if out.is_dir():
+        raise QuantkitError(f"{out}: is a folder; name the .gguf file to write")
     if out.exists() and not overwrite:
         raise QuantkitError(f"{out}: exists; pass --overwrite to replace it")
-    if out.exists() and out.is_dir():
-        raise QuantkitError(f"{out}: is a folder; name the .gguf file to write")
     if not out.parent.is_dir():
         raise QuantkitError(f"{out.parent}: no such folder for the output")
     src = ExportSource.open(src_path)
-    progress = progress or _NoProgress()
+    progress = progress or NoProgress()
     try:
         if expert_type is not None and ftype != "mixed":
             raise QuantkitError(f"--experts applies to --type mixed only (got --type {ftype})")
@@ -380,6 +375,7 @@ def export_gguf(src_path: str | Path, out_path: str | Path, type: str = "mixed",
             for t in tensors:
                 w.write_padding(fout, fout.tell())
                 n = _write_tensor(fout, src, t, slab_bytes, progress, reuse)
+                src.close()  # unmap the pages read, so RSS does not grow to the checkpoint's size
                 w.write_padding(fout, n)
                 progress.advance(t.name, 0, True)
             fout.flush()

@@ -41,6 +41,7 @@ class ExportSource:
         self.config: dict[str, Any] = ckpt.config
         self.quant = quant  # quantization_config of a quantkit folder, else None
         self.text: TextConfig = parse_text_config(self.config, str(path / "config.json"))
+        self._parts: dict[str, dict[str, str]] | None = None
         self._tensors = self._list()
         self._by_name = {t.name: t for t in self._tensors}
 
@@ -113,26 +114,32 @@ class ExportSource:
         t = self.get(name)
         if t.spec is None:
             raise QuantkitError(f"{name}: stored dense, it has no quantized parts")
-        prefix = name + "."
         out = {}
-        for n in self.ckpt.names():
-            if n.startswith(prefix) and "." not in n[len(prefix):]:
-                # Whole part, then the slab: memory is bounded by one quantized tensor (~0.3 GB at 4 bits
-                # for the largest stack of the real model), since Checkpoint slices only source experts.
-                p = self.ckpt.get(n)
-                out[n[len(prefix):]] = p[experts] if experts is not None else p
+        for suffix, n in self._part_names(name).items():
+            # a slab of the stored part, read from disk alone (Checkpoint.load slices canonical tensors only)
+            out[suffix] = self.ckpt.get(n, experts)
         return out
 
-    def dense(self, name: str, experts: slice | None = None) -> torch.Tensor:
-        """The tensor as fp32 (dequantized from its parts where stored quantized)."""
+    def _part_names(self, name: str) -> dict[str, str]:
+        if self._parts is None:
+            tq = (self.quant or {}).get("tensors") or {}
+            self._parts = {}
+            for n in self.ckpt.names():
+                base, _, suffix = n.rpartition(".")
+                if base in tq:
+                    self._parts.setdefault(base, {})[suffix] = n
+        return self._parts.get(name, {})
+
+    def dense(self, name: str, experts: slice | None = None, native: bool = False) -> torch.Tensor:
+        """The tensor as fp32 (dequantized from its parts where stored quantized); `native=True` keeps a
+        stored float tensor in its own dtype (a caller converting it in chunks saves the fp32 copy)."""
         t = self.get(name)
         if t.spec is None:
             if self.quant is None:
                 w = self.ckpt.load(name, experts=experts)
             else:
-                w = self.ckpt.get(name)
-                w = w[experts] if experts is not None else w
-            return w.float()
+                w = self.ckpt.get(name, experts)
+            return w if native and w.is_floating_point() else w.float()
         parts = self.parts(name, experts)
         shape = t.shape if experts is None else (_slab_len(experts, t.shape[0]), *t.shape[1:])
         return get_format(t.spec.format).dequantize(parts, t.spec, shape, torch.float32)
