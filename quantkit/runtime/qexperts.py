@@ -6,8 +6,9 @@ only the hidden rows routed to it cross over, never a weight. Each (token, slot)
 [T, k, H] buffer on the layer's device, which is summed in slot order, so the output does not depend on
 how the experts are split (bit for bit, as the tests check).
 
-Decode (one token) touches only the k routed experts; prefill sorts the (token, slot) pairs by expert and
-runs one matmul per hit expert over all its tokens.
+Decode (one token) touches only the k routed experts and sums their weighted outputs in slot order as it
+goes (no buffer: the same fp32 operations in the same order); prefill sorts the (token, slot) pairs by
+expert and runs one matmul per hit expert over all its tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from quantkit.runtime.kernels import Kernel
@@ -47,6 +49,7 @@ class QuantExperts(nn.Module):
         self.groups = groups
         self.format = fmt
         self.act_fn = act_fn or nn.SiLU()
+        self._silu = type(self.act_fn) is nn.SiLU
         owner, local = [-1] * num_experts, [-1] * num_experts
         for gi, g in enumerate(groups):
             if len(g.gate_up) != len(g.ids) or len(g.down) != len(g.ids):
@@ -71,42 +74,53 @@ class QuantExperts(nn.Module):
 
     def _expert(self, g: ExpertGroup, li: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = g.gate_up[li](x).chunk(2, dim=-1)
-        return g.down[li](self.act_fn(gate) * up)
+        act = F.silu(gate) if self._silu else self.act_fn(gate)  # F.silu: the SiLU module's own op, no hooks
+        return g.down[li](act * up)
+
+    def _forward_one(self, hidden_states: torch.Tensor, experts: list[int],
+                     top_k_weights: torch.Tensor) -> torch.Tensor:
+        """Decode: one token, its k experts. The same fp32 products and slot-order sum as the batched
+        path below (bit for bit), without its [T*k, H] buffer and scatter: each expert's output is
+        weighted in place and added to the running sum."""
+        dev = hidden_states.device
+        wts = top_k_weights.reshape(-1).float()
+        out = None
+        for slot, e in enumerate(experts):
+            g = self.groups[self._owner[e]]
+            x = hidden_states if g.device == dev else hidden_states.to(g.device, non_blocking=True)
+            r = self._expert(g, self._local[e], x).to(dev, torch.float32).mul_(wts[slot])
+            out = r if out is None else out.add_(r)
+        return out.to(hidden_states.dtype)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         t, k = top_k_index.shape
-        dev = hidden_states.device
-        buf = torch.zeros(t * k, self.hidden_dim, dtype=torch.float32, device=dev)
         flat = top_k_index.reshape(-1)
         if t == 1:
-            experts = flat.tolist()
-            for slot, e in enumerate(experts):
-                g = self.groups[self._owner[e]]
-                x = hidden_states.to(g.device, non_blocking=True)
-                buf[slot] = self._expert(g, self._local[e], x)[0].to(dev, torch.float32)
-        else:
-            order = torch.argsort(flat, stable=True)
-            counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-            starts = [0] * (self.num_experts + 1)
-            for e in range(self.num_experts):
-                starts[e + 1] = starts[e] + counts[e]
-            token_of = order // k  # (token, slot) pair -> token row
-            for gi in self._order:
-                g = self.groups[gi]
-                hit = [e for e in g.ids if counts[e]]
-                if not hit:
-                    continue
-                sel = torch.cat([order[starts[e]:starts[e + 1]] for e in hit])
-                rows = hidden_states[token_of[torch.cat([torch.arange(starts[e], starts[e + 1], device=dev)
-                                                         for e in hit])]]
-                xg = rows.to(g.device, non_blocking=True)
-                outs, off = [], 0
-                for e in hit:
-                    n = counts[e]
-                    outs.append(self._expert(g, self._local[e], xg[off:off + n]))
-                    off += n
-                buf[sel] = torch.cat(outs).to(dev, torch.float32)
+            return self._forward_one(hidden_states, flat.tolist(), top_k_weights)
+        dev = hidden_states.device
+        buf = torch.zeros(t * k, self.hidden_dim, dtype=torch.float32, device=dev)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        starts = [0] * (self.num_experts + 1)
+        for e in range(self.num_experts):
+            starts[e + 1] = starts[e] + counts[e]
+        token_of = order // k  # (token, slot) pair -> token row
+        for gi in self._order:
+            g = self.groups[gi]
+            hit = [e for e in g.ids if counts[e]]
+            if not hit:
+                continue
+            sel = torch.cat([order[starts[e]:starts[e + 1]] for e in hit])
+            rows = hidden_states[token_of[torch.cat([torch.arange(starts[e], starts[e + 1], device=dev)
+                                                     for e in hit])]]
+            xg = rows.to(g.device, non_blocking=True)
+            outs, off = [], 0
+            for e in hit:
+                n = counts[e]
+                outs.append(self._expert(g, self._local[e], xg[off:off + n]))
+                off += n
+            buf[sel] = torch.cat(outs).to(dev, torch.float32)
         w = top_k_weights.reshape(t, k, 1).float()
         y = buf.view(t, k, self.hidden_dim).mul_(w)
         out = y[:, 0]
