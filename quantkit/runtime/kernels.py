@@ -203,7 +203,9 @@ class Bnb4Kernel(Kernel):
                            quant_type=spec.format, dtype=COMPUTE_DTYPE)
         q = aligned(parts["qweight"].reshape(-1, 1))
         self._bf = bf
-        if self.device.type == "cpu" and _bnb_avx512bf16() and shape[0] % 32 == 0:
+        # the packed layout keeps absmax as [out, in / block]: rows must hold whole blocks (a tiny model's
+        # in=32 with block 64 crashed bitsandbytes' packer on an AVX512-BF16 CPU)
+        if self.device.type == "cpu" and _bnb_avx512bf16() and shape[0] % 32 == 0 and shape[1] % block == 0:
             q, qs = bf._convert_weight_packed_for_cpu(q, qs)
             self.route = "bitsandbytes gemv_4bit (CPU packed, AVX512-BF16)"
             self.mode = "gemv"
