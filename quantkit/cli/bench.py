@@ -69,3 +69,28 @@ def bench_engines(
 
     d = run(reports, workdir, layers, experts, top_k, vocab, checkpoint, threads, reps, log=console.print)
     console.print(f"wrote {reports / 'bench-engines.md'} ({d['seconds']:.0f} s)")
+
+
+@bench_app.command("decode")
+def bench_decode(
+    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-decode.{md,json,png} go"),
+    workdir: Path = typer.Option(Path("/tmp/quantkit-bench"), "--workdir", help="generated checkpoints go here"),
+    layers: int = typer.Option(4, "--layers", help="layers of the generated realistic-shape checkpoint"),
+    experts: int = typer.Option(64, "--experts", help="experts per layer of the generated checkpoint"),
+    prompt: int = typer.Option(128, "--prompt", help="prompt tokens (one prefill chunk)"),
+    decode: int = typer.Option(16, "--decode", help="greedy decode steps per repetition"),
+    reps: int = typer.Option(1, "--reps", help="timed repetitions per process (best is kept)"),
+    rounds: int = typer.Option(2, "--rounds", help="interleaved rounds over the configurations (best is kept)"),
+    threads: int = typer.Option(None, "--threads", help="torch threads in every run (default: torch's)"),
+    configs: str = typer.Option(None, "--configs", help="comma-separated subset of the configurations"),
+) -> None:
+    """Prefill/decode tok/s and peak RSS per format beside transformers bf16, the planner and the bandwidth bound."""
+    from quantkit.bench.decode import CONFIGS, run
+
+    names = [c.strip() for c in configs.split(",") if c.strip()] if configs else None
+    unknown = [c for c in names or [] if c not in CONFIGS]
+    if unknown:
+        raise typer.BadParameter(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}",
+                                 param_hint="--configs")
+    d = run(reports, workdir, layers, experts, prompt, decode, reps, names, rounds, threads, log=console.print)
+    console.print(f"wrote {reports / 'bench-decode.md'} ({d['seconds']:.0f} s)")

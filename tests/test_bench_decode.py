@@ -1,0 +1,168 @@
+"""The pure pieces of `quantkit bench decode` (quantkit/bench/decode.py): the bytes one decode step reads,
+checked against the real tensors of a loaded model and of transformers' cache; the ratios, the target
+verdicts and the report rendered from a fixed result; the plot. Nothing here times anything."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from quantkit.bench import decode as bd
+
+from test_runtime_common import one_thread, quantized  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _expected_step_bytes(named: list[tuple[str, int]], cfg, top_k: int) -> int:
+    """From tensor names and sizes alone: everything once, except routed experts (top_k of E) and the
+    embedding (one row)."""
+    total = 0
+    for name, nbytes in named:
+        if ".mlp.experts." in name:
+            total += nbytes * top_k // cfg.num_experts
+        elif "embed_tokens" in name:
+            total += nbytes // cfg.vocab_size
+        else:
+            total += nbytes
+    return total
+
+
+def test_step_bytes_of_transformers_model_match_its_tensors(tiny_model):
+    from quantkit.tiny import load_reference_model
+
+    model = load_reference_model(tiny_model, torch.bfloat16)
+    cfg = model.config
+    named = [(n, p.numel() * p.element_size()) for n, p in model.named_parameters()]
+    assert any(".mlp.experts." in n for n, _ in named)
+    assert bd.step_bytes(model, cfg.num_experts_per_tok) == _expected_step_bytes(named, cfg, cfg.num_experts_per_tok)
+
+
+def test_step_bytes_of_quantkit_runtime(tiny_model):
+    from quantkit.runtime import load_model
+    from quantkit.runtime.qexperts import QuantExperts
+    from quantkit.tiny import load_reference_model
+
+    ref = load_reference_model(tiny_model, torch.bfloat16)
+    k = ref.config.num_experts_per_tok
+    bf16 = load_model(tiny_model, recipe="bf16").model
+    # the same bf16 weights: the same bytes per step, whichever runs them
+    assert bd.step_bytes(bf16, k) == bd.step_bytes(ref, k)
+
+    rt = load_model(quantized(tiny_model, "int4"))
+    m = rt.model
+    cfg = m.config
+    resident = sum(rt.report.bytes_by_device.values())
+    experts = sum(mod.nbytes for mod in m.modules() if isinstance(mod, QuantExperts))
+    emb = m.model.embed_tokens
+    emb_bytes = emb.nbytes if hasattr(emb, "nbytes") else emb.weight.numel() * emb.weight.element_size()
+    # every weight the loader placed, minus the experts not routed to and all but one embedding row
+    want = resident - experts + experts * k // cfg.num_experts - emb_bytes + emb_bytes // cfg.vocab_size
+    assert abs(bd.step_bytes(m, k) - want) <= 2 * cfg.num_hidden_layers  # integer division per layer
+    assert bd.step_bytes(m, k) < bd.step_bytes(ref, k) / 2  # int4 reads well under half of bf16
+
+
+def test_cache_bytes_match_transformers_cache(tiny_model):
+    from transformers import DynamicCache
+
+    from quantkit.tiny import load_reference_model
+
+    model = load_reference_model(tiny_model, torch.bfloat16)
+    cfg = model.config
+    n = 7
+    cache = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(input_ids=torch.arange(1, n + 1)[None], cache=cache, use_cache=True)
+    real = 0
+    for layer, kind in zip(cache.layers, cfg.layer_types, strict=True):
+        if kind == "linear_attention":
+            for states in (layer.conv_states, layer.recurrent_states):
+                real += 2 * sum(t.numel() * t.element_size() for t in states.values())  # read + written
+        else:
+            kv = layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+            real += kv * (n + 1) // n  # n positions read, one more written
+    assert bd.cache_bytes_per_step(cfg, n) == real
+    assert bd.cache_bytes_per_step(cfg, 2 * n) > bd.cache_bytes_per_step(cfg, n)
+
+
+def _rows() -> dict:
+    def row(dec, pre, planner=None, step=100e6):
+        r = {"prefill_tok_s": pre, "decode_tok_s": dec, "peak_rss": 2.0e9, "step_bytes": step,
+             "bound_tok_s": 20e9 / step, "routes": {"x": 1}, "decode_tok_s_rounds": [dec * 0.9, dec],
+             "decode_steps": 16}
+        if planner is not None:
+            r["planner_decode_tok_s"], r["planner_prefill_tok_s"] = planner, pre * 2
+        return r
+
+    return {
+        "transformers-bf16": {**row(0.5, 10.0, step=500e6), "decode_steps": 2},
+        "transformers-bf16+conv": row(10.0, 100.0, step=500e6),
+        "int4": row(25.0, 150.0, planner=30.0, step=130e6),
+        "int8": row(15.0, 120.0, planner=25.0, step=250e6),
+        "nf4": {"error": "RuntimeError: boom"},
+    }
+
+
+def test_ratios_and_targets():
+    rows = _rows()
+    bd.add_ratios(rows)
+    assert rows["int4"]["vs_transformers_conv"] == pytest.approx(2.5)
+    assert rows["int4"]["vs_transformers_plain"] == pytest.approx(50.0)
+    assert rows["int4"]["planner_error"] == pytest.approx(0.2)
+    assert rows["int8"]["planner_error"] == pytest.approx(25 / 15 - 1)
+    assert rows["int4"]["planner_prefill_error"] == pytest.approx(1.0)
+    assert "vs_transformers_conv" not in rows["nf4"]
+    t = bd.targets(rows)
+    assert t["speedup_met"] is True
+    assert t["planner_within_25pct"] == {"int4": True, "int8": False}
+    assert t["planner_met"] is False
+    slow = _rows()
+    slow["int4"]["decode_tok_s"] = 19.0  # 1.9x: below the 2x target
+    bd.add_ratios(slow)
+    assert bd.targets(slow)["speedup_met"] is False
+    assert bd.targets({})["speedup_met"] is None and bd.targets({})["planner_met"] is False
+
+
+def _result(rows: dict) -> dict:
+    bd.add_ratios(rows)
+    return {
+        "command": "quantkit bench decode --layers 4", "seconds": 200.0, "bench_seconds": 150.0,
+        "machine": {"cpu": "Test CPU", "cores": 2, "torch": "2.x", "threads": 2, "read_bandwidth_gbs": 20.0,
+                    "loadavg_before": [1.0, 1.0, 1.0], "loadavg_after": [2.0, 1.0, 1.0]},
+        "checkpoint": {"layers": 4, "experts": 64, "top_k": 8, "hidden": 2048, "moe_intermediate": 512,
+                       "vocab": 832, "bf16_bytes": 1.9e9},
+        "prompt_tokens": 128, "decode_steps": 16, "reps": 1, "rounds": 2,
+        "targets": bd.targets(rows), "rows": rows,
+    }
+
+
+def test_render_md_from_fixed_result():
+    md = bd.render_md(_result(_rows()))
+    assert "Command: `quantkit bench decode --layers 4`" in md
+    assert "Test CPU, 2 cores" in md and "20.0 GB/s" in md
+    assert "| int4 | 150.0 | 25.00 | 2.50x | 50.0x | 30.0 | +20% | 153.8 | 16% | 130.0 MB | 2.00 GB |" in md
+    assert "| transformers-bf16+conv | 100.0 | 10.00 | 1.00x | 20.0x | - | - |" in md
+    assert "| nf4 | failed: RuntimeError: boom |" in md
+    assert "**met**, 2.50x the conv-fixed reference (25.00 vs 10.00 tok/s); 50.0x plain transformers" in md
+    assert "**MISSED for 1 of 2** (int4 +20%, int8 +67%)" in md
+    assert "![" in md and "(bench-decode.png)" in md
+    assert "- int4: 22.50, 25.00" in md  # every round listed
+
+
+def test_render_md_says_when_the_speed_target_is_missed():
+    rows = _rows()
+    rows["int4"]["decode_tok_s"] = 12.0
+    md = bd.render_md(_result(rows))
+    assert "**MISSED**, 1.20x the conv-fixed reference" in md
+    no_int4 = copy.deepcopy(_rows())
+    del no_int4["int4"]
+    assert "not measured in this run" in bd.render_md(_result(no_int4))
+
+
+def test_plot_writes_png(tmp_path):
+    d = _result(_rows())
+    bd.plot(d, tmp_path / "p.png")
+    data = (tmp_path / "p.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
