@@ -32,6 +32,7 @@ group's largest magnitude lands on code -8); compressed-tensors dequantizes `q *
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -353,7 +354,7 @@ def export_vllm(src_path: str | Path, out_dir: str | Path, group_size: int | Non
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         weight_map: dict[str, str] = {}
-        progress.start(len(tensors), sum(math_prod(t.source.shape) * 2 for t in tensors))
+        progress.start(len(tensors), sum(math.prod(t.source.shape) * 2 for t in tensors))
         for sname, group in zip(names, shards, strict=True):
             layout = ShardLayout([o for ot in group for o in ot.outputs])
             with ShardWriter(tmp / sname, layout) as wr:
@@ -387,9 +388,3 @@ def export_vllm(src_path: str | Path, out_dir: str | Path, group_size: int | Non
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())
     return VllmResult(out, g, rest, tensors, n, size, time.perf_counter() - t0, notes)
 
-
-def math_prod(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
