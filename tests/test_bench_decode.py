@@ -89,7 +89,8 @@ def test_cache_bytes_match_transformers_cache(tiny_model):
 
 def _rows() -> dict:
     def row(dec, pre, planner=None, step=100e6):
-        r = {"prefill_tok_s": pre, "decode_tok_s": dec, "peak_rss": 2.0e9, "step_bytes": step,
+        r = {"prefill_tok_s": pre, "decode_tok_s": dec, "peak_rss": 2.0e9, "peak_rss_rounds": [2.5e9, 2.0e9],
+             "rss_after": 1.5e9, "step_bytes": step,
              "bound_tok_s": 20e9 / step, "routes": {"x": 1}, "decode_tok_s_rounds": [dec * 0.9, dec],
              "decode_steps": 16}
         if planner is not None:
@@ -142,13 +143,18 @@ def test_render_md_from_fixed_result():
     md = bd.render_md(_result(_rows()))
     assert "Command: `quantkit bench decode --layers 4`" in md
     assert "Test CPU, 2 cores" in md and "20.0 GB/s" in md
-    assert "| int4 | 150.0 | 25.00 | 2.50x | 50.0x | 30.0 | +20% | 153.8 | 16% | 130.0 MB | 2.00 GB |" in md
+    assert "| int4 | 150.0 | 25.00 | 2.50x | 50.0x | 30.0 | +20% | 153.8 | 16% | 130.0 MB | 2.00 GB | 1.50 GB |" in md
     assert "| transformers-bf16+conv | 100.0 | 10.00 | 1.00x | 20.0x | - | - |" in md
     assert "| nf4 | failed: RuntimeError: boom |" in md
     assert "**met**, 2.50x the conv-fixed reference (25.00 vs 10.00 tok/s); 50.0x plain transformers" in md
     assert "**MISSED for 1 of 2** (int4 +20%, int8 +67%)" in md
     assert "![" in md and "(bench-decode.png)" in md
     assert "- int4: 22.50, 25.00" in md  # every round listed
+    # the planner gap explained from the same numbers: 1/25 s - 130 MB / (0.6 * 20 GB/s) over 4 layers
+    assert ("- int4: decode reaches 16% of the read bandwidth (the planner assumes 60%); were 60% right, the rest "
+            "would be 7.3 ms of fixed cost per layer (it assumes 0.05); prefill runs at about 0.50 "
+            "TFLOPS-equivalent.") in md
+    assert "this CPU has AVX512-BF16" not in md and "without AVX512-BF16, so it decodes only 2 steps" in md
 
 
 def test_render_md_says_when_the_speed_target_is_missed():

@@ -164,10 +164,13 @@ def run_one(mode: str, folder: Path, prompt_len: int, decode: int, reps: int,
             best_d = len(steps) / sum(steps)
             median_d = 1 / sorted(steps)[len(steps) // 2]
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    import psutil
+
+    rss_after = psutil.Process().memory_info().rss
     wbytes = step_bytes(model, cfg.num_experts_per_tok)
     cbytes = cache_bytes_per_step(cfg, prompt_len + decode // 2)
     return {"mode": mode, "prefill_tok_s": best_p, "decode_tok_s": best_d, "decode_median_step_tok_s": median_d,
-            "peak_rss": rss, "load_s": load_s, "weight_bytes_per_step": wbytes, "cache_bytes_per_step": cbytes,
+            "peak_rss": rss, "rss_after": rss_after, "load_s": load_s, "weight_bytes_per_step": wbytes, "cache_bytes_per_step": cbytes,
             "step_bytes": wbytes + cbytes, "routes": routes, "threads": torch.get_num_threads(), "tokens": toks}
 
 
@@ -185,7 +188,7 @@ def planner_estimate(folder: Path, recipe: Any, bandwidth: float, prompt_len: in
 
 def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt_len: int = 128, decode: int = 16,
         reps: int = 1, configs: list[str] | None = None, rounds: int = 2, threads: int | None = None,
-        log: Callable[[str], None] = print) -> dict[str, Any]:
+        vocab: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
     from quantkit.checkpoint import Checkpoint
     from quantkit.quantize import QuantizeOptions, run_quantize
     from quantkit.recipe import get_recipe
@@ -193,17 +196,18 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
 
     t_all = time.perf_counter()
     names = configs or list(CONFIGS)
-    src = workdir / f"realistic-{layers}x{experts}"
+    tag = f"{layers}x{experts}" + (f"-v{vocab}" if vocab else "")
+    src = workdir / f"realistic-{tag}"
     if not (src / "config.json").is_file():
         log(f"writing the realistic-shape checkpoint {src}")
-        make_tiny_model(src, realistic=True, layers=layers, experts=experts, top_k=8, overwrite=True)
+        make_tiny_model(src, realistic=True, layers=layers, experts=experts, top_k=8, vocab=vocab, overwrite=True)
     folders: dict[str, Path] = {}
     for name in names:
         mode, recipe = CONFIGS[name]
         if recipe is None:
             folders[name] = src
             continue
-        out = workdir / f"q-{layers}x{experts}-{recipe}"
+        out = workdir / f"q-{tag}-{recipe}"
         if not (out / "quantkit-manifest.json").is_file():
             log(f"quantizing with {recipe} -> {out}")
             with Checkpoint.open(src) as ck:
@@ -217,9 +221,10 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
     for rnd in range(rounds):
         for name in names:
             mode, recipe = CONFIGS[name]
-            if mode == "transformers" and rnd:
-                continue  # plain transformers' bf16 conv is seconds per step: one short round
-            n_dec = 2 if mode == "transformers" else decode
+            slow = mode == "transformers" and not cpu_has_avx512_bf16()
+            if slow and rnd:
+                continue  # without AVX512-BF16 plain transformers' bf16 conv is seconds per step: one short round
+            n_dec = 2 if slow else decode
             log(f"round {rnd + 1}/{rounds}: {name}")
             cmd = [sys.executable, "-m", "quantkit.bench.decode", "--one", mode, str(folders[name]), str(prompt_len),
                    str(n_dec), str(reps), str(threads or 0)]
@@ -237,11 +242,12 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
             prev = rows.get(name, {})
             history = prev.get("decode_tok_s_rounds", []) + [round(r["decode_tok_s"], 3)]
             pre_hist = prev.get("prefill_tok_s_rounds", []) + [round(r["prefill_tok_s"], 2)]
+            rss_hist = prev.get("peak_rss_rounds", []) + [r["peak_rss"]]
             if r["decode_tok_s"] < prev.get("decode_tok_s", 0.0):
                 r = prev  # keep the best round
             else:
                 r["prefill_tok_s"] = max(r["prefill_tok_s"], prev.get("prefill_tok_s", 0.0))
-            r["decode_tok_s_rounds"], r["prefill_tok_s_rounds"] = history, pre_hist
+            r["decode_tok_s_rounds"], r["prefill_tok_s_rounds"], r["peak_rss_rounds"] = history, pre_hist, rss_hist
             rows[name] = r
     bench_s = time.perf_counter() - t_bench
     for name, r in rows.items():
@@ -255,13 +261,14 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
             r["planner_prefill_tok_s"] = est["prefill_tok_s"]
     add_ratios(rows)
     cfg = json.loads((src / "config.json").read_text())["text_config"]
-    rounds_part = f" --rounds {rounds}" + (f" --threads {threads}" if threads else "")
+    rounds_part = f" --rounds {rounds}" + (f" --threads {threads}" if threads else "") + (f" --vocab {vocab}" if vocab else "")
     sub = f" --configs {','.join(names)}" if configs else ""
     d = {
         "command": f"quantkit bench decode --layers {layers} --experts {experts} --prompt {prompt_len} "
                    f"--decode {decode} --reps {reps}{rounds_part}{sub}",
         "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
                     "threads": threads or torch.get_num_threads(), "python": platform.python_version(),
+                    "avx512_bf16": cpu_has_avx512_bf16(),
                     "read_bandwidth_gbs": round(bw, 2), "loadavg_before": [round(x, 2) for x in load_before],
                     "loadavg_after": [round(x, 2) for x in os.getloadavg()]},
         "checkpoint": {"layers": layers, "experts": experts, "top_k": cfg["num_experts_per_tok"],
@@ -356,6 +363,13 @@ def plot(d: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def cpu_has_avx512_bf16() -> bool:
+    try:
+        return " avx512_bf16" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -393,19 +407,20 @@ def render_md(d: dict[str, Any]) -> str:
         "![decode tok/s per configuration with planner estimate and bandwidth bound; peak RSS](bench-decode.png)",
         "",
         "| config | prefill tok/s | decode tok/s | vs transformers bf16 (+conv fix) | vs plain transformers | "
-        "planner decode tok/s | planner error | bandwidth bound tok/s | of bound | bytes/step | peak RSS |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "planner decode tok/s | planner error | bandwidth bound tok/s | of bound | bytes/step | peak RSS | RSS after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in rows.items():
         if "error" in r:
-            out.append(f"| {name} | failed: {r['error']} | | | | | | | | | |")
+            out.append(f"| {name} | failed: {r['error']} | | | | | | | | | | |")
             continue
         out.append(
             f"| {name} | {_f(r['prefill_tok_s'], '{:.1f}')} | {_f(r['decode_tok_s'])} | "
             f"{_f(r.get('vs_transformers_conv'))}x | {_f(r.get('vs_transformers_plain'), '{:.1f}')}x | "
             f"{_f(r.get('planner_decode_tok_s'), '{:.1f}')} | {_f(r.get('planner_error'), '{:+.0%}')} | "
             f"{_f(r['bound_tok_s'], '{:.1f}')} | {_f(r['decode_tok_s'] / r['bound_tok_s'], '{:.0%}')} | "
-            f"{r['step_bytes'] / 1e6:.1f} MB | {r['peak_rss'] / 1e9:.2f} GB |")
+            f"{r['step_bytes'] / 1e6:.1f} MB | {min(r.get('peak_rss_rounds') or [r['peak_rss']]) / 1e9:.2f} GB | "
+            f"{_f(r['rss_after'] / 1e9) + ' GB' if r.get('rss_after') else '-'} |")
     ratio, plain = t.get("int4_vs_transformers_bf16"), t.get("int4_vs_plain_transformers_bf16")
     out += ["", "## Targets", ""]
     if ratio is None:
@@ -425,19 +440,35 @@ def render_md(d: dict[str, Any]) -> str:
         perr = {n: r["planner_prefill_error"] for n, r in rows.items() if r.get("planner_prefill_error") is not None}
         out.append("- (not a target) planner prefill estimate vs measured: "
                    + ", ".join(f"{n} {e:+.0%}" for n, e in perr.items()) + ".")
+        out += ["", "Why the planner is off (its model: decode = bytes / (60% of read bandwidth) + 50 us per layer; "
+                "prefill compute at 1 TFLOPS on a CPU-only host):", ""]
+        bw = m["read_bandwidth_gbs"] * 1e9
+        for n in errs:
+            r = rows[n]
+            share = r["decode_tok_s"] / r["bound_tok_s"]
+            per_layer = (1 / r["decode_tok_s"] - r["step_bytes"] / (0.6 * bw)) / c["layers"]
+            tf = 1.0 / (1 + r["planner_prefill_error"]) if r.get("planner_prefill_error") is not None else None
+            out.append(f"- {n}: decode reaches {share:.0%} of the read bandwidth (the planner assumes 60%); "
+                       f"were 60% right, the rest would be {per_layer * 1e3:.1f} ms of fixed cost per layer "
+                       "(it assumes 0.05)" + (f"; prefill runs at about {tf:.2f} TFLOPS-equivalent" if tf else "")
+                       + ".")
     out += [
         "",
-        "Columns: `transformers-bf16` is plain `Qwen3_5MoeForCausalLM` in bf16 (its torch fallbacks; its depthwise "
-        "causal conv goes through oneDNN's slow bf16 path on this CPU, so it decodes only "
-        f"{rows.get(PLAIN, {}).get('decode_steps', '?')} steps in one round); `transformers-bf16+conv` is the same "
-        "model with only that conv replaced (quantkit/runtime/linear_attn.py), the reference the speed target is "
-        "judged on; `transformers-bf16+linattn` also gets quantkit's one-token Gated DeltaNet step (the same "
+        "Columns: `transformers-bf16` is plain `Qwen3_5MoeForCausalLM` in bf16 (its torch fallbacks; "
+        + ("this CPU has AVX512-BF16, so its depthwise causal conv runs at full speed through oneDNN"
+           if m.get("avx512_bf16") else
+           "its depthwise causal conv goes through oneDNN's slow bf16 path on this CPU without AVX512-BF16, so it "
+           f"decodes only {rows.get(PLAIN, {}).get('decode_steps', '?')} steps in one round")
+        + "); `transformers-bf16+conv` is the same model with only that conv replaced "
+        "(quantkit/runtime/linear_attn.py; what makes transformers usable on CPUs without AVX512-BF16), the "
+        "reference the speed target is judged on; `transformers-bf16+linattn` also gets quantkit's one-token Gated DeltaNet step (the same "
         "replacement the quantkit runtime uses), so the gap between it and a quantkit row is the runtime's own "
         "work; `quantkit-bf16` is the quantkit runtime without quantization; the rest are uniform recipes "
         "(every matrix in that format; router and norms bf16) and `quality` is the default `--bits 4` recipe "
         "(experts int4, the rest int8). Bandwidth bound: bytes one decode step reads (weights as loaded, with "
         "top_k of the experts; caches read and written) over the measured read bandwidth; `of bound` is the "
-        "measured decode over it. Planner: quantkit.plan's speed model for a CPU-only host with that bandwidth "
+        "measured decode over it. Peak RSS: the smallest peak over the rounds (it includes load-time transients and "
+        "varies between rounds); RSS after: resident at the end of the run. Planner: quantkit.plan's speed model for a CPU-only host with that bandwidth "
         "(60% of it usable, 50 us per layer); its error is estimate / measured - 1.",
         "",
         "Kernels used (matrices per route):",

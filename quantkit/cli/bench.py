@@ -83,6 +83,8 @@ def bench_decode(
     rounds: int = typer.Option(2, "--rounds", help="interleaved rounds over the configurations (best is kept)"),
     threads: int = typer.Option(None, "--threads", help="torch threads in every run (default: torch's)"),
     configs: str = typer.Option(None, "--configs", help="comma-separated subset of the configurations"),
+    vocab: int = typer.Option(None, "--vocab", help="vocabulary of the generated checkpoint (default: the tiny "
+                              "tokenizer's; 248320 is the real model's)"),
 ) -> None:
     """Prefill/decode tok/s and peak RSS per format beside transformers bf16, the planner and the bandwidth bound."""
     from quantkit.bench.decode import CONFIGS, run
@@ -92,5 +94,6 @@ def bench_decode(
     if unknown:
         raise typer.BadParameter(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}",
                                  param_hint="--configs")
-    d = run(reports, workdir, layers, experts, prompt, decode, reps, names, rounds, threads, log=console.print)
+    d = run(reports, workdir, layers, experts, prompt, decode, reps, names, rounds, threads, vocab,
+            log=console.print)
     console.print(f"wrote {reports / 'bench-decode.md'} ({d['seconds']:.0f} s)")
