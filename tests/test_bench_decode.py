@@ -152,9 +152,13 @@ def test_render_md_from_fixed_result():
     assert "- int4: 22.50, 25.00" in md  # every round listed
     # the planner gap explained from the same numbers: 1/25 s - 130 MB / (0.6 * 20 GB/s) over 4 layers
     assert ("- int4: decode reaches 16% of the read bandwidth (the planner assumes 60%); were 60% right, the rest "
-            "would be 7.3 ms of fixed cost per layer (it assumes 0.05); prefill runs at about 0.50 "
+            "would be 7.3 ms of fixed cost per layer (it assumes 0.05 ms); prefill runs at about 0.50 "
             "TFLOPS-equivalent.") in md
     assert "this CPU has AVX512-BF16" not in md and "without AVX512-BF16, so it decodes only 2 steps" in md
+    assert "## Notes on this run" not in md
+    d = _result(_rows())
+    d["notes"] = ["one", "two"]
+    assert bd.render_md(d).endswith("## Notes on this run\n\n- one\n- two\n")
 
 
 def test_render_md_says_when_the_speed_target_is_missed():

@@ -348,11 +348,12 @@ def plot(d: dict[str, Any], path: Path) -> None:
     a1.plot([], [], "o", color="#d62728", label="planner estimate")
     a1.plot([], [], "|", color="black", ms=10, mew=2, label="bandwidth bound")
     a1.set_xscale("log")
+    a1.set_xlim(left=min(5.0, min(meas) / 2))
     a1.set_xlabel("decode tok/s (log scale)")
     a1.set_yticks(y, names)
     a1.legend(loc="lower right", fontsize=8)
     a1.grid(axis="x", alpha=0.3, which="both")
-    a2.barh(y, [rows[n]["peak_rss"] / 1e9 for n in names], color=colors)
+    a2.barh(y, [min(rows[n].get("peak_rss_rounds") or [rows[n]["peak_rss"]]) / 1e9 for n in names], color=colors)
     a2.set_xlabel("peak RSS (GB)")
     a2.grid(axis="x", alpha=0.3)
     c = d["checkpoint"]
@@ -450,7 +451,7 @@ def render_md(d: dict[str, Any]) -> str:
             tf = 1.0 / (1 + r["planner_prefill_error"]) if r.get("planner_prefill_error") is not None else None
             out.append(f"- {n}: decode reaches {share:.0%} of the read bandwidth (the planner assumes 60%); "
                        f"were 60% right, the rest would be {per_layer * 1e3:.1f} ms of fixed cost per layer "
-                       "(it assumes 0.05)" + (f"; prefill runs at about {tf:.2f} TFLOPS-equivalent" if tf else "")
+                       "(it assumes 0.05 ms)" + (f"; prefill runs at about {tf:.2f} TFLOPS-equivalent" if tf else "")
                        + ".")
     out += [
         "",
@@ -481,6 +482,8 @@ def render_md(d: dict[str, Any]) -> str:
     for name, r in rows.items():
         if "decode_tok_s_rounds" in r:
             out.append(f"- {name}: " + ", ".join(f"{v:.2f}" for v in r["decode_tok_s_rounds"]))
+    if d.get("notes"):  # written by whoever ran it, kept in the JSON with the figures they are about
+        out += ["", "## Notes on this run", ""] + [f"- {n}" for n in d["notes"]]
     out.append("")
     return "\n".join(out)
 
