@@ -58,7 +58,7 @@ def launch_plan(engine: str, plan: Plan, hw: Hardware, model: str, source: str) 
         rest = "int8" if plan.scheme == "quality" else "bf16"
         export = f"quantkit export vllm {source} {folder} --rest {rest}"
         warns = []
-        if plan.scheme != "quality" and plan.scheme != "int4":
+        if plan.scheme not in ("quality", "int4"):
             warns.append(f"vLLM's MoE kernels take int4 symmetric experts: the export writes {plan.scheme}'s "
                          "experts as int4 (requantized from the source)")
         if plan.scheme != "quality":
