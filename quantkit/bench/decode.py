@@ -351,7 +351,7 @@ def plot(d: dict[str, Any], path: Path) -> None:
     a1.set_xlim(left=min(5.0, min(meas) / 2))
     a1.set_xlabel("decode tok/s (log scale)")
     a1.set_yticks(y, names)
-    a1.legend(loc="lower right", fontsize=8)
+    a1.legend(loc="upper right", fontsize=8)  # the top rows (transformers) have no planner marker
     a1.grid(axis="x", alpha=0.3, which="both")
     a2.barh(y, [min(rows[n].get("peak_rss_rounds") or [rows[n]["peak_rss"]]) / 1e9 for n in names], color=colors)
     a2.set_xlabel("peak RSS (GB)")
