@@ -12,8 +12,9 @@ by the loader; `uninstall()` restores the originals (the benchmark uses it to ti
 
 The decode step (`torch_recurrent_gated_delta_rule` with one token) updates a [B, Hv, 128, 128] fp32 state
 per layer. transformers writes it as broadcast multiplies and sums, each allocating a new 2 MB state:
-measured 3.5-7.8 ms per layer per token on the 2-core build machine. `recurrent_gated_delta_rule` below
-does the same math as three batched matrix products on the state, updated in place (0.3-0.4 ms): decay,
+0.54-0.73 ms per layer per token inside the loaded model on the 2-core build machine (3.5-7.8 ms when
+timed alone under load). `recurrent_gated_delta_rule` below does the same math as three batched matrix
+products on the state, updated in place (0.29-0.43 ms in the model): decay,
 kv = k @ S, S += k^T (beta (v - kv)), out = q @ S. Only the fp32 summation order of the two k/q
 contractions differs (state differences ~1e-7; bf16 outputs identical in the tests). Prompts (more than
 one token), CUDA tensors and a missing initial state go to transformers' own functions.
