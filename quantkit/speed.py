@@ -43,6 +43,8 @@ class SpeedModel:
             "decode tok/s at an empty cache (as llama-bench tg128); *_full_context with the cache full",
             f"prefill: max(2 FLOPs/param/token at {self.gpu_compute_efficiency:.0%} of FP16 tensor peak, one "
             "weight pass per chunk); CPU experts computed on CPU or streamed over PCIe, whichever is faster",
+            "these rates are llama.cpp-grade (its reported speeds set them); quantkit's own CPU runtime "
+            "decoded 2.5-5x below these estimates on a 2-core machine (reports/bench-decode.md)",
         ]
 
     def to_dict(self) -> dict:
