@@ -157,13 +157,7 @@ def test_decisive_routing_margin_is_recorded_and_holds_independently(tiny_model:
     assert all(g > 0.3 for g in d["router"]["min_rel_gap_per_layer"])
     # Re-measure from the checkpoint as transformers loads it, not from the generator's own model.
     model = load_reference_model(tiny_model, dtype=torch.float32)
-    logits: list[torch.Tensor] = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: logits.append(out[0].float()))
-             for layer in model.model.layers]
-    with torch.no_grad():
-        model(probe_ids())
-    for h in hooks:
-        h.remove()
+    logits = router_logits(model)
     k = model.config.num_experts_per_tok
     for lg in logits:
         assert ((lg > 0).sum(-1) == k).all() and (lg[lg <= 0] == 0).all()  # exactly k experts positive, rest 0
@@ -174,10 +168,8 @@ def test_decisive_routing_margin_is_recorded_and_holds_independently(tiny_model:
     assert perturbation_check(model, rel_noise=0.10, seed=5, gen_tokens=0)["routing_identical"]
 
 
-def test_a_plain_random_model_is_not_decisive(tmp_path: Path) -> None:
-    """The measurement discriminates: without --decisive, router gaps are near zero somewhere."""
-    p = make_tiny_model(tmp_path / "plain")
-    model = load_reference_model(p)
+def router_logits(model) -> list[torch.Tensor]:
+    """Each layer's router output (fp32) on the probe prompts, as the model computes it."""
     logits: list[torch.Tensor] = []
     hooks = [layer.mlp.gate.register_forward_hook(lambda _m, _i, out: logits.append(out[0].float()))
              for layer in model.model.layers]
@@ -185,6 +177,14 @@ def test_a_plain_random_model_is_not_decisive(tmp_path: Path) -> None:
         model(probe_ids())
     for h in hooks:
         h.remove()
+    return logits
+
+
+def test_a_plain_random_model_is_not_decisive(tmp_path: Path) -> None:
+    """The measurement discriminates: without --decisive, router gaps are near zero somewhere."""
+    p = make_tiny_model(tmp_path / "plain")
+    model = load_reference_model(p)
+    logits = router_logits(model)
     assert min(router_margins(logits, 2)["min_rel_gap_per_layer"]) < 0.05
     assert "decisive" not in json.loads((p / SIDECAR).read_text())
 
