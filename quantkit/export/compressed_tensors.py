@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from quantkit.checkpoint import check_finite
 from quantkit.errors import QuantkitError
 from quantkit.export.source import ExportSource, SourceTensor
 from quantkit.formats import QuantSpec, get_format
@@ -240,13 +241,8 @@ def _int4_parts(src: ExportSource, ot: OutTensor, g: int, experts: slice | None)
     if ot.how == "reused":
         return src.parts(ot.source.name, experts)
     w = src.dense(ot.source.name, experts)
-    _check_finite(ot.source.name, w)
+    check_finite(ot.source.name, w)
     return get_format("int4").quantize(w, spec)
-
-
-def _check_finite(name: str, w: torch.Tensor) -> None:
-    if not bool(torch.isfinite(w).all()):
-        raise QuantkitError(f"{name}: NaN/Inf values in the source weights; the checkpoint is damaged")
 
 
 def _emit_int4(writer_for: Any, module: str, codes_u: torch.Tensor, scales: torch.Tensor) -> None:
@@ -290,7 +286,7 @@ def _write(src: ExportSource, ot: OutTensor, g: int, writer_for: Any, progress: 
             parts = src.parts(t.name)
         else:
             w = src.dense(t.name)
-            _check_finite(t.name, w)
+            check_finite(t.name, w)
             parts = get_format("int8").quantize(w, QuantSpec("int8", None, True))
         mod = ot.modules[0]
         writer_for(f"{mod}.weight_packed").write(f"{mod}.weight_packed", pack_int32(parts["qweight"], 8))

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from quantkit.checkpoint import check_finite
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf_layout import Piece, convert, permute_blocks, pieces_for
 from quantkit.export.source import ExportSource, SourceTensor
@@ -315,9 +316,7 @@ def _write_tensor(fout: Any, src: ExportSource, t: GgufTensor, slab_bytes: int, 
                 w = convert(pc, w)
             for chunk in _row_chunks(w, slab_bytes):
                 c = chunk.float()
-                if not bool(torch.isfinite(c).all()):
-                    raise QuantkitError(f"{t.source.name}: NaN/Inf values in the source weights; the checkpoint "
-                                        "is damaged")
+                check_finite(t.source.name, c)
                 data = _encode(c, t.qtype, t.source.name)
                 fout.write(memoryview(np.ascontiguousarray(data)).cast("B"))
                 written += data.nbytes
