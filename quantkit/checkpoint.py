@@ -187,6 +187,8 @@ def check_finite(name: str, t: torch.Tensor) -> None:
         return
     # min and max propagate NaN and carry +-Inf: one vectorized pass, 30x faster than isfinite(t).all()
     # on bf16 (measured: 15 ms vs 508 ms for 268 MB); the count is only taken when something is wrong
+    if t.element_size() == 1:
+        t = t.float()  # torch has no aminmax or isfinite kernels for the 8-bit floats
     if all(bool(torch.isfinite(v)) for v in torch.aminmax(t)):
         return
     raise QuantkitError(f"{name}: {int((~torch.isfinite(t)).sum())} NaN/Inf values in the source weights; the "

@@ -354,3 +354,15 @@ def test_hf_snapshot_links_outside_blobs_are_refused(tiny_model: Path, tmp_path:
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     with pytest.raises(QuantkitError, match="links outside"):
         Checkpoint.open(resolve_model("acme/tiny-qwen"))
+
+
+@pytest.mark.parametrize("dtype,bad", [(d, b) for d in (torch.float32, torch.bfloat16, torch.float16)
+                                       for b in (float("nan"), float("inf"), float("-inf"))]
+                         + [(torch.float8_e4m3fn, float("nan"))])  # e4m3fn has no infinities
+def test_check_finite_names_the_tensor_and_counts(dtype, bad):
+    t = torch.randn(4, 64).to(dtype)
+    check_finite("ok", t)
+    check_finite("empty", torch.empty(0, dtype=dtype))
+    t[1, 7] = t[3, 0] = bad
+    with pytest.raises(QuantkitError, match=r"^w\.x: 2 NaN/Inf values"):
+        check_finite("w.x", t)
