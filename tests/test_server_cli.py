@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +13,7 @@ import httpx
 import openai
 import pytest
 
+from quantkit.bench.serve import free_port, stop_server
 from quantkit.cli.serve import is_loopback
 
 from conftest import run_cli, run_main
@@ -26,12 +25,6 @@ def q4(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     r = run_main("quantize", tiny_model, "--bits", "4", "--out", out, timeout=600)
     assert r.returncode == 0, r.stderr
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 TOOLS = [{"type": "function", "function": {"name": "read_file", "description": "Read a file",
@@ -69,12 +62,7 @@ def test_quantkit_serve_answers_the_openai_client(q4: Path, tmp_path: Path):
         assert r.usage.prompt_tokens > 100  # the tool schema and instructions went into the prompt
         assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_server(proc)
     out = Path(log.name).read_text()
     assert f"serving q4 on http://127.0.0.1:{port}/v1" in out and "server stopped" in out
     assert proc.returncode == 0, out

@@ -60,10 +60,21 @@ class LoadResult:
     wall_s: float = 0.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free loopback port (the OS picks it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 60) -> None:
+    """Ctrl-C the server process as a user would; kill it if it has not exited within `timeout` s."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def _pct(xs: list[float], q: float) -> float | None:
@@ -337,7 +348,7 @@ def run(reports: Path, model_dir: Path | None, workdir: Path, clients: int, requ
     model = model_dir or _prepare_model(workdir, log)
     log("direct runtime (no HTTP, own process), same prompt and token count")
     peer_before = direct_peer_process(model, PROMPTS[0], max_tokens, 3, context)
-    port = _free_port()
+    port = free_port()
     max_body = 1 << 20
     serve_cmd = [sys.executable, "-m", "quantkit", "serve", str(model), "--port", str(port), "--max-queue",
                  str(max_queue), "--max-body", str(max_body), "--log-level", "warning"]
@@ -391,11 +402,7 @@ def run(reports: Path, model_dir: Path | None, workdir: Path, clients: int, requ
         sampler.stop()
         health = httpx.get(base + "/health", timeout=10).json()
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     log("direct runtime (no HTTP, own process), same prompt and token count")
     peer_after = direct_peer_process(model, PROMPTS[0], max_tokens, 3, context)
     peer = {"reps": 3, "tok_s_before": peer_before["tok_s"], "tok_s_after": peer_after["tok_s"],
