@@ -8,6 +8,7 @@ import re
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from importlib import resources
+from pathlib import Path
 
 from quantkit.errors import QuantkitError
 
@@ -249,6 +250,19 @@ def detect_gpus() -> tuple[list[GPU], list[str]]:
                             name=f"Apple silicon ({gib:.0f} GiB unified; bandwidth as {g.name})"))
         notes.append(f"Apple GPU detected via MPS; chip model unknown, bandwidth taken from {g.name}")
     return gpus, notes
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux, else what platform knows)."""
+    import platform
+
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def detect_ram() -> int:

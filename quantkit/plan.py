@@ -32,8 +32,9 @@ from quantkit.budget import (
 from quantkit.errors import QuantkitError
 from quantkit.hardware import DEFAULT_GPU_RESERVE, DEFAULT_HOST_RESERVE, Hardware
 from quantkit.recipe import QUALITY_RANK, RECIPES, Recipe
+from quantkit.runtime_profile import RuntimeProfile, runtime_costs
 from quantkit.spec import ModelSpec, Role
-from quantkit.speed import DeviceRates, Layout, Speed, SpeedModel, estimate
+from quantkit.speed import DeviceRates, Layout, RuntimeSpeed, Speed, SpeedModel, estimate, estimate_runtime
 
 PLAN_VERSION = 1
 COMMON_RAM_GIB = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -109,6 +110,8 @@ class Plan:
     speed: Speed | None = None
     assumptions: list[str] = field(default_factory=list)
     components: dict[str, int] = field(default_factory=dict)
+    runtime_speed: RuntimeSpeed | None = None  # quantkit's runtime on this host, from a calibration
+    runtime_note: str = ""  # why there is no runtime estimate, when a profile was given
 
     def device(self, dev_id: str) -> Device:
         for d in self.devices:
@@ -202,6 +205,7 @@ class Plan:
             "card_estimate_gb": self.card_estimate_gb,
             "components": self.components,
             "estimates": self.speed.to_dict() if self.speed else None,
+            "runtime_estimates": self.runtime_speed.to_dict() if self.runtime_speed else None,
             "assumptions": self.assumptions,
         }
 
@@ -225,6 +229,11 @@ class Plan:
             if est:
                 speed = Speed(est["decode_tok_s"], est["decode_tok_s_full_context"], est["prefill_tok_s"],
                               est.get("decode_ms_by_device", {}), est.get("transfers_per_token", 0))
+            rt = d.get("runtime_estimates")
+            rspeed = None
+            if rt:
+                rspeed = RuntimeSpeed(rt["decode_tok_s"], rt["decode_tok_s_full_context"],
+                                      rt.get("decode_ms_by_device", {}), rt.get("source", ""))
             return cls(
                 model=d["model"], fingerprint=d["spec_fingerprint"], scheme=d["scheme"], recipe=d["recipe"],
                 settings=RunSettings(**d["settings"]), devices=[Device.from_dict(x) for x in d["devices"]],
@@ -232,7 +241,7 @@ class Plan:
                 embedding_device=d["non_expert"]["embedding"], lm_head_device=d["non_expert"]["lm_head"],
                 num_experts=d["num_experts"], fits=d["fits"], reason=d.get("reason", ""),
                 total_bytes=d["total_bytes"], card_estimate_gb=d["card_estimate_gb"], speed=speed,
-                assumptions=d.get("assumptions", []), components=d.get("components", {}),
+                assumptions=d.get("assumptions", []), components=d.get("components", {}), runtime_speed=rspeed,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise QuantkitError(f"plan file is malformed ({type(e).__name__}: {e})") from None
@@ -292,9 +301,11 @@ def make_devices(hw: Hardware, gpu_reserve: int = DEFAULT_GPU_RESERVE,
 def solve(spec: ModelSpec, recipe: Recipe, settings: RunSettings, hw: Hardware, *,
           gpu_reserve: int = DEFAULT_GPU_RESERVE, host_reserve: int = DEFAULT_HOST_RESERVE,
           cpu_expert_layers: int | None = None, speed_model: SpeedModel | None = None,
-          budget: Budget | None = None, with_speed: bool = True) -> Plan:
+          budget: Budget | None = None, with_speed: bool = True, profile: RuntimeProfile | None = None,
+          profile_source: str = "") -> Plan:
     """Place one scheme. `cpu_expert_layers` forces the experts of the first N layers onto the CPU
-    (llama.cpp's --n-cpu-moe) instead of filling the GPUs greedily."""
+    (llama.cpp's --n-cpu-moe) instead of filling the GPUs greedily. With a runtime `profile` of this
+    host (`quantkit calibrate`), the plan also gets quantkit's own runtime decode estimate."""
     b = budget or compute_budget(spec, recipe, settings)
     c = spec.config
     n, e = c.num_hidden_layers, c.num_experts
@@ -417,6 +428,15 @@ def solve(spec: ModelSpec, recipe: Recipe, settings: RunSettings, hw: Hardware, 
         sm = speed_model or SpeedModel()
         plan.speed = estimate(b, plan.layout(), {d.id: d.rates() for d in devs}, c, sm)
         plan.assumptions = assumptions(hw, sm, gpu_reserve, host_reserve)
+        if profile is not None:
+            try:
+                costs = runtime_costs(profile, spec, recipe, profile_source)
+            except QuantkitError as e:
+                plan.runtime_note = str(e)
+            else:
+                plan.runtime_speed = estimate_runtime(b, plan.layout(), {d.id: d.rates() for d in devs}, c, costs, sm)
+                if plan.runtime_speed is None:
+                    plan.runtime_note = "the calibrated runtime estimate is for batch 1"
     return plan
 
 
@@ -495,6 +515,7 @@ class SchemeResult:
             "est_decode_tok_s": round(s.decode_tok_s, 1) if s else None,
             "est_decode_tok_s_full_context": round(s.decode_tok_s_full_context, 1) if s else None,
             "est_prefill_tok_s": round(s.prefill_tok_s, 1) if s else None,
+            "runtime_decode_tok_s": round(p.runtime_speed.decode_tok_s, 1) if p.runtime_speed else None,
             "components_bytes": p.components,
             "reason": p.reason,
         }

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from quantkit.budget import Budget, kv_bytes_per_token
+from quantkit.runtime_profile import RuntimeCosts
 from quantkit.spec import TextConfig
 
 
@@ -43,8 +44,8 @@ class SpeedModel:
             "decode tok/s at an empty cache (as llama-bench tg128); *_full_context with the cache full",
             f"prefill: max(2 FLOPs/param/token at {self.gpu_compute_efficiency:.0%} of FP16 tensor peak, one "
             "weight pass per chunk); CPU experts computed on CPU or streamed over PCIe, whichever is faster",
-            "these rates are llama.cpp-grade (its reported speeds set them); quantkit's own CPU runtime "
-            "decoded 2.5-5x below these estimates on a 2-core machine (reports/bench-decode.md)",
+            "these rates are llama.cpp-grade (its reported speeds set them); quantkit's own CPU runtime is "
+            "slower: on this machine `quantkit calibrate` measures it and plan shows it as qk tok/s",
         ]
 
     def to_dict(self) -> dict:
@@ -144,6 +145,80 @@ def estimate(b: Budget, layout: Layout, rates: dict[str, DeviceRates], cfg: Text
         decode_ms_by_device={d: t * 1e3 for d, t in per_dev.items()},
         transfers_per_token=hops,
     )
+
+
+@dataclass
+class RuntimeSpeed:
+    """quantkit's own runtime on this host: CPU parts from a calibration (runtime_profile.py), GPU parts
+    from the generic model (no GPU was calibrated). Greedy batch-1 decode only."""
+
+    decode_tok_s: float
+    decode_tok_s_full_context: float
+    decode_ms_by_device: dict[str, float]
+    source: str
+
+    def to_dict(self) -> dict:
+        return {"decode_tok_s": round(self.decode_tok_s, 1),
+                "decode_tok_s_full_context": round(self.decode_tok_s_full_context, 1),
+                "decode_ms_by_device": {k: round(v, 3) for k, v in self.decode_ms_by_device.items()},
+                "source": self.source}
+
+
+def estimate_runtime(b: Budget, layout: Layout, rates: dict[str, DeviceRates], cfg: TextConfig,
+                     costs: RuntimeCosts, model: SpeedModel | None = None) -> RuntimeSpeed | None:
+    """Batch-1 decode of quantkit's runtime for `layout`: on a CPU, the calibrated cost of each layer it
+    computes (ops + dense matrices), of the routed experts it is expected to serve and of the head; the
+    KV cache read at the filled length over the bandwidth; GPUs and hand-offs as in `estimate`.
+    None for batch > 1 (the calibration times batch-1 calls)."""
+    m = model or SpeedModel()
+    if b.settings.batch != 1:
+        return None
+    e, top_k = b.num_experts, cfg.num_experts_per_tok
+    kv_tok = kv_bytes_per_token(cfg, b.settings.cache_dtype)
+    n = len(layout.layer_device)
+
+    def decode_time(filled: int) -> tuple[float, dict[str, float]]:
+        t: dict[str, float] = {d: 0.0 for d in rates}
+        read: dict[str, float] = {d: 0.0 for d in rates}  # GPU bytes (generic model)
+        layers_on: dict[str, int] = {d: 0 for d in rates}
+        used: set[str] = set()
+        for L in range(n):
+            dev = layout.layer_device[L]
+            kv = kv_tok * filled if cfg.layer_types[L] == "full_attention" else 0
+            if rates[dev].kind == "cpu":
+                t[dev] += costs.layer_s[L] + kv / (rates[dev].bandwidth_gbs * 1e9 * m.cpu_bw_efficiency)
+            else:
+                cache = kv if cfg.layer_types[L] == "full_attention" else 2 * b.layer_cache[L]
+                read[dev] += b.layer_dense[L] + cache
+                layers_on[dev] += 1
+            used.add(dev)
+            for d, cnt in layout.expert_counts[L].items():
+                if not cnt:
+                    continue
+                share = top_k * cnt / e
+                if rates[d].kind == "cpu":
+                    t[d] += share * costs.expert_s[L]
+                else:
+                    read[d] += share * b.expert_bytes[L]
+                    if d != dev:
+                        layers_on[d] += 1
+                used.add(d)
+        head = layout.lm_head_device
+        if rates[head].kind == "cpu":
+            t[head] += costs.head_s
+        else:
+            read[head] += b.lm_head + b.final_norm
+        used.add(head)
+        for d, r in rates.items():
+            if r.kind == "gpu":
+                t[d] += read[d] / (r.bandwidth_gbs * 1e9 * m.gpu_bw_efficiency) + layers_on[d] * m.gpu_layer_overhead_s
+        per_dev = {d: t[d] for d in rates if d in used}
+        xfer, _ = _transfers(layout, rates, cfg.hidden_size * 2, m)
+        return sum(per_dev.values()) + xfer, per_dev
+
+    t0, per_dev = decode_time(0)
+    t_full, _ = decode_time(b.settings.context)
+    return RuntimeSpeed(1 / t0, 1 / t_full, {d: x * 1e3 for d, x in per_dev.items()}, costs.source)
 
 
 def _hop_cost(a: str, b: str, rates: dict[str, DeviceRates], nbytes: int, m: SpeedModel) -> float:

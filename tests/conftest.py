@@ -15,15 +15,21 @@ Plain helpers the tests import (`from conftest import run_cli, run_main`):
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# `quantkit plan` reads this host's runtime profile (`quantkit calibrate`) from the cache: tests start without one
+os.environ["QUANTKIT_CACHE"] = tempfile.mkdtemp(prefix="qk-test-cache-")
+atexit.register(shutil.rmtree, os.environ["QUANTKIT_CACHE"], True)
 
 TINY_KW = {"layers": 4, "experts": 8, "top_k": 2, "hidden": 64, "intermediate": 32, "seed": 0}
 

@@ -25,6 +25,7 @@ from quantkit.plan import (
     suggestions,
 )
 from quantkit.recipe import get_recipe
+from quantkit.runtime_profile import profile_for_plan
 from quantkit.spec import DEFAULT_MODEL, ModelSpec, Role, default_spec, load_config, spec_from_config
 
 
@@ -83,12 +84,13 @@ def _ctx(n: int) -> str:
     return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
 
 
-def _results_table(rows: list[SchemeResult], sweep: bool, recommended: str | None) -> Table:
+def _results_table(rows: list[SchemeResult], sweep: bool, recommended: str | None, runtime: bool = False) -> Table:
     t = Table(title="Schemes (sizes in GB)", title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
     t.add_column("scheme", no_wrap=True)
     if sweep:
         t.add_column("ctx", justify="right", no_wrap=True)
-    for col in ("card", "exact", "fits", "where", "max ctx", "tok/s", "pp/s"):
+    cols = ("card", "exact", "fits", "where", "max ctx", "tok/s", "pp/s") + (("qk tok/s",) if runtime else ())
+    for col in cols:
         t.add_column(col, justify="left" if col in ("fits", "where") else "right", no_wrap=True)
     for r in rows:
         p = r.plan
@@ -101,6 +103,9 @@ def _results_table(rows: list[SchemeResult], sweep: bool, recommended: str | Non
         cells += [f"{p.card_estimate_gb:.1f}", _gb(p.total_bytes), fits, where,
                   _ctx(r.max_context) if r.max_context else "-",
                   f"{s.decode_tok_s:.0f}" if s and p.fits else "-", f"{s.prefill_tok_s:.0f}" if s and p.fits else "-"]
+        if runtime:
+            rs = p.runtime_speed
+            cells.append(f"{rs.decode_tok_s:.1f}" if rs and p.fits else "-")
         t.add_row(*cells)
     return t
 
@@ -180,6 +185,8 @@ def plan_cmd(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     out: Path = typer.Option(None, "--out", "-o", help="save the chosen plan for the runtime"),
     export: str = typer.Option(None, "--export", help="print launch flags: llama.cpp or vllm"),
+    profile: Path = typer.Option(None, "--profile", help="runtime profile from `quantkit calibrate` (default: "
+                                 "this host's, when planning for this machine)"),
 ) -> None:
     """Memory budget per scheme, a placement over GPUs and RAM, and the speed it should reach."""
     spec = load_model_spec(model)
@@ -188,7 +195,10 @@ def plan_cmd(
         raise QuantkitError(f"--export {export!r}: use llama.cpp or vllm")
     schemes = [get_recipe(x.strip()).name for s in (scheme or []) for x in s.split(",") if x.strip()]
     contexts = parse_contexts(context, spec.config.max_position_embeddings)
-    kw = {"gpu_reserve": parse_size(gpu_reserve, "GPU reserve") if gpu_reserve else DEFAULT_GPU_RESERVE}
+    this_host = not (gpu or ram or cpu_bandwidth or nodes > 1)
+    prof, prof_src, prof_note = profile_for_plan(profile, spec.config, this_host)
+    kw = {"gpu_reserve": parse_size(gpu_reserve, "GPU reserve") if gpu_reserve else DEFAULT_GPU_RESERVE,
+          "profile": prof, "profile_source": prof_src}
     rows: list[SchemeResult] = []
     for ctx in contexts:
         st = _settings(ctx, batch, cache, prefill_chunk, mtp, spec)
@@ -222,7 +232,10 @@ def plan_cmd(
             "recommended": plan.scheme,
             "plan": {k: v for k, v in plan.to_dict().items() if k not in ("layers", "assumptions")},
             "assumptions": plan.assumptions,
+            "runtime_profile": prof_src or None,
         }
+        if prof_note:
+            obj["notes"].append(prof_note)
         if out:
             obj["plan_file"] = str(out)
         if launch:
@@ -233,10 +246,12 @@ def plan_cmd(
         console.print(f"[dim]{n}[/]")
     console.print(f"[bold]{spec.name}[/] ({spec.text_params / 1e9:.2f}B params, "
                   f"{spec.active_params_per_token / 1e9:.2f}B active) on {hw.describe()}")
-    console.print(_results_table(rows, len(contexts) > 1, plan.scheme))
+    console.print(_results_table(rows, len(contexts) > 1, plan.scheme, runtime=prof is not None))
     console.print("[dim]card = the model card's formula (1.05 x weights + KV); exact = tensor by tensor, with "
                   "caches, buffers and GPU reserve; max ctx = longest context that still fits; tok/s = "
-                  "estimated decode, pp/s = estimated prefill tok/s; * = recommended[/]")
+                  "estimated decode (llama.cpp-grade), pp/s = estimated prefill tok/s; * = recommended"
+                  + ("; qk tok/s = quantkit's own runtime here, composed from `quantkit calibrate`'s "
+                     f"measured parts ({prof_src})" if prof else "") + "[/]")
     console.print(_budget_table(spec, plan))
     console.print(_placement_table(plan))
     s = plan.speed
@@ -246,7 +261,10 @@ def plan_cmd(
         f"[bold green]Recommended:[/] {plan.scheme} ({RECIPES[plan.scheme].description}): "
         f"{_gb(plan.total_bytes)} GB, {plan.summary()}{gpu_note}; ~{s.decode_tok_s:.0f} tok/s decode, "
         f"~{s.prefill_tok_s:.0f} tok/s prefill, up to {_ctx(chosen.max_context)} tokens of context"
+        + (f"; quantkit's runtime here: ~{plan.runtime_speed.decode_tok_s:.1f} tok/s decode" if plan.runtime_speed else "")
     )
+    if prof_note or plan.runtime_note:
+        console.print(f"[dim]{prof_note or plan.runtime_note}[/]")
     console.print("[dim]assumptions:[/]")
     for a in plan.assumptions:
         console.print(f"[dim]  - {a}[/]")

@@ -1,0 +1,89 @@
+"""`quantkit calibrate`: time quantkit's runtime kernels and layer ops on this host for the planner."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich import box
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from quantkit.budget import RunSettings
+from quantkit.cli import app, console, err_console
+from quantkit.cli.plan import load_model_spec
+from quantkit.errors import QuantkitError
+from quantkit.hardware import Hardware, Host, parse_size
+from quantkit.plan import RECIPES, solve, write_atomic
+from quantkit.recipe import get_recipe
+from quantkit.runtime_profile import default_profile_path, load_profile, mismatch
+
+
+@app.command("calibrate")
+def calibrate_cmd(
+    model: str = typer.Option(None, "--model", "-m", help="config.json, checkpoint folder or cached HF id"),
+    scheme: list[str] = typer.Option(None, "--scheme", "-s", help="schemes whose kernels to time (default: all)"),
+    out: Path = typer.Option(None, "--out", "-o", help="profile file (default: this host's cache, read by `plan`)"),
+    working_set: str = typer.Option("256MB", "--working-set", help="weights cycled per kernel (above the LLC)"),
+    passes: int = typer.Option(3, "--passes", help="timed passes per kernel (the best is kept)"),
+    steps: int = typer.Option(24, "--steps", help="decode steps timed for the layer ops"),
+) -> None:
+    """Measure quantkit's CPU runtime on this host, part by part, so `quantkit plan` can estimate it."""
+    from quantkit.runtime.calibrate import calibrate
+
+    spec = load_model_spec(model)
+    names = [get_recipe(x.strip()).name for s in (scheme or []) for x in s.split(",") if x.strip()] or list(RECIPES)
+    recipes = [RECIPES[n] for n in names]
+    ws = parse_size(working_set, "--working-set")
+    if passes < 1 or steps < 1:
+        raise QuantkitError("--passes and --steps must be at least 1")
+    path = out or default_profile_path(spec.config)
+    cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            TimeRemainingColumn(), TextColumn("[dim]{task.fields[what]}"))
+    with Progress(*cols, console=err_console, transient=True) as bar:
+        task = bar.add_task("calibrating", total=None, what="")
+
+        def on_item(what: str, done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total, what=what)
+
+        prof = calibrate(spec, recipes, working_set=ws, passes=passes, steps=steps, on_item=on_item)
+    if path.is_file():
+        try:
+            old = load_profile(path)
+            if mismatch(old, spec.config, prof.host) is None:
+                prof = old.merged(prof)  # keep the formats timed before
+        except QuantkitError:
+            pass  # an unreadable old profile is replaced
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, prof.to_json())
+
+    t = Table(title=f"Kernel us per batch-1 call, weights out of cache ({prof.host['cpu']}, "
+              f"{prof.host['threads']} threads, torch {prof.host['torch']})", title_justify="left",
+              box=box.SIMPLE_HEAD)
+    shapes = sorted({s for v in prof.matmul_s.values() for s in v}, key=lambda s: [int(x) for x in s.split("x")])
+    keys = sorted(prof.matmul_s)
+    t.add_column("matrix")
+    for key in keys:
+        t.add_column(key, justify="right")
+    for s in shapes:
+        t.add_row(s, *[f"{prof.matmul_s[k][s] * 1e6:.0f}" if s in prof.matmul_s[k] else "-" for k in keys])
+    console.print(t)
+    ops = ", ".join(f"{k} layer {v * 1e3:.2f} ms" for k, v in sorted(prof.layer_ops_s.items()))
+    console.print(f"ops per decode step without kernels: {ops}; rest of the step {prof.shell_s * 1e3:.2f} ms; "
+                  f"argmax over {spec.config.vocab_size} logits "
+                  f"{prof.argmax_s[str(spec.config.vocab_size)] * 1e3:.2f} ms")
+    hw = Hardware((), Host(ram_bytes=1 << 40))  # every scheme resident in RAM: what the CPU alone decodes
+    est = []
+    for n in names:
+        p = solve(spec, RECIPES[n], RunSettings(context=4096), hw, profile=prof, profile_source=str(path))
+        if p.runtime_speed:
+            est.append(f"{n} {p.runtime_speed.decode_tok_s:.1f}")
+    console.print(f"quantkit runtime decode on this CPU alone, tok/s: {', '.join(est)}")
+    console.print(f"profile saved to {path} ({prof.seconds:.0f} s); `quantkit plan` reads it")

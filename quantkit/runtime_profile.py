@@ -1,0 +1,249 @@
+"""What quantkit's own CPU runtime costs on this host, measured by `quantkit calibrate`, and the
+per-layer decode costs the planner composes from it.
+
+The planner's generic speed model (speed.py) has llama.cpp-grade rates: bytes over 60% of the memory
+bandwidth plus 50 us per layer. quantkit's runtime is slower than that on a CPU, and not by a constant
+factor: at batch 1 torch's int4 kernel is compute-bound, bitsandbytes' is not, and each layer pays
+~100 small torch ops whose cost depends on the CPU and the Python build. So for plans on this host
+the planner also gives a runtime estimate built from two kinds of measurement, each taken in isolation
+on the host (quantkit/runtime/calibrate.py), never from a whole-model run:
+
+- `matmul_s[spec][shape]`: one batch-1 call of the runtime's kernel for a matrix of that format and
+  shape, with the weights out of the CPU caches (the call cycles over copies larger than the LLC);
+- `layer_ops_s[layer type]`: a decode step through one decoder layer of the model's real dimensions
+  with every kernel call replaced by a free stub, i.e. norms, the Gated DeltaNet conv and recurrent
+  step, rotary embedding, SDPA, the router and the experts' Python loop; `shell_s` the rest of a
+  step (embedding, final norm, cache bookkeeping) and `argmax_s` the greedy pick over the vocabulary.
+
+A decode step on a CPU is then the sum over the layers it computes of ops + dense matrices, top_k
+routed experts' two matrices per layer, the lm_head and the shell (`runtime_costs`). Nothing here is
+fitted to a whole-model measurement; `quantkit bench decode` checks the composition against one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from quantkit.errors import QuantkitError
+from quantkit.formats import QuantSpec
+from quantkit.recipe import Recipe, decide
+from quantkit.spec import ModelSpec, Role, TensorSpec, TextConfig
+
+PROFILE_VERSION = 1
+# The runtime's kernels take these roles' matrices (nn.Linear of a layer, the experts, lm_head); the
+# router (mlp.gate) stays transformers' own F.linear and is measured with the layer's ops.
+KERNEL_ROLES = (Role.ATTENTION, Role.LINEAR_ATTENTION, Role.SHARED_EXPERT, Role.ROUTED_EXPERT, Role.LM_HEAD,
+                Role.NORM)
+
+
+def spec_key(q: QuantSpec | None) -> str:
+    """The kernel-speed identity of a format choice: format, group, symmetry ("bf16" for kept)."""
+    if q is None or q.format == "bf16":
+        return "bf16"
+    key = q.format + (f"-g{q.group_size}" if q.group_size else "")
+    return key + ("" if q.symmetric else "-asym")
+
+
+def shape_key(shape: tuple[int, ...]) -> str:
+    return f"{shape[-2]}x{shape[-1]}"
+
+
+def model_dims(c: TextConfig) -> dict[str, Any]:
+    """The config fields a layer's op cost depends on (not the layer count or vocabulary)."""
+    keys = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "attn_output_gate",
+            "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+            "linear_conv_kernel_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "shared_expert_intermediate_size")
+    return {k: getattr(c, k) for k in keys}
+
+
+def dims_id(c: TextConfig) -> str:
+    return hashlib.sha256(json.dumps(model_dims(c), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def host_id() -> dict[str, Any]:
+    """What makes a profile this host's: CPU, cores, torch build and thread count."""
+    import platform
+
+    import torch
+
+    from quantkit.hardware import cpu_name
+
+    return {"cpu": cpu_name(), "cores": os.cpu_count(), "machine": platform.machine(),
+            "torch": torch.__version__, "threads": torch.get_num_threads()}
+
+
+def default_profile_dir() -> Path:
+    base = os.environ.get("QUANTKIT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "quantkit")
+    return Path(base) / "runtime-profiles"
+
+
+def default_profile_path(c: TextConfig) -> Path:
+    return default_profile_dir() / f"{dims_id(c)}.json"
+
+
+@dataclass
+class RuntimeProfile:
+    host: dict[str, Any]
+    dims: dict[str, Any]
+    matmul_s: dict[str, dict[str, float]]  # spec key -> shape key -> seconds per batch-1 call
+    layer_ops_s: dict[str, float]  # layer type -> seconds per decode step, kernels excluded
+    shell_s: float  # per decode step outside the layers, lm_head excluded
+    argmax_s: dict[str, float]  # vocabulary size -> seconds of the greedy pick over the logits
+    measured_at: str = ""
+    seconds: float = 0.0  # how long the calibration took
+    details: dict[str, Any] = field(default_factory=dict)  # spreads, copies, working set: for the report
+    version: int = PROFILE_VERSION
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "profile") -> RuntimeProfile:
+        if not isinstance(d, dict) or d.get("version") != PROFILE_VERSION:
+            raise QuantkitError(f"{source}: not a quantkit runtime profile of version {PROFILE_VERSION}; "
+                                "run `quantkit calibrate` again")
+        try:
+            return cls(host=dict(d["host"]), dims=dict(d["dims"]),
+                       matmul_s={k: {s: float(t) for s, t in v.items()} for k, v in d["matmul_s"].items()},
+                       layer_ops_s={k: float(v) for k, v in d["layer_ops_s"].items()}, shell_s=float(d["shell_s"]),
+                       argmax_s={str(k): float(v) for k, v in d["argmax_s"].items()},
+                       measured_at=str(d.get("measured_at", "")), seconds=float(d.get("seconds", 0.0)),
+                       details=dict(d.get("details", {})))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise QuantkitError(f"{source}: malformed runtime profile; run `quantkit calibrate` again") from None
+
+    def merged(self, other: RuntimeProfile) -> RuntimeProfile:
+        """This profile with `other`'s matrix figures added (a later calibration of more formats)."""
+        mm = {k: dict(v) for k, v in self.matmul_s.items()}
+        for k, v in other.matmul_s.items():
+            mm.setdefault(k, {}).update(v)
+        return RuntimeProfile(other.host, other.dims, mm, other.layer_ops_s, other.shell_s,
+                              {**self.argmax_s, **other.argmax_s}, other.measured_at,
+                              other.seconds, {**self.details, **other.details})
+
+
+def load_profile(path: Path) -> RuntimeProfile:
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise QuantkitError(f"{path}: cannot read the runtime profile ({e.strerror})") from None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise QuantkitError(f"{path}: runtime profile is not valid JSON (line {e.lineno}: {e.msg})") from None
+    return RuntimeProfile.from_dict(d, str(path))
+
+
+def mismatch(p: RuntimeProfile, c: TextConfig, host: dict[str, Any]) -> str | None:
+    """Why profile `p` does not describe this host running a model of config `c` (None: it does)."""
+    if p.dims != model_dims(c):
+        return "it was measured for another model shape"
+    for k in ("cpu", "cores", "torch", "threads"):
+        if p.host.get(k) != host.get(k):
+            return f"it was measured with {k} {p.host.get(k)!r}, this host has {host.get(k)!r}"
+    return None
+
+
+@dataclass(frozen=True)
+class RuntimeCosts:
+    """Seconds per batch-1 decode step of quantkit's runtime on one CPU, by part."""
+
+    layer_s: list[float]  # per layer: ops + its dense matrices (everything but the routed experts)
+    expert_s: list[float]  # per layer: one routed expert (gate_up + down)
+    head_s: float  # lm_head + shell + argmax over the vocabulary
+    source: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"layer_ms": [round(x * 1e3, 4) for x in self.layer_s],
+                "expert_ms": [round(x * 1e3, 4) for x in self.expert_s],
+                "head_ms": round(self.head_s * 1e3, 4), "source": self.source}
+
+
+def kernel_matrices(spec: ModelSpec, recipe: Recipe) -> list[tuple[TensorSpec, QuantSpec | None, tuple[int, int]]]:
+    """(tensor, its QuantSpec as the loader decides it, 2-D shape of one kernel) for every matrix the
+    runtime runs through a kernel. A layer's experts appear once (one expert's matrix)."""
+    out: list[tuple[TensorSpec, QuantSpec | None, tuple[int, int]]] = []
+    for t in spec.tensors:
+        if t.role not in KERNEL_ROLES or len(t.shape) not in (2, 3) or t.name.endswith("conv1d.weight"):
+            continue
+        if t.role == Role.NORM and ".shared_expert_gate." not in t.name:
+            continue
+        out.append((t, decide(recipe, t).spec, (t.shape[-2], t.shape[-1])))
+    c = spec.config
+    if c.tie_word_embeddings:  # the loader runs the bf16 embedding table as the lm_head
+        out.append((TensorSpec("lm_head.weight", (c.vocab_size, c.hidden_size), c.dtype, Role.LM_HEAD), None,
+                    (c.vocab_size, c.hidden_size)))
+    return out
+
+
+def needed(spec: ModelSpec, recipes: list[Recipe]) -> dict[str, tuple[QuantSpec | None, set[tuple[int, int]]]]:
+    """spec key -> (a QuantSpec of that key, the kernel shapes) a calibration must time for these recipes."""
+    want: dict[str, tuple[QuantSpec | None, set[tuple[int, int]]]] = {}
+    for r in recipes:
+        for _, q, shape in kernel_matrices(spec, r):
+            want.setdefault(spec_key(q), (q, set()))[1].add(shape)
+    return want
+
+
+def runtime_costs(p: RuntimeProfile, spec: ModelSpec, recipe: Recipe, source: str = "") -> RuntimeCosts:
+    """Compose a profile into per-layer decode costs for `recipe` on `spec`."""
+    c = spec.config
+    n = c.num_hidden_layers
+    layer = [p.layer_ops_s.get(c.layer_types[L], float("nan")) for L in range(n)]
+    if any(x != x for x in layer):
+        missing = sorted({c.layer_types[L] for L in range(n) if layer[L] != layer[L]})
+        raise QuantkitError(f"the runtime profile has no {missing[0]} layer cost; run `quantkit calibrate` again")
+    expert = [0.0] * n
+    head = p.shell_s
+    for t, q, shape in kernel_matrices(spec, recipe):
+        k = spec_key(q)
+        sec = p.matmul_s.get(k, {}).get(shape_key(shape))
+        if sec is None:
+            raise QuantkitError(f"the runtime profile has no {k} {shape_key(shape)} kernel time; run "
+                                f"`quantkit calibrate --scheme {recipe.name}`")
+        if t.role == Role.MTP or t.layer is None:
+            if t.role == Role.LM_HEAD:
+                head += sec
+            continue
+        if t.role == Role.ROUTED_EXPERT:
+            expert[t.layer] += sec
+        else:
+            layer[t.layer] += sec
+    vocab = str(c.vocab_size)
+    if vocab not in p.argmax_s:
+        raise QuantkitError(f"the runtime profile has no argmax time for vocabulary {vocab}; run `quantkit calibrate` again")
+    head += p.argmax_s[vocab]
+    return RuntimeCosts(layer, expert, head, source)
+
+
+def profile_for_plan(path: Path | None, c: TextConfig, this_host: bool) -> tuple[RuntimeProfile | None, str, str]:
+    """(profile, its source, a note for the user) for `quantkit plan`. An explicit `path` must load and
+    match this host and model shape (else one-line error); without one, this host's default profile is
+    used when the plan is for this machine, and a note says why when it is not."""
+    if path is not None:
+        p = load_profile(path)
+        why = mismatch(p, c, host_id())
+        if why:
+            raise QuantkitError(f"{path}: runtime profile does not apply: {why}; run `quantkit calibrate`")
+        return p, f"{path} ({p.measured_at})", ""
+    if not this_host:
+        return None, "", ""
+    default = default_profile_path(c)
+    if not default.is_file():
+        return None, "", ("quantkit's own runtime is not calibrated on this host: `quantkit calibrate` (about a "
+                          "minute) adds its measured-part estimate beside the llama.cpp-grade tok/s")
+    try:
+        p = load_profile(default)
+    except QuantkitError as e:
+        return None, "", f"runtime profile ignored: {e}"
+    why = mismatch(p, c, host_id())
+    if why:
+        return None, "", f"runtime profile {default} ignored: {why}; run `quantkit calibrate` again"
+    return p, f"{default} ({p.measured_at})", ""

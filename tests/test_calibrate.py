@@ -1,0 +1,147 @@
+"""`quantkit calibrate` (quantkit/runtime/calibrate.py): what it measures and that it measures the
+runtime's real parts. Nothing here asserts a speed; these check that the timed kernels are the loader's
+kernels, that the stubbed model is the runtime's model, that stubs never leak, and the CLI round trip."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from quantkit.recipe import get_recipe
+from quantkit.runtime import kernels as K
+from quantkit.runtime.calibrate import (
+    CAL_VOCAB,
+    _StubbedKernels,
+    calibration_config,
+    time_kernel,
+    time_layer_ops,
+)
+from quantkit.runtime_profile import kernel_matrices, load_profile, shape_key, spec_key
+from quantkit.spec import default_spec, load_config, spec_from_config
+
+from conftest import run_cli
+from test_runtime_common import one_thread, quantized  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_calibration_config_keeps_one_layer_of_each_type():
+    spec = default_spec()
+    cal = calibration_config(spec.raw_config)
+    tc, orig = cal["text_config"], spec.raw_config["text_config"]
+    assert tc["layer_types"] == orig["layer_types"][:4] == ["linear_attention"] * 3 + ["full_attention"]
+    assert tc["num_hidden_layers"] == 4 and tc["vocab_size"] == CAL_VOCAB and tc["mtp_num_hidden_layers"] == 0
+    for k in ("hidden_size", "num_experts", "num_experts_per_tok", "linear_num_value_heads", "head_dim"):
+        assert tc[k] == orig[k]
+    assert orig["num_hidden_layers"] == 40  # the input is untouched
+
+
+@pytest.mark.parametrize("recipe", ["int4", "int8", "nf4", "mxfp4", "quality"])
+def test_the_kernels_enumerated_are_the_kernels_the_loader_builds(tiny_model, recipe):
+    """The composition counts, per layer, exactly the (format, shape) kernels the runtime runs."""
+    from quantkit.runtime import load_model
+    from quantkit.runtime.qexperts import QuantExperts
+    from quantkit.runtime.qlinear import QuantLinear
+
+    rt = load_model(quantized(tiny_model, recipe))
+    spec = spec_from_config(load_config(tiny_model / "config.json"))
+    planned: Counter = Counter()
+    for t, q, shape in kernel_matrices(spec, get_recipe(recipe)):
+        planned[(t.layer, (q.format if q else "bf16"), shape)] += 1
+    built: Counter = Counter()
+    for L, layer in enumerate(rt.model.model.layers):
+        for m in layer.modules():
+            if isinstance(m, QuantLinear):
+                built[(L, m.format, (m.out_features, m.in_features))] += 1
+            elif isinstance(m, QuantExperts):  # one expert's pair
+                g = m.groups[0]
+                for k in (g.gate_up[0], g.down[0]):
+                    built[(L, m.format, (k.out_features, k.in_features))] += 1
+    head = rt.model.lm_head
+    built[(None, head.format, (head.out_features, head.in_features))] += 1
+    assert built == planned
+
+
+@pytest.mark.parametrize("q", [None, "int4", "int8", "nf4"])
+def test_time_kernel_times_copies_of_the_runtime_kernel(q):
+    from quantkit.formats import QuantSpec
+
+    spec = QuantSpec(q, 64) if q in ("int4", "nf4") else (QuantSpec(q) if q else None)
+    sec, d = time_kernel(spec, (256, 512), working_set=4 << 20, passes=1)
+    w = torch.zeros(256, 512, dtype=torch.bfloat16)
+    from quantkit.formats import get_format
+
+    ref = K.prepare(w if spec is None else get_format(spec.format).quantize(w, spec), spec, (256, 512))
+    assert d["route"] == ref.route  # the same route the loader would take
+    assert d["copies"] * d["bytes_each"] >= 4 << 20 and d["copies"] >= 2
+    assert 0 < sec < 1
+
+
+def test_tall_matrices_are_timed_on_a_slab_and_scaled(monkeypatch):
+    from quantkit.runtime import calibrate as cal
+
+    monkeypatch.setattr(cal, "ROW_CAP", 64)
+    sec, d = time_kernel(None, (640, 128), working_set=1 << 20, passes=1)
+    assert d["rows_timed"] == 64 and d["bytes_each"] == 64 * 128 * 2 and sec > 0
+
+
+def test_stubs_return_zeros_and_always_come_off():
+    w = torch.randn(32, 64).to(torch.bfloat16)
+    k = K.prepare(w, None, (32, 64))
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    real = k(x)
+    before = {cls: cls.__dict__.get("__call__") for cls in (K.DenseKernel, K.Int4Kernel, K.Int8Kernel, K.Bnb4Kernel)}
+    with pytest.raises(RuntimeError, match="inside"):
+        with _StubbedKernels():
+            y = k(x)
+            assert y.shape == (1, 32) and not y.any()
+            raise RuntimeError("inside")
+    assert {cls: cls.__dict__.get("__call__") for cls in before} == before
+    assert torch.equal(k(x), real)
+
+
+def test_layer_ops_run_the_runtime_model_with_every_layer_type(tiny_model):
+    cfg = json.loads((tiny_model / "config.json").read_text())
+    ops, shell, detail = time_layer_ops(cfg, steps=2, prompt=4)
+    assert set(ops) == {"linear_attention", "full_attention"}
+    assert all(v > 0 for v in ops.values()) and shell > 0
+    assert detail["linear_attention"]["samples"] == 3 * 2 and detail["full_attention"]["samples"] == 2
+
+
+def test_calibrate_cli_then_plan_reads_the_profile(tiny_model, tmp_path, capsys, monkeypatch):
+    prof = tmp_path / "p.json"
+    code, out, err = run_cli(["calibrate", "--model", tiny_model, "--scheme", "int4", "--out", prof,
+                              "--working-set", "1MB", "--passes", "1", "--steps", "2"], capsys, monkeypatch)
+    assert code == 0, err
+    assert "profile saved to" in out and "int4" in out
+    p = load_profile(prof)
+    spec = spec_from_config(load_config(tiny_model / "config.json"))
+    want = {(spec_key(q), shape_key(s)) for _, q, s in kernel_matrices(spec, get_recipe("int4"))}
+    assert {(k, s) for k, v in p.matmul_s.items() for s in v} == want
+    code, out, err = run_cli(["plan", "--model", tiny_model, "--profile", prof, "--scheme", "int4", "--scheme", "int8",
+                              "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    d = json.loads(out)
+    rows = {r["scheme"]: r for r in d["schemes"]}
+    assert rows["int4"]["runtime_decode_tok_s"] > 0
+    assert rows["int8"]["runtime_decode_tok_s"] is None  # not calibrated for int8's kernels
+    assert d["runtime_profile"].startswith(str(prof))
+    # a second calibration of another scheme adds to the profile
+    code, _, err = run_cli(["calibrate", "--model", tiny_model, "--scheme", "int8", "--out", prof,
+                            "--working-set", "1MB", "--passes", "1", "--steps", "2"], capsys, monkeypatch)
+    assert code == 0, err
+    want8 = {spec_key(q) for _, q, _ in kernel_matrices(spec, get_recipe("int8"))}
+    assert "int8" in want8 and set(load_profile(prof).matmul_s) == set(p.matmul_s) | want8
+
+
+def test_plan_refuses_a_profile_of_another_model(tiny_model, tmp_path, capsys, monkeypatch):
+    prof = tmp_path / "p.json"
+    code, _, err = run_cli(["calibrate", "--model", tiny_model, "--scheme", "int4", "--out", prof,
+                            "--working-set", "1MB", "--passes", "1", "--steps", "2"], capsys, monkeypatch)
+    assert code == 0, err
+    code, out, err = run_cli(["plan", "--profile", prof], capsys, monkeypatch)  # the default 35B model
+    assert code == 2
+    assert err.count("\n") == 1 and "another model shape" in err and str(prof) in err.replace("\n", "")

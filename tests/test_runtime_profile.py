@@ -1,0 +1,206 @@
+"""The planner's estimate for quantkit's own runtime (quantkit/runtime_profile.py, speed.estimate_runtime):
+which matrices a decode step runs through kernels, how a calibrated profile composes into per-layer
+costs, and the one-line errors for profiles that do not apply. Pure arithmetic on hand-made profiles;
+the measuring side is tests/test_calibrate.py."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from quantkit.budget import RunSettings, compute_budget
+from quantkit.errors import QuantkitError
+from quantkit.formats import QuantSpec
+from quantkit.recipe import get_recipe
+from quantkit.runtime_profile import (
+    RuntimeCosts,
+    RuntimeProfile,
+    default_profile_path,
+    host_id,
+    kernel_matrices,
+    load_profile,
+    mismatch,
+    model_dims,
+    needed,
+    profile_for_plan,
+    runtime_costs,
+    shape_key,
+    spec_key,
+)
+from quantkit.spec import default_spec
+from quantkit.speed import DeviceRates, Layout, estimate_runtime
+
+
+def _fake_time(key: str, shape: tuple[int, int]) -> float:
+    """A made-up kernel time that differs per format and shape, so a wrong lookup shows."""
+    per = {"bf16": 4.0, "int8": 2.0, "int4-g128": 1.0, "int4-g32": 1.5}.get(key, 3.0)
+    return 1e-6 + per * shape[0] * shape[1] * 1e-12
+
+
+def _profile(spec, recipes, host=None) -> RuntimeProfile:
+    mm = {k: {shape_key(s): _fake_time(k, s) for s in shapes} for k, (_q, shapes) in needed(spec, recipes).items()}
+    return RuntimeProfile(host=host or host_id(), dims=model_dims(spec.config), matmul_s=mm,
+                          layer_ops_s={"linear_attention": 1e-3, "full_attention": 2e-3}, shell_s=5e-4,
+                          argmax_s={str(spec.config.vocab_size): 1e-4})
+
+
+def test_spec_keys_tell_apart_what_changes_kernel_speed():
+    assert spec_key(None) == "bf16"
+    assert spec_key(QuantSpec("int4", 128)) == "int4-g128"
+    assert spec_key(QuantSpec("int4", 32, symmetric=False)) == "int4-g32-asym"
+    assert spec_key(QuantSpec("int4", 128, clip_search=False)) == "int4-g128"  # a quantizer choice, same kernel
+    assert spec_key(QuantSpec("int8")) == "int8"
+
+
+def test_kernel_matrices_of_one_layer_are_the_runtimes_linears():
+    spec = default_spec()
+    c = spec.config
+    mats = {t.name.split("layers.0.")[-1]: (q, s) for t, q, s in kernel_matrices(spec, get_recipe("int4"))
+            if t.layer == 0}
+    assert c.layer_types[0] == "linear_attention"
+    # every nn.Linear of a Gated DeltaNet layer, the shared expert and its gate, one routed expert's two
+    # matrices; not the router (transformers' own F.linear), the conv or the norms
+    assert set(mats) == {"linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.in_proj_b.weight",
+                         "linear_attn.in_proj_a.weight", "linear_attn.out_proj.weight",
+                         "mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
+                         "mlp.shared_expert.down_proj.weight", "mlp.shared_expert_gate.weight",
+                         "mlp.experts.gate_up_proj", "mlp.experts.down_proj"}
+    assert mats["mlp.experts.gate_up_proj"][1] == (2 * c.moe_intermediate_size, c.hidden_size)
+    assert mats["mlp.shared_expert_gate.weight"][0] is None  # kept bf16 by every recipe
+    assert mats["linear_attn.out_proj.weight"][0] == QuantSpec("int4", 128)
+    heads = [(t.name, q) for t, q, _ in kernel_matrices(spec, get_recipe("int4")) if t.layer is None]
+    assert [n for n, _ in heads] == ["lm_head.weight"]  # MTP is not run by the runtime
+
+
+def test_runtime_costs_sum_the_layers_matrices_and_ops():
+    spec = default_spec()
+    c = spec.config
+    r = get_recipe("quality")
+    p = _profile(spec, [r])
+    costs = runtime_costs(p, spec, r, "test")
+    by_layer: dict[int, list] = {}
+    for t in spec.tensors:
+        if t.layer is not None and t.role.value != "mtp":
+            by_layer.setdefault(t.layer, []).append(t)
+    for L in (0, 3):
+        # quality: every dense matrix int8 but the shared-expert gate (a norm-like vector, kept bf16); the
+        # router is transformers' own F.linear, timed with the layer's ops; the conv is not a matrix
+        dense = sum(_fake_time("bf16" if ".shared_expert_gate." in t.name else "int8", t.shape)
+                    for t in by_layer[L] if t.is_matrix and ".mlp.experts." not in t.name
+                    and not t.name.endswith(".mlp.gate.weight"))
+        ops = p.layer_ops_s[c.layer_types[L]]
+        assert costs.layer_s[L] == pytest.approx(ops + dense, rel=1e-12)
+        gu = _fake_time("int4-g128", (2 * c.moe_intermediate_size, c.hidden_size))
+        dn = _fake_time("int4-g128", (c.hidden_size, c.moe_intermediate_size))
+        assert costs.expert_s[L] == pytest.approx(gu + dn, rel=1e-12)  # quality: experts int4 g128
+    lm = _fake_time("int8", (c.vocab_size, c.hidden_size))  # quality: lm_head int8
+    assert costs.head_s == pytest.approx(p.shell_s + lm + 1e-4, rel=1e-12)
+    assert c.layer_types[3] == "full_attention" and costs.layer_s[3] != costs.layer_s[0]
+
+
+def test_a_profile_without_the_schemes_kernels_names_what_to_run():
+    spec = default_spec()
+    p = _profile(spec, [get_recipe("int4")])
+    with pytest.raises(QuantkitError, match=r"no int8 .* kernel time; run `quantkit calibrate --scheme int8`"):
+        runtime_costs(p, spec, get_recipe("int8"))
+    p.argmax_s = {}
+    with pytest.raises(QuantkitError, match="argmax"):
+        runtime_costs(p, spec, get_recipe("int4"))
+
+
+def _cpu_layout(spec, on: str = "cpu") -> Layout:
+    c = spec.config
+    return Layout([on] * c.num_hidden_layers, [{on: c.num_experts}] * c.num_hidden_layers, on, on)
+
+
+def test_estimate_runtime_on_a_cpu_is_the_sum_of_the_parts():
+    spec = default_spec()
+    c = spec.config
+    r = get_recipe("int4")
+    costs = runtime_costs(_profile(spec, [r]), spec, r)
+    b = compute_budget(spec, r, RunSettings(context=4096))
+    rates = {"cpu": DeviceRates("cpu", "cpu", 50.0, 1.0)}
+    s = estimate_runtime(b, _cpu_layout(spec), rates, c, costs)
+    step = sum(costs.layer_s) + c.num_experts_per_tok * sum(costs.expert_s) + costs.head_s
+    assert s.decode_tok_s == pytest.approx(1 / step, rel=1e-12)
+    assert s.decode_ms_by_device == {"cpu": pytest.approx(step * 1e3)}
+    # a full KV cache is read at 60% of the bandwidth on top: slower, by exactly that
+    kv = b.kv_cache / (50e9 * 0.6)
+    assert 1 / s.decode_tok_s_full_context == pytest.approx(step + kv, rel=1e-9)
+    assert estimate_runtime(replace(b, settings=RunSettings(context=4096, batch=2)), _cpu_layout(spec), rates, c,
+                            costs) is None  # calibrated at batch 1 only
+
+
+def test_estimate_runtime_splits_experts_between_gpu_and_cpu():
+    spec = default_spec()
+    c = spec.config
+    r = get_recipe("int4")
+    costs = RuntimeCosts([1e-3] * c.num_hidden_layers, [2e-4] * c.num_hidden_layers, 5e-3)
+    b = compute_budget(spec, r, RunSettings(context=4096))
+    rates = {"cuda:0": DeviceRates("cuda:0", "gpu", 1000.0, 80.0, 25.0), "cpu": DeviceRates("cpu", "cpu", 50.0, 1.0)}
+    half = c.num_experts // 2
+    layout = Layout(["cuda:0"] * c.num_hidden_layers, [{"cuda:0": half, "cpu": c.num_experts - half}] * c.num_hidden_layers,
+                    "cuda:0", "cuda:0")
+    s = estimate_runtime(b, layout, rates, c, costs)
+    # the CPU serves half the top-k experts of every layer, at the calibrated cost; nothing else
+    assert s.decode_ms_by_device["cpu"] == pytest.approx(c.num_hidden_layers * c.num_experts_per_tok / 2 * 2e-4 * 1e3)
+    assert 0 < s.decode_ms_by_device["cuda:0"] < s.decode_ms_by_device["cpu"]
+    all_cpu = estimate_runtime(b, _cpu_layout(spec), rates, c, costs)
+    assert s.decode_tok_s > all_cpu.decode_tok_s
+
+
+def test_profile_files_round_trip_and_bad_ones_get_one_line(tmp_path):
+    spec = default_spec()
+    p = _profile(spec, [get_recipe("int4")])
+    f = tmp_path / "p.json"
+    f.write_text(p.to_json())
+    assert load_profile(f) == p
+    for text, want in (("{", "not valid JSON"), (json.dumps({"version": 99}), "version 1"),
+                       (json.dumps({"version": 1, "host": {}}), "malformed")):
+        f.write_text(text)
+        with pytest.raises(QuantkitError, match=want) as e:
+            load_profile(f)
+        assert str(f) in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(QuantkitError, match="cannot read"):
+        load_profile(tmp_path / "missing.json")
+
+
+def test_mismatch_and_merge():
+    spec = default_spec()
+    c = spec.config
+    here = host_id()
+    p = _profile(spec, [get_recipe("int4")])
+    assert mismatch(p, c, here) is None
+    assert "another model shape" in mismatch(replace(p, dims={**p.dims, "num_experts": 64}), c, here)
+    assert "cpu" in mismatch(replace(p, host={**here, "cpu": "Other CPU"}), c, here)
+    assert "threads" in mismatch(replace(p, host={**here, "threads": here["threads"] + 1}), c, here)
+    q = _profile(spec, [get_recipe("int8")])
+    both = p.merged(q)
+    assert set(both.matmul_s) == set(p.matmul_s) | set(q.matmul_s)
+    runtime_costs(both, spec, get_recipe("int4"))
+    runtime_costs(both, spec, get_recipe("int8"))
+
+
+def test_profile_for_plan(tmp_path, monkeypatch):
+    monkeypatch.setenv("QUANTKIT_CACHE", str(tmp_path / "cache"))
+    spec = default_spec()
+    c = spec.config
+    assert profile_for_plan(None, c, this_host=False) == (None, "", "")
+    prof, src, note = profile_for_plan(None, c, this_host=True)
+    assert prof is None and "quantkit calibrate" in note
+    path = default_profile_path(c)
+    assert path.parent == tmp_path / "cache" / "runtime-profiles"
+    path.parent.mkdir(parents=True)
+    p = _profile(spec, [get_recipe("int4")])
+    path.write_text(p.to_json())
+    prof, src, note = profile_for_plan(None, c, this_host=True)
+    assert prof == p and str(path) in src and not note
+    other = tmp_path / "other.json"
+    other.write_text(replace(p, host={**p.host, "cpu": "Other CPU"}).to_json())
+    with pytest.raises(QuantkitError, match=r"other.json: runtime profile does not apply: it was measured with cpu"):
+        profile_for_plan(other, c, this_host=True)
+    path.write_text(replace(p, host={**p.host, "cpu": "Other CPU"}).to_json())  # a stale default: ignored, said
+    prof, _, note = profile_for_plan(None, c, this_host=True)
+    assert prof is None and "ignored" in note
