@@ -95,6 +95,7 @@ def _rows() -> dict:
              "decode_steps": 16}
         if planner is not None:
             r["planner_decode_tok_s"], r["planner_prefill_tok_s"] = planner, pre * 2
+            r["generic_planner_decode_tok_s"] = planner * 3
         return r
 
     return {
@@ -114,6 +115,7 @@ def test_ratios_and_targets():
     assert rows["int4"]["planner_error"] == pytest.approx(0.2)
     assert rows["int8"]["planner_error"] == pytest.approx(25 / 15 - 1)
     assert rows["int4"]["planner_prefill_error"] == pytest.approx(1.0)
+    assert rows["int4"]["generic_planner_error"] == pytest.approx(90 / 25 - 1)
     assert "vs_transformers_conv" not in rows["nf4"]
     t = bd.targets(rows)
     assert t["speedup_met"] is True
@@ -143,22 +145,36 @@ def test_render_md_from_fixed_result():
     md = bd.render_md(_result(_rows()))
     assert "Command: `quantkit bench decode --layers 4`" in md
     assert "Test CPU, 2 cores" in md and "20.0 GB/s" in md
-    assert "| int4 | 150.0 | 25.00 | 2.50x | 50.0x | 30.0 | +20% | 153.8 | 16% | 130.0 MB | 2.00 GB | 1.50 GB |" in md
-    assert "| transformers-bf16+conv | 100.0 | 10.00 | 1.00x | 20.0x | - | - |" in md
+    assert ("| int4 | 150.0 | 25.00 | 2.50x | 50.0x | 30.0 | +20% | 90.0 | +260% | 153.8 | 16% | 130.0 MB | 2.00 GB "
+            "| 1.50 GB |") in md
+    assert "| transformers-bf16+conv | 100.0 | 10.00 | 1.00x | 20.0x | - | - | - | - |" in md
     assert "| nf4 | failed: RuntimeError: boom |" in md
     assert "**met**, 2.50x the conv-fixed reference (25.00 vs 10.00 tok/s); 50.0x plain transformers" in md
     assert "**MISSED for 1 of 2** (int4 +20%, int8 +67%)" in md
     assert "![" in md and "(bench-decode.png)" in md
     assert "- int4: 22.50, 25.00" in md  # every round listed
-    # the planner gap explained from the same numbers: 1/25 s - 130 MB / (0.6 * 20 GB/s) over 4 layers
-    assert ("- int4: decode reaches 16% of the read bandwidth (the planner assumes 60%); were 60% right, the rest "
-            "would be 7.3 ms of fixed cost per layer (it assumes 0.05 ms); prefill runs at about 0.50 "
-            "TFLOPS-equivalent.") in md
+    assert "llama.cpp-grade estimate, the `tok/s` column of `quantkit plan`, vs quantkit's runtime: int4 +260%" in md
+    assert "## How the planner's estimate is made" not in md  # no calibration in this result
     assert "this CPU has AVX512-BF16" not in md and "without AVX512-BF16, so it decodes only 2 steps" in md
     assert "## Notes on this run" not in md
     d = _result(_rows())
     d["notes"] = ["one", "two"]
     assert bd.render_md(d).endswith("## Notes on this run\n\n- one\n- two\n")
+
+
+def test_render_md_shows_the_calibration_the_estimate_came_from():
+    from quantkit.runtime_profile import RuntimeProfile
+
+    p = RuntimeProfile(host={"cpu": "Test CPU"}, dims={}, layer_ops_s={"linear_attention": 1e-3, "full_attention": 7e-4},
+                       matmul_s={"int4-g128": {"1024x2048": 67e-6, "2048x512": 37e-6}, "bf16": {"1x2048": 4e-6}},
+                       shell_s=4e-4, argmax_s={"832": 6e-6}, seconds=12.0, details={"working_set_bytes": 256 << 20})
+    d = _result(_rows())
+    d["calibration"] = bd.profile_summary(p)
+    md = bd.render_md(d)
+    assert "## How the planner's estimate is made" in md
+    assert "in isolation in this run (12 s)" in md and "full_attention 0.70 ms, linear_attention 1.00 ms" in md
+    assert "| kernel, us per call | bf16 | int4-g128 |" in md
+    assert "| 1x2048 | 4 | - |" in md and "| 2048x512 | - | 37 |" in md and "cycled over 256 MiB" in md
 
 
 def test_render_md_says_when_the_speed_target_is_missed():

@@ -9,8 +9,10 @@ keeps its best round: a burst of load then hurts one round of every configuratio
 of one. Every round's figure stays in the JSON. The bandwidth bound is the bytes one decode step reads --
 the weights (every non-expert matrix, top_k experts per layer, lm_head; the embedding one row) plus the
 caches (Gated DeltaNet recurrent and conv states read and written, K and V up to the filled length) --
-over the measured read bandwidth of this machine (best sum over a 1 GiB tensor). The planner's figure is
-`quantkit.plan.solve` for a CPU-only host with that measured bandwidth.
+over the measured read bandwidth of this machine (best sum over a 1 GiB tensor). The planner's figures
+come from `quantkit.plan.solve` for a CPU-only host with that bandwidth: its estimate for quantkit's own
+runtime, composed from a `quantkit calibrate` run made at the start of the benchmark (parts timed in
+isolation: quantkit/runtime_profile.py), which the target judges; and its llama.cpp-grade estimate.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.hardware import cpu_name
 
 # name -> (how it runs, recipe for the quantizer or None)
 CONFIGS: dict[str, tuple[str, str | None]] = {
@@ -174,7 +179,27 @@ def run_one(mode: str, folder: Path, prompt_len: int, decode: int, reps: int,
             "step_bytes": wbytes + cbytes, "routes": routes, "threads": torch.get_num_threads(), "tokens": toks}
 
 
-def planner_estimate(folder: Path, recipe: Any, bandwidth: float, prompt_len: int) -> dict[str, float]:
+def calibrate_subprocess(src: Path, recipes: list[str], out: Path, threads: int | None) -> Any:
+    """`quantkit calibrate` for the checkpoint's shapes and these recipes, in its own process (as the
+    configurations run), into a fresh profile file."""
+    from quantkit.runtime_profile import load_profile
+
+    out.unlink(missing_ok=True)
+    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    cmd = [sys.executable, "-m", "quantkit", "calibrate", "--model", str(src), "--scheme", ",".join(recipes),
+           "--out", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        raise QuantkitError("quantkit calibrate failed: " + (p.stderr.strip().splitlines() or ["?"])[-1])
+    return load_profile(out)
+
+
+def planner_estimate(folder: Path, recipe: Any, bandwidth: float, prompt_len: int,
+                     profile: Any = None) -> dict[str, float | None]:
+    """The planner on a CPU-only host with this bandwidth: its llama.cpp-grade decode and prefill, and
+    (with a calibrated profile of this host) its estimate for quantkit's own runtime."""
     from quantkit.budget import RunSettings
     from quantkit.hardware import build_hardware
     from quantkit.plan import solve
@@ -182,8 +207,9 @@ def planner_estimate(folder: Path, recipe: Any, bandwidth: float, prompt_len: in
 
     spec = spec_from_config(load_config(folder / "config.json"), name=folder.name)
     hw = build_hardware(None, ram="24GB", cpu_bandwidth=f"{bandwidth:.1f}")
-    p = solve(spec, recipe, RunSettings(context=4096, prefill_chunk=prompt_len), hw)
-    return {"decode_tok_s": p.speed.decode_tok_s, "prefill_tok_s": p.speed.prefill_tok_s}
+    p = solve(spec, recipe, RunSettings(context=4096, prefill_chunk=prompt_len), hw, profile=profile)
+    return {"decode_tok_s": p.speed.decode_tok_s, "prefill_tok_s": p.speed.prefill_tok_s,
+            "runtime_decode_tok_s": p.runtime_speed.decode_tok_s if p.runtime_speed else None}
 
 
 def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt_len: int = 128, decode: int = 16,
@@ -215,6 +241,11 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
         folders[name] = out
     bw = read_bandwidth_gbs()
     log(f"read bandwidth {bw:.1f} GB/s")
+    recipes = sorted({CONFIGS[n][1] or "bf16" for n in names if CONFIGS[n][0] == "quantkit"})
+    profile = None
+    if recipes:
+        log(f"calibrating the runtime's parts for {', '.join(recipes)} (quantkit calibrate)")
+        profile = calibrate_subprocess(src, recipes, workdir / f"profile-{tag}.json", threads)
     load_before = os.getloadavg()
     t_bench = time.perf_counter()
     rows: dict[str, dict[str, Any]] = {}
@@ -256,8 +287,9 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
         mode, recipe = CONFIGS[name]
         r["bound_tok_s"] = bw * 1e9 / r["step_bytes"]
         if mode == "quantkit":
-            est = planner_estimate(src, get_recipe(recipe or "bf16"), bw, prompt_len)
-            r["planner_decode_tok_s"] = est["decode_tok_s"]
+            est = planner_estimate(src, get_recipe(recipe or "bf16"), bw, prompt_len, profile)
+            r["planner_decode_tok_s"] = est["runtime_decode_tok_s"]
+            r["generic_planner_decode_tok_s"] = est["decode_tok_s"]
             r["planner_prefill_tok_s"] = est["prefill_tok_s"]
     add_ratios(rows)
     cfg = json.loads((src / "config.json").read_text())["text_config"]
@@ -266,7 +298,7 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
     d = {
         "command": f"quantkit bench decode --layers {layers} --experts {experts} --prompt {prompt_len} "
                    f"--decode {decode} --reps {reps}{rounds_part}{sub}",
-        "machine": {"cpu": _cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
                     "threads": threads or torch.get_num_threads(), "python": platform.python_version(),
                     "avx512_bf16": cpu_has_avx512_bf16(),
                     "read_bandwidth_gbs": round(bw, 2), "loadavg_before": [round(x, 2) for x in load_before],
@@ -276,6 +308,7 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
                        "vocab": cfg["vocab_size"], "bf16_bytes": sum(f.stat().st_size for f in src.glob("*.safetensors"))},
         "prompt_tokens": prompt_len, "decode_steps": decode, "reps": reps, "rounds": rounds,
         "targets": targets(rows),
+        "calibration": profile_summary(profile) if profile else None,
         "rows": rows, "bench_seconds": bench_s, "seconds": time.perf_counter() - t_all,
     }
     reports.mkdir(parents=True, exist_ok=True)
@@ -305,7 +338,19 @@ def add_ratios(rows: dict[str, dict[str, Any]]) -> None:
         r["vs_transformers_plain"] = r["decode_tok_s"] / plain if plain else None
         if r.get("planner_decode_tok_s"):
             r["planner_error"] = r["planner_decode_tok_s"] / r["decode_tok_s"] - 1
+        if r.get("generic_planner_decode_tok_s"):
+            r["generic_planner_error"] = r["generic_planner_decode_tok_s"] / r["decode_tok_s"] - 1
+        if r.get("planner_prefill_tok_s"):
             r["planner_prefill_error"] = r["planner_prefill_tok_s"] / r["prefill_tok_s"] - 1
+
+
+def profile_summary(p: Any) -> dict[str, Any]:
+    """What the report shows of the calibration the planner's runtime estimate is composed from."""
+    return {"seconds": round(p.seconds, 1), "host": p.host, "layer_ops_ms": {k: round(v * 1e3, 3) for k, v in
+                                                                           p.layer_ops_s.items()},
+            "shell_ms": round(p.shell_s * 1e3, 3), "argmax_ms": {k: round(v * 1e3, 4) for k, v in p.argmax_s.items()},
+            "matmul_us": {k: {s: round(t * 1e6, 1) for s, t in v.items()} for k, v in p.matmul_s.items()},
+            "layer_ops_spread": p.details.get("layer_ops", {}), "working_set_bytes": p.details.get("working_set_bytes")}
 
 
 def targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -341,17 +386,21 @@ def plot(d: dict[str, Any], path: Path) -> None:
     a1.barh(y, meas, color=colors, label="measured")
     for yi, n in zip(y, names, strict=True):
         r = rows[n]
-        a1.text(r["decode_tok_s"] * 1.05, yi, f"{r['decode_tok_s']:.1f}", va="center", fontsize=8)
+        a1.text(r["decode_tok_s"] * 0.96, yi, f"{r['decode_tok_s']:.1f}", va="center", ha="right", fontsize=8,
+                color="white")  # inside the bar: the planner markers sit just past its end
         if r.get("planner_decode_tok_s"):
             a1.plot(r["planner_decode_tok_s"], yi, "o", color="#d62728", ms=6)
+        if r.get("generic_planner_decode_tok_s"):
+            a1.plot(r["generic_planner_decode_tok_s"], yi, "o", mfc="none", color="#d62728", ms=6)
         a1.plot(r["bound_tok_s"], yi, "|", color="black", ms=14, mew=2)
-    a1.plot([], [], "o", color="#d62728", label="planner estimate")
+    a1.plot([], [], "o", color="#d62728", label="planner (quantkit runtime, calibrated)")
+    a1.plot([], [], "o", mfc="none", color="#d62728", label="planner (llama.cpp-grade)")
     a1.plot([], [], "|", color="black", ms=10, mew=2, label="bandwidth bound")
     a1.set_xscale("log")
     a1.set_xlim(left=min(5.0, min(meas) / 2))
     a1.set_xlabel("decode tok/s (log scale)")
     a1.set_yticks(y, names)
-    a1.legend(loc="upper right", fontsize=8)  # the top rows (transformers) have no planner marker
+    a1.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), ncol=4, fontsize=8, frameon=False)
     a1.grid(axis="x", alpha=0.3, which="both")
     a2.barh(y, [min(rows[n].get("peak_rss_rounds") or [rows[n]["peak_rss"]]) / 1e9 for n in names], color=colors)
     a2.set_xlabel("peak RSS (GB)")
@@ -369,16 +418,6 @@ def cpu_has_avx512_bf16() -> bool:
         return " avx512_bf16" in Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def _f(v: Any, fmt: str = "{:.2f}") -> str:
@@ -408,17 +447,19 @@ def render_md(d: dict[str, Any]) -> str:
         "![decode tok/s per configuration with planner estimate and bandwidth bound; peak RSS](bench-decode.png)",
         "",
         "| config | prefill tok/s | decode tok/s | vs transformers bf16 (+conv fix) | vs plain transformers | "
-        "planner decode tok/s | planner error | bandwidth bound tok/s | of bound | bytes/step | peak RSS | RSS after |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "planner decode tok/s | planner error | llama.cpp-grade planner tok/s | its error | "
+        "bandwidth bound tok/s | of bound | bytes/step | peak RSS | RSS after |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in rows.items():
         if "error" in r:
-            out.append(f"| {name} | failed: {r['error']} | | | | | | | | | | |")
+            out.append(f"| {name} | failed: {r['error']} | | | | | | | | | | | | |")
             continue
         out.append(
             f"| {name} | {_f(r['prefill_tok_s'], '{:.1f}')} | {_f(r['decode_tok_s'])} | "
             f"{_f(r.get('vs_transformers_conv'))}x | {_f(r.get('vs_transformers_plain'), '{:.1f}')}x | "
             f"{_f(r.get('planner_decode_tok_s'), '{:.1f}')} | {_f(r.get('planner_error'), '{:+.0%}')} | "
+            f"{_f(r.get('generic_planner_decode_tok_s'), '{:.1f}')} | {_f(r.get('generic_planner_error'), '{:+.0%}')} | "
             f"{_f(r['bound_tok_s'], '{:.1f}')} | {_f(r['decode_tok_s'] / r['bound_tok_s'], '{:.0%}')} | "
             f"{r['step_bytes'] / 1e6:.1f} MB | {min(r.get('peak_rss_rounds') or [r['peak_rss']]) / 1e9:.2f} GB | "
             f"{_f(r['rss_after'] / 1e9) + ' GB' if r.get('rss_after') else '-'} |")
@@ -438,21 +479,34 @@ def render_md(d: dict[str, Any]) -> str:
         verdict = "met" if t["planner_met"] else f"MISSED for {len(bad)} of {len(errs)}"
         out.append(f"- planner decode estimate within {PLANNER_TOLERANCE:.0%} of the measurement: **{verdict}** "
                    "(" + ", ".join(f"{n} {e:+.0%}" for n, e in errs.items()) + ").")
+        gerr = {n: r["generic_planner_error"] for n, r in rows.items() if r.get("generic_planner_error") is not None}
+        if gerr:
+            out.append("- (not a target) the planner's llama.cpp-grade estimate, the `tok/s` column of `quantkit plan`, "
+                       "vs quantkit's runtime: " + ", ".join(f"{n} {e:+.0%}" for n, e in gerr.items()) + ".")
         perr = {n: r["planner_prefill_error"] for n, r in rows.items() if r.get("planner_prefill_error") is not None}
-        out.append("- (not a target) planner prefill estimate vs measured: "
+        out.append("- (not a target) planner prefill estimate (llama.cpp-grade) vs measured: "
                    + ", ".join(f"{n} {e:+.0%}" for n, e in perr.items()) + ".")
-        out += ["", "Why the planner is off (its model: decode = bytes / (60% of read bandwidth) + 50 us per layer; "
-                "prefill compute at 1 TFLOPS on a CPU-only host):", ""]
-        bw = m["read_bandwidth_gbs"] * 1e9
-        for n in errs:
-            r = rows[n]
-            share = r["decode_tok_s"] / r["bound_tok_s"]
-            per_layer = (1 / r["decode_tok_s"] - r["step_bytes"] / (0.6 * bw)) / c["layers"]
-            tf = 1.0 / (1 + r["planner_prefill_error"]) if r.get("planner_prefill_error") is not None else None
-            out.append(f"- {n}: decode reaches {share:.0%} of the read bandwidth (the planner assumes 60%); "
-                       f"were 60% right, the rest would be {per_layer * 1e3:.1f} ms of fixed cost per layer "
-                       "(it assumes 0.05 ms)" + (f"; prefill runs at about {tf:.2f} TFLOPS-equivalent" if tf else "")
-                       + ".")
+    cal = d.get("calibration")
+    if cal:
+        lo = ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(cal["layer_ops_ms"].items()))
+        out += ["", "## How the planner's estimate is made", "",
+                "`planner decode tok/s` is `quantkit plan`'s estimate for quantkit's own runtime on this host "
+                "(the `qk tok/s` column), composed by quantkit/runtime_profile.py from parts that `quantkit "
+                f"calibrate` timed in isolation in this run ({cal['seconds']:.0f} s), never from a whole-model "
+                "run: per layer its ops with every kernel stubbed (" + lo + f"), the rest of a step "
+                f"{cal['shell_ms']:.2f} ms, and each matrix's kernel per batch-1 call with the weights cycled "
+                f"over {(cal.get('working_set_bytes') or 0) / 2**20:.0f} MiB of copies (out of the CPU caches):", "",
+                "| kernel, us per call | " + " | ".join(sorted(cal["matmul_us"])) + " |",
+                "|---|" + "---:|" * len(cal["matmul_us"])]
+        shapes = sorted({sh for v in cal["matmul_us"].values() for sh in v}, key=lambda x: [int(i) for i in x.split("x")])
+        for sh in shapes:
+            out.append(f"| {sh} | " + " | ".join(_f(cal["matmul_us"][k].get(sh), "{:.0f}")
+                                                  for k in sorted(cal["matmul_us"])) + " |")
+        out += ["", "A decode step = the sum over layers of ops + dense matrices + top_k x (expert gate_up + down), "
+                "plus lm_head, the rest of the step and the argmax over the vocabulary. The llama.cpp-grade "
+                "estimate (bytes / 60% of the read bandwidth + 50 us per layer) is what llama.cpp's kernels reach; "
+                "quantkit's runtime is further from the bandwidth bound than that: torch's batch-1 int4/int8 "
+                "kernels are compute-bound on this CPU, and each layer spends about a millisecond in small ops."]
     out += [
         "",
         "Columns: `transformers-bf16` is plain `Qwen3_5MoeForCausalLM` in bf16 (its torch fallbacks; "
@@ -469,8 +523,9 @@ def render_md(d: dict[str, Any]) -> str:
         "(experts int4, the rest int8). Bandwidth bound: bytes one decode step reads (weights as loaded, with "
         "top_k of the experts; caches read and written) over the measured read bandwidth; `of bound` is the "
         "measured decode over it. Peak RSS: the smallest peak over the rounds (it includes load-time transients and "
-        "varies between rounds); RSS after: resident at the end of the run. Planner: quantkit.plan's speed model for a CPU-only host with that bandwidth "
-        "(60% of it usable, 50 us per layer); its error is estimate / measured - 1.",
+        "varies between rounds); RSS after: resident at the end of the run. Planner errors are estimate / "
+        "measured - 1; the llama.cpp-grade figure is quantkit.plan's generic model for a CPU-only host with the "
+        "measured bandwidth.",
         "",
         "Kernels used (matrices per route):",
         "",
