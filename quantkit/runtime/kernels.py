@@ -236,6 +236,12 @@ class Bnb4Kernel(Kernel):
 
 @functools.lru_cache(maxsize=1)
 def _bnb_available() -> bool:
+    import logging
+
+    # On AVX512-BF16 CPUs bitsandbytes tries to fetch a gemm kernel from the Hugging Face Hub through the
+    # optional `kernels` package and warns when it cannot. quantkit stays offline and does not install
+    # `kernels`; bitsandbytes then uses its built-in gemv, so that warning is noise on every run.
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
         import bitsandbytes  # noqa: F401
     except Exception:  # bitsandbytes raises assorted errors on unsupported platforms
