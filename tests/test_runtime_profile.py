@@ -204,3 +204,20 @@ def test_profile_for_plan(tmp_path, monkeypatch):
     path.write_text(replace(p, host={**p.host, "cpu": "Other CPU"}).to_json())  # a stale default: ignored, said
     prof, _, note = profile_for_plan(None, c, this_host=True)
     assert prof is None and "ignored" in note
+
+
+def test_solve_carries_the_runtime_estimate_into_the_plan_file():
+    from quantkit.hardware import Hardware, Host
+    from quantkit.plan import Plan, solve
+
+    spec = default_spec()
+    r = get_recipe("int4")
+    hw = Hardware((), Host(ram_bytes=64 << 30))
+    plan = solve(spec, r, RunSettings(context=4096), hw, profile=_profile(spec, [r]), profile_source="p.json")
+    assert plan.fits and plan.runtime_speed is not None and plan.runtime_speed.source == "p.json"
+    assert plan.runtime_speed.decode_tok_s < plan.speed.decode_tok_s  # these made-up parts are slower
+    back = Plan.from_json(plan.to_json())
+    assert back.runtime_speed.decode_tok_s == pytest.approx(plan.runtime_speed.decode_tok_s, abs=0.05)
+    # a scheme the profile has no kernels for: no estimate, and the plan says what to run
+    other = solve(spec, get_recipe("nf4"), RunSettings(context=4096), hw, profile=_profile(spec, [r]))
+    assert other.runtime_speed is None and "quantkit calibrate --scheme nf4" in other.runtime_note
