@@ -485,9 +485,19 @@ def resolve_model(path_or_id: str | Path) -> Path:
     return Path(snap)
 
 
+def _quantkit_output(folder: Path) -> bool:
+    """Whether `folder` was written by `quantkit quantize` (its tensors are codes and scales)."""
+    try:
+        qc = json.loads((folder / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(qc, dict) and qc.get("quant_method") == "quantkit"
+
+
 def spec_from_path(path_or_id: str | Path | None) -> ModelSpec:
     """None: the embedded default; a config.json: from config; a folder with safetensors: exact from the
-    headers; a folder with only config.json: from config. HF ids resolve from the local cache."""
+    headers; a folder with only config.json, or a quantkit output: from config. HF ids resolve from the
+    local cache."""
     if path_or_id is None or str(path_or_id) == "":
         return default_spec()
     p = resolve_model(path_or_id)
@@ -495,9 +505,9 @@ def spec_from_path(path_or_id: str | Path | None) -> ModelSpec:
         if p.suffix == ".safetensors":
             return Checkpoint.open(p).spec()
         return spec_from_config(load_config(p), name=p.parent.name or "model", source=str(p))
-    if find_shards(p):
+    if find_shards(p) and not _quantkit_output(p):
         return Checkpoint.open(p).spec()
-    if (p / "config.json").is_file():
+    if (p / "config.json").is_file():  # a quantkit output has the model's shapes in its config
         return spec_from_config(load_config(p / "config.json"), name=p.name, source=str(p / "config.json"))
     _refuse_pickles(p)
     raise QuantkitError(f"no safetensors in {p}: pass a checkpoint folder, a config.json or a cached HF id")

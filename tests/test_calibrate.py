@@ -145,3 +145,19 @@ def test_plan_refuses_a_profile_of_another_model(tiny_model, tmp_path, capsys, m
     code, out, err = run_cli(["plan", "--profile", prof], capsys, monkeypatch)  # the default 35B model
     assert code == 2
     assert err.count("\n") == 1 and "another model shape" in err and str(prof) in err.replace("\n", "")
+
+
+def test_a_quantized_folder_is_planned_from_its_config_and_calibrated_for_its_recipe(tiny_model, tmp_path, capsys,
+                                                                                    monkeypatch):
+    q = quantized(tiny_model, "quality")
+    code, out, err = run_cli(["plan", "--model", q, "--scheme", "int4", "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    assert json.loads(out)["schemes"][0]["fits"] is True
+    prof = tmp_path / "p.json"
+    code, out, err = run_cli(["calibrate", "--model", q, "--out", prof, "--working-set", "1MB", "--passes", "1",
+                              "--steps", "2"], capsys, monkeypatch)
+    assert code == 0, err
+    spec = spec_from_config(load_config(tiny_model / "config.json"))
+    want = {spec_key(q_) for _, q_, _ in kernel_matrices(spec, get_recipe("quality"))}
+    assert set(load_profile(prof).matmul_s) == want  # the folder's own recipe, not every scheme
+    assert "tok/s: quality " in out

@@ -22,14 +22,26 @@ from quantkit.cli.plan import load_model_spec
 from quantkit.errors import QuantkitError
 from quantkit.hardware import Hardware, Host, parse_size
 from quantkit.plan import RECIPES, solve, write_atomic
-from quantkit.recipe import get_recipe
+from quantkit.recipe import Recipe, get_recipe
 from quantkit.runtime_profile import default_profile_path, load_profile, mismatch
+
+
+def _own_recipe(model: str | None) -> list[Recipe]:
+    """A quantkit output folder's own recipe: what `calibrate --model DIR` times by default."""
+    if not model or not (Path(model) / "config.json").is_file():
+        return []
+    from quantkit.runtime.loader import read_quant_config
+    from quantkit.spec import load_config
+
+    qc = read_quant_config(Path(model), load_config(Path(model) / "config.json"))
+    return [Recipe.from_dict(qc["recipe"])] if qc else []
 
 
 @app.command("calibrate")
 def calibrate_cmd(
     model: str = typer.Option(None, "--model", "-m", help="config.json, checkpoint folder or cached HF id"),
-    scheme: list[str] = typer.Option(None, "--scheme", "-s", help="schemes whose kernels to time (default: all)"),
+    scheme: list[str] = typer.Option(None, "--scheme", "-s", help="schemes whose kernels to time (default: a "
+                                     "quantized folder's own recipe, else all)"),
     out: Path = typer.Option(None, "--out", "-o", help="profile file (default: this host's cache, read by `plan`)"),
     working_set: str = typer.Option("256MB", "--working-set", help="weights cycled per kernel (above the LLC)"),
     passes: int = typer.Option(3, "--passes", help="timed passes per kernel (the best is kept)"),
@@ -39,8 +51,8 @@ def calibrate_cmd(
     from quantkit.runtime.calibrate import calibrate
 
     spec = load_model_spec(model)
-    names = [get_recipe(x.strip()).name for s in (scheme or []) for x in s.split(",") if x.strip()] or list(RECIPES)
-    recipes = [RECIPES[n] for n in names]
+    names = [get_recipe(x.strip()).name for s in (scheme or []) for x in s.split(",") if x.strip()]
+    recipes = [RECIPES[n] for n in names] or _own_recipe(model) or list(RECIPES.values())
     ws = parse_size(working_set, "--working-set")
     if passes < 1 or steps < 1:
         raise QuantkitError("--passes and --steps must be at least 1")
@@ -81,9 +93,9 @@ def calibrate_cmd(
                   f"{prof.argmax_s[str(spec.config.vocab_size)] * 1e3:.2f} ms")
     hw = Hardware((), Host(ram_bytes=1 << 40))  # every scheme resident in RAM: what the CPU alone decodes
     est = []
-    for n in names:
-        p = solve(spec, RECIPES[n], RunSettings(context=4096), hw, profile=prof, profile_source=str(path))
+    for r in recipes:
+        p = solve(spec, r, RunSettings(context=4096), hw, profile=prof, profile_source=str(path))
         if p.runtime_speed:
-            est.append(f"{n} {p.runtime_speed.decode_tok_s:.1f}")
+            est.append(f"{r.name} {p.runtime_speed.decode_tok_s:.1f}")
     console.print(f"quantkit runtime decode on this CPU alone, tok/s: {', '.join(est)}")
     console.print(f"profile saved to {path} ({prof.seconds:.0f} s); `quantkit plan` reads it")
