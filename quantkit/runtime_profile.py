@@ -196,10 +196,10 @@ def runtime_costs(p: RuntimeProfile, spec: ModelSpec, recipe: Recipe, source: st
     """Compose a profile into per-layer decode costs for `recipe` on `spec`."""
     c = spec.config
     n = c.num_hidden_layers
-    layer = [p.layer_ops_s.get(c.layer_types[L], float("nan")) for L in range(n)]
-    if any(x != x for x in layer):
-        missing = sorted({c.layer_types[L] for L in range(n) if layer[L] != layer[L]})
+    missing = sorted(set(c.layer_types) - set(p.layer_ops_s))
+    if missing:
         raise QuantkitError(f"the runtime profile has no {missing[0]} layer cost; run `quantkit calibrate` again")
+    layer = [p.layer_ops_s[c.layer_types[L]] for L in range(n)]
     expert = [0.0] * n
     head = p.shell_s
     for t, q, shape in kernel_matrices(spec, recipe):
@@ -208,11 +208,9 @@ def runtime_costs(p: RuntimeProfile, spec: ModelSpec, recipe: Recipe, source: st
         if sec is None:
             raise QuantkitError(f"the runtime profile has no {k} {shape_key(shape)} kernel time; run "
                                 f"`quantkit calibrate --scheme {recipe.name}`")
-        if t.role == Role.MTP or t.layer is None:
-            if t.role == Role.LM_HEAD:
-                head += sec
-            continue
-        if t.role == Role.ROUTED_EXPERT:
+        if t.layer is None:  # the lm_head (MTP is not among the kernel matrices)
+            head += sec
+        elif t.role == Role.ROUTED_EXPERT:
             expert[t.layer] += sec
         else:
             layer[t.layer] += sec

@@ -108,6 +108,9 @@ def test_a_profile_without_the_schemes_kernels_names_what_to_run():
     p.argmax_s = {}
     with pytest.raises(QuantkitError, match="argmax"):
         runtime_costs(p, spec, get_recipe("int4"))
+    p.layer_ops_s = {"linear_attention": 1e-3}
+    with pytest.raises(QuantkitError, match="no full_attention layer cost"):
+        runtime_costs(p, spec, get_recipe("int4"))
 
 
 def _cpu_layout(spec, on: str = "cpu") -> Layout:

@@ -46,9 +46,6 @@ WORKING_SET = 256 << 20
 MAX_COPIES = 1024
 CAL_VOCAB = 1024
 
-Report = Callable[[str], None]
-
-
 def time_kernel(q: QuantSpec | None, shape: tuple[int, int], working_set: int = WORKING_SET, passes: int = 3,
                 seed: int = 0) -> tuple[float, dict[str, Any]]:
     """Seconds per batch-1 call of the runtime's kernel for a matrix of format `q` and `shape`, weights
