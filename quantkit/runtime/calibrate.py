@@ -4,8 +4,8 @@ planner (quantkit/runtime_profile.py says how the parts compose).
 Two measurements, each in isolation, on random weights of the model's real dimensions:
 
 - kernels: for every (format, matrix shape) the recipes use, one prepared kernel is copied until the
-  copies exceed `working_set` bytes (larger than any CPU's last-level cache, so each call reads its
-  weights from DRAM as in a real model), then batch-1 calls cycle over the copies; the best of
+  copies exceed `working_set` bytes (256 MiB: above the last-level cache of desktop and most server
+  CPUs, so each call reads its weights from DRAM as in a real model; `--working-set` raises it), then batch-1 calls cycle over the copies; the best of
   `passes` passes, per call. Matrices taller than `ROW_CAP` rows (the lm_head) are timed on a slab of
   `ROW_CAP` rows and scaled by rows: one large matrix is a steady stream.
 - layer ops: the runtime's own model (transformers' skeleton filled by quantkit's loader) with one
@@ -45,6 +45,7 @@ ROW_CAP = 16384
 WORKING_SET = 256 << 20
 MAX_COPIES = 1024
 CAL_VOCAB = 1024
+
 
 def time_kernel(q: QuantSpec | None, shape: tuple[int, int], working_set: int = WORKING_SET, passes: int = 3,
                 seed: int = 0) -> tuple[float, dict[str, Any]]:
@@ -108,10 +109,9 @@ def calibration_config(config: dict[str, Any]) -> dict[str, Any]:
     no MTP: the same layers, experts and heads."""
     cfg = copy.deepcopy(config)
     tc = cfg.get("text_config", cfg)
-    types = list(tc["layer_types"])
-    need = set(types)
-    n = next(i + 1 for i in range(len(types)) if set(types[:i + 1]) == need)
-    tc["layer_types"] = types[:n]
+    kinds = list(tc["layer_types"])
+    n = next(i + 1 for i in range(len(kinds)) if set(kinds[:i + 1]) == set(kinds))
+    tc["layer_types"] = kinds[:n]
     tc["num_hidden_layers"] = n
     tc["vocab_size"] = CAL_VOCAB
     tc["mtp_num_hidden_layers"] = 0
