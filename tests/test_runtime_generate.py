@@ -85,6 +85,34 @@ def test_sampling_rules():
         SamplingParams(top_p=0).validate()
 
 
+def _reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The sampling distribution over the whole vocabulary, by masking (the textbook way)."""
+    x = logits.float() / p.temperature
+    if p.top_k and p.top_k < x.numel():
+        x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
+    if p.top_p < 1.0:
+        s, order = torch.sort(x, descending=True, stable=True)
+        pr = torch.softmax(s, -1)
+        x = torch.full_like(x, float("-inf")).scatter(0, order, s.masked_fill(pr.cumsum(-1) - pr > p.top_p, float("-inf")))
+    return torch.softmax(x, -1)
+
+
+@pytest.mark.parametrize("top_k,top_p", [(20, 0.95), (20, 1.0), (1, 0.5), (0, 0.9), (5, 0.3)])
+def test_candidates_are_the_masked_distribution(top_k, top_p):
+    from quantkit.runtime.generate import candidates
+
+    g = torch.Generator().manual_seed(top_k)
+    logits = (torch.randn(5000, generator=g) * 3).to(torch.bfloat16)  # bf16: many exact ties
+    logits[100:104] = logits.max()  # a tie at the top
+    p = SamplingParams(temperature=0.6, top_k=top_k, top_p=top_p)
+    ids, probs = candidates(logits, p)
+    full = torch.zeros(5000)
+    full[ids if ids is not None else slice(None)] = probs
+    assert torch.allclose(full, _reference_probs(logits, p), atol=1e-6)
+    if top_k:
+        assert ids is not None and len(ids) >= top_k  # the subset, ties with the k-th included
+
+
 def test_runtime_stop_from_another_thread(tiny_model):
     rt = load_model(quantized(tiny_model, "quality"))
     msgs = [{"role": "user", "content": "hello"}]

