@@ -97,12 +97,14 @@ def _reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return torch.softmax(x, -1)
 
 
-@pytest.mark.parametrize("top_k,top_p", [(20, 0.95), (20, 1.0), (1, 0.5), (0, 0.9), (5, 0.3)])
-def test_candidates_are_the_masked_distribution(top_k, top_p):
+@pytest.mark.parametrize("top_k,top_p,spread", [(20, 0.95, 3), (20, 1.0, 3), (1, 0.5, 3), (0, 0.9, 3), (5, 0.3, 3),
+                                                (0, 0.9, 1), (0, 0.95, 8), (0, 0.5, 20), (0, 0.999, 0.1)])
+def test_candidates_are_the_masked_distribution(top_k, top_p, spread):
+    """Flat logits (spread 1) make the nucleus most of the vocabulary, peaked ones a few tokens."""
     from quantkit.runtime.generate import candidates
 
-    g = torch.Generator().manual_seed(top_k)
-    logits = (torch.randn(5000, generator=g) * 3).to(torch.bfloat16)  # bf16: many exact ties
+    g = torch.Generator().manual_seed(int(top_k + 10 * spread))
+    logits = (torch.randn(5000, generator=g) * spread).to(torch.bfloat16)  # bf16: many exact ties
     logits[100:104] = logits.max()  # a tie at the top
     p = SamplingParams(temperature=0.6, top_k=top_k, top_p=top_p)
     ids, probs = candidates(logits, p)
@@ -111,6 +113,8 @@ def test_candidates_are_the_masked_distribution(top_k, top_p):
     assert torch.allclose(full, _reference_probs(logits, p), atol=1e-6)
     if top_k:
         assert ids is not None and len(ids) >= top_k  # the subset, ties with the k-th included
+    elif top_p < 1.0:  # peaked: a few hundred candidates found without a sort; nearly flat: the whole vocabulary
+        assert (ids is None) == (spread < 1) and (spread < 8 or len(ids) < 512)
 
 
 def test_runtime_stop_from_another_thread(tiny_model):

