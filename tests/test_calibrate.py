@@ -161,3 +161,16 @@ def test_a_quantized_folder_is_planned_from_its_config_and_calibrated_for_its_re
     want = {spec_key(q_) for _, q_, _ in kernel_matrices(spec, get_recipe("quality"))}
     assert set(load_profile(prof).matmul_s) == want  # the folder's own recipe, not every scheme
     assert "tok/s: quality " in out
+
+
+@pytest.mark.parametrize("args,want", [
+    (["--passes", "0"], "--passes and --steps must be at least 1"),
+    (["--working-set", "1KB"], "--working-set 1KB: give at least 1MB"),
+    (["--working-set", "lots"], "lots"),
+    (["--scheme", "int3"], "int3"),
+    (["--out", "/proc/no/such/p.json", "--working-set", "1MB", "--passes", "1", "--steps", "1", "--scheme", "int4"],
+     "/proc/no/such/p.json: cannot write the profile"),
+])
+def test_calibrate_bad_input_gets_one_line(tiny_model, capsys, monkeypatch, args, want):
+    code, out, err = run_cli(["calibrate", "--model", tiny_model, *args], capsys, monkeypatch)
+    assert code == 2 and err.count("\n") == 1 and want in err and "Traceback" not in err

@@ -56,10 +56,12 @@ def calibrate_cmd(
     ws = parse_size(working_set, "--working-set")
     if passes < 1 or steps < 1:
         raise QuantkitError("--passes and --steps must be at least 1")
+    if ws < 1 << 20:
+        raise QuantkitError(f"--working-set {working_set}: give at least 1MB (256MB to defeat the CPU caches)")
     path = out or default_profile_path(spec.config)
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TimeRemainingColumn(), TextColumn("[dim]{task.fields[what]}"))
-    with Progress(*cols, console=err_console, transient=True) as bar:
+    with Progress(*cols, console=err_console, transient=True, disable=not err_console.is_terminal) as bar:
         task = bar.add_task("calibrating", total=None, what="")
 
         def on_item(what: str, done: int, total: int) -> None:
@@ -73,8 +75,10 @@ def calibrate_cmd(
                 prof = old.merged(prof)  # keep the formats timed before
         except QuantkitError:
             pass  # an unreadable old profile is replaced
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(path, prof.to_json())
+    try:
+        write_atomic(path, prof.to_json())
+    except OSError as e:
+        raise QuantkitError(f"{path}: cannot write the profile ({e.strerror}); pass --out FILE") from None
 
     t = Table(title=f"Kernel us per batch-1 call, weights out of cache ({prof.host['cpu']}, "
               f"{prof.host['threads']} threads, torch {prof.host['torch']})", title_justify="left",
