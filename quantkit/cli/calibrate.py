@@ -18,11 +18,11 @@ from rich.table import Table
 
 from quantkit.budget import RunSettings
 from quantkit.cli import app, console, err_console
-from quantkit.cli.plan import load_model_spec
+from quantkit.cli.plan import load_model_spec, parse_schemes
 from quantkit.errors import QuantkitError
 from quantkit.hardware import Hardware, Host, parse_size
 from quantkit.plan import RECIPES, solve, write_atomic
-from quantkit.recipe import Recipe, get_recipe
+from quantkit.recipe import Recipe
 from quantkit.runtime_profile import default_profile_path, load_profile, mismatch
 
 
@@ -51,8 +51,7 @@ def calibrate_cmd(
     from quantkit.runtime.calibrate import calibrate
 
     spec = load_model_spec(model)
-    names = [get_recipe(x.strip()).name for s in (scheme or []) for x in s.split(",") if x.strip()]
-    recipes = [RECIPES[n] for n in names] or _own_recipe(model) or list(RECIPES.values())
+    recipes = [RECIPES[n] for n in parse_schemes(scheme)] or _own_recipe(model) or list(RECIPES.values())
     ws = parse_size(working_set, "--working-set")
     if passes < 1 or steps < 1:
         raise QuantkitError("--passes and --steps must be at least 1")

@@ -51,6 +51,11 @@ def load_model_spec(model: str | None) -> ModelSpec:
     raise QuantkitError(f"{model}: not a config.json, a checkpoint folder or a model in the local HF cache")
 
 
+def parse_schemes(scheme: list[str] | None) -> list[str]:
+    """Recipe names from repeatable, comma-separated `--scheme` options (unknown names: one-line error)."""
+    return [get_recipe(x.strip()).name for s in (scheme or []) for x in s.split(",") if x.strip()]
+
+
 def parse_contexts(text: str, max_ctx: int) -> list[int]:
     """`4096`, `4k,32k,128k,262k`, `max`. k = 1024; `262k` (and any Nk that overshoots the model's
     maximum only because of the 1000/1024 difference) means the maximum."""
@@ -193,7 +198,7 @@ def plan_cmd(
     hw = build_hardware(gpu, ram, cpu_bandwidth, nodes, cpu_tflops)
     if export and export.lower() not in ENGINES:
         raise QuantkitError(f"--export {export!r}: use llama.cpp or vllm")
-    schemes = [get_recipe(x.strip()).name for s in (scheme or []) for x in s.split(",") if x.strip()]
+    schemes = parse_schemes(scheme)
     contexts = parse_contexts(context, spec.config.max_position_embeddings)
     this_host = not (gpu or ram or cpu_bandwidth or nodes > 1)
     prof, prof_src, prof_note = profile_for_plan(profile, spec.config, this_host)
@@ -292,7 +297,7 @@ def gpus_cmd(
 
     spec = load_model_spec(model)
     st = _settings(context, 1, "fp16", 512, False, spec)
-    names = [get_recipe(x.strip()).name for s in (scheme or []) for x in s.split(",") if x.strip()] or [
+    names = parse_schemes(scheme) or [
         "bf16", "int8", "quality", "int4", "mxfp4"]
     budgets = {n: compute_budget(spec, RECIPES[n], st) for n in names}
     table = Table(title=f"GPUs x schemes at {context} tokens: GPU only, +RAM needed for expert offload, or no "
