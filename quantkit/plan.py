@@ -426,7 +426,8 @@ def solve(spec: ModelSpec, recipe: Recipe, settings: RunSettings, hw: Hardware, 
     )
     if with_speed:
         sm = speed_model or SpeedModel()
-        plan.speed = estimate(b, plan.layout(), {d.id: d.rates() for d in devs}, c, sm)
+        layout, rates = plan.layout(), {d.id: d.rates() for d in devs}
+        plan.speed = estimate(b, layout, rates, c, sm)
         plan.assumptions = assumptions(hw, sm, gpu_reserve, host_reserve)
         if profile is not None:
             try:
@@ -434,7 +435,7 @@ def solve(spec: ModelSpec, recipe: Recipe, settings: RunSettings, hw: Hardware, 
             except QuantkitError as e:
                 plan.runtime_note = str(e)
             else:
-                plan.runtime_speed = estimate_runtime(b, plan.layout(), {d.id: d.rates() for d in devs}, c, costs, sm)
+                plan.runtime_speed = estimate_runtime(b, layout, rates, c, costs, sm)
                 if plan.runtime_speed is None:
                     plan.runtime_note = "the calibrated runtime estimate is for batch 1"
     return plan
