@@ -12,7 +12,7 @@ from typing import Any
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec
-from quantkit.spec import Role, TensorSpec, role_of
+from quantkit.model.spec import Role, TensorSpec, role_of
 
 INT8 = QuantSpec("int8", None, True)
 INT4_G128 = QuantSpec("int4", 128, True)

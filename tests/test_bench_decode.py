@@ -31,7 +31,7 @@ def _expected_step_bytes(named: list[tuple[str, int]], cfg, top_k: int) -> int:
 
 
 def test_step_bytes_of_transformers_model_match_its_tensors(tiny_model):
-    from quantkit.tiny import load_reference_model
+    from quantkit.testing.tiny import load_reference_model
 
     model = load_reference_model(tiny_model, torch.bfloat16)
     cfg = model.config
@@ -43,7 +43,7 @@ def test_step_bytes_of_transformers_model_match_its_tensors(tiny_model):
 def test_step_bytes_of_quantkit_runtime(tiny_model):
     from quantkit.runtime import load_model
     from quantkit.runtime.qexperts import QuantExperts
-    from quantkit.tiny import load_reference_model
+    from quantkit.testing.tiny import load_reference_model
 
     ref = load_reference_model(tiny_model, torch.bfloat16)
     k = ref.config.num_experts_per_tok
@@ -67,7 +67,7 @@ def test_step_bytes_of_quantkit_runtime(tiny_model):
 def test_cache_bytes_match_transformers_cache(tiny_model):
     from transformers import DynamicCache
 
-    from quantkit.tiny import load_reference_model
+    from quantkit.testing.tiny import load_reference_model
 
     model = load_reference_model(tiny_model, torch.bfloat16)
     cfg = model.config
@@ -163,7 +163,7 @@ def test_render_md_from_fixed_result():
 
 
 def test_render_md_shows_the_calibration_the_estimate_came_from():
-    from quantkit.runtime_profile import RuntimeProfile
+    from quantkit.planner.host_costs import RuntimeProfile
 
     p = RuntimeProfile(host={"cpu": "Test CPU"}, dims={}, layer_ops_s={"linear_attention": 1e-3, "full_attention": 7e-4},
                        matmul_s={"int4-g128": {"1024x2048": 67e-6, "2048x512": 37e-6}, "bf16": {"1x2048": 4e-6}},

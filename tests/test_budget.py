@@ -8,7 +8,10 @@ import importlib
 import pytest
 import torch
 
-from quantkit.budget import (
+from quantkit.errors import QuantkitError
+from quantkit.formats import QuantSpec
+from quantkit.model.spec import Role, TensorSpec, default_spec, spec_from_config
+from quantkit.planner.budget import (
     RunSettings,
     bits_per_weight,
     card_estimate_gb,
@@ -18,10 +21,7 @@ from quantkit.budget import (
     tensor_bytes,
     with_settings,
 )
-from quantkit.errors import QuantkitError
-from quantkit.formats import QuantSpec
 from quantkit.recipe import RECIPES, Recipe
-from quantkit.spec import Role, TensorSpec, default_spec, spec_from_config
 
 SPEC = default_spec()
 EXPERT = TensorSpec("model.language_model.layers.0.mlp.experts.gate_up_proj", (256, 1024, 2048), "bfloat16",
@@ -179,8 +179,8 @@ def test_bytes_match_the_format_implementation(fmt: str, mod: str) -> None:
 
 
 def test_card_formula_uses_the_models_own_size_for_other_models() -> None:
-    from quantkit.budget import CARD_PARAMS, card_params
-    from quantkit.spec import default_spec, spec_from_config
+    from quantkit.model.spec import default_spec, spec_from_config
+    from quantkit.planner.budget import CARD_PARAMS, card_params
 
     assert card_params(default_spec()) == CARD_PARAMS
     no_mtp = spec_from_config(default_spec().raw_config, include_mtp=False)

@@ -10,6 +10,8 @@ from collections import Counter
 import pytest
 import torch
 
+from quantkit.model.spec import default_spec, load_config, spec_from_config
+from quantkit.planner.host_costs import kernel_matrices, load_profile, shape_key, spec_key
 from quantkit.recipe import get_recipe
 from quantkit.runtime import kernels as K
 from quantkit.runtime.calibrate import (
@@ -19,8 +21,6 @@ from quantkit.runtime.calibrate import (
     time_kernel,
     time_layer_ops,
 )
-from quantkit.runtime_profile import kernel_matrices, load_profile, shape_key, spec_key
-from quantkit.spec import default_spec, load_config, spec_from_config
 
 from conftest import run_cli
 from test_runtime_common import one_thread, quantized  # noqa: F401

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.plan import Plan
-from quantkit.spec import default_config_path, load_config
+from quantkit.model.spec import default_config_path, load_config
+from quantkit.planner.placement import Plan
 
 from conftest import run_cli, run_main
 

@@ -50,7 +50,7 @@ VS_BF16 = {"f32": 1.0, "q8_0": 0.99, "q4_0": 0.97, "mxfp4": 0.97, "mixed": 0.99}
 
 
 def prompts() -> torch.Tensor:
-    from quantkit.tiny import probe_ids
+    from quantkit.testing.tiny import probe_ids
 
     return probe_ids(N_SEQ, SEQ_LEN)
 
@@ -107,7 +107,7 @@ def gguf_weights(path: Path, src: Path) -> dict[str, torch.Tensor]:
 
 def reference_with(src: Path, weights: dict[str, torch.Tensor]):
     """transformers' fp32 model of `src` with its weights replaced by `weights` (canonical names)."""
-    from quantkit.tiny import load_reference_model
+    from quantkit.testing.tiny import load_reference_model
 
     model = load_reference_model(src)
     sd = model.state_dict()
@@ -135,7 +135,7 @@ def exports(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
 
 @pytest.fixture(scope="module")
 def bf16_logits(tiny_model: Path) -> np.ndarray:
-    from quantkit.tiny import load_reference_model
+    from quantkit.testing.tiny import load_reference_model
 
     return hf_logits(load_reference_model(tiny_model), prompts())
 
@@ -203,7 +203,7 @@ def test_tokenizer_and_generation(exports: dict[str, Path], tiny_model: Path) ->
     text = "<|im_start|>user\n$ git status\nOn branch main, 2048 tokens: hello world!<|im_end|>\n"
     assert llm.tokenize(text.encode(), add_bos=False, special=True) == tok.encode(text).ids
     # greedy generation: llama.cpp's continuation equals transformers' (decisive routing, f32 weights)
-    from quantkit.tiny import load_reference_model
+    from quantkit.testing.tiny import load_reference_model
 
     prompt = tok.encode("<|im_start|>user\nThe agent world model predicts").ids
     ref = load_reference_model(tiny_model)
@@ -224,11 +224,11 @@ def test_quantkit_codes_are_reused(tiny_model: Path, tmp_path: Path) -> None:
     """A quantkit MXFP4 folder exports its bytes as they are (the same file as exporting the bf16 source to
     MXFP4, since quantkit's MXFP4 is byte-identical to ggml's), and int4 g32 becomes Q4_0 without
     requantizing: llama.cpp then matches transformers on the quantkit folder's own dequantized weights."""
-    from quantkit.checkpoint import Checkpoint
     from quantkit.formats import QuantSpec
-    from quantkit.quantize import QuantizeOptions, run_quantize
+    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.model.spec import Role
+    from quantkit.quantize.run import QuantizeOptions, run_quantize
     from quantkit.recipe import Recipe
-    from quantkit.spec import Role
 
     mats = (Role.ROUTED_EXPERT, Role.SHARED_EXPERT, Role.ATTENTION, Role.LINEAR_ATTENTION, Role.LM_HEAD,
             Role.EMBEDDING)
@@ -262,7 +262,7 @@ def test_quantkit_codes_are_reused(tiny_model: Path, tmp_path: Path) -> None:
 def test_row_length_fallback(tmp_path: Path) -> None:
     """Experts with intermediate size 48: down_proj rows (48) take no 32-block type; they fall back to F16,
     the result says so, and llama.cpp still matches transformers."""
-    from quantkit.tiny import load_reference_model, make_tiny_model
+    from quantkit.testing.tiny import load_reference_model, make_tiny_model
 
     src = make_tiny_model(tmp_path / "t48", decisive=True, intermediate=48)
     res = export_gguf(src, tmp_path / "t48.gguf", "q8_0")

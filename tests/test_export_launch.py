@@ -7,12 +7,12 @@ import shlex
 
 import pytest
 
-from quantkit.budget import RunSettings
 from quantkit.export.launch import GGUF_TYPES, launch_plan
-from quantkit.hardware import build_hardware
-from quantkit.plan import solve
+from quantkit.model.spec import default_spec
+from quantkit.planner.budget import RunSettings
+from quantkit.planner.hardware import build_hardware
+from quantkit.planner.placement import solve
 from quantkit.recipe import RECIPES
-from quantkit.spec import default_spec
 
 from conftest import run_cli
 

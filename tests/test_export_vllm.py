@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit.checkpoint import Checkpoint
 from quantkit.export.compressed_tensors import export_vllm, pack_int32
 from quantkit.formats import QuantSpec, get_format
-from quantkit.quantize import QuantizeOptions, run_quantize
+from quantkit.model.checkpoint import Checkpoint
+from quantkit.model.spec import Role
+from quantkit.quantize.run import QuantizeOptions, run_quantize
 from quantkit.recipe import INT8, Recipe
-from quantkit.spec import Role
 
 from conftest import run_cli
 
@@ -152,7 +152,7 @@ def test_transformers_loads_the_export(tiny_model: Path, tmp_path: Path) -> None
     import transformers
     from transformers import Qwen3_5MoeForConditionalGeneration
 
-    from quantkit.tiny import load_reference_model, probe_ids
+    from quantkit.testing.tiny import load_reference_model, probe_ids
 
     out = tmp_path / "v"
     export_vllm(tiny_model, out)

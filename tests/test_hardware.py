@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from quantkit.errors import QuantkitError
-from quantkit.hardware import (
+from quantkit.planner.hardware import (
     GIB,
     build_hardware,
     find_gpu,

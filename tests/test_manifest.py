@@ -12,18 +12,17 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from quantkit.errors import QuantkitError
-from quantkit.manifest import (
+from quantkit.fileio import atomic_write_json, temp_name
+from quantkit.quantize.manifest import (
     JOURNAL_NAME,
     FileEntry,
     Journal,
     Manifest,
-    atomic_write_json,
     check_file,
     file_entry,
     sha256_file,
-    temp_name,
 )
-from quantkit.shards import ShardLayout, ShardWriter, TensorLayout, read_header
+from quantkit.quantize.shards import ShardLayout, ShardWriter, TensorLayout, read_header
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.uint8, torch.int8, torch.int32]
 

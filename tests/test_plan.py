@@ -8,21 +8,20 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from quantkit.budget import GB, RunSettings, compute_budget
+from quantkit.export.launch import llama_cpp_command, vllm_command
 from quantkit.formats import QuantSpec
-from quantkit.hardware import GIB, Hardware, Host, build_hardware, find_gpu, load_catalog
-from quantkit.plan import (
+from quantkit.model.spec import Role, default_config_path, default_spec, load_config, spec_from_config
+from quantkit.planner.budget import GB, RunSettings, compute_budget
+from quantkit.planner.hardware import GIB, Hardware, Host, build_hardware, find_gpu, load_catalog
+from quantkit.planner.placement import (
     Plan,
-    llama_cpp_command,
     max_context,
     plan_schemes,
     recommend,
     solve,
     spec_fingerprint,
-    vllm_command,
 )
 from quantkit.recipe import INT8, RECIPES, Recipe
-from quantkit.spec import Role, default_config_path, default_spec, load_config, spec_from_config
 
 SPEC = default_spec()
 E, N = SPEC.config.num_experts, SPEC.config.num_hidden_layers
@@ -182,7 +181,7 @@ def test_vllm_multi_node() -> None:
 
 
 # -- the speed model against the public data points (REFERENCE.md section 3) ---------------------------
-# The efficiency constants in quantkit/speed.py were chosen with these points in view, so this is a check
+# The efficiency constants in quantkit/planner/speed.py were chosen with these points in view, so this is a check
 # that the model stays consistent with them, not an independent validation. Tolerance: within 35%.
 TOL = 1.35
 Q4_K_M_LIKE = Recipe(

@@ -19,11 +19,11 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import quantkit.cli
-from quantkit.checkpoint import Checkpoint
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec, get_format
-from quantkit.manifest import JOURNAL_NAME, MANIFEST_NAME
-from quantkit.quantize import INDEX_NAME
+from quantkit.model.checkpoint import Checkpoint
+from quantkit.quantize.manifest import JOURNAL_NAME, MANIFEST_NAME
+from quantkit.quantize.run import INDEX_NAME
 
 from conftest import run_main
 
@@ -225,7 +225,7 @@ def _files(folder: Path) -> dict[str, bytes]:
 
 
 def test_deterministic_and_slab_size_does_not_change_bytes(tiny_model, tmp_path):
-    from quantkit.quantize import QuantizeOptions, run_quantize
+    from quantkit.quantize.run import QuantizeOptions, run_quantize
     from quantkit.recipe import build_recipe
 
     ck = Checkpoint.open(tiny_model)
@@ -281,7 +281,7 @@ def test_kill_at_a_random_point_then_resume_is_byte_identical(tiny_model, tmp_pa
 
 
 def test_ctrl_c_leaves_a_resumable_folder(tiny_model, tmp_path, monkeypatch):
-    import quantkit.quantize as qz
+    import quantkit.quantize.run as qz
 
     out = tmp_path / "q"
     orig = qz._quantize_tensor
@@ -315,7 +315,7 @@ def test_ctrl_c_leaves_a_resumable_folder(tiny_model, tmp_path, monkeypatch):
 
 
 def test_resume_redoes_a_damaged_finished_shard(tiny_model, tmp_path, monkeypatch):
-    import quantkit.quantize as qz
+    import quantkit.quantize.run as qz
 
     out, ref = tmp_path / "q", tmp_path / "ref"
     assert cli("quantize", tiny_model, "--out", ref, "--max-shard-size", "60KB").exit_code == 0
@@ -379,7 +379,7 @@ def test_verify_names_each_problem(q4, tmp_path):
         mutate(cfg["quantization_config"])
         (d / "config.json").write_text(json.dumps(cfg))
         man = json.loads((d / MANIFEST_NAME).read_text())
-        from quantkit.manifest import sha256_file
+        from quantkit.quantize.manifest import sha256_file
 
         man["files"]["config.json"] = {"size": (d / "config.json").stat().st_size,
                                        "sha256": sha256_file(d / "config.json")}
@@ -508,7 +508,7 @@ def test_bad_existing_output_and_overwrite(tiny_model, tmp_path):
 
 
 def test_bad_disk_would_fill(tiny_model, tmp_path, monkeypatch):
-    import quantkit.quantize as qz
+    import quantkit.quantize.run as qz
 
     real = shutil.disk_usage
     monkeypatch.setattr(qz.shutil, "disk_usage", lambda p: real(p)._replace(free=10_000))

@@ -8,8 +8,8 @@ import pytest
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec
+from quantkit.model.spec import Role, TensorSpec, default_spec, role_of
 from quantkit.recipe import INT4_G128, INT8, Recipe, build_recipe, decide, parse_override, parse_spec_text
-from quantkit.spec import Role, TensorSpec, default_spec, role_of
 
 SPEC = default_spec()
 BY_NAME = {t.name: t for t in SPEC.tensors}

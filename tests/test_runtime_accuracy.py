@@ -22,7 +22,7 @@ import torch
 
 from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.evaluate import layer_errors, logit_agreement
-from quantkit.tiny import load_reference_model, probe_ids
+from quantkit.testing.tiny import load_reference_model, probe_ids
 
 from test_runtime_common import one_thread, quantized  # noqa: F401
 

@@ -18,9 +18,9 @@ _ROOT: list[Path] = []
 
 
 def quantized(src: Path, recipe: str) -> Path:
-    """`src` quantized with a built-in recipe (int8, int4, nf4, fp4, mxfp4, quality) by quantkit.quantize."""
-    from quantkit.checkpoint import Checkpoint
-    from quantkit.quantize import QuantizeOptions, run_quantize
+    """`src` quantized with a built-in recipe (int8, int4, nf4, fp4, mxfp4, quality) by quantkit.quantize.run."""
+    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.quantize.run import QuantizeOptions, run_quantize
     from quantkit.recipe import get_recipe
 
     key = (str(src), recipe)

@@ -137,7 +137,7 @@ def test_seeded_sampling_is_reproducible_and_greedy_matches_transformers(tiny_mo
     a = rt.generate(msgs, seed=7, max_new_tokens=12)
     b = rt.generate(msgs, seed=7, max_new_tokens=12)
     assert a.token_ids == b.token_ids and a.generation_tokens == 12 and a.finish_reason == "length"
-    from quantkit.tiny import load_reference_model
+    from quantkit.testing.tiny import load_reference_model
 
     ref = load_reference_model(tiny_model, torch.bfloat16)
     ids = rt.encode(rt.render(msgs))

@@ -76,7 +76,7 @@ def test_greedy_decode_unchanged_by_the_recurrent_step(tiny_model):
     """transformers' bf16 model on the tiny checkpoint, 24 greedy tokens, with and without the step."""
     from transformers import DynamicCache
 
-    from quantkit.tiny import load_reference_model
+    from quantkit.testing.tiny import load_reference_model
 
     model = load_reference_model(tiny_model, torch.bfloat16)
 

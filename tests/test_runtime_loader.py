@@ -46,7 +46,7 @@ def test_bf16_checkpoint_loads_both_layouts_identically(tiny_model, tiny_model_t
 
 
 def test_runtime_bf16_matches_transformers(tiny_model):
-    from quantkit.tiny import load_reference_model
+    from quantkit.testing.tiny import load_reference_model
 
     ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
     ref = load_reference_model(tiny_model, torch.bfloat16)

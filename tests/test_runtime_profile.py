@@ -1,4 +1,4 @@
-"""The planner's estimate for quantkit's own runtime (quantkit/runtime_profile.py, speed.estimate_runtime):
+"""The planner's estimate for quantkit's own runtime (quantkit/planner/host_costs.py, speed.estimate_runtime):
 which matrices a decode step runs through kernels, how a calibrated profile composes into per-layer
 costs, and the one-line errors for profiles that do not apply. Pure arithmetic on hand-made profiles;
 the measuring side is tests/test_calibrate.py."""
@@ -10,11 +10,11 @@ from dataclasses import replace
 
 import pytest
 
-from quantkit.budget import RunSettings, compute_budget
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec
-from quantkit.recipe import get_recipe
-from quantkit.runtime_profile import (
+from quantkit.model.spec import default_spec
+from quantkit.planner.budget import RunSettings, compute_budget
+from quantkit.planner.host_costs import (
     RuntimeCosts,
     RuntimeProfile,
     default_profile_path,
@@ -29,8 +29,8 @@ from quantkit.runtime_profile import (
     shape_key,
     spec_key,
 )
-from quantkit.spec import default_spec
-from quantkit.speed import DeviceRates, Layout, estimate_runtime
+from quantkit.planner.speed import DeviceRates, Layout, estimate_runtime
+from quantkit.recipe import get_recipe
 
 
 def _fake_time(key: str, shape: tuple[int, int]) -> float:
@@ -210,8 +210,8 @@ def test_profile_for_plan(tmp_path, monkeypatch):
 
 
 def test_solve_carries_the_runtime_estimate_into_the_plan_file():
-    from quantkit.hardware import Hardware, Host
-    from quantkit.plan import Plan, solve
+    from quantkit.planner.hardware import Hardware, Host
+    from quantkit.planner.placement import Plan, solve
 
     spec = default_spec()
     r = get_recipe("int4")

@@ -39,8 +39,8 @@ TOOLS = [{"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def q4(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from quantkit.checkpoint import Checkpoint
-    from quantkit.quantize import QuantizeOptions, run_quantize
+    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.quantize.run import QuantizeOptions, run_quantize
     from quantkit.recipe import build_recipe
 
     out = tmp_path_factory.mktemp("serve") / "q4"

@@ -10,8 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit.checkpoint import Checkpoint, spec_from_path
-from quantkit.spec import Role, default_config_path, default_spec, load_config, role_of, spec_from_config
+from quantkit.model.checkpoint import Checkpoint, spec_from_path
+from quantkit.model.spec import (
+    Role,
+    default_config_path,
+    default_spec,
+    load_config,
+    role_of,
+    spec_from_config,
+)
 
 
 def _published(name: str) -> str:

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit.checkpoint import Checkpoint
 from quantkit.errors import QuantkitError
-from quantkit.spec import spec_from_config
-from quantkit.tiny import (
+from quantkit.model.checkpoint import Checkpoint
+from quantkit.model.spec import spec_from_config
+from quantkit.testing.tiny import (
     SIDECAR,
     TinyOptions,
     _built_model,
@@ -25,7 +25,7 @@ from quantkit.tiny import (
     router_margins,
     text_config,
 )
-from quantkit.tokenizer_tiny import N_TOKENS
+from quantkit.testing.tokenizer import N_TOKENS
 
 from conftest import run_cli
 

@@ -10,9 +10,9 @@ of one. Every round's figure stays in the JSON. The bandwidth bound is the bytes
 the weights (every non-expert matrix, top_k experts per layer, lm_head; the embedding one row) plus the
 caches (Gated DeltaNet recurrent and conv states read and written, K and V up to the filled length) --
 over the measured read bandwidth of this machine (best sum over a 1 GiB tensor). The planner's figures
-come from `quantkit.plan.solve` for a CPU-only host with that bandwidth: its estimate for quantkit's own
+come from `quantkit.planner.placement.solve` for a CPU-only host with that bandwidth: its estimate for quantkit's own
 runtime, composed from a `quantkit calibrate` run made at the start of the benchmark (parts timed in
-isolation: quantkit/runtime_profile.py), which the target judges; and its llama.cpp-grade estimate.
+isolation: quantkit/planner/host_costs.py), which the target judges; and its llama.cpp-grade estimate.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.hardware import cpu_name
+from quantkit.planner.hardware import cpu_name
 
 # name -> (how it runs, recipe for the quantizer or None)
 CONFIGS: dict[str, tuple[str, str | None]] = {
@@ -182,7 +182,7 @@ def run_one(mode: str, folder: Path, prompt_len: int, decode: int, reps: int,
 def calibrate_subprocess(src: Path, recipes: list[str], out: Path, threads: int | None) -> Any:
     """`quantkit calibrate` for the checkpoint's shapes and these recipes, in its own process (as the
     configurations run), into a fresh profile file."""
-    from quantkit.runtime_profile import load_profile
+    from quantkit.planner.host_costs import load_profile
 
     out.unlink(missing_ok=True)
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
@@ -200,10 +200,10 @@ def planner_estimate(folder: Path, recipe: Any, bandwidth: float, prompt_len: in
                      profile: Any = None) -> dict[str, float | None]:
     """The planner on a CPU-only host with this bandwidth: its llama.cpp-grade decode and prefill, and
     (with a calibrated profile of this host) its estimate for quantkit's own runtime."""
-    from quantkit.budget import RunSettings
-    from quantkit.hardware import build_hardware
-    from quantkit.plan import solve
-    from quantkit.spec import load_config, spec_from_config
+    from quantkit.model.spec import load_config, spec_from_config
+    from quantkit.planner.budget import RunSettings
+    from quantkit.planner.hardware import build_hardware
+    from quantkit.planner.placement import solve
 
     spec = spec_from_config(load_config(folder / "config.json"), name=folder.name)
     hw = build_hardware(None, ram="24GB", cpu_bandwidth=f"{bandwidth:.1f}")
@@ -215,10 +215,10 @@ def planner_estimate(folder: Path, recipe: Any, bandwidth: float, prompt_len: in
 def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt_len: int = 128, decode: int = 16,
         reps: int = 1, configs: list[str] | None = None, rounds: int = 2, threads: int | None = None,
         vocab: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
-    from quantkit.checkpoint import Checkpoint
-    from quantkit.quantize import QuantizeOptions, run_quantize
+    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.quantize.run import QuantizeOptions, run_quantize
     from quantkit.recipe import get_recipe
-    from quantkit.tiny import make_tiny_model
+    from quantkit.testing.tiny import make_tiny_model
 
     t_all = time.perf_counter()
     names = configs or list(CONFIGS)
@@ -312,7 +312,7 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
         "rows": rows, "bench_seconds": bench_s, "seconds": time.perf_counter() - t_all,
     }
     reports.mkdir(parents=True, exist_ok=True)
-    from quantkit.plan import write_atomic
+    from quantkit.fileio import write_atomic
 
     write_atomic(reports / "bench-decode.json", json.dumps(d, indent=1) + "\n")
     plot(d, reports / "bench-decode.png")
@@ -491,7 +491,7 @@ def render_md(d: dict[str, Any]) -> str:
         lo = ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(cal["layer_ops_ms"].items()))
         out += ["", "## How the planner's estimate is made", "",
                 "`planner decode tok/s` is `quantkit plan`'s estimate for quantkit's own runtime on this host "
-                "(the `qk tok/s` column), composed by quantkit/runtime_profile.py from parts that `quantkit "
+                "(the `qk tok/s` column), composed by quantkit/planner/host_costs.py from parts that `quantkit "
                 f"calibrate` timed in isolation in this run ({cal['seconds']:.0f} s), never from a whole-model "
                 "run: per layer its ops with every kernel stubbed (" + lo + f"), the rest of a step "
                 f"{cal['shell_ms']:.2f} ms, and each matrix's kernel per batch-1 call with the weights cycled "
@@ -524,7 +524,7 @@ def render_md(d: dict[str, Any]) -> str:
         "top_k of the experts; caches read and written) over the measured read bandwidth; `of bound` is the "
         "measured decode over it. Peak RSS: the smallest peak over the rounds (it includes load-time transients and "
         "varies between rounds); RSS after: resident at the end of the run. Planner errors are estimate / "
-        "measured - 1; the llama.cpp-grade figure is quantkit.plan's generic model for a CPU-only host with the "
+        "measured - 1; the llama.cpp-grade figure is quantkit.planner.placement's generic model for a CPU-only host with the "
         "measured bandwidth.",
         "",
         "Kernels used (matrices per route):",

@@ -125,14 +125,14 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
         top_k: int = DEFAULTS["top_k"], vocab: int = DEFAULTS["vocab"], checkpoint: Path | None = None,
         threads: int | None = None, reps: int = DEFAULTS["reps"], new_tokens: int = DEFAULTS["new_tokens"],
         log: Any = print) -> dict[str, Any]:
-    from quantkit.checkpoint import Checkpoint
     from quantkit.export.gguf import export_gguf
     from quantkit.formats import QuantSpec
-    from quantkit.quantize import QuantizeOptions, run_quantize
+    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.model.spec import Role
+    from quantkit.quantize.run import QuantizeOptions, run_quantize
     from quantkit.recipe import INT8, Recipe
     from quantkit.runtime import load_model
-    from quantkit.spec import Role
-    from quantkit.tiny import load_reference_model, make_tiny_model
+    from quantkit.testing.tiny import load_reference_model, make_tiny_model
 
     t_start = time.perf_counter()
     given = checkpoint is not None

@@ -261,7 +261,7 @@ def generate_checkpoint(path: Path, experts: int, layers: int) -> None:
 def run(reports: Path, workdir: Path, experts: int = 128, layers: int = 4, slab_experts: int = 16,
         reps: int = 2, checkpoint: Path | None = None, log: Any = print) -> dict[str, Any]:
     """Run the whole benchmark and write reports/bench-quantize.{md,json,png}."""
-    from quantkit.checkpoint import Checkpoint
+    from quantkit.model.checkpoint import Checkpoint
 
     t_all = time.perf_counter()
     reports.mkdir(parents=True, exist_ok=True)

@@ -463,7 +463,7 @@ def _f(x: float | None, nd: int = 3) -> str:
 
 
 def write_report(reports: Path, d: dict[str, Any]) -> None:
-    from quantkit.manifest import atomic_write_json
+    from quantkit.fileio import atomic_write_json
 
     reports.mkdir(parents=True, exist_ok=True)
     atomic_write_json(reports / "bench-serve.json", d)

@@ -16,22 +16,23 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from quantkit.budget import RunSettings
 from quantkit.cli import app, console, err_console
 from quantkit.cli.plan import load_model_spec, parse_schemes
 from quantkit.errors import QuantkitError
-from quantkit.hardware import Hardware, Host, parse_size
-from quantkit.plan import RECIPES, solve, write_atomic
+from quantkit.fileio import write_atomic
+from quantkit.planner.budget import RunSettings
+from quantkit.planner.hardware import Hardware, Host, parse_size
+from quantkit.planner.host_costs import default_profile_path, load_profile, mismatch
+from quantkit.planner.placement import RECIPES, solve
 from quantkit.recipe import Recipe
-from quantkit.runtime_profile import default_profile_path, load_profile, mismatch
 
 
 def _own_recipe(model: str | None) -> list[Recipe]:
     """A quantkit output folder's own recipe: what `calibrate --model DIR` times by default."""
     if not model or not (Path(model) / "config.json").is_file():
         return []
+    from quantkit.model.spec import load_config
     from quantkit.runtime.loader import read_quant_config
-    from quantkit.spec import load_config
 
     qc = read_quant_config(Path(model), load_config(Path(model) / "config.json"))
     return [Recipe.from_dict(qc["recipe"])] if qc else []

@@ -10,12 +10,14 @@ import typer
 from rich import box
 from rich.table import Table
 
-from quantkit.budget import GB, GIB, RunSettings, cache_dtype, compute_budget
 from quantkit.cli import app, console
 from quantkit.errors import QuantkitError
 from quantkit.export.launch import ENGINES, launch_plan
-from quantkit.hardware import DEFAULT_GPU_RESERVE, Hardware, build_hardware, load_catalog, parse_size
-from quantkit.plan import (
+from quantkit.model.spec import DEFAULT_MODEL, ModelSpec, Role, default_spec, load_config, spec_from_config
+from quantkit.planner.budget import GB, GIB, RunSettings, cache_dtype, compute_budget
+from quantkit.planner.hardware import DEFAULT_GPU_RESERVE, Hardware, build_hardware, load_catalog, parse_size
+from quantkit.planner.host_costs import profile_for_plan
+from quantkit.planner.placement import (
     RECIPES,
     Plan,
     SchemeResult,
@@ -25,8 +27,6 @@ from quantkit.plan import (
     suggestions,
 )
 from quantkit.recipe import get_recipe
-from quantkit.runtime_profile import profile_for_plan
-from quantkit.spec import DEFAULT_MODEL, ModelSpec, Role, default_spec, load_config, spec_from_config
 
 
 def load_model_spec(model: str | None) -> ModelSpec:
@@ -34,9 +34,9 @@ def load_model_spec(model: str | None) -> ModelSpec:
     if not model:
         return default_spec()
     try:
-        from quantkit.checkpoint import spec_from_path  # reads safetensors headers / the HF cache
+        from quantkit.model.checkpoint import spec_from_path  # reads safetensors headers / the HF cache
     except ModuleNotFoundError as e:
-        if e.name != "quantkit.checkpoint":
+        if e.name != "quantkit.model.checkpoint":
             raise
         spec_from_path = None
     p = Path(model)
@@ -293,7 +293,7 @@ def gpus_cmd(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Which catalog GPUs run each scheme on the GPU alone, with expert offload (RAM needed), or not at all."""
-    from quantkit.plan import ram_needed_gib
+    from quantkit.planner.placement import ram_needed_gib
 
     spec = load_model_spec(model)
     st = _settings(context, 1, "fp16", 512, False, spec)

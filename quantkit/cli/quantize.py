@@ -1,4 +1,4 @@
-"""`quantkit quantize` and `quantkit verify`: parse, call quantkit.quantize / quantkit.verify, render."""
+"""`quantkit quantize` and `quantkit verify`: parse, call quantkit.quantize.run / quantkit.quantize.verify, render."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def _mb(n: float) -> str:
 
 
 def _roles_table(rows: list, title: str, measured: bool) -> Table:
-    from quantkit.quantize_report import total_row
+    from quantkit.quantize.report import total_row
 
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     cols = ["role", "formats", "tensors", "MB before", "MB after", "bits/w"]
@@ -67,9 +67,9 @@ def quantize(
     max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="output shard size bound"),
 ) -> None:
     """Quantize a checkpoint, streaming, into an HF-style folder with a manifest."""
-    from quantkit.checkpoint import Checkpoint, resolve_model
-    from quantkit.quantize import Interrupted, QuantizeOptions, free_bytes, make_plan, run_quantize
-    from quantkit.quantize_report import role_rows
+    from quantkit.model.checkpoint import Checkpoint, resolve_model
+    from quantkit.quantize.report import role_rows
+    from quantkit.quantize.run import Interrupted, QuantizeOptions, free_bytes, make_plan, run_quantize
     from quantkit.recipe import build_recipe
 
     if resume and overwrite:
@@ -80,7 +80,7 @@ def quantize(
     shard = parse_shard_size(max_shard_size)
     ckpt = Checkpoint.open(resolve_model(src))
     if dry_run:
-        from quantkit.quantize import TensorStats
+        from quantkit.quantize.run import TensorStats
 
         plan = make_plan(list(ckpt.canonical()), recipe, keep_mtp, shard)
         console.print(f"recipe [bold]{recipe.name}[/]: {recipe.description}")
@@ -120,7 +120,7 @@ def verify(
     quick: bool = typer.Option(False, "--quick", help="check sizes only, not sha256"),
 ) -> None:
     """Check a quantized folder against its manifest, index and quantization_config."""
-    from quantkit.verify import verify_folder
+    from quantkit.quantize.verify import verify_folder
 
     res = verify_folder(folder, hash_files=not quick)
     if not res.ok:

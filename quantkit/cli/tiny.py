@@ -1,4 +1,4 @@
-"""`quantkit tiny-model OUT_DIR`: parse, call quantkit.tiny.make_tiny_model, render."""
+"""`quantkit tiny-model OUT_DIR`: parse, call quantkit.testing.tiny.make_tiny_model, render."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def tiny_model(
     """Write a small random checkpoint of the real qwen3_5_moe architecture, with a working tokenizer."""
     import transformers
 
-    from quantkit.tiny import SIDECAR, TinyOptions, estimate_bytes, make_tiny_model
+    from quantkit.testing.tiny import SIDECAR, TinyOptions, estimate_bytes, make_tiny_model
 
     transformers.logging.set_verbosity_error()  # its missing-fast-kernel notices are noise here
     experts = experts if experts is not None else (32 if realistic else 8)

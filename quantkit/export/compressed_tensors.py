@@ -43,14 +43,14 @@ from typing import Any
 
 import torch
 
-from quantkit.checkpoint import check_finite
 from quantkit.errors import QuantkitError
 from quantkit.export.source import ExportSource, SourceTensor
+from quantkit.fileio import fsync_dir, replace_folder
 from quantkit.formats import QuantSpec, get_format
-from quantkit.manifest import fsync_dir, replace_folder
+from quantkit.model.checkpoint import check_finite
+from quantkit.model.spec import Role
 from quantkit.progress import NoProgress, Progress
-from quantkit.shards import ShardLayout, ShardWriter, TensorLayout
-from quantkit.spec import Role
+from quantkit.quantize.shards import ShardLayout, ShardWriter, TensorLayout
 
 FORMAT = "pack-quantized"
 CT_VERSION = "0.20.1"  # the compressed-tensors release whose layout this writes
@@ -325,7 +325,7 @@ def export_vllm(src_path: str | Path, out_dir: str | Path, group_size: int | Non
                 overwrite: bool = False, max_shard_size: int = MAX_SHARD,
                 progress: Progress | None = None) -> VllmResult:
     """Write `src_path` as a compressed-tensors pack-quantized folder at `out_dir` (atomically)."""
-    from quantkit.quantize import copyable_files
+    from quantkit.quantize.run import copyable_files
 
     t0 = time.perf_counter()
     out = Path(out_dir)

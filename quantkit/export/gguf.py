@@ -36,12 +36,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from quantkit.checkpoint import check_finite
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf_layout import Piece, convert, permute_blocks, pieces_for
 from quantkit.export.source import ExportSource, SourceTensor
+from quantkit.model.checkpoint import check_finite
+from quantkit.model.spec import Role
 from quantkit.progress import NoProgress, Progress
-from quantkit.spec import Role
 
 ARCH = "qwen35moe"
 TYPES = ("mixed", "q8_0", "q4_0", "mxfp4", "f16", "bf16", "f32")

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.spec import TextConfig
+from quantkit.model.spec import TextConfig
 
 _LAYER = re.compile(r"^model\.language_model\.layers\.(\d+)\.(.+)$")
 

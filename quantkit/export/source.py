@@ -2,9 +2,9 @@
 
 Both are presented the same way, as canonical tensors (published names, routed experts fused) that can
 be read dense (fp32, dequantized where stored quantized) or, for a quantized folder, as the stored parts
-so an exporter can reuse codes instead of requantizing. Reads go through `quantkit.checkpoint.Checkpoint`
+so an exporter can reuse codes instead of requantizing. Reads go through `quantkit.model.checkpoint.Checkpoint`
 (validated headers and index paths, never unpickles); a quantized folder is also checked against its
-manifest and config (`quantkit.verify.verify_folder`, sizes only) before anything is read.
+manifest and config (`quantkit.quantize.verify.verify_folder`, sizes only) before anything is read.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from quantkit.checkpoint import Checkpoint
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec, get_format
-from quantkit.spec import Role, TextConfig, parse_text_config, role_of
+from quantkit.model.checkpoint import Checkpoint
+from quantkit.model.spec import Role, TextConfig, parse_text_config, role_of
 
 KNOWN_VERSIONS = (1,)
 
@@ -59,7 +59,7 @@ class ExportSource:
             if qc.get("version") not in KNOWN_VERSIONS:
                 raise QuantkitError(f"{p / 'config.json'}: quantkit checkpoint version {qc.get('version')!r} is "
                                     f"not one this quantkit reads ({KNOWN_VERSIONS}); upgrade quantkit")
-            from quantkit.verify import verify_folder
+            from quantkit.quantize.verify import verify_folder
 
             res = verify_folder(p, hash_files=False)
             if not res.ok:

@@ -1,5 +1,5 @@
 """`quantkit calibrate`: measure what quantkit's CPU runtime costs on this host, part by part, for the
-planner (quantkit/runtime_profile.py says how the parts compose).
+planner (quantkit/planner/host_costs.py says how the parts compose).
 
 Two measurements, each in isolation, on random weights of the model's real dimensions:
 
@@ -29,17 +29,17 @@ from typing import Any
 import torch
 
 from quantkit.formats import QuantSpec, get_format
-from quantkit.recipe import Recipe
-from quantkit.runtime import kernels as K
-from quantkit.runtime.loader import LoadReport, Placement, TensorSource, build_skeleton, populate
-from quantkit.runtime_profile import (
+from quantkit.model.spec import ModelSpec, Role, spec_from_config
+from quantkit.planner.host_costs import (
     RuntimeProfile,
     host_id,
     model_dims,
     needed,
     shape_key,
 )
-from quantkit.spec import ModelSpec, Role, spec_from_config
+from quantkit.recipe import Recipe
+from quantkit.runtime import kernels as K
+from quantkit.runtime.loader import LoadReport, Placement, TensorSource, build_skeleton, populate
 
 ROW_CAP = 16384
 WORKING_SET = 256 << 20

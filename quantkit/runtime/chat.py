@@ -181,7 +181,7 @@ class Chat:
         if not arg:
             self.say("usage: /save FILE", "red")
             return
-        from quantkit.plan import write_atomic
+        from quantkit.fileio import write_atomic
 
         try:
             write_atomic(Path(arg).expanduser(), self.s.to_json() + "\n")

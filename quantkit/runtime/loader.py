@@ -3,12 +3,12 @@ swapped in, each tensor read from safetensors straight onto the device the plan 
 
 Flow of `load_model(path, plan=None)`:
 1. config.json: a quantkit output (quantization_config.quant_method == "quantkit") must have a version
-   this code knows and pass `quantkit.verify.verify_folder`; any other folder is read as an
-   unquantized source through `quantkit.checkpoint.Checkpoint` (both layouts, FP8 dequantized) and
+   this code knows and pass `quantkit.quantize.verify.verify_folder`; any other folder is read as an
+   unquantized source through `quantkit.model.checkpoint.Checkpoint` (both layouts, FP8 dequantized) and
    quantized on the fly with `recipe` (default "bf16": kept as is).
 2. Placement: from a plan file (`quantkit plan --out`; its fingerprint must match this model and it
    must fit the detected hardware, checked before anything is read) or planned on the spot for the
-   detected hardware with `quantkit.plan.solve`.
+   detected hardware with `quantkit.planner.placement.solve`.
 3. `Qwen3_5MoeForCausalLM(text_config)` is built on the meta device (no memory). Every projection of
    attention, linear attention, the shared expert and lm_head becomes a `QuantLinear`; every
    `mlp.experts` a `QuantExperts` with one group per device. Each tensor is read alone (experts: one
@@ -99,7 +99,7 @@ def available_bytes(dev: str) -> int:
 
 def check_plan(plan: Any, spec: Any, folder: Path, plan_path: str) -> None:
     """Refuse a plan for another model, one that does not fit, or one that does not fit THIS machine."""
-    from quantkit.plan import spec_fingerprint
+    from quantkit.planner.placement import spec_fingerprint
 
     fp = spec_fingerprint(spec)
     if plan.fingerprint != fp:
@@ -127,7 +127,7 @@ def check_plan(plan: Any, spec: Any, folder: Path, plan_path: str) -> None:
 def what_fits(spec: Any, plan: Any) -> str:
     """A one-line suggestion of what would fit the detected hardware."""
     try:
-        from quantkit.plan import solve, suggestions
+        from quantkit.planner.placement import solve, suggestions
         from quantkit.recipe import Recipe
 
         hw = _detected_hardware()
@@ -145,7 +145,7 @@ def what_fits(spec: Any, plan: Any) -> str:
 def _detected_hardware() -> Any:
     import psutil
 
-    from quantkit.hardware import build_hardware
+    from quantkit.planner.hardware import build_hardware
 
     # available RAM, not total: what is free now is what the weights can take
     avail = psutil.virtual_memory().available
@@ -154,8 +154,8 @@ def _detected_hardware() -> Any:
 
 def plan_here(spec: Any, recipe: Any, context: int) -> tuple[Placement, Any]:
     """Plan on the spot for the detected hardware; refuse with what would fit when nothing does."""
-    from quantkit.budget import RunSettings
-    from quantkit.plan import solve, suggestions
+    from quantkit.planner.budget import RunSettings
+    from quantkit.planner.placement import solve, suggestions
 
     hw = _detected_hardware()
     settings = RunSettings(context=context)
@@ -190,7 +190,7 @@ class QuantizedSource(TensorSource):
     """A quantkit output folder: quantized tensors are read as their parts `N.<suffix>`."""
 
     def __init__(self, folder: Path, qc: dict[str, Any]):
-        from quantkit.checkpoint import _safe_member, read_safetensors_header
+        from quantkit.model.checkpoint import _safe_member, read_safetensors_header
 
         self.folder = folder
         index = json.loads((folder / INDEX_NAME).read_text())
@@ -478,10 +478,10 @@ def read_quant_config(folder: Path, config: dict[str, Any]) -> dict[str, Any] | 
 
 
 def verify_or_refuse(folder: Path, mode: str = "auto") -> None:
-    """`quantkit.verify.verify_folder`; "auto" hashes shards only when the folder is under 4 GB."""
+    """`quantkit.quantize.verify.verify_folder`; "auto" hashes shards only when the folder is under 4 GB."""
     if mode == "off":
         return
-    from quantkit.verify import verify_folder
+    from quantkit.quantize.verify import verify_folder
 
     if mode == "auto":
         size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
@@ -495,7 +495,7 @@ def verify_or_refuse(folder: Path, mode: str = "auto") -> None:
 
 
 def load_plan_file(path: str | Path) -> Any:
-    from quantkit.plan import Plan
+    from quantkit.planner.placement import Plan
 
     p = Path(path)
     try:
@@ -516,10 +516,10 @@ def load_model(path: str | Path, plan: str | Path | Any | None = None, *, recipe
     """Load a quantized (or bf16) checkpoint folder into a `Runtime`. See the module docstring."""
     import time
 
-    from quantkit.checkpoint import Checkpoint, resolve_model
+    from quantkit.model.checkpoint import Checkpoint, resolve_model
+    from quantkit.model.spec import load_config, spec_from_config
     from quantkit.recipe import Recipe, get_recipe
     from quantkit.runtime.engine import Runtime
-    from quantkit.spec import load_config, spec_from_config
 
     t0 = time.perf_counter()
     folder = resolve_model(path)

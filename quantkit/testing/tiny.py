@@ -9,7 +9,7 @@ DeltaNet, shared + routed experts), initialises it with a fixed seed, and writes
 - layout="transformers": exactly what `save_pretrained` writes (bare text config, `model.layers.*`,
   experts per expert).
 Both come with a trained byte-level BPE tokenizer with Qwen's special tokens and chat template
-(quantkit.tokenizer_tiny) and a generation_config.json. transformers' `Qwen3_5MoeForCausalLM.
+(quantkit.testing.tokenizer) and a generation_config.json. transformers' `Qwen3_5MoeForCausalLM.
 from_pretrained` loads both layouts directly (its qwen3_5_text conversion strips `language_model`).
 
 RMSNorm weights are zero-centred (the layer computes x * (1 + w)) except `linear_attn.norm` (x * w):
@@ -37,9 +37,9 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.manifest import replace_folder
-from quantkit.spec import spec_from_config
-from quantkit.tokenizer_tiny import BPE_VOCAB, N_TOKENS, special_ids, tiny_corpus, write_tokenizer
+from quantkit.fileio import replace_folder
+from quantkit.model.spec import spec_from_config
+from quantkit.testing.tokenizer import BPE_VOCAB, N_TOKENS, special_ids, tiny_corpus, write_tokenizer
 
 SIDECAR = "quantkit-tiny.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -156,7 +156,7 @@ def full_config(tc: dict[str, Any]) -> dict[str, Any]:
 
 def estimate_bytes(o: TinyOptions) -> int:
     """Bytes of safetensors data the options will write (for progress bars and disk checks)."""
-    from quantkit.spec import dtype_bytes
+    from quantkit.model.spec import dtype_bytes
 
     spec = spec_from_config(full_config(text_config(o)), include_mtp=o.mtp)
     return spec.total_params * dtype_bytes(o.dtype)
@@ -203,7 +203,7 @@ def probe_ids(n_seq: int = 4, length: int = 80) -> torch.Tensor:
     """A fixed [n_seq, length] batch of token ids from the tokenizer's corpus (chat-formatted)."""
     key = (n_seq, length)
     if key not in _PROBE:
-        from quantkit.tokenizer_tiny import build_tokenizer
+        from quantkit.testing.tokenizer import build_tokenizer
 
         tok = build_tokenizer()
         lines = tiny_corpus(400, seed=7)

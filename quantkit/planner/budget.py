@@ -15,8 +15,8 @@ from dataclasses import dataclass, field, replace
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec
+from quantkit.model.spec import ModelSpec, Role, TensorSpec, TextConfig, dtype_bytes
 from quantkit.recipe import Recipe
-from quantkit.spec import ModelSpec, Role, TensorSpec, TextConfig, dtype_bytes
 
 SCALE_BYTES = {"int8": 2, "int4": 2, "nf4": 4, "fp4": 4, "mxfp4": 1}
 DEFAULT_GROUP = {"int4": 128, "nf4": 64, "fp4": 64, "mxfp4": 32}

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.manifest import fsync_dir, temp_name
+from quantkit.fileio import fsync_dir, temp_name
 
 ST_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",

@@ -31,8 +31,8 @@ from typing import Any
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec
+from quantkit.model.spec import ModelSpec, Role, TensorSpec, TextConfig
 from quantkit.recipe import Recipe, decide
-from quantkit.spec import ModelSpec, Role, TensorSpec, TextConfig
 
 PROFILE_VERSION = 1
 # The runtime's kernels take these roles' matrices (nn.Linear of a layer, the experts, lm_head); the
@@ -72,7 +72,7 @@ def host_id() -> dict[str, Any]:
 
     import torch
 
-    from quantkit.hardware import cpu_name
+    from quantkit.planner.hardware import cpu_name
 
     return {"cpu": cpu_name(), "cores": os.cpu_count(), "machine": platform.machine(),
             "torch": torch.__version__, "threads": torch.get_num_threads()}

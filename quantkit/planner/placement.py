@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantkit.budget import (
+from quantkit.errors import QuantkitError
+from quantkit.fileio import write_atomic
+from quantkit.model.spec import ModelSpec, Role
+from quantkit.planner.budget import (
     GB,
     GIB,
     Budget,
@@ -29,12 +30,18 @@ from quantkit.budget import (
     compute_budget,
     with_settings,
 )
-from quantkit.errors import QuantkitError
-from quantkit.hardware import DEFAULT_GPU_RESERVE, DEFAULT_HOST_RESERVE, Hardware
+from quantkit.planner.hardware import DEFAULT_GPU_RESERVE, DEFAULT_HOST_RESERVE, Hardware
+from quantkit.planner.host_costs import RuntimeProfile, runtime_costs
+from quantkit.planner.speed import (
+    DeviceRates,
+    Layout,
+    RuntimeSpeed,
+    Speed,
+    SpeedModel,
+    estimate,
+    estimate_runtime,
+)
 from quantkit.recipe import QUALITY_RANK, RECIPES, Recipe
-from quantkit.runtime_profile import RuntimeProfile, runtime_costs
-from quantkit.spec import ModelSpec, Role
-from quantkit.speed import DeviceRates, Layout, RuntimeSpeed, Speed, SpeedModel, estimate, estimate_runtime
 
 PLAN_VERSION = 1
 COMMON_RAM_GIB = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -261,23 +268,6 @@ def _ranges(dev: str, ids: list[int]) -> list[tuple[str, int, int]]:
         else:
             out.append((dev, i, i + 1))
     return out
-
-
-def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; give the file the mode open() would
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def make_devices(hw: Hardware, gpu_reserve: int = DEFAULT_GPU_RESERVE,
@@ -567,71 +557,3 @@ def suggestions(spec: ModelSpec, hw: Hardware, settings: RunSettings, failed: Pl
     if not failed.fits and hw.nodes == 1:
         out.append(f"{failed.scheme} with --ram {ram_needed_gib(failed)}GB")
     return out
-
-
-# -- exports ------------------------------------------------------------------------------------
-_LLAMA_CACHE = {"fp16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0", "fp8": "q8_0"}
-
-
-def llama_cpp_command(plan: Plan, model_path: str = "model.gguf") -> str:
-    """llama-server flags for this placement. llama.cpp keeps a layer's experts in one stacked tensor,
-    so a layer split between GPU and CPU goes wholly to the CPU (--n-cpu-moe rounds up)."""
-    n = len(plan.layer_device)
-    gpu_layers = sum(1 for d in plan.layer_device if d != "cpu")
-    args = ["llama-server", "-m", model_path, "-c", str(plan.settings.context)]
-    if not plan.gpus:
-        args += ["-ngl", "0"]
-    else:
-        args += ["-ngl", "99" if gpu_layers == n else str(gpu_layers)]
-        cpu_moe = plan.cpu_expert_layers
-        contiguous = all(c.get("cpu", 0) for c in plan.expert_counts()[:cpu_moe])
-        if cpu_moe and len(plan.gpus) == 1 and contiguous:
-            args += ["--n-cpu-moe", str(cpu_moe)]
-        elif cpu_moe:
-            layers = [str(L) for L, c in enumerate(plan.expert_counts()) if c.get("cpu", 0)]
-            args += ["-ot", f"blk\\.({'|'.join(layers)})\\.ffn_.*_exps\\.=CPU"]
-        if len(plan.gpus) > 1:
-            share = [sum(1 for d in plan.layer_device if d == g.id) for g in plan.gpus]
-            args += ["--tensor-split", ",".join(map(str, share)), "--split-mode", "layer"]
-    args += ["-fa", "on"]
-    ct = _LLAMA_CACHE[plan.settings.cache_dtype]
-    if ct != "f16":
-        args += ["-ctk", ct, "-ctv", ct]
-    if plan.settings.batch > 1:
-        args += ["-np", str(plan.settings.batch)]
-    return " ".join(args)
-
-
-def vllm_command(plan: Plan, hw: Hardware, model: str) -> tuple[str, list[str]]:
-    """A vLLM launch line (tensor parallel within a node, pipeline parallel across nodes, expert
-    parallel for the MoE) and warnings when the plan does not fit vLLM's all-on-GPU model."""
-    warns = []
-    per_node = len(hw.gpus)
-    if per_node == 0:
-        return "", ["vLLM needs GPUs; this plan is CPU-only"]
-    tp, pp = per_node, hw.nodes
-    c_heads = 16
-    while tp > 1 and c_heads % tp:
-        tp //= 2
-    if tp != per_node:
-        pp = hw.nodes * per_node // tp
-        warns.append(f"attention heads do not split {per_node} ways: using TP {tp} x PP {pp}")
-    if plan.where != "gpu":
-        warns.append(
-            "vLLM keeps all weights on the GPUs (its --cpu-offload-gb streams weights each step): "
-            "this plan needs CPU-resident experts, use quantkit's runtime or llama.cpp instead"
-        )
-    args = ["vllm", "serve", model, "--tensor-parallel-size", str(tp)]
-    if pp > 1:
-        args += ["--pipeline-parallel-size", str(pp)]
-    if tp * pp > 1:
-        args += ["--enable-expert-parallel"]
-    args += ["--language-model-only", "--max-model-len", str(plan.settings.context),
-             "--gpu-memory-utilization", "0.92", "--reasoning-parser", "qwen3"]
-    if plan.settings.cache_dtype == "fp8":
-        args += ["--kv-cache-dtype", "fp8"]
-    elif plan.settings.cache_dtype in ("q8_0", "q4_0"):
-        warns.append(f"vLLM has no {plan.settings.cache_dtype} KV cache; use fp8 or fp16")
-    if hw.nodes > 1:
-        args += ["--distributed-executor-backend", "ray"]
-    return " ".join(args), warns

@@ -33,26 +33,24 @@ from typing import Any
 
 import torch
 
-from quantkit.checkpoint import check_finite
 from quantkit.errors import QuantkitError
+from quantkit.fileio import atomic_write_json, fsync_dir, temp_name
 from quantkit.formats import QuantSpec, get_format
-from quantkit.manifest import (
+from quantkit.model.checkpoint import check_finite
+from quantkit.model.spec import Role, TensorSpec, role_of
+from quantkit.progress import NoProgress, Progress
+from quantkit.quantize.manifest import (
     JOURNAL_NAME,
     MANIFEST_NAME,
     FileEntry,
     Journal,
     Manifest,
-    atomic_write_json,
     check_file,
     file_entry,
     fingerprint,
-    fsync_dir,
-    temp_name,
 )
-from quantkit.progress import NoProgress, Progress
+from quantkit.quantize.shards import ShardLayout, ShardWriter, TensorLayout, dtype_name, read_header
 from quantkit.recipe import Recipe, decide
-from quantkit.shards import ShardLayout, ShardWriter, TensorLayout, dtype_name, read_header
-from quantkit.spec import Role, TensorSpec, role_of
 
 INDEX_NAME = "model.safetensors.index.json"
 REPORT_STEM = "quantkit-report"
@@ -567,7 +565,7 @@ def run_quantize(ckpt: Any, out: Path, opts: QuantizeOptions, progress: Progress
         files[n] = file_entry(out / n)
     stats = [s for sn in names for s in stats_by_shard[sn]]
     seconds = time.perf_counter() - t_start
-    from quantkit.quantize_report import write_report
+    from quantkit.quantize.report import write_report
 
     md, js = write_report(opts.report or (out / f"{REPORT_STEM}.md"), plan, stats, seconds, src, out, reused)
     Manifest(

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from quantkit.budget import Budget, kv_bytes_per_token
-from quantkit.runtime_profile import RuntimeCosts
-from quantkit.spec import TextConfig
+from quantkit.model.spec import TextConfig
+from quantkit.planner.budget import Budget, kv_bytes_per_token
+from quantkit.planner.host_costs import RuntimeCosts
 
 
 @dataclass(frozen=True)

@@ -8,10 +8,10 @@ from typing import Any
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec
-from quantkit.manifest import Manifest, check_file, read_json
-from quantkit.quantize import INDEX_NAME, part_layouts
-from quantkit.shards import ST_DTYPES, read_header
-from quantkit.spec import spec_from_config
+from quantkit.model.spec import spec_from_config
+from quantkit.quantize.manifest import Manifest, check_file, read_json
+from quantkit.quantize.run import INDEX_NAME, part_layouts
+from quantkit.quantize.shards import ST_DTYPES, read_header
 
 
 @dataclass

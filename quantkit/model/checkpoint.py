@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.spec import (
+from quantkit.model.spec import (
     ModelSpec,
     TensorSpec,
     default_spec,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quantkit.manifest import atomic_write_bytes
+from quantkit.fileio import atomic_write_bytes
 
 
 @dataclass
