@@ -20,6 +20,7 @@ from quantkit.cli import app, console, err_console
 from quantkit.cli.plan import load_model_spec, parse_schemes
 from quantkit.errors import QuantkitError
 from quantkit.fileio import write_atomic
+from quantkit.model.contract import read_quant_config
 from quantkit.planner.budget import RunSettings
 from quantkit.planner.hardware import Hardware, Host, parse_size
 from quantkit.planner.host_costs import default_profile_path, load_profile, mismatch
@@ -32,7 +33,6 @@ def _own_recipe(model: str | None) -> list[Recipe]:
     if not model or not (Path(model) / "config.json").is_file():
         return []
     from quantkit.model.spec import load_config
-    from quantkit.runtime.loader import read_quant_config
 
     qc = read_quant_config(Path(model), load_config(Path(model) / "config.json"))
     return [Recipe.from_dict(qc["recipe"])] if qc else []

@@ -37,6 +37,7 @@ from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json, fsync_dir, temp_name
 from quantkit.formats import QuantSpec, get_format
 from quantkit.model.checkpoint import check_finite
+from quantkit.model.contract import INDEX_NAME, QUANT_METHOD, QUANT_VERSION
 from quantkit.model.spec import Role, TensorSpec, role_of
 from quantkit.progress import NoProgress, Progress
 from quantkit.quantize.manifest import (
@@ -52,7 +53,6 @@ from quantkit.quantize.manifest import (
 from quantkit.quantize.shards import ShardLayout, ShardWriter, TensorLayout, dtype_name, read_header
 from quantkit.recipe import Recipe, decide
 
-INDEX_NAME = "model.safetensors.index.json"
 REPORT_STEM = "quantkit-report"
 # Input bytes per slab of experts / block of rows. Measured on a 256 MB bf16 slab of experts: int4's
 # dequantize for the error figures peaks at 6x the input (fp32 result plus its temporaries), int8's at 4.5x;
@@ -206,8 +206,8 @@ def quantization_config(plan: QuantPlan) -> dict[str, Any]:
             tensors[t.name] = {"format": t.spec.format, "group_size": t.spec.group_size,
                                "symmetric": t.spec.symmetric, "shape": list(t.shape), "dtype": t.dtype}
     return {
-        "quant_method": "quantkit",
-        "version": 1,
+        "quant_method": QUANT_METHOD,
+        "version": QUANT_VERSION,
         "recipe": plan.recipe.to_dict(),
         "mtp": "kept" if plan.keep_mtp else ("dropped" if plan.dropped else "absent"),
         "fallbacks": {t.name: t.note for t in plan.tensors if t.note},
