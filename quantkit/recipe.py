@@ -280,3 +280,8 @@ def decide(recipe: Recipe, t: TensorSpec) -> Decision:
             return Decision(QuantSpec(q.format, g2, q.symmetric),
                             f"{q.format} group {g} does not divide the row length {row}: group {g2} instead")
     return Decision(INT8, f"{q.format} group {g} does not divide the row length {row}: int8 instead")
+
+
+def parse_recipe_names(values: list[str] | None) -> list[str]:
+    """Recipe names from repeatable, comma-separated options (`--scheme int4,int8`); unknown: one-line error."""
+    return [get_recipe(x.strip()).name for s in (values or []) for x in s.split(",") if x.strip()]

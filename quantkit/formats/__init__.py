@@ -132,9 +132,5 @@ def available_formats() -> list[str]:
 def _load_builtin() -> None:
     import importlib
 
-    for mod in ("int8", "int4", "bnb4", "mxfp4"):
-        try:
-            importlib.import_module(f"quantkit.formats.{mod}")
-        except ModuleNotFoundError as e:
-            if e.name != f"quantkit.formats.{mod}":
-                raise
+    for mod in ("int8", "int4", "bnb4", "mxfp4"):  # each registers itself on import
+        importlib.import_module(f"quantkit.formats.{mod}")

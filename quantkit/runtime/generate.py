@@ -22,8 +22,9 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK
 
-PREFILL_CHUNK = 512
+PREFILL_CHUNK = DEFAULT_PREFILL_CHUNK  # the chunk the planner sizes the activation buffers for
 
 
 @dataclass
