@@ -36,7 +36,7 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json, fsync_dir, temp_name
 from quantkit.formats import QuantSpec, get_format, stored_parts
-from quantkit.model.checkpoint import check_finite
+from quantkit.model.checkpoint import Checkpoint, check_finite
 from quantkit.model.contract import INDEX_NAME, QUANT_METHOD, QUANT_VERSION
 from quantkit.model.spec import Role, TensorSpec, role_of
 from quantkit.progress import NoProgress, Progress
@@ -390,7 +390,7 @@ def _chunks(tp: TensorPlan, slab_bytes: int) -> tuple[str, int]:
     return ("whole", 0)
 
 
-def _quantize_tensor(ckpt: Any, tp: TensorPlan, writer: ShardWriter, opts: QuantizeOptions,
+def _quantize_tensor(ckpt: Checkpoint, tp: TensorPlan, writer: ShardWriter, opts: QuantizeOptions,
                      progress: Progress) -> TensorStats:
     t0 = time.perf_counter()
     st = TensorStats(tp.name, tp.role.value, tp.spec.format if tp.spec else tp.dtype, tp.numel, tp.in_bytes,
@@ -456,7 +456,7 @@ def _emit(tp: TensorPlan, w: torch.Tensor, start: int, writer: ShardWriter, st: 
         writer.write(name, p, start * scale)
 
 
-def run_quantize(ckpt: Any, out: Path, opts: QuantizeOptions, progress: Progress | None = None) -> QuantizeResult:
+def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: Progress | None = None) -> QuantizeResult:
     """Quantize an opened Checkpoint into `out` (see the module docstring for the guarantees)."""
     progress = progress or NoProgress()
     t_start = time.perf_counter()

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 import torch
@@ -46,6 +46,9 @@ from quantkit.runtime.engine import Runtime
 from quantkit.runtime.kernels import Kernel, prepare, slice_parts
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 from quantkit.runtime.qlinear import QuantLinear
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 LM = "model.language_model."
 
@@ -69,7 +72,7 @@ class Placement:
                    device, device, context, f"everything on {device}")
 
     @classmethod
-    def from_plan(cls, plan: Any, source: str) -> Placement:
+    def from_plan(cls, plan: Plan, source: str) -> Placement:
         groups = []
         for L in range(len(plan.layer_device)):
             devs = list(dict.fromkeys(d for d, _a, _b in plan.expert_ranges[L]))
@@ -162,7 +165,7 @@ class QuantizedSource(TensorSource):
 class OnTheFlySource(TensorSource):
     """An unquantized checkpoint, quantized tensor by tensor with a recipe as it is read."""
 
-    def __init__(self, ckpt: Any, recipe: Any):
+    def __init__(self, ckpt: Checkpoint, recipe: Recipe):
 
         self.ckpt, self.recipe = ckpt, recipe
         self.tensors = {t.name: t for t in ckpt.canonical()}
@@ -288,7 +291,7 @@ def _linear_kernel(src: TensorSource, name: str, dev: str, report: LoadReport) -
     return QuantLinear(k, fmt)
 
 
-def build_experts(src: TensorSource, prefix: str, groups: list[tuple[str, list[int]]], cfg: Any,
+def build_experts(src: TensorSource, prefix: str, groups: list[tuple[str, list[int]]], cfg: PretrainedConfig,
                   report: LoadReport, route: str | None = None) -> QuantExperts:
     """A layer's QuantExperts: each device group's expert slab read and prepared on that device."""
     gu_name, dn_name = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
@@ -386,7 +389,7 @@ def verify_or_refuse(folder: Path, mode: str = "auto") -> None:
         raise QuantkitError(f"{folder}: fails verification: {res.problems[0]}{more}; re-run `quantkit quantize`")
 
 
-def load_plan_file(path: str | Path) -> Any:
+def load_plan_file(path: str | Path) -> Plan:
 
     p = Path(path)
     try:
@@ -401,9 +404,9 @@ def load_plan_file(path: str | Path) -> Any:
         raise QuantkitError(f"{p}: {e}") from None
 
 
-def load_model(path: str | Path, plan: str | Path | Any | None = None, *, recipe: str | None = None,
+def load_model(path: str | Path, plan: str | Path | Plan | None = None, *, recipe: str | None = None,
                context: int | None = None, verify: str = "auto", placement: Placement | None = None,
-               progress: Callable[[str], None] | None = None, route: str | None = None) -> Any:
+               progress: Callable[[str], None] | None = None, route: str | None = None) -> Runtime:
     """Load a quantized (or bf16) checkpoint folder into a `Runtime`. See the module docstring."""
 
 
