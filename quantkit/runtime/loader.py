@@ -390,7 +390,6 @@ def verify_or_refuse(folder: Path, mode: str = "auto") -> None:
 
 
 def load_plan_file(path: str | Path) -> Plan:
-
     p = Path(path)
     try:
         text = p.read_text()
