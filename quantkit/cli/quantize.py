@@ -37,14 +37,16 @@ def _roles_table(rows: list, title: str, measured: bool) -> Table:
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     cols = ["role", "formats", "tensors", "MB before", "MB after", "bits/w"]
     if measured:
-        cols += ["rel. err", "SQNR dB", "s"]
+        cols += ["rel. err", "SQNR dB", "out err", "RTN fb", "s"]
     for c in cols:
         t.add_column(c, justify="left" if c in ("role", "formats") else "right")
     for r in [*rows, total_row(rows)]:
         cells = [r.role, r.formats, str(r.count), _mb(r.in_bytes), _mb(r.out_bytes), f"{r.bits_per_weight:.3f}"]
         if measured:
             cells += ["-" if r.rel_error is None else f"{r.rel_error:.4f}",
-                      "-" if r.sqnr_db is None else f"{r.sqnr_db:.2f}", f"{r.seconds:.1f}"]
+                      "-" if r.sqnr_db is None else f"{r.sqnr_db:.2f}",
+                      "-" if r.out_rel_error is None else f"{r.out_rel_error:.4f}", str(r.fallbacks),
+                      f"{r.seconds:.1f}"]
         t.add_row(*cells, style="bold" if r.role == "total" else None)
     return t
 

@@ -596,7 +596,7 @@ def run_quantize(ckpt: Any, out: Path, opts: QuantizeOptions, progress: Progress
     seconds = time.perf_counter() - t_start
     from quantkit.quantize.report import write_report
 
-    md, js = write_report(opts.report or (out / f"{REPORT_STEM}.md"), plan, stats, seconds, src, out, reused)
+    md, js = write_report(opts.report or (out / f"{REPORT_STEM}.md"), plan, stats, seconds, src, out, reused, cal)
     Manifest(
         shards={sn: journal.done[sn] for sn in names},
         files=files,
