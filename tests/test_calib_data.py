@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_cli
 
 from quantkit.errors import QuantkitError
 from quantkit.quantize.calib_data import MIN_TOKENS, default_documents, load_tokens, read_documents
 from quantkit.runtime.engine import load_tokenizer
+
+from conftest import run_cli
 
 
 @pytest.fixture(scope="module")

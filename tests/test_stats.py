@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from conftest import run_cli
 
 from quantkit.model.checkpoint import Checkpoint
 from quantkit.quantize.calib_data import load_tokens
@@ -20,6 +19,8 @@ from quantkit.quantize.stats import (
     collect_stats,
 )
 from quantkit.runtime.engine import load_tokenizer
+
+from conftest import run_cli
 
 
 def _inputs(tiny_model, n_chunks=3, t=32):
