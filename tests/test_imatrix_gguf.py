@@ -9,10 +9,11 @@ import hashlib
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli
 
 from quantkit.quantize.imatrix import llama_imatrix_array, read_imatrix_gguf, write_imatrix_gguf
 from quantkit.quantize.stats import LM, Stats
+
+from conftest import run_cli
 
 
 @pytest.fixture(scope="module")
