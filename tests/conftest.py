@@ -76,3 +76,17 @@ def tiny_model_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from quantkit.testing.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "mtp", mtp=True, **TINY_KW)
+
+
+@pytest.fixture(scope="session")
+def tiny_stats(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
+    """`quantkit stats` of `tiny_model` on 2048 tokens of the default corpus (chunks of 128, 1/8 held out)."""
+    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.quantize.calib_data import load_tokens
+    from quantkit.quantize.stats import collect_stats
+    from quantkit.runtime.engine import load_tokenizer
+
+    tokens = load_tokens(None, load_tokenizer(tiny_model), chunk_size=128, max_tokens=2048)
+    out = tmp_path_factory.mktemp("stats") / "tiny.stats"
+    collect_stats(Checkpoint.open(tiny_model), tokens, out)
+    return out

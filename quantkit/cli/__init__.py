@@ -21,7 +21,7 @@ console = Console()
 err_console = Console(stderr=True)
 
 # Command modules register on `app` when imported; keep this list in one place.
-_COMMAND_MODULES = ["plan", "tiny", "quantize", "runtime", "export", "serve", "bench", "calibrate"]
+_COMMAND_MODULES = ["plan", "tiny", "quantize", "stats", "runtime", "export", "serve", "bench", "calibrate"]
 
 
 def _register() -> None:

@@ -37,14 +37,16 @@ def _roles_table(rows: list, title: str, measured: bool) -> Table:
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     cols = ["role", "formats", "tensors", "MB before", "MB after", "bits/w"]
     if measured:
-        cols += ["rel. err", "SQNR dB", "s"]
+        cols += ["rel. err", "SQNR dB", "out err", "RTN fb", "s"]
     for c in cols:
         t.add_column(c, justify="left" if c in ("role", "formats") else "right")
     for r in [*rows, total_row(rows)]:
         cells = [r.role, r.formats, str(r.count), _mb(r.in_bytes), _mb(r.out_bytes), f"{r.bits_per_weight:.3f}"]
         if measured:
             cells += ["-" if r.rel_error is None else f"{r.rel_error:.4f}",
-                      "-" if r.sqnr_db is None else f"{r.sqnr_db:.2f}", f"{r.seconds:.1f}"]
+                      "-" if r.sqnr_db is None else f"{r.sqnr_db:.2f}",
+                      "-" if r.out_rel_error is None else f"{r.out_rel_error:.4f}", str(r.fallbacks),
+                      f"{r.seconds:.1f}"]
         t.add_row(*cells, style="bold" if r.role == "total" else None)
     return t
 
@@ -65,6 +67,11 @@ def quantize(
     report: Path = typer.Option(None, "--report", help="report path (.md, with .json beside it); default in --out"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the recipe and sizes; write nothing"),
     max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="output shard size bound"),
+    method: str = typer.Option("rtn", "--method", help="rtn, imatrix (importance-weighted scales) or gptq"),
+    stats_file: Path = typer.Option(None, "--stats", help="statistics from `quantkit stats` (imatrix, gptq; "
+                                    "with rtn: only the report's output error)"),
+    min_fraction: float = typer.Option(0.005, "--min-expert-tokens",
+                                       help="experts routed fewer than this fraction of the tokens get RTN"),
 ) -> None:
     """Quantize a checkpoint, streaming, into an HF-style folder with a manifest."""
     from quantkit.model.checkpoint import Checkpoint, resolve_model
@@ -76,7 +83,11 @@ def quantize(
         fail("--resume and --overwrite exclude each other")
     if out is None and not dry_run:
         fail("--out DIR is required (or --dry-run)")
+    from quantkit.quantize.calibrated import Calibration
+    from quantkit.quantize.stats import Stats
+
     recipe = build_recipe(bits, fmt.lower(), group_size, uniform, override, recipe_file)
+    calibration = Calibration(method.lower(), Stats.open(stats_file) if stats_file else None, min_fraction)
     shard = parse_shard_size(max_shard_size)
     ckpt = Checkpoint.open(resolve_model(src))
     if dry_run:
@@ -98,7 +109,8 @@ def quantize(
             console.print(f"free disk at {out}: {free_bytes(out) / 1e9:.2f} GB; output {plan.out_bytes / 1e9:.2f} GB")
         return
     opts = QuantizeOptions(recipe=recipe, keep_mtp=keep_mtp, max_shard_size=shard,
-                           mode="resume" if resume else "overwrite" if overwrite else "new", report=report)
+                           mode="resume" if resume else "overwrite" if overwrite else "new", report=report,
+                           calibration=calibration if (stats_file or method.lower() != "rtn") else None)
     try:
         with tensor_progress(err_console) as p:
             res = run_quantize(ckpt, out, opts, RichProgress(p, "quantizing"))

@@ -22,6 +22,14 @@ class RoleRow:
     sq_err: float
     sq_ref: float
     seconds: float
+    out_err: float = 0.0
+    out_ref: float = 0.0
+    fallbacks: int = 0
+
+    @property
+    def out_rel_error(self) -> float | None:
+        """||(W - Q(W)) X|| / ||W X|| on held-out calibration activations (None without statistics)."""
+        return math.sqrt(self.out_err / self.out_ref) if self.out_ref > 0 else None
 
     @property
     def bits_per_weight(self) -> float:
@@ -43,7 +51,8 @@ class RoleRow:
         return {"role": self.role, "formats": self.formats, "count": self.count, "params": self.numel,
                 "bytes_before": self.in_bytes, "bytes_after": self.out_bytes,
                 "bits_per_weight": round(self.bits_per_weight, 4),
-                "rel_error": self.rel_error, "sqnr_db": self.sqnr_db, "seconds": round(self.seconds, 3)}
+                "rel_error": self.rel_error, "sqnr_db": self.sqnr_db, "seconds": round(self.seconds, 3),
+                "output_rel_error": self.out_rel_error, "rtn_fallbacks": self.fallbacks}
 
 
 def role_rows(stats: list[Any]) -> list[RoleRow]:
@@ -60,6 +69,9 @@ def role_rows(stats: list[Any]) -> list[RoleRow]:
         r.sq_err += s.sq_err
         r.sq_ref += s.sq_ref
         r.seconds += s.seconds
+        r.out_err += getattr(s, "out_err", 0.0)
+        r.out_ref += getattr(s, "out_ref", 0.0)
+        r.fallbacks += getattr(s, "fallbacks", 0)
     for k, r in rows.items():
         r.formats = ", ".join(sorted(fmts[k]))
     return sorted(rows.values(), key=lambda r: -r.in_bytes)
@@ -68,7 +80,8 @@ def role_rows(stats: list[Any]) -> list[RoleRow]:
 def total_row(rows: list[RoleRow]) -> RoleRow:
     return RoleRow("total", "", sum(r.count for r in rows), sum(r.numel for r in rows),
                    sum(r.in_bytes for r in rows), sum(r.out_bytes for r in rows),
-                   sum(r.sq_err for r in rows), sum(r.sq_ref for r in rows), sum(r.seconds for r in rows))
+                   sum(r.sq_err for r in rows), sum(r.sq_ref for r in rows), sum(r.seconds for r in rows),
+                   sum(r.out_err for r in rows), sum(r.out_ref for r in rows), sum(r.fallbacks for r in rows))
 
 
 def _fmt_err(x: float | None, digits: int = 4) -> str:
@@ -76,7 +89,7 @@ def _fmt_err(x: float | None, digits: int = 4) -> str:
 
 
 def write_report(md_path: Path, plan: Any, stats: list[Any], seconds: float, src: Path, out: Path,
-                 reused: list[str]) -> tuple[Path, Path]:
+                 reused: list[str], calibration: dict[str, Any] | None = None) -> tuple[Path, Path]:
     """Write `md_path` and the JSON beside it (same stem). Atomic; returns both paths."""
     md_path = Path(md_path)
     if md_path.suffix.lower() == ".json":
@@ -100,6 +113,7 @@ def write_report(md_path: Path, plan: Any, stats: list[Any], seconds: float, src
         "roles": [r.to_dict() for r in rows],
         "total": tot.to_dict(),
         "fallbacks": {t.name: t.note for t in plan.tensors if t.note},
+        "calibration": calibration,
         "tensors": [s.to_dict() | {"rel_error": s.rel_error if s.sq_ref else None,
                                    "sqnr_db": s.sqnr_db if s.sq_err else None} for s in stats],
     }
@@ -115,18 +129,30 @@ def write_report(md_path: Path, plan: Any, stats: list[Any], seconds: float, src
         f"- time: {seconds:.1f} s" + (f" ({in_mb / seconds:.1f} MB/s of input)" if seconds > 0 else "")
         + (f"; {len(reused)} shards reused from an interrupted run (their time is that run's)" if reused else ""),
         "",
-        "| role | formats | tensors | MB before | MB after | bits/weight | rel. error | SQNR dB | seconds |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    if calibration:
+        lines[-1:-1] = [f"- method: `{calibration.get('method')}`"
+                        + (f", statistics of {calibration['tokens']:,} tokens from `{calibration.get('data_source')}` "
+                           f"(data sha256 {str(calibration.get('data_fingerprint'))[:16]}...)"
+                           if calibration.get("tokens") else "")
+                        + f"; {tot.fallbacks} matrices rounded to nearest instead"]
+    lines += [
+        "| role | formats | tensors | MB before | MB after | bits/weight | rel. error | SQNR dB | output rel. error "
+        "(held-out) | RTN fallbacks | seconds |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in [*rows, tot]:
         lines.append(
             f"| {r.role} | {r.formats} | {r.count} | {r.in_bytes / 1e6:.2f} | {r.out_bytes / 1e6:.2f} | "
-            f"{r.bits_per_weight:.3f} | {_fmt_err(r.rel_error)} | {_fmt_err(r.sqnr_db, 2)} | {r.seconds:.2f} |"
+            f"{r.bits_per_weight:.3f} | {_fmt_err(r.rel_error)} | {_fmt_err(r.sqnr_db, 2)} | "
+            f"{_fmt_err(r.out_rel_error)} | {r.fallbacks} | {r.seconds:.2f} |"
         )
     if data["fallbacks"]:
         lines += ["", "Fallbacks:", ""] + [f"- `{k}`: {v}" for k, v in data["fallbacks"].items()]
     lines += ["", "Errors are of the dequantized weights against the source weights, pooled over each role "
-              "(rel. error = ||W - Q(W)||_F / ||W||_F; SQNR = 10 log10(||W||^2 / ||W - Q(W)||^2)).", ""]
+              "(rel. error = ||W - Q(W)||_F / ||W||_F; SQNR = 10 log10(||W||^2 / ||W - Q(W)||^2)). The output "
+              "error, with --stats, is ||(W - Q(W)) X|| / ||W X|| on the statistics' held-out tokens X (routed "
+              "experts: every held-out token through every expert).", ""]
     atomic_write_bytes(md_path, "\n".join(lines).encode())
     atomic_write_bytes(js_path, (json.dumps(data, indent=2) + "\n").encode())
     return md_path, js_path

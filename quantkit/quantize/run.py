@@ -40,6 +40,7 @@ from quantkit.model.checkpoint import Checkpoint, check_finite
 from quantkit.model.contract import INDEX_NAME, QUANT_METHOD, QUANT_VERSION
 from quantkit.model.spec import Role, TensorSpec, role_of
 from quantkit.progress import NoProgress, Progress
+from quantkit.quantize.calibrated import Calibration
 from quantkit.quantize.manifest import (
     JOURNAL_NAME,
     MANIFEST_NAME,
@@ -178,8 +179,9 @@ def make_plan(tensors: list[TensorSpec], recipe: Recipe, keep_mtp: bool = False,
     return QuantPlan(recipe, planned, shards, dropped, keep_mtp, max_shard_size)
 
 
-def quantization_config(plan: QuantPlan) -> dict[str, Any]:
-    """config.json["quantization_config"] for the plan (the checkpoint contract)."""
+def quantization_config(plan: QuantPlan, calibration: dict[str, Any] | None = None) -> dict[str, Any]:
+    """config.json["quantization_config"] for the plan (the checkpoint contract); `calibration` is the
+    method, data and fallbacks of a calibrated run."""
     tensors = {}
     for t in plan.tensors:
         if t.spec is not None:
@@ -191,18 +193,20 @@ def quantization_config(plan: QuantPlan) -> dict[str, Any]:
         "recipe": plan.recipe.to_dict(),
         "mtp": "kept" if plan.keep_mtp else ("dropped" if plan.dropped else "absent"),
         "fallbacks": {t.name: t.note for t in plan.tensors if t.note},
+        **({"calibration": calibration} if calibration else {}),
         "tensors": tensors,
     }
 
 
-def output_config(src_config: dict[str, Any], plan: QuantPlan) -> dict[str, Any]:
+def output_config(src_config: dict[str, Any], plan: QuantPlan,
+                  calibration: dict[str, Any] | None = None) -> dict[str, Any]:
     cfg = copy.deepcopy(src_config)
     if plan.dropped:
         # The folder holds no MTP weights: say so, so loaders and the planner do not look for them.
         text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
         if "mtp_num_hidden_layers" in text:
             text["mtp_num_hidden_layers"] = 0
-    cfg["quantization_config"] = quantization_config(plan)
+    cfg["quantization_config"] = quantization_config(plan, calibration)
     return cfg
 
 
@@ -220,6 +224,9 @@ class TensorStats:
     sq_ref: float = 0.0
     seconds: float = 0.0
     note: str = ""
+    out_err: float = 0.0  # squared output error on held-out calibration activations (with --stats)
+    out_ref: float = 0.0
+    fallbacks: int = 0  # matrices (experts) rounded to nearest instead of by the calibrated method
 
     @property
     def rel_error(self) -> float:
@@ -234,11 +241,12 @@ class TensorStats:
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "role": self.role, "format": self.format, "numel": self.numel,
                 "in_bytes": self.in_bytes, "out_bytes": self.out_bytes, "sq_err": self.sq_err,
-                "sq_ref": self.sq_ref, "seconds": self.seconds, "note": self.note}
+                "sq_ref": self.sq_ref, "seconds": self.seconds, "note": self.note, "out_err": self.out_err,
+                "out_ref": self.out_ref, "fallbacks": self.fallbacks}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TensorStats:
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
 def _sum_sq(x: torch.Tensor) -> float:
@@ -265,10 +273,14 @@ class QuantizeOptions:
     report: Path | None = None
     slab_bytes: int = DEFAULT_SLAB_BYTES
     check_finite: bool = True
+    calibration: Calibration | None = None  # --method/--stats (quantize/calibrated.py); None: plain RTN
 
     def fingerprint_data(self) -> dict[str, Any]:
         """What the output bytes depend on (not mode/report/slab size: those do not change them)."""
-        return {"recipe": self.recipe.to_dict(), "keep_mtp": self.keep_mtp, "max_shard_size": self.max_shard_size}
+        d = {"recipe": self.recipe.to_dict(), "keep_mtp": self.keep_mtp, "max_shard_size": self.max_shard_size}
+        if self.calibration is not None and self.calibration.method != "rtn":
+            d["calibration"] = self.calibration.fingerprint_data()
+        return d
 
 
 @dataclass
@@ -401,7 +413,7 @@ def _quantize_tensor(ckpt: Checkpoint, tp: TensorPlan, writer: ShardWriter, opts
         _check_shape(tp, w)
         if opts.check_finite:
             check_finite(tp.name, w)
-        _emit(tp, w, 0, writer, st)
+        _emit(tp, w, 0, writer, st, opts.calibration)
         progress.advance(tp.name, tp.in_bytes, False)
     elif mode == "experts":
         for e0 in range(0, tp.shape[0], n):
@@ -409,7 +421,7 @@ def _quantize_tensor(ckpt: Checkpoint, tp: TensorPlan, writer: ShardWriter, opts
             _check_shape(tp, w, lead=(min(n, tp.shape[0] - e0),))
             if opts.check_finite:
                 check_finite(tp.name, w)
-            _emit(tp, w, e0, writer, st)
+            _emit(tp, w, e0, writer, st, opts.calibration)
             progress.advance(tp.name, w.numel() * w.element_size(), False)
             del w
     else:
@@ -419,7 +431,7 @@ def _quantize_tensor(ckpt: Checkpoint, tp: TensorPlan, writer: ShardWriter, opts
             check_finite(tp.name, full)
         for r0 in range(0, tp.shape[0], n):
             w = full[r0:r0 + n]
-            _emit(tp, w, r0, writer, st)
+            _emit(tp, w, r0, writer, st, opts.calibration)
             progress.advance(tp.name, w.numel() * w.element_size(), False)
         del full
     st.seconds = time.perf_counter() - t0
@@ -433,17 +445,28 @@ def _check_shape(tp: TensorPlan, w: torch.Tensor, lead: tuple[int, ...] | None =
         raise QuantkitError(f"{tp.name}: the checkpoint gives shape {tuple(w.shape)}, its header says {want}")
 
 
-def _emit(tp: TensorPlan, w: torch.Tensor, start: int, writer: ShardWriter, st: TensorStats) -> None:
+def _emit(tp: TensorPlan, w: torch.Tensor, start: int, writer: ShardWriter, st: TensorStats,
+          cal: Calibration | None = None) -> None:
     """Quantize (or keep) one block along dim 0 and write it at row `start` of each part."""
     if tp.spec is None:
         writer.write(tp.name, w.to(_torch_dtype(tp.dtype)), start)
         return
     fmt = get_format(tp.spec.format)
-    parts = fmt.quantize(w, tp.spec)
+    if cal is None:
+        parts = fmt.quantize(w, tp.spec)
+    else:
+        parts, fallbacks, why = cal.quantize(tp.name, w, start, tp.spec)
+        st.fallbacks += fallbacks
+        if fallbacks and why:
+            st.note = "; ".join(dict.fromkeys(filter(None, [*st.note.split("; "), f"round-to-nearest: {why}"])))
     deq = fmt.dequantize(parts, tp.spec, tuple(w.shape), torch.float32)
     e, r = _error_sums(w, deq)
     st.sq_err += e
     st.sq_ref += r
+    if cal is not None and len(tp.shape) >= 2:
+        oe, orf = cal.output_error(tp.name, deq, w, start)  # deq now holds the error
+        st.out_err += oe
+        st.out_ref += orf
     del deq
     a_of = {o.name: o for o in tp.outputs}
     for suffix, p in parts.items():
@@ -462,6 +485,8 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
     t_start = time.perf_counter()
     src = Path(ckpt.path)
     plan = make_plan(list(ckpt.canonical()), opts.recipe, opts.keep_mtp, opts.max_shard_size)
+    if opts.calibration is not None and opts.calibration.stats is not None:
+        opts.calibration.stats.check_model(ckpt)
     _prepare_out(src, out, opts.mode)
     layouts = plan.layouts()
     names = plan.shard_names
@@ -540,14 +565,18 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
     index = {"metadata": {"total_size": sum(lay.data_bytes for lay in layouts), "format": "quantkit"},
              "weight_map": dict(sorted(plan.weight_map().items()))}
     atomic_write_json(out / INDEX_NAME, index)
-    atomic_write_json(out / "config.json", output_config(ckpt.config, plan))
+    stats = [s for sn in names for s in stats_by_shard[sn]]
+    cal = None
+    if opts.calibration is not None:
+        cal = {**opts.calibration.config(),
+               "rtn_fallbacks": {s.name: {"matrices": s.fallbacks, "why": s.note} for s in stats if s.fallbacks}}
+    atomic_write_json(out / "config.json", output_config(ckpt.config, plan, cal))
     for n in (INDEX_NAME, "config.json"):
         files[n] = file_entry(out / n)
-    stats = [s for sn in names for s in stats_by_shard[sn]]
     seconds = time.perf_counter() - t_start
     from quantkit.quantize.report import write_report
 
-    md, js = write_report(opts.report or (out / f"{REPORT_STEM}.md"), plan, stats, seconds, src, out, reused)
+    md, js = write_report(opts.report or (out / f"{REPORT_STEM}.md"), plan, stats, seconds, src, out, reused, cal)
     Manifest(
         shards={sn: journal.done[sn] for sn in names},
         files=files,

@@ -1,0 +1,47 @@
+"""`quantkit stats`: parse, call quantkit.quantize.stats (and the imatrix export), render."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from quantkit.cli import app, console, err_console
+from quantkit.cli.progress import RichProgress, tensor_progress
+
+
+@app.command()
+def stats(
+    src: str = typer.Argument(..., help="bf16 checkpoint folder (or a model in the local HF cache)"),
+    out: Path = typer.Option(..., "--out", "-o", help="statistics file to write (safetensors)"),
+    data: Path = typer.Option(None, "--data", help="JSONL of chats or a plain-text file; default: quantkit's corpus"),
+    max_tokens: int = typer.Option(16384, "--max-tokens", help="calibration tokens to use at most"),
+    chunk_size: int = typer.Option(512, "--chunk-size", help="tokens per sequence (llama.cpp's imatrix chunk)"),
+    heldout: float = typer.Option(0.125, "--heldout", help="fraction of chunks held out for measuring"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out file"),
+    imatrix: Path = typer.Option(None, "--imatrix", help="also write a llama.cpp imatrix GGUF here"),
+) -> None:
+    """Collect activation statistics (Hessians, imatrix, routing counts), one decoder layer at a time;
+    an interrupted run resumes when run again with the same arguments."""
+    from quantkit.model.checkpoint import Checkpoint, resolve_model
+    from quantkit.quantize.calib_data import load_tokens
+    from quantkit.quantize.stats import collect_stats
+    from quantkit.runtime.engine import load_tokenizer
+
+    folder = resolve_model(src)
+    ckpt = Checkpoint.open(folder)
+    tok = load_tokenizer(folder)
+    tokens = load_tokens(data, tok, chunk_size, max_tokens)
+    console.print(f"calibration data {tokens.source}: {tokens.total_tokens:,} tokens, using {tokens.n_tokens:,} "
+                  f"in {tokens.chunks.shape[0]} chunks of {chunk_size}")
+    with tensor_progress(err_console) as p:
+        res = collect_stats(ckpt, tokens, out, heldout, overwrite, RichProgress(p, "stats"))
+    if res.resumed_layers:
+        console.print(f"resumed after {res.resumed_layers} finished layers")
+    console.print(f"{out}: statistics of {res.layers} layers from {res.n_tokens:,} tokens "
+                  f"(+{res.n_heldout:,} held out) in {res.seconds:.1f} s")
+    if imatrix is not None:
+        from quantkit.quantize.imatrix import write_imatrix_gguf
+
+        write_imatrix_gguf(out, imatrix, ckpt=ckpt, overwrite=overwrite)
+        console.print(f"{imatrix}: llama.cpp imatrix (GGUF)")
