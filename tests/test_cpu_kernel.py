@@ -268,3 +268,16 @@ def test_corrupt_cached_module_is_rebuilt(tmp_path):
     p = run_probe({"QUANTKIT_KERNEL_CACHE": str(d.parent)})
     assert route_line(p).startswith("ROUTE quantkit qk int4") and route_line(p).endswith("True")
     assert "CPU kernel unavailable" not in p.stderr
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_repack_in_chunks_matches_one_piece(monkeypatch, spec):
+    """Large matrices (the lm_head) are repacked a few thousand rows at a time: chunk edges that fall
+    inside the padding or mid-matrix give the same tiles."""
+    w = (torch.randn(100, 256, generator=torch.Generator().manual_seed(2)) * 0.02).to(torch.bfloat16)
+    parts = get_format(spec.format).quantize(w, spec)
+    whole = prepare(parts, spec, (100, 256))
+    monkeypatch.setattr(cpu_kernel, "_REPACK_ROWS", 32)
+    chunked = prepare(parts, spec, (100, 256))
+    for a, b in zip(whole.tensors(), chunked.tensors(), strict=True):
+        assert torch.equal(a, b)

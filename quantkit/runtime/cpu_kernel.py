@@ -187,29 +187,40 @@ def _pad_rows(t: torch.Tensor, rows: int, value: int | float) -> torch.Tensor:
     return torch.cat([t, pad])
 
 
+# rows repacked per step: the temporaries stay a few MB even for a 248k-row lm_head
+_REPACK_ROWS = 4096
+
+
 def repack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """codes uint8 [N, K] (0..15), scales/zeros [N, K/g] -> the kernel's tiles (see qk_cpu.cpp)."""
     n, k = codes.shape
     nt = -(-n // TILE)
     ng = scales.shape[1]
-    q = _pad_rows(codes.to(torch.uint8), nt * TILE, 8).view(nt, TILE, k // BLOCK, 4, 2, 4)
-    qw = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4).contiguous().view(-1)
+    qw = torch.empty(nt, k // BLOCK, 4, TILE, 4, dtype=torch.uint8)
+    for r0 in range(0, nt * TILE, _REPACK_ROWS):
+        r1 = min(nt * TILE, r0 + _REPACK_ROWS)
+        q = codes[r0:min(r1, n)].to(torch.uint8)
+        q = _pad_rows(q, r1 - r0, 8).view(-1, TILE, k // BLOCK, 4, 2, 4)
+        qw[r0 // TILE:r1 // TILE] = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)
 
     def tiles(s: torch.Tensor) -> torch.Tensor:
         return _pad_rows(s.to(torch.bfloat16), nt * TILE, 0).view(nt, TILE, ng).transpose(1, 2).contiguous()
 
-    return qw, tiles(scales), tiles(zeros) if zeros is not None else None
+    return qw.view(-1), tiles(scales), tiles(zeros) if zeros is not None else None
 
 
 def repack_int8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q int8 [N, K], per-row scales [N] -> (codes + 128 as uint8 tiles, fp32 scales [NT*16])."""
     n, k = q.shape
     nt = -(-n // TILE)
-    u = (q.to(torch.int16) + 128).to(torch.uint8)
-    u = _pad_rows(u, nt * TILE, 128).view(nt, TILE, k // BLOCK, 8, 4)
-    qw = u.permute(0, 2, 3, 1, 4).contiguous().view(-1)
-    return qw, _pad_rows(scales.float().reshape(-1), nt * TILE, 0.0).contiguous()
+    qw = torch.empty(nt, k // BLOCK, 8, TILE, 4, dtype=torch.uint8)
+    for r0 in range(0, nt * TILE, _REPACK_ROWS):
+        r1 = min(nt * TILE, r0 + _REPACK_ROWS)
+        u = q[r0:min(r1, n)].contiguous().view(torch.uint8) ^ 0x80  # two's complement + 128
+        u = _pad_rows(u, r1 - r0, 128).view(-1, TILE, k // BLOCK, 8, 4)
+        qw[r0 // TILE:r1 // TILE] = u.permute(0, 2, 3, 1, 4)
+    return qw.view(-1), _pad_rows(scales.float().reshape(-1), nt * TILE, 0.0).contiguous()
 
 
 def supports(fmt: str, shape: tuple[int, ...], device: torch.device) -> bool:
