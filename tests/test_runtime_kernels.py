@@ -11,6 +11,7 @@ from quantkit.runtime.kernels import (
     DequantKernel,
     Int4Kernel,
     Int8Kernel,
+    QKernel,
     mxfp4_to_int4x2,
     prepare,
     reference_matmul,
@@ -28,7 +29,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.format}-g{s.group_size}-{'s' if s.symmetric else 'a'}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("route", [None, "dequant"])
+@pytest.mark.parametrize("route", [None, "dequant", "torch"])
 def test_kernel_matches_dequantize_then_matmul(spec, shape, route):
     g = torch.Generator().manual_seed(hash((spec.format, shape)) & 0xFFFF)
     w = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
@@ -39,17 +40,27 @@ def test_kernel_matches_dequantize_then_matmul(spec, shape, route):
         y = k(x)
         assert y.shape == (m, shape[0]) and y.dtype == torch.bfloat16
         ref = reference_matmul(x, parts, spec, shape)
-        # bf16 activations and outputs: ~2^-8 per element; the packed kernels may also round scales to bf16
-        assert rel(y, ref) < 1e-2, (k.route, m)
+        # bf16 activations and outputs: ~2^-8 per element; the packed kernels may also round scales to bf16.
+        # quantkit's CPU kernel rounds activations to int8 per block of 32 (about 0.6% rms per element on
+        # Gaussian inputs): 2e-2 leaves room for 4-output rows
+        tol = 2e-2 if isinstance(k, QKernel) else 1e-2
+        assert rel(y, ref) < tol, (k.route, m)
 
 
 def test_routes_on_cpu():
-    """Which kernel each format gets on a CPU: the packed torch ops, never the slow fallback."""
+    """Which kernel each format gets on a CPU: quantkit's C++ kernel for int4/int8 where it is built,
+    else (and with route="torch") the packed torch ops, never the slow fallback."""
+    from quantkit.runtime import cpu_kernel
+
     shape = (64, 128)
     w = torch.randn(shape).to(torch.bfloat16)
+    for f in ("int4", "int8"):
+        spec = QuantSpec(f, 32 if f == "int4" else None)
+        k = prepare(get_format(f).quantize(w, spec), spec, shape)
+        assert isinstance(k, QKernel) == cpu_kernel.available(), k.route
     kinds = {}
     for spec in SPECS:
-        kinds[spec.format] = prepare(get_format(spec.format).quantize(w, spec), spec, shape)
+        kinds[spec.format] = prepare(get_format(spec.format).quantize(w, spec), spec, shape, route="torch")
     assert isinstance(kinds["int8"], Int8Kernel) and kinds["int8"].route == "torch._weight_int8pack_mm"
     assert isinstance(kinds["int4"], Int4Kernel) and "_weight_int4pack_mm_for_cpu" in kinds["int4"].route
     assert isinstance(kinds["mxfp4"], Int4Kernel) and kinds["mxfp4"].route.startswith("mxfp4 as exact int4 pair")
@@ -83,7 +94,7 @@ def test_int4_padding_rows_are_exact_zeros():
     w = torch.randn(4, 64).to(torch.bfloat16)
     spec = QuantSpec("int4", 64)
     parts = get_format("int4").quantize(w, spec)
-    k = prepare(parts, spec, (4, 64))
+    k = prepare(parts, spec, (4, 64), route="torch")
     x = torch.randn(3, 64).to(torch.bfloat16)
     assert k(x).shape == (3, 4)
     assert rel(k(x), reference_matmul(x, parts, spec, (4, 64))) < 1e-2
@@ -111,4 +122,5 @@ def test_parts_at_any_byte_offset(spec):
         shifted[name] = buf[8:].view(t.dtype).view(t.shape)
         assert shifted[name].data_ptr() % 16 == 8
     x = torch.randn(5, shape[1], generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    assert rel(prepare(shifted, spec, shape)(x), reference_matmul(x, parts, spec, shape)) < 1e-2
+    k = prepare(shifted, spec, shape)
+    assert rel(k(x), reference_matmul(x, parts, spec, shape)) < (2e-2 if isinstance(k, QKernel) else 1e-2)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from quantkit.cli import app, console
+from quantkit.cli import app, console, fail
 
 bench_app = typer.Typer(help="Benchmarks that write reports/ (markdown + json).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
@@ -52,6 +52,18 @@ def bench_serve(
     console.print(f"wrote {reports / 'bench-serve.md'}")
 
 
+def _threads(n: int | None) -> int:
+    """--threads checked (one-line error for 0 or more than this machine has); default every physical core."""
+    from quantkit.errors import QuantkitError
+    from quantkit.runtime.threads import resolve_threads
+
+    try:
+        return resolve_threads(n)
+    except QuantkitError as e:
+        fail(str(e))
+        raise
+
+
 @bench_app.command("engines")
 def bench_engines(
     reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-engines.{md,json} go"),
@@ -60,13 +72,14 @@ def bench_engines(
     experts: int = typer.Option(64, "--experts", help="experts per layer of the generated checkpoint"),
     top_k: int = typer.Option(8, "--top-k", help="experts per token"),
     vocab: int = typer.Option(248320, "--vocab", help="vocabulary (embedding and lm_head rows)"),
-    threads: int = typer.Option(None, "--threads", help="threads for both engines (default: torch's)"),
+    threads: int = typer.Option(None, "--threads", help="threads for both engines [default: every physical core]"),
     reps: int = typer.Option(2, "--reps", help="decode repetitions per engine (best is reported)"),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="use this bf16 checkpoint instead"),
 ) -> None:
     """llama.cpp on our GGUF export beside quantkit's runtime: decode tok/s and error vs bf16, same bits."""
     from quantkit.bench.engines import run
 
+    threads = _threads(threads)
     d = run(reports, workdir, layers, experts, top_k, vocab, checkpoint, threads, reps, log=console.print)
     console.print(f"wrote {reports / 'bench-engines.md'} ({d['seconds']:.0f} s)")
 
@@ -81,7 +94,7 @@ def bench_decode(
     decode: int = typer.Option(16, "--decode", help="greedy decode steps per repetition"),
     reps: int = typer.Option(1, "--reps", help="timed repetitions per process (best is kept)"),
     rounds: int = typer.Option(2, "--rounds", help="interleaved rounds over the configurations (best is kept)"),
-    threads: int = typer.Option(None, "--threads", help="torch threads in every run (default: torch's)"),
+    threads: int = typer.Option(None, "--threads", help="torch threads in every run [default: every physical core]"),
     configs: str = typer.Option(None, "--configs", help="comma-separated subset of the configurations"),
     vocab: int = typer.Option(None, "--vocab", help="vocabulary of the generated checkpoint (default: the tiny "
                               "tokenizer's; 248320 is the real model's)"),
@@ -89,6 +102,7 @@ def bench_decode(
     """Prefill/decode tok/s and peak RSS per format beside transformers bf16, the planner and the bandwidth bound."""
     from quantkit.bench.decode import CONFIGS, run
 
+    threads = _threads(threads)
     names = [c.strip() for c in configs.split(",") if c.strip()] if configs else None
     unknown = [c for c in names or [] if c not in CONFIGS]
     if unknown:

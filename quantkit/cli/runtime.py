@@ -18,11 +18,15 @@ _CONTEXT = typer.Option(None, "--context", help="context length to plan for [def
 _VERIFY = typer.Option("auto", "--verify", help="check a quantized folder first: auto (hash shards under 4 GB), "
                        "full, quick (sizes and headers), off")
 _MAX_NEW = "--max-new-tokens"
+_THREADS = typer.Option(None, "--threads", help="CPU threads [default: every physical core]")
 
 
-def _load(model: str, plan: Path | None, recipe: str | None, context: int | None, verify: str):
+def _load(model: str, plan: Path | None, recipe: str | None, context: int | None, verify: str,
+          threads: int | None = None):
     from quantkit.runtime import load_model
+    from quantkit.runtime.threads import set_threads
 
+    set_threads(threads)
     if verify not in ("auto", "full", "quick", "off"):
         raise QuantkitError(f"--verify {verify!r}: use auto, full, quick or off")
     with err_console.status(f"loading {model}") as st:
@@ -47,6 +51,7 @@ def generate_cmd(
     as_json: bool = typer.Option(False, "--json", help="one JSON object: text, thinking, token counts, tok/s, "
                                  "finish reason"),
     plan: Path = _PLAN, recipe: str = _RECIPE, context: int = _CONTEXT, verify: str = _VERIFY,
+    threads: int = _THREADS,
 ) -> None:
     """Generate one reply for scripts (plain text, or --json)."""
     from quantkit.runtime import SamplingParams
@@ -65,7 +70,7 @@ def generate_cmd(
         sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             max_new_tokens=max_new_tokens)
         sp.validate()
-        rt = _load(model, plan, recipe, context, verify)
+        rt = _load(model, plan, recipe, context, verify, threads)
         msgs = ([{"role": "system", "content": sys_prompt}] if sys_prompt else []) + \
             [{"role": "user", "content": prompt}]
         resp = None
@@ -113,6 +118,7 @@ def chat_cmd(
     think: bool = typer.Option(True, "--think/--no-think"),
     load: Path = typer.Option(None, "--load", help="start from a conversation saved with /save"),
     plan: Path = _PLAN, recipe: str = _RECIPE, context: int = _CONTEXT, verify: str = _VERIFY,
+    threads: int = _THREADS,
 ) -> None:
     """Talk to the model: streamed replies, thinking shown apart, /help for commands."""
     try:
@@ -135,7 +141,7 @@ def chat_cmd(
                 session = ChatSession.from_json(load.read_text(), str(load))
             except OSError as e:
                 raise QuantkitError(f"{load}: cannot read ({e.strerror})") from None
-        rt = _load(model, plan, recipe, context, verify)
+        rt = _load(model, plan, recipe, context, verify, threads)
         Chat(rt, session, sp, console).run()
     except QuantkitError as e:
         fail(str(e))

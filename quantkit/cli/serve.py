@@ -46,6 +46,7 @@ def serve(
     default_max_tokens: int = typer.Option(None, "--default-max-tokens",
                                            help="max_tokens when a request gives none (default: rest of context)"),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
+    threads: int = typer.Option(None, "--threads", help="CPU threads [default: every physical core]"),
 ) -> None:
     """Serve MODEL_DIR on an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models, /health)."""
     if max_queue < 1:
@@ -53,6 +54,13 @@ def serve(
     if not 0 <= port <= 65535:
         fail(f"--port {port}: must be 0..65535")
     body_limit = parse_size(max_body)
+    from quantkit.errors import QuantkitError
+    from quantkit.runtime.threads import set_threads
+
+    try:
+        set_threads(threads)
+    except QuantkitError as e:
+        fail(str(e))
     if not is_loopback(host):
         err_console.print(f"[bold yellow]warning:[/] binding to {host}, beyond this machine's loopback: the server "
                           f"has no authentication, so anyone who can reach port {port} can use the model. "

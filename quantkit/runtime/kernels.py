@@ -7,6 +7,10 @@ tested against.
 
 Routes (the first that applies):
 - bf16 (kept tensors): `F.linear`.
+- int4 and int8 on a CPU with AVX2 or AVX512-VNNI: quantkit's own C++ kernel (`QKernel`, built at
+  set-up: runtime/cpu_kernel.py, csrc/qk_cpu.cpp), int8 activations against the stored codes, repacked
+  once at load into 16-row tiles; the torch routes below stay where it is missing or switched off
+  (`QUANTKIT_CPU_KERNEL=off`), or `route="torch"`.
 - int8: `torch._weight_int8pack_mm` (CPU; CUDA where torch has it, else dequantize-on-the-fly).
 - int4: CPU `_convert_weight_to_int4pack_for_cpu` at load + `_weight_int4pack_mm_for_cpu`; CUDA
   `_convert_weight_to_int4pack` + `_weight_int4pack_mm` (tinygemm). The stored codes/scales already
@@ -189,6 +193,55 @@ class Int4Kernel(Kernel):
         return [self.packed, self.sz]
 
 
+class QKernel(Kernel):
+    """quantkit's C++ CPU kernel on int4 (any group, symmetric or not) or int8 codes repacked at load
+    (runtime/cpu_kernel.py). `mat` is what the fused MoE call (QuantExperts) reads for this matrix."""
+
+    def __init__(self, fmt: str, n: int, k: int, qw: torch.Tensor, scales: torch.Tensor,
+                 zeros: torch.Tensor | None, group: int):
+        from quantkit.runtime import cpu_kernel
+
+        self._mod = cpu_kernel.module()
+        assert self._mod is not None, "QKernel needs the compiled CPU kernel"
+        self.route = f"quantkit qk {fmt} ({cpu_kernel.isa_name()}, int8 activations)"
+        self.fmt_bits = 4 if fmt == "int4" else 8
+        self.out_features, self.in_features = n, k
+        self.group = group
+        self.device = torch.device("cpu")
+        self.qw, self.scales, self.zeros = qw, scales, zeros
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._mod.linear(x, self.qw, self.scales, self.zeros, self.fmt_bits, self.group, self.out_features)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def descriptor(self) -> list[int]:
+        """(qw, scales, zeros pointers, bits, group, out, in, 0): one row of qk_moe's table."""
+        z = self.zeros.data_ptr() if self.zeros is not None else 0
+        return [self.qw.data_ptr(), self.scales.data_ptr(), z, self.fmt_bits, self.group, self.out_features,
+                self.in_features, 0]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.qw, self.scales] + ([self.zeros] if self.zeros is not None else [])
+
+
+def qkernel(parts: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, int]) -> QKernel | None:
+    """The C++ kernel for an int4/int8 matrix on the CPU, or None where it does not apply."""
+    from quantkit.runtime import cpu_kernel
+
+    dev = next(iter(parts.values())).device
+    if not cpu_kernel.supports(spec.format, shape, dev):
+        return None
+    n, k = shape
+    if spec.format == "int8":
+        qw, s = cpu_kernel.repack_int8(parts["qweight"], parts["scales"])
+        return QKernel("int8", n, k, qw, s, None, 0)
+    from quantkit.formats.int4 import codes
+
+    g = spec.group_size or 128
+    qw, s, z = cpu_kernel.repack_int4(codes(parts), parts["scales"], parts.get("zeros"))
+    return QKernel("int4", n, k, qw, s, z, g)
+
+
 class Bnb4Kernel(Kernel):
     """bitsandbytes nf4/fp4 from our stored bytes (bitsandbytes' own layout)."""
 
@@ -285,7 +338,8 @@ def mxfp4_to_int4x2(parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch
 def prepare(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | None, shape: tuple[int, ...],
             route: str | None = None) -> Kernel:
     """The kernel for one matrix whose parts already sit on their device. `route` forces a route
-    ("dequant" for the generic fallback), for tests and benchmarks."""
+    ("dequant" for the generic fallback, "torch" for torch's packed ops instead of quantkit's CPU
+    kernel), for tests and benchmarks."""
     if len(shape) != 2:
         raise QuantkitError(f"prepare takes one matrix [out, in]; got shape {list(shape)}")
     if spec is None:
@@ -295,6 +349,10 @@ def prepare(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | Non
     if route == "dequant":
         return DequantKernel(parts, spec, shape)
     f = spec.format
+    if f in ("int4", "int8") and route != "torch":
+        qk = qkernel(parts, spec, (shape[0], shape[1]))
+        if qk is not None:
+            return qk
     if f == "int8":
         return Int8Kernel(parts["qweight"], parts["scales"])
     if f == "int4":
@@ -310,7 +368,7 @@ def prepare(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | Non
             return Bnb4Kernel(parts, spec, shape)
         return DequantKernel(parts, spec, shape)
     if f == "mxfp4":
-        if (route or MXFP4_ROUTE) == "int4x2":
+        if (MXFP4_ROUTE if route in (None, "torch") else route) == "int4x2":
             c, s = mxfp4_to_int4x2(parts)
             try:
                 k = Int4Kernel(c, s, None, 32, in_features=shape[1], dup_input=2)

@@ -1,0 +1,545 @@
+// quantkit's CPU kernels for 4-bit and 8-bit weights at decode batch sizes.
+//
+// Why our own: torch 2.13's `_weight_int4pack_mm_for_cpu` is compute-bound at batch 1 (25-37 GMAC/s on
+// 2 threads, bf16 activations) and a MoE layer costs 16 such calls plus ~50 small ops from Python;
+// kt-kernel's workers spin against torch's OpenMP pool (REFERENCE.md section 5). Here activations are
+// quantized to int8 per block of 32 (one fp32 scale per block, as GGUF's Q8_0) and dotted against the
+// stored codes with VNNI (`vpdpbusd`: u8 codes x s8 activations) or AVX2 (`vpmaddubsw`), on torch's own
+// thread pool (at::parallel_for), and the k routed experts of a MoE layer run in one call.
+//
+// Weight layout (made once at load by quantkit/runtime/cpu_kernel.py; the stored formats are unchanged):
+// rows in tiles of 16 (padded with zero-scale rows), K in blocks of 32.
+// - int4: qw uint8 [NT, K/32, 4, 16, 4]: byte (t, b, c, r, i) holds code(16t+r, 32b+8c+i) in its low
+//   nibble and code(16t+r, 32b+8c+4+i) in its high nibble; scales (and zeros, asymmetric) bf16
+//   [NT, K/g, 16]; w = (q - 8) * scale + zero, quantkit's int4 convention.
+// - int8: qw uint8 [NT, K/32, 8, 16, 4]: byte (t, b, c, r, i) = q(16t+r, 32b+4c+i) + 128; scales fp32
+//   [NT*16]; w = q * scale.
+// For one 16-row tile and one 32-block the 4 (int4) or 8 (int8) 64-byte rows are each one zmm: lane r
+// holds 4 consecutive codes of row r, multiplied by the same 4 activation bytes broadcast to all lanes.
+// The +8 / +128 offsets of the unsigned codes are removed with the block's activation sum.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int kTile = 16;
+constexpr int kBlock = 32;
+
+struct QMat {
+  const uint8_t* qw = nullptr;
+  const void* scales = nullptr;   // int4: bf16 [NT, G, 16]; int8: fp32 [NT*16]
+  const uint16_t* zeros = nullptr;  // int4 asymmetric: bf16 [NT, G, 16]
+  int64_t fmt = 4;  // 4 or 8
+  int64_t group = 32;
+  int64_t n = 0;  // real rows
+  int64_t k = 0;  // columns (a multiple of 32)
+  int64_t tiles() const { return (n + kTile - 1) / kTile; }
+};
+
+// One activation row quantized per block of 32: x ~ q * d; s = sum of the block's q; ds = d * s.
+struct QAct {
+  const int8_t* q;
+  const float* d;
+  const int32_t* s;
+  const float* ds;
+};
+
+struct QActBuf {
+  std::vector<int8_t> q;
+  std::vector<float> d, ds;
+  std::vector<int32_t> s;
+  void resize(int64_t rows, int64_t k) {
+    q.resize(rows * k);
+    d.resize(rows * k / kBlock);
+    ds.resize(rows * k / kBlock);
+    s.resize(rows * k / kBlock);
+  }
+  QAct row(int64_t r, int64_t k) const {
+    const int64_t nb = k / kBlock;
+    return {q.data() + r * k, d.data() + r * nb, s.data() + r * nb, ds.data() + r * nb};
+  }
+};
+
+void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int32_t* s, float* ds) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    float amax = 0.f;
+    for (int i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xb[i]));
+    const float dd = amax / 127.f;
+    const float id = dd > 0.f ? 1.f / dd : 0.f;
+    int32_t sum = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      const int v = static_cast<int>(std::nearbyint(xb[i] * id));
+      q[b * kBlock + i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    d[b] = dd;
+    s[b] = sum;
+    ds[b] = dd * static_cast<float>(sum);
+  }
+}
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// ---------------------------------------------------------------- AVX512-VNNI
+#define QK_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma")))
+
+QK_AVX512 inline __m512 bf16x16_avx512(const uint16_t* p) {
+  __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// Two blocks per step: four independent vpdpbusd chains. The high nibbles are masked in place (0xF0,
+// i.e. 16 x code) and their sums shifted right by 4 once per block (exact: a multiple of 16).
+template <int MR>
+QK_AVX512 __attribute__((always_inline)) inline void int4_block_avx512(const uint8_t* p, const uint16_t* sv,
+                                                                      const uint16_t* zv, const QAct* a,
+                                                                      int64_t b, __m512* acc) {
+  const __m512i mlo = _mm512_set1_epi8(0x0F), mhi = _mm512_set1_epi8(static_cast<char>(0xF0));
+  _mm_prefetch(reinterpret_cast<const char*>(p + 1024), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(p + 1024 + 128), _MM_HINT_T0);
+  __m512i lo[4], hi[4];
+  for (int c = 0; c < 4; ++c) {
+    __m512i v = _mm512_loadu_si512(p + 64 * c);
+    lo[c] = _mm512_and_si512(v, mlo);
+    hi[c] = _mm512_and_si512(v, mhi);
+  }
+  const __m512 s = bf16x16_avx512(sv);
+  for (int r = 0; r < MR; ++r) {
+    const int8_t* xq = a[r].q + b * kBlock;
+    __m512i il = _mm512_setzero_si512(), ih = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      il = _mm512_dpbusd_epi32(il, lo[c], _mm512_set1_epi32(load_i32(xq + 8 * c)));
+      ih = _mm512_dpbusd_epi32(ih, hi[c], _mm512_set1_epi32(load_i32(xq + 8 * c + 4)));
+    }
+    __m512i is = _mm512_add_epi32(il, _mm512_srai_epi32(ih, 4));
+    is = _mm512_sub_epi32(is, _mm512_set1_epi32(8 * a[r].s[b]));
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(s, _mm512_set1_ps(a[r].d[b])), acc[r]);
+  }
+  if (zv) {
+    const __m512 z = bf16x16_avx512(zv);
+    for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(a[r].ds[b]), acc[r]);
+  }
+}
+
+// Two blocks per step: four independent vpdpbusd chains. The high nibbles are masked in place (0xF0,
+// i.e. 16 x code) and their sums shifted right by 4 once per block (exact: a multiple of 16).
+template <int MR>
+QK_AVX512 void tile_int4_avx512(const QMat& m, int64_t t, const QAct* a, float* out) {
+  const int64_t nb = m.k / kBlock, ng = m.k / m.group;
+  const int shift = __builtin_ctzll(static_cast<uint64_t>(m.group / kBlock));  // block -> group
+  const uint8_t* qw = m.qw + t * nb * 256;
+  const uint16_t* sc = static_cast<const uint16_t*>(m.scales) + t * ng * kTile;
+  const uint16_t* zp = m.zeros ? m.zeros + t * ng * kTile : nullptr;
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t b = 0;
+  for (; b + 1 < nb; b += 2) {
+    int4_block_avx512<MR>(qw + b * 256, sc + (b >> shift) * kTile, zp ? zp + (b >> shift) * kTile : nullptr, a, b, acc);
+    int4_block_avx512<MR>(qw + (b + 1) * 256, sc + ((b + 1) >> shift) * kTile,
+                          zp ? zp + ((b + 1) >> shift) * kTile : nullptr, a, b + 1, acc);
+  }
+  if (b < nb)
+    int4_block_avx512<MR>(qw + b * 256, sc + (b >> shift) * kTile, zp ? zp + (b >> shift) * kTile : nullptr, a, b, acc);
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
+}
+
+template <int MR>
+QK_AVX512 void tile_int8_avx512(const QMat& m, int64_t t, const QAct* a, float* out) {
+  const int64_t nb = m.k / kBlock;
+  const uint8_t* qw = m.qw + t * nb * 512;
+  __m512 fs[MR];
+  for (int r = 0; r < MR; ++r) fs[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = qw + b * 512;
+    for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(p + 2048 + 128 * c), _MM_HINT_T0);
+    __m512i w[8];
+    for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(p + 64 * c);
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* xq = a[r].q + b * kBlock;
+      __m512i i[4];
+      for (int j = 0; j < 4; ++j)
+        i[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
+      for (int j = 0; j < 4; ++j)
+        i[j] = _mm512_dpbusd_epi32(i[j], w[j + 4], _mm512_set1_epi32(load_i32(xq + 4 * j + 16)));
+      __m512i is = _mm512_add_epi32(_mm512_add_epi32(i[0], i[1]), _mm512_add_epi32(i[2], i[3]));
+      is = _mm512_sub_epi32(is, _mm512_set1_epi32(128 * a[r].s[b]));
+      fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_set1_ps(a[r].d[b]), fs[r]);
+    }
+  }
+  const __m512 s = _mm512_loadu_ps(static_cast<const float*>(m.scales) + t * kTile);
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * kTile, _mm512_mul_ps(s, fs[r]));
+}
+
+// x ~ q * d per block of 32, rounding to nearest even like std::nearbyint (the scalar version's result)
+QK_AVX512 void quantize_row_avx512(const float* x, int64_t k, int8_t* q, float* d, int32_t* s, float* ds) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const __m512 x0 = _mm512_loadu_ps(x + b * kBlock), x1 = _mm512_loadu_ps(x + b * kBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float dd = amax / 127.f;
+    const __m512 id = _mm512_set1_ps(dd > 0.f ? 1.f / dd : 0.f);
+    const __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x0, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(x1, id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtsepi32_epi8(q1));
+    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    d[b] = dd;
+    s[b] = sum;
+    ds[b] = dd * static_cast<float>(sum);
+  }
+}
+
+// e^x for x <= 0 .. moderate: 2^(x log2 e) = 2^n * 2^f, f in [-0.5, 0.5], degree-6 polynomial (rel. error
+// ~2e-7), scaled by vscalefps (which saturates to 0 / inf instead of wrapping)
+QK_AVX512 inline __m512 exp_avx512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));  // ln 2 * frac
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// out[i] = silu(g[i]) * u[i] for 32 values
+QK_AVX512 void silu_mul32_avx512(const float* g, const float* u, float* out) {
+  for (int h = 0; h < 2; ++h) {
+    const __m512 gv = _mm512_loadu_ps(g + 16 * h), uv = _mm512_loadu_ps(u + 16 * h);
+    const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+    _mm512_storeu_ps(out + 16 * h, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), uv));
+  }
+}
+
+// ---------------------------------------------------------------- AVX2 (+FMA)
+#define QK_AVX2 __attribute__((target("avx2,fma")))
+
+QK_AVX2 inline __m256 bf16x8_avx2(const uint16_t* p) {
+  __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// The 16-row tile as two 8-row halves (the low and high 32 bytes of each 64-byte row of codes).
+template <int MR>
+QK_AVX2 void tile_int4_avx2(const QMat& m, int64_t t, const QAct* a, float* out) {
+  const int64_t nb = m.k / kBlock, bpg = m.group / kBlock, ng = m.k / m.group;
+  const uint8_t* qw = m.qw + t * nb * 256;
+  const uint16_t* sc = static_cast<const uint16_t*>(m.scales) + t * ng * kTile;
+  const uint16_t* zp = m.zeros ? m.zeros + t * ng * kTile : nullptr;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; ++g) {
+      __m256 fs[MR];
+      float zs[MR];
+      for (int r = 0; r < MR; ++r) { fs[r] = _mm256_setzero_ps(); zs[r] = 0.f; }
+      for (int64_t bb = 0; bb < bpg; ++bb) {
+        const int64_t b = g * bpg + bb;
+        const uint8_t* p = qw + b * 256 + 32 * h;
+        // 16-bit sums: each vpmaddubsw lane is at most 2 * 15 * 127 and a block adds 8 of them (30480)
+        __m256i s16[MR];
+        for (int r = 0; r < MR; ++r) s16[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) {
+          __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c));
+          __m256i lo = _mm256_and_si256(v, mask);
+          __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+          for (int r = 0; r < MR; ++r) {
+            const int8_t* xq = a[r].q + b * kBlock + 8 * c;
+            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xq))));
+            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xq + 4))));
+          }
+        }
+        for (int r = 0; r < MR; ++r) {
+          __m256i is = _mm256_sub_epi32(_mm256_madd_epi16(s16[r], ones), _mm256_set1_epi32(8 * a[r].s[b]));
+          fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(a[r].d[b]), fs[r]);
+          zs[r] += a[r].ds[b];
+        }
+      }
+      const __m256 s = bf16x8_avx2(sc + g * kTile + 8 * h);
+      for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(s, fs[r], acc[r]);
+      if (zp) {
+        const __m256 z = bf16x8_avx2(zp + g * kTile + 8 * h);
+        for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(z, _mm256_set1_ps(zs[r]), acc[r]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * kTile + 8 * h, acc[r]);
+  }
+}
+
+template <int MR>
+QK_AVX2 void tile_int8_avx2(const QMat& m, int64_t t, const QAct* a, float* out) {
+  const int64_t nb = m.k / kBlock;
+  const uint8_t* qw = m.qw + t * nb * 512;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 fs[MR];
+    for (int r = 0; r < MR; ++r) fs[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = qw + b * 512 + 32 * h;
+      __m256i i32[MR];
+      for (int r = 0; r < MR; ++r) i32[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        // back to the signed code, then |w| x sign(x, w): vpmaddubsw's u8 x s8 cannot overflow (2*128*127)
+        __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c)), flip);
+        __m256i aw = _mm256_sign_epi8(w, w);
+        for (int r = 0; r < MR; ++r) {
+          __m256i x = _mm256_set1_epi32(load_i32(a[r].q + b * kBlock + 4 * c));
+          i32[r] = _mm256_add_epi32(i32[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones));
+        }
+      }
+      for (int r = 0; r < MR; ++r)
+        fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[r]), _mm256_set1_ps(a[r].d[b]), fs[r]);
+    }
+    const __m256 s = _mm256_loadu_ps(static_cast<const float*>(m.scales) + t * kTile + 8 * h);
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * kTile + 8 * h, _mm256_mul_ps(s, fs[r]));
+  }
+}
+
+// ---------------------------------------------------------------- dispatch
+int g_isa = -1;  // 2: AVX512-VNNI, 1: AVX2+FMA, 0: none
+
+int detect_isa() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+    return 2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
+  return 0;
+}
+
+int isa() {
+  if (g_isa < 0) g_isa = detect_isa();
+  return g_isa;
+}
+
+template <int MR>
+void tile_mr(const QMat& m, int64_t t, const QAct* a, float* out) {
+  if (isa() == 2) {
+    if (m.fmt == 4) tile_int4_avx512<MR>(m, t, a, out); else tile_int8_avx512<MR>(m, t, a, out);
+  } else {
+    if (m.fmt == 4) tile_int4_avx2<MR>(m, t, a, out); else tile_int8_avx2<MR>(m, t, a, out);
+  }
+}
+
+// rows of `a` in chunks of up to 4 (AVX2: 2, its 16 registers); out [rows][16]
+void tile(const QMat& m, int64_t t, const QAct* a, int64_t rows, float* out) {
+  const int64_t step = isa() == 2 ? 4 : 2;
+  for (int64_t r = 0; r < rows; r += step) {
+    const int64_t n = std::min(step, rows - r);
+    switch (n) {
+      case 1: tile_mr<1>(m, t, a + r, out + r * kTile); break;
+      case 2: tile_mr<2>(m, t, a + r, out + r * kTile); break;
+      case 3: tile_mr<3>(m, t, a + r, out + r * kTile); break;
+      default: tile_mr<4>(m, t, a + r, out + r * kTile); break;
+    }
+  }
+}
+
+QMat mat_from(const torch::Tensor& qw, const torch::Tensor& scales, const c10::optional<torch::Tensor>& zeros,
+              int64_t fmt, int64_t group, int64_t n, int64_t k) {
+  TORCH_CHECK(fmt == 4 || fmt == 8, "qk: format must be 4 or 8");
+  TORCH_CHECK(k % kBlock == 0 && k > 0, "qk: in_features must be a multiple of 32");
+  TORCH_CHECK(fmt == 8 || (group % kBlock == 0 && k % group == 0 && ((group / kBlock) & (group / kBlock - 1)) == 0),
+              "qk: the int4 group size must be 32 x a power of two dividing in_features");
+  TORCH_CHECK(qw.is_contiguous() && qw.scalar_type() == torch::kUInt8, "qk: qw must be contiguous uint8");
+  const int64_t nt = (n + kTile - 1) / kTile;
+  TORCH_CHECK(qw.numel() == nt * k * (fmt == 4 ? 8 : 16), "qk: qw has the wrong size");
+  QMat m;
+  m.qw = qw.data_ptr<uint8_t>();
+  if (fmt == 4) {
+    TORCH_CHECK(scales.scalar_type() == torch::kBFloat16 && scales.is_contiguous() &&
+                scales.numel() == nt * (k / group) * kTile, "qk: int4 scales must be bf16 [NT, G, 16]");
+    if (zeros.has_value() && zeros->defined()) {
+      TORCH_CHECK(zeros->scalar_type() == torch::kBFloat16 && zeros->is_contiguous() &&
+                  zeros->numel() == scales.numel(), "qk: int4 zeros must match the scales");
+      m.zeros = reinterpret_cast<const uint16_t*>(zeros->data_ptr());
+    }
+  } else {
+    TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() && scales.numel() == nt * kTile,
+                "qk: int8 scales must be fp32 [NT*16]");
+  }
+  m.scales = scales.data_ptr();
+  m.fmt = fmt;
+  m.group = fmt == 4 ? group : kBlock;
+  m.n = n;
+  m.k = k;
+  return m;
+}
+
+void quantize_any(const float* x, int64_t k, int8_t* q, float* d, int32_t* s, float* ds) {
+  if (isa() == 2) quantize_row_avx512(x, k, q, d, s, ds); else quantize_row(x, k, q, d, s, ds);
+}
+
+void silu_mul32(const float* g, const float* u, float* out) {
+  if (isa() == 2) {
+    silu_mul32_avx512(g, u, out);
+    return;
+  }
+  for (int i = 0; i < kBlock; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+void quantize_rows(const float* x, int64_t rows, int64_t k, QActBuf& buf) {
+  buf.resize(rows, k);
+  const int64_t nb = k / kBlock;
+  at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r)
+      quantize_any(x + r * k, k, buf.q.data() + r * k, buf.d.data() + r * nb, buf.s.data() + r * nb,
+                   buf.ds.data() + r * nb);
+  });
+}
+
+}  // namespace
+
+int64_t qk_isa() { return isa(); }
+int64_t qk_detect_isa() { return detect_isa(); }
+void qk_set_isa(int64_t level) {
+  TORCH_CHECK(level >= 1 && level <= detect_isa(), "qk: this CPU does not have that instruction set");
+  g_isa = static_cast<int>(level);
+}
+
+// y [M, N] fp32 = x [M, K] @ W^T
+torch::Tensor qk_linear(torch::Tensor x, torch::Tensor qw, torch::Tensor scales, c10::optional<torch::Tensor> zeros,
+                        int64_t fmt, int64_t group, int64_t n) {
+  TORCH_CHECK(isa() > 0, "qk: no AVX2/AVX512-VNNI on this CPU");
+  TORCH_CHECK(x.dim() == 2, "qk_linear: x must be [M, K]");
+  const int64_t rows = x.size(0), k = x.size(1);
+  QMat m = mat_from(qw, scales, zeros, fmt, group, n, k);
+  torch::Tensor xf = x.to(torch::kFloat).contiguous();
+  QActBuf buf;
+  quantize_rows(xf.data_ptr<float>(), rows, k, buf);
+  std::vector<QAct> acts(rows);
+  for (int64_t r = 0; r < rows; ++r) acts[r] = buf.row(r, k);
+  torch::Tensor y = torch::empty({rows, n}, torch::kFloat);
+  float* yp = y.data_ptr<float>();
+  const int64_t nt = m.tiles();
+  // rows of x in chunks of 64 so a tile's codes are read from memory once per chunk, not once per row
+  constexpr int64_t kChunk = 64;
+  at::parallel_for(0, nt, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> tmp(std::min(rows, kChunk) * kTile);
+    for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
+      const int64_t nr = std::min(kChunk, rows - r0);
+      for (int64_t t = lo; t < hi; ++t) {
+        tile(m, t, acts.data() + r0, nr, tmp.data());
+        const int64_t valid = std::min<int64_t>(kTile, n - t * kTile);
+        for (int64_t r = 0; r < nr; ++r)
+          std::memcpy(yp + (r0 + r) * n + t * kTile, tmp.data() + r * kTile, valid * sizeof(float));
+      }
+    }
+  });
+  return y;
+}
+
+// One token through k routed experts: y [H] fp32 = sum_slot w[slot] * down_e(silu(gate_e(x)) * up_e(x)).
+// `table` int64 [E, 2, 8]: per expert, gate_up then down, each (qw ptr, scales ptr, zeros ptr or 0, fmt,
+// group, n, k, 0), filled by cpu_kernel.py from tensors it keeps alive. Slots are summed in slot order.
+torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, torch::Tensor wts) {
+  TORCH_CHECK(isa() > 0, "qk: no AVX2/AVX512-VNNI on this CPU");
+  TORCH_CHECK(table.scalar_type() == torch::kLong && table.dim() == 3 && table.size(1) == 2 && table.size(2) == 8 &&
+              table.is_contiguous(), "qk_moe: table must be int64 [E, 2, 8]");
+  torch::Tensor idc = ids.to(torch::kLong).contiguous().view(-1);
+  torch::Tensor wc = wts.to(torch::kFloat).contiguous().view(-1);
+  const int64_t ns = idc.numel();
+  TORCH_CHECK(wc.numel() == ns && ns > 0, "qk_moe: ids and weights differ in length");
+  const int64_t* tb = table.data_ptr<int64_t>();
+  std::vector<QMat> gu(ns), dn(ns);
+  for (int64_t s = 0; s < ns; ++s) {
+    const int64_t e = idc.data_ptr<int64_t>()[s];
+    TORCH_CHECK(e >= 0 && e < table.size(0), "qk_moe: expert id out of range");
+    for (int j = 0; j < 2; ++j) {
+      const int64_t* f = tb + (e * 2 + j) * 8;
+      TORCH_CHECK(f[0] != 0, "qk_moe: expert ", e, " has no fused kernel");
+      QMat& m = j == 0 ? gu[s] : dn[s];
+      m.qw = reinterpret_cast<const uint8_t*>(f[0]);
+      m.scales = reinterpret_cast<const void*>(f[1]);
+      m.zeros = reinterpret_cast<const uint16_t*>(f[2]);
+      m.fmt = f[3]; m.group = f[4]; m.n = f[5]; m.k = f[6];
+    }
+  }
+  torch::Tensor xf = x.to(torch::kFloat).contiguous().view(-1);
+  const int64_t hdim = xf.numel(), inter = dn[0].k;
+  for (int64_t s = 0; s < ns; ++s)
+    TORCH_CHECK(gu[s].k == hdim && gu[s].n == 2 * inter && dn[s].k == inter && dn[s].n == hdim,
+                "qk_moe: expert shapes do not match the hidden size");
+  static const bool prof = std::getenv("QK_PROFILE") != nullptr;
+  auto t0 = std::chrono::steady_clock::now();
+  auto lap = [&](const char* what) {
+    if (!prof) return;
+    auto t1 = std::chrono::steady_clock::now();
+    std::fprintf(stderr, "%s %.1f us\n", what, std::chrono::duration<double, std::micro>(t1 - t0).count());
+    t0 = t1;
+  };
+  QActBuf xa;
+  quantize_rows(xf.data_ptr<float>(), 1, hdim, xa);
+  lap("quant x");
+  const QAct x0 = xa.row(0, hdim);
+  // gate_up, SiLU x up and the int8 blocks of the result in one pass: a work item is one expert's 32
+  // intermediate values (gate rows 32j..32j+31 and the matching up rows: four 16-row tiles)
+  TORCH_CHECK(inter % kBlock == 0, "qk_moe: the expert width must be a multiple of 32");
+  const int64_t nj = inter / kBlock;
+  QActBuf aa;
+  aa.resize(ns, inter);
+  at::parallel_for(0, ns * nj, 1, [&](int64_t lo, int64_t hi) {
+    float h[4 * kTile], act[kBlock];
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t s = i / nj, j = i % nj, tg = 2 * j, tu = inter / kTile + 2 * j;
+      tile(gu[s], tg, &x0, 1, h);
+      tile(gu[s], tg + 1, &x0, 1, h + kTile);
+      tile(gu[s], tu, &x0, 1, h + 2 * kTile);
+      tile(gu[s], tu + 1, &x0, 1, h + 3 * kTile);
+      silu_mul32(h, h + 2 * kTile, act);
+      const int64_t b = s * nj + j;
+      quantize_any(act, kBlock, aa.q.data() + b * kBlock, aa.d.data() + b, aa.s.data() + b, aa.ds.data() + b);
+    }
+  });
+  lap("gate_up+silu+quant");
+  std::vector<QAct> acts(ns);
+  for (int64_t s = 0; s < ns; ++s) acts[s] = aa.row(s, inter);
+  lap("silu+quant");
+  torch::Tensor y = torch::empty({hdim}, torch::kFloat);
+  float* yp = y.data_ptr<float>();
+  const float* wp = wc.data_ptr<float>();
+  const int64_t nt2 = dn[0].tiles();
+  at::parallel_for(0, nt2, 1, [&](int64_t lo, int64_t hi) {
+    float tmp[kTile], acc[kTile];
+    for (int64_t t = lo; t < hi; ++t) {
+      for (int r = 0; r < kTile; ++r) acc[r] = 0.f;
+      for (int64_t s = 0; s < ns; ++s) {
+        tile(dn[s], t, &acts[s], 1, tmp);
+        for (int r = 0; r < kTile; ++r) acc[r] += wp[s] * tmp[r];
+      }
+      const int64_t valid = std::min<int64_t>(kTile, hdim - t * kTile);
+      std::memcpy(yp + t * kTile, acc, valid * sizeof(float));
+    }
+  });
+  lap("down");
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("isa", &qk_isa, "the instruction set in use: 2 AVX512-VNNI, 1 AVX2, 0 none");
+  mod.def("detect_isa", &qk_detect_isa, "the best instruction set this CPU has");
+  mod.def("set_isa", &qk_set_isa, "use a lower instruction set (tests, QUANTKIT_NO_AVX512)");
+  mod.def("linear", &qk_linear, "y [M, N] fp32 = x [M, K] @ W^T from repacked int4/int8 tiles");
+  mod.def("moe", &qk_moe, "one token through k routed experts in one call");
+}

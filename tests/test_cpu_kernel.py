@@ -1,0 +1,283 @@
+"""quantkit's C++ CPU kernel (runtime/cpu_kernel.py, csrc/qk_cpu.cpp): every path against the fp32
+reference, the fused MoE decode against the per-expert route, and the fallbacks (switched off, no AVX512,
+a failed build, a corrupt cached module) each costing one line and keeping torch's kernels.
+
+Error bound: activations are rounded to int8 per block of 32 (scale = the block's largest magnitude /
+127): about 0.6% rms per element on Gaussian inputs, so a matmul lands within ~0.6% of the fp32 result
+of the same dequantized weights; 2e-2 relative (Frobenius) leaves room for short rows, and the bf16
+torch route is held to 1e-2 in test_runtime_kernels.py.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantkit.formats import QuantSpec, get_format
+from quantkit.runtime import cpu_kernel
+from quantkit.runtime.kernels import QKernel, prepare, reference_matmul
+from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
+
+pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernel is not built on this machine")
+
+TOL = 2e-2
+SPECS = [QuantSpec("int4", 32), QuantSpec("int4", 64, symmetric=False), QuantSpec("int4", 128), QuantSpec("int8")]
+SPEC_IDS = ["int4-g32", "int4-g64-asym", "int4-g128", "int8"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def isas() -> list[int]:
+    best = cpu_kernel.module().detect_isa()
+    return [i for i in (2, 1) if i <= best]
+
+
+@pytest.fixture(params=[2, 1], ids=["avx512vnni", "avx2"])
+def isa(request):
+    mod = cpu_kernel.module()
+    if request.param > mod.detect_isa():
+        pytest.skip("this CPU lacks that instruction set")
+    before = mod.isa()
+    mod.set_isa(request.param)
+    yield request.param
+    mod.set_isa(before)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+@pytest.mark.parametrize("shape", [(16, 128), (40, 256), (200, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_linear_matches_fp32_reference(isa, spec, shape):
+    g = torch.Generator().manual_seed(shape[0] + shape[1])
+    w = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+    parts = get_format(spec.format).quantize(w, spec)
+    k = prepare(parts, spec, shape)
+    assert isinstance(k, QKernel)
+    for m in (1, 3, 5, 70):  # 70 rows: chunks of 4 (2 on AVX2) and a remainder
+        x = torch.randn(m, shape[1], generator=g)
+        y = k(x)
+        assert y.shape == (m, shape[0]) and y.dtype == torch.float32
+        assert rel(y, reference_matmul(x, parts, spec, shape)) < TOL, (m, k.route)
+
+
+def test_outliers_and_zero_blocks(isa):
+    """A block of zeros (scale 0) gives exact zeros; a large outlier only coarsens its own block."""
+    shape = (32, 256)
+    spec = QuantSpec("int4", 32)
+    w = (torch.randn(shape, generator=torch.Generator().manual_seed(0)) * 0.02).to(torch.bfloat16)
+    parts = get_format("int4").quantize(w, spec)
+    k = prepare(parts, spec, shape)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1))
+    x[:, :32] = 0
+    x[0, 100] = 1e4
+    assert rel(k(x), reference_matmul(x, parts, spec, shape)) < TOL
+    assert torch.count_nonzero(k(torch.zeros(1, 256))) == 0
+
+
+E, H, INTER, TOPK = 8, 256, 128, 4
+
+
+def experts(spec: QuantSpec, route: str | None = None, groups: list[list[int]] | None = None,
+            seed: int = 0) -> tuple[QuantExperts, list[dict], list[dict]]:
+    g = torch.Generator().manual_seed(seed)
+    gu = [(torch.randn(2 * INTER, H, generator=g) * 0.05).to(torch.bfloat16) for _ in range(E)]
+    dn = [(torch.randn(H, INTER, generator=g) * 0.05).to(torch.bfloat16) for _ in range(E)]
+    fmt = get_format(spec.format)
+    gu_p, dn_p = [fmt.quantize(w, spec) for w in gu], [fmt.quantize(w, spec) for w in dn]
+    out = []
+    for ids in groups or [list(range(E))]:
+        grp = ExpertGroup(torch.device("cpu"), list(ids))
+        for e in ids:
+            grp.gate_up.append(prepare(gu_p[e], spec, (2 * INTER, H), route=route))
+            grp.down.append(prepare(dn_p[e], spec, (H, INTER), route=route))
+        out.append(grp)
+    return QuantExperts(E, H, INTER, out), gu_p, dn_p
+
+
+def reference(spec, gu_p, dn_p, x, idx, w) -> torch.Tensor:
+    y = torch.zeros(H)
+    for slot, e in enumerate(idx[0].tolist()):
+        h = reference_matmul(x.float(), gu_p[e], spec, (2 * INTER, H))
+        a = torch.nn.functional.silu(h[:, :INTER]) * h[:, INTER:]
+        y += float(w[0, slot]) * reference_matmul(a, dn_p[e], spec, (H, INTER))[0]
+    return y[None]
+
+
+def routing(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, H, generator=g)
+    w, idx = torch.softmax(torch.randn(1, E, generator=g), -1).topk(TOPK, dim=-1)
+    return x, idx, w / w.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_fused_moe_decode_matches_reference_and_torch_route(isa, spec):
+    q, gu_p, dn_p = experts(spec)
+    qt, _, _ = experts(spec, route="torch")
+    for seed in range(3):
+        x, idx, w = routing(seed)
+        got = q(x, idx, w)
+        assert q._fused_table() is not None
+        want = reference(spec, gu_p, dn_p, x, idx, w)
+        assert got.shape == (1, H) and got.dtype == x.dtype
+        assert rel(got, want) < TOL
+        assert rel(got, qt(x.bfloat16(), idx, w.bfloat16())) < TOL
+
+
+class CountingModule:
+    def __init__(self, mod):
+        self.mod, self.calls = mod, 0
+
+    def moe(self, *args):
+        self.calls += 1
+        return self.mod.moe(*args)
+
+
+def test_decode_is_one_call_and_independent_of_the_split():
+    spec = QuantSpec("int4", 32)
+    whole, _, _ = experts(spec)
+    x, idx, w = routing(5)
+    want = whole(x, idx, w)
+    mod, table, ok = whole._fused_table()
+    counting = CountingModule(mod)
+    whole._fused = (counting, table, ok)
+    assert torch.equal(whole(x, idx, w), want) and counting.calls == 1
+    for groups in ([[0, 1, 2, 3], [4, 5, 6, 7]], [[1, 3, 5, 7], [0, 2, 4, 6]]):
+        split, _, _ = experts(spec, groups=groups)
+        assert torch.equal(split(x, idx, w), want), groups
+
+
+def test_mixed_fused_and_unfused_experts():
+    """Experts the kernel cannot take (here: forced onto torch's route) run beside one fused call."""
+    spec = QuantSpec("int8")
+    q, gu_p, dn_p = experts(spec)
+    qt, _, _ = experts(spec, route="torch")
+    for i in (1, 4, 6):  # these experts keep torch's kernels
+        q.groups[0].gate_up[i], q.groups[0].down[i] = qt.groups[0].gate_up[i], qt.groups[0].down[i]
+    x, idx, w = routing(2)
+    idx[0, :3] = torch.tensor([1, 2, 4])
+    assert rel(q(x, idx, w), reference(spec, gu_p, dn_p, x, idx, w)) < TOL
+    assert q._fused_table()[2] == [i not in (1, 4, 6) for i in range(E)]
+
+
+def test_prefill_uses_the_same_kernels():
+    spec = QuantSpec("int4", 32)
+    q, gu_p, dn_p = experts(spec)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(6, H, generator=g)
+    w, idx = torch.softmax(torch.randn(6, E, generator=g), -1).topk(TOPK, dim=-1)
+    got = q(x, idx, w)
+    want = torch.cat([reference(spec, gu_p, dn_p, x[t:t + 1], idx[t:t + 1], w[t:t + 1]) for t in range(6)])
+    assert rel(got, want) < TOL
+
+
+def test_bad_arguments_are_errors_not_crashes():
+    mod = cpu_kernel.module()
+    qw, s, _ = cpu_kernel.repack_int4(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2), None)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        mod.linear(torch.zeros(1, 48), qw, s, None, 4, 32, 16)
+    with pytest.raises(RuntimeError, match="wrong size"):
+        mod.linear(torch.zeros(1, 96), qw, s, None, 4, 32, 16)
+    table = torch.zeros(2, 2, 8, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="no fused kernel"):
+        mod.moe(torch.zeros(H), table, torch.tensor([0]), torch.ones(1))
+    with pytest.raises(RuntimeError, match="out of range"):
+        mod.moe(torch.zeros(H), table, torch.tensor([5]), torch.ones(1))
+
+
+# ---------------------------------------------------------------- fallbacks, in fresh processes
+
+PROBE = (
+    "import torch\n"
+    "from quantkit.formats import QuantSpec, get_format\n"
+    "from quantkit.runtime.kernels import prepare, reference_matmul\n"
+    "s = QuantSpec('int4', 32); w = torch.randn(32, 64).bfloat16(); p = get_format('int4').quantize(w, s)\n"
+    "k = prepare(p, s, (32, 64)); x = torch.randn(2, 64)\n"
+    "e = float((k(x).float() - reference_matmul(x, p, s, (32, 64))).norm() / reference_matmul(x, p, s, (32, 64)).norm())\n"
+    "print('ROUTE', k.route, e < 2e-2)\n"
+)
+
+
+def run_probe(env: dict[str, str]) -> subprocess.CompletedProcess:
+    full = {**os.environ, "PYTHONPATH": str(ROOT), **env}
+    return subprocess.run([sys.executable, "-c", PROBE], env=full, capture_output=True, text=True, timeout=600)
+
+
+def route_line(p: subprocess.CompletedProcess) -> str:
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    return next(ln for ln in p.stdout.splitlines() if ln.startswith("ROUTE"))
+
+
+def test_switched_off_keeps_torch_route_quietly():
+    p = run_probe({"QUANTKIT_CPU_KERNEL": "off"})
+    assert route_line(p) == "ROUTE torch _weight_int4pack_mm_for_cpu True"
+    assert p.stderr.strip() == ""
+
+
+def test_no_avx512_switch_runs_the_avx2_path():
+    if 1 not in isas():
+        pytest.skip("no AVX2")
+    p = run_probe({"QUANTKIT_NO_AVX512": "1"})
+    assert route_line(p) == "ROUTE quantkit qk int4 (AVX2, int8 activations) True"
+
+
+def copy_cache(tmp_path: Path) -> Path:
+    """A copy of the built cache (ninja's logs included, so ninja sees it up to date)."""
+    src = cpu_kernel.cache_dir()
+    dst = tmp_path / "cache" / src.name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_failed_build_is_one_line_and_torch_route(tmp_path):
+    """No compiler (CXX points at `false`), empty cache: one notice line, torch's kernels, no traceback."""
+    p = run_probe({"QUANTKIT_KERNEL_CACHE": str(tmp_path), "CXX": "false"})
+    assert route_line(p) == "ROUTE torch _weight_int4pack_mm_for_cpu True"
+    notices = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert any("CPU kernel unavailable" in ln for ln in notices), p.stderr
+    assert all(ln.startswith("quantkit: ") for ln in notices), p.stderr
+    build = subprocess.run([sys.executable, "-m", "quantkit.runtime.cpu_kernel", "build"], capture_output=True,
+                           text=True, env={**os.environ, "PYTHONPATH": str(ROOT), "QUANTKIT_KERNEL_CACHE": str(tmp_path),
+                                           "CXX": "false"}, timeout=600)
+    assert build.returncode == 0 and "Traceback" not in build.stderr
+
+
+def test_corrupt_cached_module_is_rebuilt_or_falls_back(tmp_path):
+    d = copy_cache(tmp_path)
+    so = d / f"quantkit_{d.name.replace('-', '_')}.so"
+    so.write_bytes(b"not an ELF file")
+    # the rebuild fails too (no compiler): one line, torch's kernels
+    p = run_probe({"QUANTKIT_KERNEL_CACHE": str(d.parent), "CXX": "false"})
+    assert route_line(p) == "ROUTE torch _weight_int4pack_mm_for_cpu True"
+    assert "CPU kernel unavailable" in p.stderr and "Traceback" not in p.stderr
+
+
+@pytest.mark.slow
+def test_corrupt_cached_module_is_rebuilt(tmp_path):
+    d = copy_cache(tmp_path)
+    so = d / f"quantkit_{d.name.replace('-', '_')}.so"
+    so.write_bytes(so.read_bytes()[:4096])  # truncated
+    p = run_probe({"QUANTKIT_KERNEL_CACHE": str(d.parent)})
+    assert route_line(p).startswith("ROUTE quantkit qk int4") and route_line(p).endswith("True")
+    assert "CPU kernel unavailable" not in p.stderr
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_repack_in_chunks_matches_one_piece(monkeypatch, spec):
+    """Large matrices (the lm_head) are repacked a few thousand rows at a time: chunk edges that fall
+    inside the padding or mid-matrix give the same tiles."""
+    w = (torch.randn(100, 256, generator=torch.Generator().manual_seed(2)) * 0.02).to(torch.bfloat16)
+    parts = get_format(spec.format).quantize(w, spec)
+    whole = prepare(parts, spec, (100, 256))
+    monkeypatch.setattr(cpu_kernel, "_REPACK_ROWS", 32)
+    chunked = prepare(parts, spec, (100, 256))
+    for a, b in zip(whole.tensors(), chunked.tensors(), strict=True):
+        assert torch.equal(a, b)
