@@ -12,6 +12,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime.generate import GenerationResponse, SamplingParams, TokenEvent, stream_tokens
+from quantkit.runtime.state_cache import PrefixCache
 
 
 def load_tokenizer(folder: Path) -> Any:
@@ -79,6 +80,9 @@ class Runtime:
         self.defaults = generation_defaults(folder)
         vocab = self.tokenizer.get_vocab()
         self.think_ids = (vocab.get("<think>"), vocab.get("</think>"))
+        # message boundaries: prefill is cut and snapshots are taken before each <|im_start|>
+        self.boundary_ids = frozenset(i for i in (vocab.get("<|im_start|>"),) if i is not None)
+        self.prompt_cache = PrefixCache(0)  # off until set_prompt_cache
         self._cancel = threading.Event()
         self._lock = threading.Lock()
         self.last: GenerationResponse | None = None
@@ -95,6 +99,12 @@ class Runtime:
     def memory(self) -> dict[str, int]:
         """Resident weight bytes per device (what the loader placed)."""
         return dict(self.report.bytes_by_device)
+
+    def set_prompt_cache(self, max_bytes: int) -> PrefixCache:
+        """Keep snapshots of the conversation state, up to `max_bytes` (0: off), so that a prompt that
+        extends an earlier one is prefilled only from where they part (quantkit.runtime.state_cache)."""
+        self.prompt_cache = PrefixCache(max_bytes)
+        return self.prompt_cache
 
     # ---- prompts ----
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
@@ -139,7 +149,8 @@ class Runtime:
             stops = self.stop_ids if stop_ids is None else stop_ids
             for e in stream_tokens(self.model, self.tokenizer, ids, sampling=sampling, stop_ids=stops,
                                    context=self.context, devices=self._io_devices(), thinking=thinking,
-                                   think_ids=self.think_ids, cancel=ev):
+                                   think_ids=self.think_ids, cancel=ev, prefix_cache=self.prompt_cache,
+                                   boundary_ids=self.boundary_ids):
                 if e.response is not None:
                     self.last = e.response
                 yield e
