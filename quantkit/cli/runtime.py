@@ -18,6 +18,22 @@ _CONTEXT = typer.Option(None, "--context", help="context length to plan for [def
 _VERIFY = typer.Option("auto", "--verify", help="check a quantized folder first: auto (hash shards under 4 GB), "
                        "full, quick (sizes and headers), off")
 _MAX_NEW = "--max-new-tokens"
+_CACHE_SIZE = typer.Option("auto", "--prompt-cache-size",
+                           help="memory for snapshots of the conversation state, so each turn prefills only its "
+                           "new tokens: e.g. 2GB, 512MB; 0 turns it off; auto = a quarter of the free memory "
+                           "of the device holding the states")
+
+
+def parse_cache_size(text: str) -> int | None:
+    """--prompt-cache-size: 'auto' -> None (the runtime's default), '0' -> 0 (off), else a size (64GB, 512MB)."""
+    from quantkit.planner.hardware import parse_size
+
+    t = (text or "").strip().lower()
+    if t == "auto":
+        return None
+    if t.rstrip("kmgtib ") in ("0", "0.0"):
+        return 0
+    return parse_size(text, "--prompt-cache-size")
 
 
 def _load(model: str, plan: Path | None, recipe: str | None, context: int | None, verify: str):
@@ -112,6 +128,7 @@ def chat_cmd(
     seed: int = typer.Option(None, "--seed"),
     think: bool = typer.Option(True, "--think/--no-think"),
     load: Path = typer.Option(None, "--load", help="start from a conversation saved with /save"),
+    prompt_cache_size: str = _CACHE_SIZE,
     plan: Path = _PLAN, recipe: str = _RECIPE, context: int = _CONTEXT, verify: str = _VERIFY,
 ) -> None:
     """Talk to the model: streamed replies, thinking shown apart, /help for commands."""
@@ -129,6 +146,7 @@ def chat_cmd(
         sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             max_new_tokens=max_new_tokens)
         sp.validate()
+        cache_bytes = parse_cache_size(prompt_cache_size)
         session = ChatSession(system=world_prompt(world) if world else system, thinking=think)
         if load:
             try:
@@ -136,6 +154,7 @@ def chat_cmd(
             except OSError as e:
                 raise QuantkitError(f"{load}: cannot read ({e.strerror})") from None
         rt = _load(model, plan, recipe, context, verify)
+        rt.set_prompt_cache(cache_bytes)
         Chat(rt, session, sp, console).run()
     except QuantkitError as e:
         fail(str(e))

@@ -12,7 +12,10 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime.generate import GenerationResponse, SamplingParams, TokenEvent, stream_tokens
+from quantkit.runtime.loader import available_bytes
 from quantkit.runtime.state_cache import PrefixCache
+
+AUTO_CACHE_FRACTION = 4  # the default prompt cache takes 1/4 of the free memory of the states' device
 
 
 def load_tokenizer(folder: Path) -> Any:
@@ -86,6 +89,7 @@ class Runtime:
         self._cancel = threading.Event()
         self._lock = threading.Lock()
         self.last: GenerationResponse | None = None
+        self.last_prompt_ids: list[int] = []
 
     # ---- facts ----
     @property
@@ -100,11 +104,20 @@ class Runtime:
         """Resident weight bytes per device (what the loader placed)."""
         return dict(self.report.bytes_by_device)
 
-    def set_prompt_cache(self, max_bytes: int) -> PrefixCache:
-        """Keep snapshots of the conversation state, up to `max_bytes` (0: off), so that a prompt that
-        extends an earlier one is prefilled only from where they part (quantkit.runtime.state_cache)."""
+    def set_prompt_cache(self, max_bytes: int | None = None) -> PrefixCache:
+        """Keep snapshots of the conversation state, up to `max_bytes` (0: off; None: a quarter of the memory
+        free now on the device of the first linear-attention layer, which holds the states), so that a prompt
+        that extends an earlier one is prefilled only from where they part (quantkit.runtime.state_cache)."""
+        if max_bytes is None:
+            max_bytes = available_bytes(self.state_device) // AUTO_CACHE_FRACTION
         self.prompt_cache = PrefixCache(max_bytes)
         return self.prompt_cache
+
+    @property
+    def state_device(self) -> str:
+        types = self.config.get("text_config", self.config).get("layer_types") or []
+        lin = [i for i, t in enumerate(types) if t == "linear_attention"]
+        return self.placement.layer_device[lin[0] if lin else 0]
 
     # ---- prompts ----
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
@@ -137,6 +150,7 @@ class Runtime:
             raise QuantkitError("empty conversation: give at least one message")
         sp = sampling or self.sampling(**sampling_kw)
         ids = self.encode(self.render(messages, tools, enable_thinking))
+        self.last_prompt_ids = ids
         yield from self.generate_ids(ids, sampling=sp, thinking=enable_thinking, cancel=cancel)
 
     def generate_ids(self, ids: list[int], sampling: SamplingParams, thinking: bool = True,
