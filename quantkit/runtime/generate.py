@@ -93,6 +93,7 @@ class TokenEvent:
     channel: str  # "thinking" | "answer"
     index: int
     response: GenerationResponse | None = None
+    cached_tokens: int = 0  # prompt tokens this generation restored from the prompt cache
 
 
 class StreamingDetokenizer:
@@ -263,7 +264,7 @@ def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling
                 if channel == "answer" and not "".join(texts["answer"]):
                     delta = delta.lstrip("\n")
                 texts[channel].append(delta)
-            yield TokenEvent(delta, tok, channel, i)
+            yield TokenEvent(delta, tok, channel, i, cached_tokens=pre.cached_tokens)
             if i == budget - 1:
                 finish = "length" if budget == sampling.max_new_tokens else "context"
                 break
@@ -280,4 +281,4 @@ def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling
         peak_memory=peak_memory(devices), finish_reason=finish, prefill_seconds=t_pre, decode_seconds=t_dec,
         token_ids=generated, cached_tokens=pre.cached_tokens,
     )
-    yield TokenEvent("", None, channel, n_gen, resp)
+    yield TokenEvent("", None, channel, n_gen, resp, pre.cached_tokens)
