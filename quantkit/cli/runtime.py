@@ -128,6 +128,8 @@ def chat_cmd(
     seed: int = typer.Option(None, "--seed"),
     think: bool = typer.Option(True, "--think/--no-think"),
     load: Path = typer.Option(None, "--load", help="start from a conversation saved with /save"),
+    session_file: Path = typer.Option(None, "--session", help="keep the conversation and its cached state in this "
+                                      "file after every turn, and resume from it (no re-prefill after a restart)"),
     prompt_cache_size: str = _CACHE_SIZE,
     plan: Path = _PLAN, recipe: str = _RECIPE, context: int = _CONTEXT, verify: str = _VERIFY,
 ) -> None:
@@ -138,11 +140,14 @@ def chat_cmd(
         pass
     from quantkit.runtime import SamplingParams
     from quantkit.runtime.chat import Chat, ChatSession
+    from quantkit.runtime.session_file import load_session, save_session
     from quantkit.runtime.worlds import world_prompt
 
     try:
         if world and system:
             raise QuantkitError("--world sets the system prompt; drop --system or --world")
+        if load and session_file:
+            raise QuantkitError("--session resumes its own file; drop --load or --session")
         sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             max_new_tokens=max_new_tokens)
         sp.validate()
@@ -155,6 +160,18 @@ def chat_cmd(
                 raise QuantkitError(f"{load}: cannot read ({e.strerror})") from None
         rt = _load(model, plan, recipe, context, verify)
         rt.set_prompt_cache(cache_bytes)
-        Chat(rt, session, sp, console).run()
+        autosave = None
+        if session_file:
+            resumed = load_session(session_file, rt)
+            if resumed.notice:
+                err_console.print(resumed.notice, style="yellow", highlight=False, markup=False, soft_wrap=True)
+            if resumed.session is not None:
+                session = resumed.session
+                err_console.print(f"resumed {len(session.messages)} messages from {session_file} "
+                                  f"({resumed.restored_tokens} tokens of state restored)", highlight=False)
+
+            def autosave(s: ChatSession) -> None:
+                save_session(session_file, rt, s)
+        Chat(rt, session, sp, console, autosave=autosave).run()
     except QuantkitError as e:
         fail(str(e))

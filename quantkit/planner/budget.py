@@ -134,6 +134,16 @@ def linear_state_bytes(c: TextConfig) -> tuple[int, int]:
     return rec, conv_dim * c.linear_conv_kernel_dim * 2
 
 
+def snapshot_bytes(c: TextConfig, tokens: int, dtype: str = "bf16") -> int:
+    """One prompt-cache snapshot (quantkit.runtime.state_cache) after `tokens` tokens: a copy of every Gated
+    DeltaNet layer's recurrent + conv state (~63 MB at full size, whatever the length) plus the attention KV
+    of those tokens (shared by the snapshots of one prefill, so count it once per conversation)."""
+    rec, conv = linear_state_bytes(c)
+    n_lin = sum(t == "linear_attention" for t in c.layer_types)
+    n_full = len(c.layer_types) - n_lin
+    return n_lin * (rec + conv) + kv_bytes_per_token(c, dtype, n_full) * tokens
+
+
 def activation_bytes_per_token(c: TextConfig) -> int:
     """Peak live bf16 activations per token inside one decoder layer: residual + normed hidden, plus the
     largest of the linear-attention projections (qkv, conv output, z, core output, gated norm), the

@@ -121,8 +121,10 @@ class Chat:
     """One interactive session over a Runtime. `read` returns the next input line (raises EOFError)."""
 
     def __init__(self, runtime: Any, session: ChatSession, sampling: SamplingParams, console: Console,
-                 read: Callable[[str], str] = input):
+                 read: Callable[[str], str] = input, autosave: Callable[[ChatSession], None] | None = None):
+        """`autosave(session)` runs after each turn and command (`--session FILE` writes the file there)."""
         self.rt, self.s, self.sp, self.out, self.read = runtime, session, sampling, console, read
+        self.autosave = autosave
         self.last: GenerationResponse | None = None
         self.context_used = 0
         self.totals = {"prefilled": 0, "reused": 0}
@@ -150,8 +152,17 @@ class Chat:
             if line.startswith("/"):
                 if self.command(line) == "exit":
                     break
-                continue
-            self.turn(line)
+            else:
+                self.turn(line)
+            self._autosave()
+
+    def _autosave(self) -> None:
+        if self.autosave is None:
+            return
+        try:
+            self.autosave(self.s)
+        except QuantkitError as e:
+            self.say(str(e), "red")
 
     # ---- commands ----
     def command(self, line: str) -> str | None:

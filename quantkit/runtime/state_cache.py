@@ -218,6 +218,19 @@ class PrefixCache:
     def nbytes(self) -> int:
         return self._bytes
 
+    def _longest(self, ids: tuple[int, ...]) -> tuple[int, ...] | None:
+        best: tuple[int, ...] | None = None
+        for key in self._entries:
+            if len(key) < len(ids) and (best is None or len(key) > len(best)) and ids[:len(key)] == key:
+                best = key
+        return best
+
+    def peek(self, ids: Sequence[int]) -> Snapshot | None:
+        """What `lookup` would return, without counting it or touching the LRU order."""
+        with self._lock:
+            best = self._longest(tuple(ids))
+            return self._entries[best].snap if best is not None else None
+
     def lookup(self, ids: Sequence[int]) -> Snapshot | None:
         """The longest snapshot whose ids are a proper prefix of `ids` (marked most recently used)."""
         if not self.enabled:
@@ -225,10 +238,7 @@ class PrefixCache:
         ids = tuple(ids)
         with self._lock:
             self.stats.lookups += 1
-            best: tuple[int, ...] | None = None
-            for key in self._entries:
-                if len(key) < len(ids) and (best is None or len(key) > len(best)) and ids[:len(key)] == key:
-                    best = key
+            best = self._longest(ids)
             if best is None:
                 return None
             self._entries.move_to_end(best)
