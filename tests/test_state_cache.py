@@ -176,3 +176,22 @@ def test_prefix_cache_lru_bytes_and_proper_prefix():
     assert PrefixCache(0).lookup([1, 2]) is None and not PrefixCache(0).put(snap([1]))
     s = c.summary()
     assert s["entries"] == 2 and s["hits"] == 2 and s["lookups"] == 3 and s["bytes"] == c.nbytes
+
+
+def test_planned_snapshot_bytes_match_the_cache(rt):
+    """The plan's prompt-cache budget (2 snapshots = one conversation) is what the runtime's cache holds."""
+    from quantkit.model.spec import parse_text_config, spec_from_config
+    from quantkit.planner.budget import RunSettings, compute_budget
+    from quantkit.recipe import get_recipe
+
+    cache = PrefixCache(1 << 30)
+    msgs = conversation(3, False)[-1]
+    ids = rt.encode(rt.render(msgs))
+    with torch.inference_mode():
+        prefill(rt.model, ids, dev(rt), prefix_cache=cache, boundary_ids=rt.boundary_ids)
+    assert len(cache) == 2
+    spec = spec_from_config(rt.config)
+    b = compute_budget(spec, get_recipe("bf16"), RunSettings(context=len(ids), prompt_cache_snapshots=2))
+    assert b.prompt_cache == cache.nbytes
+    from quantkit.planner.budget import snapshot_bytes
+    assert snapshot_bytes(parse_text_config(rt.config), len(ids)) == cache.snapshots()[0].nbytes()

@@ -41,7 +41,11 @@ from typing import Any
 
 import torch
 
-DEFAULT_KEEP = 2  # boundaries snapshotted per prompt: the generation prompt's start and the last message's
+from quantkit.planner.budget import SNAPSHOTS_PER_PROMPT
+
+# boundaries snapshotted per prompt: the generation prompt's start and the last message's (the planner
+# budgets the prompt cache in these units)
+DEFAULT_KEEP = SNAPSHOTS_PER_PROMPT
 
 
 @dataclass
