@@ -148,7 +148,7 @@ def test_plain_completion_is_the_models_greedy_answer(client, backend, server, q
     assert 1 <= r.usage.completion_tokens <= 12
     assert ch.finish_reason == ("length" if r.usage.completion_tokens == 12 else "stop")
     t = r.model_extra["timings"]
-    assert t["prompt_n"] == len(prompt.ids) and t["predicted_n"] == r.usage.completion_tokens
+    assert t["prompt_n"] + t["cache_n"] == len(prompt.ids) and t["predicted_n"] == r.usage.completion_tokens
     assert t["prompt_ms"] > 0 and t["queue_ms"] >= 0
 
 

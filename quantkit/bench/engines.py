@@ -121,26 +121,18 @@ def quantkit_decode(rt: Any, prompt: list[int], new_tokens: int, reps: int) -> d
     return best
 
 
-def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts: int = DEFAULTS["experts"],
-        top_k: int = DEFAULTS["top_k"], vocab: int = DEFAULTS["vocab"], checkpoint: Path | None = None,
-        threads: int | None = None, reps: int = DEFAULTS["reps"], new_tokens: int = DEFAULTS["new_tokens"],
-        log: Any = print) -> dict[str, Any]:
-    from quantkit.export.gguf import export_gguf
+def prepare(workdir: Path, layers: int, experts: int, top_k: int, vocab: int, checkpoint: Path | None,
+            log: Any = print) -> tuple[Path, Path]:
+    """The realistic-shape bf16 checkpoint (generated once in `workdir` unless given) and its quantkit folder
+    quantized with the recipe that matches GGUF `mixed` (experts int4 sym g32 = Q4_0, int8 rest)."""
     from quantkit.formats import QuantSpec
     from quantkit.model.checkpoint import Checkpoint
     from quantkit.model.spec import Role
     from quantkit.quantize.run import QuantizeOptions, run_quantize
     from quantkit.recipe import INT8, Recipe
-    from quantkit.runtime import load_model
-    from quantkit.testing.tiny import load_reference_model, make_tiny_model
+    from quantkit.testing.tiny import make_tiny_model
 
-    t_start = time.perf_counter()
-    given = checkpoint is not None
-    threads = threads or torch.get_num_threads()
-    torch.set_num_threads(threads)
     workdir.mkdir(parents=True, exist_ok=True)
-    reports.mkdir(parents=True, exist_ok=True)
-    machine = _machine()
     if checkpoint is None:
         checkpoint = workdir / f"realistic-L{layers}-E{experts}-k{top_k}-v{vocab}"
         if not (checkpoint / "config.json").is_file():
@@ -154,6 +146,24 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
     if not (qdir / "quantkit-manifest.json").is_file():
         log("quantizing with quantkit")
         run_quantize(Checkpoint.open(checkpoint), qdir, QuantizeOptions(recipe, mode="overwrite"))
+    return checkpoint, qdir
+
+
+def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts: int = DEFAULTS["experts"],
+        top_k: int = DEFAULTS["top_k"], vocab: int = DEFAULTS["vocab"], checkpoint: Path | None = None,
+        threads: int | None = None, reps: int = DEFAULTS["reps"], new_tokens: int = DEFAULTS["new_tokens"],
+        log: Any = print) -> dict[str, Any]:
+    from quantkit.export.gguf import export_gguf
+    from quantkit.runtime import load_model
+    from quantkit.testing.tiny import load_reference_model
+
+    t_start = time.perf_counter()
+    given = checkpoint is not None
+    threads = threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    reports.mkdir(parents=True, exist_ok=True)
+    machine = _machine()
+    checkpoint, qdir = prepare(workdir, layers, experts, top_k, vocab, checkpoint, log)
     files = {"mixed": workdir / "engines-mixed.gguf", "bf16": workdir / "engines-bf16.gguf"}
     log("exporting GGUF")
     t0 = time.perf_counter()

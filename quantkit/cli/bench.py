@@ -111,3 +111,28 @@ def bench_decode(
     d = run(reports, workdir, layers, experts, prompt, decode, reps, names, rounds, threads, vocab,
             log=console.print)
     console.print(f"wrote {reports / 'bench-decode.md'} ({d['seconds']:.0f} s)")
+
+
+@bench_app.command("session")
+def bench_session(
+    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-session.{md,json,png} go"),
+    workdir: Path = typer.Option(Path("/tmp/quantkit-bench"), "--workdir", help="generated files go here"),
+    turns: int = typer.Option(12, "--turns", help="agent turns (action + observation) in the session"),
+    obs_tokens: int = typer.Option(250, "--obs-tokens", help="tokens of each recorded observation"),
+    new_tokens: int = typer.Option(8, "--new-tokens", help="greedy tokens generated per turn"),
+    layers: int = typer.Option(4, "--layers", help="layers of the generated realistic-shape checkpoint"),
+    experts: int = typer.Option(64, "--experts", help="experts per layer of the generated checkpoint"),
+    threads: int = typer.Option(None, "--threads", help="threads for every engine (default: torch's)"),
+    llama: bool = typer.Option(True, "--llama/--no-llama", help="run llama.cpp (llama-cpp-python) beside quantkit"),
+    checkpoint: Path = typer.Option(None, "--checkpoint", help="use this bf16 realistic-shape checkpoint instead"),
+) -> None:
+    """A multi-turn agent session: time to first token per turn with and without the prompt cache, and llama.cpp."""
+    from quantkit.bench.session import run
+
+    if turns < 2 or obs_tokens < 1 or new_tokens < 1:
+        fail("--turns must be at least 2, --obs-tokens and --new-tokens at least 1")
+    d = run(reports, workdir, turns, obs_tokens, new_tokens, layers, experts, checkpoint=checkpoint, threads=threads,
+            llama=llama, log=console.print)
+    for name, ok in d["checks"].items():
+        console.print(f"{'PASS' if ok else 'FAIL'} {name}")
+    console.print(f"wrote {reports / 'bench-session.md'} ({d['seconds']:.0f} s)")

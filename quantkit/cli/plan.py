@@ -15,7 +15,7 @@ from quantkit.errors import QuantkitError
 from quantkit.export.launch import ENGINES, launch_plan
 from quantkit.model.checkpoint import spec_from_path
 from quantkit.model.spec import DEFAULT_MODEL, ModelSpec, Role
-from quantkit.planner.budget import GB, GIB, RunSettings, cache_dtype, compute_budget
+from quantkit.planner.budget import GB, GIB, SNAPSHOTS_PER_PROMPT, RunSettings, cache_dtype, compute_budget
 from quantkit.planner.hardware import DEFAULT_GPU_RESERVE, Hardware, build_hardware, load_catalog, parse_size
 from quantkit.planner.host_costs import profile_for_plan
 from quantkit.planner.placement import (
@@ -49,8 +49,10 @@ def parse_contexts(text: str, max_ctx: int) -> list[int]:
     return out
 
 
-def _settings(ctx: int, batch: int, cache: str, chunk: int, mtp: bool, spec: ModelSpec) -> RunSettings:
-    s = RunSettings(context=ctx, batch=batch, cache_dtype=cache_dtype(cache), prefill_chunk=chunk, include_mtp=mtp)
+def _settings(ctx: int, batch: int, cache: str, chunk: int, mtp: bool, spec: ModelSpec,
+              snapshots: int = SNAPSHOTS_PER_PROMPT) -> RunSettings:
+    s = RunSettings(context=ctx, batch=batch, cache_dtype=cache_dtype(cache), prefill_chunk=chunk, include_mtp=mtp,
+                    prompt_cache_snapshots=snapshots)
     s.validate(spec.config)
     return s
 
@@ -105,6 +107,8 @@ def _budget_table(spec: ModelSpec, plan: Plan) -> Table:
     t.add_row(f"KV cache ({n_full} full-attention layers)", f"{b.kv_cache:,}", _gb(b.kv_cache), "")
     t.add_row("Gated DeltaNet recurrent state (fp32)", f"{b.recurrent_state:,}", _gb(b.recurrent_state), "")
     t.add_row("Gated DeltaNet conv state", f"{b.conv_state:,}", _gb(b.conv_state), "")
+    t.add_row(f"prompt cache ({plan.settings.prompt_cache_snapshots} snapshots)", f"{b.prompt_cache:,}",
+              _gb(b.prompt_cache), "")
     t.add_row(f"activations (prefill chunk {min(plan.settings.prefill_chunk, plan.settings.context)})",
               f"{b.activations:,}", _gb(b.activations), "")
     t.add_row("logits (fp32, last position)", f"{b.logits:,}", _gb(b.logits), "")
@@ -161,6 +165,9 @@ def plan_cmd(
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="tokens per prefill step"),
     gpu_reserve: str = typer.Option(None, "--gpu-reserve", help="runtime reserve per GPU (default 1GiB)"),
     mtp: bool = typer.Option(False, "--mtp", help="also load the MTP layer (speculative decoding)"),
+    prompt_cache: int = typer.Option(SNAPSHOTS_PER_PROMPT, "--prompt-cache",
+                                     help="conversation-state snapshots to budget for (2 per conversation kept "
+                                     "across turns; 0: none)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     out: Path = typer.Option(None, "--out", "-o", help="save the chosen plan for the runtime"),
     export: str = typer.Option(None, "--export", help="print launch flags: llama.cpp or vllm"),
@@ -180,7 +187,7 @@ def plan_cmd(
           "profile": prof, "profile_source": prof_src}
     rows: list[SchemeResult] = []
     for ctx in contexts:
-        st = _settings(ctx, batch, cache, prefill_chunk, mtp, spec)
+        st = _settings(ctx, batch, cache, prefill_chunk, mtp, spec, prompt_cache)
         rows += plan_schemes(spec, hw, st, schemes or None, **kw)
     first = [r for r in rows if r.plan.settings.context == contexts[0]]
     chosen = recommend(first)

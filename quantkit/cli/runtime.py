@@ -19,6 +19,22 @@ _VERIFY = typer.Option("auto", "--verify", help="check a quantized folder first:
                        "full, quick (sizes and headers), off")
 _MAX_NEW = "--max-new-tokens"
 _THREADS = typer.Option(None, "--threads", help="CPU threads [default: every physical core]")
+_CACHE_SIZE = typer.Option("auto", "--prompt-cache-size",
+                           help="memory for snapshots of the conversation state, so each turn prefills only its "
+                           "new tokens: e.g. 2GB, 512MB; 0 turns it off; auto = a quarter of the free memory "
+                           "of the device holding the states")
+
+
+def parse_cache_size(text: str) -> int | None:
+    """--prompt-cache-size: 'auto' -> None (the runtime's default), '0' -> 0 (off), else a size (64GB, 512MB)."""
+    from quantkit.planner.hardware import parse_size
+
+    t = (text or "").strip().lower()
+    if t == "auto":
+        return None
+    if t.rstrip("kmgtib ") in ("0", "0.0"):
+        return 0
+    return parse_size(text, "--prompt-cache-size")
 
 
 def _load(model: str, plan: Path | None, recipe: str | None, context: int | None, verify: str,
@@ -117,6 +133,9 @@ def chat_cmd(
     seed: int = typer.Option(None, "--seed"),
     think: bool = typer.Option(True, "--think/--no-think"),
     load: Path = typer.Option(None, "--load", help="start from a conversation saved with /save"),
+    session_file: Path = typer.Option(None, "--session", help="keep the conversation and its cached state in this "
+                                      "file after every turn, and resume from it (no re-prefill after a restart)"),
+    prompt_cache_size: str = _CACHE_SIZE,
     plan: Path = _PLAN, recipe: str = _RECIPE, context: int = _CONTEXT, verify: str = _VERIFY,
     threads: int = _THREADS,
 ) -> None:
@@ -127,14 +146,18 @@ def chat_cmd(
         pass
     from quantkit.runtime import SamplingParams
     from quantkit.runtime.chat import Chat, ChatSession
+    from quantkit.runtime.session_file import load_session, save_session
     from quantkit.runtime.worlds import world_prompt
 
     try:
         if world and system:
             raise QuantkitError("--world sets the system prompt; drop --system or --world")
+        if load and session_file:
+            raise QuantkitError("--session resumes its own file; drop --load or --session")
         sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             max_new_tokens=max_new_tokens)
         sp.validate()
+        cache_bytes = parse_cache_size(prompt_cache_size)
         session = ChatSession(system=world_prompt(world) if world else system, thinking=think)
         if load:
             try:
@@ -142,6 +165,19 @@ def chat_cmd(
             except OSError as e:
                 raise QuantkitError(f"{load}: cannot read ({e.strerror})") from None
         rt = _load(model, plan, recipe, context, verify, threads)
-        Chat(rt, session, sp, console).run()
+        rt.set_prompt_cache(cache_bytes)
+        autosave = None
+        if session_file:
+            resumed = load_session(session_file, rt)
+            if resumed.notice:
+                err_console.print(resumed.notice, style="yellow", highlight=False, markup=False, soft_wrap=True)
+            if resumed.session is not None:
+                session = resumed.session
+                err_console.print(f"resumed {len(session.messages)} messages from {session_file} "
+                                  f"({resumed.restored_tokens} tokens of state restored)", highlight=False)
+
+            def autosave(s: ChatSession) -> None:
+                save_session(session_file, rt, s)
+        Chat(rt, session, sp, console, autosave=autosave).run()
     except QuantkitError as e:
         fail(str(e))

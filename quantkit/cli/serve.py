@@ -8,6 +8,8 @@ from pathlib import Path
 import typer
 
 from quantkit.cli import app, console, err_console, fail
+from quantkit.cli.runtime import parse_cache_size
+from quantkit.errors import QuantkitError
 
 
 def parse_size(text: str) -> int:
@@ -47,6 +49,10 @@ def serve(
                                            help="max_tokens when a request gives none (default: rest of context)"),
     log_level: str = typer.Option("info", "--log-level", help="uvicorn log level"),
     threads: int = typer.Option(None, "--threads", help="CPU threads [default: every physical core]"),
+    prompt_cache_size: str = typer.Option("auto", "--prompt-cache-size",
+                                          help="memory for snapshots of conversation states, reused when a client "
+                                          "resends the history: e.g. 2GB; 0 turns it off; auto = a quarter of "
+                                          "the free memory of the device holding the states"),
 ) -> None:
     """Serve MODEL_DIR on an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models, /health)."""
     if max_queue < 1:
@@ -54,11 +60,11 @@ def serve(
     if not 0 <= port <= 65535:
         fail(f"--port {port}: must be 0..65535")
     body_limit = parse_size(max_body)
-    from quantkit.errors import QuantkitError
     from quantkit.runtime.threads import set_threads
 
     try:
         set_threads(threads)
+        cache_bytes = parse_cache_size(prompt_cache_size)
     except QuantkitError as e:
         fail(str(e))
     if not is_loopback(host):
@@ -70,11 +76,13 @@ def serve(
     from quantkit.server.app import ServerConfig, create_app
     from quantkit.server.runtime_backend import load_backend
 
-    backend = load_backend(model_dir, plan=plan, model_id=model_name, max_context=context)
+    backend = load_backend(model_dir, plan=plan, model_id=model_name, max_context=context,
+                           prompt_cache_bytes=cache_bytes)
     config = ServerConfig(max_queue=max_queue, max_body_bytes=body_limit, default_max_tokens=default_max_tokens)
     shown = f"[{host}]" if ":" in host else host
     console.print(f"serving [bold]{backend.model_id}[/] on http://{shown}:{port}/v1 (context {backend.max_context} "
-                  f"tokens, up to {max_queue} waiting requests)", highlight=False)
+                  f"tokens, up to {max_queue} waiting requests, prompt cache "
+                  f"{backend.cache_summary()['max_bytes'] / 2**20:.0f} MiB)", highlight=False)
     try:
         uvicorn.run(create_app(backend, config), host=host, port=port, log_level=log_level,
                     timeout_graceful_shutdown=5)

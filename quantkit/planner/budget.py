@@ -73,6 +73,9 @@ def bits_per_weight(t: TensorSpec, q: QuantSpec | None, keep_dtype: str | None =
     return tensor_bytes(t, q, keep_dtype).total * 8 / t.numel
 
 
+SNAPSHOTS_PER_PROMPT = 2  # prompt-cache snapshots the runtime takes per prompt (quantkit.runtime.state_cache)
+
+
 @dataclass(frozen=True)
 class RunSettings:
     """How the model will be run: what the caches and buffers are sized for."""
@@ -82,6 +85,10 @@ class RunSettings:
     cache_dtype: str = "fp16"
     prefill_chunk: int = DEFAULT_PREFILL_CHUNK
     include_mtp: bool = False
+    # prompt-cache snapshots kept (quantkit.runtime.state_cache): the runtime takes two per prompt (at the
+    # start of the generation prompt and of the last message), so 2 = one conversation kept across turns;
+    # `quantkit plan` budgets 2 by default (--prompt-cache), the library 0 (the live cache alone)
+    prompt_cache_snapshots: int = 0
 
     def validate(self, c: TextConfig) -> None:
         if self.context <= 0:
@@ -94,6 +101,8 @@ class RunSettings:
             raise QuantkitError(f"batch {self.batch} must be a positive integer")
         if self.prefill_chunk <= 0:
             raise QuantkitError(f"prefill chunk {self.prefill_chunk} must be a positive number of tokens")
+        if self.prompt_cache_snapshots < 0:
+            raise QuantkitError(f"prompt cache snapshots {self.prompt_cache_snapshots} must be >= 0 (0: off)")
         cache_dtype(self.cache_dtype)
 
 
@@ -110,6 +119,16 @@ def linear_state_bytes(c: TextConfig) -> tuple[int, int]:
     rec = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim * 4
     conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
     return rec, conv_dim * c.linear_conv_kernel_dim * 2
+
+
+def snapshot_bytes(c: TextConfig, tokens: int, dtype: str = "bf16") -> int:
+    """One prompt-cache snapshot (quantkit.runtime.state_cache) after `tokens` tokens: a copy of every Gated
+    DeltaNet layer's recurrent + conv state (~63 MB at full size, whatever the length) plus the attention KV
+    of those tokens (shared by the snapshots of one prefill, so count it once per conversation)."""
+    rec, conv = linear_state_bytes(c)
+    n_lin = sum(t == "linear_attention" for t in c.layer_types)
+    n_full = len(c.layer_types) - n_lin
+    return n_lin * (rec + conv) + kv_bytes_per_token(c, dtype, n_full) * tokens
 
 
 def activation_bytes_per_token(c: TextConfig) -> int:
@@ -153,6 +172,7 @@ class Budget:
     expert_params: list[int] = field(default_factory=list)  # one routed expert of each layer
     lm_head_params: int = 0
     mtp_weights: int = 0
+    prompt_cache: int = 0  # snapshots of the conversation state (in layer_cache too, with their layers)
 
     @property
     def weights(self) -> int:
@@ -160,7 +180,7 @@ class Budget:
 
     @property
     def caches(self) -> int:
-        return self.kv_cache + self.recurrent_state + self.conv_state
+        return self.kv_cache + self.recurrent_state + self.conv_state + self.prompt_cache
 
     @property
     def buffers(self) -> int:
@@ -177,6 +197,7 @@ class Budget:
             "scales_and_zeros": sum(tb.scales + tb.zeros for tb in self.weights_by_role.values()),
             "kept_high_precision": self.kept_high_precision,
             "kv_cache": self.kv_cache, "recurrent_state": self.recurrent_state, "conv_state": self.conv_state,
+            "prompt_cache": self.prompt_cache,
             "activations": self.activations, "logits": self.logits,
         })
         return out
@@ -253,8 +274,10 @@ def with_settings(b: Budget, c: TextConfig, s: RunSettings) -> Budget:
         raise QuantkitError("with_settings cannot change include_mtp; compute a new budget")
     kv_tok = kv_bytes_per_token(c, s.cache_dtype)
     rec, conv = linear_state_bytes(c)
+    # snapshots: a copy of each linear layer's states apiece; the snapshots of one prefill share one KV
+    snaps, kv_copies = s.prompt_cache_snapshots, -(-s.prompt_cache_snapshots // SNAPSHOTS_PER_PROMPT)
     layer_cache = [
-        kv_tok * s.context * s.batch if kind == "full_attention" else (rec + conv) * s.batch
+        kv_tok * s.context * (s.batch + kv_copies) if kind == "full_attention" else (rec + conv) * (s.batch + snaps)
         for kind in c.layer_types
     ]
     n_full, n_lin = len(c.full_attention_layers), len(c.linear_attention_layers)
@@ -267,6 +290,7 @@ def with_settings(b: Budget, c: TextConfig, s: RunSettings) -> Budget:
         mtp=b.mtp_weights + mtp_kv,
         recurrent_state=rec * n_lin * s.batch,
         conv_state=conv * n_lin * s.batch,
+        prompt_cache=(rec + conv) * n_lin * snaps + kv_tok * s.context * n_full * kv_copies,
         activations=activation_bytes_per_token(c) * min(s.prefill_chunk, s.context) * s.batch,
         # the runtime computes logits for the last position of each sequence only (transformers'
         # generate passes logits_to_keep=1), in fp32

@@ -9,6 +9,12 @@ Context policy: before each turn the whole conversation is rendered by the chat 
 it plus the room kept for the reply (`--max-new-tokens`, at most half the context) exceeds the context,
 the oldest user/assistant exchanges are dropped, oldest first, and the chat says how many; the system
 prompt is never dropped. A message that does not fit even alone with the system prompt is refused.
+
+Prompt cache: the runtime keeps snapshots of the conversation state (quantkit.runtime.state_cache), so each
+turn prefills only what is new (the last answer, as the template re-renders it, the new message and the
+generation prompt); the turn line and /stats show tokens prefilled vs reused. When /system, /clear, /load or
+the context policy changes the conversation before the cached part, the next turn prefills afresh and the
+chat says why, once; /think and /nothink change only the generation prompt, so reuse goes on.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from rich.console import Console
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime.generate import GenerationResponse, SamplingParams
+from quantkit.runtime.state_cache import snapshot_points
 
 CHAT_FILE_VERSION = 1
 HELP = """commands:
@@ -33,7 +40,7 @@ HELP = """commands:
   /clear           forget the conversation (the system prompt stays)
   /save FILE       write the conversation as JSON
   /load FILE       read a conversation saved with /save
-  /stats           figures of the last turn, memory per device, context used
+  /stats           figures of the last turn, memory per device, context used, prompt cache
   /help            this text
   /exit            leave (Ctrl-D too)
 Ctrl-C stops the reply being generated. When the conversation outgrows the context, the oldest
@@ -106,17 +113,23 @@ def turn_line(resp: GenerationResponse, weights: dict[str, int]) -> str:
         f"{d}: weights {fmt_bytes(weights.get(d, 0))}, peak {fmt_bytes(resp.peak_memory.get(d, 0))}"
         for d in dict.fromkeys([*weights, *resp.peak_memory]))
     return (f"[prompt {resp.prompt_tokens} tok, {resp.prompt_tps:.1f} tok/s | generated {resp.generation_tokens} "
-            f"tok, {resp.generation_tps:.1f} tok/s | {resp.finish_reason} | {mem}]")
+            f"tok, {resp.generation_tps:.1f} tok/s | {resp.finish_reason} | {mem} | prefilled "
+            f"{resp.prefilled_tokens}, reused {resp.cached_tokens}]")
 
 
 class Chat:
     """One interactive session over a Runtime. `read` returns the next input line (raises EOFError)."""
 
     def __init__(self, runtime: Any, session: ChatSession, sampling: SamplingParams, console: Console,
-                 read: Callable[[str], str] = input):
+                 read: Callable[[str], str] = input, autosave: Callable[[ChatSession], None] | None = None):
+        """`autosave(session)` runs after each turn and command (`--session FILE` writes the file there)."""
         self.rt, self.s, self.sp, self.out, self.read = runtime, session, sampling, console, read
+        self.autosave = autosave
         self.last: GenerationResponse | None = None
         self.context_used = 0
+        self.totals = {"prefilled": 0, "reused": 0}
+        self.changed: str | None = None  # why the conversation's start changed since the last turn
+        self.reusable = 0  # prompt tokens the next turn should find cached, if the conversation only grew
 
     def say(self, text: str, style: str = "cyan") -> None:
         self.out.print(text, style=style, highlight=False, markup=False, soft_wrap=True)
@@ -139,8 +152,17 @@ class Chat:
             if line.startswith("/"):
                 if self.command(line) == "exit":
                     break
-                continue
-            self.turn(line)
+            else:
+                self.turn(line)
+            self._autosave()
+
+    def _autosave(self) -> None:
+        if self.autosave is None:
+            return
+        try:
+            self.autosave(self.s)
+        except QuantkitError as e:
+            self.say(str(e), "red")
 
     # ---- commands ----
     def command(self, line: str) -> str | None:
@@ -154,18 +176,22 @@ class Chat:
         elif cmd == "/clear":
             self.s.messages.clear()
             self.context_used = 0
+            self.changed = "/clear"
             self.say("conversation cleared" + (" (system prompt kept)" if self.s.system else ""))
         elif cmd == "/system":
             if not arg:
                 self.say(f"system prompt: {self.s.system!r}" if self.s.system else "no system prompt")
             else:
                 self.s.system = None if arg == "-" else arg
+                self.changed = "/system"
                 self.say("system prompt cleared" if arg == "-" else "system prompt set")
         elif cmd == "/think":
             self.s.thinking = True
+            self.changed = "/think"
             self.say("thinking on")
         elif cmd == "/nothink":
             self.s.thinking = False
+            self.changed = "/nothink"
             self.say("thinking off")
         elif cmd == "/save":
             self._save(arg)
@@ -203,6 +229,7 @@ class Chat:
         except QuantkitError as e:
             self.say(str(e), "red")
             return
+        self.changed = "/load"
         self.say(f"loaded {len(self.s.messages)} messages from {arg}")
 
     def _stats(self) -> None:
@@ -214,6 +241,13 @@ class Chat:
                  f"thinking {'on' if self.s.thinking else 'off'}")
         if self.last:
             self.say("last turn: " + turn_line(self.last, w))
+        c = self.rt.prompt_cache.summary()
+        if not c["enabled"]:
+            self.say("prompt cache: off (every turn prefills the whole conversation)")
+            return
+        self.say(f"prompt cache: {c['entries']} snapshots, {fmt_bytes(c['bytes'])} of {fmt_bytes(c['max_bytes'])}, "
+                 f"hit rate {c['hit_rate']:.0%}, {c['evictions']} evicted; this session prefilled "
+                 f"{self.totals['prefilled']} tokens, reused {self.totals['reused']}")
 
     # ---- a turn ----
     def turn(self, text: str) -> None:
@@ -230,6 +264,7 @@ class Chat:
             return
         if dropped:
             self.say(f"(context full: dropped the {dropped} oldest messages; the system prompt is kept)", "yellow")
+            self.changed = "the context overflow"
         prev = signal.signal(signal.SIGINT, lambda *_: self.rt.stop())
         channel, parts = None, {"thinking": [], "answer": []}
         resp = None
@@ -255,6 +290,7 @@ class Chat:
         if resp is None:
             return
         self.last = resp
+        self._account(resp)
         msg: dict[str, Any] = {"role": "assistant", "content": resp.text}
         if resp.thinking:
             msg["reasoning_content"] = resp.thinking
@@ -265,3 +301,16 @@ class Chat:
             self.say("(the context is full: the reply was cut; /clear or start afresh)", "yellow")
         self.context_used += resp.generation_tokens
         self.say(turn_line(resp, self.rt.memory()), "dim")
+
+    def _account(self, resp: GenerationResponse) -> None:
+        """Count prefilled vs reused tokens; say once when a change of the conversation's start (a command or
+        the context policy) made the cache start afresh."""
+        self.totals["prefilled"] += resp.prefilled_tokens
+        self.totals["reused"] += resp.cached_tokens
+        if self.rt.prompt_cache.enabled and self.reusable and resp.cached_tokens < self.reusable:
+            why = (f"{self.changed} changed the conversation before the cached part" if self.changed
+                   else "its snapshot was evicted (raise --prompt-cache-size)")
+            self.say(f"(cache rebuilt: {why}; {resp.prefilled_tokens} tokens prefilled)", "yellow")
+        self.changed = None
+        points = snapshot_points(self.rt.last_prompt_ids, 0, self.rt.boundary_ids, 1)
+        self.reusable = points[0] if points else 0

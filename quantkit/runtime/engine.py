@@ -12,6 +12,10 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime.generate import GenerationResponse, SamplingParams, TokenEvent, stream_tokens
+from quantkit.runtime.loader import available_bytes
+from quantkit.runtime.state_cache import PrefixCache
+
+AUTO_CACHE_FRACTION = 4  # the default prompt cache takes 1/4 of the free memory of the states' device
 
 if TYPE_CHECKING:
     from torch import nn
@@ -86,9 +90,13 @@ class Runtime:
         self.defaults = generation_defaults(folder)
         vocab = self.tokenizer.get_vocab()
         self.think_ids = (vocab.get("<think>"), vocab.get("</think>"))
+        # message boundaries: prefill is cut and snapshots are taken before each <|im_start|>
+        self.boundary_ids = frozenset(i for i in (vocab.get("<|im_start|>"),) if i is not None)
+        self.prompt_cache = PrefixCache(0)  # off until set_prompt_cache
         self._cancel = threading.Event()
         self._lock = threading.Lock()
         self.last: GenerationResponse | None = None
+        self.last_prompt_ids: list[int] = []
 
     # ---- facts ----
     @property
@@ -102,6 +110,21 @@ class Runtime:
     def memory(self) -> dict[str, int]:
         """Resident weight bytes per device (what the loader placed)."""
         return dict(self.report.bytes_by_device)
+
+    def set_prompt_cache(self, max_bytes: int | None = None) -> PrefixCache:
+        """Keep snapshots of the conversation state, up to `max_bytes` (0: off; None: a quarter of the memory
+        free now on the device of the first linear-attention layer, which holds the states), so that a prompt
+        that extends an earlier one is prefilled only from where they part (quantkit.runtime.state_cache)."""
+        if max_bytes is None:
+            max_bytes = available_bytes(self.state_device) // AUTO_CACHE_FRACTION
+        self.prompt_cache = PrefixCache(max_bytes)
+        return self.prompt_cache
+
+    @property
+    def state_device(self) -> str:
+        types = self.config.get("text_config", self.config).get("layer_types") or []
+        lin = [i for i, t in enumerate(types) if t == "linear_attention"]
+        return self.placement.layer_device[lin[0] if lin else 0]
 
     # ---- prompts ----
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
@@ -134,6 +157,7 @@ class Runtime:
             raise QuantkitError("empty conversation: give at least one message")
         sp = sampling or self.sampling(**sampling_kw)
         ids = self.encode(self.render(messages, tools, enable_thinking))
+        self.last_prompt_ids = ids
         yield from self.generate_ids(ids, sampling=sp, thinking=enable_thinking, cancel=cancel)
 
     def generate_ids(self, ids: list[int], sampling: SamplingParams, thinking: bool = True,
@@ -146,7 +170,8 @@ class Runtime:
             stops = self.stop_ids if stop_ids is None else stop_ids
             for e in stream_tokens(self.model, self.tokenizer, ids, sampling=sampling, stop_ids=stops,
                                    context=self.context, devices=self._io_devices(), thinking=thinking,
-                                   think_ids=self.think_ids, cancel=ev):
+                                   think_ids=self.think_ids, cancel=ev, prefix_cache=self.prompt_cache,
+                                   boundary_ids=self.boundary_ids):
                 if e.response is not None:
                     self.last = e.response
                 yield e

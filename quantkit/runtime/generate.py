@@ -1,4 +1,4 @@
-"""The decoding loop: chunked prefill, sampling, streaming detokenization, thinking vs answer channels.
+"""The decoding loop: prefill (restoring a cached prefix, quantkit.runtime.state_cache), sampling, streaming detokenization, thinking vs answer channels.
 
 `stream_tokens(model, tokenizer, prompt_ids, ...)` yields a `TokenEvent` per generated token and a last
 event carrying the `GenerationResponse` (text, thinking, token counts, prompt and generation tok/s,
@@ -23,6 +23,14 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK
+from quantkit.runtime.state_cache import (
+    PrefixCache,
+    capture_linear,
+    prefill_plan,
+    restore,
+    snapshot_points,
+    take,
+)
 
 PREFILL_CHUNK = DEFAULT_PREFILL_CHUNK  # the chunk the planner sizes the activation buffers for
 
@@ -62,6 +70,11 @@ class GenerationResponse:
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     token_ids: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens restored from a snapshot instead of prefilled
+
+    @property
+    def prefilled_tokens(self) -> int:
+        return self.prompt_tokens - self.cached_tokens
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -81,6 +94,7 @@ class TokenEvent:
     channel: str  # "thinking" | "answer"
     index: int
     response: GenerationResponse | None = None
+    cached_tokens: int = 0  # prompt tokens this generation restored from the prompt cache
 
 
 class StreamingDetokenizer:
@@ -166,13 +180,47 @@ def _forward(model: Any, ids: torch.Tensor, cache: Any) -> torch.Tensor:
     return out.logits[0, -1]
 
 
+@dataclass
+class Prefill:
+    cache: Any
+    logits: torch.Tensor | None  # None when cancelled before the last chunk
+    cached_tokens: int
+
+
+def prefill(model: Any, prompt_ids: list[int], dev: torch.device, *, prefix_cache: PrefixCache | None = None,
+            boundary_ids: frozenset[int] = frozenset(), cancel: Any = None) -> Prefill:
+    """Restore the longest cached prefix of `prompt_ids` (if any), prefill the rest chunk by chunk on the
+    boundary-aligned plan (quantkit.runtime.state_cache), and store snapshots at the last boundaries
+    passed. A set `cancel` stops between chunks; the snapshots already passed are kept."""
+    from transformers import DynamicCache
+
+    snap = prefix_cache.lookup(prompt_ids) if prefix_cache is not None else None
+    cache = restore(snap, model.config) if snap is not None else DynamicCache(config=model.config)
+    start = snap.length if snap is not None else 0
+    points = set(snapshot_points(prompt_ids, start, boundary_ids, prefix_cache.keep)) \
+        if prefix_cache is not None and prefix_cache.enabled else set()
+    ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
+    logits, captured = None, []
+    for a, b in prefill_plan(prompt_ids, start, boundary_ids, PREFILL_CHUNK):
+        if cancel is not None and cancel.is_set():
+            logits = None
+            break
+        logits = _forward(model, ids[:, a:b], cache)
+        if b in points:
+            captured.append((b, capture_linear(cache)))
+    for b, lin in captured:
+        assert prefix_cache is not None
+        prefix_cache.put(take(cache, prompt_ids[:b], lin))
+    return Prefill(cache, logits, start)
+
+
 def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling: SamplingParams,
                   stop_ids: set[int], context: int, devices: list[str], thinking: bool,
                   think_ids: tuple[int | None, int | None] = (None, None),
-                  cancel: threading.Event | None = None) -> Iterator[TokenEvent]:
-    """Generate from `prompt_ids` (already rendered by the chat template). See the module docstring."""
-    from transformers import DynamicCache
-
+                  cancel: threading.Event | None = None, prefix_cache: PrefixCache | None = None,
+                  boundary_ids: frozenset[int] = frozenset()) -> Iterator[TokenEvent]:
+    """Generate from `prompt_ids` (already rendered by the chat template). See the module docstring;
+    `prefix_cache` and `boundary_ids` as in `prefill`."""
     sampling.validate()
     n_prompt = len(prompt_ids)
     if n_prompt == 0:
@@ -183,7 +231,6 @@ def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling
     gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
     think_start, think_end = think_ids
     dev = torch.device(devices[0]) if devices else torch.device("cpu")
-    cache = DynamicCache(config=model.config)
     detok = StreamingDetokenizer(tokenizer)
     channel = "thinking" if thinking else "answer"
     texts = {"thinking": [], "answer": []}
@@ -192,13 +239,12 @@ def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling
     t_dec = 0.0
     with torch.inference_mode():
         t0 = time.perf_counter()
-        ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
-        logits = None
-        for s in range(0, n_prompt, PREFILL_CHUNK):
-            logits = _forward(model, ids[:, s:s + PREFILL_CHUNK], cache)
+        pre = prefill(model, prompt_ids, dev, prefix_cache=prefix_cache, boundary_ids=boundary_ids, cancel=cancel)
+        cache, logits = pre.cache, pre.logits
         t_pre = time.perf_counter() - t0
-        assert logits is not None
-        budget = min(sampling.max_new_tokens, context - n_prompt)
+        budget = min(sampling.max_new_tokens, context - n_prompt) if logits is not None else 0
+        if logits is None:
+            finish = "cancelled"
         for i in range(budget):
             if cancel is not None and cancel.is_set():
                 finish = "cancelled"
@@ -219,7 +265,7 @@ def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling
                 if channel == "answer" and not "".join(texts["answer"]):
                     delta = delta.lstrip("\n")
                 texts[channel].append(delta)
-            yield TokenEvent(delta, tok, channel, i)
+            yield TokenEvent(delta, tok, channel, i, cached_tokens=pre.cached_tokens)
             if i == budget - 1:
                 finish = "length" if budget == sampling.max_new_tokens else "context"
                 break
@@ -231,9 +277,9 @@ def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling
     resp = GenerationResponse(
         text="".join(texts["answer"]).strip(), thinking="".join(texts["thinking"]).strip("\n"),
         token=generated[-1] if generated else None, prompt_tokens=n_prompt, generation_tokens=n_gen,
-        prompt_tps=n_prompt / t_pre if t_pre > 0 else 0.0,
+        prompt_tps=(n_prompt - pre.cached_tokens) / t_pre if t_pre > 0 else 0.0,
         generation_tps=steps / t_dec if t_dec > 0 and steps else 0.0,
         peak_memory=peak_memory(devices), finish_reason=finish, prefill_seconds=t_pre, decode_seconds=t_dec,
-        token_ids=generated,
+        token_ids=generated, cached_tokens=pre.cached_tokens,
     )
-    yield TokenEvent("", None, channel, n_gen, resp)
+    yield TokenEvent("", None, channel, n_gen, resp, pre.cached_tokens)

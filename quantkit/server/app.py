@@ -38,6 +38,7 @@ from quantkit.server.schemas import (
     FunctionOut,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     Timings,
     ToolCallOut,
     Usage,
@@ -197,8 +198,9 @@ def _tools(req: ChatCompletionRequest) -> list[dict[str, Any]] | None:
 def _timings(done: Done, completion_tokens: int) -> Timings:
     def rate(n: int, s: float) -> float | None:
         return round(n / s, 2) if s > 0 and n > 0 else None
-    return Timings(queue_ms=round(done.queue_s * 1e3, 2), prompt_n=done.prompt_tokens,
-                   prompt_ms=round(done.prompt_s * 1e3, 2), prompt_per_second=rate(done.prompt_tokens, done.prompt_s),
+    prefilled = done.prompt_tokens - done.cached_tokens
+    return Timings(queue_ms=round(done.queue_s * 1e3, 2), cache_n=done.cached_tokens, prompt_n=prefilled,
+                   prompt_ms=round(done.prompt_s * 1e3, 2), prompt_per_second=rate(prefilled, done.prompt_s),
                    predicted_n=completion_tokens, predicted_ms=round(done.decode_s * 1e3, 2),
                    predicted_per_second=rate(completion_tokens - 1, done.decode_s))
 
@@ -237,8 +239,10 @@ class _Answer:
 
     def usage(self) -> Usage:
         p = len(self.job.prompt.ids)
+        cached = self.done.cached_tokens if self.done else 0
         return Usage(prompt_tokens=p, completion_tokens=self.tokens, total_tokens=p + self.tokens,
-                     completion_tokens_details=CompletionTokensDetails(reasoning_tokens=self.reasoning_tokens))
+                     completion_tokens_details=CompletionTokensDetails(reasoning_tokens=self.reasoning_tokens),
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
@@ -275,8 +279,10 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
     async def health() -> dict[str, Any]:
         q = state.get("queue")
         status = "starting" if q is None else "ok" if q.accepting else "shutting_down"
+        summary = getattr(backend, "cache_summary", None)
         return {"status": status, "model": backend.model_id,
-                "max_context": backend.max_context, "queue": q.stats.as_dict() if q else None}
+                "max_context": backend.max_context, "queue": q.stats.as_dict() if q else None,
+                "prompt_cache": summary() if summary else None}
 
     def card() -> ModelCard:
         return ModelCard(id=backend.model_id, created=created, max_model_len=backend.max_context)

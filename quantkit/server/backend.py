@@ -38,6 +38,7 @@ class Prompt:
 class TokenEvent:
     token_id: int  # -1: no new token, only text held back until the end (an incomplete character)
     text: str  # the text this token adds to the output (may be "" while a multi-byte character is split)
+    cached_tokens: int = 0  # prompt tokens restored from the backend's prompt cache instead of prefilled
 
 
 class Backend(Protocol):
@@ -52,4 +53,8 @@ class Backend(Protocol):
     def generate(self, prompt: Prompt, params: SamplingParams, cancel: threading.Event) -> Iterator[TokenEvent]:
         """Generated tokens, ending at an end-of-turn token, after `params.max_tokens`, or soon after
         `cancel` is set. End-of-turn tokens are not yielded."""
+        ...
+
+    def cache_summary(self) -> dict[str, Any] | None:
+        """The prompt cache's size, entries and hit rate for /health (None: the backend has none)."""
         ...

@@ -37,6 +37,7 @@ class Done:
     queue_s: float
     prompt_s: float  # start of generation -> first token (prefill + first sampling)
     decode_s: float  # first token -> last token
+    cached_tokens: int = 0  # prompt tokens restored from the prompt cache
 
 
 @dataclass
@@ -148,7 +149,7 @@ class GenerationQueue:
     def _run(self, job: Job) -> None:
         start = time.perf_counter()
         queue_s = start - job.submitted
-        n, first, last = 0, None, start
+        n, first, last, cached = 0, None, start, 0
         if self._closed:
             job.stop()
         try:
@@ -156,6 +157,7 @@ class GenerationQueue:
                 # closed explicitly so the backend's own cleanup (its lock, its cache) runs now
                 with contextlib.closing(self.backend.generate(job.prompt, job.params, job.cancel)) as events:
                     for ev in events:
+                        cached = ev.cached_tokens
                         if ev.token_id >= 0:
                             n += 1
                             last = time.perf_counter()
@@ -181,4 +183,4 @@ class GenerationQueue:
             else:
                 self.stats.completed += 1
         first = first if first is not None else last
-        job._put(Done(reason, len(job.prompt.ids), n, queue_s, first - start, last - first))
+        job._put(Done(reason, len(job.prompt.ids), n, queue_s, first - start, last - first, cached))

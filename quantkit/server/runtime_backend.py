@@ -43,16 +43,21 @@ class RuntimeBackend:
         for ev in rt.generate_ids(prompt.ids, sp, thinking=prompt.opens_reasoning, cancel=cancel, **kw):
             if ev.token is None:  # the closing event with the runtime's own summary
                 return
-            yield TokenEvent(ev.token, self._tags.get(ev.token, ev.text))
+            yield TokenEvent(ev.token, self._tags.get(ev.token, ev.text), ev.cached_tokens)
+
+    def cache_summary(self) -> dict[str, Any] | None:
+        return self.runtime.prompt_cache.summary()
 
 
 def load_backend(path: str | Path, plan: str | Path | None = None, model_id: str | None = None,
-                 max_context: int | None = None) -> RuntimeBackend:
-    """Load the checkpoint at `path` once, for serving."""
+                 max_context: int | None = None, prompt_cache_bytes: int | None = None) -> RuntimeBackend:
+    """Load the checkpoint at `path` once, for serving, with a prompt cache of `prompt_cache_bytes` (0: off,
+    None: the runtime's default from free memory)."""
     p = Path(path)
     if not p.is_dir():
         raise QuantkitError(f"{p}: not a folder; pass a checkpoint folder made by `quantkit quantize`")
     from quantkit.runtime import load_model
 
     runtime = load_model(p, plan=plan, context=max_context)
+    runtime.set_prompt_cache(prompt_cache_bytes)
     return RuntimeBackend(runtime, model_id or p.resolve().name, max_context)

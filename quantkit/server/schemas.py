@@ -142,17 +142,23 @@ class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens restored from the prompt cache, not prefilled
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     completion_tokens_details: CompletionTokensDetails
+    prompt_tokens_details: PromptTokensDetails
 
 
 class Timings(BaseModel):
     """llama-server's `timings` names; times in ms. prompt: start of generation -> first token;
     predicted: first -> last token (so predicted_per_second counts the tokens after the first)."""
     queue_ms: float
+    cache_n: int  # prompt tokens taken from the prompt cache (prompt_n counts the ones prefilled)
     prompt_n: int
     prompt_ms: float
     prompt_per_second: float | None

@@ -1,0 +1,161 @@
+"""`quantkit chat --session FILE`: the conversation and its cached state in one file, so a chat resumes after a
+restart without prefilling the history again (llama.cpp's --prompt-cache plays this role).
+
+Format: safetensors (never a pickle). The tensors are one prompt-cache snapshot (quantkit.runtime.state_cache:
+`L.conv`, `L.recurrent` for each Gated DeltaNet layer, `L.keys`, `L.values` for each attention layer); the
+string metadata holds `quantkit_session` (format version), `identity` (JSON: hashes of the model's config,
+the recipe and the placement), `conversation` (the /save JSON), `ids` and `kinds` (the snapshot's tokens and
+layer kinds) and `sha256` (of every tensor's bytes, in name order). The snapshot saved is the longest cached
+prefix of the conversation as the next turn will render it (up to the start of the last answer).
+
+Reading, in order: a file larger than the model's largest possible snapshot is refused (a size bound); a file
+that is not a safetensors header with `quantkit_session` is refused, one line; an identity that differs (another
+model, recipe or placement: the state would be meaningless there) is refused, one line naming the field;
+a damaged header gives a notice and a new conversation; a conversation with damaged tensors (truncated,
+checksum mismatch, missing layers) is kept and its state ignored with a notice, so the next turn prefills
+normally. A state is never loaded half-way: it reaches the prompt cache only after every check passed.
+Writes are atomic (quantkit.fileio).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.fileio import atomic_write_bytes
+from quantkit.model.spec import parse_text_config
+from quantkit.planner.budget import snapshot_bytes
+from quantkit.runtime.chat import ChatSession
+from quantkit.runtime.state_cache import Snapshot
+
+SESSION_VERSION = "1"
+HEADER_SLACK = 64 << 20  # metadata (the conversation's JSON) and safetensors' header on top of the tensors
+
+
+def identity(rt: Any) -> dict[str, str]:
+    """What a state is valid for: the model (config.json's text part), the recipe, the placement."""
+    def h(obj: Any) -> str:
+        return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+    p = rt.placement
+    recipe = rt.recipe.to_dict() if hasattr(rt.recipe, "to_dict") else str(rt.recipe)
+    return {"model": h(rt.config.get("text_config", rt.config)), "recipe": h(recipe),
+            "placement": h([p.layer_device, p.experts, p.embedding, p.lm_head])}
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    d = hashlib.sha256()
+    for name in sorted(tensors):
+        d.update(name.encode())
+        d.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return d.hexdigest()
+
+
+def next_prompt_ids(rt: Any, session: ChatSession) -> list[int]:
+    """The conversation as the next turn renders it (its generation prompt included)."""
+    if not session.messages:
+        return []
+    return rt.encode(rt.render(session.conversation(), enable_thinking=session.thinking))
+
+
+def save_session(path: Path, rt: Any, session: ChatSession) -> int:
+    """Write the conversation and the best cached state for its next turn; returns the tokens saved."""
+    from safetensors.torch import save
+
+    ids = next_prompt_ids(rt, session)
+    snap = rt.prompt_cache.peek(ids) if ids else None
+    tensors = snap.tensors() if snap is not None else {}
+    meta = {"quantkit_session": SESSION_VERSION, "identity": json.dumps(identity(rt)),
+            "conversation": session.to_json(), "ids": json.dumps(list(snap.ids) if snap else []),
+            "kinds": json.dumps([k for k, _a, _b in snap.layers] if snap else []), "sha256": _digest(tensors)}
+    try:
+        atomic_write_bytes(path, save(tensors, metadata=meta))
+    except OSError as e:
+        raise QuantkitError(f"{path}: cannot write the session ({e.strerror})") from None
+    return snap.length if snap is not None else 0
+
+
+@dataclass
+class Resumed:
+    session: ChatSession | None  # None: no usable conversation (new file, or a damaged header)
+    restored_tokens: int  # tokens of state put into the prompt cache
+    notice: str | None  # one line to show, if something was ignored
+
+
+def size_bound(rt: Any) -> int:
+    return snapshot_bytes(parse_text_config(rt.config), rt.context) + HEADER_SLACK
+
+
+def _metadata(path: Path, size: int) -> dict[str, str]:
+    """safetensors' string metadata, read from the header alone (so a file whose tensors are cut short still
+    gives back its conversation). ValueError when the header itself is damaged."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= min(size - 8, HEADER_SLACK):
+            raise ValueError("no safetensors header")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError:
+            raise ValueError("unreadable safetensors header") from None
+    if not isinstance(header, dict):
+        raise ValueError("unreadable safetensors header")
+    meta = header.get("__metadata__")
+    return meta if isinstance(meta, dict) else {}
+
+
+def load_session(path: Path, rt: Any) -> Resumed:
+    """Read a session file written by `save_session` for this model; see the module docstring."""
+    from safetensors.torch import load
+
+    if not path.exists():
+        return Resumed(None, 0, None)
+    if not path.is_file():
+        raise QuantkitError(f"{path}: not a file; --session takes a file path")
+    size, bound = path.stat().st_size, size_bound(rt)
+    if size > bound:
+        raise QuantkitError(f"{path}: {size} bytes, more than any session of this model can hold ({bound}); "
+                            "not a quantkit chat session file")
+    try:
+        meta = _metadata(path, size)
+    except ValueError as e:
+        return Resumed(None, 0, f"{path}: damaged session file ignored ({e}); starting a new conversation, "
+                                "it will be overwritten")
+    if meta.get("quantkit_session") != SESSION_VERSION:
+        raise QuantkitError(f"{path}: not a quantkit chat session file (version {SESSION_VERSION}); pass another "
+                            "--session path")
+    try:
+        theirs = json.loads(meta.get("identity", ""))
+    except ValueError:
+        theirs = {}
+    mine = identity(rt)
+    for key in ("model", "recipe", "placement"):
+        if not isinstance(theirs, dict) or theirs.get(key) != mine[key]:
+            raise QuantkitError(f"{path}: this session's state was written for another {key} than {rt.folder.name} "
+                                f"loaded here; resume it with the same model, recipe and placement, or start a "
+                                f"new --session file")
+    session = ChatSession.from_json(meta.get("conversation", ""), str(path))
+    try:
+        ids = json.loads(meta["ids"])
+        kinds = json.loads(meta["kinds"])
+        if not ids:
+            return Resumed(session, 0, None)
+        tensors = load(path.read_bytes())
+        if _digest(tensors) != meta.get("sha256"):
+            raise ValueError("checksum mismatch")
+        devices = [rt.placement.layer_device[i] for i in range(len(kinds))]
+        snap = Snapshot.from_tensors(ids, kinds, tensors, devices)
+        if snap.length >= rt.context or len(kinds) != len(rt.placement.layer_device):
+            raise ValueError("state does not fit this model's layers or context")
+    except Exception as e:  # noqa: BLE001 - any damage: keep the conversation, prefill it normally
+        return Resumed(session, 0, f"{path}: saved state damaged ({str(e).splitlines()[0][:120]}); the conversation "
+                                   "is kept and will be prefilled normally")
+    if not rt.prompt_cache.put(snap):
+        return Resumed(session, 0, f"{path}: the saved state does not fit --prompt-cache-size; prefilling normally")
+    return Resumed(session, snap.length, None)

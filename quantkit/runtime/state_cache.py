@@ -1,0 +1,302 @@
+"""Snapshots of the hybrid cache (attention KV + Gated DeltaNet states) keyed by token prefix, and a
+byte-bounded LRU of them, so that a conversation is never prefilled twice.
+
+A qwen3_5_moe cache (transformers' `DynamicCache`) holds, per full-attention layer, keys and values that
+grow with the sequence, and per linear-attention layer a fixed conv state and recurrent state that are
+updated IN PLACE. An attention KV can be cut back to any length; a recurrent state cannot be rolled back.
+So a `Snapshot` of the state after the tokens `ids` keeps:
+- for each linear-attention layer, COPIES of its conv and recurrent states (taken when the prefill passes
+  that position: `capture_linear`);
+- for each attention layer, the keys and values sliced to `len(ids)`. transformers' `DynamicLayer.update`
+  grows them by `torch.cat` (a new tensor each step), never in place, so these slices are views that no
+  later forward can change, and several snapshots of one prefill share one storage.
+`restore` builds a fresh cache from a snapshot: new copies of the linear states (the decode step writes
+into them) and the KV views. Nothing of a snapshot is ever handed out to be written, so two requests that
+start from one snapshot never share a state.
+
+Where snapshots are taken, and why generation stays bit-exact: `prefill_plan` cuts a prompt into
+segments at message boundaries (each `<|im_start|>`), then each segment into chunks of at most `chunk`
+tokens counted from the segment's start. The state at a boundary therefore depends only on the tokens
+before it, computed with the same chunk shapes whichever prompt it came from; restoring it and prefilling
+the rest performs exactly the arithmetic of a full prefill of that prompt. The chat template re-renders
+the generation prompt and drops earlier thinking (`<think>\\n` becomes `<think>\\n\\n</think>` or the
+answer), so the end of a prompt is rarely a prefix of the next one, while the boundary before the
+generation prompt always is: snapshots are taken at the last `keep` boundaries of the new part of each
+prompt (the start of the generation prompt and of the last message).
+
+`PrefixCache` holds snapshots up to `max_bytes` (0 disables it): `lookup(ids)` returns the longest one
+whose tokens are a proper prefix of `ids` (at least one token must remain to be prefilled, for the
+logits), least recently used ones are evicted first. Bytes count each linear state and each KV storage
+once, however many snapshots share it. It is thread-safe (one lock); its statistics feed /stats and
+/health.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from quantkit.planner.budget import SNAPSHOTS_PER_PROMPT
+
+# boundaries snapshotted per prompt: the generation prompt's start and the last message's (the planner
+# budgets the prompt cache in these units)
+DEFAULT_KEEP = SNAPSHOTS_PER_PROMPT
+
+
+@dataclass
+class Snapshot:
+    """The cache state after `ids`: per layer ("kv", keys, values) or ("linear", conv, recurrent)."""
+
+    ids: tuple[int, ...]
+    layers: list[tuple[str, torch.Tensor | None, torch.Tensor | None]]
+
+    @property
+    def length(self) -> int:
+        return len(self.ids)
+
+    def state_bytes(self) -> int:
+        """Bytes of the linear-attention states this snapshot owns."""
+        return sum(_nbytes(a) + _nbytes(b) for kind, a, b in self.layers if kind == "linear")
+
+    def kv_storages(self) -> dict[tuple[str, int], int]:
+        """The KV storages this snapshot references: (device, address) -> bytes of the whole storage."""
+        out: dict[tuple[str, int], int] = {}
+        for kind, a, b in self.layers:
+            if kind == "kv":
+                for t in (a, b):
+                    if t is not None:
+                        s = t.untyped_storage()
+                        out[(str(t.device), s.data_ptr())] = s.nbytes()
+        return out
+
+    def nbytes(self) -> int:
+        return self.state_bytes() + sum(self.kv_storages().values())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Named contiguous copies (for a session file): `L.conv`, `L.recurrent`, `L.keys`, `L.values`."""
+        names = {"linear": ("conv", "recurrent"), "kv": ("keys", "values")}
+        out = {}
+        for i, (kind, a, b) in enumerate(self.layers):
+            for name, t in zip(names[kind], (a, b), strict=True):
+                if t is not None:
+                    out[f"{i}.{name}"] = t.contiguous().cpu()
+        return out
+
+    @classmethod
+    def from_tensors(cls, ids: Sequence[int], kinds: Sequence[str], tensors: dict[str, torch.Tensor],
+                     devices: Sequence[str]) -> Snapshot:
+        """The inverse of `tensors`, each layer's tensors moved to its device. KeyError on a missing one."""
+        names = {"linear": ("conv", "recurrent"), "kv": ("keys", "values")}
+        layers = []
+        for i, kind in enumerate(kinds):
+            a, b = (tensors[f"{i}.{n}"].to(devices[i]) for n in names[kind])
+            layers.append((kind, a, b))
+        return cls(tuple(ids), layers)
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _is_linear(layer: Any) -> bool:
+    return hasattr(layer, "recurrent_states")
+
+
+def capture_linear(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Copies of every linear-attention layer's (conv, recurrent) state, None for attention layers."""
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for layer in cache.layers:
+        if _is_linear(layer) and layer.has_previous_state[0]:
+            out.append((layer.conv_states[0].clone(), layer.recurrent_states[0].clone()))
+        else:
+            out.append(None)
+    return out
+
+
+def take(cache: Any, ids: Sequence[int], linear: list[tuple[torch.Tensor, torch.Tensor] | None]) -> Snapshot:
+    """A snapshot after `ids`: `linear` from `capture_linear` at that position, the KV of `cache` (which may
+    have run further) sliced back to len(ids)."""
+    n = len(ids)
+    layers: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = []
+    for layer, lin in zip(cache.layers, linear, strict=True):
+        if _is_linear(layer):
+            if lin is None:
+                raise ValueError("capture_linear found no state for a linear-attention layer")
+            layers.append(("linear", lin[0], lin[1]))
+        else:
+            k, v = layer.keys, layer.values
+            if k is None or k.shape[-2] < n:
+                raise ValueError(f"the cache holds fewer than {n} tokens of keys")
+            layers.append(("kv", k[..., :n, :], v[..., :n, :]))
+    return Snapshot(tuple(ids), layers)
+
+
+def restore(snap: Snapshot, config: Any) -> Any:
+    """A new DynamicCache in the state of `snap`, owning copies of the linear states."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=config)
+    if len(cache.layers) != len(snap.layers):
+        raise ValueError(f"snapshot of {len(snap.layers)} layers for a model of {len(cache.layers)}")
+    for layer, (kind, a, b) in zip(cache.layers, snap.layers, strict=True):
+        if kind == "linear":
+            assert a is not None and b is not None
+            layer.lazy_initialization(conv_states=a, recurrent_states=b, conv_kernel_size=a.shape[-1])
+            layer.conv_states[0].copy_(a)
+            layer.recurrent_states[0].copy_(b)
+            layer.has_previous_state[0] = True
+        else:
+            assert a is not None and b is not None
+            layer.lazy_initialization(a, b)
+            layer.keys, layer.values = a, b
+    return cache
+
+
+def prefill_plan(ids: Sequence[int], start: int, boundary_ids: set[int] | frozenset[int],
+                 chunk: int) -> list[tuple[int, int]]:
+    """The chunks [a, b) that prefill ids[start:]: cut at every boundary token (a position p > 0 holding
+    one of `boundary_ids`), then every `chunk` tokens from each segment's start. `start` must be 0 or a
+    boundary for the arithmetic to equal a full prefill's."""
+    cuts = [p for p in range(start + 1, len(ids)) if ids[p] in boundary_ids]
+    out = []
+    for a, b in zip([start, *cuts], [*cuts, len(ids)], strict=True):
+        out.extend((s, min(s + chunk, b)) for s in range(a, b, chunk))
+    return out
+
+
+def snapshot_points(ids: Sequence[int], start: int, boundary_ids: set[int] | frozenset[int],
+                    keep: int = DEFAULT_KEEP) -> list[int]:
+    """The last `keep` boundary positions after `start`: where a prefill from `start` takes snapshots."""
+    if keep <= 0:
+        return []
+    return [p for p in range(start + 1, len(ids)) if ids[p] in boundary_ids][-keep:]
+
+
+@dataclass
+class CacheStats:
+    lookups: int = 0
+    hits: int = 0
+    reused_tokens: int = 0
+    evictions: int = 0
+    stored: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+@dataclass
+class _Entry:
+    snap: Snapshot
+    state_bytes: int
+    storages: dict[tuple[str, int], int] = field(default_factory=dict)
+
+
+class PrefixCache:
+    """Snapshots keyed by their token prefix, least recently used evicted past `max_bytes` (0: off)."""
+
+    def __init__(self, max_bytes: int, keep: int = DEFAULT_KEEP):
+        if max_bytes < 0:
+            raise ValueError("max_bytes must be >= 0")
+        self.max_bytes = int(max_bytes)
+        self.keep = keep
+        self.stats = CacheStats()
+        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+        self._storage_refs: dict[tuple[str, int], list[int]] = {}  # key -> [bytes, references]
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_bytes > 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def nbytes(self) -> int:
+        return self._bytes
+
+    def _longest(self, ids: tuple[int, ...]) -> tuple[int, ...] | None:
+        best: tuple[int, ...] | None = None
+        for key in self._entries:
+            if len(key) < len(ids) and (best is None or len(key) > len(best)) and ids[:len(key)] == key:
+                best = key
+        return best
+
+    def peek(self, ids: Sequence[int]) -> Snapshot | None:
+        """What `lookup` would return, without counting it or touching the LRU order."""
+        with self._lock:
+            best = self._longest(tuple(ids))
+            return self._entries[best].snap if best is not None else None
+
+    def lookup(self, ids: Sequence[int]) -> Snapshot | None:
+        """The longest snapshot whose ids are a proper prefix of `ids` (marked most recently used)."""
+        if not self.enabled:
+            return None
+        ids = tuple(ids)
+        with self._lock:
+            self.stats.lookups += 1
+            best = self._longest(ids)
+            if best is None:
+                return None
+            self._entries.move_to_end(best)
+            self.stats.hits += 1
+            self.stats.reused_tokens += len(best)
+            return self._entries[best].snap
+
+    def put(self, snap: Snapshot) -> bool:
+        """Store `snap` (replacing one of the same ids); evict LRU entries to fit. False if it cannot fit."""
+        if not self.enabled:
+            return False
+        entry = _Entry(snap, snap.state_bytes(), snap.kv_storages())
+        if entry.state_bytes + sum(entry.storages.values()) > self.max_bytes:
+            return False
+        with self._lock:
+            if snap.ids in self._entries:
+                self._drop(snap.ids)
+            self._entries[snap.ids] = entry
+            self._bytes += entry.state_bytes
+            for k, nb in entry.storages.items():
+                ref = self._storage_refs.setdefault(k, [nb, 0])
+                if ref[1] == 0:
+                    self._bytes += nb
+                ref[1] += 1
+            self.stats.stored += 1
+            while self._bytes > self.max_bytes and len(self._entries) > 1:
+                self._drop(next(iter(self._entries)))
+                self.stats.evictions += 1
+            return snap.ids in self._entries
+
+    def clear(self) -> None:
+        with self._lock:
+            for key in list(self._entries):
+                self._drop(key)
+
+    def _drop(self, key: tuple[int, ...]) -> None:
+        entry = self._entries.pop(key)
+        self._bytes -= entry.state_bytes
+        for k in entry.storages:
+            ref = self._storage_refs[k]
+            ref[1] -= 1
+            if ref[1] == 0:
+                self._bytes -= ref[0]
+                del self._storage_refs[k]
+
+    def snapshots(self) -> list[Snapshot]:
+        """The snapshots held, least recently used first."""
+        with self._lock:
+            return [e.snap for e in self._entries.values()]
+
+    def summary(self) -> dict[str, Any]:
+        """What /health and /stats show."""
+        with self._lock:
+            return {"enabled": self.enabled, "max_bytes": self.max_bytes, "bytes": self._bytes,
+                    "entries": len(self._entries), "lookups": self.stats.lookups, "hits": self.stats.hits,
+                    "hit_rate": round(self.stats.hit_rate, 4), "reused_tokens": self.stats.reused_tokens,
+                    "evictions": self.stats.evictions}
