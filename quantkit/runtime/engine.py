@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.runtime.devices import available_bytes
 from quantkit.runtime.generate import GenerationResponse, SamplingParams, TokenEvent, stream_tokens
-from quantkit.runtime.loader import available_bytes
 from quantkit.runtime.state_cache import PrefixCache
 
 AUTO_CACHE_FRACTION = 4  # the default prompt cache takes 1/4 of the free memory of the states' device

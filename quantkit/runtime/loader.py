@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import psutil
 import torch
 from torch import nn
 
@@ -42,6 +41,7 @@ from quantkit.planner.placement import Plan, contiguous_runs
 from quantkit.quantize.verify import verify_folder
 from quantkit.recipe import Recipe, decide, get_recipe
 from quantkit.runtime import linear_attn
+from quantkit.runtime.devices import available_bytes, check_device_exists
 from quantkit.runtime.engine import Runtime
 from quantkit.runtime.kernels import Kernel, prepare, slice_parts
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
@@ -87,34 +87,11 @@ class Placement:
         return list(seen)
 
 
-def _check_device_exists(dev: str) -> None:
-    d = torch.device(dev)
-    if d.type == "cuda":
-        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if (d.index or 0) >= n:
-            raise QuantkitError(f"the plan puts weights on {dev}, but this machine has {n} CUDA device(s)")
-    elif d.type == "mps":
-        if not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-            raise QuantkitError(f"the plan puts weights on {dev}, but no Apple GPU is available")
-    elif d.type != "cpu":
-        raise QuantkitError(f"device {dev!r} in the plan is not one quantkit runs on (cpu, cuda:N, mps)")
-
-
-def available_bytes(dev: str) -> int:
-    """Memory free for weights on `dev` right now."""
-    d = torch.device(dev)
-    if d.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(d)
-        return int(free)
-
-    return int(psutil.virtual_memory().available)
-
-
 def _free_bytes(plan: Plan) -> dict[str, int]:
     """What is free now on each device the plan puts weights on (devices checked to exist first)."""
     for dev in dict.fromkeys([plan.embedding_device, plan.lm_head_device, *plan.layer_device,
                               *(d for rs in plan.expert_ranges for d, _a, _b in rs)]):
-        _check_device_exists(dev)
+        check_device_exists(dev)
     return {d.id: available_bytes(d.id) for d in plan.devices if d.used_bytes}
 
 
