@@ -14,6 +14,7 @@ from quantkit.cli import app, console
 from quantkit.errors import QuantkitError
 from quantkit.export.launch import ENGINES, launch_plan
 from quantkit.model.spec import DEFAULT_MODEL, ModelSpec, Role, default_spec, load_config, spec_from_config
+from quantkit.outputs import guard_output
 from quantkit.planner.budget import GB, GIB, RunSettings, cache_dtype, compute_budget
 from quantkit.planner.hardware import DEFAULT_GPU_RESERVE, Hardware, build_hardware, load_catalog, parse_size
 from quantkit.planner.host_costs import profile_for_plan
@@ -21,6 +22,7 @@ from quantkit.planner.placement import (
     RECIPES,
     Plan,
     SchemeResult,
+    is_plan_file,
     plan_schemes,
     recommend,
     solve,
@@ -194,6 +196,9 @@ def plan_cmd(
                                  "this host's, when planning for this machine)"),
 ) -> None:
     """Memory budget per scheme, a placement over GPUs and RAM, and the speed it should reach."""
+    if out:
+        guard_output(out, sources=[Path(model)] if model and Path(model).exists() else [], kind="file",
+                     overwrite=True, owned=is_plan_file, flag="--out ")
     spec = load_model_spec(model)
     hw = build_hardware(gpu, ram, cpu_bandwidth, nodes, cpu_tflops)
     if export and export.lower() not in ENGINES:

@@ -10,6 +10,7 @@ import typer
 
 from quantkit.cli import app, console, err_console, fail
 from quantkit.errors import QuantkitError
+from quantkit.fileio import read_text_bounded
 
 _PLAN = typer.Option(None, "--plan", help="a plan from `quantkit plan --out` (default: plan for this machine)")
 _RECIPE = typer.Option(None, "--recipe", help="quantize an unquantized checkpoint while loading (int8, int4, "
@@ -120,7 +121,7 @@ def chat_cmd(
     except ImportError:
         pass
     from quantkit.runtime import SamplingParams
-    from quantkit.runtime.chat import Chat, ChatSession
+    from quantkit.runtime.chat import SESSION_LIMIT, Chat, ChatSession
     from quantkit.runtime.worlds import world_prompt
 
     try:
@@ -131,10 +132,7 @@ def chat_cmd(
         sp.validate()
         session = ChatSession(system=world_prompt(world) if world else system, thinking=think)
         if load:
-            try:
-                session = ChatSession.from_json(load.read_text(), str(load))
-            except OSError as e:
-                raise QuantkitError(f"{load}: cannot read ({e.strerror})") from None
+            session = ChatSession.from_json(read_text_bounded(load, "chat session", SESSION_LIMIT), str(load))
         rt = _load(model, plan, recipe, context, verify)
         Chat(rt, session, sp, console).run()
     except QuantkitError as e:

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.fileio import read_json_bounded
 from quantkit.model.spec import (
     ModelSpec,
     TensorSpec,
@@ -488,8 +489,8 @@ def resolve_model(path_or_id: str | Path) -> Path:
 def _quantkit_output(folder: Path) -> bool:
     """Whether `folder` was written by `quantkit quantize` (its tensors are codes and scales)."""
     try:
-        qc = json.loads((folder / "config.json").read_text()).get("quantization_config")
-    except (OSError, ValueError, AttributeError):
+        qc = read_json_bounded(folder / "config.json", "config").get("quantization_config")
+    except (QuantkitError, AttributeError):
         return False
     return isinstance(qc, dict) and qc.get("quant_method") == "quantkit"
 

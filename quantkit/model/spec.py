@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import defaultdict
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import QuantkitError
+from quantkit.fileio import read_json_bounded
 
 DEFAULT_MODEL = "Qwen-AgentWorld-35B-A3B"
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -353,14 +353,7 @@ def default_config_path() -> Path:
 
 
 def load_config(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise QuantkitError(f"{path}: cannot read ({e.strerror})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise QuantkitError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    return read_json_bounded(path, "config")
 
 
 def default_spec() -> ModelSpec:

@@ -260,6 +260,15 @@ class Plan:
         write_atomic(Path(path), self.to_json())
 
 
+def is_plan_file(path: Path) -> bool:
+    """True for a file `Plan.save` wrote (so `plan --out` may replace it)."""
+    try:
+        with open(path, "rb") as f:
+            return b'"quantkit_plan"' in f.read(256)
+    except OSError:
+        return False
+
+
 def _ranges(dev: str, ids: list[int]) -> list[tuple[str, int, int]]:
     out: list[tuple[str, int, int]] = []
     for i in sorted(ids):

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import QuantkitError
-from quantkit.fileio import atomic_write_json
+from quantkit.fileio import atomic_write_json, read_json_bounded
 
 MANIFEST_NAME = "quantkit-manifest.json"
 JOURNAL_NAME = ".quantkit-progress.json"
@@ -39,14 +39,9 @@ def sha256_file(path: Path, progress: Any = None) -> str:
 
 
 def read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise QuantkitError(f"{path}: {what} is missing") from None
-    except OSError as e:
-        raise QuantkitError(f"{path}: cannot read {what} ({e.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise QuantkitError(f"{path}: {what} is not valid JSON ({e})") from None
+    if not path.exists():
+        raise QuantkitError(f"{path}: {what} is missing")
+    return read_json_bounded(path, what)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,11 @@ from typing import Any
 from rich.console import Console
 
 from quantkit.errors import QuantkitError
+from quantkit.fileio import read_text_bounded
 from quantkit.runtime.generate import GenerationResponse, SamplingParams
+
+# a saved chat session is text the user wrote and the model answered: 16 MB is millions of tokens
+SESSION_LIMIT = 16 << 20
 
 CHAT_FILE_VERSION = 1
 HELP = """commands:
@@ -196,10 +200,7 @@ class Chat:
             return
         p = Path(arg).expanduser()
         try:
-            self.s = ChatSession.from_json(p.read_text(), str(p))
-        except OSError as e:
-            self.say(f"cannot read {arg}: {e.strerror}", "red")
-            return
+            self.s = ChatSession.from_json(read_text_bounded(p, "chat session", SESSION_LIMIT), str(p))
         except QuantkitError as e:
             self.say(str(e), "red")
             return

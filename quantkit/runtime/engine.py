@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.fileio import read_json_bounded
 from quantkit.runtime.generate import GenerationResponse, SamplingParams, TokenEvent, stream_tokens
 
 
@@ -40,8 +40,8 @@ def stop_token_ids(folder: Path, config: dict[str, Any], tok: Any) -> set[int]:
     gc = folder / "generation_config.json"
     if gc.is_file():
         try:
-            add(json.loads(gc.read_text()).get("eos_token_id"))
-        except (json.JSONDecodeError, AttributeError):
+            add(read_json_bounded(gc, "generation config").get("eos_token_id"))
+        except (QuantkitError, AttributeError):
             pass
     add(config.get("text_config", config).get("eos_token_id"))
     for t in ("<|im_end|>", "<|endoftext|>"):
@@ -56,8 +56,10 @@ def generation_defaults(folder: Path) -> dict[str, Any]:
     if not gc.is_file():
         return {}
     try:
-        d = json.loads(gc.read_text())
-    except json.JSONDecodeError:
+        d = read_json_bounded(gc, "generation config")
+    except QuantkitError:
+        return {}
+    if not isinstance(d, dict):
         return {}
     return {k: d[k] for k in ("temperature", "top_p", "top_k") if isinstance(d.get(k), (int, float))}
 

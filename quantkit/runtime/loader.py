@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
+from quantkit.fileio import read_json_bounded, read_text_bounded
 from quantkit.formats import QuantSpec, get_format
 from quantkit.runtime.kernels import Kernel, prepare, slice_parts
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
@@ -193,7 +194,7 @@ class QuantizedSource(TensorSource):
         from quantkit.model.checkpoint import _safe_member, read_safetensors_header
 
         self.folder = folder
-        index = json.loads((folder / INDEX_NAME).read_text())
+        index = read_json_bounded(folder / INDEX_NAME, "index")
         self.wmap: dict[str, str] = index["weight_map"]
         self.files = {rel: _safe_member(folder, rel, str(folder / INDEX_NAME)) for rel in set(self.wmap.values())}
         self.headers = {}
@@ -498,10 +499,7 @@ def load_plan_file(path: str | Path) -> Any:
     from quantkit.planner.placement import Plan
 
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise QuantkitError(f"{p}: cannot read the plan ({e.strerror})") from None
+    text = read_text_bounded(p, "plan")
     try:
         return Plan.from_json(text)
     except json.JSONDecodeError as e:
