@@ -129,7 +129,8 @@ def write_atomic(path: Path, text: str) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise QuantkitError(f"{path.parent}: cannot create the folder ({e.strerror})") from None
+        raise QuantkitError(f"{path}: cannot write (cannot create {path.parent}: {e.strerror}); "
+                            "pick another location") from None
     atomic_write_bytes(path, text.encode())
 
 

@@ -179,7 +179,7 @@ def plan_cmd(
     model: str = typer.Option(None, "--model", "-m", help="config.json, checkpoint folder or cached HF id"),
     gpu: list[str] = typer.Option(None, "--gpu", "-g", help="GPU name, e.g. rtx4090, 2x3090; repeatable"),
     nodes: int = typer.Option(1, "--nodes", help="identical nodes (for multi-node vLLM)"),
-    ram: str = typer.Option(None, "--ram", help="host RAM, e.g. 64GB (default: this machine's)"),
+    ram: str = typer.Option(None, "--ram", help="host RAM, e.g. 64GiB, 64 (GiB) or 68.7GB (GB = 10^9) (default: this machine's)"),
     cpu_bandwidth: str = typer.Option(None, "--cpu-bandwidth", help="host memory bandwidth in GB/s"),
     cpu_tflops: float = typer.Option(None, "--cpu-tflops", help="host prefill TFLOP/s (default 1.0)"),
     scheme: list[str] = typer.Option(None, "--scheme", "-s", help=f"one of {', '.join(RECIPES)}; repeatable"),
@@ -207,7 +207,7 @@ def plan_cmd(
     contexts = parse_contexts(context, spec.config.max_position_embeddings)
     this_host = not (gpu or ram or cpu_bandwidth or nodes > 1)
     prof, prof_src, prof_note = profile_for_plan(profile, spec.config, this_host)
-    kw = {"gpu_reserve": parse_size(gpu_reserve, "GPU reserve") if gpu_reserve else DEFAULT_GPU_RESERVE,
+    kw = {"gpu_reserve": parse_size(gpu_reserve, "--gpu-reserve") if gpu_reserve else DEFAULT_GPU_RESERVE,
           "profile": prof, "profile_source": prof_src}
     rows: list[SchemeResult] = []
     for ctx in contexts:
@@ -293,7 +293,7 @@ def plan_cmd(
 def gpus_cmd(
     model: str = typer.Option(None, "--model", "-m", help="config.json, checkpoint folder or cached HF id"),
     context: int = typer.Option(4096, "--context", "-c"),
-    ram: str = typer.Option("128GB", "--ram", help="host RAM available for offload (default 128GB)"),
+    ram: str = typer.Option("128GiB", "--ram", help="host RAM available for offload (default 128GiB; GB = 10^9)"),
     scheme: list[str] = typer.Option(None, "--scheme", "-s"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:

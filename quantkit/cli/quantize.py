@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import typer
@@ -11,20 +10,12 @@ from rich.table import Table
 
 from quantkit.cli import app, console, err_console, fail
 from quantkit.cli.progress import RichProgress, tensor_progress
-from quantkit.errors import QuantkitError
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
-_MULT = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k": 10**3, "m": 10**6,
-         "g": 10**9, "t": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+from quantkit.sizes import parse_size
 
 
 def parse_shard_size(text: str) -> int:
-    """`2GB` (decimal, as transformers' max_shard_size), `500MB`, `1GiB`, `1048576` (bytes)."""
-    m = _SIZE.match(text or "")
-    unit = (m.group(2) or "").lower() if m else ""
-    if not m or unit not in _MULT or float(m.group(1)) <= 0:
-        raise QuantkitError(f"--max-shard-size {text!r} does not parse; write it like 2GB, 500MB or 1GiB")
-    return int(float(m.group(1)) * _MULT[unit])
+    """`2GB` (10^9 bytes, as transformers' max_shard_size), `500MB`, `1GiB`, `1048576` (bytes)."""
+    return parse_size(text, "--max-shard-size")
 
 
 def _mb(n: float) -> str:

@@ -8,20 +8,7 @@ from pathlib import Path
 import typer
 
 from quantkit.cli import app, console, err_console, fail
-
-
-def parse_size(text: str) -> int:
-    """'8MB', '512k', '1000' -> bytes (decimal units, a bare number is bytes)."""
-    t = text.strip().upper().removesuffix("B")
-    mult = {"K": 10**3, "M": 10**6, "G": 10**9}.get(t[-1:], 1)
-    num = t[:-1] if mult > 1 else t
-    try:
-        value = int(float(num) * mult)
-    except ValueError:
-        value = -1
-    if value <= 0:
-        fail(f"--max-body {text!r} is not a size: use e.g. 8MB, 512KB or a number of bytes")
-    return value
+from quantkit.sizes import parse_size
 
 
 def is_loopback(host: str) -> bool:
@@ -52,7 +39,7 @@ def serve(
         fail(f"--max-queue {max_queue}: must be at least 1")
     if not 0 <= port <= 65535:
         fail(f"--port {port}: must be 0..65535")
-    body_limit = parse_size(max_body)
+    body_limit = parse_size(max_body, "--max-body")
     if not is_loopback(host):
         err_console.print(f"[bold yellow]warning:[/] binding to {host}, beyond this machine's loopback: the server "
                           f"has no authentication, so anyone who can reach port {port} can use the model. "
