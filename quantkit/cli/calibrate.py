@@ -18,6 +18,7 @@ from rich.table import Table
 
 from quantkit import sizes
 from quantkit.cli import app, console, err_console
+from quantkit.cli.options import COUNT
 from quantkit.cli.plan import load_model_spec, parse_schemes
 from quantkit.errors import QuantkitError
 from quantkit.fileio import write_atomic
@@ -47,8 +48,8 @@ def calibrate_cmd(
                                      "quantized folder's own recipe, else all)"),
     out: Path = typer.Option(None, "--out", "-o", help="profile file (default: this host's cache, read by `plan`)"),
     working_set: str = typer.Option("256MB", "--working-set", help="weights cycled per kernel (above the LLC)"),
-    passes: int = typer.Option(3, "--passes", help="timed passes per kernel (the best is kept)"),
-    steps: int = typer.Option(24, "--steps", help="decode steps timed for the layer ops"),
+    passes: int = typer.Option(3, "--passes", parser=COUNT, help="timed passes per kernel (the best is kept)"),
+    steps: int = typer.Option(24, "--steps", parser=COUNT, help="decode steps timed for the layer ops"),
 ) -> None:
     """Measure quantkit's CPU runtime on this host, part by part, so `quantkit plan` can estimate it."""
     from quantkit.runtime.calibrate import calibrate

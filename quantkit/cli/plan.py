@@ -11,6 +11,7 @@ from rich import box
 from rich.table import Table
 
 from quantkit.cli import app, console
+from quantkit.cli.options import CONTEXT, COUNT, TFLOPS
 from quantkit.errors import QuantkitError
 from quantkit.export.launch import ENGINES, launch_plan
 from quantkit.model.spec import DEFAULT_MODEL, ModelSpec, Role, default_spec, load_config, spec_from_config
@@ -73,6 +74,8 @@ def parse_contexts(text: str, max_ctx: int) -> list[int]:
         n = int(m.group(1))
         if m.group(2):
             n = max_ctx if n * 1024 > max_ctx >= n * 1000 else n * 1024
+        if not 1 <= n <= max_ctx:
+            raise QuantkitError(f"--context {part!r}: give 1 to {max_ctx} tokens (the model's maximum), or max")
         out.append(n)
     return out
 
@@ -178,15 +181,15 @@ def _hardware_dict(hw: Hardware) -> dict:
 def plan_cmd(
     model: str = typer.Option(None, "--model", "-m", help="config.json, checkpoint folder or cached HF id"),
     gpu: list[str] = typer.Option(None, "--gpu", "-g", help="GPU name, e.g. rtx4090, 2x3090; repeatable"),
-    nodes: int = typer.Option(1, "--nodes", help="identical nodes (for multi-node vLLM)"),
+    nodes: int = typer.Option(1, "--nodes", parser=COUNT, help="identical nodes (for multi-node vLLM)"),
     ram: str = typer.Option(None, "--ram", help="host RAM, e.g. 64GiB, 64 (GiB) or 68.7GB (GB = 10^9) (default: this machine's)"),
     cpu_bandwidth: str = typer.Option(None, "--cpu-bandwidth", help="host memory bandwidth in GB/s"),
-    cpu_tflops: float = typer.Option(None, "--cpu-tflops", help="host prefill TFLOP/s (default 1.0)"),
+    cpu_tflops: float = typer.Option(None, "--cpu-tflops", parser=TFLOPS, help="host prefill TFLOP/s (default 1.0)"),
     scheme: list[str] = typer.Option(None, "--scheme", "-s", help=f"one of {', '.join(RECIPES)}; repeatable"),
     context: str = typer.Option("4096", "--context", "-c", help="tokens; a sweep like 4k,32k,128k,262k"),
-    batch: int = typer.Option(1, "--batch", "-b", help="concurrent sequences"),
+    batch: int = typer.Option(1, "--batch", "-b", parser=COUNT, help="concurrent sequences"),
     cache: str = typer.Option("fp16", "--cache-dtype", help="KV cache: fp16, bf16, fp8, q8_0, q4_0"),
-    prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="tokens per prefill step"),
+    prefill_chunk: int = typer.Option(512, "--prefill-chunk", parser=COUNT, help="tokens per prefill step"),
     gpu_reserve: str = typer.Option(None, "--gpu-reserve", help="runtime reserve per GPU (default 1GiB)"),
     mtp: bool = typer.Option(False, "--mtp", help="also load the MTP layer (speculative decoding)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
@@ -292,7 +295,7 @@ def plan_cmd(
 @app.command("gpus")
 def gpus_cmd(
     model: str = typer.Option(None, "--model", "-m", help="config.json, checkpoint folder or cached HF id"),
-    context: int = typer.Option(4096, "--context", "-c"),
+    context: int = typer.Option(4096, "--context", "-c", parser=CONTEXT),
     ram: str = typer.Option("128GiB", "--ram", help="host RAM available for offload (default 128GiB; GB = 10^9)"),
     scheme: list[str] = typer.Option(None, "--scheme", "-s"),
     as_json: bool = typer.Option(False, "--json"),

@@ -25,6 +25,7 @@ from rich.console import Console
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_text_bounded
 from quantkit.runtime.generate import GenerationResponse, SamplingParams
+from quantkit.termtext import printable
 
 # a saved chat session is text the user wrote and the model answered: 16 MB is millions of tokens
 SESSION_LIMIT = 16 << 20
@@ -123,7 +124,7 @@ class Chat:
         self.context_used = 0
 
     def say(self, text: str, style: str = "cyan") -> None:
-        self.out.print(text, style=style, highlight=False, markup=False, soft_wrap=True)
+        self.out.print(printable(text), style=style, highlight=False, markup=False, soft_wrap=True)
 
     def run(self) -> None:
         self.say(f"quantkit chat: {self.rt.folder.name}, context {self.rt.context} tokens, thinking "
@@ -248,7 +249,7 @@ class Chat:
                     channel = ev.channel
                 if ev.text:
                     parts[ev.channel].append(ev.text)
-                    self.out.print(ev.text, end="", style="dim" if ev.channel == "thinking" else "",
+                    self.out.print(printable(ev.text), end="", style="dim" if ev.channel == "thinking" else "",
                                    highlight=False, markup=False, soft_wrap=True)
         finally:
             signal.signal(signal.SIGINT, prev)

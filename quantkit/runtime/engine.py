@@ -12,6 +12,7 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_json_bounded
 from quantkit.runtime.generate import GenerationResponse, SamplingParams, TokenEvent, stream_tokens
+from quantkit.runtime.safe_prompt import render_ids
 
 
 def load_tokenizer(folder: Path) -> Any:
@@ -110,9 +111,14 @@ class Runtime:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def render_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                   enable_thinking: bool = True) -> tuple[str, list[int]]:
+        """The prompt's text and ids, control tokens only from the template (quantkit/runtime/safe_prompt.py)."""
+        return render_ids(self.tokenizer, lambda m, t: self.render(m, t, enable_thinking), messages, tools)
+
     def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                      enable_thinking: bool = True) -> int:
-        return len(self.encode(self.render(messages, tools, enable_thinking)))
+        return len(self.render_ids(messages, tools, enable_thinking)[1])
 
     # ---- generation ----
     def sampling(self, **overrides: Any) -> SamplingParams:
@@ -128,7 +134,7 @@ class Runtime:
         if not messages:
             raise QuantkitError("empty conversation: give at least one message")
         sp = sampling or self.sampling(**sampling_kw)
-        ids = self.encode(self.render(messages, tools, enable_thinking))
+        ids = self.render_ids(messages, tools, enable_thinking)[1]
         yield from self.generate_ids(ids, sampling=sp, thinking=enable_thinking, cancel=cancel)
 
     def generate_ids(self, ids: list[int], sampling: SamplingParams, thinking: bool = True,
