@@ -17,6 +17,7 @@ from typing import Any
 
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json, read_json_bounded
+from quantkit.model.checkpoint import _safe_member  # the loader's rule for the files a folder may name
 
 MANIFEST_NAME = "quantkit-manifest.json"
 JOURNAL_NAME = ".quantkit-progress.json"
@@ -108,7 +109,10 @@ def file_entry(path: Path, progress: Any = None) -> FileEntry:
 
 def check_file(folder: Path, name: str, entry: FileEntry, hash_it: bool = True, progress: Any = None) -> str | None:
     """None if `folder/name` matches `entry`, else a one-line problem naming the file."""
-    p = folder / name
+    try:
+        p = _safe_member(folder, name, MANIFEST_NAME)
+    except QuantkitError as e:
+        return str(e)
     if not p.is_file():
         return f"{name}: missing"
     size = p.stat().st_size
