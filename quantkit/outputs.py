@@ -65,6 +65,14 @@ def _overlap(out: Path, src: Path) -> bool:
         return False
 
 
+def check_not_source(out: Path, sources: Sequence[Path], flag: str = "") -> None:
+    """Refuse an output equal to, inside, or holding any of `sources`."""
+    for src in sources:
+        if _overlap(Path(out), Path(src)):
+            raise QuantkitError(f"{flag}{out}: overlaps the source {src}; quantkit never writes inside or over "
+                                "a source: pick a location outside it")
+
+
 def check_writable(folder: Path, out: Path, flag: str) -> None:
     """Create and remove a probe file in `folder` (permission bits do not stop root; a read-only mount does)."""
     probe = folder / f".{out.name}.tmp-{os.getpid()}probe"
@@ -100,10 +108,7 @@ def guard_output(out: Path, *, sources: Sequence[Path] = (), kind: str = "file",
     out = Path(out)
     if kind == "folder" and owned is None:
         owned = is_own_folder
-    for src in sources:
-        if _overlap(out, Path(src)):
-            raise QuantkitError(f"{flag}{out}: overlaps the source {src}; quantkit never writes inside or over "
-                                "a source: pick a location outside it")
+    check_not_source(out, sources, flag)
     if out.is_symlink() and not out.exists():
         raise QuantkitError(f"{flag}{out}: is a dangling symlink; remove it or pick another location")
     if out.exists():

@@ -76,3 +76,13 @@ def tiny_model_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from quantkit.testing.tiny import make_tiny_model
 
     return make_tiny_model(tmp_path_factory.mktemp("tiny") / "mtp", mtp=True, **TINY_KW)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The hostile-input probes count their cases (parametrized ids and hypothesis examples alike)."""
+    try:
+        from probe_util import CASES
+    except ImportError:
+        return
+    if CASES["n"]:
+        terminalreporter.write_line(f"probe: {CASES['n']} bad inputs and faults checked")

@@ -43,7 +43,7 @@ def load_model_spec(model: str | None) -> ModelSpec:
             raise
         spec_from_path = None
     p = Path(model)
-    if p.is_file() and p.suffix == ".json":
+    if p.exists() and not p.is_dir():  # a config.json (any file: read with a bound, refused if not one)
         return spec_from_config(load_config(p), name=p.parent.name or "model", source=str(p))
     if spec_from_path is not None:
         return spec_from_path(model)

@@ -38,7 +38,7 @@ from quantkit.fileio import atomic_write_json, fsync_dir, temp_name
 from quantkit.formats import QuantSpec, get_format
 from quantkit.model.checkpoint import check_finite
 from quantkit.model.spec import Role, TensorSpec, role_of
-from quantkit.outputs import check_free, guard_output
+from quantkit.outputs import check_free, check_not_source, guard_output
 from quantkit.progress import NoProgress, Progress
 from quantkit.quantize.manifest import (
     JOURNAL_NAME,
@@ -348,6 +348,7 @@ def _is_quantkit_output(folder: Path) -> bool:
 
 def _prepare_out(src: Path, out: Path, mode: str) -> None:
     """The guarded output location (quantkit/outputs.py); --resume continues quantkit's own run in place."""
+    check_not_source(out, [src], "--out ")
     resuming = mode == "resume" and out.is_dir() and any(out.iterdir())
     if resuming and not _is_quantkit_output(out):
         raise QuantkitError(f"{out} holds no quantkit run to resume (no {JOURNAL_NAME}); pick an empty --out")
