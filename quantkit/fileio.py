@@ -1,21 +1,78 @@
-"""Writing files so that nothing is ever half-written: every output quantkit writes goes to a hidden temporary
-name beside its target, is fsynced, then renamed into place; readers see the old file or the new one.
+"""Reading and writing the files a user names, safely.
 
-`temp_name` is the one naming rule for those temporaries, so a later run can find (and remove) its own
-leftovers after a kill."""
+Writing: every output quantkit writes goes to a hidden temporary name beside its target, is fsynced, then
+renamed into place; readers see the old file or the new one. `temp_name` / `pid_temp_name` are the only
+naming rules for those temporaries (`.NAME.tmp`, `.NAME.tmp-PID`, `.NAME.old-PID`), so `clean_leftovers` can
+find a killed run's leftovers and remove them (never those of a run still alive).
+
+Reading: `read_bytes_bounded` / `read_text_bounded` / `read_json_bounded` read a user-named file with a size
+limit: `/dev/zero` or a 20 GB log given as `--plan` ends in one clear line, never in the OOM killer.
+
+Where an output may go is decided by quantkit/outputs.py (`guard_output`), which uses these names."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
+
+from quantkit.errors import QuantkitError
+
+# The bound for a JSON/text file a user names (a plan, a recipe, a runtime profile, a chat session,
+# a config.json, a tokenizer.json): the largest legitimate one (the 248k-token tokenizer.json) is ~11 MB.
+DEFAULT_READ_LIMIT = 64 << 20
 
 
 def temp_name(path: Path) -> Path:
     """The hidden temporary name a file is written under before it is renamed into place."""
     return path.with_name(f".{path.name}.tmp")
+
+
+def pid_temp_name(path: Path, tag: str = "tmp") -> Path:
+    """A per-process temporary beside `path` (`.NAME.tmp-PID`, or `.NAME.old-PID` with tag="old")."""
+    return path.with_name(f".{path.name}.{tag}-{os.getpid()}")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def clean_leftovers(path: Path) -> list[Path]:
+    """Remove the temporaries an interrupted run left for output `path` (`.NAME.tmp`, `.NAME.tmp-PID` and
+    `.NAME.old-PID` of processes no longer running). Returns what was removed."""
+    parent = path.parent
+    if not parent.is_dir():
+        return []
+    pat = re.compile(r"^\." + re.escape(path.name) + r"\.(?:tmp|(?:tmp|old)-(\d+))(?:[A-Za-z0-9_]*)$")
+    removed = []
+    try:
+        entries = list(parent.iterdir())
+    except OSError:
+        return []
+    for p in entries:
+        m = pat.match(p.name)
+        if m is None or (m.group(1) and _alive(int(m.group(1)))):
+            continue
+        try:
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
+            removed.append(p)
+        except OSError:
+            pass
+    return removed
 
 
 def fsync_dir(folder: Path) -> None:
@@ -35,7 +92,7 @@ def replace_folder(tmp: Path, out: Path) -> None:
     """Move the finished folder `tmp` to `out` (a sibling) by rename; an old `out` is renamed away first and
     removed only after, so `out` is at every moment absent, the old folder or the new one, never half."""
     if out.exists():
-        trash = out.parent / f".{out.name}.old-{os.getpid()}"
+        trash = pid_temp_name(out, "old")
         os.replace(out, trash)
         os.replace(tmp, out)
         shutil.rmtree(trash, ignore_errors=True)
@@ -45,13 +102,21 @@ def replace_folder(tmp: Path, out: Path) -> None:
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to a temporary name, fsync, then rename over `path`: readers see old or new, never half."""
+    """Write `data` to a temporary name, fsync, then rename over `path`: readers see old or new, never half.
+    A failed write (full disk, read-only file system) removes the temporary and says so in one line."""
     tmp = temp_name(path)
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
+        raise QuantkitError(f"{path}: cannot write ({e.strerror}); free space or pick another location") from None
     fsync_dir(path.parent)
 
 
@@ -61,5 +126,44 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 
 def write_atomic(path: Path, text: str) -> None:
     """`atomic_write_bytes` for text, creating the parent folder first."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise QuantkitError(f"{path}: cannot write (cannot create {path.parent}: {e.strerror}); "
+                            "pick another location") from None
     atomic_write_bytes(path, text.encode())
+
+
+def read_bytes_bounded(path: str | Path, what: str = "file", limit: int = DEFAULT_READ_LIMIT) -> bytes:
+    """The bytes of a user-named file, at most `limit` of them: a larger file (or an endless device) is refused
+    with one line naming it, after reading no more than `limit + 1` bytes."""
+    p = Path(path)
+    try:
+        with open(p, "rb") as f:
+            data = f.read(limit + 1)
+    except IsADirectoryError:
+        raise QuantkitError(f"{p}: is a folder; name the {what}") from None
+    except OSError as e:
+        raise QuantkitError(f"{p}: cannot read {what} ({e.strerror})") from None
+    if len(data) > limit:
+        raise QuantkitError(f"{p}: {what} is larger than {limit / 1e6:.0f} MB; "
+                            "is it the right file?")
+    return data
+
+
+def read_text_bounded(path: str | Path, what: str = "file", limit: int = DEFAULT_READ_LIMIT) -> str:
+    data = read_bytes_bounded(path, what, limit)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise QuantkitError(f"{path}: {what} is not UTF-8 text (byte {e.start})") from None
+
+
+def read_json_bounded(path: str | Path, what: str = "JSON file", limit: int = DEFAULT_READ_LIMIT) -> Any:
+    text = read_text_bounded(path, what, limit)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise QuantkitError(f"{path}: {what} is not valid JSON (line {e.lineno}: {e.msg})") from None
+    except RecursionError:
+        raise QuantkitError(f"{path}: the {what} nests too deeply") from None

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quantkit.errors import QuantkitError
+from quantkit.fileio import read_json_bounded
 from quantkit.formats import QuantSpec, available_formats, default_group
 from quantkit.model.spec import Role, TensorSpec, role_of
 
@@ -181,16 +182,10 @@ def load_recipe_file(path: str) -> Recipe:
     """A JSON recipe: `{"name": ..., "rules": {ROLE: SPEC-or-null}}`, optionally `"base": "quality"` to
     start from a built-in recipe. A SPEC is a dict (`{"format": "int4", "group_size": 64}`) or a string
     as in --override."""
-    import json
     from pathlib import Path
 
     p = Path(path)
-    try:
-        d = json.loads(p.read_text())
-    except OSError as e:
-        raise QuantkitError(f"{p}: cannot read recipe file ({e.strerror})") from None
-    except json.JSONDecodeError as e:
-        raise QuantkitError(f"{p}: recipe file is not valid JSON (line {e.lineno}: {e.msg})") from None
+    d = read_json_bounded(p, "recipe file", 1 << 20)
     if not isinstance(d, dict) or not isinstance(d.get("rules", {}), dict):
         raise QuantkitError(f"{p}: a recipe file is a JSON object with a 'rules' object")
     base = get_recipe(d["base"]) if "base" in d else Recipe(str(d.get("name", p.stem)), {})

@@ -90,3 +90,13 @@ def tiny_stats(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Pa
     out = tmp_path_factory.mktemp("stats") / "tiny.stats"
     collect_stats(Checkpoint.open(tiny_model), tokens, out)
     return out
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The hostile-input probes count their cases (parametrized ids and hypothesis examples alike)."""
+    try:
+        from probe_util import CASES
+    except ImportError:
+        return
+    if CASES["n"]:
+        terminalreporter.write_line(f"probe: {CASES['n']} bad inputs and faults checked")

@@ -95,7 +95,7 @@ def _bad_config(tmp_path: Path, mutate) -> Path:
         (["plan", "--gpu", "rtx4090", "--context", "0"], "positive"),
         (["plan", "--gpu", "rtx4090", "--context", "300000"], "maximum of 262144"),
         (["plan", "--gpu", "rtx4090", "--context", "lots"], "does not parse"),
-        (["plan", "--gpu", "rtx4090", "--ram", "sixty-four"], "RAM size"),
+        (["plan", "--gpu", "rtx4090", "--ram", "sixty-four"], "--ram 'sixty-four' is not a size"),
         (["plan", "--gpu", "rtx4090", "--cpu-bandwidth", "fast"], "CPU bandwidth"),
         (["plan", "--gpu", "rtx4090", "--scheme", "int3"], "unknown scheme"),
         (["plan", "--gpu", "rtx4090", "--cache-dtype", "fp2"], "cache dtype"),

@@ -58,15 +58,17 @@ def test_ambiguous_and_unknown_names_suggest() -> None:
         find_gpu("rtx4099")
 
 
-@pytest.mark.parametrize("text,gib", [("64GB", 64), ("64G", 64), ("64 GiB", 64), ("65536MB", 64), ("64", 64),
-                                      ("1.5TB", 1536)])
-def test_parse_size(text: str, gib: float) -> None:
-    assert parse_size(text) == int(gib * GIB)
+@pytest.mark.parametrize("text,nbytes", [("64GB", 64 * 10**9), ("64G", 64 * 10**9), ("64 GiB", 64 * GIB),
+                                         ("65536MiB", 64 * GIB), ("64", 64 * GIB), ("1.5TB", 1.5e12),
+                                         ("1.5TiB", 1536 * GIB)])
+def test_parse_size(text: str, nbytes: float) -> None:
+    """One rule (quantkit/sizes.py): GB = 10^9, GiB = 2^30; a bare --ram number is GiB."""
+    assert parse_size(text) == int(nbytes)
 
 
-@pytest.mark.parametrize("text", ["lots", "64XB", "-4GB", "0", ""])
+@pytest.mark.parametrize("text", ["lots", "64XB", "-4GB", "0", "", "nan", "inf", "1e400GB"])
 def test_parse_size_rejects(text: str) -> None:
-    with pytest.raises(QuantkitError, match="RAM size"):
+    with pytest.raises(QuantkitError, match="--ram"):
         parse_size(text)
 
 

@@ -521,7 +521,7 @@ def test_bad_disk_would_fill(tiny_model, tmp_path, monkeypatch):
 
 def test_bad_options(tiny_model, tmp_path):
     for args, want in [(["--bits", "3"], "--bits 3"), (["--format", "q4_k"], "--format"),
-                       (["--override", "nonsense=4"], "unknown role"), (["--max-shard-size", "lots"], "does not parse"),
+                       (["--override", "nonsense=4"], "unknown role"), (["--max-shard-size", "lots"], "is not a size"),
                        (["--bits", "8", "--format", "nf4"], "4-bit format")]:
         assert want in _bad(tiny_model, tmp_path / "o", *args), args
         assert not (tmp_path / "o").exists()

@@ -71,9 +71,9 @@ def test_quantkit_serve_answers_the_openai_client(q4: Path, tmp_path: Path):
 def test_serve_bad_input_is_one_line(tmp_path: Path, capsys, monkeypatch):
     cases = [
         (["serve", str(tmp_path / "missing")], "not a folder"),
-        (["serve", str(tmp_path), "--max-queue", "0"], "--max-queue 0"),
+        (["serve", str(tmp_path), "--max-queue", "0"], "'--max-queue': '0' is out of range"),
         (["serve", str(tmp_path), "--max-body", "lots"], "--max-body 'lots'"),
-        (["serve", str(tmp_path), "--port", "70000"], "--port 70000"),
+        (["serve", str(tmp_path), "--port", "70000"], "'--port': '70000' is out of range"),
     ]
     for args, needle in cases:
         code, out, err = run_cli(args, capsys, monkeypatch)

@@ -10,6 +10,11 @@ from rich.console import Console
 
 from quantkit.errors import QuantkitError
 
+try:  # typer >= 0.2x carries its own copy of click; its exceptions are those raised
+    from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+except ImportError:  # pragma: no cover - typer on the PyPI click
+    from click.exceptions import ClickException, NoArgsIsHelpError, UsageError
+
 app = typer.Typer(
     name="quantkit",
     help="Plan, quantize and run Qwen-AgentWorld-35B-A3B on the hardware you own.",
@@ -37,13 +42,36 @@ def fail(message: str, code: int = 2) -> None:
     raise typer.Exit(code)
 
 
+def _one_line(message: str) -> None:
+    err_console.print(f"[bold red]error:[/] {' '.join(str(message).split())}", highlight=False, soft_wrap=True,
+                      markup=True)
+
+
 def main() -> None:
+    """Run the CLI. Every failure a user can cause ends in ONE `error:` line and a non-zero exit: a
+    QuantkitError (exit 2), a bad option or argument (click's usage error, exit 2), an OSError that escaped
+    a command (the file and the system's reason, exit 1). Tracebacks are for quantkit's own bugs only."""
     _register()
     try:
-        app()
+        rc = app(standalone_mode=False)
     except QuantkitError as e:
-        err_console.print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        _one_line(str(e))
         sys.exit(2)
-    except KeyboardInterrupt:
+    except NoArgsIsHelpError as e:
+        print(e.format_message())
+        sys.exit(2)
+    except UsageError as e:
+        hint = f" (see `{' '.join(['quantkit', *e.ctx.command_path.split()[1:]])} --help`)" if e.ctx else ""
+        _one_line(e.format_message() + hint)
+        sys.exit(e.exit_code)
+    except ClickException as e:
+        _one_line(e.format_message())
+        sys.exit(e.exit_code)
+    except (KeyboardInterrupt, typer.Abort):
         err_console.print("interrupted")
         sys.exit(130)
+    except OSError as e:
+        where = f"{e.filename}: " if e.filename else ""
+        _one_line(f"{where}{e.strerror or e}")
+        sys.exit(1)
+    sys.exit(rc if isinstance(rc, int) else 0)

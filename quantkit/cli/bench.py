@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from quantkit.cli import app, console, fail
+from quantkit.cli.options import CONTEXT, COUNT, COUNT0, MAX_TOKENS
 
 bench_app = typer.Typer(help="Benchmarks that write reports/ (markdown + json).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
@@ -16,10 +17,10 @@ app.add_typer(bench_app, name="bench")
 def bench_quantize(
     reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-quantize.{md,json,png} go"),
     workdir: Path = typer.Option(Path("/tmp/quantkit-bench"), "--workdir", help="generated checkpoints go here"),
-    experts: int = typer.Option(128, "--experts", help="experts per layer of the generated checkpoint"),
-    layers: int = typer.Option(4, "--layers", help="layers of the generated checkpoint"),
-    slab: int = typer.Option(16, "--slab", help="experts of layer 0 the format timings run on"),
-    reps: int = typer.Option(2, "--reps", help="repetitions per method (best is reported)"),
+    experts: int = typer.Option(128, "--experts", parser=COUNT, help="experts per layer of the generated checkpoint"),
+    layers: int = typer.Option(4, "--layers", parser=COUNT, help="layers of the generated checkpoint"),
+    slab: int = typer.Option(16, "--slab", parser=COUNT, help="experts of layer 0 the format timings run on"),
+    reps: int = typer.Option(2, "--reps", parser=COUNT, help="repetitions per method (best is reported)"),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="use this realistic-shape checkpoint instead"),
 ) -> None:
     """Quantizer throughput and error vs bitsandbytes and gguf, and peak RSS of a full run."""
@@ -34,13 +35,13 @@ def bench_serve(
     reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-serve.{md,json} go"),
     model: Path = typer.Option(None, "--model", help="checkpoint to serve (default: a tiny int4 one made in --workdir)"),
     workdir: Path = typer.Option(Path("/tmp/quantkit-bench-serve"), "--workdir", help="generated model and server log"),
-    clients: int = typer.Option(8, "--clients", help="concurrent clients"),
-    requests: int = typer.Option(10, "--requests", help="requests per client"),
-    max_tokens: int = typer.Option(16, "--max-tokens", help="tokens generated per request"),
-    max_queue: int = typer.Option(4, "--max-queue", help="the server's --max-queue (fewer than clients: 429s)"),
-    retries: int = typer.Option(20, "--retries", help="retries of a request after 429 (Retry-After apart)"),
-    disconnects: int = typer.Option(3, "--disconnects", help="clients that hang up mid-stream in the fault phase"),
-    context: int = typer.Option(None, "--context", help="the server's --context"),
+    clients: int = typer.Option(8, "--clients", parser=COUNT, help="concurrent clients"),
+    requests: int = typer.Option(10, "--requests", parser=COUNT, help="requests per client"),
+    max_tokens: int = typer.Option(16, "--max-tokens", parser=MAX_TOKENS, help="tokens generated per request"),
+    max_queue: int = typer.Option(4, "--max-queue", parser=COUNT, help="the server's --max-queue (fewer than clients: 429s)"),
+    retries: int = typer.Option(20, "--retries", parser=COUNT0, help="retries of a request after 429 (Retry-After apart)"),
+    disconnects: int = typer.Option(3, "--disconnects", parser=COUNT0, help="clients that hang up mid-stream in the fault phase"),
+    context: int = typer.Option(None, "--context", parser=CONTEXT, help="the server's --context"),
 ) -> None:
     """Load and fault test of `quantkit serve`: latency percentiles, throughput, RSS before/after."""
     from quantkit.bench.serve import run
@@ -68,12 +69,12 @@ def _threads(n: int | None) -> int:
 def bench_engines(
     reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-engines.{md,json} go"),
     workdir: Path = typer.Option(Path("/tmp/quantkit-bench"), "--workdir", help="generated files go here"),
-    layers: int = typer.Option(4, "--layers", help="layers of the generated realistic-shape checkpoint"),
-    experts: int = typer.Option(64, "--experts", help="experts per layer of the generated checkpoint"),
-    top_k: int = typer.Option(8, "--top-k", help="experts per token"),
-    vocab: int = typer.Option(248320, "--vocab", help="vocabulary (embedding and lm_head rows)"),
-    threads: int = typer.Option(None, "--threads", help="threads for both engines [default: every physical core]"),
-    reps: int = typer.Option(2, "--reps", help="decode repetitions per engine (best is reported)"),
+    layers: int = typer.Option(4, "--layers", parser=COUNT, help="layers of the generated realistic-shape checkpoint"),
+    experts: int = typer.Option(64, "--experts", parser=COUNT, help="experts per layer of the generated checkpoint"),
+    top_k: int = typer.Option(8, "--top-k", parser=COUNT, help="experts per token"),
+    vocab: int = typer.Option(248320, "--vocab", parser=COUNT, help="vocabulary (embedding and lm_head rows)"),
+    threads: int = typer.Option(None, "--threads", parser=COUNT, help="threads for both engines [default: every physical core]"),
+    reps: int = typer.Option(2, "--reps", parser=COUNT, help="decode repetitions per engine (best is reported)"),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="use this bf16 checkpoint instead"),
 ) -> None:
     """llama.cpp on our GGUF export beside quantkit's runtime: decode tok/s and error vs bf16, same bits."""
@@ -88,15 +89,15 @@ def bench_engines(
 def bench_decode(
     reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-decode.{md,json,png} go"),
     workdir: Path = typer.Option(Path("/tmp/quantkit-bench"), "--workdir", help="generated checkpoints go here"),
-    layers: int = typer.Option(4, "--layers", help="layers of the generated realistic-shape checkpoint"),
-    experts: int = typer.Option(64, "--experts", help="experts per layer of the generated checkpoint"),
-    prompt: int = typer.Option(128, "--prompt", help="prompt tokens (one prefill chunk)"),
-    decode: int = typer.Option(16, "--decode", help="greedy decode steps per repetition"),
-    reps: int = typer.Option(1, "--reps", help="timed repetitions per process (best is kept)"),
-    rounds: int = typer.Option(2, "--rounds", help="interleaved rounds over the configurations (best is kept)"),
-    threads: int = typer.Option(None, "--threads", help="torch threads in every run [default: every physical core]"),
+    layers: int = typer.Option(4, "--layers", parser=COUNT, help="layers of the generated realistic-shape checkpoint"),
+    experts: int = typer.Option(64, "--experts", parser=COUNT, help="experts per layer of the generated checkpoint"),
+    prompt: int = typer.Option(128, "--prompt", parser=COUNT, help="prompt tokens (one prefill chunk)"),
+    decode: int = typer.Option(16, "--decode", parser=COUNT, help="greedy decode steps per repetition"),
+    reps: int = typer.Option(1, "--reps", parser=COUNT, help="timed repetitions per process (best is kept)"),
+    rounds: int = typer.Option(2, "--rounds", parser=COUNT, help="interleaved rounds over the configurations (best is kept)"),
+    threads: int = typer.Option(None, "--threads", parser=COUNT, help="torch threads in every run [default: every physical core]"),
     configs: str = typer.Option(None, "--configs", help="comma-separated subset of the configurations"),
-    vocab: int = typer.Option(None, "--vocab", help="vocabulary of the generated checkpoint (default: the tiny "
+    vocab: int = typer.Option(None, "--vocab", parser=COUNT, help="vocabulary of the generated checkpoint (default: the tiny "
                               "tokenizer's; 248320 is the real model's)"),
 ) -> None:
     """Prefill/decode tok/s and peak RSS per format beside transformers bf16, the planner and the bandwidth bound."""

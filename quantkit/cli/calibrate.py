@@ -16,13 +16,16 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from quantkit import sizes
 from quantkit.cli import app, console, err_console
+from quantkit.cli.options import COUNT
 from quantkit.errors import QuantkitError
 from quantkit.fileio import write_atomic
 from quantkit.model.checkpoint import spec_from_path
 from quantkit.model.contract import read_quant_config
+from quantkit.outputs import guard_output
 from quantkit.planner.budget import RunSettings
-from quantkit.planner.hardware import Hardware, Host, parse_size
+from quantkit.planner.hardware import Hardware, Host
 from quantkit.planner.host_costs import default_profile_path, load_profile, mismatch
 from quantkit.planner.placement import RECIPES, solve
 from quantkit.recipe import Recipe, parse_recipe_names
@@ -45,20 +48,19 @@ def calibrate_cmd(
                                      "quantized folder's own recipe, else all)"),
     out: Path = typer.Option(None, "--out", "-o", help="profile file (default: this host's cache, read by `plan`)"),
     working_set: str = typer.Option("256MB", "--working-set", help="weights cycled per kernel (above the LLC)"),
-    passes: int = typer.Option(3, "--passes", help="timed passes per kernel (the best is kept)"),
-    steps: int = typer.Option(24, "--steps", help="decode steps timed for the layer ops"),
+    passes: int = typer.Option(3, "--passes", parser=COUNT, help="timed passes per kernel (the best is kept)"),
+    steps: int = typer.Option(24, "--steps", parser=COUNT, help="decode steps timed for the layer ops"),
 ) -> None:
     """Measure quantkit's CPU runtime on this host, part by part, so `quantkit plan` can estimate it."""
     from quantkit.runtime.calibrate import calibrate
 
     spec = spec_from_path(model)
     recipes = [RECIPES[n] for n in parse_recipe_names(scheme)] or _own_recipe(model) or list(RECIPES.values())
-    ws = parse_size(working_set, "--working-set")
+    ws = sizes.parse_size(working_set, "--working-set (256MB defeats the CPU caches)", minimum=sizes.MB)
     if passes < 1 or steps < 1:
         raise QuantkitError("--passes and --steps must be at least 1")
-    if ws < 1 << 20:
-        raise QuantkitError(f"--working-set {working_set}: give at least 1MB (256MB to defeat the CPU caches)")
     path = out or default_profile_path(spec.config)
+    guard_output(path, kind="file", overwrite=True, create_parents=True, flag="--out " if out else "")
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TimeRemainingColumn(), TextColumn("[dim]{task.fields[what]}"))
     with Progress(*cols, console=err_console, transient=True, disable=not err_console.is_terminal) as bar:
@@ -75,10 +77,7 @@ def calibrate_cmd(
                 prof = old.merged(prof)  # keep the formats timed before
         except QuantkitError:
             pass  # an unreadable old profile is replaced
-    try:
-        write_atomic(path, prof.to_json())
-    except OSError as e:
-        raise QuantkitError(f"{path}: cannot write the profile ({e.strerror}); pass --out FILE") from None
+    write_atomic(path, prof.to_json())
 
     t = Table(title=f"Kernel us per batch-1 call, weights out of cache ({prof.host['cpu']}, "
               f"{prof.host['threads']} threads, torch {prof.host['torch']})", title_justify="left",

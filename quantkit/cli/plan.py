@@ -11,10 +11,12 @@ from rich import box
 from rich.table import Table
 
 from quantkit.cli import app, console
+from quantkit.cli.options import CONTEXT, COUNT, TFLOPS
 from quantkit.errors import QuantkitError
 from quantkit.export.launch import ENGINES, launch_plan
 from quantkit.model.checkpoint import spec_from_path
 from quantkit.model.spec import DEFAULT_MODEL, ModelSpec, Role
+from quantkit.outputs import guard_output
 from quantkit.planner.budget import GB, GIB, SNAPSHOTS_PER_PROMPT, RunSettings, cache_dtype, compute_budget
 from quantkit.planner.hardware import DEFAULT_GPU_RESERVE, Hardware, build_hardware, load_catalog, parse_size
 from quantkit.planner.host_costs import profile_for_plan
@@ -22,6 +24,7 @@ from quantkit.planner.placement import (
     RECIPES,
     Plan,
     SchemeResult,
+    is_plan_file,
     plan_schemes,
     recommend,
     solve,
@@ -45,6 +48,8 @@ def parse_contexts(text: str, max_ctx: int) -> list[int]:
         n = int(m.group(1))
         if m.group(2):
             n = max_ctx if n * 1024 > max_ctx >= n * 1000 else n * 1024
+        if not 1 <= n <= max_ctx:
+            raise QuantkitError(f"--context {part!r}: give 1 to {max_ctx} tokens (the model's maximum), or max")
         out.append(n)
     return out
 
@@ -154,15 +159,15 @@ def _hardware_dict(hw: Hardware) -> dict:
 def plan_cmd(
     model: str = typer.Option(None, "--model", "-m", help="config.json, checkpoint folder or cached HF id"),
     gpu: list[str] = typer.Option(None, "--gpu", "-g", help="GPU name, e.g. rtx4090, 2x3090; repeatable"),
-    nodes: int = typer.Option(1, "--nodes", help="identical nodes (for multi-node vLLM)"),
-    ram: str = typer.Option(None, "--ram", help="host RAM, e.g. 64GB (default: this machine's)"),
+    nodes: int = typer.Option(1, "--nodes", parser=COUNT, help="identical nodes (for multi-node vLLM)"),
+    ram: str = typer.Option(None, "--ram", help="host RAM, e.g. 64GiB, 64 (GiB) or 68.7GB (GB = 10^9) (default: this machine's)"),
     cpu_bandwidth: str = typer.Option(None, "--cpu-bandwidth", help="host memory bandwidth in GB/s"),
-    cpu_tflops: float = typer.Option(None, "--cpu-tflops", help="host prefill TFLOP/s (default 1.0)"),
+    cpu_tflops: float = typer.Option(None, "--cpu-tflops", parser=TFLOPS, help="host prefill TFLOP/s (default 1.0)"),
     scheme: list[str] = typer.Option(None, "--scheme", "-s", help=f"one of {', '.join(RECIPES)}; repeatable"),
     context: str = typer.Option("4096", "--context", "-c", help="tokens; a sweep like 4k,32k,128k,262k"),
-    batch: int = typer.Option(1, "--batch", "-b", help="concurrent sequences"),
+    batch: int = typer.Option(1, "--batch", "-b", parser=COUNT, help="concurrent sequences"),
     cache: str = typer.Option("fp16", "--cache-dtype", help="KV cache: fp16, bf16, fp8, q8_0, q4_0"),
-    prefill_chunk: int = typer.Option(512, "--prefill-chunk", help="tokens per prefill step"),
+    prefill_chunk: int = typer.Option(512, "--prefill-chunk", parser=COUNT, help="tokens per prefill step"),
     gpu_reserve: str = typer.Option(None, "--gpu-reserve", help="runtime reserve per GPU (default 1GiB)"),
     mtp: bool = typer.Option(False, "--mtp", help="also load the MTP layer (speculative decoding)"),
     prompt_cache: int = typer.Option(SNAPSHOTS_PER_PROMPT, "--prompt-cache",
@@ -175,6 +180,9 @@ def plan_cmd(
                                  "this host's, when planning for this machine)"),
 ) -> None:
     """Memory budget per scheme, a placement over GPUs and RAM, and the speed it should reach."""
+    if out:
+        guard_output(out, sources=[Path(model)] if model and Path(model).exists() else [], kind="file",
+                     overwrite=True, owned=is_plan_file, flag="--out ")
     spec = spec_from_path(model)
     hw = build_hardware(gpu, ram, cpu_bandwidth, nodes, cpu_tflops)
     if export and export.lower() not in ENGINES:
@@ -183,7 +191,7 @@ def plan_cmd(
     contexts = parse_contexts(context, spec.config.max_position_embeddings)
     this_host = not (gpu or ram or cpu_bandwidth or nodes > 1)
     prof, prof_src, prof_note = profile_for_plan(profile, spec.config, this_host)
-    kw = {"gpu_reserve": parse_size(gpu_reserve, "GPU reserve") if gpu_reserve else DEFAULT_GPU_RESERVE,
+    kw = {"gpu_reserve": parse_size(gpu_reserve, "--gpu-reserve") if gpu_reserve else DEFAULT_GPU_RESERVE,
           "profile": prof, "profile_source": prof_src}
     rows: list[SchemeResult] = []
     for ctx in contexts:
@@ -268,8 +276,8 @@ def plan_cmd(
 @app.command("gpus")
 def gpus_cmd(
     model: str = typer.Option(None, "--model", "-m", help="config.json, checkpoint folder or cached HF id"),
-    context: int = typer.Option(4096, "--context", "-c"),
-    ram: str = typer.Option("128GB", "--ram", help="host RAM available for offload (default 128GB)"),
+    context: int = typer.Option(4096, "--context", "-c", parser=CONTEXT),
+    ram: str = typer.Option("128GiB", "--ram", help="host RAM available for offload (default 128GiB; GB = 10^9)"),
     scheme: list[str] = typer.Option(None, "--scheme", "-s"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import typer
@@ -10,21 +9,14 @@ from rich import box
 from rich.table import Table
 
 from quantkit.cli import app, console, err_console, fail
+from quantkit.cli.options import BITS, GROUP_SIZE
 from quantkit.cli.progress import RichProgress, tensor_progress
-from quantkit.errors import QuantkitError
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
-_MULT = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "k": 10**3, "m": 10**6,
-         "g": 10**9, "t": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+from quantkit.sizes import parse_size
 
 
 def parse_shard_size(text: str) -> int:
-    """`2GB` (decimal, as transformers' max_shard_size), `500MB`, `1GiB`, `1048576` (bytes)."""
-    m = _SIZE.match(text or "")
-    unit = (m.group(2) or "").lower() if m else ""
-    if not m or unit not in _MULT or float(m.group(1)) <= 0:
-        raise QuantkitError(f"--max-shard-size {text!r} does not parse; write it like 2GB, 500MB or 1GiB")
-    return int(float(m.group(1)) * _MULT[unit])
+    """`2GB` (10^9 bytes, as transformers' max_shard_size), `500MB`, `1GiB`, `1048576` (bytes)."""
+    return parse_size(text, "--max-shard-size")
 
 
 def _mb(n: float) -> str:
@@ -55,9 +47,9 @@ def _roles_table(rows: list, title: str, measured: bool) -> Table:
 def quantize(
     src: str = typer.Argument(..., help="checkpoint folder (sharded safetensors) or a model in the local HF cache"),
     out: Path = typer.Option(None, "--out", "-o", help="output folder (must not exist, unless --resume/--overwrite)"),
-    bits: int = typer.Option(4, "--bits", help="4: the quality recipe (routed experts 4-bit, attention 8-bit); 8: int8"),
+    bits: int = typer.Option(4, "--bits", parser=BITS, help="4: the quality recipe (routed experts 4-bit, attention 8-bit); 8: int8"),
     fmt: str = typer.Option("int", "--format", help="4-bit format: int (int4), nf4, fp4, mxfp4"),
-    group_size: int = typer.Option(None, "--group-size", help="group/block size of the 4-bit format"),
+    group_size: int = typer.Option(None, "--group-size", parser=GROUP_SIZE, help="group/block size of the 4-bit format"),
     uniform: bool = typer.Option(False, "--uniform", help="the same 4-bit format on every eligible matrix"),
     override: list[str] = typer.Option([], "--override", help="ROLE=SPEC, e.g. linear_attention=8, lm_head=bf16"),
     recipe_file: str = typer.Option(None, "--recipe", help="a JSON recipe file (replaces --bits/--format)"),

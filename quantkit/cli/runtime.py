@@ -9,14 +9,19 @@ from pathlib import Path
 import typer
 
 from quantkit.cli import app, console, err_console, fail
+from quantkit.cli.options import CONTEXT, MAX_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
 from quantkit.errors import QuantkitError
+from quantkit.fileio import read_text_bounded
+from quantkit.termtext import printable
 
 _PLAN = typer.Option(None, "--plan", help="a plan from `quantkit plan --out` (default: plan for this machine)")
 _RECIPE = typer.Option(None, "--recipe", help="quantize an unquantized checkpoint while loading (int8, int4, "
                        "quality, nf4, fp4, mxfp4; default: keep bf16)")
-_CONTEXT = typer.Option(None, "--context", help="context length to plan for [default: the plan's, else 4096]")
+_CONTEXT = typer.Option(None, "--context", parser=CONTEXT, help="context length to plan for [default: the plan's, else 4096]")
 _VERIFY = typer.Option("auto", "--verify", help="check a quantized folder first: auto (hash shards under 4 GB), "
                        "full, quick (sizes and headers), off")
+# a prompt on stdin: 16M characters is far beyond any context (262k tokens is ~1 MB of text)
+PROMPT_LIMIT = 16 << 20
 _MAX_NEW = "--max-new-tokens"
 _THREADS = typer.Option(None, "--threads", help="CPU threads [default: every physical core]")
 _CACHE_SIZE = typer.Option("auto", "--prompt-cache-size",
@@ -58,11 +63,11 @@ def generate_cmd(
     system: str = typer.Option(None, "--system", help="system prompt"),
     world: str = typer.Option(None, "--world", help="AgentWorld domain system prompt: mcp, search, terminal, "
                               "swe, android, web, os"),
-    max_new_tokens: int = typer.Option(512, _MAX_NEW),
-    temperature: float = typer.Option(0.6, "--temperature", help="0 = greedy; 0.6 as the model card evaluates"),
-    top_p: float = typer.Option(0.95, "--top-p"),
-    top_k: int = typer.Option(20, "--top-k", help="0 = off"),
-    seed: int = typer.Option(None, "--seed"),
+    max_new_tokens: int = typer.Option(512, _MAX_NEW, parser=MAX_TOKENS),
+    temperature: float = typer.Option(0.6, "--temperature", parser=TEMPERATURE, help="0 = greedy; 0.6 as the model card evaluates"),
+    top_p: float = typer.Option(0.95, "--top-p", parser=TOP_P),
+    top_k: int = typer.Option(20, "--top-k", parser=TOP_K, help="0 = off"),
+    seed: int = typer.Option(None, "--seed", parser=SEED),
     think: bool = typer.Option(True, "--think/--no-think", help="let the model reason first (default on)"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object: text, thinking, token counts, tok/s, "
                                  "finish reason"),
@@ -77,7 +82,9 @@ def generate_cmd(
         if prompt is None:
             if sys.stdin is None or sys.stdin.isatty():
                 raise QuantkitError("no prompt: pass --prompt TEXT or pipe it on stdin")
-            prompt = sys.stdin.read()
+            prompt = sys.stdin.read(PROMPT_LIMIT + 1)
+            if len(prompt) > PROMPT_LIMIT:
+                raise QuantkitError(f"the prompt on stdin is longer than {PROMPT_LIMIT:,} characters; shorten it")
         if not prompt.strip():
             raise QuantkitError("empty prompt: give some text with --prompt or on stdin")
         if world and system:
@@ -101,7 +108,7 @@ def generate_cmd(
                 elif ev.channel == "answer" and shown:
                     sys.stdout.write("\n</think>\n\n")
                     shown = False
-                sys.stdout.write(ev.text)
+                sys.stdout.write(printable(ev.text))
                 sys.stdout.flush()
     except QuantkitError as e:
         fail(str(e))
@@ -126,11 +133,11 @@ def chat_cmd(
     system: str = typer.Option(None, "--system", help="system prompt"),
     world: str = typer.Option(None, "--world", help="be the world model of a domain: mcp, search, terminal, "
                               "swe, android, web, os (type the agent's actions)"),
-    max_new_tokens: int = typer.Option(2048, _MAX_NEW),
-    temperature: float = typer.Option(0.6, "--temperature"),
-    top_p: float = typer.Option(0.95, "--top-p"),
-    top_k: int = typer.Option(20, "--top-k"),
-    seed: int = typer.Option(None, "--seed"),
+    max_new_tokens: int = typer.Option(2048, _MAX_NEW, parser=MAX_TOKENS),
+    temperature: float = typer.Option(0.6, "--temperature", parser=TEMPERATURE),
+    top_p: float = typer.Option(0.95, "--top-p", parser=TOP_P),
+    top_k: int = typer.Option(20, "--top-k", parser=TOP_K),
+    seed: int = typer.Option(None, "--seed", parser=SEED),
     think: bool = typer.Option(True, "--think/--no-think"),
     load: Path = typer.Option(None, "--load", help="start from a conversation saved with /save"),
     session_file: Path = typer.Option(None, "--session", help="keep the conversation and its cached state in this "
@@ -145,7 +152,7 @@ def chat_cmd(
     except ImportError:
         pass
     from quantkit.runtime import SamplingParams
-    from quantkit.runtime.chat import Chat, ChatSession
+    from quantkit.runtime.chat import SESSION_LIMIT, Chat, ChatSession
     from quantkit.runtime.session_file import load_session, save_session
     from quantkit.runtime.worlds import world_prompt
 
@@ -160,10 +167,7 @@ def chat_cmd(
         cache_bytes = parse_cache_size(prompt_cache_size)
         session = ChatSession(system=world_prompt(world) if world else system, thinking=think)
         if load:
-            try:
-                session = ChatSession.from_json(load.read_text(), str(load))
-            except OSError as e:
-                raise QuantkitError(f"{load}: cannot read ({e.strerror})") from None
+            session = ChatSession.from_json(read_text_bounded(load, "chat session", SESSION_LIMIT), str(load))
         rt = _load(model, plan, recipe, context, verify, threads)
         rt.set_prompt_cache(cache_bytes)
         autosave = None

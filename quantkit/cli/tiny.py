@@ -16,21 +16,22 @@ from rich.progress import (
 )
 
 from quantkit.cli import app, console
+from quantkit.cli.options import COUNT, SEED
 
 
 @app.command("tiny-model")
 def tiny_model(
     out_dir: Path = typer.Argument(..., help="folder to write (refused if it exists and is not empty)"),
-    layers: int = typer.Option(4, "--layers", help="decoder layers (3 linear-attention + 1 full, repeated)"),
-    experts: int = typer.Option(None, "--experts", help="routed experts per layer [default: 8; 32 realistic]"),
-    top_k: int = typer.Option(None, "--top-k", help="experts per token [default: 2; 8 realistic]"),
-    hidden: int = typer.Option(64, "--hidden", help="hidden size (tiny mode; multiple of 16)"),
-    intermediate: int = typer.Option(32, "--intermediate", help="expert intermediate size (tiny mode)"),
+    layers: int = typer.Option(4, "--layers", parser=COUNT, help="decoder layers (3 linear-attention + 1 full, repeated)"),
+    experts: int = typer.Option(None, "--experts", parser=COUNT, help="routed experts per layer [default: 8; 32 realistic]"),
+    top_k: int = typer.Option(None, "--top-k", parser=COUNT, help="experts per token [default: 2; 8 realistic]"),
+    hidden: int = typer.Option(64, "--hidden", parser=COUNT, help="hidden size (tiny mode; multiple of 16)"),
+    intermediate: int = typer.Option(32, "--intermediate", parser=COUNT, help="expert intermediate size (tiny mode)"),
     layout: str = typer.Option("published", "--layout", help="published (fused experts) or transformers"),
     mtp: bool = typer.Option(False, "--mtp/--no-mtp", help="include the MTP layer (published layout)"),
     decisive: bool = typer.Option(False, "--decisive", help="routing and top-1 robust to quantization"),
     realistic: bool = typer.Option(False, "--realistic", help="real hidden/expert/head sizes, for benchmarks"),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", parser=SEED),
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16, float16 or float32"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a non-empty OUT_DIR"),
 ) -> None:

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import shutil
 import time
@@ -45,12 +44,13 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.export.source import ExportSource
-from quantkit.fileio import fsync_dir, replace_folder
+from quantkit.fileio import fsync_dir, pid_temp_name, replace_folder
 from quantkit.formats import QuantSpec, get_format
 from quantkit.model.checkpoint import check_finite
 from quantkit.model.contract import INDEX_NAME
 from quantkit.model.quantized import StoredTensor
 from quantkit.model.spec import Role
+from quantkit.outputs import check_free, guard_output, write_marker
 from quantkit.progress import NoProgress, Progress
 from quantkit.quantize.shards import ShardLayout, ShardWriter, TensorLayout
 
@@ -327,22 +327,15 @@ def export_vllm(src_path: str | Path, out_dir: str | Path, group_size: int | Non
 
     t0 = time.perf_counter()
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise QuantkitError(f"{out}: exists and is not a folder")
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise QuantkitError(f"{out}: exists; pass --overwrite to replace it")
     src = ExportSource.open(src_path)
     progress = progress or NoProgress()
-    s, o = src.path.resolve(), out.resolve()
-    if o == s or s in o.parents or o in s.parents:
-        raise QuantkitError(f"{out}: overlaps the source folder {src.path}; pick a separate folder")
-    if not out.parent.is_dir():
-        raise QuantkitError(f"{out.parent}: no such folder for the output")
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    guard_output(out, sources=[src.path], kind="folder", overwrite=overwrite)
+    tmp = pid_temp_name(out)
     try:
         g = _pick_group(src, group_size)
         tensors = plan(src, g, rest)
         shards = _shards(tensors, max_shard_size)
+        check_free(out, sum(t.nbytes for t in tensors) + (1 << 20), "")
         n = len(shards)
         names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         shutil.rmtree(tmp, ignore_errors=True)
@@ -369,6 +362,7 @@ def export_vllm(src_path: str | Path, out_dir: str | Path, group_size: int | Non
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         for f in copyable_files(src.path):
             shutil.copy2(f, tmp / f.name)
+        write_marker(tmp, "export vllm")
         fsync_dir(tmp)
         replace_folder(tmp, out)
     except BaseException:

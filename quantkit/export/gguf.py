@@ -39,9 +39,11 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf_layout import Piece, convert, permute_blocks, pieces_for
 from quantkit.export.source import ExportSource
+from quantkit.fileio import pid_temp_name
 from quantkit.model.checkpoint import check_finite
 from quantkit.model.quantized import StoredTensor
 from quantkit.model.spec import Role
+from quantkit.outputs import check_free, guard_output, has_magic
 from quantkit.progress import NoProgress, Progress
 
 ARCH = "qwen35moe"
@@ -341,13 +343,8 @@ def export_gguf(src_path: str | Path, out_path: str | Path, type: str = "mixed",
     ftype = type.lower()
     if ftype not in TYPES:
         raise QuantkitError(f"--type {type!r}: use one of {', '.join(TYPES)}")
-    if out.is_dir():
-        raise QuantkitError(f"{out}: is a folder; name the .gguf file to write")
-    if out.exists() and not overwrite:
-        raise QuantkitError(f"{out}: exists; pass --overwrite to replace it")
-    if not out.parent.is_dir():
-        raise QuantkitError(f"{out.parent}: no such folder for the output")
     src = ExportSource.open(src_path)
+    guard_output(out, sources=[src.path], kind="file", overwrite=overwrite, owned=has_magic(b"GGUF"))
     progress = progress or NoProgress()
     try:
         if expert_type is not None and ftype != "mixed":
@@ -358,7 +355,8 @@ def export_gguf(src_path: str | Path, out_path: str | Path, type: str = "mixed",
                 if t.how == "reused":
                     t.how = "converted"
                     t.note = f"{t.source.spec.format} dequantized, requantized to {t.qtype.name} (reuse off)"
-        tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+        check_free(out, sum(t.nbytes for t in tensors) + (16 << 20), "")
+        tmp = pid_temp_name(out)
         w = gguf.GGUFWriter(None, ARCH)
         try:
             add_metadata(w, src, ftype)

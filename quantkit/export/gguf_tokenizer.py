@@ -9,11 +9,11 @@ Merges, special ids and the chat template come from the `gguf` package's `Specia
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from quantkit.errors import QuantkitError
+from quantkit.fileio import read_json_bounded
 
 # tokenizer.json pre-tokenizer Split regexes -> llama.cpp pre-tokenizer names (llama-vocab.cpp)
 PRE_TOKENIZERS = {
@@ -47,9 +47,9 @@ def read_vocab(folder: Path, vocab_size: int) -> tuple[list[str], list[int], str
         raise QuantkitError(f"{folder}: no tokenizer.json; llama.cpp needs the tokenizer inside the GGUF "
                             "(copy the model's tokenizer files into the folder)")
     try:
-        tj = json.loads(path.read_text(encoding="utf-8"))
+        tj = read_json_bounded(path, "tokenizer")
         model = tj["model"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+    except (QuantkitError, KeyError, TypeError):
         raise QuantkitError(f"{path}: not a readable tokenizers JSON file") from None
     if model.get("type") != "BPE":
         raise QuantkitError(f"{path}: a {model.get('type')} tokenizer; the qwen35moe export takes byte-level BPE")
@@ -89,7 +89,7 @@ def add_tokenizer(writer: Any, folder: Path, vocab_size: int) -> dict[str, Any]:
         raise QuantkitError(f"{folder / 'tokenizer.json'}: no BPE merges; llama.cpp cannot tokenize without them")
     sv.add_to_gguf(writer, quiet=True)
     tc = folder / "tokenizer_config.json"
-    cfg = json.loads(tc.read_text(encoding="utf-8")) if tc.is_file() else {}
+    cfg = read_json_bounded(tc, "tokenizer config") if tc.is_file() else {}
     if "bos" not in sv.special_token_ids and not cfg.get("add_bos_token"):
         writer.add_add_bos_token(False)  # Qwen has no BOS; llama.cpp would otherwise assume one
     return {"pre": pre, "tokens": len(tokens), "merges": len(sv.merges),

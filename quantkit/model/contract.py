@@ -11,11 +11,11 @@ the writer (quantize) take these names from here.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from quantkit.errors import QuantkitError
+from quantkit.fileio import read_json_bounded
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"
@@ -54,8 +54,12 @@ def is_quantkit_output(folder: Path) -> bool:
     """Whether `folder` was written by `quantkit quantize` (its tensors are codes and scales): a yes/no look at
     config.json that never raises."""
     try:
-        with open(folder / CONFIG_NAME, "rb") as f:
-            config = json.loads(f.read(64 << 20))
-    except (OSError, ValueError):
+        config = read_json_bounded(folder / CONFIG_NAME, "config")
+    except QuantkitError:
         return False
     return quant_method(config) == QUANT_METHOD
+
+
+def holds_quantize_run(folder: Path) -> bool:
+    """Whether `folder` holds a `quantkit quantize` run, finished (manifest) or under way (journal)."""
+    return (folder / MANIFEST_NAME).is_file() or (folder / JOURNAL_NAME).is_file()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections import defaultdict
@@ -13,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import QuantkitError
+from quantkit.fileio import read_json_bounded
 
 DEFAULT_MODEL = "Qwen-AgentWorld-35B-A3B"
 SUPPORTED_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
@@ -100,6 +100,17 @@ _REQUIRED = {
 }
 
 
+# Upper bounds on a config's sizes: 10-100x the largest of this family, so a malformed or hostile config.json
+# (200k layers, a 2^40 vocabulary) is refused in one line instead of planning for minutes or hours.
+DEFAULT_FIELD_LIMIT = 1 << 20
+_LIMITS = {"num_hidden_layers": 1024, "num_experts": 1 << 14, "num_experts_per_tok": 1 << 10,
+           "vocab_size": 1 << 22, "hidden_size": 1 << 17, "num_attention_heads": 1 << 12,
+           "num_key_value_heads": 1 << 12, "linear_num_key_heads": 1 << 12, "linear_num_value_heads": 1 << 12}
+
+_OPTIONAL_INTS = (("mtp_num_hidden_layers", 0, 0, 64), ("max_position_embeddings", 262144, 1, 1 << 26),
+                  ("linear_conv_kernel_dim", 4, 1, 64), ("moe_intermediate_size", 1, 1, DEFAULT_FIELD_LIMIT))
+
+
 def parse_text_config(cfg: dict[str, Any], source: str = "config.json") -> TextConfig:
     """Validate a config dict (multimodal `qwen3_5_moe` or bare `qwen3_5_moe_text`) into a TextConfig."""
     if not isinstance(cfg, dict):
@@ -117,6 +128,9 @@ def parse_text_config(cfg: dict[str, Any], source: str = "config.json") -> TextC
         val = text.get(key)
         if not isinstance(val, typ) or isinstance(val, bool) or val <= 0:
             raise QuantkitError(f"{source}: field '{prefix}{key}' must be a positive integer, got {val!r}")
+        if val > _LIMITS.get(key, DEFAULT_FIELD_LIMIT):
+            raise QuantkitError(f"{source}: field '{prefix}{key}' is {val}, beyond any model of this family "
+                                f"(at most {_LIMITS.get(key, DEFAULT_FIELD_LIMIT):,}); is this the right config.json?")
     n_layers = text["num_hidden_layers"]
     layer_types = text.get("layer_types")
     if layer_types is None:
@@ -137,6 +151,12 @@ def parse_text_config(cfg: dict[str, Any], source: str = "config.json") -> TextC
         raise QuantkitError(f"{source}: field '{prefix}num_experts_per_tok' exceeds num_experts")
     hidden = text["hidden_size"]
     heads = text["num_attention_heads"]
+    for key, default, lo, hi in _OPTIONAL_INTS:
+        val = text.get(key, default)
+        if val is None and default == 0:
+            continue
+        if not isinstance(val, int) or isinstance(val, bool) or not lo <= val <= hi:
+            raise QuantkitError(f"{source}: field '{prefix}{key}' must be an integer in [{lo}, {hi:,}], got {val!r}")
     return TextConfig(
         vocab_size=text["vocab_size"],
         hidden_size=hidden,
@@ -353,14 +373,7 @@ def default_config_path() -> Path:
 
 
 def load_config(path: Path) -> dict[str, Any]:
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise QuantkitError(f"{path}: cannot read ({e.strerror})") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        raise QuantkitError(f"{path}: not valid JSON (line {e.lineno}: {e.msg})") from None
+    return read_json_bounded(path, "config")
 
 
 def default_spec() -> ModelSpec:

@@ -10,6 +10,7 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
+from quantkit import sizes
 from quantkit.errors import QuantkitError
 
 GIB = 1 << 30
@@ -194,21 +195,10 @@ def parse_gpu_arg(arg: str) -> list[GPU]:
     return out
 
 
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.I)
-_SIZE_MULT = {"": GIB, "k": 1 << 10, "m": 1 << 20, "g": GIB, "t": 1 << 40}
-
-
-def parse_size(text: str, what: str = "RAM size") -> int:
-    """`64GB`, `64G`, `64 GiB`, `65536MB`, `1.5TB`, `64` (GiB) -> bytes. Memory sizes are binary, as
-    DIMMs and cards are sold (64GB = 64 GiB)."""
-    m = _SIZE_RE.match(text or "")
-    if not m:
-        raise QuantkitError(f"{what} {text!r} does not parse; write it like 64GB, 32GiB or 65536MB")
-    unit = (m.group(2) or "").lower().rstrip("b").rstrip("i")
-    val = float(m.group(1)) * _SIZE_MULT[unit]
-    if val <= 0:
-        raise QuantkitError(f"{what} {text!r} must be positive")
-    return int(val)
+def parse_size(text: str, what: str = "--ram") -> int:
+    """A memory size under quantkit's one size rule (quantkit/sizes.py: GB = 10^9, GiB = 2^30); a bare
+    number is GiB (`--ram 64`)."""
+    return sizes.parse_size(text, what, bare_unit=GIB)
 
 
 def parse_bandwidth(text: str) -> float:

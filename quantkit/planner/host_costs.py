@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import QuantkitError
+from quantkit.fileio import read_json_bounded
 from quantkit.formats import QuantSpec
 from quantkit.model.spec import ModelSpec, Role, TensorSpec, TextConfig
 from quantkit.recipe import Recipe, decide
@@ -130,14 +131,7 @@ class RuntimeProfile:
 
 
 def load_profile(path: Path) -> RuntimeProfile:
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise QuantkitError(f"{path}: cannot read the runtime profile ({e.strerror})") from None
-    try:
-        d = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise QuantkitError(f"{path}: runtime profile is not valid JSON (line {e.lineno}: {e.msg})") from None
+    d = read_json_bounded(path, "runtime profile")
     return RuntimeProfile.from_dict(d, str(path))
 
 

@@ -260,6 +260,15 @@ class Plan:
         write_atomic(Path(path), self.to_json())
 
 
+def is_plan_file(path: Path) -> bool:
+    """True for a file `Plan.save` wrote (so `plan --out` may replace it)."""
+    try:
+        with open(path, "rb") as f:
+            return b'"quantkit_plan"' in f.read(256)
+    except OSError:
+        return False
+
+
 def contiguous_runs(ids: list[int]) -> list[tuple[int, int]]:
     """Sorted ids as half-open runs: [0, 1, 2, 5] -> [(0, 3), (5, 6)]."""
     runs: list[tuple[int, int]] = []

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import QuantkitError
-from quantkit.fileio import atomic_write_json
+from quantkit.fileio import atomic_write_json, read_json_bounded
+from quantkit.model.checkpoint import _safe_member  # the loader's rule for the files a folder may name
 from quantkit.model.contract import JOURNAL_NAME, MANIFEST_NAME, MANIFEST_VERSION
 
 _HASH_BUF = 8 << 20
@@ -37,14 +38,9 @@ def sha256_file(path: Path, progress: Any = None) -> str:
 
 
 def read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise QuantkitError(f"{path}: {what} is missing") from None
-    except OSError as e:
-        raise QuantkitError(f"{path}: cannot read {what} ({e.strerror})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise QuantkitError(f"{path}: {what} is not valid JSON ({e})") from None
+    if not path.exists():
+        raise QuantkitError(f"{path}: {what} is missing")
+    return read_json_bounded(path, what)
 
 
 @dataclass(frozen=True)
@@ -111,7 +107,10 @@ def file_entry(path: Path, progress: Any = None) -> FileEntry:
 
 def check_file(folder: Path, name: str, entry: FileEntry, hash_it: bool = True, progress: Any = None) -> str | None:
     """None if `folder/name` matches `entry`, else a one-line problem naming the file."""
-    p = folder / name
+    try:
+        p = _safe_member(folder, name, MANIFEST_NAME)
+    except QuantkitError as e:
+        return str(e)
     if not p.is_file():
         return f"{name}: missing"
     size = p.stat().st_size

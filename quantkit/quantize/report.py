@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_bytes
 
 
@@ -91,12 +92,13 @@ def _fmt_err(x: float | None, digits: int = 4) -> str:
 def write_report(md_path: Path, plan: Any, stats: list[Any], seconds: float, src: Path, out: Path,
                  reused: list[str], calibration: dict[str, Any] | None = None) -> tuple[Path, Path]:
     """Write `md_path` and the JSON beside it (same stem). Atomic; returns both paths."""
-    md_path = Path(md_path)
-    if md_path.suffix.lower() == ".json":
-        js_path, md_path = md_path, md_path.with_suffix(".md")
-    else:
-        js_path = md_path.with_suffix(".json")
-    md_path.parent.mkdir(parents=True, exist_ok=True)
+    from quantkit.quantize.run import report_paths
+
+    md_path, js_path = report_paths(Path(md_path))
+    try:
+        md_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise QuantkitError(f"--report {md_path}: cannot create {md_path.parent} ({e.strerror})") from None
     rows = role_rows(stats)
     tot = total_row(rows)
     in_mb = tot.in_bytes / 1e6

@@ -37,8 +37,9 @@ from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json, fsync_dir, temp_name
 from quantkit.formats import QuantSpec, get_format, stored_parts
 from quantkit.model.checkpoint import Checkpoint, check_finite
-from quantkit.model.contract import INDEX_NAME, QUANT_METHOD, QUANT_VERSION
+from quantkit.model.contract import INDEX_NAME, QUANT_METHOD, QUANT_VERSION, holds_quantize_run
 from quantkit.model.spec import Role, TensorSpec, role_of
+from quantkit.outputs import check_free, check_not_source, guard_output
 from quantkit.progress import NoProgress, Progress
 from quantkit.quantize.calibrated import Calibration
 from quantkit.quantize.manifest import (
@@ -333,43 +334,41 @@ def free_bytes(folder: Path) -> int:
     return shutil.disk_usage(p).free
 
 
-def _is_quantkit_output(folder: Path) -> bool:
-    return (folder / MANIFEST_NAME).is_file() or (folder / JOURNAL_NAME).is_file()
-
-
 def _prepare_out(src: Path, out: Path, mode: str) -> None:
-    s, o = src.resolve(), out.resolve()
-    if o == s or s in o.parents or o in s.parents:
-        raise QuantkitError(f"--out {out} overlaps the source folder {src}; pick a separate folder")
-    if out.exists() and not out.is_dir():
-        raise QuantkitError(f"--out {out} exists and is not a folder")
-    if not out.exists() or not any(out.iterdir()):
-        return
-    if mode == "overwrite":
-        if not _is_quantkit_output(out):
-            raise QuantkitError(
-                f"{out} exists and is not a quantkit output (no {MANIFEST_NAME}); refusing to delete it: "
-                "remove it yourself or pick another --out"
-            )
-        shutil.rmtree(out)
-    elif mode == "resume":
-        if not _is_quantkit_output(out):
-            raise QuantkitError(f"{out} holds no quantkit run to resume (no {JOURNAL_NAME}); pick an empty --out")
-    else:
+    """The guarded output location (quantkit/outputs.py); --resume continues quantkit's own run in place."""
+    check_not_source(out, [src], "--out ")
+    resuming = mode == "resume" and out.is_dir() and any(out.iterdir())
+    if resuming and not holds_quantize_run(out):
+        raise QuantkitError(f"{out} holds no quantkit run to resume (no {JOURNAL_NAME}); pick an empty --out")
+    if mode == "new" and out.is_dir() and any(out.iterdir()):
         raise QuantkitError(f"{out} already exists; pass --resume to continue a run or --overwrite to replace it")
+    guard_output(out, sources=[src], kind="folder", overwrite=mode != "new", owned=holds_quantize_run,
+                 flag="--out ", create_parents=True)
+    if mode == "overwrite" and out.is_dir() and any(out.iterdir()):
+        shutil.rmtree(out)
 
 
-def _folder_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.is_dir() else 0
+def report_paths(report: Path) -> tuple[Path, Path]:
+    """The report's markdown and JSON paths (the JSON beside the markdown, same stem)."""
+    if report.suffix.lower() == ".json":
+        return report.with_suffix(".md"), report
+    return report.with_suffix(".md") if report.suffix.lower() != ".md" else report, report.with_suffix(".json")
 
 
-def check_disk(out: Path, need: int) -> None:
-    free = free_bytes(out.parent if not out.exists() else out)
-    if need > free:
-        raise QuantkitError(
-            f"not enough free disk for {out}: the output needs {need / 1e9:.2f} GB more, "
-            f"{free / 1e9:.2f} GB free; free space or pick another --out"
-        )
+def _is_report(p: Path) -> bool:
+    try:
+        with open(p, "rb") as f:
+            head = f.read(64)
+    except OSError:
+        return False
+    return head.startswith(b"# quantkit quantization report") or head.startswith(b'{\n  "source"')
+
+
+def _guard_report(report: Path, src: Path) -> None:
+    """A --report outside the output folder: never in the source, never over a file that is not a report."""
+    for p in report_paths(report):
+        guard_output(p, sources=[src], kind="file", overwrite=True, owned=_is_report, flag="--report ",
+                     create_parents=True)
 
 
 @contextlib.contextmanager
@@ -487,6 +486,8 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
     plan = make_plan(list(ckpt.canonical()), opts.recipe, opts.keep_mtp, opts.max_shard_size)
     if opts.calibration is not None and opts.calibration.stats is not None:
         opts.calibration.stats.check_model(ckpt)
+    if opts.report is not None:
+        _guard_report(Path(opts.report), src)
     _prepare_out(src, out, opts.mode)
     layouts = plan.layouts()
     names = plan.shard_names
@@ -518,7 +519,7 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
     copies = copyable_files(src)
     need = sum(lay.size for sn, lay in zip(names, layouts, strict=True) if sn not in reused)
     need += sum(p.stat().st_size for p in copies) + (1 << 20)
-    check_disk(out, need)
+    check_free(out, need, "--out ")
     out.mkdir(parents=True, exist_ok=True)
     for p in out.glob(".*.tmp"):
         p.unlink()

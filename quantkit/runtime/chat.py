@@ -29,8 +29,13 @@ from typing import Any
 from rich.console import Console
 
 from quantkit.errors import QuantkitError
+from quantkit.fileio import read_text_bounded
 from quantkit.runtime.generate import GenerationResponse, SamplingParams
 from quantkit.runtime.state_cache import snapshot_points
+from quantkit.termtext import printable
+
+# a saved chat session is text the user wrote and the model answered: 16 MB is millions of tokens
+SESSION_LIMIT = 16 << 20
 
 CHAT_FILE_VERSION = 1
 HELP = """commands:
@@ -132,7 +137,7 @@ class Chat:
         self.reusable = 0  # prompt tokens the next turn should find cached, if the conversation only grew
 
     def say(self, text: str, style: str = "cyan") -> None:
-        self.out.print(text, style=style, highlight=False, markup=False, soft_wrap=True)
+        self.out.print(printable(text), style=style, highlight=False, markup=False, soft_wrap=True)
 
     def run(self) -> None:
         self.say(f"quantkit chat: {self.rt.folder.name}, context {self.rt.context} tokens, thinking "
@@ -222,10 +227,7 @@ class Chat:
             return
         p = Path(arg).expanduser()
         try:
-            self.s = ChatSession.from_json(p.read_text(), str(p))
-        except OSError as e:
-            self.say(f"cannot read {arg}: {e.strerror}", "red")
-            return
+            self.s = ChatSession.from_json(read_text_bounded(p, "chat session", SESSION_LIMIT), str(p))
         except QuantkitError as e:
             self.say(str(e), "red")
             return
@@ -282,7 +284,7 @@ class Chat:
                     channel = ev.channel
                 if ev.text:
                     parts[ev.channel].append(ev.text)
-                    self.out.print(ev.text, end="", style="dim" if ev.channel == "thinking" else "",
+                    self.out.print(printable(ev.text), end="", style="dim" if ev.channel == "thinking" else "",
                                    highlight=False, markup=False, soft_wrap=True)
         finally:
             signal.signal(signal.SIGINT, prev)

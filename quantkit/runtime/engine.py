@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,8 +10,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.fileio import read_json_bounded
 from quantkit.runtime.devices import available_bytes
 from quantkit.runtime.generate import GenerationResponse, SamplingParams, TokenEvent, stream_tokens
+from quantkit.runtime.safe_prompt import render_ids
 from quantkit.runtime.state_cache import PrefixCache
 
 AUTO_CACHE_FRACTION = 4  # the default prompt cache takes 1/4 of the free memory of the states' device
@@ -51,8 +52,8 @@ def stop_token_ids(folder: Path, config: dict[str, Any], tok: Any) -> set[int]:
     gc = folder / "generation_config.json"
     if gc.is_file():
         try:
-            add(json.loads(gc.read_text()).get("eos_token_id"))
-        except (json.JSONDecodeError, AttributeError):
+            add(read_json_bounded(gc, "generation config").get("eos_token_id"))
+        except (QuantkitError, AttributeError):
             pass
     add(config.get("text_config", config).get("eos_token_id"))
     for t in ("<|im_end|>", "<|endoftext|>"):
@@ -67,8 +68,10 @@ def generation_defaults(folder: Path) -> dict[str, Any]:
     if not gc.is_file():
         return {}
     try:
-        d = json.loads(gc.read_text())
-    except json.JSONDecodeError:
+        d = read_json_bounded(gc, "generation config")
+    except QuantkitError:
+        return {}
+    if not isinstance(d, dict):
         return {}
     return {k: d[k] for k in ("temperature", "top_p", "top_k") if isinstance(d.get(k), (int, float))}
 
@@ -138,9 +141,14 @@ class Runtime:
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def render_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                   enable_thinking: bool = True) -> tuple[str, list[int]]:
+        """The prompt's text and ids, control tokens only from the template (quantkit/runtime/safe_prompt.py)."""
+        return render_ids(self.tokenizer, lambda m, t: self.render(m, t, enable_thinking), messages, tools)
+
     def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                      enable_thinking: bool = True) -> int:
-        return len(self.encode(self.render(messages, tools, enable_thinking)))
+        return len(self.render_ids(messages, tools, enable_thinking)[1])
 
     # ---- generation ----
     def sampling(self, **overrides: Any) -> SamplingParams:
@@ -156,7 +164,7 @@ class Runtime:
         if not messages:
             raise QuantkitError("empty conversation: give at least one message")
         sp = sampling or self.sampling(**sampling_kw)
-        ids = self.encode(self.render(messages, tools, enable_thinking))
+        ids = self.render_ids(messages, tools, enable_thinking)[1]
         self.last_prompt_ids = ids
         yield from self.generate_ids(ids, sampling=sp, thinking=enable_thinking, cancel=cancel)
 

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
+from quantkit.fileio import read_text_bounded
 from quantkit.formats import QuantSpec, get_format
 from quantkit.model.checkpoint import Checkpoint, resolve_model
 from quantkit.model.contract import read_quant_config
@@ -368,10 +369,7 @@ def verify_or_refuse(folder: Path, mode: str = "auto") -> None:
 
 def load_plan_file(path: str | Path) -> Plan:
     p = Path(path)
-    try:
-        text = p.read_text()
-    except OSError as e:
-        raise QuantkitError(f"{p}: cannot read the plan ({e.strerror})") from None
+    text = read_text_bounded(p, "plan")
     try:
         return Plan.from_json(text)
     except json.JSONDecodeError as e:

@@ -5,6 +5,14 @@ OpenAI error object (`{"error": {"message", "type", "param", "code"}}`) with its
 malformed JSON, a missing or wrong-typed field, an unknown role, `max_tokens` < 1 or a prompt that does
 not fit the context (with the numbers); 404 for an unknown model or path; 413 for a body over the size
 limit; 429 when the line of waiting requests is full; 503 while shutting down.
+
+Before any route: the Host header, the API key and the JSON content type (quantkit/server/security.py: 403,
+401, 415). A request is admitted (429 otherwise) before its body is read: the requests being read or
+rendered count against --max-queue with those waiting, so memory per request is bounded by the body limit
+and at most --max-queue + 1 requests hold any. Its length is bounded from the text's bytes before the
+tokenizer runs (no token covers more than `max_token_bytes` bytes), and rendering/tokenizing runs one request
+at a time. OpenAI fields that would change the answer and are not implemented (logprobs, response_format
+other than text, penalties, logit_bias) are answered 400 naming the field, never ignored.
 """
 
 from __future__ import annotations
@@ -43,6 +51,7 @@ from quantkit.server.schemas import (
     ToolCallOut,
     Usage,
 )
+from quantkit.server.security import Guard, allowed_host_names
 
 DEFAULT_MAX_BODY = 8 << 20  # 8 MiB: a full 262k-token context is about 1 MB of text
 
@@ -53,6 +62,17 @@ class ServerConfig:
     max_body_bytes: int = DEFAULT_MAX_BODY
     default_max_tokens: int | None = None  # cap when a request gives no max_tokens (None: rest of context)
     retry_after_s: int = 1
+    bind_host: str = "127.0.0.1"  # the address bound: its name is an allowed Host
+    allowed_hosts: tuple[str, ...] = ()  # more Host names to answer ("*": any)
+    api_key: str | None = None  # when set, every endpoint but /health needs it
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 1:
+            raise QuantkitError(f"max_queue {self.max_queue}: must be at least 1")
+        if self.max_body_bytes < 1:
+            raise QuantkitError(f"max_body_bytes {self.max_body_bytes}: must be at least 1")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise QuantkitError(f"default_max_tokens {self.default_max_tokens}: must be at least 1")
 
 
 class ApiError(Exception):
@@ -71,6 +91,37 @@ class ApiError(Exception):
 _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                  405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
                  503: "service_unavailable"}
+
+
+# The longest token of a vocabulary, when a backend does not say (every byte-level BPE token of the Qwen
+# vocabularies is far shorter): a prompt of more than max_context * this many bytes cannot fit.
+DEFAULT_MAX_TOKEN_BYTES = 256
+UNSUPPORTED = {
+    "logprobs": "logprobs are not returned by this server",
+    "top_logprobs": "logprobs are not returned by this server",
+    "logit_bias": "logit_bias is not supported",
+    "presence_penalty": "presence_penalty is not supported (use 0)",
+    "frequency_penalty": "frequency_penalty is not supported (use 0)",
+}
+
+
+def _unsupported(req: ChatCompletionRequest) -> None:
+    """400 for fields that would change the answer and are not implemented; their neutral values pass."""
+    extra = req.model_extra or {}
+    for name, why in UNSUPPORTED.items():
+        v = getattr(req, name, None) if name in type(req).model_fields else extra.get(name)
+        if v not in (None, False, 0, 0.0, {}, []):
+            raise ApiError(400, f"{name}: {why}; remove the field", param=name, code="unsupported_field")
+    rf = req.response_format
+    if rf is not None and rf.get("type") != "text":
+        raise ApiError(400, f"response_format {rf.get('type')!r} is not supported: only \"text\" (this server has "
+                            "no constrained decoding); remove the field", param="response_format",
+                       code="unsupported_field")
+
+
+def _text_bytes(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    n = sum(len(json.dumps(m, ensure_ascii=False).encode()) for m in messages)
+    return n + (len(json.dumps(tools, ensure_ascii=False).encode()) if tools else 0)
 
 
 _ROLE_TAGS = {"system", "developer", "user", "assistant", "tool"}
@@ -260,6 +311,11 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
 
     app = FastAPI(title="quantkit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.backend = backend
+    app.add_middleware(Guard, hosts=allowed_host_names(config.bind_host, config.allowed_hosts),
+                       api_key=config.api_key)
+    admitted = {"n": 0}  # requests being read or rendered (not yet in the queue)
+    render_lock = asyncio.Lock()  # one request rendered and tokenized at a time
+    max_token_bytes = int(getattr(backend, "max_token_bytes", DEFAULT_MAX_TOKEN_BYTES))
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, e: ApiError) -> JSONResponse:
@@ -303,24 +359,51 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
+        q = state.get("queue")
+        if q is not None and admitted["n"] + q.stats.waiting >= config.max_queue:
+            q.stats.rejected += 1
+            raise ApiError(429, f"server busy: {admitted['n'] + q.stats.waiting} requests are already waiting "
+                                f"(--max-queue {config.max_queue}); retry later", "rate_limit_error",
+                           code="queue_full", headers={"Retry-After": str(config.retry_after_s)})
+        admitted["n"] += 1
+        try:
+            prompt, req, tools = await _prepare(request)
+        finally:
+            admitted["n"] -= 1
+        return await _start(request, prompt, req, tools)
+
+    async def _prepare(request: Request) -> tuple[Prompt, ChatCompletionRequest, list[dict[str, Any]] | None]:
         body = await _read_body(request, config.max_body_bytes)
         try:
             req = ChatCompletionRequest.model_validate_json(body)
         except ValidationError as e:
             raise _validation_error(e) from None
+        del body
         if req.model != backend.model_id:
             raise _unknown_model(req.model)
         if req.n not in (None, 1):
             raise ApiError(400, "n > 1 is not supported: ask for one choice per request", param="n")
+        _unsupported(req)
         messages = template_messages(req)
         tools = _tools(req)
         thinking = _enable_thinking(req)
-        try:
-            prompt: Prompt = await asyncio.to_thread(backend.render, messages, tools, thinking)
-        except QuantkitError as e:  # the template refused these messages (e.g. roles out of order)
-            raise ApiError(400, str(e), param="messages") from None
-        except Exception as e:  # noqa: BLE001 - jinja's errors are the user's messages, not a server fault
-            raise ApiError(400, f"the chat template rejects these messages ({e})", param="messages") from None
+        ctx = backend.max_context
+        nbytes = _text_bytes(messages, tools)
+        if nbytes > ctx * max_token_bytes:
+            raise ApiError(400, f"This model's maximum context length is {ctx} tokens. However, your messages "
+                                f"hold {nbytes} bytes of text, more than {ctx} tokens can cover. Please reduce the "
+                                f"length of the messages.", param="messages", code="context_length_exceeded")
+        async with render_lock:
+            try:
+                prompt: Prompt = await asyncio.to_thread(backend.render, messages, tools, thinking)
+            except QuantkitError as e:  # the template refused these messages (e.g. roles out of order)
+                raise ApiError(400, str(e), param="messages") from None
+            except Exception as e:  # noqa: BLE001 - jinja's errors are the user's messages, not a server fault
+                raise ApiError(400, f"the chat template rejects these messages ({e})", param="messages") from None
+        return prompt, req, tools
+
+    async def _start(request: Request, prompt: Prompt, req: ChatCompletionRequest,
+                     tools: list[dict[str, Any]] | None):
         ctx, p = backend.max_context, len(prompt.ids)
         asked = req.max_completion_tokens or req.max_tokens
         max_tokens = asked if asked is not None else max(ctx - p, 0)

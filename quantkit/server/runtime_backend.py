@@ -28,12 +28,15 @@ class RuntimeBackend:
         self.model_id = model_id
         ctx = int(runtime.context)
         self.max_context = min(ctx, max_context) if max_context else ctx
+        # the most bytes one token covers (byte-level BPE: one character per byte): bounds a prompt's length
+        # from its text before tokenizing it
+        self.max_token_bytes = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
         self._tags = {i: t for i, t in zip(runtime.think_ids, ("<think>", "</think>"), strict=True) if i is not None}
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                enable_thinking: bool) -> Prompt:
-        text = self.runtime.render(messages, tools, enable_thinking)
-        return Prompt(text, self.runtime.encode(text))
+        text, ids = self.runtime.render_ids(messages, tools, enable_thinking)
+        return Prompt(text, ids)
 
     def generate(self, prompt: Prompt, params: SamplingParams, cancel: threading.Event) -> Iterator[TokenEvent]:
         rt = self.runtime

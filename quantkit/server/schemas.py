@@ -1,7 +1,8 @@
 """OpenAI-shaped request and response models for /v1/chat/completions and /v1/models.
 
-Requests are validated strictly (a string is not an integer, as in OpenAI's API) but unknown fields are
-accepted and ignored, since clients send many optional ones (`frequency_penalty`, `user`, ...).
+Requests are validated strictly (a string is not an integer, as in OpenAI's API; no NaN or Infinity);
+unknown fields are accepted, since clients send many optional ones (`user`, `store`, ...), except those
+that would change the answer, which quantkit/server/app.py refuses by name (logprobs, response_format, ...).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", allow_inf_nan=False)
 
 
 # --- request ---------------------------------------------------------------------------------------------
@@ -96,8 +97,11 @@ class ChatCompletionRequest(_Strict):
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: no top-k
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)  # int64, as OpenAI's
     stop: str | list[str] | None = None
+    logprobs: bool | None = None  # refused when true: see quantkit/server/app.py
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
     n: int | None = Field(None, ge=1)
     tools: list[ToolDef] | None = None
     tool_choice: str | dict[str, Any] | None = None

@@ -26,7 +26,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -37,9 +36,10 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.fileio import replace_folder
+from quantkit.fileio import pid_temp_name, replace_folder
 from quantkit.model.contract import INDEX_NAME
 from quantkit.model.spec import spec_from_config
+from quantkit.outputs import guard_output
 from quantkit.testing.tokenizer import BPE_VOCAB, N_TOKENS, special_ids, tiny_corpus, write_tokenizer
 
 SIDECAR = "quantkit-tiny.json"
@@ -501,13 +501,6 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(n)
 
 
-def _prepare_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise QuantkitError(f"{out}: exists and is not a folder")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise QuantkitError(f"{out}: folder exists and is not empty; pass --overwrite to replace it")
-
-
 def make_tiny_model(out_dir: str | Path, *, layers: int = 4, experts: int = 8, top_k: int = 2, hidden: int = 64,
                     intermediate: int = 32, vocab: int | None = None, layout: str = "published", mtp: bool = False,
                     decisive: bool = False, realistic: bool = False, seed: int = 0, dtype: str = "bfloat16",
@@ -525,12 +518,14 @@ def make_tiny_model(out_dir: str | Path, *, layers: int = 4, experts: int = 8, t
     if realistic and (decisive or layout != "published"):
         raise QuantkitError("--realistic writes the published layout only, without --decisive")
     out = Path(out_dir)
-    _prepare_out(out, overwrite)
+    guard_output(out, kind="folder", overwrite=overwrite, create_parents=True,
+                 need_bytes=estimate_bytes(o) + (16 << 20))
     tc = text_config(o)
     tdt = getattr(torch, dtype)
     shard = max_shard_size or (1_000_000_000 if realistic else 256 * 1024)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp = pid_temp_name(out)
+    tmp.mkdir()
     try:
         info: dict[str, Any] = {"generator": "quantkit tiny-model", "options": asdict(o)}
         if realistic:

@@ -1,0 +1,135 @@
+"""The one guarded way to choose where an output goes (quantize --out/--report, plan --out, tiny-model, both
+exporters). `guard_output` is called before any work and refuses, in one line naming the path and what to do:
+
+- a location equal to, inside, or holding a source (resolved through symlinks): a source is never written;
+- an existing output without the command's `--overwrite`; with it, a folder (or file) that quantkit did not
+  write (`owned` says how to recognise its own: a manifest, a marker file, a GGUF magic) is still refused:
+  quantkit deletes only what it wrote;
+- a location that cannot be written (read-only file system, permissions), found by creating and removing a
+  probe file there, so that a long run does not fail at its end;
+- less free space than the output needs.
+
+It then removes the temporaries that a killed earlier run left beside the output (fileio.clean_leftovers).
+Folders quantkit writes carry `MARKER` (or their own manifest), so a later `--overwrite` recognises them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from quantkit.errors import QuantkitError
+from quantkit.fileio import atomic_write_json, clean_leftovers
+
+MARKER = ".quantkit-output.json"
+# files that mark a folder as written by quantkit: the marker, the quantizer's manifest and journal, the tiny
+# model's sidecar (their modules import fileio/outputs, so the names are listed here, not imported)
+OWN_FOLDER_FILES = (MARKER, "quantkit-manifest.json", ".quantkit-progress.json", "quantkit-tiny.json")
+
+
+def write_marker(folder: Path, writer: str) -> None:
+    """Mark `folder` (being written) as quantkit's own output of `writer` (e.g. "export vllm")."""
+    atomic_write_json(folder / MARKER, {"writer": f"quantkit {writer}"})
+
+
+def is_own_folder(folder: Path) -> bool:
+    return any((folder / n).is_file() for n in OWN_FOLDER_FILES)
+
+
+def has_magic(magic: bytes) -> Callable[[Path], bool]:
+    """An `owned` test for files: the file starts with `magic` (e.g. b"GGUF")."""
+    def test(p: Path) -> bool:
+        try:
+            with open(p, "rb") as f:
+                return f.read(len(magic)) == magic
+        except OSError:
+            return False
+    return test
+
+
+def _nearest_existing(p: Path) -> Path:
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return p
+
+
+def _overlap(out: Path, src: Path) -> bool:
+    o, s = out.resolve(), src.resolve()
+    if o == s or s in o.parents or o in s.parents:
+        return True
+    # a file inside a source folder through another name (hard link, bind mount) is the same inode
+    try:
+        return out.exists() and os.path.samefile(out, src)
+    except OSError:
+        return False
+
+
+def check_not_source(out: Path, sources: Sequence[Path], flag: str = "") -> None:
+    """Refuse an output equal to, inside, or holding any of `sources`."""
+    for src in sources:
+        if _overlap(Path(out), Path(src)):
+            raise QuantkitError(f"{flag}{out}: overlaps the source {src}; quantkit never writes inside or over "
+                                "a source: pick a location outside it")
+
+
+def check_writable(folder: Path, out: Path, flag: str) -> None:
+    """Create and remove a probe file in `folder` (permission bits do not stop root; a read-only mount does)."""
+    probe = folder / f".{out.name}.tmp-{os.getpid()}probe"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, b"\0")
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise QuantkitError(f"{flag}{out}: cannot write in {folder} ({e.strerror}); pick another location") from None
+    finally:
+        try:
+            probe.unlink()
+        except OSError:
+            pass
+
+
+def check_free(out: Path, need: int, flag: str) -> None:
+    where = _nearest_existing(out.parent if not out.exists() else out)
+    free = shutil.disk_usage(where).free
+    if need > free:
+        raise QuantkitError(f"{flag}{out}: not enough free disk: the output needs {need / 1e9:.2f} GB, "
+                            f"{free / 1e9:.2f} GB free; free space or pick another location")
+
+
+def guard_output(out: Path, *, sources: Sequence[Path] = (), kind: str = "file", overwrite: bool = False,
+                 owned: Callable[[Path], bool] | None = None, need_bytes: int = 0, flag: str = "",
+                 create_parents: bool = False) -> None:
+    """Refuse `out` as an output location unless it is safe (see the module docstring). `flag` names the
+    option in messages ("--out "); `kind` is "file" or "folder"; `owned` recognises quantkit's own earlier
+    output (default for folders: `is_own_folder`); `create_parents` allows a missing parent folder."""
+    out = Path(out)
+    if kind == "folder" and owned is None:
+        owned = is_own_folder
+    check_not_source(out, sources, flag)
+    if out.is_symlink() and not out.exists():
+        raise QuantkitError(f"{flag}{out}: is a dangling symlink; remove it or pick another location")
+    if out.exists():
+        if kind == "folder" and not out.is_dir():
+            raise QuantkitError(f"{flag}{out}: exists and is not a folder; pick another location")
+        if kind == "file" and out.is_dir():
+            raise QuantkitError(f"{flag}{out}: is a folder; name the file to write")
+        occupied = kind == "file" or any(out.iterdir())
+        if occupied and not overwrite:
+            raise QuantkitError(f"{flag}{out}: exists; pass --overwrite to replace it, or pick another location")
+        if occupied and owned is not None and not owned(out):
+            raise QuantkitError(f"{flag}{out}: exists and is not a quantkit output; refusing to replace it: "
+                                "remove it yourself or pick another location")
+    parent = out.parent
+    if not parent.is_dir():
+        if parent.exists():
+            raise QuantkitError(f"{flag}{out}: {parent} is not a folder")
+        if not create_parents:
+            raise QuantkitError(f"{flag}{out}: no such folder {parent}; create it first")
+    base = _nearest_existing(parent)
+    check_writable(base, out, flag)
+    if need_bytes:
+        check_free(out, need_bytes, flag)
+    clean_leftovers(out)

@@ -1,0 +1,21 @@
+"""Text for a terminal: generated text (and anything else quantkit echoes from a model or a file) goes
+through `printable` before chat and generate write it, so escape sequences in the output cannot move the
+cursor, rewrite the screen, set the window title or hide text. Newlines and tabs stay; other C0 controls,
+DEL, C1 controls and whole ESC sequences (CSI, OSC, ...) are removed. The server returns text as generated."""
+
+from __future__ import annotations
+
+import re
+
+_CONTROL = re.compile(
+    r"\x1b\[[0-?]*[ -/]*[@-~]"          # CSI: colours, cursor moves, erase
+    r"|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?"  # OSC: window title, hyperlinks (to BEL or ST)
+    r"|\x1b[P^_X][^\x1b]*(?:\x1b\\)?"     # DCS, PM, APC, SOS strings
+    r"|\x1b.?"                           # any other escape and the byte after it
+    r"|[\x00-\x08\x0b-\x1f\x7f-\x9f]"    # other C0 (keeps \t, \n), DEL, C1
+)
+
+
+def printable(text: str) -> str:
+    """`text` without terminal control bytes (see the module docstring)."""
+    return _CONTROL.sub("", text)
