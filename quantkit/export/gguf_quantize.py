@@ -23,7 +23,8 @@ import ctypes
 import os
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,24 @@ def require_llama_cpp(what: str) -> Any:
         raise QuantkitError(f"{what}: llama-cpp-python {getattr(llama_cpp, '__version__', '?')} is too old "
                             f"(no per-tensor imatrix data); {INSTALL_HINT}")
     return llama_cpp
+
+
+@contextmanager
+def llama_log(on_line: Callable[[int, str], None]) -> Iterator[None]:
+    """Route llama.cpp's log lines to `on_line(level, stripped line)` for the block, then give them back to
+    the binding's own logger."""
+    import llama_cpp as L
+    from llama_cpp import _logger
+
+    @L.llama_log_callback
+    def cb(level: int, text: bytes, _user: Any) -> None:
+        on_line(level, text.decode("utf-8", "replace").strip())
+
+    L.llama_log_set(cb, ctypes.c_void_p(0))
+    try:
+        yield
+    finally:
+        L.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
 
 
 def _params(L: Any, ftype: str, imatrix: dict[str, Any] | None, threads: int, keep: list[Any]) -> Any:
@@ -84,9 +103,7 @@ def quantize_gguf(src: Path, dst: Path, ftype: str, imatrix: dict[str, Any] | No
     params = _params(L, ftype, imatrix, threads or max(1, os.cpu_count() or 1), keep)
     errors: list[str] = []
 
-    @L.llama_log_callback
-    def log(level: int, text: bytes, _user: Any) -> None:
-        line = text.decode("utf-8", "replace").strip()
+    def log(level: int, line: str) -> None:
         if level == GGML_LOG_ERROR and line:
             errors.append(line)
         m = _TENSOR_LINE.match(line)
@@ -98,16 +115,11 @@ def quantize_gguf(src: Path, dst: Path, ftype: str, imatrix: dict[str, Any] | No
     def run() -> None:
         result.append(L.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params)))
 
-    L.llama_log_set(log, ctypes.c_void_p(0))
-    try:
+    with llama_log(log):
         th = threading.Thread(target=run, name="llama-quantize", daemon=True)
         th.start()
         while th.is_alive():
             th.join(0.2)
-    finally:
-        from llama_cpp import _logger
-
-        L.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
     if not result or result[0] != 0:
         why = next((e for e in reversed(errors) if "failed to quantize" in e), errors[-1] if errors else "")
         raise QuantkitError(f"{src}: llama.cpp's quantizer failed ({why or 'no message'}); "
