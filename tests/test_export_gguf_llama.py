@@ -205,6 +205,12 @@ def test_bad_inputs_one_line_each(kmodel: Path, tmp_path: Path, capsys, monkeypa
     assert code == 2 and "truncated" in err
     code, err = cli("-t", "q8_0", "--imatrix", str(other))
     assert code == 2 and "--imatrix applies" in err
+    import quantkit.quantize.run as qrun
+
+    with monkeypatch.context() as mp:
+        mp.setattr(qrun, "free_bytes", lambda _p: 1 << 20)  # checked before anything is written
+        code, err = cli("-t", "q4_k_m")
+        assert code == 2 and "not enough free disk" in err
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # the optional binding missing
     code, err = cli("-t", "q4_k_m")
     assert code == 2 and "pip install" in err and "llama-cpp-python" in err
