@@ -40,7 +40,7 @@ def test_plan_16gb_card_puts_experts_on_cpu_and_saves_the_plan(capsys, monkeypat
     assert rec["fits"] and rec["placement"]["experts_on_cpu"] > 0
     plan = Plan.from_json(out_file.read_text())
     assert plan.scheme == d["recommended"] and plan.experts_on_cpu == rec["placement"]["experts_on_cpu"]
-    # llama.cpp's line is solved on the GGUF's own bytes (Q4_0 experts at 4.5 bits, its logits buffer), not on
+    # llama.cpp's line is solved on the GGUF's own bytes (K-quant experts at 4.5-5.5 bits, its logits buffer), not on
     # quantkit's int4 g128 plan: more layers' experts go to the CPU, and the line fits the card by its bytes
     lc = d["export"]["llama_cpp"]
     n_cpu = len(lc["cpu_expert_layers"])

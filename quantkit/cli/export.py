@@ -20,8 +20,9 @@ app.add_typer(export_app, name="export")
 def export_gguf_cmd(
     src: Path = typer.Argument(..., help="bf16 checkpoint folder or quantkit quantized folder"),
     out: Path = typer.Argument(..., help="the .gguf file to write"),
-    type: str = typer.Option("mixed", "--type", "-t",
-                             help="mixed (experts Q4_0, rest Q8_0), q8_0, q4_0, mxfp4, f16, bf16, f32, or through "
+    type: str = typer.Option(None, "--type", "-t",
+                             help="default q4_k_m (measured best 4-bit, reports/bench-gguf.md; mixed without "
+                             "llama-cpp-python); mixed (experts Q4_0, rest Q8_0), q8_0, q4_0, mxfp4, f16, bf16, f32, or through "
                              "llama.cpp's quantizer (needs llama-cpp-python): q4_k_m, q4_k_s, q5_k_m, q5_k_s, "
                              "q6_k, q3_k_m, iq4_xs, iq4_nl (experts at the type, attention, linear attention "
                              "and shared expert Q8_0)"),
@@ -34,7 +35,11 @@ def export_gguf_cmd(
 ) -> None:
     """Write a GGUF file for llama.cpp / Ollama / LM Studio (architecture qwen35moe)."""
     from quantkit.export.gguf import export_gguf
+    from quantkit.export.gguf_types import default_type
 
+    note = ""
+    if type is None:
+        type, note = default_type()
     with tensor_progress(err_console) as p:
         res = export_gguf(src, out, type, overwrite=overwrite, progress=RichProgress(p, "exporting gguf"),
                           expert_type=experts, imatrix=imatrix)
@@ -54,7 +59,7 @@ def export_gguf_cmd(
     tok = res.tokenizer
     console.print(f"tokenizer: {tok['tokens']} tokens, {tok['merges']} merges, pre-tokenizer {tok['pre']}, "
                   f"chat template {'yes' if tok['chat_template'] else 'no'}", highlight=False)
-    for n in res.notes:
+    for n in [*res.notes, note] if note else res.notes:
         console.print(f"note: {n}", highlight=False)
 
 

@@ -76,6 +76,11 @@ LLAMA_TYPES: dict[str, LlamaType] = {
     "iq4_nl": LlamaType(25, "IQ4_NL", "IQ4_NL"),
     "iq4_xs": LlamaType(30, "IQ4_XS", "IQ4_XS"),
 }
+# The default `quantkit export gguf --type`, chosen by reports/bench-gguf.md (`quantkit bench gguf`): the lowest
+# KL against bf16 through llama.cpp among the 4-bit-class types. Written by llama.cpp's quantizer, so without
+# llama-cpp-python the CLI falls back to FALLBACK_TYPE (quantkit's own writer) and says so.
+DEFAULT_TYPE = "q4_k_m"
+FALLBACK_TYPE = "mixed"
 NATIVE_TYPES = ("mixed", "q8_0", "q4_0", "mxfp4", "f16", "bf16", "f32")
 ALL_TYPES = NATIVE_TYPES + tuple(LLAMA_TYPES)
 # llama.cpp's per-tensor fallback when a row does not split into the type's blocks (llama-quant.cpp)
@@ -151,3 +156,13 @@ def overrides(ftype: str) -> list[tuple[str, str]]:
     return [(r"^output\.weight$", lt.output), (r"^token_embd\.weight$", lt.embd),
             (r"ffn_(gate|up)_exps\.weight$", lt.experts), (r"ffn_down_exps\.weight$", lt.down),
             (r"ffn_gate_inp_shexp\.weight$", "F32"), (r"(attn_|ssm_|_shexp\.)", lt.rest)]
+
+
+def default_type() -> tuple[str, str]:
+    """(the default --type here, a note when it is the fallback because llama-cpp-python is missing)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is not None:
+        return DEFAULT_TYPE, ""
+    return FALLBACK_TYPE, (f"llama-cpp-python is not installed, so the file is {FALLBACK_TYPE} (quantkit's own "
+                           f"writer); the measured default {DEFAULT_TYPE} needs it: pip install \"quantkit[engines]\"")

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from quantkit.export.gguf_types import DEFAULT_TYPE
 from quantkit.export.llama_placement import (
     LlamaModel,
     LlamaPlacement,
@@ -28,7 +29,7 @@ from quantkit.planner.placement import Plan
 
 # quantkit plan's schemes -> the GGUF `--type` that carries them. nf4/fp4 have no GGUF type: Q4_0 (same 4.5
 # bits per weight) is the nearest llama.cpp runs.
-GGUF_TYPES = {"quality": "mixed", "bf16": "bf16", "fp16": "f16", "int8": "q8_0", "int4": "q4_0", "nf4": "q4_0",
+GGUF_TYPES = {"quality": DEFAULT_TYPE, "bf16": "bf16", "fp16": "f16", "int8": "q8_0", "int4": "q4_0", "nf4": "q4_0",
               "fp4": "q4_0", "mxfp4": "mxfp4"}
 # schemes whose routed experts are 4-bit: vLLM gets the compressed-tensors int4 export of them
 FOUR_BIT = ("quality", "int4", "nf4", "fp4", "mxfp4")
@@ -85,7 +86,7 @@ def launch_plan(engine: str, plan: Plan, hw: Hardware, model: str, source: str, 
     if engine == "llama.cpp":
         from quantkit.model.spec import default_spec
 
-        ty = gguf_type or GGUF_TYPES.get(plan.scheme, "mixed")
+        ty = gguf_type or GGUF_TYPES.get(plan.scheme, DEFAULT_TYPE)
         path = f"{model}-{ty}.gguf"
         warns = []
         if plan.scheme in ("nf4", "fp4") and not gguf_type:
