@@ -294,6 +294,13 @@ def plan_cmd(
             console.print(launch.command, highlight=False, soft_wrap=True)
         if launch.placement:
             _print_llama(launch.placement)
+        if launch.vllm:
+            v = launch.vllm
+            parts = ", ".join(f"{k} {b / GIB:.2f}" for k, b in v.per_gpu.items())
+            console.print(f"vLLM per GPU: {sum(v.per_gpu.values()) / GIB:.2f} GiB of {v.budget / GIB:.2f} GiB "
+                          f"(GiB: {parts}); KV room for {v.max_tokens:,} tokens", highlight=False)
+            for a in v.assumptions:
+                console.print(f"[dim]  - {a}[/]")
 
 
 def _print_llama(pl: LlamaPlacement) -> None:

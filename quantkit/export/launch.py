@@ -23,7 +23,8 @@ from quantkit.export.llama_placement import (
     model_from_spec,
     solve_llama,
 )
-from quantkit.model.spec import ModelSpec
+from quantkit.export.vllm_placement import VllmFit, vllm_fit
+from quantkit.model.spec import ModelSpec, default_spec
 from quantkit.planner.hardware import Hardware
 from quantkit.planner.placement import Plan
 
@@ -43,12 +44,15 @@ class LaunchPlan:
     export_command: str | None  # the quantkit line that writes what `command` loads; None: serve the source
     warnings: list[str] = field(default_factory=list)
     placement: LlamaPlacement | None = None  # llama.cpp: what the line puts on each card
+    vllm: VllmFit | None = None  # vLLM: what the line asks of each GPU
 
     def to_dict(self) -> dict[str, object]:
         d: dict[str, Any] = {"target": self.engine, "command": self.command, "export_command": self.export_command,
                              "warnings": self.warnings}
         if self.placement is not None:
             d["llama_cpp"] = self.placement.to_dict()
+        if self.vllm is not None:
+            d["vllm"] = self.vllm.to_dict()
         return d
 
 
@@ -84,8 +88,6 @@ def launch_plan(engine: str, plan: Plan, hw: Hardware, model: str, source: str, 
     the model (the embedded default when None), `gguf_type` the GGUF --type (default: the scheme's)."""
     engine = ENGINES[engine.lower()]
     if engine == "llama.cpp":
-        from quantkit.model.spec import default_spec
-
         ty = gguf_type or GGUF_TYPES.get(plan.scheme, DEFAULT_TYPE)
         path = f"{model}-{ty}.gguf"
         warns = []
@@ -107,12 +109,20 @@ def launch_plan(engine: str, plan: Plan, hw: Hardware, model: str, source: str, 
     else:
         folder, export, warns = source, None, []
     cmd, vwarns = vllm_command(plan, hw, folder)
+    fit = None
+    if hw.gpus:
+        tp, pp, _ = vllm_parallel(hw)
+        fit = vllm_fit(spec or default_spec(), plan.scheme, plan.settings, hw.gpus[0].usable_bytes, tp, pp)
+        if not fit.fits:
+            vwarns.append(f"by the served weights' bytes vLLM needs {sum(fit.per_gpu.values()) / 2**30:.2f} GiB per "
+                          f"GPU at --max-model-len {plan.settings.context}, {fit.budget / 2**30:.2f} GiB available "
+                          f"({fit.max_tokens} tokens of KV fit)")
     if plan.scheme == "int8" and cmd:
         # quantkit's vLLM export is int4 for the experts; vLLM's own fp8 quantizes the bf16 source at load
         # to the same 8 bits per weight this plan budgets
         cmd += " --quantization fp8"
         warns.append("8 bits in vLLM: its on-load fp8 quantization of the bf16 source (same bytes as int8)")
-    return LaunchPlan(engine, cmd, export, warns + vwarns)
+    return LaunchPlan(engine, cmd, export, warns + vwarns, vllm=fit)
 
 
 _LLAMA_CACHE = {"fp16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0", "fp8": "q8_0"}
@@ -131,20 +141,25 @@ def llama_cpp_command(p: LlamaPlacement, model_path: str = "model.gguf") -> str:
     return " ".join(args)
 
 
-def vllm_command(plan: Plan, hw: Hardware, model: str) -> tuple[str, list[str]]:
-    """A vLLM launch line (tensor parallel within a node, pipeline parallel across nodes, expert
-    parallel for the MoE) and warnings when the plan does not fit vLLM's all-on-GPU model."""
-    warns = []
+def vllm_parallel(hw: Hardware) -> tuple[int, int, list[str]]:
+    """(tensor parallel, pipeline parallel, warnings): TP within a node as far as the 16 heads split."""
     per_node = len(hw.gpus)
-    if per_node == 0:
-        return "", ["vLLM needs GPUs; this plan is CPU-only"]
     tp, pp = per_node, hw.nodes
-    c_heads = 16
-    while tp > 1 and c_heads % tp:
+    while tp > 1 and 16 % tp:
         tp //= 2
     if tp != per_node:
         pp = hw.nodes * per_node // tp
-        warns.append(f"attention heads do not split {per_node} ways: using TP {tp} x PP {pp}")
+        return tp, pp, [f"attention heads do not split {per_node} ways: using TP {tp} x PP {pp}"]
+    return tp, pp, []
+
+
+def vllm_command(plan: Plan, hw: Hardware, model: str) -> tuple[str, list[str]]:
+    """A vLLM launch line (tensor parallel within a node, pipeline parallel across nodes, expert
+    parallel for the MoE) and warnings when the plan does not fit vLLM's all-on-GPU model."""
+    per_node = len(hw.gpus)
+    if per_node == 0:
+        return "", ["vLLM needs GPUs; this plan is CPU-only"]
+    tp, pp, warns = vllm_parallel(hw)
     if plan.where != "gpu":
         warns.append(
             "vLLM keeps all weights on the GPUs (its --cpu-offload-gb streams weights each step): "
