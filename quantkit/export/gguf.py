@@ -1,7 +1,8 @@
 """`quantkit export gguf`: a checkpoint (bf16 or a quantkit folder) as one GGUF file llama.cpp, Ollama
 and LM Studio load, architecture `qwen35moe`.
 
-Types (`--type`): f32, f16, bf16, q8_0, q4_0, mxfp4 on every matrix, or `mixed` (default), which mirrors
+Types written here (`--type`): f32, f16, bf16, q8_0, q4_0, mxfp4 on every matrix, or `mixed` (this function's
+default; the CLI's when llama-cpp-python is missing, else q4_k_m, see quantkit.export.gguf_types), which mirrors
 quantkit's 4-bit recipe: routed experts Q4_0 (MXFP4 when the source experts are stored MXFP4, reused
 as they are), attention, linear attention, shared expert, lm_head and embedding Q8_0. Whatever the type,
 norms, the router, the shared-expert gate, conv1d, A_log and dt_bias stay F32 as llama.cpp expects.
