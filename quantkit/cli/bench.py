@@ -85,6 +85,20 @@ def bench_engines(
     console.print(f"wrote {reports / 'bench-engines.md'} ({d['seconds']:.0f} s)")
 
 
+@bench_app.command("gguf")
+def bench_gguf(
+    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-gguf.{md,json,png} go"),
+    workdir: Path = typer.Option(Path("/tmp/quantkit-bench-gguf"), "--workdir", help="generated files go here"),
+    threads: int = typer.Option(2, "--threads", help="llama.cpp threads"),
+    reps: int = typer.Option(2, "--reps", help="decode repetitions per type (best is reported)"),
+) -> None:
+    """KL divergence per GGUF type through llama.cpp (with and without an imatrix), size and decode tok/s."""
+    from quantkit.bench.gguf import run
+
+    d = run(reports, workdir, threads, reps, log=console.print)
+    console.print(f"default type: {d['default']}; wrote {reports / 'bench-gguf.md'} ({d['seconds']:.0f} s)")
+
+
 @bench_app.command("decode")
 def bench_decode(
     reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-decode.{md,json,png} go"),

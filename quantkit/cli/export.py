@@ -21,8 +21,14 @@ app.add_typer(export_app, name="export")
 def export_gguf_cmd(
     src: Path = typer.Argument(..., help="bf16 checkpoint folder or quantkit quantized folder"),
     out: Path = typer.Argument(..., help="the .gguf file to write"),
-    type: str = typer.Option("mixed", "--type", "-t",
-                             help="mixed (experts Q4_0, rest Q8_0), q8_0, q4_0, mxfp4, f16, bf16 or f32"),
+    type: str = typer.Option(None, "--type", "-t",
+                             help="default q4_k_m (measured best 4-bit, reports/bench-gguf.md; mixed without "
+                             "llama-cpp-python); mixed (experts Q4_0, rest Q8_0), q8_0, q4_0, mxfp4, f16, bf16, f32, or through "
+                             "llama.cpp's quantizer (needs llama-cpp-python): q4_k_m, q4_k_s, q5_k_m, q5_k_s, "
+                             "q6_k, q3_k_m, iq4_xs, iq4_nl (experts at the type, attention, linear attention "
+                             "and shared expert Q8_0)"),
+    imatrix: Path = typer.Option(None, "--imatrix", help="llama.cpp importance-matrix GGUF (llama-imatrix, or "
+                                 "quantkit's calibration statistics exported as one) for the llama.cpp types"),
     experts: str = typer.Option(None, "--experts", help="routed experts' type in mixed: q4_0 (default; MXFP4 "
                                 "when the source experts are MXFP4), mxfp4 or q8_0"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing output file"),
@@ -30,10 +36,14 @@ def export_gguf_cmd(
 ) -> None:
     """Write a GGUF file for llama.cpp / Ollama / LM Studio (architecture qwen35moe)."""
     from quantkit.export.gguf import export_gguf
+    from quantkit.export.gguf_types import default_type
 
+    note = ""
+    if type is None:
+        type, note = default_type()
     with tensor_progress(err_console) as p:
         res = export_gguf(src, out, type, overwrite=overwrite, progress=RichProgress(p, "exporting gguf"),
-                          expert_type=experts)
+                          expert_type=experts, imatrix=imatrix)
     t = Table(box=box.SIMPLE, title=f"{res.path} ({res.nbytes / 1e6:,.1f} MB, {res.seconds:.1f} s)")
     for col in ("tensors", "how", "types"):
         t.add_column(col)
@@ -50,7 +60,7 @@ def export_gguf_cmd(
     tok = res.tokenizer
     console.print(f"tokenizer: {tok['tokens']} tokens, {tok['merges']} merges, pre-tokenizer {tok['pre']}, "
                   f"chat template {'yes' if tok['chat_template'] else 'no'}", highlight=False)
-    for n in res.notes:
+    for n in [*res.notes, note] if note else res.notes:
         console.print(f"note: {n}", highlight=False)
 
 

@@ -13,7 +13,9 @@ from rich.table import Table
 from quantkit.cli import app, console
 from quantkit.cli.options import CONTEXT, COUNT, TFLOPS
 from quantkit.errors import QuantkitError
+from quantkit.export.gguf_types import check_type
 from quantkit.export.launch import ENGINES, launch_plan
+from quantkit.export.llama_placement import LlamaPlacement
 from quantkit.model.checkpoint import spec_from_path
 from quantkit.model.spec import DEFAULT_MODEL, ModelSpec, Role
 from quantkit.outputs import guard_output
@@ -176,6 +178,8 @@ def plan_cmd(
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     out: Path = typer.Option(None, "--out", "-o", help="save the chosen plan for the runtime"),
     export: str = typer.Option(None, "--export", help="print launch flags: llama.cpp or vllm"),
+    gguf_type: str = typer.Option(None, "--gguf-type", help="with --export llama.cpp: the GGUF --type to size the "
+                                  "launch line for (default: the scheme's; e.g. q4_k_m)"),
     profile: Path = typer.Option(None, "--profile", help="runtime profile from `quantkit calibrate` (default: "
                                  "this host's, when planning for this machine)"),
 ) -> None:
@@ -183,6 +187,11 @@ def plan_cmd(
     if out:
         guard_output(out, sources=[Path(model)] if model and Path(model).exists() else [], kind="file",
                      overwrite=True, owned=is_plan_file, flag="--out ")
+    if gguf_type:
+        gguf_type = check_type(gguf_type)
+    if model and model.lower().endswith(".gguf"):
+        return plan_gguf(Path(model), build_hardware(gpu, ram, cpu_bandwidth, nodes, cpu_tflops), context, batch,
+                         cache, gpu_reserve, as_json)
     spec = spec_from_path(model)
     hw = build_hardware(gpu, ram, cpu_bandwidth, nodes, cpu_tflops)
     if export and export.lower() not in ENGINES:
@@ -214,7 +223,8 @@ def plan_cmd(
     plan = chosen.plan
     if out:
         plan.save(out)
-    launch = launch_plan(export, plan, hw, spec.name, model or f"<path to {DEFAULT_MODEL}>") if export else None
+    launch = launch_plan(export, plan, hw, spec.name, model or f"<path to {DEFAULT_MODEL}>", spec,
+                         gguf_type) if export else None
     if as_json:
         obj = {
             "model": spec.name,
@@ -271,6 +281,55 @@ def plan_cmd(
             console.print(launch.export_command, highlight=False, soft_wrap=True)
         if launch.command:
             console.print(launch.command, highlight=False, soft_wrap=True)
+        if launch.placement:
+            _print_llama(launch.placement)
+        if launch.vllm:
+            v = launch.vllm
+            parts = ", ".join(f"{k} {b / GIB:.2f}" for k, b in v.per_gpu.items())
+            console.print(f"vLLM per GPU: {sum(v.per_gpu.values()) / GIB:.2f} GiB of {v.budget / GIB:.2f} GiB "
+                          f"(GiB: {parts}); KV room for {v.max_tokens:,} tokens", highlight=False)
+            for a in v.assumptions:
+                console.print(f"[dim]  - {a}[/]")
+
+
+def _print_llama(pl: LlamaPlacement) -> None:
+    """What a llama.cpp line puts on each card and in RAM, by the GGUF's bytes."""
+    for i, (use, budget) in enumerate(zip(pl.gpu_bytes, pl.budgets, strict=True)):
+        parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in use.items() if v)
+        console.print(f"llama.cpp on GPU {i}: {sum(use.values()) / GIB:.2f} GiB of {budget / GIB:.2f} GiB "
+                      f"(card minus {pl.reserve / GIB:.2f} GiB reserve; GiB: {parts})", highlight=False)
+    parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in pl.cpu_bytes.items() if v)
+    console.print(f"llama.cpp in RAM: {sum(pl.cpu_bytes.values()) / GIB:.2f} GiB (GiB: {parts})", highlight=False)
+    for a in pl.assumptions:
+        console.print(f"[dim]  - {a}[/]")
+
+
+def plan_gguf(path: Path, hw: Hardware, context: str, batch: int, cache: str, gpu_reserve: str | None,
+              as_json: bool) -> None:
+    """`quantkit plan --model FILE.gguf`: llama.cpp's budget and placement for an existing GGUF, from its
+    header (no weights loaded)."""
+    from quantkit.export.launch import llama_cache_type, llama_launch
+    from quantkit.export.llama_placement import LlamaSettings, model_from_gguf
+    from quantkit.model.gguf_file import read_gguf
+
+    gm = model_from_gguf(read_gguf(path))
+    ctx = parse_contexts(context, 1 << 30)[0]
+    st = LlamaSettings(context=ctx, parallel=batch, cache_type=llama_cache_type(cache_dtype(cache)))
+    reserve = parse_size(gpu_reserve, "GPU reserve") if gpu_reserve else DEFAULT_GPU_RESERVE
+    launch = llama_launch(gm, st, hw, str(path), reserve)
+    if as_json:
+        print(json.dumps({"model": str(path), "file_bytes": gm.total, "hardware": _hardware_dict(hw),
+                          "export": launch.to_dict()}, indent=1))
+        return
+    for n in hw.notes:
+        console.print(f"[dim]{n}[/]")
+    console.print(f"[bold]{path.name}[/] ({gm.total / GB:.2f} GB of tensors, {gm.n_layer} layers) on "
+                  f"{hw.describe()}", highlight=False)
+    for w in launch.warnings:
+        console.print(f"[yellow]warning:[/] {w}")
+    console.print(launch.command, highlight=False, soft_wrap=True)
+    assert launch.placement is not None
+    _print_llama(launch.placement)
 
 
 @app.command("gpus")

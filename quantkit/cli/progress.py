@@ -25,6 +25,7 @@ class RichProgress:
 
     def start(self, tensors: int, nbytes: int) -> None:
         self.total = tensors
+        self.done = 0
         self.task = self.p.add_task(self.what, total=nbytes, tensors=f"0/{tensors}", name="")
 
     def advance(self, name: str, nbytes: int, tensor_done: bool) -> None:

@@ -1,7 +1,8 @@
 """`quantkit export gguf`: a checkpoint (bf16 or a quantkit folder) as one GGUF file llama.cpp, Ollama
 and LM Studio load, architecture `qwen35moe`.
 
-Types (`--type`): f32, f16, bf16, q8_0, q4_0, mxfp4 on every matrix, or `mixed` (default), which mirrors
+Types written here (`--type`): f32, f16, bf16, q8_0, q4_0, mxfp4 on every matrix, or `mixed` (this function's
+default; the CLI's when llama-cpp-python is missing, else q4_k_m, see quantkit.export.gguf_types), which mirrors
 quantkit's 4-bit recipe: routed experts Q4_0 (MXFP4 when the source experts are stored MXFP4, reused
 as they are), attention, linear attention, shared expert, lm_head and embedding Q8_0. Whatever the type,
 norms, the router, the shared-expert gate, conv1d, A_log and dt_bias stay F32 as llama.cpp expects.
@@ -16,6 +17,14 @@ quantized and appended to the file. The `gguf` package's `GGUFWriter` writes the
 tensor table; its `write_tensor_data` takes only a whole array per tensor, so the data of each tensor
 is appended here to the writer's own file handle, slab by slab, with the writer's alignment padding.
 The file is written under a temporary name and renamed when complete.
+
+K-quants and IQ types (`--type q4_k_m`, ... quantkit.export.gguf_types.LLAMA_TYPES) are written by llama.cpp's
+own quantizer: this module streams the source to a hidden bf16 GGUF beside the output, then
+quantkit.export.gguf_quantize runs llama.cpp on it with our recipe as per-tensor overrides and, with
+`imatrix`, the importance data of a llama.cpp imatrix GGUF (validated by name and shape against this
+model's tensors first). Free disk for both files is checked before anything is written; the bf16
+intermediate and the partial output are removed on success, failure and Ctrl-C. The result lists each
+tensor's type as llama.cpp wrote it, read back from the file, and every per-tensor fallback.
 
 Reuse: codes already in a GGUF block format are copied, not requantized: a quantkit MXFP4 tensor to
 MXFP4 (same bytes), symmetric int4 with group 32 to Q4_0 (same codes and scales). Other stored formats
@@ -38,6 +47,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf_layout import Piece, convert, permute_blocks, pieces_for
+from quantkit.export.gguf_types import LLAMA_TYPES, NATIVE_TYPES, check_type, tensor_bytes, tensor_type
 from quantkit.export.source import ExportSource
 from quantkit.fileio import pid_temp_name
 from quantkit.model.checkpoint import check_finite
@@ -47,7 +57,7 @@ from quantkit.outputs import check_free, guard_output, has_magic
 from quantkit.progress import NoProgress, Progress
 
 ARCH = "qwen35moe"
-TYPES = ("mixed", "q8_0", "q4_0", "mxfp4", "f16", "bf16", "f32")
+TYPES = NATIVE_TYPES
 MIXED_EXPERT_TYPE = "q4_0"
 EXPERT_TYPES = ("q4_0", "mxfp4", "q8_0")
 # fp32 bytes per slab of a converted tensor: the quantizers' numpy temporaries are about 3x that.
@@ -332,17 +342,28 @@ def _write_tensor(fout: Any, src: ExportSource, t: GgufTensor, slab_bytes: int, 
 
 def export_gguf(src_path: str | Path, out_path: str | Path, type: str = "mixed", overwrite: bool = False,
                 progress: Progress | None = None, slab_bytes: int = SLAB_BYTES,
-                reuse: bool = True, expert_type: str | None = None) -> GgufResult:
+                reuse: bool = True, expert_type: str | None = None,
+                imatrix: str | Path | None = None) -> GgufResult:
     """Write `src_path` as a GGUF file at `out_path` (atomically). `reuse=False` requantizes from the
     dequantized weights even where codes could be copied (for tests and comparisons); `expert_type`
-    sets the routed experts' type of `mixed`."""
+    sets the routed experts' type of `mixed`; `imatrix` (a llama.cpp imatrix GGUF) feeds llama.cpp's
+    quantizer under a llama.cpp type."""
     import gguf
 
     t0 = time.perf_counter()
     out = Path(out_path)
-    ftype = type.lower()
-    if ftype not in TYPES:
-        raise QuantkitError(f"--type {type!r}: use one of {', '.join(TYPES)}")
+    ftype = check_type(type)
+    if imatrix is not None and ftype not in LLAMA_TYPES:
+        raise QuantkitError(f"--imatrix applies to the types llama.cpp's quantizer writes "
+                            f"({', '.join(LLAMA_TYPES)}), not --type {ftype}")
+    if ftype in LLAMA_TYPES:
+        from quantkit.export.gguf_quantize import require_llama_cpp
+
+        require_llama_cpp(f"--type {ftype}")
+        if expert_type is not None:
+            raise QuantkitError(f"--experts applies to --type mixed only (got --type {ftype})")
+        guard_output(out, sources=[Path(src_path)], kind="file", overwrite=overwrite, owned=has_magic(b"GGUF"))
+        return _export_llama(Path(src_path), out, ftype, imatrix, progress or NoProgress(), slab_bytes, t0)
     src = ExportSource.open(src_path)
     guard_output(out, sources=[src.path], kind="file", overwrite=overwrite, owned=has_magic(b"GGUF"))
     progress = progress or NoProgress()
@@ -397,3 +418,61 @@ def add_tokenizer_meta(w: Any, folder: Path, vocab: int) -> dict[str, Any]:
     from quantkit.export.gguf_tokenizer import add_tokenizer
 
     return add_tokenizer(w, folder, vocab)
+
+
+# ---- llama.cpp types --------------------------------------------------------------------------------
+
+def _export_llama(src_path: Path, out: Path, ftype: str, imatrix: str | Path | None, progress: Progress,
+                  slab_bytes: int, t0: float) -> GgufResult:
+    """bf16 GGUF (streamed here) -> llama.cpp's quantizer with our recipe -> `out`, atomically."""
+    import gguf
+
+    from quantkit.export.gguf_imatrix import load_imatrix
+    from quantkit.export.gguf_quantize import quantize_gguf
+    from quantkit.model.gguf_file import read_gguf
+    from quantkit.quantize.run import check_disk
+
+    src = ExportSource.open(src_path)
+    try:
+        planned, skipped = plan_tensors(src, "bf16")
+    finally:
+        src.close()
+    want = {t.name: tensor_type(t.name, t.piece.shape, ftype) for t in planned}
+    im = None
+    if imatrix is not None:
+        quantized = [t.name for t in planned if want[t.name][0] != t.qtype.name]
+        im = load_imatrix(imatrix, {t.name: t.piece.shape for t in planned}, quantized)
+    mid_bytes = sum(t.nbytes for t in planned)
+    out_bytes = sum(tensor_bytes(t.piece.shape, want[t.name][0]) for t in planned)
+    check_disk(out, mid_bytes + out_bytes + (64 << 20))
+    mid = out.with_name(f".{out.name}.bf16-{os.getpid()}")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        first = export_gguf(src_path, mid, "bf16", progress=progress, slab_bytes=slab_bytes)
+        sizes = {t.name: tensor_bytes(t.piece.shape, want[t.name][0]) for t in planned}
+        progress.start(len(planned), out_bytes)
+        quantize_gguf(mid, tmp, ftype, im.data if im else None,
+                      on_tensor=lambda n: progress.advance(n, sizes.get(n, 0), True))
+        got = {t.name: t.type for t in read_gguf(tmp).tensors}
+        with tmp.open("rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        mid.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+    tensors, notes = [], []
+    for t in planned:
+        ty, note = want[t.name]
+        actual = got.get(t.name, ty)
+        if actual != ty:
+            notes.append(f"{t.name}: llama.cpp wrote {actual} where {ty} was planned")
+        how = "fallback" if note else ("llama.cpp" if actual != t.qtype.name else "kept")
+        qt = gguf.GGMLQuantizationType[actual]
+        tensors.append(GgufTensor(t.piece, t.source, qt, how, note or f"bf16 -> {actual} by llama.cpp",
+                                  tensor_bytes(t.piece.shape, actual)))
+    if im is not None:
+        notes.append(f"importance matrix {im.path.name}: {len(im.data)} tensors"
+                     + (f", {len(im.missing)} quantized without one (not in the file)" if im.missing else ""))
+    notes += first.notes
+    return GgufResult(out, ftype, tensors, skipped, first.tokenizer, out.stat().st_size,
+                      time.perf_counter() - t0, first.in_bytes, notes)

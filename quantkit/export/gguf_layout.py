@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from quantkit.export.gguf_types import is_f32_only
 from quantkit.model.spec import TextConfig
 
 _LAYER = re.compile(r"^model\.language_model\.layers\.(\d+)\.(.+)$")
@@ -57,9 +58,6 @@ _GLOBAL_NAMES = {
     "model.language_model.norm.weight": "output_norm.weight",
     "lm_head.weight": "output.weight",
 }
-# Kept in F32 whatever the file type, as llama.cpp's own converter does (its kernels take these in F32).
-F32_SUFFIXES = ("_norm.weight", "ssm_norm.weight", "ssm_a", "ssm_dt.bias", "ssm_conv1d.weight",
-                "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 
 
 @dataclass(frozen=True)
@@ -77,7 +75,7 @@ class Piece:
 
     @property
     def f32_only(self) -> bool:
-        return self.gguf_name.endswith(F32_SUFFIXES) or len(self.shape) == 1
+        return is_f32_only(self.gguf_name, self.shape)
 
 
 def v_head_perm(n_k: int, n_v: int, unit: int) -> torch.Tensor | None:

@@ -1,6 +1,10 @@
 """Launch plans for other engines: the `quantkit export` line that writes the file an engine needs and the
-engine's own launch line for a placement. Pure string building (no torch, no gguf import), so that
-`quantkit plan --export` stays fast.
+engine's own launch line for a placement.
+
+llama.cpp's line is solved by quantkit.export.llama_placement on the bytes of the GGUF it loads (the
+exported type's per-tensor bytes, or an existing file's header), not on quantkit's own runtime plan:
+llama.cpp stores the experts in another format and has other buffers, and its automatic fitting is off
+once -ngl / --n-cpu-moe / -ot are given, so the line must fit by itself.
 
 File names are chosen here once: `quantkit plan --export llama.cpp` names the GGUF that the `quantkit export
 gguf` line it prints writes, and the vLLM plan serves the folder its `quantkit export vllm` line writes.
@@ -9,13 +13,24 @@ gguf` line it prints writes, and the vLLM plan serves the folder its `quantkit e
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+from quantkit.export.gguf_types import DEFAULT_TYPE
+from quantkit.export.llama_placement import (
+    LlamaModel,
+    LlamaPlacement,
+    LlamaSettings,
+    model_from_spec,
+    solve_llama,
+)
+from quantkit.export.vllm_placement import VllmFit, vllm_fit
+from quantkit.model.spec import ModelSpec, default_spec
 from quantkit.planner.hardware import Hardware
 from quantkit.planner.placement import Plan
 
 # quantkit plan's schemes -> the GGUF `--type` that carries them. nf4/fp4 have no GGUF type: Q4_0 (same 4.5
 # bits per weight) is the nearest llama.cpp runs.
-GGUF_TYPES = {"quality": "mixed", "bf16": "bf16", "fp16": "f16", "int8": "q8_0", "int4": "q4_0", "nf4": "q4_0",
+GGUF_TYPES = {"quality": DEFAULT_TYPE, "bf16": "bf16", "fp16": "f16", "int8": "q8_0", "int4": "q4_0", "nf4": "q4_0",
               "fp4": "q4_0", "mxfp4": "mxfp4"}
 # schemes whose routed experts are 4-bit: vLLM gets the compressed-tensors int4 export of them
 FOUR_BIT = ("quality", "int4", "nf4", "fp4", "mxfp4")
@@ -28,31 +43,59 @@ class LaunchPlan:
     command: str  # the engine's launch line ("" when the engine cannot run this plan)
     export_command: str | None  # the quantkit line that writes what `command` loads; None: serve the source
     warnings: list[str] = field(default_factory=list)
+    placement: LlamaPlacement | None = None  # llama.cpp: what the line puts on each card
+    vllm: VllmFit | None = None  # vLLM: what the line asks of each GPU
 
     def to_dict(self) -> dict[str, object]:
-        return {"target": self.engine, "command": self.command, "export_command": self.export_command,
-                "warnings": self.warnings}
-
-
-def gguf_file_name(model: str, scheme: str) -> str:
-    return f"{model}-{GGUF_TYPES.get(scheme, 'mixed')}.gguf"
+        d: dict[str, Any] = {"target": self.engine, "command": self.command, "export_command": self.export_command,
+                             "warnings": self.warnings}
+        if self.placement is not None:
+            d["llama_cpp"] = self.placement.to_dict()
+        if self.vllm is not None:
+            d["vllm"] = self.vllm.to_dict()
+        return d
 
 
 def vllm_folder_name(model: str) -> str:
     return f"{model}-ct-w4a16"
 
 
-def launch_plan(engine: str, plan: Plan, hw: Hardware, model: str, source: str) -> LaunchPlan:
-    """`engine` (llama.cpp or vllm) launch for `plan`; `source` is the checkpoint the export reads."""
+def llama_cache_type(cache_dtype: str) -> str:
+    """quantkit's cache dtype as llama.cpp's -ctk/-ctv type (fp8 has no llama.cpp type: q8_0, same bytes)."""
+    return _LLAMA_CACHE[cache_dtype]
+
+
+def llama_settings(plan: Plan) -> LlamaSettings:
+    return LlamaSettings(context=plan.settings.context, parallel=plan.settings.batch,
+                         cache_type=llama_cache_type(plan.settings.cache_dtype))
+
+
+def llama_launch(gm: LlamaModel, st: LlamaSettings, hw: Hardware, path: str, reserve: int,
+                 export: str | None = None, warns: list[str] | None = None) -> LaunchPlan:
+    """The llama-server line for GGUF `gm` (at `path`) on `hw`'s GPUs, solved on the file's bytes."""
+    pl = solve_llama(gm, st, [g.usable_bytes for g in hw.gpus], reserve)
+    warns = list(warns or [])
+    if not pl.fits:
+        need = max(t - b for t, b in zip(pl.gpu_totals(), pl.budgets, strict=True))
+        warns.append(f"{path} does not fit these GPUs even with every expert on the CPU ({need / 2**30:.2f} GiB "
+                     "over): shorten the context, use a smaller type or a q8_0 KV cache")
+    return LaunchPlan("llama.cpp", llama_cpp_command(pl, path), export, warns, pl)
+
+
+def launch_plan(engine: str, plan: Plan, hw: Hardware, model: str, source: str, spec: ModelSpec | None = None,
+                gguf_type: str | None = None) -> LaunchPlan:
+    """`engine` (llama.cpp or vllm) launch for `plan`; `source` is the checkpoint the export reads, `spec`
+    the model (the embedded default when None), `gguf_type` the GGUF --type (default: the scheme's)."""
     engine = ENGINES[engine.lower()]
     if engine == "llama.cpp":
-        ty = GGUF_TYPES.get(plan.scheme, "mixed")
-        path = gguf_file_name(model, plan.scheme)
+        ty = gguf_type or GGUF_TYPES.get(plan.scheme, DEFAULT_TYPE)
+        path = f"{model}-{ty}.gguf"
         warns = []
-        if plan.scheme in ("nf4", "fp4"):
+        if plan.scheme in ("nf4", "fp4") and not gguf_type:
             warns.append(f"GGUF has no {plan.scheme}: the export uses Q4_0 (same 4.5 bits per weight)")
-        return LaunchPlan(engine, llama_cpp_command(plan, path), f"quantkit export gguf {source} {path} --type {ty}",
-                          warns)
+        gm = model_from_spec(spec or default_spec(), ty)
+        return llama_launch(gm, llama_settings(plan), hw, path, plan.gpus[0].reserve if plan.gpus else 0,
+                            f"quantkit export gguf {source} {path} --type {ty}", warns)
     if plan.scheme in FOUR_BIT:
         folder = vllm_folder_name(model)
         rest = "int8" if plan.scheme == "quality" else "bf16"
@@ -66,60 +109,57 @@ def launch_plan(engine: str, plan: Plan, hw: Hardware, model: str, source: str) 
     else:
         folder, export, warns = source, None, []
     cmd, vwarns = vllm_command(plan, hw, folder)
+    fit = None
+    if hw.gpus:
+        tp, pp, _ = vllm_parallel(hw)
+        fit = vllm_fit(spec or default_spec(), plan.scheme, plan.settings, hw.gpus[0].usable_bytes, tp, pp)
+        if not fit.fits:
+            vwarns.append(f"by the served weights' bytes vLLM needs {sum(fit.per_gpu.values()) / 2**30:.2f} GiB per "
+                          f"GPU at --max-model-len {plan.settings.context}, {fit.budget / 2**30:.2f} GiB available "
+                          f"({fit.max_tokens} tokens of KV fit)")
     if plan.scheme == "int8" and cmd:
         # quantkit's vLLM export is int4 for the experts; vLLM's own fp8 quantizes the bf16 source at load
         # to the same 8 bits per weight this plan budgets
         cmd += " --quantization fp8"
         warns.append("8 bits in vLLM: its on-load fp8 quantization of the bf16 source (same bytes as int8)")
-    return LaunchPlan(engine, cmd, export, warns + vwarns)
+    return LaunchPlan(engine, cmd, export, warns + vwarns, vllm=fit)
 
 
 _LLAMA_CACHE = {"fp16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0", "fp8": "q8_0"}
 
 
-def llama_cpp_command(plan: Plan, model_path: str = "model.gguf") -> str:
-    """llama-server flags for this placement. llama.cpp keeps a layer's experts in one stacked tensor,
-    so a layer split between GPU and CPU goes wholly to the CPU (--n-cpu-moe rounds up)."""
-    n = len(plan.layer_device)
-    gpu_layers = sum(1 for d in plan.layer_device if d != "cpu")
-    args = ["llama-server", "-m", model_path, "-c", str(plan.settings.context)]
-    if not plan.gpus:
-        args += ["-ngl", "0"]
-    else:
-        args += ["-ngl", "99" if gpu_layers == n else str(gpu_layers)]
-        cpu_moe = plan.cpu_expert_layers
-        contiguous = all(c.get("cpu", 0) for c in plan.expert_counts()[:cpu_moe])
-        if cpu_moe and len(plan.gpus) == 1 and contiguous:
-            args += ["--n-cpu-moe", str(cpu_moe)]
-        elif cpu_moe:
-            layers = [str(L) for L, c in enumerate(plan.expert_counts()) if c.get("cpu", 0)]
-            args += ["-ot", f"blk\\.({'|'.join(layers)})\\.ffn_.*_exps\\.=CPU"]
-        if len(plan.gpus) > 1:
-            share = [sum(1 for d in plan.layer_device if d == g.id) for g in plan.gpus]
-            args += ["--tensor-split", ",".join(map(str, share)), "--split-mode", "layer"]
-    args += ["-fa", "on"]
-    ct = _LLAMA_CACHE[plan.settings.cache_dtype]
-    if ct != "f16":
-        args += ["-ctk", ct, "-ctv", ct]
-    if plan.settings.batch > 1:
-        args += ["-np", str(plan.settings.batch)]
+def llama_cpp_command(p: LlamaPlacement, model_path: str = "model.gguf") -> str:
+    """llama-server line for a llama.cpp placement."""
+    st = p.settings
+    args = ["llama-server", "-m", model_path, "-c", str(st.context), *p.flags(), "-fa", "on"]
+    if st.ubatch != 512:
+        args += ["-ub", str(st.ubatch)]
+    if st.cache_type != "f16":
+        args += ["-ctk", st.cache_type, "-ctv", st.cache_type]
+    if st.parallel > 1:
+        args += ["-np", str(st.parallel)]
     return " ".join(args)
+
+
+def vllm_parallel(hw: Hardware) -> tuple[int, int, list[str]]:
+    """(tensor parallel, pipeline parallel, warnings): TP within a node as far as the 16 heads split."""
+    per_node = len(hw.gpus)
+    tp, pp = per_node, hw.nodes
+    while tp > 1 and 16 % tp:
+        tp //= 2
+    if tp != per_node:
+        pp = hw.nodes * per_node // tp
+        return tp, pp, [f"attention heads do not split {per_node} ways: using TP {tp} x PP {pp}"]
+    return tp, pp, []
 
 
 def vllm_command(plan: Plan, hw: Hardware, model: str) -> tuple[str, list[str]]:
     """A vLLM launch line (tensor parallel within a node, pipeline parallel across nodes, expert
     parallel for the MoE) and warnings when the plan does not fit vLLM's all-on-GPU model."""
-    warns = []
     per_node = len(hw.gpus)
     if per_node == 0:
         return "", ["vLLM needs GPUs; this plan is CPU-only"]
-    tp, pp = per_node, hw.nodes
-    c_heads = 16
-    while tp > 1 and c_heads % tp:
-        tp //= 2
-    if tp != per_node:
-        pp = hw.nodes * per_node // tp
-        warns.append(f"attention heads do not split {per_node} ways: using TP {tp} x PP {pp}")
+    tp, pp, warns = vllm_parallel(hw)
     if plan.where != "gpu":
         warns.append(
             "vLLM keeps all weights on the GPUs (its --cpu-offload-gb streams weights each step): "

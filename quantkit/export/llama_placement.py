@@ -1,0 +1,248 @@
+"""llama.cpp placement by the bytes of the GGUF it loads: the -ngl / --n-cpu-moe / -ot / --tensor-split
+that fit each GPU, and the GPU bytes llama.cpp will allocate for them.
+
+The model side (`LlamaModel`) is every GGUF tensor's bytes plus the shapes llama.cpp's buffers depend on,
+either predicted for a `--type` from the model spec (quantkit.export.gguf_types, the same table the
+exporter writes by, so the numbers are the file's) or read from an existing GGUF's header
+(`model_from_gguf`, no weights loaded). The buffers are llama.cpp's own, as it reports them when it loads
+a model (checked against the CPU build's report on a realistic-shape model in tests/test_llama_placement.py):
+- KV cache: full-attention layers only, context x 2 (K, V) x kv heads x head dim at the cache type
+  (-ctk/-ctv; f16, q8_0 = 34 bytes per 32, q4_0 = 18 per 32), on its layer's device;
+- recurrent state, per Gated DeltaNet layer and parallel sequence: fp32 conv state (kernel - 1) x
+  (inner + 2 x groups x state) and fp32 SSM state state x inner (2.09 MiB for this model);
+- compute buffer of the device that holds the output layer: ubatch x (vocab x 4) logits, ubatch x
+  hidden x COMPUTE_PER_TOKEN_HIDDEN for the layer intermediates (measured: 147.5 KB per token at hidden
+  2048 with 8 routed experts, of which the logits of an 832-token vocabulary are 3.3 KB), and the f16
+  attention mask context x ubatch x 2; other GPUs hold the intermediates and the mask only;
+- output.weight and output_norm go with the last layer (llama.cpp offloads the output layer first);
+  token_embd stays on the CPU (llama.cpp never offloads the input layer).
+The GPU budget is the card minus `reserve` (1 GiB by default, llama.cpp --fit's own margin). The solver
+keeps every layer on the GPUs when it can and puts routed experts on the CPU from the first layer on
+(--n-cpu-moe N: experts of layers 0..N-1), splitting layers over several GPUs by their budgets
+(--tensor-split, -ot for the CPU experts of each GPU's first layers); only when the non-expert part does not
+fit does it lower -ngl. llama.cpp's automatic fitting is off once these flags are given, so the line must fit
+by itself: `gpu_bytes` is what the printed line asks of each card.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from quantkit.errors import QuantkitError
+from quantkit.export.gguf_types import tensor_bytes, tensor_type
+from quantkit.model.spec import ModelSpec
+
+ARCH = "qwen35moe"
+COMPUTE_PER_TOKEN_HIDDEN = 72  # bytes per ubatch token per hidden unit, besides the logits (measured: 70.4)
+CACHE_BLOCKS = {"f16": (2, 1), "bf16": (2, 1), "q8_0": (34, 32), "q4_0": (18, 32)}
+DEFAULT_UBATCH = 512
+
+
+@dataclass(frozen=True)
+class LlamaModel:
+    """What llama.cpp holds for one GGUF."""
+
+    label: str  # the GGUF type or file name
+    tensors: dict[str, int]  # GGUF tensor name -> bytes
+    n_layer: int
+    full_attention: tuple[bool, ...]
+    n_head_kv: int
+    head_dim: int
+    vocab: int
+    n_embd: int
+    ssm_inner: int
+    ssm_state: int
+    ssm_groups: int
+    ssm_conv: int
+
+    def layer_bytes(self, layer: int, experts: bool) -> int:
+        p = f"blk.{layer}."
+        return sum(b for n, b in self.tensors.items() if n.startswith(p) and ("_exps." in n) == experts)
+
+    @property
+    def output_bytes(self) -> int:
+        return self.tensors.get("output.weight", 0) + self.tensors.get("output_norm.weight", 0)
+
+    @property
+    def total(self) -> int:
+        return sum(self.tensors.values())
+
+
+def model_from_spec(spec: ModelSpec, ftype: str) -> LlamaModel:
+    """The GGUF `quantkit export gguf --type ftype` writes for `spec`, sized without writing it."""
+    from quantkit.export.gguf_layout import pieces_for
+
+    c = spec.config
+    tensors = {}
+    for t in spec.tensors:
+        for pc in pieces_for(t.name, t.shape, c):
+            tensors[pc.gguf_name] = tensor_bytes(pc.shape, tensor_type(pc.gguf_name, pc.shape, ftype)[0])
+    return LlamaModel(ftype, tensors, c.num_hidden_layers, tuple(t == "full_attention" for t in c.layer_types),
+                      c.num_key_value_heads, c.head_dim, c.vocab_size, c.hidden_size,
+                      c.linear_value_head_dim * c.linear_num_value_heads, c.linear_key_head_dim,
+                      c.linear_num_key_heads, c.linear_conv_kernel_dim)
+
+
+def model_from_gguf(info: Any) -> LlamaModel:
+    """The model of an existing GGUF (quantkit.model.gguf_file.GgufInfo): its own tensor bytes."""
+    if info.arch != ARCH:
+        raise QuantkitError(f"{info.path}: architecture {info.arch or 'unknown'!r}, not {ARCH} "
+                            "(Qwen3.5-MoE); quantkit plans this model family only")
+    try:
+        n = int(info.get("block_count"))
+        rec = info.get("attention.recurrent_layers")
+        full = tuple(not bool(x) for x in rec) if isinstance(rec, list) else tuple(
+            (i + 1) % int(info.get("full_attention_interval", 4)) == 0 for i in range(n))
+        tok = info.by_name().get("token_embd.weight")
+        vocab = tok.shape[0] if tok else int(info.metadata.get("tokenizer.ggml.tokens", 0))
+        m = LlamaModel(info.path.name, {t.name: t.nbytes for t in info.tensors}, n, full,
+                       int(info.get("attention.head_count_kv")), int(info.get("attention.key_length")), vocab,
+                       int(info.get("embedding_length")), int(info.get("ssm.inner_size")),
+                       int(info.get("ssm.state_size")), int(info.get("ssm.group_count")),
+                       int(info.get("ssm.conv_kernel")))
+    except (TypeError, ValueError) as e:
+        raise QuantkitError(f"{info.path}: a {ARCH} hyperparameter is missing from the GGUF header ({e}); "
+                            "re-export it") from None
+    if len(full) != n:
+        raise QuantkitError(f"{info.path}: recurrent_layers has {len(full)} entries for {n} layers; re-export it")
+    return m
+
+
+@dataclass(frozen=True)
+class LlamaSettings:
+    context: int = 4096
+    parallel: int = 1  # llama-server -np: sequences (each has its own recurrent state)
+    cache_type: str = "f16"
+    ubatch: int = DEFAULT_UBATCH
+
+
+def kv_layer_bytes(m: LlamaModel, s: LlamaSettings) -> int:
+    bb, be = CACHE_BLOCKS[s.cache_type]
+    return s.context * 2 * m.n_head_kv * math.ceil(m.head_dim / be) * bb
+
+
+def rs_layer_bytes(m: LlamaModel, s: LlamaSettings) -> int:
+    conv = (m.ssm_conv - 1) * (m.ssm_inner + 2 * m.ssm_groups * m.ssm_state)
+    return s.parallel * (conv + m.ssm_state * m.ssm_inner) * 4
+
+
+def compute_bytes(m: LlamaModel, s: LlamaSettings, with_output: bool) -> int:
+    per_tok = m.n_embd * COMPUTE_PER_TOKEN_HIDDEN + (m.vocab * 4 if with_output else 0)
+    return s.ubatch * per_tok + s.context * s.ubatch * 2
+
+
+@dataclass
+class LlamaPlacement:
+    model: str
+    settings: LlamaSettings
+    n_layer: int
+    n_gpu_layers: int  # -ngl (n_layer + 1 = every layer and the output)
+    gpu_layers: list[list[int]]  # per GPU, its layers
+    cpu_expert_layers: list[int]  # layers whose routed experts stay on the CPU
+    gpu_bytes: list[dict[str, int]]  # per GPU, what llama.cpp allocates there
+    cpu_bytes: dict[str, int]
+    budgets: list[int]  # per GPU: card minus reserve
+    reserve: int
+    fits: bool
+    assumptions: list[str] = field(default_factory=list)
+
+    def gpu_totals(self) -> list[int]:
+        return [sum(d.values()) for d in self.gpu_bytes]
+
+    def flags(self) -> list[str]:
+        """The -ngl / --n-cpu-moe / -ot / --tensor-split flags of this placement."""
+        if not self.budgets:
+            return ["-ngl", "0"]
+        args = ["-ngl", "99" if self.n_gpu_layers > self.n_layer else str(self.n_gpu_layers)]
+        cpu = [L for L in self.cpu_expert_layers if L >= self.n_layer + 1 - self.n_gpu_layers]
+        if cpu and len(self.budgets) == 1 and cpu == list(range(cpu[0], cpu[-1] + 1)):
+            args += ["--n-cpu-moe", str(cpu[-1] + 1)]
+        elif cpu:
+            args += ["-ot", f"blk\\.({'|'.join(map(str, cpu))})\\.ffn_.*_exps\\.=CPU"]
+        if len(self.budgets) > 1:
+            args += ["--tensor-split", ",".join(str(len(x)) for x in self.gpu_layers), "--split-mode", "layer"]
+        return args
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "n_gpu_layers": self.n_gpu_layers, "gpu_layers": self.gpu_layers,
+                "cpu_expert_layers": self.cpu_expert_layers, "gpu_bytes": self.gpu_bytes,
+                "gpu_totals": self.gpu_totals(), "cpu_bytes": self.cpu_bytes, "budgets": self.budgets,
+                "reserve": self.reserve, "fits": self.fits, "flags": self.flags(), "assumptions": self.assumptions}
+
+
+class _Layers:
+    """Per-layer bytes, computed once for the solver's many trials."""
+
+    def __init__(self, m: LlamaModel, s: LlamaSettings):
+        self.m, self.s = m, s
+        self.dense = [m.layer_bytes(L, False) for L in range(m.n_layer)]
+        self.experts = [m.layer_bytes(L, True) for L in range(m.n_layer)]
+        kv, rs = kv_layer_bytes(m, s), rs_layer_bytes(m, s)
+        self.state = [kv if f else rs for f in m.full_attention]
+
+    def use(self, layers: list[int], cpu_exp: set[int], output: bool) -> dict[str, int]:
+        m, s = self.m, self.s
+        d = {"weights": sum(self.dense[L] for L in layers),
+             "experts": sum(self.experts[L] for L in layers if L not in cpu_exp),
+             "kv_cache": sum(self.state[L] for L in layers if m.full_attention[L]),
+             "recurrent_state": sum(self.state[L] for L in layers if not m.full_attention[L]),
+             "compute": compute_bytes(m, s, output) if (layers or output) else 0}
+        if output:
+            d["output"] = m.output_bytes
+        return d
+
+
+def _split(layers: list[int], budgets: list[int]) -> list[list[int]]:
+    """Contiguous layer ranges per GPU in proportion to the budgets (the last GPU gets the output)."""
+    total = sum(budgets) or 1
+    out, start = [], 0
+    for i, b in enumerate(budgets):
+        k = len(layers) - start if i == len(budgets) - 1 else round(len(layers) * b / total)
+        out.append(layers[start:start + k])
+        start += k
+    return out
+
+
+def solve_llama(m: LlamaModel, s: LlamaSettings, gpu_memory: list[int], reserve: int) -> LlamaPlacement:
+    """Place `m` on GPUs of `gpu_memory` bytes each (empty: CPU only)."""
+    if s.cache_type not in CACHE_BLOCKS:
+        raise QuantkitError(f"llama.cpp has no {s.cache_type} KV cache; use one of {', '.join(CACHE_BLOCKS)}")
+    n = m.n_layer
+    budgets = [max(0, g - reserve) for g in gpu_memory]
+    lb = _Layers(m, s)
+    assumptions = [
+        f"llama-server -fa on, -ub {s.ubatch}, -c {s.context} (-np {s.parallel}), KV cache {s.cache_type}",
+        "GPU bytes = this file's tensors on each card + KV cache + recurrent state + compute buffer "
+        f"(logits ubatch x vocab x 4 = {s.ubatch * m.vocab * 4 / 2**20:.0f} MiB with the output layer); "
+        f"{reserve / 2**30:.2f} GiB per card left for the CUDA context",
+        "token_embd stays in CPU RAM (llama.cpp never offloads the input layer)",
+    ]
+    best: LlamaPlacement | None = None
+    for ngl in range(n + 1, -1, -1) if budgets else [0]:
+        first = min(n, n + 1 - ngl)
+        layers = list(range(first, n))
+        split = _split(layers, budgets) if budgets else []
+        cpu_exp: set[int] = set(range(first))
+        outs = [gi == len(split) - 1 and ngl > 0 for gi in range(len(split))]
+        for gi, mine in enumerate(split):
+            for L in [None, *mine]:
+                if L is not None:
+                    cpu_exp.add(L)
+                if sum(lb.use(mine, cpu_exp, outs[gi]).values()) <= budgets[gi]:
+                    break
+        use = [lb.use(mine, cpu_exp, outs[gi]) for gi, mine in enumerate(split)]
+        fits = all(sum(u.values()) <= b for u, b in zip(use, budgets, strict=True))
+        cpu = {"token_embd": m.tensors.get("token_embd.weight", 0),
+               "weights": sum(lb.dense[:first]) + (m.output_bytes if ngl == 0 else 0),
+               "experts": sum(lb.experts[L] for L in cpu_exp),
+               **{k: v for k, v in lb.use(list(range(first)), set(), False).items()
+                  if k in ("kv_cache", "recurrent_state")},
+               "logits": s.parallel * m.vocab * 4}
+        best = LlamaPlacement(m.label, s, n, ngl, split, sorted(cpu_exp), use, cpu, budgets, reserve, fits,
+                              assumptions)
+        if fits:
+            break
+    assert best is not None
+    return best
