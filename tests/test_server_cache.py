@@ -120,9 +120,9 @@ def test_client_gone_mid_request_corrupts_nothing(client, server, backend):
 
 
 def test_prompt_cache_size_option(q4, capsys, monkeypatch):  # noqa: F811
-    from conftest import run_cli
-
     from quantkit.cli.runtime import parse_cache_size
+
+    from conftest import run_cli
 
     assert parse_cache_size("auto") is None and parse_cache_size("0") == 0 and parse_cache_size("0MB") == 0
     assert parse_cache_size("512MB") == 512 << 20
