@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quantkit.errors import QuantkitError
-from quantkit.formats import QuantSpec
+from quantkit.formats import QuantSpec, available_formats, default_group
 from quantkit.model.spec import Role, TensorSpec, role_of
 
 INT8 = QuantSpec("int8", None, True)
@@ -117,7 +117,6 @@ def get_recipe(name: str) -> Recipe:
 FORMAT_CHOICES = ("int", "nf4", "fp4", "mxfp4")
 _GROUPS = {"int4": (32, 64, 128, 256), "nf4": (32, 64, 128, 256, 512, 1024, 2048, 4096),
            "fp4": (32, 64, 128, 256, 512, 1024, 2048, 4096), "mxfp4": (32,)}
-_DEFAULT_GROUPS = {"int4": 128, "nf4": 64, "fp4": 64, "mxfp4": 32}
 _KEEP_WORDS = ("bf16", "bfloat16", "16", "keep", "none", "fp16", "float16")
 
 
@@ -126,7 +125,7 @@ def four_bit_spec(fmt: str = "int", group_size: int | None = None, symmetric: bo
     name = "int4" if fmt in ("int", "int4") else fmt
     if name not in _GROUPS:
         raise QuantkitError(f"format {fmt!r} is not a 4-bit format; use one of {', '.join(FORMAT_CHOICES)}")
-    g = group_size or _DEFAULT_GROUPS[name]
+    g = group_size or default_group(name)
     if g not in _GROUPS[name]:
         raise QuantkitError(f"group size {g} is not supported by {name}; use one of {', '.join(map(str, _GROUPS[name]))}")
     if name != "int4" and not symmetric:
@@ -228,7 +227,7 @@ def build_recipe(bits: int = 4, fmt: str = "int", group_size: int | None = None,
         r = RECIPES["int8"]
     elif bits == 4:
         q4 = four_bit_spec(fmt, group_size)
-        tag = q4.format + (f"-g{q4.group_size}" if q4.group_size != _DEFAULT_GROUPS[q4.format] else "")
+        tag = q4.format + (f"-g{q4.group_size}" if q4.group_size != default_group(q4.format) else "")
         if uniform:
             r = Recipe(f"uniform-{tag}", {ro: q4 for ro in _MATRIX_ROLES},
                        description=f"{tag} on every matrix; router and norms bf16", nominal_bits=4)
@@ -272,7 +271,7 @@ def decide(recipe: Recipe, t: TensorSpec) -> Decision:
     if q.format == "int8":
         return Decision(q)
     row = t.shape[-1]
-    g = q.group_size or _DEFAULT_GROUPS.get(q.format, 1)
+    g = q.group_size or (default_group(q.format) if q.format in available_formats() else None) or 1
     if row % g == 0:
         return Decision(q)
     # A smaller group of the same format keeps the bits (small models, odd rows); else int8, any row.
@@ -281,3 +280,8 @@ def decide(recipe: Recipe, t: TensorSpec) -> Decision:
             return Decision(QuantSpec(q.format, g2, q.symmetric),
                             f"{q.format} group {g} does not divide the row length {row}: group {g2} instead")
     return Decision(INT8, f"{q.format} group {g} does not divide the row length {row}: int8 instead")
+
+
+def parse_recipe_names(values: list[str] | None) -> list[str]:
+    """Recipe names from repeatable, comma-separated options (`--scheme int4,int8`); unknown: one-line error."""
+    return [get_recipe(x.strip()).name for s in (values or []) for x in s.split(",") if x.strip()]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.formats import QuantSpec, available_formats, get_format
+from quantkit.formats import QuantSpec, available_formats, bits_per_weight, get_format, stored_parts
 from quantkit.formats.int4 import int4_to_q4_0_blocks, to_torch_int4pack_cpu
 from quantkit.formats.metrics import rel_error, sqnr_db
 from quantkit.formats.mxfp4 import to_gguf_blocks
@@ -128,8 +128,12 @@ def test_bits_per_weight_counts_scales(key: str) -> None:
         "int8": 8 + 16 / 512, "int4-g128": 4.125, "int4-g64": 4.25, "int4-g32": 4.5, "int4-g32-noclip": 4.5,
         "int4-g64-asym": 4.5, "int4-g128-asym-noclip": 4.25, "nf4": 4.5, "fp4": 4.5, "mxfp4": 4.25,
     }[key]
-    assert get_format(spec.format).bits_per_weight(spec, (256, 512)) == pytest.approx(expected)
+    assert bits_per_weight(spec, (256, 512)) == pytest.approx(expected)
     parts = get_format(spec.format).quantize(torch.randn(256, 512), spec)
+    # the format's declared layout is exactly what quantize returns, part by part
+    declared = stored_parts(spec, (256, 512))
+    assert {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in parts.items()} == {
+        k: (p.shape, p.dtype) for k, p in declared.items()}
     stored_bits = sum(p.numel() * p.element_size() * 8 for p in parts.values())
     assert stored_bits / (256 * 512) == pytest.approx(expected)
 
@@ -146,6 +150,8 @@ def test_part_names_and_dtypes() -> None:
     for fmt, want in layouts.items():
         parts = get_format(fmt).quantize(w, QuantSpec(fmt))
         assert {k: (v.dtype, tuple(v.shape)) for k, v in parts.items()} == want, fmt
+        declared = stored_parts(QuantSpec(fmt), (2, 32, 256))
+        assert {k: (getattr(torch, d.dtype), d.shape) for k, d in declared.items()} == want, fmt
     asym = get_format("int4").quantize(w, QuantSpec("int4", 64, symmetric=False))
     assert asym["zeros"].dtype == torch.bfloat16 and tuple(asym["zeros"].shape) == (2, 32, 4)
 
@@ -195,7 +201,7 @@ def test_int4_at_4_5_bits_is_no_worse_than_nf4(gaussian: torch.Tensor) -> None:
     """The issue's quality target: int4 at ~4.25-4.5 bits per weight against nf4 blocksize 64 (4.5)."""
     nf4 = sqnr_db(gaussian, roundtrip(gaussian, QuantSpec("nf4", 64)))
     for spec in (QuantSpec("int4", 32), QuantSpec("int4", 64, symmetric=False), QuantSpec("int4", 64)):
-        assert get_format("int4").bits_per_weight(spec, tuple(gaussian.shape)) <= 4.5
+        assert bits_per_weight(spec, tuple(gaussian.shape)) <= 4.5
         assert sqnr_db(gaussian, roundtrip(gaussian, spec)) >= nf4, spec
 
 

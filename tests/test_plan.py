@@ -1,4 +1,4 @@
-"""Placement solver, plan files, exports and the speed model against REFERENCE.md section 3."""
+"""Placement solver, plan files, exports and the speed model against users' published llama.cpp figures."""
 
 from __future__ import annotations
 
@@ -180,7 +180,8 @@ def test_vllm_multi_node() -> None:
     assert not solve(SPEC, RECIPES["bf16"], RunSettings(), small).fits
 
 
-# -- the speed model against the public data points (REFERENCE.md section 3) ---------------------------
+# -- the speed model against public data points (llama.cpp users' reports for Qwen3.5-35B-A3B and
+# Qwen3-30B-A3B, quoted with each point below) ---------------------------------------------------------
 # The efficiency constants in quantkit/planner/speed.py were chosen with these points in view, so this is a check
 # that the model stays consistent with them, not an independent validation. Tolerance: within 35%.
 TOL = 1.35

@@ -22,8 +22,8 @@ import quantkit.cli
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec, get_format
 from quantkit.model.checkpoint import Checkpoint
+from quantkit.model.contract import INDEX_NAME
 from quantkit.quantize.manifest import JOURNAL_NAME, MANIFEST_NAME
-from quantkit.quantize.run import INDEX_NAME
 
 from conftest import run_main
 

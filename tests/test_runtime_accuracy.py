@@ -9,10 +9,10 @@
     next-token distributions are peaked by construction (a bigram term on lm_head), so its KL values are
     far below what a trained model shows; the floors say what THIS model gives, nothing more.
 
-Measured on the build machine (CPU, torch 2.13): max layer error / top-1 / mean KL / greedy identical
-  bf16 0.034 / 1.000 / <1e-5 / yes     int8 0.036 / 1.000 / <1e-5 / yes   quality 0.108 / 1.000 / <1e-5 / yes
-  int4 0.190 / 0.994 / 4.5e-4 / no     nf4 0.191 / 0.994 / 2.7e-4 / yes   fp4 0.242 / 0.981 / 6.8e-4 / no
-  mxfp4 0.230 / 0.988 / 3.2e-4 / no    (uniform recipes: every matrix, embedding and lm_head included)
+Measured on the build machine (CPU, torch 2.13): max layer error / top-1 / mean KL / greedy tokens identical before the first divergence (of 48)
+  bf16 0.034 / 1.000 / <1e-5 / 48     int8 0.036 / 1.000 / <1e-5 / 48   quality 0.108 / 1.000 / <1e-5 / 48
+  int4 0.190 / 0.994 / 4.5e-4 / 25     nf4 0.191 / 0.994 / 2.7e-4 / 48   fp4 0.242 / 0.981 / 6.8e-4 / 25
+  mxfp4 0.230 / 0.988 / 3.2e-4 / 25    (uniform recipes: every matrix, embedding and lm_head included)
 """
 
 from __future__ import annotations
@@ -26,15 +26,17 @@ from quantkit.testing.tiny import load_reference_model, probe_ids
 
 from test_runtime_common import one_thread, quantized  # noqa: F401
 
-# recipe: (max layer error, min top-1 agreement, max mean KL, greedy identical required)
+# recipe: (max layer error, min top-1 agreement, max mean KL, min greedy tokens identical to the reference
+# before the first divergence, summed over the 2 prompts x GEN). int4, fp4 and mxfp4 follow the first prompt
+# all the way and leave the second at its first token, where the reference's top two are nearly tied.
 BOUNDS = {
-    "bf16": (0.04, 1.0, 1e-5, True),
-    "int8": (0.042, 0.99, 1e-5, True),
-    "quality": (0.125, 0.99, 1e-4, False),
-    "int4": (0.22, 0.98, 1e-3, False),
-    "nf4": (0.22, 0.98, 6e-4, False),
-    "fp4": (0.28, 0.97, 1.5e-3, False),
-    "mxfp4": (0.265, 0.975, 8e-4, False),
+    "bf16": (0.04, 1.0, 1e-5, 48),
+    "int8": (0.042, 0.99, 1e-5, 48),
+    "quality": (0.125, 0.99, 1e-4, 48),
+    "int4": (0.22, 0.98, 1e-3, 24),
+    "nf4": (0.22, 0.98, 6e-4, 48),
+    "fp4": (0.28, 0.97, 1.5e-3, 24),
+    "mxfp4": (0.265, 0.975, 8e-4, 24),
 }
 GEN = 24
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -63,7 +65,7 @@ def greedy_tokens(rt, prompt: list[int]) -> list[int]:
 
 @pytest.mark.parametrize("recipe", list(BOUNDS))
 def test_accuracy_per_format(recipe, tiny_model, refs):
-    max_layer, min_top1, max_kl, greedy_required = BOUNDS[recipe]
+    max_layer, min_top1, max_kl, min_greedy = BOUNDS[recipe]
     rt = runtime_for(tiny_model, recipe)
     errs = layer_errors(rt.model, refs["ref32"], refs["ids"])
     assert len(errs) == 4 and max(errs) < max_layer, errs
@@ -71,10 +73,11 @@ def test_accuracy_per_format(recipe, tiny_model, refs):
     assert a["positions"] == 320
     assert a["top1_agreement"] >= min_top1, a
     assert a["kl_mean"] <= max_kl, a
-    same = [greedy_tokens(rt, row.tolist()) == want for row, want in zip(refs["ids"][:2, :16], refs["greedy"],
-                                                                         strict=True)]
-    if greedy_required:
-        assert all(same)
+    agreed = 0
+    for row, want in zip(refs["ids"][:2, :16], refs["greedy"], strict=True):
+        got = greedy_tokens(rt, row.tolist())
+        agreed += next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), len(want))
+    assert agreed >= min_greedy, agreed
 
 
 def test_int8_is_closer_than_4_bit(tiny_model, refs):

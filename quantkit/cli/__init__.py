@@ -28,11 +28,7 @@ def _register() -> None:
     import importlib
 
     for mod in _COMMAND_MODULES:
-        try:
-            importlib.import_module(f"quantkit.cli.{mod}")
-        except ModuleNotFoundError as e:
-            if e.name != f"quantkit.cli.{mod}":
-                raise
+        importlib.import_module(f"quantkit.cli.{mod}")
 
 
 def fail(message: str, code: int = 2) -> None:

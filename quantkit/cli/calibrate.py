@@ -17,14 +17,15 @@ from rich.progress import (
 from rich.table import Table
 
 from quantkit.cli import app, console, err_console
-from quantkit.cli.plan import load_model_spec, parse_schemes
 from quantkit.errors import QuantkitError
 from quantkit.fileio import write_atomic
+from quantkit.model.checkpoint import spec_from_path
+from quantkit.model.contract import read_quant_config
 from quantkit.planner.budget import RunSettings
 from quantkit.planner.hardware import Hardware, Host, parse_size
 from quantkit.planner.host_costs import default_profile_path, load_profile, mismatch
 from quantkit.planner.placement import RECIPES, solve
-from quantkit.recipe import Recipe
+from quantkit.recipe import Recipe, parse_recipe_names
 
 
 def _own_recipe(model: str | None) -> list[Recipe]:
@@ -32,7 +33,6 @@ def _own_recipe(model: str | None) -> list[Recipe]:
     if not model or not (Path(model) / "config.json").is_file():
         return []
     from quantkit.model.spec import load_config
-    from quantkit.runtime.loader import read_quant_config
 
     qc = read_quant_config(Path(model), load_config(Path(model) / "config.json"))
     return [Recipe.from_dict(qc["recipe"])] if qc else []
@@ -51,8 +51,8 @@ def calibrate_cmd(
     """Measure quantkit's CPU runtime on this host, part by part, so `quantkit plan` can estimate it."""
     from quantkit.runtime.calibrate import calibrate
 
-    spec = load_model_spec(model)
-    recipes = [RECIPES[n] for n in parse_schemes(scheme)] or _own_recipe(model) or list(RECIPES.values())
+    spec = spec_from_path(model)
+    recipes = [RECIPES[n] for n in parse_recipe_names(scheme)] or _own_recipe(model) or list(RECIPES.values())
     ws = parse_size(working_set, "--working-set")
     if passes < 1 or steps < 1:
         raise QuantkitError("--passes and --steps must be at least 1")

@@ -13,7 +13,8 @@ from rich.table import Table
 from quantkit.cli import app, console
 from quantkit.errors import QuantkitError
 from quantkit.export.launch import ENGINES, launch_plan
-from quantkit.model.spec import DEFAULT_MODEL, ModelSpec, Role, default_spec, load_config, spec_from_config
+from quantkit.model.checkpoint import spec_from_path
+from quantkit.model.spec import DEFAULT_MODEL, ModelSpec, Role
 from quantkit.planner.budget import GB, GIB, SNAPSHOTS_PER_PROMPT, RunSettings, cache_dtype, compute_budget
 from quantkit.planner.hardware import DEFAULT_GPU_RESERVE, Hardware, build_hardware, load_catalog, parse_size
 from quantkit.planner.host_costs import profile_for_plan
@@ -26,34 +27,7 @@ from quantkit.planner.placement import (
     solve,
     suggestions,
 )
-from quantkit.recipe import get_recipe
-
-
-def load_model_spec(model: str | None) -> ModelSpec:
-    """The spec of MODEL: the embedded default, a config.json, a checkpoint folder or a cached HF id."""
-    if not model:
-        return default_spec()
-    try:
-        from quantkit.model.checkpoint import spec_from_path  # reads safetensors headers / the HF cache
-    except ModuleNotFoundError as e:
-        if e.name != "quantkit.model.checkpoint":
-            raise
-        spec_from_path = None
-    p = Path(model)
-    if p.is_file() and p.suffix == ".json":
-        return spec_from_config(load_config(p), name=p.parent.name or "model", source=str(p))
-    if spec_from_path is not None:
-        return spec_from_path(model)
-    if p.is_dir():
-        if (p / "config.json").is_file():
-            return spec_from_config(load_config(p / "config.json"), name=p.name, source=str(p / "config.json"))
-        raise QuantkitError(f"{p}: no config.json or *.safetensors checkpoint in this folder")
-    raise QuantkitError(f"{model}: not a config.json, a checkpoint folder or a model in the local HF cache")
-
-
-def parse_schemes(scheme: list[str] | None) -> list[str]:
-    """Recipe names from repeatable, comma-separated `--scheme` options (unknown names: one-line error)."""
-    return [get_recipe(x.strip()).name for s in (scheme or []) for x in s.split(",") if x.strip()]
+from quantkit.recipe import parse_recipe_names
 
 
 def parse_contexts(text: str, max_ctx: int) -> list[int]:
@@ -201,11 +175,11 @@ def plan_cmd(
                                  "this host's, when planning for this machine)"),
 ) -> None:
     """Memory budget per scheme, a placement over GPUs and RAM, and the speed it should reach."""
-    spec = load_model_spec(model)
+    spec = spec_from_path(model)
     hw = build_hardware(gpu, ram, cpu_bandwidth, nodes, cpu_tflops)
     if export and export.lower() not in ENGINES:
         raise QuantkitError(f"--export {export!r}: use llama.cpp or vllm")
-    schemes = parse_schemes(scheme)
+    schemes = parse_recipe_names(scheme)
     contexts = parse_contexts(context, spec.config.max_position_embeddings)
     this_host = not (gpu or ram or cpu_bandwidth or nodes > 1)
     prof, prof_src, prof_note = profile_for_plan(profile, spec.config, this_host)
@@ -302,9 +276,9 @@ def gpus_cmd(
     """Which catalog GPUs run each scheme on the GPU alone, with expert offload (RAM needed), or not at all."""
     from quantkit.planner.placement import ram_needed_gib
 
-    spec = load_model_spec(model)
+    spec = spec_from_path(model)
     st = _settings(context, 1, "fp16", 512, False, spec)
-    names = parse_schemes(scheme) or [
+    names = parse_recipe_names(scheme) or [
         "bf16", "int8", "quality", "int4", "mxfp4"]
     budgets = {n: compute_budget(spec, RECIPES[n], st) for n in names}
     table = Table(title=f"GPUs x schemes at {context} tokens: GPU only, +RAM needed for expert offload, or no "
@@ -352,7 +326,7 @@ def inspect_cmd(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """The tensor breakdown by role: count, parameters, bytes."""
-    spec = load_model_spec(model)
+    spec = spec_from_path(model)
     counts: dict[Role, int] = {}
     for t in spec.tensors:
         counts[t.role] = counts.get(t.role, 0) + 1

@@ -44,10 +44,12 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.export.source import ExportSource, SourceTensor
+from quantkit.export.source import ExportSource
 from quantkit.fileio import fsync_dir, replace_folder
 from quantkit.formats import QuantSpec, get_format
 from quantkit.model.checkpoint import check_finite
+from quantkit.model.contract import INDEX_NAME
+from quantkit.model.quantized import StoredTensor
 from quantkit.model.spec import Role
 from quantkit.progress import NoProgress, Progress
 from quantkit.quantize.shards import ShardLayout, ShardWriter, TensorLayout
@@ -58,7 +60,6 @@ GROUPS = (128, 64, 32)
 DEFAULT_GROUP = 128
 MAX_SHARD = 2_000_000_000
 SLAB_BYTES = 256 << 20
-INDEX_NAME = "model.safetensors.index.json"
 
 _EXPERT_RE = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 _INT8_RE = re.compile(r"(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj)"
@@ -77,7 +78,7 @@ IGNORE_INT8 = ["lm_head", r"re:.*linear_attn\.in_proj_(a|b)$", r"re:.*mlp\.gate$
 class OutTensor:
     """One source tensor and what it becomes."""
 
-    source: SourceTensor
+    source: StoredTensor
     kind: str  # "int4-experts" (fused stack -> per-expert modules), "int4", "int8", "dense"
     how: str  # "reused", "quantized", "requantized", "copied", "dequantized"
     outputs: list[TensorLayout]
@@ -140,7 +141,7 @@ def _pick_group(src: ExportSource, wanted: int | None) -> int:
                         "kernels cannot take them")
 
 
-def _is_expert(t: SourceTensor) -> bool:
+def _is_expert(t: StoredTensor) -> bool:
     if t.role == Role.ROUTED_EXPERT and len(t.shape) == 3:
         return True
     return t.name.startswith("mtp.") and _EXPERT_RE.match(t.name) is not None
@@ -298,11 +299,8 @@ def _write(src: ExportSource, ot: OutTensor, g: int, writer_for: Any, progress: 
         lay = ot.outputs[0]
         if t.spec is not None:
             w = src.dense(t.name).to(lay.dtype)
-        elif src.quant is None:
-            w = src.ckpt.load(t.name)
-            w = w.to(lay.dtype) if w.is_floating_point() else w
         else:
-            w = src.ckpt.get(t.name)
+            w = src.native(t.name)
             w = w.to(lay.dtype) if w.is_floating_point() else w
         writer_for(lay.name).write(lay.name, w.contiguous())
         progress.advance(t.name, lay.nbytes, False)

@@ -38,8 +38,9 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf_layout import Piece, convert, permute_blocks, pieces_for
-from quantkit.export.source import ExportSource, SourceTensor
+from quantkit.export.source import ExportSource
 from quantkit.model.checkpoint import check_finite
+from quantkit.model.quantized import StoredTensor
 from quantkit.model.spec import Role
 from quantkit.progress import NoProgress, Progress
 
@@ -63,7 +64,7 @@ class GgufTensor:
     """One planned GGUF tensor."""
 
     piece: Piece
-    source: SourceTensor
+    source: StoredTensor
     qtype: Any  # gguf.GGMLQuantizationType
     how: str  # "reused", "converted", "fallback"
     note: str
@@ -101,7 +102,7 @@ class GgufResult:
 
 # ---- type decisions ---------------------------------------------------------------------------------
 
-def _target_type(ftype: str, st: SourceTensor, piece: Piece, expert_type: str | None) -> str:
+def _target_type(ftype: str, st: StoredTensor, piece: Piece, expert_type: str | None) -> str:
     if piece.f32_only or len(piece.shape) < 2:
         return "f32"
     if ftype != "mixed":
@@ -113,7 +114,7 @@ def _target_type(ftype: str, st: SourceTensor, piece: Piece, expert_type: str | 
     return "q8_0"
 
 
-def _reusable(st: SourceTensor, target: str) -> bool:
+def _reusable(st: StoredTensor, target: str) -> bool:
     s = st.spec
     if s is None:
         return False

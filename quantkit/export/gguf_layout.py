@@ -1,7 +1,7 @@
 """How llama.cpp's `qwen35moe` architecture wants Qwen3.5-MoE tensors: names, shapes and values.
 
-Read from llama.cpp's loader (src/models/qwen35moe.cpp) and its converter's documented conversions
-(REFERENCE.md section 4), implemented here on our canonical tensors:
+Read from llama.cpp's loader (src/models/qwen35moe.cpp) and its converter (convert_hf_to_gguf.py, shipped in
+the llama-cpp-python sdist), implemented here on our canonical tensors:
 - RMSNorm weights are stored zero-centred (the model computes x * (1 + w)); llama.cpp multiplies by the
   weight, so every norm gets + 1, except `linear_attn.norm` (a gated norm that already multiplies by w);
 - `A_log` becomes `ssm_a = -exp(A_log)` and `dt_bias` becomes `ssm_dt.bias`;

@@ -7,7 +7,11 @@ Contract every format follows (pure functions over torch tensors, no I/O):
   (`"qweight"`, `"scales"`, `"zeros"`, ...) to a tensor whose leading dims match `w`'s, so a slab of
   experts quantized alone and concatenated along dim 0 equals the whole stack quantized at once.
 - `dequantize(parts, spec, shape, dtype) -> Tensor` inverts it to a dense [..., out, in] tensor.
-- `bits_per_weight(spec, shape) -> float`: storage bits per weight, scales and zeros included.
+- `parts(spec, shape) -> dict[str, Part]`: the shape, dtype and kind of every part `quantize` returns for a
+  tensor of `shape`, without quantizing anything. It is the one source of a format's bytes: the planner's
+  budget, the quantizer's shard layout and verify all read it (`stored_parts`, `stored_bytes`,
+  `bits_per_weight` below), and a test holds it equal to what `quantize` returns.
+- `default_group`: the group (block) size a spec without one gets.
 
 In a quantized checkpoint a tensor named `N` (e.g. `...self_attn.q_proj.weight`, or the suffix-less
 fused `...mlp.experts.gate_up_proj`) is stored as `N.<suffix>` for each part, and its `QuantSpec`
@@ -16,6 +20,7 @@ fused `...mlp.experts.gate_up_proj`) is stored as `N.<suffix>` for each part, an
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
@@ -49,10 +54,32 @@ class QuantSpec:
             raise QuantkitError(f"malformed quantization spec {d!r}") from None
 
 
+# bytes per element of the dtypes parts are stored in
+_PART_DTYPE_BYTES = {"uint8": 1, "int8": 1, "bfloat16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class Part:
+    """One stored part of a quantized tensor: its shape, torch dtype name and what it holds."""
+
+    shape: tuple[int, ...]
+    dtype: str  # "uint8", "int8", "bfloat16", "float32"
+    kind: str  # "weight" (codes), "scales" or "zeros"
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * _PART_DTYPE_BYTES[self.dtype]
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 class Format(Protocol):
     name: str
+    default_group: int | None
 
-    def bits_per_weight(self, spec: QuantSpec, shape: tuple[int, ...]) -> float: ...
+    def parts(self, spec: QuantSpec, shape: tuple[int, ...]) -> dict[str, Part]: ...
 
     def quantize(self, w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]: ...
 
@@ -79,6 +106,24 @@ def get_format(name: str) -> Format:
         ) from None
 
 
+def stored_parts(spec: QuantSpec, shape: tuple[int, ...]) -> dict[str, Part]:
+    """The parts `N.<suffix>` a tensor of `shape` [..., out, in] is stored as under `spec`."""
+    return get_format(spec.format).parts(spec, tuple(shape))
+
+
+def stored_bytes(spec: QuantSpec, shape: tuple[int, ...]) -> int:
+    return sum(p.nbytes for p in stored_parts(spec, shape).values())
+
+
+def bits_per_weight(spec: QuantSpec, shape: tuple[int, ...]) -> float:
+    """Storage bits per weight, scales and zeros included."""
+    return stored_bytes(spec, shape) * 8 / math.prod(shape)
+
+
+def default_group(fmt: str) -> int | None:
+    return get_format(fmt).default_group
+
+
 def available_formats() -> list[str]:
     _load_builtin()
     return sorted(_REGISTRY)
@@ -87,9 +132,5 @@ def available_formats() -> list[str]:
 def _load_builtin() -> None:
     import importlib
 
-    for mod in ("int8", "int4", "bnb4", "mxfp4"):
-        try:
-            importlib.import_module(f"quantkit.formats.{mod}")
-        except ModuleNotFoundError as e:
-            if e.name != f"quantkit.formats.{mod}":
-                raise
+    for mod in ("int8", "int4", "bnb4", "mxfp4"):  # each registers itself on import
+        importlib.import_module(f"quantkit.formats.{mod}")

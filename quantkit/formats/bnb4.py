@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.formats import QuantSpec, register
+from quantkit.formats import Part, QuantSpec, ceil_div, register
 from quantkit.formats._common import check_matrix, pack_nibbles_hi_first, run_chunks, unpack_nibbles_hi_first
 
 DEFAULT_BLOCK = 64
@@ -66,8 +66,13 @@ class Bnb4:
     def _block(self, spec: QuantSpec) -> int:
         return spec.group_size or DEFAULT_BLOCK
 
-    def bits_per_weight(self, spec: QuantSpec, shape: tuple[int, ...]) -> float:
-        return 4.0 + 32.0 / self._block(spec)
+    default_group = DEFAULT_BLOCK
+
+    def parts(self, spec: QuantSpec, shape: tuple[int, ...]) -> dict[str, Part]:
+        *lead, out, cols = shape  # blocks run over each matrix flattened, as bitsandbytes does
+        per = out * cols
+        return {"qweight": Part((*lead, ceil_div(per, 2)), "uint8", "weight"),
+                "absmax": Part((*lead, ceil_div(per, self._block(spec))), "float32", "scales")}
 
     def _codes(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x fp32 [n, b] -> (int8 codes [n, b], fp32 absmax [n]) exactly as bitsandbytes picks them."""

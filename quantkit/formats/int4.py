@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.formats import QuantSpec, register
+from quantkit.formats import Part, QuantSpec, ceil_div, register
 from quantkit.formats._common import check_matrix, pack_nibbles, run_chunks, to_codes, unpack_nibbles
 
 DEFAULT_GROUP = 128
@@ -139,8 +139,16 @@ def _asym(x: torch.Tensor, grid: tuple[float, ...]) -> tuple[torch.Tensor, torch
 class Int4:
     name = "int4"
 
-    def bits_per_weight(self, spec: QuantSpec, shape: tuple[int, ...]) -> float:
-        return 4.0 + (16.0 if spec.symmetric else 32.0) / _group(spec)
+    default_group = DEFAULT_GROUP
+
+    def parts(self, spec: QuantSpec, shape: tuple[int, ...]) -> dict[str, Part]:
+        *lead, cols = shape
+        groups = (*lead, ceil_div(cols, _group(spec)))
+        out = {"qweight": Part((*lead, ceil_div(cols, 2)), "uint8", "weight"),
+               "scales": Part(groups, "bfloat16", "scales")}
+        if not spec.symmetric:
+            out["zeros"] = Part(groups, "bfloat16", "zeros")
+        return out
 
     def quantize(self, w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
         g = _group(spec)

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.formats import QuantSpec, register
+from quantkit.formats import Part, QuantSpec, register
 from quantkit.formats._common import check_matrix, run_chunks
 
 
 class Int8:
     name = "int8"
 
-    def bits_per_weight(self, spec: QuantSpec, shape: tuple[int, ...]) -> float:
-        return 8.0 + 16.0 / shape[-1]
+    default_group = None  # one scale per output row
+
+    def parts(self, spec: QuantSpec, shape: tuple[int, ...]) -> dict[str, Part]:
+        return {"qweight": Part(tuple(shape), "int8", "weight"), "scales": Part(tuple(shape[:-1]), "bfloat16", "scales")}
 
     def quantize(self, w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
         check_matrix(w, None, self.name)

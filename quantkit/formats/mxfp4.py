@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.formats import QuantSpec, register
+from quantkit.formats import Part, QuantSpec, ceil_div, register
 from quantkit.formats._common import check_matrix, run_chunks
 
 BLOCK = 32
@@ -52,8 +52,12 @@ def _exponents(amax: torch.Tensor) -> torch.Tensor:
 class MXFP4:
     name = "mxfp4"
 
-    def bits_per_weight(self, spec: QuantSpec, shape: tuple[int, ...]) -> float:
-        return 4.0 + 8.0 / BLOCK
+    default_group = BLOCK
+
+    def parts(self, spec: QuantSpec, shape: tuple[int, ...]) -> dict[str, Part]:
+        *lead, cols = shape
+        return {"scales": Part((*lead, ceil_div(cols, BLOCK)), "uint8", "scales"),
+                "qweight": Part((*lead, ceil_div(cols, 2)), "uint8", "weight")}
 
     def quantize(self, w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
         check_matrix(w, BLOCK, self.name)

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.model.contract import INDEX_NAME, is_quantkit_output, quant_method
 from quantkit.model.spec import (
     ModelSpec,
     TensorSpec,
@@ -44,7 +45,6 @@ from quantkit.model.spec import (
     spec_from_config,
 )
 
-INDEX_NAME = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 
@@ -63,7 +63,7 @@ _EXPERT_RE = re.compile(r"^(?P<pre>.*\.mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_
 
 
 @dataclass(frozen=True)
-class SourceTensor:
+class HeaderEntry:
     """One tensor as a shard header describes it."""
 
     name: str
@@ -74,7 +74,7 @@ class SourceTensor:
     end: int
 
 
-def read_safetensors_header(path: Path) -> dict[str, SourceTensor]:
+def read_safetensors_header(path: Path) -> dict[str, HeaderEntry]:
     """Parse and validate one shard's header (no weights read). Raises QuantkitError naming the file."""
     try:
         size = path.stat().st_size
@@ -97,7 +97,7 @@ def read_safetensors_header(path: Path) -> dict[str, SourceTensor]:
     if not isinstance(header, dict):
         raise QuantkitError(f"{path}: corrupt safetensors header (not a JSON object); re-download it")
     base = 8 + n
-    out: dict[str, SourceTensor] = {}
+    out: dict[str, HeaderEntry] = {}
     data_end = 0
     for name, info in header.items():
         if name == "__metadata__":
@@ -119,7 +119,7 @@ def read_safetensors_header(path: Path) -> dict[str, SourceTensor]:
             raise QuantkitError(
                 f"{path}: corrupt safetensors header ({name}: offsets {s}..{e} do not match shape {list(shape)} "
                 f"of {code})")
-        out[name] = SourceTensor(name, path, shape, tname, base + s, base + e)
+        out[name] = HeaderEntry(name, path, shape, tname, base + s, base + e)
         data_end = max(data_end, e)
     if base + data_end > size:
         raise QuantkitError(
@@ -206,7 +206,7 @@ class _Fused:
 class Checkpoint:
     """A checkpoint folder, read lazily. Open with `Checkpoint.open(path)`."""
 
-    def __init__(self, path: Path, config: dict[str, Any], files: list[Path], tensors: dict[str, SourceTensor]):
+    def __init__(self, path: Path, config: dict[str, Any], files: list[Path], tensors: dict[str, HeaderEntry]):
         self.path = path
         self.config = config
         self.files = files
@@ -215,8 +215,7 @@ class Checkpoint:
         self._canon: dict[str, TensorSpec] | None = None
         self._recipe: dict[str, str | _Fused] = {}
         self.layout = self._detect_layout()
-        qc = config.get("quantization_config") if isinstance(config, dict) else None
-        self.quant_method = qc.get("quant_method") if isinstance(qc, dict) else None
+        self.quant_method = quant_method(config)
 
     # ---- opening ----
     @classmethod
@@ -238,7 +237,7 @@ class Checkpoint:
         if not cfg_path.is_file():
             raise QuantkitError(f"{folder}: no config.json beside the safetensors shards")
         config = load_config(cfg_path)
-        tensors: dict[str, SourceTensor] = {}
+        tensors: dict[str, HeaderEntry] = {}
         for f in files:
             for name, st in read_safetensors_header(f).items():
                 if name in tensors:
@@ -282,7 +281,7 @@ class Checkpoint:
         st = self._source(name)
         return st.shape, st.dtype
 
-    def _source(self, name: str) -> SourceTensor:
+    def _source(self, name: str) -> HeaderEntry:
         try:
             return self._src[name]
         except KeyError:
@@ -369,7 +368,7 @@ class Checkpoint:
             return {}
         return {t.name: i for i, t in enumerate(ref.tensors)}
 
-    def _check_dtype(self, name: str, st: SourceTensor) -> None:
+    def _check_dtype(self, name: str, st: HeaderEntry) -> None:
         if st.dtype in FLOAT_SOURCE_DTYPES:
             return
         if st.dtype in FP8_DTYPES:
@@ -485,15 +484,6 @@ def resolve_model(path_or_id: str | Path) -> Path:
     return Path(snap)
 
 
-def _quantkit_output(folder: Path) -> bool:
-    """Whether `folder` was written by `quantkit quantize` (its tensors are codes and scales)."""
-    try:
-        qc = json.loads((folder / "config.json").read_text()).get("quantization_config")
-    except (OSError, ValueError, AttributeError):
-        return False
-    return isinstance(qc, dict) and qc.get("quant_method") == "quantkit"
-
-
 def spec_from_path(path_or_id: str | Path | None) -> ModelSpec:
     """None: the embedded default; a config.json: from config; a folder with safetensors: exact from the
     headers; a folder with only config.json, or a quantkit output: from config. HF ids resolve from the
@@ -505,7 +495,7 @@ def spec_from_path(path_or_id: str | Path | None) -> ModelSpec:
         if p.suffix == ".safetensors":
             return Checkpoint.open(p).spec()
         return spec_from_config(load_config(p), name=p.parent.name or "model", source=str(p))
-    if find_shards(p) and not _quantkit_output(p):
+    if find_shards(p) and not is_quantkit_output(p):
         return Checkpoint.open(p).spec()
     if (p / "config.json").is_file():  # a quantkit output has the model's shapes in its config
         return spec_from_config(load_config(p / "config.json"), name=p.name, source=str(p / "config.json"))

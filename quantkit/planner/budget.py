@@ -1,12 +1,8 @@
 """Exact memory budgets: bytes per component for a spec, a recipe and run settings. Pure arithmetic.
 
-Storage per format (the parts fixed by the checkpoint contract in quantkit/formats):
-- kept:  numel x dtype bytes.
-- int8:  int8 codes [.., out, in] + one bf16 scale per output row.
-- int4:  codes packed two per byte [.., out, in/2] + a bf16 scale per group of `group_size` along `in`
-         (+ a bf16 zero per group when asymmetric). g128 symmetric = 4.125 bits/weight.
-- nf4/fp4 (bitsandbytes): codes two per byte + one fp32 absmax per block of 64 over each matrix = 4.5.
-- mxfp4: codes two per byte + one E8M0 byte per 32 along `in` = 4.25.
+A kept tensor takes numel x dtype bytes; a quantized one the bytes of its format's stored parts, which each
+format declares once (quantkit/formats, `Format.parts`): the quantizer writes exactly those parts, so the
+budget equals the bytes on disk.
 """
 
 from __future__ import annotations
@@ -14,12 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from quantkit.errors import QuantkitError
-from quantkit.formats import QuantSpec
+from quantkit.formats import QuantSpec, ceil_div, stored_parts
 from quantkit.model.spec import ModelSpec, Role, TensorSpec, TextConfig, dtype_bytes
 from quantkit.recipe import Recipe
-
-SCALE_BYTES = {"int8": 2, "int4": 2, "nf4": 4, "fp4": 4, "mxfp4": 1}
-DEFAULT_GROUP = {"int4": 128, "nf4": 64, "fp4": 64, "mxfp4": 32}
 
 # KV cache element types: (bytes per block, elements per block). q8_0/q4_0 are llama.cpp's blocks
 # (32 values + one fp16 scale); fp8 is e4m3 without scales (vLLM's fp8 KV cache).
@@ -41,10 +34,6 @@ def cache_dtype(name: str) -> str:
     return n
 
 
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 @dataclass(frozen=True)
 class TensorBytes:
     weight: int = 0
@@ -64,31 +53,20 @@ class TensorBytes:
 
 
 def tensor_bytes(t: TensorSpec, q: QuantSpec | None, keep_dtype: str | None = None) -> TensorBytes:
-    """Exact stored bytes of one tensor under a QuantSpec (None or "bf16" = kept in keep_dtype)."""
+    """Exact stored bytes of one tensor under a QuantSpec (None or "bf16" = kept in keep_dtype), from the
+    format's own part layout (quantkit/formats: `parts`)."""
     if q is None or q.format in ("bf16", "fp16", "keep"):
         return TensorBytes(weight=t.numel * dtype_bytes(keep_dtype or t.dtype))
     if not t.is_matrix:
         raise QuantkitError(f"{t.name}: shape {t.shape} is not a matrix and cannot be quantized")
-    *lead, out, inn = t.shape
-    mats = 1
-    for d in lead:
-        mats *= d
-    rows = mats * out
-    fmt = q.format
-    if fmt == "int8":
-        return TensorBytes(weight=rows * inn, scales=rows * SCALE_BYTES["int8"])
-    if fmt not in DEFAULT_GROUP:
-        raise QuantkitError(f"{t.name}: unknown quantization format {fmt!r}")
-    g = q.group_size or DEFAULT_GROUP[fmt]
-    packed = rows * _ceil_div(inn, 2)
-    if fmt in ("nf4", "fp4"):
-        # bitsandbytes quantizes each matrix flattened, in blocks of g
-        blocks = mats * _ceil_div(out * inn, g)
-        return TensorBytes(weight=mats * _ceil_div(out * inn, 2), scales=blocks * SCALE_BYTES[fmt])
-    groups = rows * _ceil_div(inn, g)
-    scales = groups * SCALE_BYTES[fmt]
-    zeros = groups * SCALE_BYTES[fmt] if (fmt == "int4" and not q.symmetric) else 0
-    return TensorBytes(weight=packed, scales=scales, zeros=zeros)
+    try:
+        parts = stored_parts(q, tuple(t.shape))
+    except QuantkitError as e:
+        raise QuantkitError(f"{t.name}: {e}") from None
+    by_kind = {"weight": 0, "scales": 0, "zeros": 0}
+    for p in parts.values():
+        by_kind[p.kind] += p.nbytes
+    return TensorBytes(**by_kind)
 
 
 def bits_per_weight(t: TensorSpec, q: QuantSpec | None, keep_dtype: str | None = None) -> float:
@@ -131,7 +109,7 @@ class RunSettings:
 def kv_bytes_per_token(c: TextConfig, dtype: str, layers: int = 1) -> int:
     """K and V of one token in `layers` full-attention layers (blocks run along head_dim)."""
     bb, be = CACHE_DTYPES[cache_dtype(dtype)]
-    return layers * 2 * c.num_key_value_heads * _ceil_div(c.head_dim, be) * bb
+    return layers * 2 * c.num_key_value_heads * ceil_div(c.head_dim, be) * bb
 
 
 def linear_state_bytes(c: TextConfig) -> tuple[int, int]:

@@ -272,8 +272,9 @@ def detect_ram() -> int:
 
 
 def build_hardware(gpu_args: list[str] | None, ram: str | None = None, cpu_bandwidth: str | None = None,
-                   nodes: int = 1, cpu_tflops: float | None = None) -> Hardware:
-    """Hardware from CLI-style arguments; what is not given is detected, and the notes say so."""
+                   nodes: int = 1, cpu_tflops: float | None = None, *, ram_bytes: int | None = None) -> Hardware:
+    """Hardware from CLI-style arguments (or `ram_bytes` measured by the caller); what is not given is detected,
+    and the notes say so."""
     notes: list[str] = []
     if nodes < 1:
         raise QuantkitError(f"--nodes {nodes} must be at least 1")
@@ -284,7 +285,9 @@ def build_hardware(gpu_args: list[str] | None, ram: str | None = None, cpu_bandw
         notes += dnotes
         found = ", ".join(g.name for g in gpus) if gpus else "no GPU"
         notes.append(f"no --gpu given: detected {found}")
-    if ram is not None:
+    if ram_bytes is not None:
+        src = "free now"
+    elif ram is not None:
         ram_bytes, src = parse_size(ram), "--ram"
     else:
         ram_bytes, src = detect_ram(), "detected"

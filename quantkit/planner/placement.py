@@ -229,7 +229,7 @@ class Plan:
             for layer in d["layers"]:
                 rs: list[tuple[str, int, int]] = []
                 for dev, ids in layer["experts"].items():
-                    rs += _ranges(dev, ids)
+                    rs += [(dev, a, b) for a, b in contiguous_runs(ids)]
                 ranges.append(rs)
             est = d.get("estimates")
             speed = None
@@ -260,14 +260,15 @@ class Plan:
         write_atomic(Path(path), self.to_json())
 
 
-def _ranges(dev: str, ids: list[int]) -> list[tuple[str, int, int]]:
-    out: list[tuple[str, int, int]] = []
+def contiguous_runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted ids as half-open runs: [0, 1, 2, 5] -> [(0, 3), (5, 6)]."""
+    runs: list[tuple[int, int]] = []
     for i in sorted(ids):
-        if out and out[-1][2] == i:
-            out[-1] = (dev, out[-1][1], i + 1)
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
         else:
-            out.append((dev, i, i + 1))
-    return out
+            runs.append((i, i + 1))
+    return runs
 
 
 def make_devices(hw: Hardware, gpu_reserve: int = DEFAULT_GPU_RESERVE,

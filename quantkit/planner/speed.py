@@ -9,8 +9,9 @@ compute (2 FLOPs per active parameter per token) and one pass over its weights p
 experts are either computed on the CPU or streamed to the GPU over PCIe (llama.cpp's choice at
 batch >= 32), whichever is faster.
 
-The efficiency factors below were set with REFERENCE.md section 3 in view (tests/test_plan.py checks
-the model against those data points within a stated factor); they are assumptions, printed with each plan.
+The efficiency factors below were set with users' published llama.cpp decode figures in view (listed with
+their sources in tests/test_plan.py, which checks the model against them within a stated factor); they are
+assumptions, printed with each plan.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ class SpeedModel:
     cpu_layer_overhead_s: float = 50e-6  # thread-pool sync per layer that computes on the CPU
     transfer_latency_s: float = 10e-6  # one small PCIe copy + stream sync
     # prefill: MoE GEMMs with ~16 tokens per expert per 512-token chunk run far below tensor peak; no GPU
-    # prefill data point in REFERENCE.md calibrates this, so treat GPU prefill figures as rough
+    # prefill data point calibrates this, so treat GPU prefill figures as rough
     gpu_compute_efficiency: float = 0.15
     routing: str = "uniform"  # each expert equally likely (no routing statistics)
 

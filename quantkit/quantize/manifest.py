@@ -17,10 +17,8 @@ from typing import Any
 
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json
+from quantkit.model.contract import JOURNAL_NAME, MANIFEST_NAME, MANIFEST_VERSION
 
-MANIFEST_NAME = "quantkit-manifest.json"
-JOURNAL_NAME = ".quantkit-progress.json"
-MANIFEST_VERSION = 1
 _HASH_BUF = 8 << 20
 
 

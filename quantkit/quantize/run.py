@@ -35,8 +35,9 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json, fsync_dir, temp_name
-from quantkit.formats import QuantSpec, get_format
-from quantkit.model.checkpoint import check_finite
+from quantkit.formats import QuantSpec, get_format, stored_parts
+from quantkit.model.checkpoint import Checkpoint, check_finite
+from quantkit.model.contract import INDEX_NAME, QUANT_METHOD, QUANT_VERSION
 from quantkit.model.spec import Role, TensorSpec, role_of
 from quantkit.progress import NoProgress, Progress
 from quantkit.quantize.manifest import (
@@ -52,7 +53,6 @@ from quantkit.quantize.manifest import (
 from quantkit.quantize.shards import ShardLayout, ShardWriter, TensorLayout, dtype_name, read_header
 from quantkit.recipe import Recipe, decide
 
-INDEX_NAME = "model.safetensors.index.json"
 REPORT_STEM = "quantkit-report"
 # Input bytes per slab of experts / block of rows. Measured on a 256 MB bf16 slab of experts: int4's
 # dequantize for the error figures peaks at 6x the input (fp32 result plus its temporaries), int8's at 4.5x;
@@ -65,31 +65,11 @@ NOT_COPIED = {"config.json", INDEX_NAME, MANIFEST_NAME, JOURNAL_NAME, "pytorch_m
 
 # --- parts: the exact output tensors of one quantized tensor -------------------------------------------
 
-@lru_cache(maxsize=256)
-def _probe(spec: QuantSpec, in_features: int) -> tuple[tuple[str, tuple[tuple[int, int], ...], torch.dtype], ...]:
-    """Each part's dims as `a * out + b` and its dtype, from quantizing a 1-row and a 2-row matrix.
-    (The formats fix their layouts; probing them keeps this module free of a copy of each layout.)"""
-    fmt = get_format(spec.format)
-    g = torch.Generator().manual_seed(0)
-    one = fmt.quantize(torch.randn(1, in_features, generator=g).to(torch.bfloat16), spec)
-    two = fmt.quantize(torch.randn(2, in_features, generator=g).to(torch.bfloat16), spec)
-    out = []
-    for k in sorted(one):
-        s1, s2 = tuple(one[k].shape), tuple(two[k].shape)
-        if len(s1) != len(s2):
-            raise QuantkitError(f"internal: format {spec.format} part {k} changes rank with the row count")
-        dims = tuple((b - a, 2 * a - b) for a, b in zip(s1, s2, strict=True))
-        out.append((k, dims, one[k].dtype))
-    return tuple(out)
-
-
 def part_layouts(name: str, spec: QuantSpec, shape: tuple[int, ...]) -> list[TensorLayout]:
-    """The stored parts `name.<suffix>` of a tensor of `shape` [..., out, in] under `spec`."""
-    *lead, rows, cols = shape
-    parts = []
-    for suffix, dims, dt in _probe(spec, cols):
-        parts.append(TensorLayout(f"{name}.{suffix}", tuple(lead) + tuple(a * rows + b for a, b in dims), dt))
-    return parts
+    """The stored parts `name.<suffix>` of a tensor of `shape` [..., out, in] under `spec` (the format's own
+    `parts`), in suffix order."""
+    parts = stored_parts(spec, tuple(shape))
+    return [TensorLayout(f"{name}.{k}", parts[k].shape, getattr(torch, parts[k].dtype)) for k in sorted(parts)]
 
 
 @lru_cache(maxsize=64)
@@ -97,9 +77,9 @@ def rows_chunkable(spec: QuantSpec, in_features: int) -> bool:
     """True when a 2D matrix quantized in blocks of rows gives the same parts as quantized whole (every
     per-row or per-group format; checked, not assumed, because the contract only promises it for dim 0
     of expert stacks)."""
-    dims = _probe(spec, in_features)
-    if any(d[0][1] != 0 or d[0][0] <= 0 for _, d, _ in dims):
-        return False
+    one, two = stored_parts(spec, (1, in_features)), stored_parts(spec, (2, in_features))
+    if any(two[k].shape[0] != 2 * one[k].shape[0] or one[k].shape[0] <= 0 for k in one):
+        return False  # a part's first dim does not grow with the rows
     fmt = get_format(spec.format)
     w = torch.randn(4, in_features, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     whole = fmt.quantize(w, spec)
@@ -206,8 +186,8 @@ def quantization_config(plan: QuantPlan) -> dict[str, Any]:
             tensors[t.name] = {"format": t.spec.format, "group_size": t.spec.group_size,
                                "symmetric": t.spec.symmetric, "shape": list(t.shape), "dtype": t.dtype}
     return {
-        "quant_method": "quantkit",
-        "version": 1,
+        "quant_method": QUANT_METHOD,
+        "version": QUANT_VERSION,
         "recipe": plan.recipe.to_dict(),
         "mtp": "kept" if plan.keep_mtp else ("dropped" if plan.dropped else "absent"),
         "fallbacks": {t.name: t.note for t in plan.tensors if t.note},
@@ -410,7 +390,7 @@ def _chunks(tp: TensorPlan, slab_bytes: int) -> tuple[str, int]:
     return ("whole", 0)
 
 
-def _quantize_tensor(ckpt: Any, tp: TensorPlan, writer: ShardWriter, opts: QuantizeOptions,
+def _quantize_tensor(ckpt: Checkpoint, tp: TensorPlan, writer: ShardWriter, opts: QuantizeOptions,
                      progress: Progress) -> TensorStats:
     t0 = time.perf_counter()
     st = TensorStats(tp.name, tp.role.value, tp.spec.format if tp.spec else tp.dtype, tp.numel, tp.in_bytes,
@@ -476,7 +456,7 @@ def _emit(tp: TensorPlan, w: torch.Tensor, start: int, writer: ShardWriter, st: 
         writer.write(name, p, start * scale)
 
 
-def run_quantize(ckpt: Any, out: Path, opts: QuantizeOptions, progress: Progress | None = None) -> QuantizeResult:
+def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: Progress | None = None) -> QuantizeResult:
     """Quantize an opened Checkpoint into `out` (see the module docstring for the guarantees)."""
     progress = progress or NoProgress()
     t_start = time.perf_counter()

@@ -8,9 +8,10 @@ from typing import Any
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec
+from quantkit.model.contract import INDEX_NAME, QUANT_METHOD, quant_method
 from quantkit.model.spec import spec_from_config
 from quantkit.quantize.manifest import Manifest, check_file, read_json
-from quantkit.quantize.run import INDEX_NAME, part_layouts
+from quantkit.quantize.run import part_layouts
 from quantkit.quantize.shards import ST_DTYPES, read_header
 
 
@@ -74,7 +75,7 @@ def verify_folder(folder: Path, hash_files: bool = True, progress: Any = None) -
 
     cfg = read_json(folder / "config.json", "config.json")
     qc = cfg.get("quantization_config") if isinstance(cfg, dict) else None
-    if not isinstance(qc, dict) or qc.get("quant_method") != "quantkit" or not isinstance(qc.get("tensors"), dict):
+    if quant_method(cfg) != QUANT_METHOD or not isinstance(qc.get("tensors"), dict):
         res.problems.append("config.json: no quantkit quantization_config")
         return res
     claimed: set[str] = set()

@@ -6,16 +6,23 @@ import json
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime.generate import GenerationResponse, SamplingParams, TokenEvent, stream_tokens
-from quantkit.runtime.loader import available_bytes
+from quantkit.runtime.memory import available_bytes
 from quantkit.runtime.state_cache import PrefixCache
 
 AUTO_CACHE_FRACTION = 4  # the default prompt cache takes 1/4 of the free memory of the states' device
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from quantkit.planner.placement import Plan
+    from quantkit.recipe import Recipe
+    from quantkit.runtime.loader import LoadReport, Placement
 
 
 def load_tokenizer(folder: Path) -> Any:
@@ -69,8 +76,8 @@ def generation_defaults(folder: Path) -> dict[str, Any]:
 class Runtime:
     """A model ready to generate. Built by `quantkit.runtime.load_model`."""
 
-    def __init__(self, model: Any, folder: Path, config: dict[str, Any], placement: Any, report: Any,
-                 recipe: Any = None, plan: Any = None):
+    def __init__(self, model: nn.Module, folder: Path, config: dict[str, Any], placement: Placement, report: LoadReport,
+                 recipe: Recipe | None = None, plan: Plan | None = None):
         self.model = model
         self.folder = folder
         self.config = config

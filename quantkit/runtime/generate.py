@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK
 from quantkit.runtime.state_cache import (
     PrefixCache,
     capture_linear,
@@ -31,7 +32,7 @@ from quantkit.runtime.state_cache import (
     take,
 )
 
-PREFILL_CHUNK = 512
+PREFILL_CHUNK = DEFAULT_PREFILL_CHUNK  # the chunk the planner sizes the activation buffers for
 
 
 @dataclass

@@ -20,23 +20,37 @@ Flow of `load_model(path, plan=None)`:
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec, get_format
+from quantkit.model.checkpoint import Checkpoint, resolve_model
+from quantkit.model.contract import read_quant_config
+from quantkit.model.quantized import QuantizedFolder
+from quantkit.model.spec import load_config, spec_from_config
+from quantkit.planner.fit import check_plan, hardware_here, plan_here
+from quantkit.planner.hardware import Hardware
+from quantkit.planner.placement import Plan, contiguous_runs
+from quantkit.quantize.verify import verify_folder
+from quantkit.recipe import Recipe, decide, get_recipe
+from quantkit.runtime import linear_attn
+from quantkit.runtime.engine import Runtime
 from quantkit.runtime.kernels import Kernel, prepare, slice_parts
+from quantkit.runtime.memory import available_bytes
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 from quantkit.runtime.qlinear import QuantLinear
 
-KNOWN_QUANT_VERSIONS = (1,)
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 LM = "model.language_model."
-INDEX_NAME = "model.safetensors.index.json"
 
 
 # ---- placement ----------------------------------------------------------------------------------------
@@ -58,7 +72,7 @@ class Placement:
                    device, device, context, f"everything on {device}")
 
     @classmethod
-    def from_plan(cls, plan: Any, source: str) -> Placement:
+    def from_plan(cls, plan: Plan, source: str) -> Placement:
         groups = []
         for L in range(len(plan.layer_device)):
             devs = list(dict.fromkeys(d for d, _a, _b in plan.expert_ranges[L]))
@@ -86,86 +100,16 @@ def _check_device_exists(dev: str) -> None:
         raise QuantkitError(f"device {dev!r} in the plan is not one quantkit runs on (cpu, cuda:N, mps)")
 
 
-def available_bytes(dev: str) -> int:
-    """Memory free for weights on `dev` right now."""
-    d = torch.device(dev)
-    if d.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(d)
-        return int(free)
-    import psutil
-
-    return int(psutil.virtual_memory().available)
-
-
-def check_plan(plan: Any, spec: Any, folder: Path, plan_path: str) -> None:
-    """Refuse a plan for another model, one that does not fit, or one that does not fit THIS machine."""
-    from quantkit.planner.placement import spec_fingerprint
-
-    fp = spec_fingerprint(spec)
-    if plan.fingerprint != fp:
-        raise QuantkitError(
-            f"{plan_path}: plan was made for model {plan.model!r} (fingerprint {plan.fingerprint[:12]}), not for "
-            f"{folder} ({fp[:12]}); make one with `quantkit plan --model {folder / 'config.json'} --out plan.json`")
-    if any("." in d for d in plan.layer_device):
-        raise QuantkitError(f"{plan_path}: a multi-node plan cannot run in one quantkit process")
-    if not plan.fits:
-        raise QuantkitError(f"{plan_path}: the plan itself does not fit its hardware ({plan.reason})")
+def _free_bytes(plan: Plan) -> dict[str, int]:
+    """What is free now on each device the plan puts weights on (devices checked to exist first)."""
     for dev in dict.fromkeys([plan.embedding_device, plan.lm_head_device, *plan.layer_device,
                               *(d for rs in plan.expert_ranges for d, _a, _b in rs)]):
         _check_device_exists(dev)
-    for d in plan.devices:
-        need = d.used_bytes
-        if not need:
-            continue
-        have = available_bytes(d.id)
-        if need > have:
-            raise QuantkitError(
-                f"{plan_path}: the plan puts {need / 1e9:.1f} GB on {d.id}, but only {have / 1e9:.1f} GB is free "
-                f"there; {what_fits(spec, plan)}")
+    return {d.id: available_bytes(d.id) for d in plan.devices if d.used_bytes}
 
 
-def what_fits(spec: Any, plan: Any) -> str:
-    """A one-line suggestion of what would fit the detected hardware."""
-    try:
-        from quantkit.planner.placement import solve, suggestions
-        from quantkit.recipe import Recipe
-
-        hw = _detected_hardware()
-        recipe = Recipe.from_dict(plan.recipe)
-        settings = plan.settings
-        p = solve(spec, recipe, settings, hw)
-        if p.fits:
-            return f"on this machine ({hw.describe()}) this recipe fits as: {p.summary()} (run without --plan)"
-        tips = suggestions(spec, hw, settings, p)
-        return f"on this machine ({hw.describe()}) would fit: " + ("; ".join(tips) if tips else "nothing")
-    except QuantkitError as e:
-        return f"(could not plan for this machine: {e})"
-
-
-def _detected_hardware() -> Any:
-    import psutil
-
-    from quantkit.planner.hardware import build_hardware
-
-    # available RAM, not total: what is free now is what the weights can take
-    avail = psutil.virtual_memory().available
-    return build_hardware(None, ram=f"{avail // (1 << 20)}MB")
-
-
-def plan_here(spec: Any, recipe: Any, context: int) -> tuple[Placement, Any]:
-    """Plan on the spot for the detected hardware; refuse with what would fit when nothing does."""
-    from quantkit.planner.budget import RunSettings
-    from quantkit.planner.placement import solve, suggestions
-
-    hw = _detected_hardware()
-    settings = RunSettings(context=context)
-    settings.validate(spec.config)
-    p = solve(spec, recipe, settings, hw)
-    if not p.fits:
-        tips = suggestions(spec, hw, settings, p)
-        raise QuantkitError(f"{recipe.name} does not fit this machine ({hw.describe()}): {p.reason}"
-                            + (f"; would fit: {'; '.join(tips)}" if tips else ""))
-    return Placement.from_plan(p, f"planned for {hw.describe()}"), p
+def _hardware_here() -> Hardware:
+    return hardware_here(available_bytes("cpu"))
 
 
 # ---- tensor sources -----------------------------------------------------------------------------------
@@ -187,64 +131,31 @@ class TensorSource:
 
 
 class QuantizedSource(TensorSource):
-    """A quantkit output folder: quantized tensors are read as their parts `N.<suffix>`."""
+    """A quantkit output folder (`QuantizedFolder`): quantized tensors are read as their parts."""
 
-    def __init__(self, folder: Path, qc: dict[str, Any]):
-        from quantkit.model.checkpoint import _safe_member, read_safetensors_header
-
+    def __init__(self, folder: QuantizedFolder):
         self.folder = folder
-        index = json.loads((folder / INDEX_NAME).read_text())
-        self.wmap: dict[str, str] = index["weight_map"]
-        self.files = {rel: _safe_member(folder, rel, str(folder / INDEX_NAME)) for rel in set(self.wmap.values())}
-        self.headers = {}
-        for p in self.files.values():
-            for k, st in read_safetensors_header(p).items():
-                self.headers[k] = st
-        self.qspecs = {n: (QuantSpec.from_dict(d), tuple(int(x) for x in d["shape"])) for n, d in qc["tensors"].items()}
-        self.suffixes: dict[str, list[str]] = {n: [] for n in self.qspecs}
-        for k in self.wmap:
-            base, _, suf = k.rpartition(".")
-            if base in self.suffixes:
-                self.suffixes[base].append(suf)
-        self._handles: dict[str, Any] = {}
-
-    def _h(self, rel: str) -> Any:
-        from safetensors import safe_open
-
-        if rel not in self._handles:
-            self._handles[rel] = safe_open(str(self.files[rel]), framework="pt", device="cpu")
-        return self._handles[rel]
-
-    def _get(self, key: str, experts: slice | None) -> torch.Tensor:
-        h = self._h(self.wmap[key])
-        if experts is None:
-            return h.get_tensor(key)
-        return h.get_slice(key)[experts.start:experts.stop]
 
     def has(self, name: str) -> bool:
-        return name in self.qspecs or name in self.wmap
+        return self.folder.has(name)
 
     def spec(self, name: str) -> tuple[QuantSpec | None, tuple[int, ...]]:
-        if name in self.qspecs:
-            return self.qspecs[name]
-        if name not in self.headers:
-            raise QuantkitError(f"{self.folder}: no tensor {name}")
-        return None, tuple(self.headers[name].shape)
+        t = self.folder.get(name)
+        return t.spec, t.shape
 
     def read(self, name: str, device: str, experts: slice | None = None) -> dict[str, torch.Tensor] | torch.Tensor:
-        if name in self.qspecs:
-            return {s: self._get(f"{name}.{s}", experts).to(device) for s in self.suffixes[name]}
-        return self._get(name, experts).to(device)
+        if self.folder.get(name).spec is not None:
+            return {s: v.to(device) for s, v in self.folder.parts(name, experts).items()}
+        return self.folder.stored(name, experts).to(device)
 
     def close(self) -> None:
-        self._handles.clear()
+        self.folder.close()
 
 
 class OnTheFlySource(TensorSource):
     """An unquantized checkpoint, quantized tensor by tensor with a recipe as it is read."""
 
-    def __init__(self, ckpt: Any, recipe: Any):
-        from quantkit.recipe import decide
+    def __init__(self, ckpt: Checkpoint, recipe: Recipe):
 
         self.ckpt, self.recipe = ckpt, recipe
         self.tensors = {t.name: t for t in ckpt.canonical()}
@@ -370,17 +281,7 @@ def _linear_kernel(src: TensorSource, name: str, dev: str, report: LoadReport) -
     return QuantLinear(k, fmt)
 
 
-def _contiguous_runs(ids: list[int]) -> list[tuple[int, int]]:
-    runs: list[tuple[int, int]] = []
-    for i in sorted(ids):
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
-
-
-def build_experts(src: TensorSource, prefix: str, groups: list[tuple[str, list[int]]], cfg: Any,
+def build_experts(src: TensorSource, prefix: str, groups: list[tuple[str, list[int]]], cfg: PretrainedConfig,
                   report: LoadReport, route: str | None = None) -> QuantExperts:
     """A layer's QuantExperts: each device group's expert slab read and prepared on that device."""
     gu_name, dn_name = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
@@ -389,7 +290,7 @@ def build_experts(src: TensorSource, prefix: str, groups: list[tuple[str, list[i
     out: list[ExpertGroup] = []
     for dev, ids in groups:
         g = ExpertGroup(torch.device(dev), [])
-        for a, b in _contiguous_runs(ids):
+        for a, b in contiguous_runs(ids):
             for name, spec, shape, dest in ((gu_name, gu_spec, gu_shape, g.gate_up), (dn_name, dn_spec, dn_shape, g.down)):
                 slab = src.read(name, dev, slice(a, b))
                 for i in range(b - a):
@@ -462,26 +363,10 @@ def populate(model: Any, src: TensorSource, placement: Placement, report: LoadRe
 
 # ---- entry point ----------------------------------------------------------------------------------------
 
-def read_quant_config(folder: Path, config: dict[str, Any]) -> dict[str, Any] | None:
-    """The quantkit quantization_config, or None for an unquantized source. Refuses unknown versions."""
-    qc = config.get("quantization_config")
-    if not isinstance(qc, dict) or qc.get("quant_method") != "quantkit":
-        return None
-    v = qc.get("version")
-    if v not in KNOWN_QUANT_VERSIONS:
-        raise QuantkitError(
-            f"{folder / 'config.json'}: quantization_config version {v!r} is unknown to this quantkit (it reads "
-            f"{', '.join(map(str, KNOWN_QUANT_VERSIONS))}); upgrade quantkit or quantize the model again")
-    if not isinstance(qc.get("tensors"), dict):
-        raise QuantkitError(f"{folder / 'config.json'}: quantization_config has no 'tensors' table")
-    return qc
-
-
 def verify_or_refuse(folder: Path, mode: str = "auto") -> None:
     """`quantkit.quantize.verify.verify_folder`; "auto" hashes shards only when the folder is under 4 GB."""
     if mode == "off":
         return
-    from quantkit.quantize.verify import verify_folder
 
     if mode == "auto":
         size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
@@ -494,9 +379,7 @@ def verify_or_refuse(folder: Path, mode: str = "auto") -> None:
         raise QuantkitError(f"{folder}: fails verification: {res.problems[0]}{more}; re-run `quantkit quantize`")
 
 
-def load_plan_file(path: str | Path) -> Any:
-    from quantkit.planner.placement import Plan
-
+def load_plan_file(path: str | Path) -> Plan:
     p = Path(path)
     try:
         text = p.read_text()
@@ -510,16 +393,11 @@ def load_plan_file(path: str | Path) -> Any:
         raise QuantkitError(f"{p}: {e}") from None
 
 
-def load_model(path: str | Path, plan: str | Path | Any | None = None, *, recipe: str | None = None,
+def load_model(path: str | Path, plan: str | Path | Plan | None = None, *, recipe: str | None = None,
                context: int | None = None, verify: str = "auto", placement: Placement | None = None,
-               progress: Callable[[str], None] | None = None, route: str | None = None) -> Any:
+               progress: Callable[[str], None] | None = None, route: str | None = None) -> Runtime:
     """Load a quantized (or bf16) checkpoint folder into a `Runtime`. See the module docstring."""
-    import time
 
-    from quantkit.model.checkpoint import Checkpoint, resolve_model
-    from quantkit.model.spec import load_config, spec_from_config
-    from quantkit.recipe import Recipe, get_recipe
-    from quantkit.runtime.engine import Runtime
 
     t0 = time.perf_counter()
     folder = resolve_model(path)
@@ -541,22 +419,23 @@ def load_model(path: str | Path, plan: str | Path | Any | None = None, *, recipe
     if placement is None:
         if plan is not None:
             plan_obj = plan if not isinstance(plan, (str, Path)) else load_plan_file(plan)
-            check_plan(plan_obj, spec, folder, str(plan))
+            check_plan(plan_obj, spec, folder, str(plan), _free_bytes(plan_obj), _hardware_here())
             placement = Placement.from_plan(plan_obj, f"plan {plan}")
             if context:
                 placement.context = context
         else:
             ctx = context or min(4096, spec.config.max_position_embeddings)
-            placement, plan_obj = plan_here(spec, rec, ctx)
+            here = _hardware_here()
+            plan_obj = plan_here(spec, rec, ctx, here)
+            placement = Placement.from_plan(plan_obj, f"planned for {here.describe()}")
     placement.context = min(placement.context, spec.config.max_position_embeddings)
     report.placement = placement
     # nothing was read before this point but headers and config
     src: TensorSource
     if qc is not None:
-        src = QuantizedSource(folder, qc)
+        src = QuantizedSource(QuantizedFolder.open(folder))
     else:
         src = OnTheFlySource(Checkpoint.open(folder), rec)
-    from quantkit.runtime import linear_attn
 
     linear_attn.install()
     model = build_skeleton(config)

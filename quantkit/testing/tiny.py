@@ -38,11 +38,11 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.fileio import replace_folder
+from quantkit.model.contract import INDEX_NAME
 from quantkit.model.spec import spec_from_config
 from quantkit.testing.tokenizer import BPE_VOCAB, N_TOKENS, special_ids, tiny_corpus, write_tokenizer
 
 SIDECAR = "quantkit-tiny.json"
-INDEX_NAME = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,66 @@
+"""Planning for the machine at hand: does a saved plan fit what is free here now, what would fit instead, and
+a plan made on the spot. Pure arithmetic over byte counts the caller measured (the runtime loader asks the
+devices; this module never touches them)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from quantkit.errors import QuantkitError
+from quantkit.model.spec import ModelSpec
+from quantkit.planner.budget import RunSettings
+from quantkit.planner.hardware import Hardware, build_hardware
+from quantkit.planner.placement import Plan, solve, spec_fingerprint, suggestions
+from quantkit.recipe import Recipe
+
+
+def hardware_here(ram_available: int) -> Hardware:
+    """The detected GPUs and the RAM that is free now (what the weights can take), not the total."""
+    return build_hardware(None, ram_bytes=ram_available)
+
+
+def check_plan(plan: Plan, spec: ModelSpec, folder: Path, plan_path: str, free_bytes: Mapping[str, int],
+               here: Hardware) -> None:
+    """Refuse a plan for another model, one that does not fit its own hardware, or one that needs more than
+    `free_bytes` (device id -> bytes free now) holds."""
+    fp = spec_fingerprint(spec)
+    if plan.fingerprint != fp:
+        raise QuantkitError(
+            f"{plan_path}: plan was made for model {plan.model!r} (fingerprint {plan.fingerprint[:12]}), not for "
+            f"{folder} ({fp[:12]}); make one with `quantkit plan --model {folder / 'config.json'} --out plan.json`")
+    if any("." in d for d in plan.layer_device):
+        raise QuantkitError(f"{plan_path}: a multi-node plan cannot run in one quantkit process")
+    if not plan.fits:
+        raise QuantkitError(f"{plan_path}: the plan itself does not fit its hardware ({plan.reason})")
+    for d in plan.devices:
+        need = d.used_bytes
+        if need and need > free_bytes.get(d.id, 0):
+            raise QuantkitError(
+                f"{plan_path}: the plan puts {need / 1e9:.1f} GB on {d.id}, but only "
+                f"{free_bytes.get(d.id, 0) / 1e9:.1f} GB is free there; {what_fits(spec, plan, here)}")
+
+
+def what_fits(spec: ModelSpec, plan: Plan, here: Hardware) -> str:
+    """A one-line suggestion of what would fit `here`."""
+    try:
+        settings = plan.settings
+        p = solve(spec, Recipe.from_dict(plan.recipe), settings, here)
+        if p.fits:
+            return f"on this machine ({here.describe()}) this recipe fits as: {p.summary()} (run without --plan)"
+        tips = suggestions(spec, here, settings, p)
+        return f"on this machine ({here.describe()}) would fit: " + ("; ".join(tips) if tips else "nothing")
+    except QuantkitError as e:
+        return f"(could not plan for this machine: {e})"
+
+
+def plan_here(spec: ModelSpec, recipe: Recipe, context: int, here: Hardware) -> Plan:
+    """A plan for `here`; refuses with what would fit when nothing does."""
+    settings = RunSettings(context=context)
+    settings.validate(spec.config)
+    p = solve(spec, recipe, settings, here)
+    if not p.fits:
+        tips = suggestions(spec, here, settings, p)
+        raise QuantkitError(f"{recipe.name} does not fit this machine ({here.describe()}): {p.reason}"
+                            + (f"; would fit: {'; '.join(tips)}" if tips else ""))
+    return p
