@@ -25,8 +25,8 @@ import openai
 import pytest
 import uvicorn
 
+from quantkit.runtime import SamplingParams
 from quantkit.server.app import ServerConfig, create_app
-from quantkit.server.backend import SamplingParams
 from quantkit.server.parsing import split_reasoning
 
 MAX_CONTEXT = 2048
@@ -116,7 +116,7 @@ def reference(backend, server, messages, tools=None, thinking=True, max_tokens=1
     """The runtime's own greedy continuation, called directly (no HTTP) while the server is idle."""
     idle(server)
     prompt = backend.render(messages, tools, thinking)
-    text = "".join(e.text for e in backend.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0),
+    text = "".join(e.text for e in backend.generate(prompt, SamplingParams(max_new_tokens=max_tokens, temperature=0.0),
                                                      threading.Event()))
     return prompt, text
 

@@ -117,3 +117,14 @@ def test_client_gone_mid_request_corrupts_nothing(client, server, backend):
             assert r.status_code == 200
     idle(server)
     assert ask(client, backend, long)[0] == ref
+
+
+def test_prompt_cache_size_option(q4, capsys, monkeypatch):  # noqa: F811
+    from quantkit.cli.runtime import parse_cache_size
+
+    from conftest import run_cli
+
+    assert parse_cache_size("auto") is None and parse_cache_size("0") == 0 and parse_cache_size("0MB") == 0
+    assert parse_cache_size("512MB") == 512 << 20
+    code, _out, err = run_cli(["serve", q4, "--prompt-cache-size", "-3GB"], capsys, monkeypatch)
+    assert code != 0 and "--prompt-cache-size '-3GB'" in err and "Traceback" not in err

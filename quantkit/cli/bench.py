@@ -139,15 +139,17 @@ def bench_session(
     experts: int = typer.Option(64, "--experts", help="experts per layer of the generated checkpoint"),
     threads: int = typer.Option(None, "--threads", help="threads for every engine (default: torch's)"),
     llama: bool = typer.Option(True, "--llama/--no-llama", help="run llama.cpp (llama-cpp-python) beside quantkit"),
+    baseline_every: int = typer.Option(1, "--baseline-every", help="run the re-prefilling baselines (quantkit "
+                                       "without reuse, llama.cpp) every N turns, and at the first and last"),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="use this bf16 realistic-shape checkpoint instead"),
 ) -> None:
     """A multi-turn agent session: time to first token per turn with and without the prompt cache, and llama.cpp."""
     from quantkit.bench.session import run
 
-    if turns < 2 or obs_tokens < 1 or new_tokens < 1:
-        fail("--turns must be at least 2, --obs-tokens and --new-tokens at least 1")
+    if turns < 2 or obs_tokens < 1 or new_tokens < 1 or baseline_every < 1:
+        fail("--turns must be at least 2, --obs-tokens, --new-tokens and --baseline-every at least 1")
     d = run(reports, workdir, turns, obs_tokens, new_tokens, layers, experts, checkpoint=checkpoint, threads=threads,
-            llama=llama, log=console.print)
+            llama=llama, baseline_every=baseline_every, log=console.print)
     for name, ok in d["checks"].items():
         console.print(f"{'PASS' if ok else 'FAIL'} {name}")
     console.print(f"wrote {reports / 'bench-session.md'} ({d['seconds']:.0f} s)")

@@ -24,10 +24,16 @@ schemas, rendered by the model's own template. One generation runs at a time per
 `rt.context` is the context length the placement was planned for, `rt.memory()` the resident weight
 bytes per device, `rt.report.routes` the kernel each matrix uses.
 
+Prompt cache: `rt.set_prompt_cache(max_bytes)` (None: a quarter of the free memory where the states live; 0:
+off) keeps snapshots of the hybrid cache at message boundaries, so a prompt that extends an earlier one is
+prefilled only past the longest cached prefix, bit-exact with a full prefill; `resp.cached_tokens` counts the
+reused tokens, `rt.prompt_cache.summary()` the cache.
+
 Modules: kernels (per-format matmuls and their dequantize-then-matmul reference), qlinear
-(QuantLinear), qexperts (QuantExperts), loader (load_model, Placement), generate (sampling loop,
-GenerationResponse, TokenEvent), engine (Runtime), chat (the interactive loop), worlds (AgentWorld
-domain system prompts).
+(QuantLinear), qexperts (QuantExperts), loader (load_model, Placement), generate (prefill and sampling loop,
+GenerationResponse, TokenEvent), state_cache (snapshots of the hybrid cache, the prefix LRU), engine
+(Runtime), chat (the interactive loop), session_file (chat --session files), worlds (AgentWorld domain
+system prompts).
 """
 
 from quantkit.runtime.engine import Runtime

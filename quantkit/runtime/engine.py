@@ -175,7 +175,7 @@ class Runtime:
         with self._lock:
             self._cancel.clear()
             ev = _AnyEvent(self._cancel, cancel)
-            stops = self.stop_ids if stop_ids is None else stop_ids
+            stops = set() if sampling.ignore_eos else self.stop_ids if stop_ids is None else stop_ids
             for e in stream_tokens(self.model, self.tokenizer, ids, sampling=sampling, stop_ids=stops,
                                    context=self.context, devices=self._io_devices(), thinking=thinking,
                                    think_ids=self.think_ids, cancel=ev, prefix_cache=self.prompt_cache,

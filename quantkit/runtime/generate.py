@@ -44,6 +44,7 @@ class SamplingParams:
     top_k: int = 20
     seed: int | None = None
     max_new_tokens: int = 512
+    ignore_eos: bool = False  # keep going past end-of-turn tokens (vLLM's extension; for benchmarks and tests)
 
     def validate(self) -> None:
         if self.temperature < 0:

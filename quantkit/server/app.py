@@ -32,7 +32,8 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quantkit.errors import QuantkitError
-from quantkit.server.backend import Backend, Prompt, SamplingParams, TokenEvent
+from quantkit.runtime.generate import TokenEvent
+from quantkit.server.backend import Backend, Prompt
 from quantkit.server.parsing import OutputDelta, OutputParser
 from quantkit.server.queue import Done, Failed, GenerationQueue, Job, QueueClosed, QueueFull
 from quantkit.server.schemas import (
@@ -268,7 +269,7 @@ class _Answer:
         self.error: str | None = None
 
     def token(self, ev: TokenEvent) -> OutputDelta:
-        if ev.token_id >= 0:
+        if ev.token is not None:
             self.tokens += 1
             if self.parser.reasoning.mode == "reasoning":
                 self.reasoning_tokens += 1
@@ -414,9 +415,9 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
                                 f"{p + max_tokens} tokens ({p} in the messages, {max_tokens} in the completion). "
                                 f"Please reduce the length of the messages or completion.",
                            param="messages", code="context_length_exceeded")
-        params = SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                                top_k=None if req.top_k is None else max(req.top_k, 0), seed=req.seed,
-                                ignore_eos=req.ignore_eos)
+        params = backend.sampling(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                  top_k=None if req.top_k is None else max(req.top_k, 0), seed=req.seed,
+                                  ignore_eos=req.ignore_eos)
         job = Job(prompt=prompt, params=params, loop=asyncio.get_running_loop())
         try:
             state["queue"].submit(job)

@@ -1,5 +1,9 @@
 """What the server needs from a model: a prompt from chat messages, and tokens as they are generated.
 
+The generation vocabulary is the runtime's (quantkit.runtime.generate): `SamplingParams` (max_new_tokens,
+temperature, top_p, top_k, seed, ignore_eos) and `TokenEvent` (text, token, channel, cached_tokens, and the
+closing event's response), so there is one definition of each.
+
 `Backend` is the small protocol the HTTP layer and the queue are written against; `RuntimeBackend`
 (quantkit/server/runtime_backend.py) implements it on quantkit's quantized runtime. One backend serves
 one request at a time (the queue's worker thread is its only caller).
@@ -12,15 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int
-    temperature: float | None = None  # None: the model's generation_config default
-    top_p: float | None = None
-    top_k: int | None = None  # 0: off
-    seed: int | None = None
-    ignore_eos: bool = False  # keep going past end-of-turn tokens (vLLM's extension; for benchmarks and tests)
+from quantkit.runtime.generate import SamplingParams, TokenEvent
 
 
 @dataclass(frozen=True)
@@ -34,13 +30,6 @@ class Prompt:
         return self.text.rstrip("\n").endswith("<think>")
 
 
-@dataclass(frozen=True)
-class TokenEvent:
-    token_id: int  # -1: no new token, only text held back until the end (an incomplete character)
-    text: str  # the text this token adds to the output (may be "" while a multi-byte character is split)
-    cached_tokens: int = 0  # prompt tokens restored from the backend's prompt cache instead of prefilled
-
-
 class Backend(Protocol):
     model_id: str
     max_context: int
@@ -50,9 +39,14 @@ class Backend(Protocol):
         """The model's chat template applied (with the generation prompt) and tokenized."""
         ...
 
+    def sampling(self, **overrides: Any) -> SamplingParams:
+        """The model's sampling defaults (generation_config.json), then `overrides` (None = keep the default)."""
+        ...
+
     def generate(self, prompt: Prompt, params: SamplingParams, cancel: threading.Event) -> Iterator[TokenEvent]:
-        """Generated tokens, ending at an end-of-turn token, after `params.max_tokens`, or soon after
-        `cancel` is set. End-of-turn tokens are not yielded."""
+        """The runtime's token events: one per generated token, ending at an end-of-turn token (not yielded
+        unless `params.ignore_eos`), after `params.max_new_tokens`, or soon after `cancel` is set; a last
+        event with `token` None carries the runtime's GenerationResponse."""
         ...
 
     def cache_summary(self) -> dict[str, Any] | None:

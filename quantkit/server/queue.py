@@ -18,7 +18,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from quantkit.server.backend import Backend, Prompt, SamplingParams
+from quantkit.runtime.generate import SamplingParams
+from quantkit.server.backend import Backend, Prompt
 
 
 class QueueFull(Exception):
@@ -158,13 +159,14 @@ class GenerationQueue:
                 with contextlib.closing(self.backend.generate(job.prompt, job.params, job.cancel)) as events:
                     for ev in events:
                         cached = ev.cached_tokens
-                        if ev.token_id >= 0:
-                            n += 1
-                            last = time.perf_counter()
-                            if first is None:
-                                first = last
+                        if ev.token is None:  # the runtime's closing summary: the Done below replaces it
+                            continue
+                        n += 1
+                        last = time.perf_counter()
+                        if first is None:
+                            first = last
                         job._put(ev)
-                        if job.cancel.is_set() or n >= job.params.max_tokens:
+                        if job.cancel.is_set() or n >= job.params.max_new_tokens:
                             break
         except Exception as e:  # a failed generation answers its request; the server keeps serving
             with self._cv:
@@ -174,7 +176,7 @@ class GenerationQueue:
         if job.cancel.is_set():
             reason = job.stop_reason
         else:
-            reason = "length" if n >= job.params.max_tokens else "stop"
+            reason = "length" if n >= job.params.max_new_tokens else "stop"
         with self._cv:
             self.stats.generated_tokens += n
             if reason == "cancelled":

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from quantkit.errors import QuantkitError
-from quantkit.server.backend import Prompt, SamplingParams, TokenEvent
+from quantkit.runtime.generate import SamplingParams, TokenEvent
+from quantkit.server.backend import Prompt
 
 
 class RuntimeBackend:
@@ -38,15 +40,13 @@ class RuntimeBackend:
         text, ids = self.runtime.render_ids(messages, tools, enable_thinking)
         return Prompt(text, ids)
 
+    def sampling(self, **overrides: Any) -> SamplingParams:
+        return self.runtime.sampling(**overrides)
+
     def generate(self, prompt: Prompt, params: SamplingParams, cancel: threading.Event) -> Iterator[TokenEvent]:
-        rt = self.runtime
-        sp = rt.sampling(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, seed=params.seed,
-                         max_new_tokens=params.max_tokens)
-        kw = {"stop_ids": set()} if params.ignore_eos else {}
-        for ev in rt.generate_ids(prompt.ids, sp, thinking=prompt.opens_reasoning, cancel=cancel, **kw):
-            if ev.token is None:  # the closing event with the runtime's own summary
-                return
-            yield TokenEvent(ev.token, self._tags.get(ev.token, ev.text), ev.cached_tokens)
+        for ev in self.runtime.generate_ids(prompt.ids, params, thinking=prompt.opens_reasoning, cancel=cancel):
+            tag = self._tags.get(ev.token) if ev.token is not None else None
+            yield ev if tag is None else replace(ev, text=tag)
 
     def cache_summary(self) -> dict[str, Any] | None:
         return self.runtime.prompt_cache.summary()
