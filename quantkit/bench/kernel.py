@@ -31,11 +31,15 @@ import torch
 from quantkit.formats import QuantSpec
 
 DEFAULTS = {"hidden": 2048, "inter": 512, "experts": 64, "top_k": 8, "layers": 4, "tokens": 24, "reps": 5}
+GGML_KERNEL = {"int4": "Q4_0 x Q8_0", "int8": "Q8_0 x Q8_0", "bf16": "BF16 x BF16"}
 REFERENCE_GBPS = 37.6  # REFERENCE.md section 5: best 2-thread streaming read on the build machine
 
 
-def _parts(fmt: str, e: int, n: int, k: int, g: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random stored parts in quantkit's layout (codes and scales drawn directly: timing needs no real weights)."""
+def _parts(fmt: str, e: int, n: int, k: int, g: torch.Generator) -> Any:
+    """Random stored parts in quantkit's layout (codes and scales drawn directly: timing needs no real
+    weights); bf16: the weight tensor itself."""
+    if fmt == "bf16":
+        return (torch.randn(e, n, k, generator=g) * 0.02).to(torch.bfloat16)
     if fmt == "int4":
         return {"qweight": torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, generator=g),
                 "scales": ((torch.rand(e, n, k // 32, generator=g) + 0.5) * 1e-3).to(torch.bfloat16)}
@@ -43,13 +47,15 @@ def _parts(fmt: str, e: int, n: int, k: int, g: torch.Generator) -> dict[str, to
             "scales": ((torch.rand(e, n, generator=g) + 0.5) * 1e-4).to(torch.bfloat16)}
 
 
-def _spec(fmt: str) -> QuantSpec:
-    return QuantSpec("int4", 32) if fmt == "int4" else QuantSpec("int8")
+def _spec(fmt: str) -> QuantSpec | None:
+    return {"int4": QuantSpec("int4", 32), "int8": QuantSpec("int8")}.get(fmt)
 
 
 def _layer_bytes(fmt: str, h: int, i: int, k: int) -> int:
     """Bytes of codes and scales the k routed experts of one layer hold (what a token must read)."""
     per = 3 * h * i
+    if fmt == "bf16":
+        return k * per * 2
     return k * (per // 2 + per // 32 * 2 if fmt == "int4" else per + (2 * i + h) * 2)
 
 
@@ -72,8 +78,9 @@ def _quantexperts(layer: tuple[dict, dict], fmt: str, route: str | None, cfg: di
     gu, dn = layer
     grp = ExpertGroup(torch.device("cpu"), list(range(e)))
     for x in range(e):
-        grp.gate_up.append(prepare(slice_parts(gu, x), _spec(fmt), (2 * i, h), route=route))
-        grp.down.append(prepare(slice_parts(dn, x), _spec(fmt), (h, i), route=route))
+        a, b = (gu[x], dn[x]) if fmt == "bf16" else (slice_parts(gu, x), slice_parts(dn, x))
+        grp.gate_up.append(prepare(a, _spec(fmt), (2 * i, h), route=route))
+        grp.down.append(prepare(b, _spec(fmt), (h, i), route=route))
     return QuantExperts(e, h, i, [grp])
 
 
@@ -152,8 +159,11 @@ def _fill(base: ctypes.CDLL, t: int, arr: np.ndarray) -> None:
     ctypes.memmove(base.ggml_get_data(t), arr.ctypes.data, arr.nbytes)
 
 
-def _ggml_rows(fmt: str, parts: dict[str, torch.Tensor]) -> np.ndarray:
-    """Rows of GGML blocks [E, N, blocks*bytes]: int4 g32 -> Q4_0 (lossless), int8 -> Q8_0 (row scale per block)."""
+def _ggml_rows(fmt: str, parts: Any) -> np.ndarray:
+    """Rows of GGML blocks [E, N, blocks*bytes]: int4 g32 -> Q4_0 (lossless), int8 -> Q8_0 (row scale per
+    block), bf16 -> BF16 (the bytes)."""
+    if fmt == "bf16":
+        return parts.view(torch.uint8).numpy()
     if fmt == "int4":
         from quantkit.formats.int4 import int4_to_q4_0_blocks
 
@@ -172,10 +182,11 @@ def time_ggml(layers: list[tuple[dict, dict]], fmt: str, draws: torch.Tensor, wt
 
     base, cpu = _ggml_libs()
     cpu.ggml_cpu_init()
-    qt = int(gguf.GGMLQuantizationType.Q4_0 if fmt == "int4" else gguf.GGMLQuantizationType.Q8_0)
+    qt = int({"int4": gguf.GGMLQuantizationType.Q4_0, "int8": gguf.GGMLQuantizationType.Q8_0,
+              "bf16": gguf.GGMLQuantizationType.BF16}[fmt])
     f32, i32 = int(gguf.GGMLQuantizationType.F32), int(gguf.GGMLQuantizationType.I32)
     h, i, e, k = cfg["hidden"], cfg["inter"], cfg["experts"], cfg["top_k"]
-    wbytes = sum(_ggml_rows(fmt, {n: v[:1] for n, v in p.items()}).nbytes * e for lay in layers[:1] for p in lay)
+    wbytes = sum(_ggml_rows(fmt, p).nbytes for p in layers[0])
     ctx = base.ggml_init(_InitParams(wbytes * len(layers) + (256 << 20), None, False))
     if not ctx:
         raise RuntimeError("ggml_init failed")
@@ -227,7 +238,8 @@ def time_ggml(layers: list[tuple[dict, dict]], fmt: str, draws: torch.Tensor, wt
 
 
 def run(reports: Path, threads: int, layers: int = DEFAULTS["layers"], tokens: int = DEFAULTS["tokens"],
-        reps: int = DEFAULTS["reps"], formats: tuple[str, ...] = ("int4", "int8"), log: Any = print) -> dict[str, Any]:
+        reps: int = DEFAULTS["reps"], formats: tuple[str, ...] = ("int4", "int8", "bf16"),
+        log: Any = print) -> dict[str, Any]:
     from quantkit.bench.engines import _machine
     from quantkit.runtime import cpu_kernel
 
@@ -245,7 +257,8 @@ def run(reports: Path, threads: int, layers: int = DEFAULTS["layers"], tokens: i
     rows: list[dict[str, Any]] = []
     for fmt in formats:
         gen = torch.Generator().manual_seed(1)
-        lays = [(_parts(fmt, e, 2 * i, h, gen), _parts(fmt, e, h, i, gen)) for _ in range(layers)]
+        nl = max(2, layers // 2) if fmt == "bf16" else layers  # bf16 is 3.6x int4: half the layers, still >> L3
+        lays = [(_parts(fmt, e, 2 * i, h, gen), _parts(fmt, e, h, i, gen)) for _ in range(nl)]
         nbytes = _layer_bytes(fmt, h, i, k)
         bound_ref, bound_run = nbytes / (REFERENCE_GBPS * 1e9) * 1e3, nbytes / (gbps * 1e9) * 1e3
         cands: list[tuple[str, Any]] = []
@@ -257,7 +270,7 @@ def run(reports: Path, threads: int, layers: int = DEFAULTS["layers"], tokens: i
         cands.append(("torch packed ops, per expert", lambda f=fmt, ls=lays: time_quantexperts(
             ls, f, "torch", False, draws, wts, cfg)))
         cands.append(("ggml mul_mat_id graph", lambda f=fmt, ls=lays: (time_ggml(ls, f, draws, wts, cfg, threads),
-                                                                      "Q4_0 x Q8_0" if f == "int4" else "Q8_0 x Q8_0")))
+                                                                      GGML_KERNEL[f])))
         for name, fn in cands:
             try:
                 ms, route = fn()
@@ -267,7 +280,7 @@ def run(reports: Path, threads: int, layers: int = DEFAULTS["layers"], tokens: i
                 continue
             torch.set_num_threads(threads)
             log(f"  {fmt} {name}: {ms:.3f} ms per layer-token")
-            rows.append({"format": fmt, "route": name, "kernel": route, "ms": ms, "bound_ms_ref": bound_ref,
+            rows.append({"format": fmt, "route": name, "kernel": route, "ms": ms, "layers": nl, "bound_ms_ref": bound_ref,
                          "bound_ms_run": bound_run, "layer_bytes": nbytes})
         del lays
     d = {"command": f"quantkit bench kernel --threads {threads} --layers {layers} --tokens {tokens} --reps {reps}",
@@ -292,7 +305,8 @@ def render(d: dict[str, Any]) -> str:
         "",
         f"Layer: hidden {c['hidden']}, experts of {c['inter']}, top-{c['top_k']} of {c['experts']}; {c['layers']} "
         f"layers with their own weights, {c['tokens']} tokens per pass, new experts drawn per token and layer "
-        f"(the same draws for every route), best of {c['reps']} passes.",
+        f"(the same draws for every route; bf16, 3.6x the bytes of int4, runs half as many layers), best of "
+        f"{c['reps']} passes.",
         "",
         "| format | route | kernel | ms per layer-token | vs torch | vs ggml | bound ms (37.6 GB/s) | of bound | "
         "bound ms (this run) | of bound |",
