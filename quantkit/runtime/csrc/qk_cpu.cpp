@@ -24,10 +24,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <chrono>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -577,14 +574,6 @@ torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, to
   for (int64_t s = 0; s < ns; ++s)
     TORCH_CHECK(gu[s].k == hdim && gu[s].n == 2 * inter && dn[s].k == inter && dn[s].n == hdim,
                 "qk_moe: expert shapes do not match the hidden size");
-  static const bool prof = std::getenv("QK_PROFILE") != nullptr;
-  auto t0 = std::chrono::steady_clock::now();
-  auto lap = [&](const char* what) {
-    if (!prof) return;
-    auto t1 = std::chrono::steady_clock::now();
-    std::fprintf(stderr, "%s %.1f us\n", what, std::chrono::duration<double, std::micro>(t1 - t0).count());
-    t0 = t1;
-  };
   bool gu16 = false, dn16 = false;
   for (int64_t s = 0; s < ns; ++s) {
     gu16 = gu16 || gu[s].fmt == 16;
@@ -592,7 +581,6 @@ torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, to
   }
   QActBuf xa;
   quantize_rows(xf.data_ptr<float>(), 1, hdim, xa, gu16);
-  lap("quant x");
   const QAct x0 = xa.row(0, hdim);
   // gate_up, SiLU x up and the int8 blocks of the result in one pass: a work item is one expert's 32
   // intermediate values (gate rows 32j..32j+31 and the matching up rows: four 16-row tiles)
@@ -614,10 +602,8 @@ torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, to
       if (dn16) to_bf16_row(act, kBlock, aa.xb.data() + b * kBlock);
     }
   });
-  lap("gate_up+silu+quant");
   std::vector<QAct> acts(ns);
   for (int64_t s = 0; s < ns; ++s) acts[s] = aa.row(s, inter);
-  lap("silu+quant");
   torch::Tensor y = torch::empty({hdim}, torch::kFloat);
   float* yp = y.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
@@ -634,7 +620,6 @@ torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, to
       std::memcpy(yp + t * kTile, acc, valid * sizeof(float));
     }
   });
-  lap("down");
   return y;
 }
 
