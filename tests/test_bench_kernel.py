@@ -38,3 +38,22 @@ def test_small_run_writes_every_route(tmp_path, monkeypatch):
     # bytes of the k experts: int4 g32 = 4.5 bits per weight, int8 = 8 bits + a bf16 scale per row
     assert bk._layer_bytes("int4", 2048, 512, 8) == 8 * 3 * 2048 * 512 * 9 // 16
     assert bk._layer_bytes("bf16", 2048, 512, 8) == 8 * 3 * 2048 * 512 * 2
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", "bf16"])
+def test_ggml_graph_computes_the_same_layer(fmt):
+    """The ggml row times real work: its graph's output for one layer matches quantkit's fused route on
+    the same codes (both quantize activations to 8 bits per block of 32 for int4/int8: a few 1e-3 apart)."""
+    pytest.importorskip("llama_cpp")
+    cfg = {**bk.DEFAULTS, "hidden": 256, "inter": 64, "experts": 8, "top_k": 2, "reps": 1}
+    g = torch.Generator().manual_seed(0)
+    layer = (bk._parts(fmt, 8, 128, 256, g), bk._parts(fmt, 8, 256, 64, g))
+    draws = torch.tensor([[[5, 2]]])
+    wts = torch.tensor([[[0.7, 0.3]]])
+    probe: dict = {}
+    bk.time_ggml([layer], fmt, draws, wts, cfg, 1, probe)
+    q = bk._quantexperts(layer, fmt, None, cfg)
+    x = torch.from_numpy(probe["x"])[None]
+    want = q(x, draws[0, 0][None], wts[0, 0][None])[0]
+    got = torch.from_numpy(probe["out"])
+    assert float((got - want).norm() / want.norm()) < 2e-2

@@ -176,8 +176,10 @@ def _ggml_rows(fmt: str, parts: Any) -> np.ndarray:
 
 
 def time_ggml(layers: list[tuple[dict, dict]], fmt: str, draws: torch.Tensor, wts: torch.Tensor, cfg: dict,
-              threads: int) -> float:
-    """ms per layer-token of a ggml graph of all layers, computed once per token (ids rewritten per token)."""
+              threads: int, probe: dict | None = None) -> float:
+    """ms per layer-token of a ggml graph of all layers, computed once per token (ids rewritten per token).
+    `probe` (a dict) receives the graph's input "x" and its output "out" for token 0 (tests check that the
+    graph computes the same layers as quantkit's route)."""
     import gguf
 
     base, cpu = _ggml_libs()
@@ -192,7 +194,8 @@ def time_ggml(layers: list[tuple[dict, dict]], fmt: str, draws: torch.Tensor, wt
         raise RuntimeError("ggml_init failed")
     try:
         x = base.ggml_new_tensor_2d(ctx, f32, h, 1)
-        _fill(base, x, np.random.default_rng(3).standard_normal(h).astype(np.float32))
+        x_in = np.random.default_rng(3).standard_normal(h).astype(np.float32)
+        _fill(base, x, x_in)
         cur, ids_t = x, []
         for gu, dn in layers:
             rows = _ggml_rows(fmt, gu)  # [E, 2I, ...]: gate = first I rows, up = next I
@@ -230,6 +233,11 @@ def time_ggml(layers: list[tuple[dict, dict]], fmt: str, draws: torch.Tensor, wt
                 step(tok)
             return time.perf_counter() - t
 
+        if probe is not None:
+            step(0)
+            out = np.empty(h, dtype=np.float32)
+            ctypes.memmove(out.ctypes.data, base.ggml_get_data(cur), out.nbytes)
+            probe["x"], probe["out"] = x_in, out
         one_pass()
         best = min(one_pass() for _ in range(cfg["reps"]))
         return best / (tokens * len(layers)) * 1e3
