@@ -110,19 +110,25 @@ def build(quiet: bool = False) -> ModuleType | None:
     """The compiled module: imported from the cache when its checksum matches the one written after its
     build, else (missing, stale, truncated: dlopen of a truncated module can kill the process with
     SIGBUS, so it is never tried) built afresh there. None, with one line on stderr, when it cannot be had."""
+    import fcntl
+
     d = cache_dir()
     so, stamp = _paths(d)
     try:
-        if so.exists() and stamp.exists() and stamp.read_text().strip() == _sha256(so):
-            try:
-                return _import(d)
-            except ImportError:
-                pass
-        if d.exists():
-            shutil.rmtree(d, ignore_errors=True)  # our own cache folder (named for the source's hash)
-        notice(f"building the CPU kernel once into {d} (about a minute)")
-        with _quiet_fds(quiet):
-            return _build(d)
+        d.parent.mkdir(parents=True, exist_ok=True)
+        # one process checks or builds at a time (two `quantkit` processes starting on a fresh cache)
+        with open(d.parent / f"{d.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if so.exists() and stamp.exists() and stamp.read_text().strip() == _sha256(so):
+                try:
+                    return _import(d)
+                except ImportError:
+                    pass
+            if d.exists():
+                shutil.rmtree(d, ignore_errors=True)  # our own cache folder (named for the source's hash)
+            notice(f"building the CPU kernel once into {d} (about a minute)")
+            with _quiet_fds(quiet):
+                return _build(d)
     except Exception as err:  # a compiler error, a missing ninja, an unwritable cache
         lines = str(err).strip().splitlines() or ["?"]
         reason = next((ln.strip() for ln in lines if "error:" in ln), lines[-1].strip())  # the compiler's first

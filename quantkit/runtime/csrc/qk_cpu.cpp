@@ -454,6 +454,10 @@ void silu_mul32(const float* g, const float* u, float* out) {
   for (int i = 0; i < kBlock; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
+// Tiles per thread at least: a parallel region costs a few microseconds (a fork and a barrier), so
+// small matrices (in_proj_a/b: 2 tiles) run on the calling thread. `work`: bytes read (x rows) per tile.
+int64_t grain(int64_t work) { return std::max<int64_t>(1, (int64_t{64} << 10) / std::max<int64_t>(work, 1)); }
+
 void quantize_rows(const float* x, int64_t rows, int64_t k, QActBuf& buf, bool want_bf16 = false) {
   buf.resize(rows, k);
   const int64_t nb = k / kBlock;
@@ -497,7 +501,7 @@ torch::Tensor qk_linear_bf16(torch::Tensor x, torch::Tensor w) {
     acts[r].xb = reinterpret_cast<const uint16_t*>(xb.data_ptr()) + r * k;
   torch::Tensor y = torch::empty({rows, n}, torch::kFloat);
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, m.tiles(), 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, m.tiles(), grain(m.k * 2 * kTile * rows), [&](int64_t lo, int64_t hi) {
     float tmp[kTile];
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t valid = std::min<int64_t>(kTile, n - t * kTile);
@@ -527,7 +531,7 @@ torch::Tensor qk_linear(torch::Tensor x, torch::Tensor qw, torch::Tensor scales,
   const int64_t nt = m.tiles();
   // rows of x in chunks of 64 so a tile's codes are read from memory once per chunk, not once per row
   constexpr int64_t kChunk = 64;
-  at::parallel_for(0, nt, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, nt, grain(m.k * (m.fmt == 4 ? 8 : 16) * std::min<int64_t>(rows, kChunk)), [&](int64_t lo, int64_t hi) {
     std::vector<float> tmp(std::min(rows, kChunk) * kTile);
     for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
       const int64_t nr = std::min(kChunk, rows - r0);
