@@ -21,7 +21,7 @@ import torch
 
 from quantkit.formats import QuantSpec, get_format
 from quantkit.runtime import cpu_kernel
-from quantkit.runtime.kernels import QKernel, prepare, reference_matmul
+from quantkit.runtime.kernels import DenseKernel, QBf16Kernel, QKernel, prepare, reference_matmul
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernel is not built on this machine")
@@ -84,13 +84,17 @@ def test_outliers_and_zero_blocks(isa):
 E, H, INTER, TOPK = 8, 256, 128, 4
 
 
-def experts(spec: QuantSpec, route: str | None = None, groups: list[list[int]] | None = None,
-            seed: int = 0) -> tuple[QuantExperts, list[dict], list[dict]]:
+def experts(spec: QuantSpec | None, route: str | None = None, groups: list[list[int]] | None = None,
+            seed: int = 0) -> tuple[QuantExperts, list, list]:
+    """spec None: bf16 experts (their parts are the bf16 tensors)."""
     g = torch.Generator().manual_seed(seed)
     gu = [(torch.randn(2 * INTER, H, generator=g) * 0.05).to(torch.bfloat16) for _ in range(E)]
     dn = [(torch.randn(H, INTER, generator=g) * 0.05).to(torch.bfloat16) for _ in range(E)]
-    fmt = get_format(spec.format)
-    gu_p, dn_p = [fmt.quantize(w, spec) for w in gu], [fmt.quantize(w, spec) for w in dn]
+    if spec is None:
+        gu_p, dn_p = gu, dn
+    else:
+        fmt = get_format(spec.format)
+        gu_p, dn_p = [fmt.quantize(w, spec) for w in gu], [fmt.quantize(w, spec) for w in dn]
     out = []
     for ids in groups or [list(range(E))]:
         grp = ExpertGroup(torch.device("cpu"), list(ids))
@@ -117,8 +121,12 @@ def routing(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, idx, w / w.sum(-1, keepdim=True)
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+@pytest.mark.parametrize("spec", [*SPECS, None], ids=[*SPEC_IDS, "bf16"])
 def test_fused_moe_decode_matches_reference_and_torch_route(isa, spec):
+    if spec is None and isa != 2:
+        pytest.skip("bf16 experts fuse on AVX512-BF16 only")
+    if spec is None and not cpu_kernel.bf16_available():
+        pytest.skip("no AVX512-BF16")
     q, gu_p, dn_p = experts(spec)
     qt, _, _ = experts(spec, route="torch")
     for seed in range(3):
@@ -129,6 +137,23 @@ def test_fused_moe_decode_matches_reference_and_torch_route(isa, spec):
         assert got.shape == (1, H) and got.dtype == x.dtype
         assert rel(got, want) < TOL
         assert rel(got, qt(x.bfloat16(), idx, w.bfloat16())) < TOL
+
+
+@pytest.mark.skipif(not cpu_kernel.bf16_available(), reason="no AVX512-BF16")
+@pytest.mark.parametrize("shape", [(7, 64), (40, 256), (200, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_bf16_linear_is_exact_fp32_accumulation(shape):
+    """bf16 x bf16 products summed in fp32: the fp32 matmul of the bf16-rounded inputs, to fp32 rounding;
+    above MAX_ROWS rows the same tensor goes through F.linear."""
+    g = torch.Generator().manual_seed(shape[0])
+    w = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+    k = prepare(w, None, shape)
+    assert isinstance(k, QBf16Kernel) and isinstance(k, DenseKernel)
+    for m in (1, 2, QBf16Kernel.MAX_ROWS, 9):
+        x = torch.randn(m, shape[1], generator=g)
+        ref = x.to(torch.bfloat16).float() @ w.float().t()
+        assert rel(k(x), ref) < (1e-5 if m <= QBf16Kernel.MAX_ROWS else 1e-2), m
+    assert isinstance(prepare(w, None, shape, route="torch"), DenseKernel)
+    assert not isinstance(prepare(w, None, shape, route="torch"), QBf16Kernel)
 
 
 class CountingModule:
@@ -227,6 +252,11 @@ def test_no_avx512_switch_runs_the_avx2_path():
         pytest.skip("no AVX2")
     p = run_probe({"QUANTKIT_NO_AVX512": "1"})
     assert route_line(p) == "ROUTE quantkit qk int4 (AVX2, int8 activations) True"
+    code = ("import torch\nfrom quantkit.runtime.kernels import prepare\n"
+            "print('ROUTE', prepare(torch.zeros(32, 64, dtype=torch.bfloat16), None, (32, 64)).route)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "QUANTKIT_NO_AVX512": "1"})
+    assert route_line(p) == "ROUTE bf16 F.linear"  # bf16 needs AVX512-BF16: torch keeps it
 
 
 def copy_cache(tmp_path: Path) -> Path:

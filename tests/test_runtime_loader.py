@@ -31,8 +31,13 @@ def test_quantized_modules_replace_transformers_ones(tiny_model):
         assert isinstance(lin, QuantLinear) and lin.format == "int8"
     assert all(isinstance(layer.mlp.experts, QuantExperts) and layer.mlp.experts.format == "int4"
                for layer in m.model.layers)
-    assert any("_weight_int4pack_mm_for_cpu" in r for r in rt.report.routes)
-    assert any("_weight_int8pack_mm" in r for r in rt.report.routes)
+    from quantkit.runtime import cpu_kernel
+
+    # quantkit's CPU kernel where it is built (tests/test_cpu_kernel.py), else torch's packed ops
+    int4, int8 = (("quantkit qk int4", "quantkit qk int8") if cpu_kernel.available()
+                  else ("_weight_int4pack_mm_for_cpu", "_weight_int8pack_mm"))
+    assert any(int4 in r for r in rt.report.routes)
+    assert any(int8 in r for r in rt.report.routes)
     # resident bytes: the packed weights plus the bf16 rest, less than the bf16 checkpoint
     src = sum(p.stat().st_size for p in Path(tiny_model).glob("*.safetensors"))
     assert 0 < rt.memory()["cpu"] < src

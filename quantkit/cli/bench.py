@@ -99,6 +99,21 @@ def bench_gguf(
     console.print(f"default type: {d['default']}; wrote {reports / 'bench-gguf.md'} ({d['seconds']:.0f} s)")
 
 
+@bench_app.command("kernel")
+def bench_kernel(
+    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-kernel.{md,json} go"),
+    threads: int = typer.Option(None, "--threads", help="threads for every route [default: every physical core]"),
+    layers: int = typer.Option(4, "--layers", help="MoE layers with their own weights (tokens read them from DRAM)"),
+    tokens: int = typer.Option(24, "--tokens", help="tokens per timed pass"),
+    reps: int = typer.Option(5, "--reps", help="timed passes per route (best is reported)"),
+) -> None:
+    """One MoE layer at batch-1 decode: quantkit's CPU kernel vs torch's ops vs ggml, and the bandwidth bound."""
+    from quantkit.bench.kernel import run
+
+    d = run(reports, _threads(threads), layers, tokens, reps, log=console.print)
+    console.print(f"wrote {reports / 'bench-kernel.md'} ({d['seconds']:.0f} s)")
+
+
 @bench_app.command("decode")
 def bench_decode(
     reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-decode.{md,json,png} go"),

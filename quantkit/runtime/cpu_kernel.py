@@ -15,8 +15,12 @@ corrupt file. At run time the first use imports it (building it if missing, abou
 goes wrong (no compiler, a failed build, a CPU without AVX2) costs one line on stderr and the runtime
 keeps torch's kernels.
 
+bf16 weights (kept tensors, bf16 experts): on CPUs with AVX512-BF16 the same module dots them as they
+are stored (row-major, no repack) with bf16 activations at decode batch sizes (`vdpbf16ps`, fp32
+accumulation), and bf16 experts join the fused MoE call; prefill keeps torch's `F.linear` (oneDNN GEMM).
+
 Switches: `QUANTKIT_CPU_KERNEL=off` keeps torch's kernels; `QUANTKIT_NO_AVX512=1` uses the AVX2 path
-(what a CPU without AVX512-VNNI runs).
+(what a CPU without AVX512-VNNI runs; bf16 weights then stay on torch).
 
 Error of the int8 activations: each block of 32 is rounded to 127 levels of its largest magnitude, a
 relative error of about 2^-8 per element, the same order as the bf16 activations torch's route takes;
@@ -106,19 +110,25 @@ def build(quiet: bool = False) -> ModuleType | None:
     """The compiled module: imported from the cache when its checksum matches the one written after its
     build, else (missing, stale, truncated: dlopen of a truncated module can kill the process with
     SIGBUS, so it is never tried) built afresh there. None, with one line on stderr, when it cannot be had."""
+    import fcntl
+
     d = cache_dir()
     so, stamp = _paths(d)
     try:
-        if so.exists() and stamp.exists() and stamp.read_text().strip() == _sha256(so):
-            try:
-                return _import(d)
-            except ImportError:
-                pass
-        if d.exists():
-            shutil.rmtree(d, ignore_errors=True)  # our own cache folder (named for the source's hash)
-        notice(f"building the CPU kernel once into {d} (about a minute)")
-        with _quiet_fds(quiet):
-            return _build(d)
+        d.parent.mkdir(parents=True, exist_ok=True)
+        # one process checks or builds at a time (two `quantkit` processes starting on a fresh cache)
+        with open(d.parent / f"{d.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if so.exists() and stamp.exists() and stamp.read_text().strip() == _sha256(so):
+                try:
+                    return _import(d)
+                except ImportError:
+                    pass
+            if d.exists():
+                shutil.rmtree(d, ignore_errors=True)  # our own cache folder (named for the source's hash)
+            notice(f"building the CPU kernel once into {d} (about a minute)")
+            with _quiet_fds(quiet):
+                return _build(d)
     except Exception as err:  # a compiler error, a missing ninja, an unwritable cache
         lines = str(err).strip().splitlines() or ["?"]
         reason = next((ln.strip() for ln in lines if "error:" in ln), lines[-1].strip())  # the compiler's first
@@ -166,7 +176,14 @@ def module() -> ModuleType | None:
     if os.environ.get("QUANTKIT_NO_AVX512", "").strip() not in ("", "0"):
         best = min(best, 1)
     mod.set_isa(best)
+    mod.set_bf16(best == 2 and mod.has_bf16())
     return mod
+
+
+def bf16_available() -> bool:
+    """Whether bf16 matrices can use the kernel (AVX512-BF16 CPUs; not under QUANTKIT_NO_AVX512)."""
+    mod = module()
+    return bool(mod is not None and mod.has_bf16())
 
 
 def isa_name() -> str:
@@ -224,9 +241,12 @@ def repack_int8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
 
 
 def supports(fmt: str, shape: tuple[int, ...], device: torch.device) -> bool:
-    """Whether a matrix of this format and shape can run on the kernel (and the kernel is there)."""
-    return (device.type == "cpu" and fmt in ("int4", "int8") and len(shape) == 2 and shape[1] % BLOCK == 0
-            and shape[0] > 0 and available())
+    """Whether a matrix of this format ("bf16" for kept weights) and shape can run on the kernel."""
+    if device.type != "cpu" or len(shape) != 2 or shape[1] % BLOCK or shape[0] <= 0:
+        return False
+    if fmt == "bf16":
+        return bf16_available()
+    return fmt in ("int4", "int8") and available()
 
 
 def main(argv: list[str] | None = None) -> int:

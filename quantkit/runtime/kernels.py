@@ -6,7 +6,8 @@ touching the weight again. `reference_matmul` is the plain dequantize-then-matmu
 tested against.
 
 Routes (the first that applies):
-- bf16 (kept tensors): `F.linear`.
+- bf16 (kept tensors): `F.linear`; on a CPU with AVX512-BF16, quantkit's kernel at decode batch sizes
+  (`QBf16Kernel`, the stored tensor as it is).
 - int4 and int8 on a CPU with AVX2 or AVX512-VNNI: quantkit's own C++ kernel (`QKernel`, built at
   set-up: runtime/cpu_kernel.py, csrc/qk_cpu.cpp), int8 activations against the stored codes, repacked
   once at load into 16-row tiles; the torch routes below stay where it is missing or switched off
@@ -88,6 +89,30 @@ class DenseKernel(Kernel):
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.w]
+
+
+class QBf16Kernel(DenseKernel):
+    """bf16 weights on quantkit's CPU kernel (AVX512-BF16) at decode batch sizes: the stored row-major
+    tensor as it is, bf16 activations, fp32 accumulation. Batches above `MAX_ROWS` (prefill) go to
+    torch's `F.linear` (a oneDNN GEMM), on the same tensor."""
+
+    MAX_ROWS = 4
+
+    def __init__(self, w: torch.Tensor):
+        from quantkit.runtime import cpu_kernel
+
+        super().__init__(aligned(w))
+        self._mod = cpu_kernel.module()
+        self.route = "quantkit qk bf16 (AVX512-BF16) at decode, F.linear above 4 rows"
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.MAX_ROWS:
+            return super().__call__(x)
+        y = self._mod.linear_bf16(x, self.w)
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def descriptor(self) -> list[int]:
+        return [self.w.data_ptr(), 0, 0, 16, 0, self.out_features, self.in_features, 0]
 
 
 class DequantKernel(Kernel):
@@ -344,6 +369,11 @@ def prepare(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | Non
         raise QuantkitError(f"prepare takes one matrix [out, in]; got shape {list(shape)}")
     if spec is None:
         w = parts if isinstance(parts, torch.Tensor) else parts["weight"]
+        if route != "torch" and w.dtype == torch.bfloat16 and w.dim() == 2:
+            from quantkit.runtime import cpu_kernel
+
+            if cpu_kernel.supports("bf16", tuple(w.shape), w.device):
+                return QBf16Kernel(w)
         return DenseKernel(w)
     assert isinstance(parts, dict)
     if route == "dequant":

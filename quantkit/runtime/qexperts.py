@@ -11,7 +11,7 @@ goes (no buffer: the same fp32 operations in the same order); prefill sorts the 
 expert and runs one matmul per hit expert over all its tokens.
 
 Fused CPU decode: where the routed experts' kernels are quantkit's C++ kernel (`QKernel`: int4/int8 on
-a CPU with AVX2/AVX512-VNNI), one call (`qk.moe`) runs all of them (gate_up, SiLU x up, down, weighted
+a CPU with AVX2/AVX512-VNNI; `QBf16Kernel`: bf16 with AVX512-BF16), one call (`qk.moe`) runs all of them (gate_up, SiLU x up, down, weighted
 sum in slot order) on torch's thread pool, instead of 2k kernel calls and ~6k small ops from Python.
 Its table of weight pointers covers every CPU expert of the layer whatever its group, so the result
 still does not depend on the split. It is built at the first decode from the kernels then in place.
@@ -26,7 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantkit.runtime.kernels import Kernel, QKernel
+from quantkit.runtime.kernels import Kernel, QBf16Kernel, QKernel
+
+_FUSABLE = (QKernel, QBf16Kernel)
 
 
 @dataclass
@@ -81,13 +83,13 @@ class QuantExperts(nn.Module):
             for e in range(self.num_experts):
                 g = self.groups[self._owner[e]]
                 gu, dn = g.gate_up[self._local[e]], g.down[self._local[e]]
-                fits = (self._silu and g.device.type == "cpu" and type(gu) is QKernel and type(dn) is QKernel
+                fits = (self._silu and g.device.type == "cpu" and type(gu) in _FUSABLE and type(dn) in _FUSABLE
                         and (gu.out_features, gu.in_features) == (2 * self.intermediate_dim, self.hidden_dim)
                         and (dn.out_features, dn.in_features) == (self.hidden_dim, self.intermediate_dim))
                 ok.append(fits)
                 rows.append([gu.descriptor(), dn.descriptor()] if fits else [[0] * 8, [0] * 8])
             if any(ok):
-                mod = next(gu._mod for g in self.groups for gu in g.gate_up if type(gu) is QKernel)
+                mod = next(gu._mod for g in self.groups for gu in g.gate_up if type(gu) in _FUSABLE)
                 self._fused = (mod, torch.tensor(rows, dtype=torch.int64), ok)
         return self._fused or None
 

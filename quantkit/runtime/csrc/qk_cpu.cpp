@@ -14,6 +14,8 @@
 //   [NT, K/g, 16]; w = (q - 8) * scale + zero, quantkit's int4 convention.
 // - int8: qw uint8 [NT, K/32, 8, 16, 4]: byte (t, b, c, r, i) = q(16t+r, 32b+4c+i) + 128; scales fp32
 //   [NT*16]; w = q * scale.
+// - bf16 (fmt 16): the stored row-major matrix as it is; 8 rows at a time dotted with bf16 activations by
+//   AVX512-BF16 (`vdpbf16ps`, fp32 accumulation), only where the CPU has it.
 // For one 16-row tile and one 32-block the 4 (int4) or 8 (int8) 64-byte rows are each one zmm: lane r
 // holds 4 consecutive codes of row r, multiplied by the same 4 activation bytes broadcast to all lanes.
 // The +8 / +128 offsets of the unsigned codes are removed with the block's activation sum.
@@ -22,10 +24,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
-#include <chrono>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -39,7 +38,7 @@ struct QMat {
   const uint8_t* qw = nullptr;
   const void* scales = nullptr;   // int4: bf16 [NT, G, 16]; int8: fp32 [NT*16]
   const uint16_t* zeros = nullptr;  // int4 asymmetric: bf16 [NT, G, 16]
-  int64_t fmt = 4;  // 4 or 8
+  int64_t fmt = 4;  // 4, 8 or 16 (bf16, row-major [n, k] at qw)
   int64_t group = 32;
   int64_t n = 0;  // real rows
   int64_t k = 0;  // columns (a multiple of 32)
@@ -52,21 +51,24 @@ struct QAct {
   const float* d;
   const int32_t* s;
   const float* ds;
+  const uint16_t* xb;  // the same row in bf16 (for bf16 matrices)
 };
 
 struct QActBuf {
   std::vector<int8_t> q;
   std::vector<float> d, ds;
   std::vector<int32_t> s;
+  std::vector<uint16_t> xb;
   void resize(int64_t rows, int64_t k) {
     q.resize(rows * k);
+    xb.resize(rows * k);
     d.resize(rows * k / kBlock);
     ds.resize(rows * k / kBlock);
     s.resize(rows * k / kBlock);
   }
   QAct row(int64_t r, int64_t k) const {
     const int64_t nb = k / kBlock;
-    return {q.data() + r * k, d.data() + r * nb, s.data() + r * nb, ds.data() + r * nb};
+    return {q.data() + r * k, d.data() + r * nb, s.data() + r * nb, ds.data() + r * nb, xb.data() + r * k};
   }
 };
 
@@ -93,6 +95,47 @@ inline int32_t load_i32(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
+}
+
+// fp32 -> bf16, round to nearest even (NaN kept a NaN), as torch's .to(torch.bfloat16)
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+void to_bf16_row(const float* x, int64_t k, uint16_t* out) {
+  for (int64_t i = 0; i < k; ++i) out[i] = to_bf16(x[i]);
+}
+
+// ---------------------------------------------------------------- AVX512-BF16 (bf16 weights)
+#define QK_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
+
+// out[r] = row r of w (row-major, k % 32 == 0) . x, for R rows
+template <int R>
+QK_BF16 void rows_bf16(const uint16_t* w, int64_t k, const uint16_t* x, float* out) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < k; j += 32) {
+    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + j);
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + r * k + j + 512), _MM_HINT_T0);
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w + r * k + j), xv);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// a 16-row tile of a bf16 matrix (rows past n give 0)
+void tile_bf16(const QMat& m, int64_t t, const QAct& a, float* out) {
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(m.qw);
+  int64_t r = t * kTile;
+  const int64_t end = std::min<int64_t>(r + kTile, m.n);
+  float* o = out;
+  for (; r + 8 <= end; r += 8, o += 8) rows_bf16<8>(w + r * m.k, m.k, a.xb, o);
+  for (; r < end; ++r, ++o) rows_bf16<1>(w + r * m.k, m.k, a.xb, o);
+  for (; o < out + kTile; ++o) *o = 0.f;
 }
 
 // ---------------------------------------------------------------- AVX512-VNNI
@@ -333,6 +376,14 @@ int isa() {
   return g_isa;
 }
 
+bool detect_bf16() {
+  __builtin_cpu_init();
+  return detect_isa() == 2 && __builtin_cpu_supports("avx512bf16");
+}
+
+bool g_bf16_off = false;  // QUANTKIT_NO_AVX512 turns the bf16 path off with the AVX512 one
+bool bf16_ok() { return !g_bf16_off && isa() == 2 && detect_bf16(); }
+
 template <int MR>
 void tile_mr(const QMat& m, int64_t t, const QAct* a, float* out) {
   if (isa() == 2) {
@@ -344,6 +395,10 @@ void tile_mr(const QMat& m, int64_t t, const QAct* a, float* out) {
 
 // rows of `a` in chunks of up to 4 (AVX2: 2, its 16 registers); out [rows][16]
 void tile(const QMat& m, int64_t t, const QAct* a, int64_t rows, float* out) {
+  if (m.fmt == 16) {
+    for (int64_t r = 0; r < rows; ++r) tile_bf16(m, t, a[r], out + r * kTile);
+    return;
+  }
   const int64_t step = isa() == 2 ? 4 : 2;
   for (int64_t r = 0; r < rows; r += step) {
     const int64_t n = std::min(step, rows - r);
@@ -399,13 +454,19 @@ void silu_mul32(const float* g, const float* u, float* out) {
   for (int i = 0; i < kBlock; ++i) out[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
 }
 
-void quantize_rows(const float* x, int64_t rows, int64_t k, QActBuf& buf) {
+// Tiles per thread at least: a parallel region costs a few microseconds (a fork and a barrier), so
+// small matrices (in_proj_a/b: 2 tiles) run on the calling thread. `work`: bytes read (x rows) per tile.
+int64_t grain(int64_t work) { return std::max<int64_t>(1, (int64_t{64} << 10) / std::max<int64_t>(work, 1)); }
+
+void quantize_rows(const float* x, int64_t rows, int64_t k, QActBuf& buf, bool want_bf16 = false) {
   buf.resize(rows, k);
   const int64_t nb = k / kBlock;
   at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r)
+    for (int64_t r = lo; r < hi; ++r) {
       quantize_any(x + r * k, k, buf.q.data() + r * k, buf.d.data() + r * nb, buf.s.data() + r * nb,
                    buf.ds.data() + r * nb);
+      if (want_bf16) to_bf16_row(x + r * k, k, buf.xb.data() + r * k);
+    }
   });
 }
 
@@ -416,6 +477,41 @@ int64_t qk_detect_isa() { return detect_isa(); }
 void qk_set_isa(int64_t level) {
   TORCH_CHECK(level >= 1 && level <= detect_isa(), "qk: this CPU does not have that instruction set");
   g_isa = static_cast<int>(level);
+}
+bool qk_has_bf16() { return bf16_ok(); }
+void qk_set_bf16(bool on) {
+  TORCH_CHECK(!on || (isa() == 2 && detect_bf16()), "qk: this CPU has no AVX512-BF16");
+  g_bf16_off = !on;
+}
+
+// y [M, N] fp32 = x [M, K] @ W^T for a row-major bf16 W (decode batch sizes; prefill stays with torch)
+torch::Tensor qk_linear_bf16(torch::Tensor x, torch::Tensor w) {
+  TORCH_CHECK(bf16_ok(), "qk: no AVX512-BF16 on this CPU");
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous() &&
+              x.size(1) == w.size(1) && w.size(1) % kBlock == 0, "qk_linear_bf16: x [M, K], w bf16 [N, K], K % 32 == 0");
+  const int64_t rows = x.size(0), k = x.size(1), n = w.size(0);
+  torch::Tensor xb = x.to(torch::kBFloat16).contiguous();
+  QMat m;
+  m.qw = reinterpret_cast<const uint8_t*>(w.data_ptr());
+  m.fmt = 16;
+  m.n = n;
+  m.k = k;
+  std::vector<QAct> acts(rows);
+  for (int64_t r = 0; r < rows; ++r)
+    acts[r].xb = reinterpret_cast<const uint16_t*>(xb.data_ptr()) + r * k;
+  torch::Tensor y = torch::empty({rows, n}, torch::kFloat);
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, m.tiles(), grain(m.k * 2 * kTile * rows), [&](int64_t lo, int64_t hi) {
+    float tmp[kTile];
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t valid = std::min<int64_t>(kTile, n - t * kTile);
+      for (int64_t r = 0; r < rows; ++r) {
+        tile_bf16(m, t, acts[r], tmp);
+        std::memcpy(yp + r * n + t * kTile, tmp, valid * sizeof(float));
+      }
+    }
+  });
+  return y;
 }
 
 // y [M, N] fp32 = x [M, K] @ W^T
@@ -435,7 +531,7 @@ torch::Tensor qk_linear(torch::Tensor x, torch::Tensor qw, torch::Tensor scales,
   const int64_t nt = m.tiles();
   // rows of x in chunks of 64 so a tile's codes are read from memory once per chunk, not once per row
   constexpr int64_t kChunk = 64;
-  at::parallel_for(0, nt, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, nt, grain(m.k * (m.fmt == 4 ? 8 : 16) * std::min<int64_t>(rows, kChunk)), [&](int64_t lo, int64_t hi) {
     std::vector<float> tmp(std::min(rows, kChunk) * kTile);
     for (int64_t r0 = 0; r0 < rows; r0 += kChunk) {
       const int64_t nr = std::min(kChunk, rows - r0);
@@ -474,6 +570,7 @@ torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, to
       m.scales = reinterpret_cast<const void*>(f[1]);
       m.zeros = reinterpret_cast<const uint16_t*>(f[2]);
       m.fmt = f[3]; m.group = f[4]; m.n = f[5]; m.k = f[6];
+      TORCH_CHECK(m.fmt != 16 || bf16_ok(), "qk_moe: bf16 experts need AVX512-BF16");
     }
   }
   torch::Tensor xf = x.to(torch::kFloat).contiguous().view(-1);
@@ -481,17 +578,13 @@ torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, to
   for (int64_t s = 0; s < ns; ++s)
     TORCH_CHECK(gu[s].k == hdim && gu[s].n == 2 * inter && dn[s].k == inter && dn[s].n == hdim,
                 "qk_moe: expert shapes do not match the hidden size");
-  static const bool prof = std::getenv("QK_PROFILE") != nullptr;
-  auto t0 = std::chrono::steady_clock::now();
-  auto lap = [&](const char* what) {
-    if (!prof) return;
-    auto t1 = std::chrono::steady_clock::now();
-    std::fprintf(stderr, "%s %.1f us\n", what, std::chrono::duration<double, std::micro>(t1 - t0).count());
-    t0 = t1;
-  };
+  bool gu16 = false, dn16 = false;
+  for (int64_t s = 0; s < ns; ++s) {
+    gu16 = gu16 || gu[s].fmt == 16;
+    dn16 = dn16 || dn[s].fmt == 16;
+  }
   QActBuf xa;
-  quantize_rows(xf.data_ptr<float>(), 1, hdim, xa);
-  lap("quant x");
+  quantize_rows(xf.data_ptr<float>(), 1, hdim, xa, gu16);
   const QAct x0 = xa.row(0, hdim);
   // gate_up, SiLU x up and the int8 blocks of the result in one pass: a work item is one expert's 32
   // intermediate values (gate rows 32j..32j+31 and the matching up rows: four 16-row tiles)
@@ -510,12 +603,11 @@ torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, to
       silu_mul32(h, h + 2 * kTile, act);
       const int64_t b = s * nj + j;
       quantize_any(act, kBlock, aa.q.data() + b * kBlock, aa.d.data() + b, aa.s.data() + b, aa.ds.data() + b);
+      if (dn16) to_bf16_row(act, kBlock, aa.xb.data() + b * kBlock);
     }
   });
-  lap("gate_up+silu+quant");
   std::vector<QAct> acts(ns);
   for (int64_t s = 0; s < ns; ++s) acts[s] = aa.row(s, inter);
-  lap("silu+quant");
   torch::Tensor y = torch::empty({hdim}, torch::kFloat);
   float* yp = y.data_ptr<float>();
   const float* wp = wc.data_ptr<float>();
@@ -532,7 +624,6 @@ torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, to
       std::memcpy(yp + t * kTile, acc, valid * sizeof(float));
     }
   });
-  lap("down");
   return y;
 }
 
@@ -542,4 +633,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("set_isa", &qk_set_isa, "use a lower instruction set (tests, QUANTKIT_NO_AVX512)");
   mod.def("linear", &qk_linear, "y [M, N] fp32 = x [M, K] @ W^T from repacked int4/int8 tiles");
   mod.def("moe", &qk_moe, "one token through k routed experts in one call");
+  mod.def("has_bf16", &qk_has_bf16, "whether the bf16 path (AVX512-BF16) is in use");
+  mod.def("set_bf16", &qk_set_bf16, "turn the bf16 path off (or back on)");
+  mod.def("linear_bf16", &qk_linear_bf16, "y [M, N] fp32 = x [M, K] @ W^T, W row-major bf16");
 }
