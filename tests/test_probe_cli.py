@@ -316,3 +316,36 @@ def test_verify_refuses_entries_outside_the_folder(quantized, tmp_path, capsys, 
         man["shards"][other] = man["shards"].pop(name)
         (q / MANIFEST_NAME).write_text(json.dumps(man))
         _verify_fails(q, "refuses shard path", capsys, monkeypatch)
+
+
+def test_chat_slash_load_and_plan_files_are_read_with_a_bound(huge):
+    import io
+
+    from rich.console import Console
+
+    from quantkit.runtime import SamplingParams
+    from quantkit.runtime.chat import Chat, ChatSession
+    from quantkit.runtime.loader import load_plan_file
+
+    buf = io.StringIO()
+    chat = Chat(None, ChatSession(), SamplingParams(), Console(file=buf, width=200))
+    for f in ("/dev/zero", str(huge)):
+        count(2)
+        chat._load(f)
+        assert "larger than" in buf.getvalue() and chat.s.messages == []
+        with pytest.raises(QuantkitError, match="larger than"):
+            load_plan_file(f)
+
+
+def test_chat_prints_no_terminal_control_bytes():
+    import io
+
+    from rich.console import Console
+
+    from quantkit.runtime import SamplingParams
+    from quantkit.runtime.chat import Chat, ChatSession
+
+    count()
+    buf = io.StringIO()
+    Chat(None, ChatSession(), SamplingParams(), Console(file=buf, width=200)).say("x\x1b]0;pwned\x07\x1b[2Jy")
+    assert buf.getvalue().strip() == "xy"

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from quantkit.cli import app, console, fail
-from quantkit.cli.options import CONTEXT, COUNT, COUNT0, MAX_TOKENS
+from quantkit.cli.options import CONTEXT, COUNT, COUNT0, MAX_TOKENS, SECONDS
 
 bench_app = typer.Typer(help="Benchmarks that write reports/ (markdown + json).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
@@ -63,6 +63,29 @@ def _threads(n: int | None) -> int:
     except QuantkitError as e:
         fail(str(e))
         raise
+
+
+@bench_app.command("soak")
+def bench_soak(
+    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-soak.json and bench-serve.md go"),
+    model: Path = typer.Option(None, "--model", help="checkpoint to serve (default: a tiny int4 one made in --workdir)"),
+    workdir: Path = typer.Option(Path("/tmp/quantkit-bench-serve"), "--workdir", help="generated model and server log"),
+    clients: int = typer.Option(16, "--clients", parser=COUNT, help="concurrent clients"),
+    seconds: float = typer.Option(120, "--seconds", parser=SECONDS, help="how long the soak runs"),
+    max_queue: int = typer.Option(8, "--max-queue", parser=COUNT, help="the server's --max-queue"),
+) -> None:
+    """Soak `quantkit serve`: clients, hang-ups, oversized bodies, foreign hosts; /health and RSS watched."""
+    from quantkit.bench.soak import run_soak, write_report
+
+    d = run_soak(model, workdir, clients, seconds, max_queue, log=console.print)
+    write_report(reports, d)
+    for name, ok in d["checks"].items():
+        console.print(f"{'PASS' if ok else 'FAIL'} {name}")
+    r = d["rss"]
+    console.print(f"{d['requests']} requests; RSS {r['start'] / 1e6:.0f} -> peak {r['peak'] / 1e6:.0f} -> "
+                  f"{r['end'] / 1e6:.0f} MB; wrote {reports / 'bench-serve.md'}")
+    if not all(d["checks"].values()):
+        raise typer.Exit(1)
 
 
 @bench_app.command("engines")

@@ -1,0 +1,104 @@
+"""kill -9 at random points of every long-running writer (quantize, export gguf, export vllm, tiny-model),
+then the same command again (issue 14): the result is byte-identical to an uninterrupted run, or the command
+says exactly what to do (and doing it gives that result); no temporary file of the killed run survives.
+
+Each writer runs in a child process; it is killed once its temporary output appears plus a random delay
+(seeded: QK_FAULT_SEED, printed on failure), so most kills land mid-write and some during setup. The
+reference and the reruns run in this process (no second import of torch)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from probe_util import count, tree_digest
+
+from conftest import run_cli
+
+SEED = int(os.environ.get("QK_FAULT_SEED", "1414"))
+REPORTS = ("quantkit-report.md", "quantkit-report.json")  # hold wall-clock seconds: not byte-stable
+
+
+def _args(kind: str, src: Path, q: Path, out: Path) -> list:
+    return {
+        "quantize": ["quantize", src, "--out", out, "--max-shard-size", "60KB"],
+        "gguf": ["export", "gguf", src, out],
+        "vllm": ["export", "vllm", q, out],
+        "tiny-model": ["tiny-model", out, "--layers", "2", "--hidden", "32", "--experts", "4"],
+    }[kind]
+
+
+def _digest(out: Path) -> dict[str, str]:
+    if out.is_file():
+        return tree_digest(out.parent) and {out.name: tree_digest(out.parent)[out.name]}
+    return {k: v for k, v in tree_digest(out).items() if Path(k).name not in REPORTS}
+
+
+def _started(out: Path) -> bool:
+    """The writer has begun writing: its temporary (or, for quantize, its folder) exists."""
+    return out.exists() or any(p.name.startswith(f".{out.name}.") for p in out.parent.iterdir())
+
+
+def _kill_during(args: list, out: Path, delay: float, timeout: float = 120) -> int | None:
+    env = {**os.environ, "COLUMNS": "200"}
+    proc = subprocess.Popen([sys.executable, "-m", "quantkit", *map(str, args)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + timeout
+    while proc.poll() is None and not _started(out) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(delay)
+    if proc.poll() is None:
+        os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    return proc.returncode
+
+
+@pytest.fixture(scope="module")
+def q8(tiny_model: Path, tmp_path_factory) -> Path:
+    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.quantize.run import QuantizeOptions, run_quantize
+    from quantkit.recipe import build_recipe
+
+    out = tmp_path_factory.mktemp("faults-q") / "q"
+    run_quantize(Checkpoint.open(tiny_model), out, QuantizeOptions(recipe=build_recipe(8, "int", None, False, [], None)))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["quantize", "gguf", "vllm", "tiny-model"])
+def test_kill_9_then_rerun_gives_the_uninterrupted_result(kind, tiny_model, q8, tmp_path, capsys, monkeypatch):
+    rng = random.Random(f"{SEED}-{kind}")
+    name = "out.gguf" if kind == "gguf" else "out"
+    ref = tmp_path / "ref" / name
+    ref.parent.mkdir()
+    code, _, err = run_cli(_args(kind, tiny_model, q8, ref), capsys, monkeypatch)
+    assert code == 0, err
+    want = _digest(ref)
+    killed = 0
+    for attempt in range(2):
+        work = tmp_path / f"run{attempt}"
+        work.mkdir()
+        out = work / name
+        delay = rng.uniform(0.0, 1.5)
+        rc = _kill_during(_args(kind, tiny_model, q8, out), out, delay)
+        count()
+        killed += rc == -signal.SIGKILL
+        where = f"(seed {SEED}, kill {attempt} after {delay:.2f} s, exit {rc})"
+        args = _args(kind, tiny_model, q8, out)
+        code, _, err = run_cli([*args, "--resume" if kind == "quantize" else "--overwrite"], capsys, monkeypatch)
+        if code != 0:  # the killed run had finished: the command says what to do; doing it must work
+            assert "Traceback" not in err and len(err.strip().splitlines()) == 1, (where, err)
+            assert kind == "quantize" and "quantkit verify" in err, (where, err)
+            code, _, err = run_cli(["verify", out], capsys, monkeypatch)
+            assert code == 0, (where, err)
+        assert _digest(out) == want, f"rerun differs from the uninterrupted run {where}"
+        leftovers = [p.name for p in work.iterdir() if p.name.startswith(".")]
+        if out.is_dir():
+            leftovers += [p.name for p in out.iterdir() if p.name.endswith(".tmp") or "progress" in p.name]
+        assert leftovers == [], (where, leftovers)
+    assert killed >= 1, "no kill landed before the writer finished: the test proved nothing"
