@@ -97,3 +97,16 @@ def bench_decode(
     d = run(reports, workdir, layers, experts, prompt, decode, reps, names, rounds, threads, vocab,
             log=console.print)
     console.print(f"wrote {reports / 'bench-decode.md'} ({d['seconds']:.0f} s)")
+
+
+@bench_app.command("calibrated")
+def bench_calibrated(
+    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-calibrated.{md,json,png} go"),
+    calib_tokens: int = typer.Option(8192, "--calib-tokens", help="calibration tokens (default corpus)"),
+    eval_tokens: int = typer.Option(4096, "--eval-tokens", help="held-out tokens for perplexity and KLD"),
+) -> None:
+    """RTN vs imatrix vs GPTQ on SmolLM2-135M (a real trained model): perplexity and KLD, int4 g128/g32, int8."""
+    from quantkit.bench.calibrated import run
+
+    d = run(reports, calib_tokens, eval_tokens, log=console.print)
+    console.print(f"wrote {reports / 'bench-calibrated.md'} ({d['seconds']:.0f} s)")

@@ -40,6 +40,14 @@ def stats(
         console.print(f"resumed after {res.resumed_layers} finished layers")
     console.print(f"{out}: statistics of {res.layers} layers from {res.n_tokens:,} tokens "
                   f"(+{res.n_heldout:,} held out) in {res.seconds:.1f} s")
+    from quantkit.quantize.stats import Stats, routing_coverage
+
+    st = Stats.open(out)
+    if st.routing():
+        cov = [routing_coverage(st, f) for f in (0.125, 0.25, 0.5)]
+        console.print("routing profile: the most-routed " + ", ".join(
+            f"{c['fraction']:.1%} of (layer, expert) pairs serve {c['in_sample']:.1%} of routed tokens "
+            f"({c.get('held_out', float('nan')):.1%} held out)" for c in cov))
     if imatrix is not None:
         from quantkit.quantize.imatrix import write_imatrix_gguf
 
