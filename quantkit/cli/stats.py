@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from quantkit.cli import app, console, err_console
+from quantkit.cli.export import export_app
 from quantkit.cli.progress import RichProgress, tensor_progress
 
 
@@ -53,3 +54,16 @@ def stats(
 
         write_imatrix_gguf(out, imatrix, ckpt=ckpt, overwrite=overwrite)
         console.print(f"{imatrix}: llama.cpp imatrix (GGUF)")
+
+
+@export_app.command("imatrix")
+def export_imatrix(
+    stats_file: Path = typer.Argument(..., help="statistics written by `quantkit stats`"),
+    out: Path = typer.Argument(..., help="imatrix GGUF to write (for llama-quantize --imatrix)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing output file"),
+) -> None:
+    """Write a statistics file as a llama.cpp imatrix GGUF."""
+    from quantkit.quantize.imatrix import write_imatrix_gguf
+
+    write_imatrix_gguf(stats_file, out, overwrite=overwrite)
+    console.print(f"{out}: llama.cpp imatrix (GGUF) from {stats_file}")
