@@ -89,3 +89,10 @@ def test_cli_writes_the_imatrix_beside_the_stats(tiny_model, tmp_path, capsys, m
     assert all(np.isfinite(v).all() and (v >= 0).all() for v in imp.values())
     assert len(imp) == len(read_imatrix_gguf(im)) > 30
     assert torch.isfinite(Stats.open(out).get(f"{LM}layers.0.mlp.experts.down_proj.in_sum2")).all()
+    # the same file from an existing statistics file
+    im2 = tmp_path / "again.gguf"
+    code, so, err = run_cli(["export", "imatrix", out, im2], capsys, monkeypatch)
+    assert code == 0, err
+    assert im2.read_bytes() == im.read_bytes()
+    code, so, err = run_cli(["export", "imatrix", out, im2], capsys, monkeypatch)
+    assert code == 2 and "already exists" in err

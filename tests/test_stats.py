@@ -57,9 +57,11 @@ def test_all_expert_pass_keeps_the_routed_output_and_collects_per_expert_statist
     layer = _build_layer(ck, cfg, 0)
     x = layer.post_attention_layernorm(hidden)
     with torch.no_grad():
-        want = layer.mlp(x)  # transformers' own routed MoE block
         acc = _Acc()
+        assert layer.mlp.experts.gate_up_proj.dtype == torch.bfloat16  # stacks stay as stored
         got = _moe_forward(layer.mlp, x, acc, f"{LM}layers.0.")
+        layer.mlp.experts.float()  # what _moe_forward computes with, one expert at a time
+        want = layer.mlp(x)  # transformers' own routed MoE block
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     flat = x.reshape(-1, x.shape[-1])
     gu, dn = f"{LM}layers.0.mlp.experts.gate_up_proj", f"{LM}layers.0.mlp.experts.down_proj"
@@ -123,3 +125,15 @@ def test_cli_default_corpus_then_refusals(tiny_model, tiny_model_mtp, tiny_stats
     code, so, err = run_cli(["quantize", tiny_model, "--method", "imatrix", "--stats", bogus, "--out",
                              tmp_path / "q"], capsys, monkeypatch)
     assert code == 2 and "not a quantkit statistics file" in err
+
+
+def test_routing_coverage_ranks_pairs_by_calibration_counts(tiny_stats):
+    from quantkit.quantize.stats import routing_coverage
+
+    s = Stats.open(tiny_stats)
+    half = routing_coverage(s, 0.5)
+    allp = routing_coverage(s, 1.0)
+    assert allp["in_sample"] == 1.0 and allp["held_out"] == 1.0
+    c = torch.cat([v for v in s.routing().values()]).double()
+    assert half["in_sample"] == float(c.sort(descending=True).values[:16].sum() / c.sum())
+    assert 0.5 <= half["in_sample"] <= 1.0 and 0 < half["held_out"] <= 1.0

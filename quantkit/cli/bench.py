@@ -191,3 +191,21 @@ def bench_session(
     for name, ok in d["checks"].items():
         console.print(f"{'PASS' if ok else 'FAIL'} {name}")
     console.print(f"wrote {reports / 'bench-session.md'} ({d['seconds']:.0f} s)")
+
+
+@bench_app.command("calibrated")
+def bench_calibrated(
+    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-calibrated.{md,json,png} go"),
+    calib_tokens: int = typer.Option(8192, "--calib-tokens", help="calibration tokens (default corpus)"),
+    eval_tokens: int = typer.Option(4096, "--eval-tokens", help="held-out tokens for perplexity and KLD"),
+    realistic_dir: Path = typer.Option(None, "--realistic-dir", help="also time stats + GPTQ per layer on a "
+                                       "realistic-shape checkpoint generated here, extrapolated to the 35B"),
+) -> None:
+    """RTN vs imatrix vs GPTQ on SmolLM2-135M (a real trained model): perplexity and KLD, int4 g128/g32, int8."""
+    import sys
+
+    from quantkit.bench.calibrated import run
+
+    d = run(reports, calib_tokens, eval_tokens, log=console.print, realistic_dir=realistic_dir,
+            command="flock /tmp/quantkit-bench.lock quantkit " + " ".join(sys.argv[1:]))
+    console.print(f"wrote {reports / 'bench-calibrated.md'} ({d['seconds']:.0f} s)")

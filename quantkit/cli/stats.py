@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from quantkit.cli import app, console, err_console
+from quantkit.cli.export import export_app
 from quantkit.cli.progress import RichProgress, tensor_progress
 
 
@@ -40,8 +41,29 @@ def stats(
         console.print(f"resumed after {res.resumed_layers} finished layers")
     console.print(f"{out}: statistics of {res.layers} layers from {res.n_tokens:,} tokens "
                   f"(+{res.n_heldout:,} held out) in {res.seconds:.1f} s")
+    from quantkit.quantize.stats import Stats, routing_coverage
+
+    st = Stats.open(out)
+    if st.routing():
+        cov = [routing_coverage(st, f) for f in (0.125, 0.25, 0.5)]
+        console.print("routing profile: the most-routed " + ", ".join(
+            f"{c['fraction']:.1%} of (layer, expert) pairs serve {c['in_sample']:.1%} of routed tokens "
+            f"({c.get('held_out', float('nan')):.1%} held out)" for c in cov))
     if imatrix is not None:
         from quantkit.quantize.imatrix import write_imatrix_gguf
 
         write_imatrix_gguf(out, imatrix, ckpt=ckpt, overwrite=overwrite)
         console.print(f"{imatrix}: llama.cpp imatrix (GGUF)")
+
+
+@export_app.command("imatrix")
+def export_imatrix(
+    stats_file: Path = typer.Argument(..., help="statistics written by `quantkit stats`"),
+    out: Path = typer.Argument(..., help="imatrix GGUF to write (for llama-quantize --imatrix)"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing output file"),
+) -> None:
+    """Write a statistics file as a llama.cpp imatrix GGUF."""
+    from quantkit.quantize.imatrix import write_imatrix_gguf
+
+    write_imatrix_gguf(stats_file, out, overwrite=overwrite)
+    console.print(f"{out}: llama.cpp imatrix (GGUF) from {stats_file}")

@@ -8,8 +8,8 @@ Contract:
 - The model runs layer by layer: the embedding rows of the calibration tokens, then each decoder layer
   built from transformers' own `Qwen3_5MoeDecoderLayer` with its weights loaded alone (fp32 compute),
   the hidden states of all tokens carried from one layer to the next, then the final norm (for lm_head).
-  Peak memory is about one layer's weights in fp32 plus the hidden states and the statistics of one
-  layer, whatever the number of layers.
+  Peak memory is about one layer's weights (routed experts as stored, the rest in fp32) plus the hidden
+  states and the statistics of one layer, whatever the number of layers.
 - MoE layers are calibrated on ALL experts for every token (as llm-compressor's
   `moe_calibrate_all_experts`): each expert's down_proj sees every token's act(gate)*up, while the layer's
   output keeps only the routed experts' contributions, so the next layer sees what the model computes.
@@ -135,14 +135,14 @@ def _moe_forward(block: Any, x: torch.Tensor, acc: _Acc, prefix: str) -> torch.T
     out = torch.zeros_like(x)
     hs, s2 = [], []
     for e in range(n_exp):
-        g, u = F.linear(x, gate_up[e]).split(inter, dim=-1)
+        g, u = F.linear(x, gate_up[e].float()).split(inter, dim=-1)
         h = block.experts.act_fn(g) * u  # [T, I]: every token through every expert
         hs.append(h.T @ h)
         if not acc.heldout:
             s2.append(routed[:, e] @ h.square())
         rows, slot = (chosen == e).nonzero(as_tuple=True)
         if rows.numel():
-            out.index_add_(0, rows, F.linear(h[rows], down[e]) * weights[rows, slot, None].to(x.dtype))
+            out.index_add_(0, rows, F.linear(h[rows], down[e].float()) * weights[rows, slot, None].to(x.dtype))
     acc.add(f"{dn_name}.{'heldout_hessian' if acc.heldout else 'hessian'}", torch.stack(hs))
     if not acc.heldout:
         acc.add(f"{dn_name}.in_sum2", torch.stack(s2))
@@ -177,7 +177,10 @@ def _build_layer(ckpt: Checkpoint, cfg: Any, i: int) -> torch.nn.Module:
             w = ckpt.load(prefix + pname)
         except (KeyError, QuantkitError) as e:
             raise QuantkitError(f"{ckpt.path}: layer {i} lacks {prefix + pname} ({e})") from None
-        mod._parameters[leaf] = torch.nn.Parameter(w.float(), requires_grad=False)
+        # expert stacks stay in their stored dtype (the largest tensors of a layer: 1.6 GB in bf16 at the
+        # 35B's shapes) and are cast one expert at a time in _moe_forward; the rest computes in fp32
+        keep = pname.startswith("mlp.experts.")
+        mod._parameters[leaf] = torch.nn.Parameter(w if keep else w.float(), requires_grad=False)
     return layer.eval()
 
 
@@ -426,3 +429,20 @@ class Stats:
             if k.endswith(suffix) and k.startswith(f"{LM}layers."):
                 out[int(k[len(f"{LM}layers."):].split(".")[0])] = self.get(k)
         return dict(sorted(out.items()))
+
+
+def routing_coverage(stats: Stats, fraction: float) -> dict[str, float]:
+    """How much routed traffic the most-routed `fraction` of (layer, expert) pairs serve: ranked by the
+    calibration counts, measured on the calibration tokens (in-sample) and on the held-out tokens
+    (what a static placement profile can expect on new text of the same corpus)."""
+    cal, held = stats.routing(), stats.routing(heldout=True)
+    if not cal:
+        raise QuantkitError(f"{stats.path} holds no routing counts (no MoE layer)")
+    c = torch.stack([cal[k] for k in sorted(cal)]).flatten().double()
+    h = torch.stack([held[k] for k in sorted(held)]).flatten().double() if held else None
+    k = max(1, round(fraction * c.numel()))
+    top = torch.argsort(c, descending=True, stable=True)[:k]
+    out = {"fraction": k / c.numel(), "in_sample": float(c[top].sum() / c.sum())}
+    if h is not None and h.sum() > 0:
+        out["held_out"] = float(h[top].sum() / h.sum())
+    return out
