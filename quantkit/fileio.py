@@ -32,7 +32,8 @@ def temp_name(path: Path) -> Path:
 
 
 def pid_temp_name(path: Path, tag: str = "tmp") -> Path:
-    """A per-process temporary beside `path` (`.NAME.tmp-PID`, or `.NAME.old-PID` with tag="old")."""
+    """A per-process temporary beside `path` (`.NAME.tmp-PID`; tag "old" for a replaced output, "mid" for an
+    intermediate file)."""
     return path.with_name(f".{path.name}.{tag}-{os.getpid()}")
 
 
@@ -49,12 +50,12 @@ def _alive(pid: int) -> bool:
 
 
 def clean_leftovers(path: Path) -> list[Path]:
-    """Remove the temporaries an interrupted run left for output `path` (`.NAME.tmp`, `.NAME.tmp-PID` and
-    `.NAME.old-PID` of processes no longer running). Returns what was removed."""
+    """Remove the temporaries an interrupted run left for output `path` (`.NAME.tmp`, and `.NAME.tmp-PID`,
+    `.NAME.old-PID` and `.NAME.mid-PID` of processes no longer running). Returns what was removed."""
     parent = path.parent
     if not parent.is_dir():
         return []
-    pat = re.compile(r"^\." + re.escape(path.name) + r"\.(?:tmp|(?:tmp|old)-(\d+))(?:[A-Za-z0-9_]*)$")
+    pat = re.compile(r"^\." + re.escape(path.name) + r"\.(?:tmp|(?:tmp|old|mid)-(\d+))(?:[A-Za-z0-9_]*)$")
     removed = []
     try:
         entries = list(parent.iterdir())

@@ -37,11 +37,17 @@ class StandIn:
         text = json.dumps(messages)
         return Prompt(text, list(range(len(text) // 4 + 1)))
 
+    def sampling(self, **overrides: Any) -> SamplingParams:
+        return SamplingParams(**{k: v for k, v in overrides.items() if v is not None})
+
     def generate(self, prompt: Prompt, params: SamplingParams, cancel: threading.Event) -> Iterator[TokenEvent]:
-        for i in range(params.max_tokens):
+        for i in range(params.max_new_tokens):
             if cancel.is_set():
                 return
-            yield TokenEvent(i, "ok ")
+            yield TokenEvent("ok ", i, "answer", i)
+
+    def cache_summary(self) -> dict[str, Any] | None:
+        return None
 
 
 OK = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

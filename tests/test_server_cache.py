@@ -125,6 +125,6 @@ def test_prompt_cache_size_option(q4, capsys, monkeypatch):  # noqa: F811
     from conftest import run_cli
 
     assert parse_cache_size("auto") is None and parse_cache_size("0") == 0 and parse_cache_size("0MB") == 0
-    assert parse_cache_size("512MB") == 512 << 20
+    assert parse_cache_size("512MB") == 512 * 10**6 and parse_cache_size("1GiB") == 1 << 30
     code, _out, err = run_cli(["serve", q4, "--prompt-cache-size", "-3GB"], capsys, monkeypatch)
     assert code != 0 and "--prompt-cache-size '-3GB'" in err and "Traceback" not in err

@@ -96,7 +96,7 @@ def bench_engines(
     experts: int = typer.Option(64, "--experts", parser=COUNT, help="experts per layer of the generated checkpoint"),
     top_k: int = typer.Option(8, "--top-k", parser=COUNT, help="experts per token"),
     vocab: int = typer.Option(248320, "--vocab", parser=COUNT, help="vocabulary (embedding and lm_head rows)"),
-    threads: int = typer.Option(None, "--threads", parser=COUNT, help="threads for both engines [default: every physical core]"),
+    threads: int = typer.Option(None, "--threads", help="threads for both engines [default: every physical core]"),
     reps: int = typer.Option(2, "--reps", parser=COUNT, help="decode repetitions per engine (best is reported)"),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="use this bf16 checkpoint instead"),
 ) -> None:
@@ -112,13 +112,13 @@ def bench_engines(
 def bench_gguf(
     reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-gguf.{md,json,png} go"),
     workdir: Path = typer.Option(Path("/tmp/quantkit-bench-gguf"), "--workdir", help="generated files go here"),
-    threads: int = typer.Option(2, "--threads", help="llama.cpp threads"),
+    threads: int = typer.Option(None, "--threads", help="llama.cpp threads [default: every physical core]"),
     reps: int = typer.Option(2, "--reps", help="decode repetitions per type (best is reported)"),
 ) -> None:
     """KL divergence per GGUF type through llama.cpp (with and without an imatrix), size and decode tok/s."""
     from quantkit.bench.gguf import run
 
-    d = run(reports, workdir, threads, reps, log=console.print)
+    d = run(reports, workdir, _threads(threads), reps, log=console.print)
     console.print(f"default type: {d['default']}; wrote {reports / 'bench-gguf.md'} ({d['seconds']:.0f} s)")
 
 
@@ -147,7 +147,7 @@ def bench_decode(
     decode: int = typer.Option(16, "--decode", parser=COUNT, help="greedy decode steps per repetition"),
     reps: int = typer.Option(1, "--reps", parser=COUNT, help="timed repetitions per process (best is kept)"),
     rounds: int = typer.Option(2, "--rounds", parser=COUNT, help="interleaved rounds over the configurations (best is kept)"),
-    threads: int = typer.Option(None, "--threads", parser=COUNT, help="torch threads in every run [default: every physical core]"),
+    threads: int = typer.Option(None, "--threads", help="torch threads in every run [default: every physical core]"),
     configs: str = typer.Option(None, "--configs", help="comma-separated subset of the configurations"),
     vocab: int = typer.Option(None, "--vocab", parser=COUNT, help="vocabulary of the generated checkpoint (default: the tiny "
                               "tokenizer's; 248320 is the real model's)"),
@@ -175,7 +175,7 @@ def bench_session(
     new_tokens: int = typer.Option(8, "--new-tokens", help="greedy tokens generated per turn"),
     layers: int = typer.Option(4, "--layers", help="layers of the generated realistic-shape checkpoint"),
     experts: int = typer.Option(64, "--experts", help="experts per layer of the generated checkpoint"),
-    threads: int = typer.Option(None, "--threads", help="threads for every engine (default: torch's)"),
+    threads: int = typer.Option(None, "--threads", help="threads for every engine [default: every physical core]"),
     llama: bool = typer.Option(True, "--llama/--no-llama", help="run llama.cpp (llama-cpp-python) beside quantkit"),
     baseline_every: int = typer.Option(1, "--baseline-every", help="run the re-prefilling baselines (quantkit "
                                        "without reuse, llama.cpp) every N turns, and at the first and last"),
@@ -186,7 +186,7 @@ def bench_session(
 
     if turns < 2 or obs_tokens < 1 or new_tokens < 1 or baseline_every < 1:
         fail("--turns must be at least 2, --obs-tokens, --new-tokens and --baseline-every at least 1")
-    d = run(reports, workdir, turns, obs_tokens, new_tokens, layers, experts, checkpoint=checkpoint, threads=threads,
+    d = run(reports, workdir, turns, obs_tokens, new_tokens, layers, experts, checkpoint=checkpoint, threads=_threads(threads),
             llama=llama, baseline_every=baseline_every, log=console.print)
     for name, ok in d["checks"].items():
         console.print(f"{'PASS' if ok else 'FAIL'} {name}")

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import typer
 
+from quantkit import sizes
 from quantkit.cli import app, console, err_console, fail
 from quantkit.cli.options import CONTEXT, MAX_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
 from quantkit.errors import QuantkitError
@@ -31,15 +32,14 @@ _CACHE_SIZE = typer.Option("auto", "--prompt-cache-size",
 
 
 def parse_cache_size(text: str) -> int | None:
-    """--prompt-cache-size: 'auto' -> None (the runtime's default), '0' -> 0 (off), else a size (64GB, 512MB)."""
-    from quantkit.planner.hardware import parse_size
-
+    """--prompt-cache-size: 'auto' -> None (the runtime's default), '0' -> 0 (off), else a size under the one
+    size rule (2GB = 2e9 bytes, 1GiB = 2^30)."""
     t = (text or "").strip().lower()
     if t == "auto":
         return None
     if t.rstrip("kmgtib ") in ("0", "0.0"):
         return 0
-    return parse_size(text, "--prompt-cache-size")
+    return sizes.parse_size(text, "--prompt-cache-size")
 
 
 def _load(model: str, plan: Path | None, recipe: str | None, context: int | None, verify: str,

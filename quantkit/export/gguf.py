@@ -430,7 +430,6 @@ def _export_llama(src_path: Path, out: Path, ftype: str, imatrix: str | Path | N
     from quantkit.export.gguf_imatrix import load_imatrix
     from quantkit.export.gguf_quantize import quantize_gguf
     from quantkit.model.gguf_file import read_gguf
-    from quantkit.quantize.run import check_disk
 
     src = ExportSource.open(src_path)
     try:
@@ -444,9 +443,8 @@ def _export_llama(src_path: Path, out: Path, ftype: str, imatrix: str | Path | N
         im = load_imatrix(imatrix, {t.name: t.piece.shape for t in planned}, quantized)
     mid_bytes = sum(t.nbytes for t in planned)
     out_bytes = sum(tensor_bytes(t.piece.shape, want[t.name][0]) for t in planned)
-    check_disk(out, mid_bytes + out_bytes + (64 << 20))
-    mid = out.with_name(f".{out.name}.bf16-{os.getpid()}")
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    check_free(out, mid_bytes + out_bytes + (64 << 20), "")
+    mid, tmp = pid_temp_name(out, "mid"), pid_temp_name(out)
     try:
         first = export_gguf(src_path, mid, "bf16", progress=progress, slab_bytes=slab_bytes)
         sizes = {t.name: tensor_bytes(t.piece.shape, want[t.name][0]) for t in planned}
