@@ -311,3 +311,12 @@ def test_repack_in_chunks_matches_one_piece(monkeypatch, spec):
     chunked = prepare(parts, spec, (100, 256))
     for a, b in zip(whole.tensors(), chunked.tensors(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_unwritable_cache_is_one_line_and_torch_route(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    p = run_probe({"QUANTKIT_KERNEL_CACHE": str(blocker / "kernels")})
+    assert route_line(p) == "ROUTE torch _weight_int4pack_mm_for_cpu True"
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("quantkit: CPU kernel unavailable"), p.stderr

@@ -112,9 +112,9 @@ def build(quiet: bool = False) -> ModuleType | None:
     SIGBUS, so it is never tried) built afresh there. None, with one line on stderr, when it cannot be had."""
     import fcntl
 
-    d = cache_dir()
-    so, stamp = _paths(d)
     try:
+        d = cache_dir()  # reads the source: a missing file is a failed build too
+        so, stamp = _paths(d)
         d.parent.mkdir(parents=True, exist_ok=True)
         # one process checks or builds at a time (two `quantkit` processes starting on a fresh cache)
         with open(d.parent / f"{d.name}.lock", "w") as lock:
