@@ -22,6 +22,7 @@ the same tokens with and without reuse. Writes reports/bench-session.{md,json,pn
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,7 @@ def run(reports: Path, workdir: Path, turns: int = 12, obs_tokens: int = 250, ne
                    **{f"{k}_{f}": runs[k][t][f] for k in runs if runs[k] for f in ("ttft_s", "prefilled", "reused")}}
                   for t, p in enumerate(ids)],
         "prompt_cache": cache, "checks": checks, "llama_cpp": llm is not None,
+        "load_avg_at_end": os.getloadavg()[0],
         "seconds": time.perf_counter() - t_start,
     }
     (reports / "bench-session.json").write_text(json.dumps(data, indent=2) + "\n")
@@ -198,6 +200,19 @@ def plot(d: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def spread(d: dict[str, Any]) -> list[str]:
+    """How much the reuse run's TTFT varied while its prefilled count stayed flat (a shared machine's noise)."""
+    later = d["turns"][1:]
+    t = [r["reuse_ttft_s"] for r in later]
+    n = [r["reuse_prefilled"] for r in later]
+    end = d.get("load_avg_at_end")
+    return [f"Noise: from turn 2 on, the reuse run prefilled {min(n)}-{max(n)} tokens per turn and its TTFT ranged "
+            f"{min(t):.2f}-{max(t):.2f} s; with the prefilled count flat, that spread is the machine's load (average "
+            f"{d['machine']['load_avg_at_start']:.1f} at start" + (f", {end:.1f} at end" if end is not None else "")
+            + " on 2 cores), so read each turn's ratios between engines measured back to back, not the absolute "
+            "times.", ""]
 
 
 def render(d: dict[str, Any]) -> str:
@@ -241,6 +256,7 @@ def render(d: dict[str, Any]) -> str:
         "",
         *[f"- {'PASS' if ok else 'FAIL'}: {name}" for name, ok in d["checks"].items()],
         "",
+        *spread(d),
         "Reading it: without reuse, each turn prefills the whole history, so TTFT grows with the conversation; "
         "llama.cpp does the same for this hybrid model (a recurrent state cannot be rolled back to where the "
         "re-rendered history departs from what it holds). With the prompt cache quantkit restores the state at "

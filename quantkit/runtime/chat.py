@@ -38,6 +38,7 @@ from quantkit.termtext import printable
 SESSION_LIMIT = 16 << 20
 
 CHAT_FILE_VERSION = 1
+SAVED_COMMANDS = ("/clear", "/system", "/think", "/nothink", "/load")  # change what --session keeps
 HELP = """commands:
   /system [TEXT]   show the system prompt, or set it (/system - clears it)
   /think           thinking on (the default): the model reasons before answering
@@ -157,6 +158,8 @@ class Chat:
             if line.startswith("/"):
                 if self.command(line) == "exit":
                     break
+                if line.split()[0].lower() not in SAVED_COMMANDS:
+                    continue
             else:
                 self.turn(line)
             self._autosave()
