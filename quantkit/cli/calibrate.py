@@ -57,8 +57,6 @@ def calibrate_cmd(
     spec = load_model_spec(model)
     recipes = [RECIPES[n] for n in parse_schemes(scheme)] or _own_recipe(model) or list(RECIPES.values())
     ws = sizes.parse_size(working_set, "--working-set (256MB defeats the CPU caches)", minimum=sizes.MB)
-    if passes < 1 or steps < 1:
-        raise QuantkitError("--passes and --steps must be at least 1")
     path = out or default_profile_path(spec.config)
     guard_output(path, kind="file", overwrite=True, create_parents=True, flag="--out " if out else "")
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
