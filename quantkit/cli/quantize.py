@@ -9,7 +9,7 @@ from rich import box
 from rich.table import Table
 
 from quantkit.cli import app, console, err_console, fail
-from quantkit.cli.options import BITS, GROUP_SIZE
+from quantkit.cli.options import GROUP_SIZE
 from quantkit.cli.progress import RichProgress, tensor_progress
 from quantkit.sizes import parse_size
 
@@ -45,7 +45,7 @@ def _roles_table(rows: list, title: str, measured: bool) -> Table:
 def quantize(
     src: str = typer.Argument(..., help="checkpoint folder (sharded safetensors) or a model in the local HF cache"),
     out: Path = typer.Option(None, "--out", "-o", help="output folder (must not exist, unless --resume/--overwrite)"),
-    bits: int = typer.Option(4, "--bits", parser=BITS, help="4: the quality recipe (routed experts 4-bit, attention 8-bit); 8: int8"),
+    bits: int = typer.Option(4, "--bits", help="4: the quality recipe (routed experts 4-bit, attention 8-bit); 8: int8"),
     fmt: str = typer.Option("int", "--format", help="4-bit format: int (int4), nf4, fp4, mxfp4"),
     group_size: int = typer.Option(None, "--group-size", parser=GROUP_SIZE, help="group/block size of the 4-bit format"),
     uniform: bool = typer.Option(False, "--uniform", help="the same 4-bit format on every eligible matrix"),
