@@ -180,9 +180,11 @@ def plan_cmd(
     model: str = typer.Option(None, "--model", "-m", help="config.json, checkpoint folder or cached HF id"),
     gpu: list[str] = typer.Option(None, "--gpu", "-g", help="GPU name, e.g. rtx4090, 2x3090; repeatable"),
     nodes: int = typer.Option(1, "--nodes", parser=COUNT, help="identical nodes (for multi-node vLLM)"),
-    ram: str = typer.Option(None, "--ram", help="host RAM, e.g. 64GiB, 64 (GiB) or 68.7GB (GB = 10^9) (default: this machine's)"),
+    ram: str = typer.Option(None, "--ram",
+                            help="host RAM, e.g. 64GiB, 64 (GiB) or 68.7GB (GB = 10^9) (default: this machine's)"),
     cpu_bandwidth: str = typer.Option(None, "--cpu-bandwidth", help="host memory bandwidth in GB/s"),
-    cpu_tflops: float = typer.Option(None, "--cpu-tflops", parser=TFLOPS, help="host prefill TFLOP/s (default 1.0)"),
+    cpu_tflops: float = typer.Option(None, "--cpu-tflops", parser=TFLOPS,
+                                     help="host prefill TFLOP/s (default 1.0)"),
     scheme: list[str] = typer.Option(None, "--scheme", "-s", help=f"one of {', '.join(RECIPES)}; repeatable"),
     context: str = typer.Option("4096", "--context", "-c", help="tokens; a sweep like 4k,32k,128k,262k"),
     batch: int = typer.Option(1, "--batch", "-b", parser=COUNT, help="concurrent sequences"),
@@ -294,7 +296,8 @@ def plan_cmd(
 def gpus_cmd(
     model: str = typer.Option(None, "--model", "-m", help="config.json, checkpoint folder or cached HF id"),
     context: int = typer.Option(4096, "--context", "-c", parser=CONTEXT),
-    ram: str = typer.Option("128GiB", "--ram", help="host RAM available for offload (default 128GiB; GB = 10^9)"),
+    ram: str = typer.Option("128GiB", "--ram",
+                            help="host RAM available for offload (default 128GiB; GB = 10^9)"),
     scheme: list[str] = typer.Option(None, "--scheme", "-s"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
