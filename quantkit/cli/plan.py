@@ -201,7 +201,7 @@ def plan_cmd(
     """Memory budget per scheme, a placement over GPUs and RAM, and the speed it should reach."""
     if out:
         guard_output(out, sources=[Path(model)] if model and Path(model).exists() else [], kind="file",
-                     overwrite=True, owned=is_plan_file, flag="--out ")
+                     overwrite=True, owned=is_plan_file, flag="--out ", create_parents=True)
     spec = load_model_spec(model)
     hw = build_hardware(gpu, ram, cpu_bandwidth, nodes, cpu_tflops)
     if export and export.lower() not in ENGINES:
