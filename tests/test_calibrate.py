@@ -164,7 +164,7 @@ def test_a_quantized_folder_is_planned_from_its_config_and_calibrated_for_its_re
 
 
 @pytest.mark.parametrize("args,want", [
-    (["--passes", "0"], "--passes and --steps must be at least 1"),
+    (["--passes", "0"], "'--passes': '0' is out of range"),
     (["--working-set", "1KB"], "at least 1,000,000 bytes"),
     (["--working-set", "lots"], "lots"),
     (["--scheme", "int3"], "int3"),

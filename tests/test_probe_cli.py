@@ -76,9 +76,9 @@ def test_bad_number_is_one_line(prefix, option, value, capsys, monkeypatch):
     (["serve", "M", "--host", "not_a_host.."], "--host"),
     (["serve", "M", "--host", "a b"], "--host"),
     (["serve", "M", "--api-key", " "], "--api-key"),
-    (["plan", "--context", "0"], "--context"),
-    (["plan", "--context", "-5"], "--context"),
-    (["plan", "--context", "4k,0"], "--context"),
+    (["plan", "--context", "0"], "context 0"),
+    (["plan", "--context", "-5"], "context -5"),
+    (["plan", "--context", "4k,0"], "context 0"),
     (["plan", "--nodes"], "--nodes"),
     (["plan", "--no-such-option"], "--no-such-option"),
     (["export", "gguf", "M", "O", "--type", "q3_x"], "--type"),
@@ -349,3 +349,30 @@ def test_chat_prints_no_terminal_control_bytes():
     buf = io.StringIO()
     Chat(None, ChatSession(), SamplingParams(), Console(file=buf, width=200)).say("x\x1b]0;pwned\x07\x1b[2Jy")
     assert buf.getvalue().strip() == "xy"
+
+
+_segment = st.sampled_from(["..", ".", "src", "out", "x", "link", "config.json", "a b", "sub"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_segment, min_size=1, max_size=5), st.sampled_from(["file", "folder"]), st.booleans())
+def test_generated_output_paths_never_land_in_the_source(tmp_path_factory, parts, kind, overwrite):
+    """Generated paths (with `..`, `.` and a symlink into the source): the guard refuses, or the output
+    lies outside the source and was not there before or is quantkit's own."""
+    from quantkit.outputs import guard_output
+
+    base = tmp_path_factory.getbasetemp() / "gen-paths"
+    src = base / "src"
+    if not src.exists():
+        (src / "sub").mkdir(parents=True)
+        (src / "config.json").write_text("{}")
+        (base / "link").symlink_to(src)
+    out = base.joinpath(*parts)
+    count()
+    try:
+        guard_output(out, sources=[src], kind=kind, overwrite=overwrite, create_parents=True)
+    except QuantkitError as e:
+        assert "\n" not in str(e)
+        return
+    r = out.resolve()
+    assert r != src.resolve() and src.resolve() not in r.parents and r not in src.resolve().parents

@@ -16,8 +16,10 @@ app.add_typer(bench_app, name="bench")
 @bench_app.command("quantize")
 def bench_quantize(
     reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-quantize.{md,json,png} go"),
-    workdir: Path = typer.Option(Path("/tmp/quantkit-bench"), "--workdir", help="generated checkpoints go here"),
-    experts: int = typer.Option(128, "--experts", parser=COUNT, help="experts per layer of the generated checkpoint"),
+    workdir: Path = typer.Option(Path("/tmp/quantkit-bench"), "--workdir",
+                                 help="generated checkpoints go here"),
+    experts: int = typer.Option(128, "--experts", parser=COUNT,
+                                help="experts per layer of the generated checkpoint"),
     layers: int = typer.Option(4, "--layers", parser=COUNT, help="layers of the generated checkpoint"),
     slab: int = typer.Option(16, "--slab", parser=COUNT, help="experts of layer 0 the format timings run on"),
     reps: int = typer.Option(2, "--reps", parser=COUNT, help="repetitions per method (best is reported)"),
@@ -33,14 +35,19 @@ def bench_quantize(
 @bench_app.command("serve")
 def bench_serve(
     reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-serve.{md,json} go"),
-    model: Path = typer.Option(None, "--model", help="checkpoint to serve (default: a tiny int4 one made in --workdir)"),
-    workdir: Path = typer.Option(Path("/tmp/quantkit-bench-serve"), "--workdir", help="generated model and server log"),
+    model: Path = typer.Option(None, "--model",
+                               help="checkpoint to serve (default: a tiny int4 one made in --workdir)"),
+    workdir: Path = typer.Option(Path("/tmp/quantkit-bench-serve"), "--workdir",
+                                 help="generated model and server log"),
     clients: int = typer.Option(8, "--clients", parser=COUNT, help="concurrent clients"),
     requests: int = typer.Option(10, "--requests", parser=COUNT, help="requests per client"),
     max_tokens: int = typer.Option(16, "--max-tokens", parser=MAX_TOKENS, help="tokens generated per request"),
-    max_queue: int = typer.Option(4, "--max-queue", parser=COUNT, help="the server's --max-queue (fewer than clients: 429s)"),
-    retries: int = typer.Option(20, "--retries", parser=COUNT0, help="retries of a request after 429 (Retry-After apart)"),
-    disconnects: int = typer.Option(3, "--disconnects", parser=COUNT0, help="clients that hang up mid-stream in the fault phase"),
+    max_queue: int = typer.Option(4, "--max-queue", parser=COUNT,
+                                  help="the server's --max-queue (fewer than clients: 429s)"),
+    retries: int = typer.Option(20, "--retries", parser=COUNT0,
+                                help="retries of a request after 429 (Retry-After apart)"),
+    disconnects: int = typer.Option(3, "--disconnects", parser=COUNT0,
+                                    help="clients that hang up mid-stream in the fault phase"),
     context: int = typer.Option(None, "--context", parser=CONTEXT, help="the server's --context"),
 ) -> None:
     """Load and fault test of `quantkit serve`: latency percentiles, throughput, RSS before/after."""
@@ -67,9 +74,12 @@ def _threads(n: int | None) -> int:
 
 @bench_app.command("soak")
 def bench_soak(
-    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-soak.json and bench-serve.md go"),
-    model: Path = typer.Option(None, "--model", help="checkpoint to serve (default: a tiny int4 one made in --workdir)"),
-    workdir: Path = typer.Option(Path("/tmp/quantkit-bench-serve"), "--workdir", help="generated model and server log"),
+    reports: Path = typer.Option(Path("reports"), "--reports",
+                                 help="where bench-soak.json and bench-serve.md go"),
+    model: Path = typer.Option(None, "--model",
+                               help="checkpoint to serve (default: a tiny int4 one made in --workdir)"),
+    workdir: Path = typer.Option(Path("/tmp/quantkit-bench-serve"), "--workdir",
+                                 help="generated model and server log"),
     clients: int = typer.Option(16, "--clients", parser=COUNT, help="concurrent clients"),
     seconds: float = typer.Option(120, "--seconds", parser=SECONDS, help="how long the soak runs"),
     max_queue: int = typer.Option(8, "--max-queue", parser=COUNT, help="the server's --max-queue"),
@@ -92,12 +102,15 @@ def bench_soak(
 def bench_engines(
     reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-engines.{md,json} go"),
     workdir: Path = typer.Option(Path("/tmp/quantkit-bench"), "--workdir", help="generated files go here"),
-    layers: int = typer.Option(4, "--layers", parser=COUNT, help="layers of the generated realistic-shape checkpoint"),
-    experts: int = typer.Option(64, "--experts", parser=COUNT, help="experts per layer of the generated checkpoint"),
+    layers: int = typer.Option(4, "--layers", parser=COUNT,
+                               help="layers of the generated realistic-shape checkpoint"),
+    experts: int = typer.Option(64, "--experts", parser=COUNT,
+                                help="experts per layer of the generated checkpoint"),
     top_k: int = typer.Option(8, "--top-k", parser=COUNT, help="experts per token"),
     vocab: int = typer.Option(248320, "--vocab", parser=COUNT, help="vocabulary (embedding and lm_head rows)"),
     threads: int = typer.Option(None, "--threads", help="threads for both engines [default: every physical core]"),
-    reps: int = typer.Option(2, "--reps", parser=COUNT, help="decode repetitions per engine (best is reported)"),
+    reps: int = typer.Option(2, "--reps", parser=COUNT,
+                             help="decode repetitions per engine (best is reported)"),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="use this bf16 checkpoint instead"),
 ) -> None:
     """llama.cpp on our GGUF export beside quantkit's runtime: decode tok/s and error vs bf16, same bits."""
@@ -140,16 +153,21 @@ def bench_kernel(
 @bench_app.command("decode")
 def bench_decode(
     reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-decode.{md,json,png} go"),
-    workdir: Path = typer.Option(Path("/tmp/quantkit-bench"), "--workdir", help="generated checkpoints go here"),
-    layers: int = typer.Option(4, "--layers", parser=COUNT, help="layers of the generated realistic-shape checkpoint"),
-    experts: int = typer.Option(64, "--experts", parser=COUNT, help="experts per layer of the generated checkpoint"),
+    workdir: Path = typer.Option(Path("/tmp/quantkit-bench"), "--workdir",
+                                 help="generated checkpoints go here"),
+    layers: int = typer.Option(4, "--layers", parser=COUNT,
+                               help="layers of the generated realistic-shape checkpoint"),
+    experts: int = typer.Option(64, "--experts", parser=COUNT,
+                                help="experts per layer of the generated checkpoint"),
     prompt: int = typer.Option(128, "--prompt", parser=COUNT, help="prompt tokens (one prefill chunk)"),
     decode: int = typer.Option(16, "--decode", parser=COUNT, help="greedy decode steps per repetition"),
     reps: int = typer.Option(1, "--reps", parser=COUNT, help="timed repetitions per process (best is kept)"),
-    rounds: int = typer.Option(2, "--rounds", parser=COUNT, help="interleaved rounds over the configurations (best is kept)"),
+    rounds: int = typer.Option(2, "--rounds", parser=COUNT,
+                               help="interleaved rounds over the configurations (best is kept)"),
     threads: int = typer.Option(None, "--threads", help="torch threads in every run [default: every physical core]"),
     configs: str = typer.Option(None, "--configs", help="comma-separated subset of the configurations"),
-    vocab: int = typer.Option(None, "--vocab", parser=COUNT, help="vocabulary of the generated checkpoint (default: the tiny "
+    vocab: int = typer.Option(None, "--vocab", parser=COUNT,
+                              help="vocabulary of the generated checkpoint (default: the tiny "
                               "tokenizer's; 248320 is the real model's)"),
 ) -> None:
     """Prefill/decode tok/s and peak RSS per format beside transformers bf16, the planner and the bandwidth bound."""

@@ -68,7 +68,8 @@ def export_gguf_cmd(
 def export_vllm_cmd(
     src: Path = typer.Argument(..., help="bf16 checkpoint folder or quantkit quantized folder"),
     out: Path = typer.Argument(..., help="the folder to write"),
-    group_size: int = typer.Option(None, "--group-size", parser=GROUP_SIZE, help="int4 group size for the experts (32, 64, 128); "
+    group_size: int = typer.Option(None, "--group-size", parser=GROUP_SIZE,
+                                   help="int4 group size for the experts (32, 64, 128); "
                                    "default: the source's, else 128"),
     rest: str = typer.Option("bf16", "--rest", help="bf16 (every non-expert tensor) or int8 (attention, linear "
                              "attention and shared expert int8 per channel)"),

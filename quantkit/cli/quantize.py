@@ -9,7 +9,7 @@ from rich import box
 from rich.table import Table
 
 from quantkit.cli import app, console, err_console, fail
-from quantkit.cli.options import BITS, GROUP_SIZE
+from quantkit.cli.options import GROUP_SIZE
 from quantkit.cli.progress import RichProgress, tensor_progress
 from quantkit.sizes import parse_size
 
@@ -46,17 +46,22 @@ def _roles_table(rows: list, title: str, measured: bool) -> Table:
 @app.command()
 def quantize(
     src: str = typer.Argument(..., help="checkpoint folder (sharded safetensors) or a model in the local HF cache"),
-    out: Path = typer.Option(None, "--out", "-o", help="output folder (must not exist, unless --resume/--overwrite)"),
-    bits: int = typer.Option(4, "--bits", parser=BITS, help="4: the quality recipe (routed experts 4-bit, attention 8-bit); 8: int8"),
+    out: Path = typer.Option(None, "--out", "-o",
+                             help="output folder (must not exist, unless --resume/--overwrite)"),
+    bits: int = typer.Option(4, "--bits",
+                             help="4: the quality recipe (routed experts 4-bit, attention 8-bit); 8: int8"),
     fmt: str = typer.Option("int", "--format", help="4-bit format: int (int4), nf4, fp4, mxfp4"),
-    group_size: int = typer.Option(None, "--group-size", parser=GROUP_SIZE, help="group/block size of the 4-bit format"),
+    group_size: int = typer.Option(None, "--group-size", parser=GROUP_SIZE,
+                                   help="group/block size of the 4-bit format"),
     uniform: bool = typer.Option(False, "--uniform", help="the same 4-bit format on every eligible matrix"),
-    override: list[str] = typer.Option([], "--override", help="ROLE=SPEC, e.g. linear_attention=8, lm_head=bf16"),
+    override: list[str] = typer.Option([], "--override",
+                                       help="ROLE=SPEC, e.g. linear_attention=8, lm_head=bf16"),
     recipe_file: str = typer.Option(None, "--recipe", help="a JSON recipe file (replaces --bits/--format)"),
     keep_mtp: bool = typer.Option(False, "--keep-mtp", help="keep (and quantize) the MTP layer"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier quantkit output in --out"),
-    report: Path = typer.Option(None, "--report", help="report path (.md, with .json beside it); default in --out"),
+    report: Path = typer.Option(None, "--report",
+                                help="report path (.md, with .json beside it); default in --out"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the recipe and sizes; write nothing"),
     max_shard_size: str = typer.Option("2GB", "--max-shard-size", help="output shard size bound"),
     method: str = typer.Option("rtn", "--method", help="rtn, imatrix (importance-weighted scales) or gptq"),

@@ -18,8 +18,10 @@ from quantkit.termtext import printable
 _PLAN = typer.Option(None, "--plan", help="a plan from `quantkit plan --out` (default: plan for this machine)")
 _RECIPE = typer.Option(None, "--recipe", help="quantize an unquantized checkpoint while loading (int8, int4, "
                        "quality, nf4, fp4, mxfp4; default: keep bf16)")
-_CONTEXT = typer.Option(None, "--context", parser=CONTEXT, help="context length to plan for [default: the plan's, else 4096]")
-_VERIFY = typer.Option("auto", "--verify", help="check a quantized folder first: auto (hash shards under 4 GB), "
+_CONTEXT = typer.Option(None, "--context", parser=CONTEXT,
+                        help="context length to plan for [default: the plan's, else 4096]")
+_VERIFY = typer.Option("auto", "--verify",
+                       help="check a quantized folder first: auto (hash shards under 4 GB), "
                        "full, quick (sizes and headers), off")
 # a prompt on stdin: 16M characters is far beyond any context (262k tokens is ~1 MB of text)
 PROMPT_LIMIT = 16 << 20
@@ -64,7 +66,8 @@ def generate_cmd(
     world: str = typer.Option(None, "--world", help="AgentWorld domain system prompt: mcp, search, terminal, "
                               "swe, android, web, os"),
     max_new_tokens: int = typer.Option(512, _MAX_NEW, parser=MAX_TOKENS),
-    temperature: float = typer.Option(0.6, "--temperature", parser=TEMPERATURE, help="0 = greedy; 0.6 as the model card evaluates"),
+    temperature: float = typer.Option(0.6, "--temperature", parser=TEMPERATURE,
+                                      help="0 = greedy; 0.6 as the model card evaluates"),
     top_p: float = typer.Option(0.95, "--top-p", parser=TOP_P),
     top_k: int = typer.Option(20, "--top-k", parser=TOP_K, help="0 = off"),
     seed: int = typer.Option(None, "--seed", parser=SEED),

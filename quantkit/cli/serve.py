@@ -37,13 +37,17 @@ def check_host(host: str) -> str:
 @app.command()
 def serve(
     model_dir: Path = typer.Argument(..., help="quantized checkpoint folder (from `quantkit quantize`)"),
-    plan: Path = typer.Option(None, "--plan", help="placement plan from `quantkit plan --out` (default: plan here)"),
+    plan: Path = typer.Option(None, "--plan",
+                              help="placement plan from `quantkit plan --out` (default: plan here)"),
     host: str = typer.Option("127.0.0.1", "--host", help="address to bind (loopback by default)"),
     port: int = typer.Option(8000, "--port", parser=PORT, help="TCP port (0: any free port)"),
-    max_queue: int = typer.Option(8, "--max-queue", parser=COUNT, help="requests that may wait behind the running one; more get 429"),
+    max_queue: int = typer.Option(8, "--max-queue", parser=COUNT,
+                                  help="requests that may wait behind the running one; more get 429"),
     max_body: str = typer.Option("8MB", "--max-body", help="largest request body accepted (413 beyond)"),
-    model_name: str = typer.Option(None, "--served-model-name", help="model id clients use (default: folder name)"),
-    context: int = typer.Option(None, "--context", parser=CONTEXT, help="context length to plan for (default: the plan's, or 4096)"),
+    model_name: str = typer.Option(None, "--served-model-name",
+                                   help="model id clients use (default: folder name)"),
+    context: int = typer.Option(None, "--context", parser=CONTEXT,
+                                help="context length to plan for (default: the plan's, or 4096)"),
     default_max_tokens: int = typer.Option(None, "--default-max-tokens", parser=MAX_TOKENS,
                                            help="max_tokens when a request gives none (default: rest of context)"),
     log_level: str = typer.Option("info", "--log-level", help=f"uvicorn log level: {', '.join(LOG_LEVELS)}"),
@@ -70,9 +74,10 @@ def serve(
     except QuantkitError as e:
         fail(str(e))
     if not is_loopback(host) and not api_key:
-        err_console.print(f"[bold yellow]warning:[/] binding to {host}, beyond this machine's loopback, with no authentication (no API key): "
-                          f"anyone who can reach port {port} can use the model. Pass --api-key KEY (or set "
-                          f"{API_KEY_ENV}), or use --host 127.0.0.1 to keep it local.", highlight=False, soft_wrap=True)
+        err_console.print(f"[bold yellow]warning:[/] binding to {host}, beyond this machine's loopback, with no "
+                          f"authentication (no API key): anyone who can reach port {port} can use the model. Pass "
+                          f"--api-key KEY (or set {API_KEY_ENV}), or use --host 127.0.0.1 to keep it local.",
+                          highlight=False, soft_wrap=True)
     import uvicorn
 
     from quantkit.server.app import ServerConfig, create_app

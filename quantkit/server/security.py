@@ -61,7 +61,8 @@ def _error(status: int, message: str, type_: str, code: str, param: str | None =
 class Guard:
     """ASGI middleware: Host check, API key, JSON content type (see the module docstring)."""
 
-    def __init__(self, app: Any, *, hosts: frozenset[str], api_key: str | None, open_paths: tuple[str, ...] = ("/health",)):
+    def __init__(self, app: Any, *, hosts: frozenset[str], api_key: str | None,
+                 open_paths: tuple[str, ...] = ("/health",)):
         self.app, self.hosts, self.api_key, self.open_paths = app, hosts, api_key, open_paths
 
     def _check(self, scope: dict[str, Any]) -> JSONResponse | None:
