@@ -137,3 +137,14 @@ def test_routing_coverage_ranks_pairs_by_calibration_counts(tiny_stats):
     c = torch.cat([v for v in s.routing().values()]).double()
     assert half["in_sample"] == float(c.sort(descending=True).values[:16].sum() / c.sum())
     assert 0.5 <= half["in_sample"] <= 1.0 and 0 < half["held_out"] <= 1.0
+
+
+def test_transformers_layout_gives_the_same_statistics(tiny_model, tiny_model_transformers_layout, tiny_stats,
+                                                       tmp_path):
+    tokens = load_tokens(None, load_tokenizer(tiny_model), chunk_size=128, max_tokens=2048)
+    out = tmp_path / "t.stats"
+    collect_stats(Checkpoint.open(tiny_model_transformers_layout), tokens, out)
+    a, b = Stats.open(tiny_stats), Stats.open(out)
+    assert a.names == b.names
+    for k in sorted(a.names):
+        torch.testing.assert_close(a.get(k), b.get(k), rtol=1e-5, atol=1e-4)

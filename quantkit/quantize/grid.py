@@ -35,15 +35,20 @@ class Grid:
     hi: int
     offset: int  # stored code = signed code + offset (int4: 8, int8: 0)
 
+    def __post_init__(self) -> None:
+        # fp32 copies made once: GPTQ asks for one column at a time
+        self._s = self.scales.float()
+        self._z = self.zeros.float() if self.zeros is not None else None
+
     def _col_params(self, cols: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor | None]:
-        idx = torch.arange(self.scales.shape[-1] * self.group if self.scales.dim() > 1 else self.group)[cols]
         if self.scales.dim() == 1:
-            s = self.scales.float()[:, None].expand(-1, idx.numel())
-            return s, None
-        g = idx // self.group
-        s = self.scales.float()[:, g]
-        z = self.zeros.float()[:, g] if self.zeros is not None else None
-        return s, z
+            n = len(range(self.group)[cols]) if isinstance(cols, slice) else cols.numel()
+            return self._s[:, None].expand(-1, n), None
+        if isinstance(cols, slice):
+            g = torch.arange(self.scales.shape[-1] * self.group)[cols] // self.group
+        else:
+            g = cols // self.group
+        return self._s[:, g], (self._z[:, g] if self._z is not None else None)
 
     def round(self, w: torch.Tensor, cols: torch.Tensor | slice) -> tuple[torch.Tensor, torch.Tensor]:
         """w [R, n] (the columns `cols` of the matrix) -> (signed codes int32 [R, n], values fp32 [R, n])."""
