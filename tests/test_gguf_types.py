@@ -31,7 +31,8 @@ def test_bytes_and_fallbacks() -> None:
     assert tensor_type("blk.0.attn_norm.weight", (2048,), "q4_k_m")[0] == "F32"
     assert tensor_type("blk.0.ffn_gate_inp.weight", (256, 2048), "iq4_xs")[0] == "F32"
     assert tensor_type("blk.3.attn_q.weight", (8192, 2048), "q4_k_s")[0] == "Q8_0"
-    assert tensor_type("output.weight", (248320, 2048), "q4_k_m")[0] == "Q6_K"
+    assert tensor_type("output.weight", (248320, 2048), "q4_k_m")[0] == "Q8_0"
+    assert tensor_type("output.weight", (248320, 64), "q4_k_m")[0] == "Q8_0"
     assert tensor_type("blk.0.ffn_up_exps.weight", shape, "mixed")[0] == "Q4_0"
     assert tensor_type("blk.0.ffn_up_exps.weight", shape, "mixed", "mxfp4")[0] == "MXFP4"
 
