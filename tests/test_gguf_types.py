@@ -41,3 +41,16 @@ def test_unknown_type_lists_the_known_ones() -> None:
     with pytest.raises(QuantkitError, match="q4_k_m.*iq4_xs"):
         check_type("q4_km")
     assert check_type("Q4_K_M") == "q4_k_m"
+
+
+def test_default_type_is_the_measured_one() -> None:
+    """The default --type is what reports/bench-gguf.json measured (re-run `quantkit bench gguf` to change it),
+    and its selection rule picks it from the rows recorded there."""
+    import json
+    from pathlib import Path
+
+    from quantkit.bench.gguf import choose_default
+    from quantkit.export.gguf_types import DEFAULT_TYPE
+
+    d = json.loads((Path(__file__).parent.parent / "reports" / "bench-gguf.json").read_text())
+    assert d["default"] == DEFAULT_TYPE == choose_default(d["rows"])
