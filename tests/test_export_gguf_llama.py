@@ -35,10 +35,10 @@ import gguf  # noqa: E402
 K_KW = {**TINY_KW, "hidden": 256, "intermediate": 256}
 N_SEQ, SEQ_LEN = 3, 48
 # mean KL divergence against llama.cpp on the bf16 export, at most (3 x 48 tokens). Measured on this machine:
-# q3_k_m 3.6e-3, q4_k_s 1.3e-3, q4_k_m 1.0e-3, q5_k_s 5.7e-4, q5_k_m 5.2e-4, q6_k 4.1e-4, iq4_nl 1.5e-3,
-# iq4_xs 1.5e-3 (top-1 1.0 for all); q4_k_s with the test's imatrix 1.2e-3. Bounds are about 2.5x.
-KL_BOUND = {"q3_k_m": 9e-3, "q4_k_s": 3.5e-3, "q4_k_m": 2.5e-3, "q5_k_s": 1.5e-3, "q5_k_m": 1.3e-3, "q6_k": 1e-3,
-            "iq4_nl": 3.5e-3, "iq4_xs": 3.5e-3}
+# q3_k_m 3.4e-3, q4_k_s 1.1e-3, q4_k_m 8.1e-4, q5_k_s 3.5e-4, q5_k_m 2.9e-4, q6_k 1.7e-4, iq4_nl 1.2e-3,
+# iq4_xs 1.3e-3 (top-1 1.0 for all); q4_k_s with the test's imatrix 1.0e-3. Bounds are about 2.5x.
+KL_BOUND = {"q3_k_m": 8.5e-3, "q4_k_s": 3e-3, "q4_k_m": 2e-3, "q5_k_s": 9e-4, "q5_k_m": 7.5e-4, "q6_k": 4.5e-4,
+            "iq4_nl": 3.2e-3, "iq4_xs": 3.2e-3}
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,8 @@ def test_bytes_and_fallbacks() -> None:
     assert tensor_type("blk.0.attn_norm.weight", (2048,), "q4_k_m")[0] == "F32"
     assert tensor_type("blk.0.ffn_gate_inp.weight", (256, 2048), "iq4_xs")[0] == "F32"
     assert tensor_type("blk.3.attn_q.weight", (8192, 2048), "q4_k_s")[0] == "Q8_0"
-    assert tensor_type("output.weight", (248320, 2048), "q4_k_m")[0] == "Q6_K"
+    assert tensor_type("output.weight", (248320, 2048), "q4_k_m")[0] == "Q8_0"
+    assert tensor_type("output.weight", (248320, 64), "q4_k_m")[0] == "Q8_0"
     assert tensor_type("blk.0.ffn_up_exps.weight", shape, "mixed")[0] == "Q4_0"
     assert tensor_type("blk.0.ffn_up_exps.weight", shape, "mixed", "mxfp4")[0] == "MXFP4"
 
@@ -40,3 +41,16 @@ def test_unknown_type_lists_the_known_ones() -> None:
     with pytest.raises(QuantkitError, match="q4_k_m.*iq4_xs"):
         check_type("q4_km")
     assert check_type("Q4_K_M") == "q4_k_m"
+
+
+def test_default_type_is_the_measured_one() -> None:
+    """The default --type is what reports/bench-gguf.json measured (re-run `quantkit bench gguf` to change it),
+    and its selection rule picks it from the rows recorded there."""
+    import json
+    from pathlib import Path
+
+    from quantkit.bench.gguf import choose_default
+    from quantkit.export.gguf_types import DEFAULT_TYPE
+
+    d = json.loads((Path(__file__).parent.parent / "reports" / "bench-gguf.json").read_text())
+    assert d["default"] == DEFAULT_TYPE == choose_default(d["rows"])

@@ -95,15 +95,16 @@ def run(reports: Path, workdir: Path, threads: int = 2, reps: int = 2, new_token
             got = llama_logits(res.path, probe, threads)
             k = kl_per_token(ref, got)
             got_top1 = float((got.argmax(-1) == ref.argmax(-1)).mean())
-            d = llama_decode(res.path, prompt, new_tokens, threads, reps)
+            d = llama_decode(res.path, prompt, new_tokens, threads, reps) if reps else {}
             rows.append({"type": ty, "imatrix": im, "tiny_file_mb": res.nbytes / 1e6, "real_model_gb": real[ty],
                          "kl_mean": float(k.mean()), "kl_p99": float(np.quantile(k, 0.99)), "top1": got_top1,
-                         "decode_tps": d["decode_tps"], "prefill_tps": d["prefill_tps"],
+                         "decode_tps": d.get("decode_tps"), "prefill_tps": d.get("prefill_tps"),
                          "types": res.by_type()})
             res.path.unlink()
     default = choose_default(rows)
     data = {
-        "command": f"flock /tmp/quantkit-bench.lock quantkit bench gguf --threads {threads} --reps {reps}",
+        "command": ("flock /tmp/quantkit-bench.lock " if reps else "") + f"quantkit bench gguf --threads {threads} "
+                   f"--reps {reps}",
         "machine": machine, "threads": threads, "shape": SHAPE, "probe": list(PROBE), "new_tokens": new_tokens,
         "reps": reps, "real_model_bf16_gb": real["bf16"], "rows": rows, "default": default,
         "size_slack": SIZE_SLACK, "seconds": time.perf_counter() - t_start,
@@ -130,7 +131,8 @@ def render(d: dict[str, Any]) -> str:
         "tokens of chat-formatted text); imatrix = expert statistics collected on other text. `real GB` = the "
         f"file this type gives for Qwen-AgentWorld-35B-A3B (bf16: {d['real_model_bf16_gb']:.1f} GB), from the "
         "exporter's type table. tok/s = this tiny model's greedy decode (relative speed of the block formats "
-        "on this CPU, not the 35B's speed).",
+        "on this CPU, not the 35B's speed; `-` = not timed: `--reps 0` measures quality only, without the "
+        "benchmark lock).",
         "",
         "| type | imatrix | real GB | KL mean | KL p99 | top-1 | decode tok/s | experts (gate/up, down) |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |",
@@ -139,10 +141,14 @@ def render(d: dict[str, Any]) -> str:
         t = r["types"]
         ex = ", ".join(f"{k} {v}" for k, v in sorted(t.items()) if k not in ("F32",))
         lines.append(f"| {r['type']} | {'yes' if r['imatrix'] else 'no'} | {r['real_model_gb']:.2f} | "
-                     f"{r['kl_mean']:.2e} | {r['kl_p99']:.2e} | {r['top1']:.3f} | {r['decode_tps']:.0f} | {ex} |")
+                     f"{r['kl_mean']:.2e} | {r['kl_p99']:.2e} | {r['top1']:.3f} | {_tps(r['decode_tps'])} | {ex} |")
     lines += ["", f"**Default `--type`: {d['default']}** - the lowest mean KL without an importance matrix among "
               f"the types whose real-model file is at most {d['size_slack']}x the q4_0 file (the 4-bit class)."]
     return "\n".join(lines) + "\n"
+
+
+def _tps(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f}"
 
 
 def plot(d: dict[str, Any], path: Path) -> None:

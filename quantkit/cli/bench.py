@@ -126,7 +126,7 @@ def bench_gguf(
     reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-gguf.{md,json,png} go"),
     workdir: Path = typer.Option(Path("/tmp/quantkit-bench-gguf"), "--workdir", help="generated files go here"),
     threads: int = typer.Option(None, "--threads", help="llama.cpp threads [default: every physical core]"),
-    reps: int = typer.Option(2, "--reps", help="decode repetitions per type (best is reported)"),
+    reps: int = typer.Option(2, "--reps", help="decode repetitions per type (best is reported); 0: KL only"),
 ) -> None:
     """KL divergence per GGUF type through llama.cpp (with and without an imatrix), size and decode tok/s."""
     from quantkit.bench.gguf import run

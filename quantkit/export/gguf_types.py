@@ -13,7 +13,8 @@ The recipe under a llama.cpp type (`LlamaType`): routed experts' gate/up at the 
 down_proj at `down` (raised a step for the _m types: down_proj is the experts' sensitive matrix,
 REFERENCE.md section 3, and reports/bench-gguf.md measures it), attention, linear attention and the
 shared expert at Q8_0 (the best published Q4_K_M of this model keeps them there), output.weight at
-Q6_K, token_embd at Q8_0 (llama.cpp keeps it on the CPU; at the experts' Q4_K it tripled q4_k_m's KL on
+Q8_0 (as quantkit's quality recipe keeps lm_head at 8 bits: at llama.cpp's usual Q6_K it was the largest
+error term on the decisive tiny model, q6_k's KL 5.0e-3 against q8_0's 7.6e-4), token_embd at Q8_0 (llama.cpp keeps it on the CPU; at the experts' Q4_K it tripled q4_k_m's KL on
 the tiny decisive model, 1.0e-3 -> 2.9e-3, reports/bench-gguf.md), norms, router, conv1d, A_log,
 dt_bias F32 (llama.cpp leaves them as they are in the bf16 GGUF).
 
@@ -62,7 +63,7 @@ class LlamaType:
     experts: str  # routed experts' gate/up (and the file's base type)
     down: str  # routed experts' down_proj
     rest: str = "Q8_0"  # attention, linear attention, shared expert
-    output: str = "Q6_K"
+    output: str = "Q8_0"  # lm_head: Q6_K made it the largest error term (reports/bench-gguf.md)
     embd: str = "Q8_0"  # token_embd: llama.cpp keeps it on the CPU, so its bytes cost RAM, not VRAM
 
 
