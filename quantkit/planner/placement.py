@@ -298,76 +298,81 @@ def make_devices(hw: Hardware, gpu_reserve: int = DEFAULT_GPU_RESERVE,
     return devs
 
 
-def solve(spec: ModelSpec, recipe: Recipe, settings: RunSettings, hw: Hardware, *,
-          gpu_reserve: int = DEFAULT_GPU_RESERVE, host_reserve: int = DEFAULT_HOST_RESERVE,
-          cpu_expert_layers: int | None = None, speed_model: SpeedModel | None = None,
-          budget: Budget | None = None, with_speed: bool = True, profile: RuntimeProfile | None = None,
-          profile_source: str = "") -> Plan:
-    """Place one scheme. `cpu_expert_layers` forces the experts of the first N layers onto the CPU
-    (llama.cpp's --n-cpu-moe) instead of filling the GPUs greedily. With a runtime `profile` of this
-    host (`quantkit calibrate`), the plan also gets quantkit's own runtime decode estimate."""
-    b = budget or compute_budget(spec, recipe, settings)
-    c = spec.config
-    n, e = c.num_hidden_layers, c.num_experts
-    devs = make_devices(hw, gpu_reserve, host_reserve)
-    gpus = [d for d in devs if d.kind == "gpu"]
-    cpu = devs[-1]
-    layer_dev = ["cpu"] * n
-    gpu_experts = [0] * n  # experts of layer L on its layer device when that is a GPU (ids 0..k-1)
-    tied = c.tie_word_embeddings
+def _place_head(gpus: list[Device], b: Budget, tied: bool) -> str:
+    """lm_head, final norm and logits (and a tied embedding, and MTP if it fits) on the last GPU when they fit
+    beside one activation buffer; else they stay for the CPU. Returns the head's device."""
+    if not gpus:
+        return "cpu"
+    last = gpus[-1]
+    head = b.lm_head + b.final_norm + b.logits + (b.embedding if tied else 0)
+    if head + b.activations > last.capacity:
+        return "cpu"
+    last.add("lm_head+norm", b.lm_head + b.final_norm)
+    last.add("logits", b.logits)
+    if tied:
+        last.add("embedding", b.embedding)
+    if b.mtp and b.mtp + head + b.activations <= last.capacity:
+        last.add("mtp", b.mtp)
+    return last.id
 
+
+def _assign_layers(gpus: list[Device], b: Budget, n: int, e: int) -> list[str]:
+    """Each layer's device: contiguous runs of layers over the GPUs in proportion to their free memory, the
+    first layers on the CPU when even their dense part does not fit."""
+    layer_dev = ["cpu"] * n
+    if not gpus:
+        return layer_dev
     dense = [b.layer_dense[L] + b.layer_cache[L] for L in range(n)]
     full = [dense[L] + e * b.expert_bytes[L] for L in range(n)]
-    head_dev = "cpu"
-    if gpus:
-        last = gpus[-1]
-        head = b.lm_head + b.final_norm + b.logits + (b.embedding if tied else 0)
-        if head + b.activations <= last.capacity:
-            last.add("lm_head+norm", b.lm_head + b.final_norm)
-            last.add("logits", b.logits)
-            if tied:
-                last.add("embedding", b.embedding)
-            head_dev = last.id
-            if b.mtp and b.mtp + head + b.activations <= last.capacity:
-                last.add("mtp", b.mtp)
-        # each GPU that computes layers holds its own activation buffer
-        free = [max(0, g.free_bytes - b.activations) for g in gpus]
-        # Whole layers that cannot have even their dense part on a GPU run on the CPU: the first ones.
-        first = 0
-        while first < n and sum(dense[first:]) > sum(free):
-            first += 1
-        total_full = sum(full[first:]) or 1
-        bounds, acc = [], 0
-        for f in free:
-            acc += f
-            bounds.append(acc / (sum(free) or 1) * total_full)
-        gi, cum = 0, 0
-        dense_used = [0] * len(gpus)
-        for L in range(first, n):
-            while gi < len(gpus) - 1 and (cum + full[L] / 2 > bounds[gi] or dense_used[gi] + dense[L] > free[gi]):
-                gi += 1
-            if dense_used[gi] + dense[L] > free[gi]:
-                continue  # no GPU left with room: this layer stays on the CPU
-            layer_dev[L] = gpus[gi].id
-            dense_used[gi] += dense[L]
-            cum += full[L]
-        for g in gpus:
-            mine = [L for L in range(n) if layer_dev[L] == g.id]
-            if mine:
-                g.add("activations", b.activations)
-            for L in mine:
-                g.add("dense", b.layer_dense[L])
-                g.add("cache", b.layer_cache[L])
-            # experts: fill from the last layer backwards so the CPU gets the first layers' experts
-            forced = set(range(cpu_expert_layers)) if cpu_expert_layers is not None else set()
-            for L in reversed(mine):
-                if L in forced:
-                    continue
-                k = min(e, max(0, g.free_bytes) // b.expert_bytes[L]) if b.expert_bytes[L] else e
-                gpu_experts[L] = k
-                g.add("experts", k * b.expert_bytes[L])
+    # each GPU that computes layers holds its own activation buffer
+    free = [max(0, g.free_bytes - b.activations) for g in gpus]
+    first = 0
+    while first < n and sum(dense[first:]) > sum(free):
+        first += 1
+    total_full = sum(full[first:]) or 1
+    bounds, acc = [], 0
+    for f in free:
+        acc += f
+        bounds.append(acc / (sum(free) or 1) * total_full)
+    gi, cum = 0, 0
+    dense_used = [0] * len(gpus)
+    for L in range(first, n):
+        while gi < len(gpus) - 1 and (cum + full[L] / 2 > bounds[gi] or dense_used[gi] + dense[L] > free[gi]):
+            gi += 1
+        if dense_used[gi] + dense[L] > free[gi]:
+            continue  # no GPU left with room: this layer stays on the CPU
+        layer_dev[L] = gpus[gi].id
+        dense_used[gi] += dense[L]
+        cum += full[L]
+    return layer_dev
 
-    # the CPU takes the rest
+
+def _fill_gpus(gpus: list[Device], b: Budget, layer_dev: list[str], e: int,
+               cpu_expert_layers: int | None) -> list[int]:
+    """Charge each GPU its layers' dense parts, then as many of their experts as fit, from the last layer
+    backwards so the CPU gets the first layers' experts. Returns the experts per layer on its GPU."""
+    n = len(layer_dev)
+    gpu_experts = [0] * n  # experts of layer L on its layer device when that is a GPU (ids 0..k-1)
+    forced = set(range(cpu_expert_layers)) if cpu_expert_layers is not None else set()
+    for g in gpus:
+        mine = [L for L in range(n) if layer_dev[L] == g.id]
+        if mine:
+            g.add("activations", b.activations)
+        for L in mine:
+            g.add("dense", b.layer_dense[L])
+            g.add("cache", b.layer_cache[L])
+        for L in reversed(mine):
+            if L in forced:
+                continue
+            k = min(e, max(0, g.free_bytes) // b.expert_bytes[L]) if b.expert_bytes[L] else e
+            gpu_experts[L] = k
+            g.add("experts", k * b.expert_bytes[L])
+    return gpu_experts
+
+
+def _fill_cpu(cpu: Device, gpus: list[Device], b: Budget, layer_dev: list[str], gpu_experts: list[int], e: int,
+              head_dev: str, tied: bool) -> None:
+    """The CPU takes everything the GPUs did not; on unified memory what the GPU holds is not free for it."""
     if not tied or head_dev == "cpu":
         cpu.add("embedding", b.embedding)
     if head_dev == "cpu":
@@ -376,7 +381,7 @@ def solve(spec: ModelSpec, recipe: Recipe, settings: RunSettings, hw: Hardware, 
     if b.mtp and not any(g.used.get("mtp") for g in gpus):
         cpu.add("mtp", b.mtp)
     cpu_compute = False
-    for L in range(n):
+    for L in range(len(layer_dev)):
         if layer_dev[L] == "cpu":
             cpu.add("dense", b.layer_dense[L])
             cpu.add("cache", b.layer_cache[L])
@@ -388,56 +393,84 @@ def solve(spec: ModelSpec, recipe: Recipe, settings: RunSettings, hw: Hardware, 
     if cpu_compute or not gpus:
         cpu.add("activations", b.activations)
     if cpu.unified:
-        # one memory pool: what the GPU holds (and its reserve) is not free for the CPU
         shared = sum(g.used_bytes + g.reserve for g in gpus)
         cpu.capacity = max(0, cpu.capacity - shared)
 
+
+def _expert_ranges(layer_dev: list[str], gpu_experts: list[int], e: int) -> list[list[tuple[str, int, int]]]:
     ranges = []
-    for L in range(n):
+    for L, k in enumerate(gpu_experts):
         rs: list[tuple[str, int, int]] = []
-        k = gpu_experts[L]
         if k:
             rs.append((layer_dev[L], 0, k))
         if k < e:
             rs.append(("cpu", k, e))
         ranges.append(rs)
+    return ranges
 
-    over = [d for d in devs if d.used_bytes > d.capacity]
-    used_gpus = [g for g in gpus if g.used_bytes]
-    # the budget's weights, caches and buffers, plus one activation buffer per extra computing device
-    total = sum(d.used_bytes for d in devs) + sum(g.reserve for g in used_gpus)
-    fits, reason = True, ""
-    if over:
-        fits = False
+
+def _verdict(devs: list[Device], hw: Hardware, layer_dev: list[str]) -> tuple[bool, str, int]:
+    """(fits, reason, total bytes): the budget's weights, caches and buffers plus each used GPU's reserve."""
+    gpus = [d for d in devs if d.kind == "gpu"]
+    cpu = devs[-1]
+    total = sum(d.used_bytes for d in devs) + sum(g.reserve for g in gpus if g.used_bytes)
+    if any(d.used_bytes > d.capacity for d in devs):
         need = cpu.used_bytes - cpu.capacity
-        reason = (f"needs {total / GB:.1f} GB: the GPUs hold {sum(g.used_bytes for g in gpus) / GB:.1f} GB and "
-                  f"{cpu.used_bytes / GB:.1f} GB would go to RAM, {need / GB:.1f} GB more than the "
-                  f"{cpu.capacity / GB:.1f} GB usable")
-    elif hw.nodes > 1 and (cpu.used.get("experts") or any(d == "cpu" for d in layer_dev)):
-        fits = False
-        reason = "a multi-node plan must fit in GPU memory (vLLM does not keep experts in host RAM)"
+        return False, (f"needs {total / GB:.1f} GB: the GPUs hold {sum(g.used_bytes for g in gpus) / GB:.1f} GB and "
+                       f"{cpu.used_bytes / GB:.1f} GB would go to RAM, {need / GB:.1f} GB more than the "
+                       f"{cpu.capacity / GB:.1f} GB usable"), total
+    if hw.nodes > 1 and (cpu.used.get("experts") or any(d == "cpu" for d in layer_dev)):
+        return False, "a multi-node plan must fit in GPU memory (vLLM does not keep experts in host RAM)", total
+    return True, "", total
 
+
+def _add_speed(plan: Plan, b: Budget, spec: ModelSpec, recipe: Recipe, hw: Hardware, sm: SpeedModel,
+               gpu_reserve: int, host_reserve: int, profile: RuntimeProfile | None, profile_source: str) -> None:
+    """The llama.cpp-grade speed estimate, and with a calibrated `profile` quantkit's own runtime's."""
+    layout, rates = plan.layout(), {d.id: d.rates() for d in plan.devices}
+    plan.speed = estimate(b, layout, rates, spec.config, sm)
+    plan.assumptions = assumptions(hw, sm, gpu_reserve, host_reserve)
+    if profile is None:
+        return
+    try:
+        costs = runtime_costs(profile, spec, recipe, profile_source)
+    except QuantkitError as e:
+        plan.runtime_note = str(e)
+        return
+    plan.runtime_speed = estimate_runtime(b, layout, rates, spec.config, costs, sm)
+    if plan.runtime_speed is None:
+        plan.runtime_note = "the calibrated runtime estimate is for batch 1"
+
+
+def solve(spec: ModelSpec, recipe: Recipe, settings: RunSettings, hw: Hardware, *,
+          gpu_reserve: int = DEFAULT_GPU_RESERVE, host_reserve: int = DEFAULT_HOST_RESERVE,
+          cpu_expert_layers: int | None = None, speed_model: SpeedModel | None = None,
+          budget: Budget | None = None, with_speed: bool = True, profile: RuntimeProfile | None = None,
+          profile_source: str = "") -> Plan:
+    """Place one scheme. `cpu_expert_layers` forces the experts of the first N layers onto the CPU
+    (llama.cpp's --n-cpu-moe) instead of filling the GPUs greedily. With a runtime `profile` of this
+    host (`quantkit calibrate`), the plan also gets quantkit's own runtime decode estimate."""
+    b = budget or compute_budget(spec, recipe, settings)
+    c = spec.config
+    n, e, tied = c.num_hidden_layers, c.num_experts, c.tie_word_embeddings
+    devs = make_devices(hw, gpu_reserve, host_reserve)
+    gpus, cpu = [d for d in devs if d.kind == "gpu"], devs[-1]
+    head_dev = _place_head(gpus, b, tied)
+    layer_dev = _assign_layers(gpus, b, n, e)
+    gpu_experts = _fill_gpus(gpus, b, layer_dev, e, cpu_expert_layers)
+    _fill_cpu(cpu, gpus, b, layer_dev, gpu_experts, e, head_dev, tied)
+    fits, reason, total = _verdict(devs, hw, layer_dev)
     plan = Plan(
         model=spec.name, fingerprint=spec_fingerprint(spec), scheme=recipe.name, recipe=recipe.to_dict(),
-        settings=settings, devices=devs, layer_device=layer_dev, expert_ranges=ranges,
+        settings=settings, devices=devs, layer_device=layer_dev, expert_ranges=_expert_ranges(layer_dev, gpu_experts, e),
         embedding_device=head_dev if tied else "cpu", lm_head_device=head_dev, num_experts=e, fits=fits,
-        reason=reason, total_bytes=total, card_estimate_gb=card_estimate_gb(recipe.nominal_bits, settings.context, card_params(spec)),
+        reason=reason, total_bytes=total,
+        card_estimate_gb=card_estimate_gb(recipe.nominal_bits, settings.context, card_params(spec)),
         components=b.components(),
     )
     if with_speed:
-        sm = speed_model or SpeedModel()
-        layout, rates = plan.layout(), {d.id: d.rates() for d in devs}
-        plan.speed = estimate(b, layout, rates, c, sm)
-        plan.assumptions = assumptions(hw, sm, gpu_reserve, host_reserve)
-        if profile is not None:
-            try:
-                costs = runtime_costs(profile, spec, recipe, profile_source)
-            except QuantkitError as e:
-                plan.runtime_note = str(e)
-            else:
-                plan.runtime_speed = estimate_runtime(b, layout, rates, c, costs, sm)
-                if plan.runtime_speed is None:
-                    plan.runtime_note = "the calibrated runtime estimate is for batch 1"
+        _add_speed(plan, b, spec, recipe, hw, speed_model or SpeedModel(), gpu_reserve, host_reserve, profile,
+                   profile_source)
     return plan
 
 
