@@ -14,7 +14,7 @@ from quantkit.cli import app, console
 from quantkit.cli.options import CONTEXT, COUNT, TFLOPS
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf_types import check_type
-from quantkit.export.launch import ENGINES, launch_plan
+from quantkit.export.launch import ENGINES, LaunchPlan, launch_plan
 from quantkit.export.llama_placement import LlamaPlacement
 from quantkit.model.checkpoint import spec_from_path
 from quantkit.model.spec import DEFAULT_MODEL, ModelSpec, Role
@@ -26,11 +26,10 @@ from quantkit.planner.placement import (
     RECIPES,
     Plan,
     SchemeResult,
+    choose,
     is_plan_file,
     plan_schemes,
-    recommend,
     solve,
-    suggestions,
 )
 from quantkit.recipe import parse_recipe_names
 
@@ -202,60 +201,69 @@ def plan_cmd(
     prof, prof_src, prof_note = profile_for_plan(profile, spec.config, this_host)
     kw = {"gpu_reserve": parse_size(gpu_reserve, "--gpu-reserve") if gpu_reserve else DEFAULT_GPU_RESERVE,
           "profile": prof, "profile_source": prof_src}
-    rows: list[SchemeResult] = []
-    for ctx in contexts:
-        st = _settings(ctx, batch, cache, prefill_chunk, mtp, spec, prompt_cache)
-        rows += plan_schemes(spec, hw, st, schemes or None, **kw)
-    first = [r for r in rows if r.plan.settings.context == contexts[0]]
-    chosen = recommend(first)
-    if schemes and len(schemes) == 1:
-        chosen = first[0] if first[0].plan.fits else None
-    if chosen is None:
-        failed = first[0].plan if schemes else max(first, key=lambda r: -r.plan.total_bytes).plan
-        st = failed.settings
-        alts = suggestions(spec, hw, st, failed, **kw)
-        what = f"{failed.scheme} does not fit" if schemes else "no scheme fits"
-        hint = ("; what fits: " + "; ".join(alts)) if alts else "; nothing fits this hardware, add RAM or GPUs"
+    rows = [r for ctx in contexts
+            for r in plan_schemes(spec, hw, _settings(ctx, batch, cache, prefill_chunk, mtp, spec, prompt_cache),
+                                  schemes or None, **kw)]
+    try:
+        chosen = choose(rows, contexts[0], schemes, spec, hw, **kw)
+    except QuantkitError:
         if not as_json:
-            for n in hw.notes:
-                console.print(f"[dim]{n}[/]")
-        raise QuantkitError(f"{what} on {hw.describe()}: {failed.reason}{hint}")
+            _print_notes(hw.notes)
+        raise
     plan = chosen.plan
     if out:
         plan.save(out)
     launch = launch_plan(export, plan, hw, spec.name, model or f"<path to {DEFAULT_MODEL}>", spec,
                          gguf_type) if export else None
     if as_json:
-        obj = {
-            "model": spec.name,
-            "spec_fingerprint": plan.fingerprint,
-            "hardware": _hardware_dict(hw),
-            "notes": list(hw.notes),
-            "contexts": contexts,
-            "schemes": [r.to_dict() for r in rows],
-            "recommended": plan.scheme,
-            "plan": {k: v for k, v in plan.to_dict().items() if k not in ("layers", "assumptions")},
-            "assumptions": plan.assumptions,
-            "runtime_profile": prof_src or None,
-        }
-        if prof_note:
-            obj["notes"].append(prof_note)
-        if out:
-            obj["plan_file"] = str(out)
-        if launch:
-            obj["export"] = launch.to_dict()
+        obj = _plan_json(spec, hw, contexts, rows, plan, prof_src, prof_note, out, launch)
         print(json.dumps(obj, indent=1))
         return
-    for n in hw.notes:
+    _print_plan(spec, hw, contexts, rows, chosen, prof is not None, prof_src, prof_note, out)
+    if launch:
+        _print_launch(launch)
+
+
+def _print_notes(notes: tuple[str, ...] | list[str]) -> None:
+    for n in notes:
         console.print(f"[dim]{n}[/]")
+
+
+def _plan_json(spec: ModelSpec, hw: Hardware, contexts: list[int], rows: list[SchemeResult], plan: Plan,
+               prof_src: str, prof_note: str, out: Path | None, launch: LaunchPlan | None) -> dict:
+    obj = {
+        "model": spec.name,
+        "spec_fingerprint": plan.fingerprint,
+        "hardware": _hardware_dict(hw),
+        "notes": list(hw.notes),
+        "contexts": contexts,
+        "schemes": [r.to_dict() for r in rows],
+        "recommended": plan.scheme,
+        "plan": {k: v for k, v in plan.to_dict().items() if k not in ("layers", "assumptions")},
+        "assumptions": plan.assumptions,
+        "runtime_profile": prof_src or None,
+    }
+    if prof_note:
+        obj["notes"].append(prof_note)
+    if out:
+        obj["plan_file"] = str(out)
+    if launch:
+        obj["export"] = launch.to_dict()
+    return obj
+
+
+def _print_plan(spec: ModelSpec, hw: Hardware, contexts: list[int], rows: list[SchemeResult], chosen: SchemeResult,
+                runtime: bool, prof_src: str, prof_note: str, out: Path | None) -> None:
+    plan = chosen.plan
+    _print_notes(hw.notes)
     console.print(f"[bold]{spec.name}[/] ({spec.text_params / 1e9:.2f}B params, "
                   f"{spec.active_params_per_token / 1e9:.2f}B active) on {hw.describe()}")
-    console.print(_results_table(rows, len(contexts) > 1, plan.scheme, runtime=prof is not None))
+    console.print(_results_table(rows, len(contexts) > 1, plan.scheme, runtime=runtime))
     console.print("[dim]card = the model card's formula (1.05 x weights + KV); exact = tensor by tensor, with "
                   "caches, buffers and GPU reserve; max ctx = longest context that still fits; tok/s = "
                   "estimated decode (llama.cpp-grade), pp/s = estimated prefill tok/s; * = recommended"
                   + ("; qk tok/s = quantkit's own runtime here, composed from `quantkit calibrate`'s "
-                     f"measured parts ({prof_src})" if prof else "") + "[/]")
+                     f"measured parts ({prof_src})" if runtime else "") + "[/]")
     console.print(_budget_table(spec, plan))
     console.print(_placement_table(plan))
     s = plan.speed
@@ -274,22 +282,24 @@ def plan_cmd(
         console.print(f"[dim]  - {a}[/]")
     if out:
         console.print(f"plan saved to {out}")
-    if launch:
-        for w in launch.warnings:
-            console.print(f"[yellow]warning:[/] {w}")
-        if launch.export_command:
-            console.print(launch.export_command, highlight=False, soft_wrap=True)
-        if launch.command:
-            console.print(launch.command, highlight=False, soft_wrap=True)
-        if launch.placement:
-            _print_llama(launch.placement)
-        if launch.vllm:
-            v = launch.vllm
-            parts = ", ".join(f"{k} {b / GIB:.2f}" for k, b in v.per_gpu.items())
-            console.print(f"vLLM per GPU: {sum(v.per_gpu.values()) / GIB:.2f} GiB of {v.budget / GIB:.2f} GiB "
-                          f"(GiB: {parts}); KV room for {v.max_tokens:,} tokens", highlight=False)
-            for a in v.assumptions:
-                console.print(f"[dim]  - {a}[/]")
+
+
+def _print_launch(launch: LaunchPlan) -> None:
+    for w in launch.warnings:
+        console.print(f"[yellow]warning:[/] {w}")
+    if launch.export_command:
+        console.print(launch.export_command, highlight=False, soft_wrap=True)
+    if launch.command:
+        console.print(launch.command, highlight=False, soft_wrap=True)
+    if launch.placement:
+        _print_llama(launch.placement)
+    if launch.vllm:
+        v = launch.vllm
+        parts = ", ".join(f"{k} {b / GIB:.2f}" for k, b in v.per_gpu.items())
+        console.print(f"vLLM per GPU: {sum(v.per_gpu.values()) / GIB:.2f} GiB of {v.budget / GIB:.2f} GiB "
+                      f"(GiB: {parts}); KV room for {v.max_tokens:,} tokens", highlight=False)
+        for a in v.assumptions:
+            console.print(f"[dim]  - {a}[/]")
 
 
 def _print_llama(pl: LlamaPlacement) -> None:

@@ -576,6 +576,23 @@ def recommend(results: list[SchemeResult]) -> SchemeResult | None:
     return max(eligible, key=lambda r: (QUALITY_RANK.get(r.plan.scheme, 0), r.plan.speed.decode_tok_s))
 
 
+def choose(rows: list[SchemeResult], context: int, schemes: list[str], spec: ModelSpec, hw: Hardware,
+           **kw: Any) -> SchemeResult:
+    """The plan to recommend at `context`: the one scheme asked for when it fits, else the best that fits.
+    When none does, one error line says why and what would fit."""
+    first = [r for r in rows if r.plan.settings.context == context]
+    chosen = recommend(first)
+    if schemes and len(schemes) == 1:
+        chosen = first[0] if first[0].plan.fits else None
+    if chosen is not None:
+        return chosen
+    failed = first[0].plan if schemes else max(first, key=lambda r: -r.plan.total_bytes).plan
+    alts = suggestions(spec, hw, failed.settings, failed, **kw)
+    what = f"{failed.scheme} does not fit" if schemes else "no scheme fits"
+    hint = ("; what fits: " + "; ".join(alts)) if alts else "; nothing fits this hardware, add RAM or GPUs"
+    raise QuantkitError(f"{what} on {hw.describe()}: {failed.reason}{hint}")
+
+
 def ram_needed_gib(plan: Plan, host_reserve: int = DEFAULT_HOST_RESERVE) -> int:
     """The smallest common RAM size that would hold what this plan puts in RAM."""
     cpu = plan.device("cpu")
