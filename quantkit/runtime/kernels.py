@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,8 @@ import torch.nn.functional as F
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec, get_format
+from quantkit.formats.int4 import DEFAULT_GROUP as INT4_GROUP
+from quantkit.formats.int4 import codes as int4_codes
 
 COMPUTE_DTYPE = torch.bfloat16
 MXFP4_ROUTE = os.environ.get("QUANTKIT_MXFP4_ROUTE", "int4x2")  # or "dequant"
@@ -360,6 +363,40 @@ def mxfp4_to_int4x2(parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch
     return codes.to(torch.uint8), scales
 
 
+def _int8(parts: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, int], route: str | None) -> Kernel:
+    return Int8Kernel(parts["qweight"], parts["scales"])
+
+
+def _int4(parts: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, int], route: str | None) -> Kernel:
+    try:
+        return Int4Kernel(int4_codes(parts), parts["scales"], parts.get("zeros"), spec.group_size or INT4_GROUP)
+    except RuntimeError:
+        return DequantKernel(parts, spec, shape)
+
+
+def _bnb4(parts: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, int], route: str | None) -> Kernel:
+    return Bnb4Kernel(parts, spec, shape) if _bnb_available() else DequantKernel(parts, spec, shape)
+
+
+def _mxfp4(parts: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, int], route: str | None) -> Kernel:
+    if (MXFP4_ROUTE if route in (None, "torch") else route) == "int4x2":
+        c, s = mxfp4_to_int4x2(parts)
+        try:
+            k = Int4Kernel(c, s, None, 32, in_features=shape[1], dup_input=2)
+            k.route = "mxfp4 as exact int4 pair, " + k.route
+            return k
+        except RuntimeError:
+            pass
+    return DequantKernel(parts, spec, shape)
+
+
+# The kernel of each stored format (quantkit/formats), keyed by format name: adding a format is its module in
+# formats/ plus one entry here. quantkit's own CPU kernel (cpu_kernel.py) takes int4/int8 first where built.
+KERNELS: dict[str, Callable[[dict[str, torch.Tensor], QuantSpec, tuple[int, int], str | None], Kernel]] = {
+    "int8": _int8, "int4": _int4, "nf4": _bnb4, "fp4": _bnb4, "mxfp4": _mxfp4,
+}
+
+
 def prepare(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | None, shape: tuple[int, ...],
             route: str | None = None) -> Kernel:
     """The kernel for one matrix whose parts already sit on their device. `route` forces a route
@@ -383,30 +420,8 @@ def prepare(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | Non
         qk = qkernel(parts, spec, (shape[0], shape[1]))
         if qk is not None:
             return qk
-    if f == "int8":
-        return Int8Kernel(parts["qweight"], parts["scales"])
-    if f == "int4":
-        from quantkit.formats.int4 import codes
-
-        g = spec.group_size or 128
-        try:
-            return Int4Kernel(codes(parts), parts["scales"], parts.get("zeros"), g)
-        except RuntimeError:
-            return DequantKernel(parts, spec, shape)
-    if f in ("nf4", "fp4"):
-        if _bnb_available():
-            return Bnb4Kernel(parts, spec, shape)
-        return DequantKernel(parts, spec, shape)
-    if f == "mxfp4":
-        if (MXFP4_ROUTE if route in (None, "torch") else route) == "int4x2":
-            c, s = mxfp4_to_int4x2(parts)
-            try:
-                k = Int4Kernel(c, s, None, 32, in_features=shape[1], dup_input=2)
-                k.route = "mxfp4 as exact int4 pair, " + k.route
-                return k
-            except RuntimeError:
-                pass
-        return DequantKernel(parts, spec, shape)
+    if f in KERNELS:
+        return KERNELS[f](parts, spec, (shape[0], shape[1]), route)
     raise QuantkitError(f"no kernel for format {f!r}")
 
 
