@@ -26,11 +26,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from quantkit.bench.quantize import machine_info
 from quantkit.errors import QuantkitError
+from quantkit.fileio import atomic_write_bytes, temp_name
 from quantkit.formats import QuantSpec, get_format
+from quantkit.model.checkpoint import Checkpoint
+from quantkit.quantize.calib_data import default_documents, load_tokens, tokenize_documents
+from quantkit.quantize.calibrated import Calibration
 from quantkit.quantize.gptq import gptq
 from quantkit.quantize.imatrix import imatrix_quantize, importance
-from quantkit.quantize.stats import _Acc, _linear_hook
+from quantkit.quantize.run import QuantizeOptions, run_quantize
+from quantkit.quantize.stats import Stats, _Acc, _linear_hook, collect_stats
+from quantkit.recipe import build_recipe
+from quantkit.runtime.engine import load_tokenizer
 
 CONFIGS: list[tuple[str, QuantSpec]] = [
     ("int4 g128", QuantSpec("int4", 128, True)),
@@ -63,7 +71,6 @@ def load_model(gguf_path: Path) -> tuple[Any, Any]:
 
 
 def _chunks(tok: Any, seed: int, n_tokens: int, chunk: int) -> torch.Tensor:
-    from quantkit.quantize.calib_data import default_documents, tokenize_documents
 
     td = tokenize_documents(default_documents(n_docs=2000, seed=seed), tok, f"default seed {seed}", chunk, n_tokens,
                             min_tokens=chunk)
@@ -143,7 +150,6 @@ def evaluate(model: Any, ref_logits: list[torch.Tensor] | None, chunks: torch.Te
 
 def run(reports: Path, calib_tokens: int = 8192, eval_tokens: int = 4096, chunk: int = 512,
         log: Any = print, realistic_dir: Path | None = None, command: str = "") -> dict[str, Any]:
-    from quantkit.bench.quantize import machine_info
 
     t0 = time.perf_counter()
     info = machine_info()
@@ -182,7 +188,6 @@ def run(reports: Path, calib_tokens: int = 8192, eval_tokens: int = 4096, chunk:
         d["realistic"] = measure_realistic(realistic_dir, log=log)
     d["seconds"] = round(time.perf_counter() - t0, 1)
     reports.mkdir(parents=True, exist_ok=True)
-    from quantkit.fileio import atomic_write_bytes
 
     atomic_write_bytes(reports / "bench-calibrated.json", (json.dumps(d, indent=2) + "\n").encode())
     atomic_write_bytes(reports / "bench-calibrated.md", render_markdown(d).encode())
@@ -262,7 +267,6 @@ def _plot(d: dict[str, Any], path: Path) -> None:
     ax.set_title("SmolLM2-135M: RTN vs imatrix vs GPTQ (held-out text)")
     ax.legend()
     fig.tight_layout()
-    from quantkit.fileio import temp_name
 
     tmp = temp_name(path)
     fig.savefig(tmp, format="png", dpi=110)
@@ -290,13 +294,6 @@ def measure_step(step: str, src: Path, work: Path, tokens: int) -> dict[str, Any
     `measure_realistic` so that its peak RSS is its own. Returns seconds per layer and peak RSS."""
     import resource
 
-    from quantkit.model.checkpoint import Checkpoint
-    from quantkit.quantize.calib_data import load_tokens
-    from quantkit.quantize.calibrated import Calibration
-    from quantkit.quantize.run import QuantizeOptions, run_quantize
-    from quantkit.quantize.stats import Stats, collect_stats
-    from quantkit.recipe import build_recipe
-    from quantkit.runtime.engine import load_tokenizer
 
     ck = Checkpoint.open(src)
     stats_path = work / "realistic.stats"

@@ -30,7 +30,19 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.planner.hardware import cpu_name
+from quantkit.fileio import write_atomic
+from quantkit.model.checkpoint import Checkpoint
+from quantkit.model.spec import load_config, spec_from_config
+from quantkit.planner.budget import RunSettings
+from quantkit.planner.hardware import build_hardware, cpu_name
+from quantkit.planner.host_costs import load_profile
+from quantkit.planner.placement import solve
+from quantkit.quantize.run import QuantizeOptions, run_quantize
+from quantkit.recipe import get_recipe
+from quantkit.runtime import linear_attn, load_model
+from quantkit.runtime.loader import QuantEmbedding
+from quantkit.runtime.qexperts import QuantExperts
+from quantkit.testing.tiny import make_tiny_model
 
 # name -> (how it runs, recipe for the quantizer or None)
 CONFIGS: dict[str, tuple[str, str | None]] = {
@@ -96,8 +108,6 @@ def cache_bytes_per_step(cfg: Any, filled: int) -> int:
 
 def step_bytes(model: Any, top_k: int) -> int:
     """Weight bytes one decode step reads in a loaded model (quantkit or transformers)."""
-    from quantkit.runtime.loader import QuantEmbedding
-    from quantkit.runtime.qexperts import QuantExperts
 
     total = 0
     seen: set[int] = set()
@@ -134,7 +144,6 @@ def run_one(mode: str, folder: Path, prompt_len: int, decode: int, reps: int,
     """One configuration, in this process. Returns figures and the kernel routes."""
     import resource
 
-    from quantkit.runtime import linear_attn
 
     if threads:
         torch.set_num_threads(threads)
@@ -152,7 +161,6 @@ def run_one(mode: str, folder: Path, prompt_len: int, decode: int, reps: int,
         model = Qwen3_5MoeForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16, local_files_only=True).eval()
         routes = {"transformers": 1}
     else:
-        from quantkit.runtime import load_model
 
         rt = load_model(folder, verify="quick")
         model, routes = rt.model, rt.report.routes
@@ -182,7 +190,6 @@ def run_one(mode: str, folder: Path, prompt_len: int, decode: int, reps: int,
 def calibrate_subprocess(src: Path, recipes: list[str], out: Path, threads: int | None) -> Any:
     """`quantkit calibrate` for the checkpoint's shapes and these recipes, in its own process (as the
     configurations run), into a fresh profile file."""
-    from quantkit.planner.host_costs import load_profile
 
     out.unlink(missing_ok=True)
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
@@ -200,10 +207,6 @@ def planner_estimate(folder: Path, recipe: Any, bandwidth: float, prompt_len: in
                      profile: Any = None) -> dict[str, float | None]:
     """The planner on a CPU-only host with this bandwidth: its llama.cpp-grade decode and prefill, and
     (with a calibrated profile of this host) its estimate for quantkit's own runtime."""
-    from quantkit.model.spec import load_config, spec_from_config
-    from quantkit.planner.budget import RunSettings
-    from quantkit.planner.hardware import build_hardware
-    from quantkit.planner.placement import solve
 
     spec = spec_from_config(load_config(folder / "config.json"), name=folder.name)
     hw = build_hardware(None, ram="24GB", cpu_bandwidth=f"{bandwidth:.1f}")
@@ -215,10 +218,6 @@ def planner_estimate(folder: Path, recipe: Any, bandwidth: float, prompt_len: in
 def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt_len: int = 128, decode: int = 16,
         reps: int = 1, configs: list[str] | None = None, rounds: int = 2, threads: int | None = None,
         vocab: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
-    from quantkit.model.checkpoint import Checkpoint
-    from quantkit.quantize.run import QuantizeOptions, run_quantize
-    from quantkit.recipe import get_recipe
-    from quantkit.testing.tiny import make_tiny_model
 
     t_all = time.perf_counter()
     names = configs or list(CONFIGS)
@@ -312,7 +311,6 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
         "rows": rows, "bench_seconds": bench_s, "seconds": time.perf_counter() - t_all,
     }
     reports.mkdir(parents=True, exist_ok=True)
-    from quantkit.fileio import write_atomic
 
     write_atomic(reports / "bench-decode.json", json.dumps(d, indent=1) + "\n")
     plot(d, reports / "bench-decode.png")

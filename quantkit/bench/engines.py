@@ -28,6 +28,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from quantkit.export.gguf import export_gguf
+from quantkit.formats import QuantSpec
+from quantkit.model.checkpoint import Checkpoint
+from quantkit.model.spec import Role
+from quantkit.quantize.run import QuantizeOptions, run_quantize
+from quantkit.recipe import INT8, Recipe
+from quantkit.runtime import SamplingParams, load_model
+from quantkit.testing.tiny import load_reference_model, make_tiny_model
+
 DEFAULTS = {"layers": 4, "experts": 64, "top_k": 8, "vocab": 248320, "prompt": 64, "new_tokens": 32,
             "probe": (2, 64), "reps": 2}
 
@@ -107,7 +116,6 @@ def llama_logits(path: Path, ids: torch.Tensor, threads: int) -> np.ndarray:
 
 
 def quantkit_decode(rt: Any, prompt: list[int], new_tokens: int, reps: int) -> dict[str, Any]:
-    from quantkit.runtime import SamplingParams
 
     best = None
     for _ in range(reps):
@@ -125,12 +133,6 @@ def prepare(workdir: Path, layers: int, experts: int, top_k: int, vocab: int, ch
             log: Any = print) -> tuple[Path, Path]:
     """The realistic-shape bf16 checkpoint (generated once in `workdir` unless given) and its quantkit folder
     quantized with the recipe that matches GGUF `mixed` (experts int4 sym g32 = Q4_0, int8 rest)."""
-    from quantkit.formats import QuantSpec
-    from quantkit.model.checkpoint import Checkpoint
-    from quantkit.model.spec import Role
-    from quantkit.quantize.run import QuantizeOptions, run_quantize
-    from quantkit.recipe import INT8, Recipe
-    from quantkit.testing.tiny import make_tiny_model
 
     workdir.mkdir(parents=True, exist_ok=True)
     if checkpoint is None:
@@ -153,9 +155,6 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
         top_k: int = DEFAULTS["top_k"], vocab: int = DEFAULTS["vocab"], checkpoint: Path | None = None,
         threads: int | None = None, reps: int = DEFAULTS["reps"], new_tokens: int = DEFAULTS["new_tokens"],
         log: Any = print) -> dict[str, Any]:
-    from quantkit.export.gguf import export_gguf
-    from quantkit.runtime import load_model
-    from quantkit.testing.tiny import load_reference_model
 
     t_start = time.perf_counter()
     given = checkpoint is not None

@@ -29,7 +29,13 @@ import numpy as np
 import torch
 
 from quantkit.bench.engines import _machine, llama_decode, llama_logits
+from quantkit.export.gguf import export_gguf
 from quantkit.export.gguf_types import LLAMA_TYPES
+from quantkit.export.llama_placement import model_from_spec
+from quantkit.model.spec import default_spec
+from quantkit.testing.imatrix import collect_expert_imatrix, write_imatrix_gguf
+from quantkit.testing.tiny import load_reference_model, make_tiny_model, probe_ids
+from quantkit.testing.tokenizer import build_tokenizer, tiny_corpus
 
 SHAPE = {"layers": 4, "experts": 16, "top_k": 4, "hidden": 512, "intermediate": 512}
 TYPES = ("q8_0", "q6_k", "q5_k_m", "q5_k_s", "mixed", "q4_k_m", "q4_k_s", "iq4_nl", "iq4_xs", "q4_0", "mxfp4",
@@ -45,7 +51,6 @@ def kl_per_token(ref: np.ndarray, got: np.ndarray) -> np.ndarray:
 
 
 def _calibration_ids() -> torch.Tensor:
-    from quantkit.testing.tokenizer import build_tokenizer, tiny_corpus
 
     tok = build_tokenizer()
     lines = tiny_corpus(400, seed=11)
@@ -61,11 +66,6 @@ def choose_default(rows: list[dict[str, Any]]) -> str:
 
 def run(reports: Path, workdir: Path, threads: int = 2, reps: int = 2, new_tokens: int = 32,
         log: Any = print) -> dict[str, Any]:
-    from quantkit.export.gguf import export_gguf
-    from quantkit.export.llama_placement import model_from_spec
-    from quantkit.model.spec import default_spec
-    from quantkit.testing.imatrix import collect_expert_imatrix, write_imatrix_gguf
-    from quantkit.testing.tiny import load_reference_model, make_tiny_model, probe_ids
 
     t_start = time.perf_counter()
     workdir.mkdir(parents=True, exist_ok=True)

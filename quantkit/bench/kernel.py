@@ -28,7 +28,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from quantkit.bench.engines import _machine
 from quantkit.formats import QuantSpec
+from quantkit.formats.int4 import int4_to_q4_0_blocks
+from quantkit.runtime import cpu_kernel
+from quantkit.runtime.kernels import prepare, slice_parts
+from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 
 DEFAULTS = {"hidden": 2048, "inter": 512, "experts": 64, "top_k": 8, "layers": 4, "tokens": 24, "reps": 5}
 GGML_KERNEL = {"int4": "Q4_0 x Q8_0", "int8": "Q8_0 x Q8_0", "bf16": "BF16 x BF16"}
@@ -71,8 +76,6 @@ def read_gbps(threads: int) -> float:
 
 
 def _quantexperts(layer: tuple[dict, dict], fmt: str, route: str | None, cfg: dict) -> Any:
-    from quantkit.runtime.kernels import prepare, slice_parts
-    from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 
     h, i, e = cfg["hidden"], cfg["inter"], cfg["experts"]
     gu, dn = layer
@@ -165,7 +168,6 @@ def _ggml_rows(fmt: str, parts: Any) -> np.ndarray:
     if fmt == "bf16":
         return parts.view(torch.uint8).numpy()
     if fmt == "int4":
-        from quantkit.formats.int4 import int4_to_q4_0_blocks
 
         return int4_to_q4_0_blocks(parts, _spec("int4"))
     q = parts["qweight"]
@@ -248,8 +250,6 @@ def time_ggml(layers: list[tuple[dict, dict]], fmt: str, draws: torch.Tensor, wt
 def run(reports: Path, threads: int, layers: int = DEFAULTS["layers"], tokens: int = DEFAULTS["tokens"],
         reps: int = DEFAULTS["reps"], formats: tuple[str, ...] = ("int4", "int8", "bf16"),
         log: Any = print) -> dict[str, Any]:
-    from quantkit.bench.engines import _machine
-    from quantkit.runtime import cpu_kernel
 
     t0 = time.time()
     cfg = {**DEFAULTS, "layers": layers, "tokens": tokens, "reps": reps}

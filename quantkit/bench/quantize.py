@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from quantkit.formats import QuantSpec, get_format
+from quantkit.model.checkpoint import Checkpoint
 
 OUR_METHODS: list[tuple[str, QuantSpec]] = [
     ("int8", QuantSpec("int8", None, True)),
@@ -261,7 +262,6 @@ def generate_checkpoint(path: Path, experts: int, layers: int) -> None:
 def run(reports: Path, workdir: Path, experts: int = 128, layers: int = 4, slab_experts: int = 16,
         reps: int = 2, checkpoint: Path | None = None, log: Any = print) -> dict[str, Any]:
     """Run the whole benchmark and write reports/bench-quantize.{md,json,png}."""
-    from quantkit.model.checkpoint import Checkpoint
 
     t_all = time.perf_counter()
     reports.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantkit.bench.quantize import machine_info
 from quantkit.errors import QuantkitError
+from quantkit.fileio import atomic_write_json
+from quantkit.server.backend import SamplingParams
+from quantkit.server.runtime_backend import load_backend
 
 PROMPTS = [
     "$ ls -la /home/user/project",
@@ -282,8 +286,6 @@ def direct_peer(model_dir: Path, prompt: str, max_tokens: int, reps: int, contex
     """The same generation through the runtime in this process (no HTTP, no queue)."""
     import threading as th
 
-    from quantkit.server.backend import SamplingParams
-    from quantkit.server.runtime_backend import load_backend
 
     b = load_backend(model_dir, max_context=context)
     p = b.render([{"role": "user", "content": prompt}], None, True)
@@ -340,7 +342,6 @@ def run(reports: Path, model_dir: Path | None, workdir: Path, clients: int, requ
         max_queue: int, retries: int, disconnects: int, context: int | None, log=print) -> dict[str, Any]:
     import httpx
 
-    from quantkit.bench.quantize import machine_info
 
     command = " ".join(["quantkit bench serve", *(shlex.quote(a) for a in sys.argv[3:])])
     machine = machine_info()
@@ -463,7 +464,6 @@ def _f(x: float | None, nd: int = 3) -> str:
 
 
 def write_report(reports: Path, d: dict[str, Any]) -> None:
-    from quantkit.fileio import atomic_write_json
 
     reports.mkdir(parents=True, exist_ok=True)
     atomic_write_json(reports / "bench-serve.json", d)

@@ -31,7 +31,10 @@ import numpy as np
 import torch
 
 from quantkit.bench.engines import DEFAULTS, _llama, _machine, prepare
+from quantkit.export.gguf import export_gguf
+from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.state_cache import PrefixCache
+from quantkit.runtime.worlds import world_prompt
 
 FILES = ["README.md", "setup.py", "src", "tests", "Makefile", "config.yaml", "data.csv", "notes.txt", "build", "docs"]
 USERS = ["root", "agent", "www-data"]
@@ -60,7 +63,6 @@ def actions(turns: int) -> list[str]:
 
 def prompts(rt: Any, turns: int, obs_tokens: int) -> list[list[int]]:
     """The token ids of each turn's prompt (the whole history, rendered as a client resends it)."""
-    from quantkit.runtime.worlds import world_prompt
 
     msgs: list[dict[str, Any]] = [{"role": "system", "content": world_prompt("terminal")}]
     out = []
@@ -72,7 +74,6 @@ def prompts(rt: Any, turns: int, obs_tokens: int) -> list[list[int]]:
 
 
 def quantkit_turn(rt: Any, ids: list[int], new_tokens: int) -> dict[str, Any]:
-    from quantkit.runtime import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_new_tokens=new_tokens)
     t0 = time.perf_counter()
@@ -110,8 +111,6 @@ def run(reports: Path, workdir: Path, turns: int = 12, obs_tokens: int = 250, ne
         layers: int = DEFAULTS["layers"], experts: int = DEFAULTS["experts"], top_k: int = DEFAULTS["top_k"],
         vocab: int = DEFAULTS["vocab"], checkpoint: Path | None = None, threads: int | None = None,
         llama: bool = True, baseline_every: int = 1, log: Any = print) -> dict[str, Any]:
-    from quantkit.export.gguf import export_gguf
-    from quantkit.runtime import load_model
 
     t_start = time.perf_counter()
     threads = threads or torch.get_num_threads()

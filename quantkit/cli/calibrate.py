@@ -23,19 +23,20 @@ from quantkit.errors import QuantkitError
 from quantkit.fileio import write_atomic
 from quantkit.model.checkpoint import spec_from_path
 from quantkit.model.contract import read_quant_config
+from quantkit.model.spec import load_config
 from quantkit.outputs import guard_output
 from quantkit.planner.budget import RunSettings
 from quantkit.planner.hardware import Hardware, Host
 from quantkit.planner.host_costs import default_profile_path, load_profile, mismatch
 from quantkit.planner.placement import RECIPES, solve
 from quantkit.recipe import Recipe, parse_recipe_names
+from quantkit.runtime.calibrate import calibrate
 
 
 def _own_recipe(model: str | None) -> list[Recipe]:
     """A quantkit output folder's own recipe: what `calibrate --model DIR` times by default."""
     if not model or not (Path(model) / "config.json").is_file():
         return []
-    from quantkit.model.spec import load_config
 
     qc = read_quant_config(Path(model), load_config(Path(model) / "config.json"))
     return [Recipe.from_dict(qc["recipe"])] if qc else []
@@ -53,7 +54,6 @@ def calibrate_cmd(
     steps: int = typer.Option(24, "--steps", parser=COUNT, help="decode steps timed for the layer ops"),
 ) -> None:
     """Measure quantkit's CPU runtime on this host, part by part, so `quantkit plan` can estimate it."""
-    from quantkit.runtime.calibrate import calibrate
 
     spec = spec_from_path(model)
     recipes = [RECIPES[n] for n in parse_recipe_names(scheme)] or _own_recipe(model) or list(RECIPES.values())

@@ -11,6 +11,9 @@ from rich.table import Table
 from quantkit.cli import app, console, err_console
 from quantkit.cli.options import GROUP_SIZE
 from quantkit.cli.progress import RichProgress, tensor_progress
+from quantkit.export.compressed_tensors import export_vllm
+from quantkit.export.gguf import export_gguf
+from quantkit.export.gguf_types import default_type
 
 export_app = typer.Typer(help="Export for other engines: GGUF (llama.cpp, Ollama, LM Studio), "
                               "compressed-tensors (vLLM, SGLang).", no_args_is_help=True)
@@ -35,8 +38,6 @@ def export_gguf_cmd(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="list every tensor"),
 ) -> None:
     """Write a GGUF file for llama.cpp / Ollama / LM Studio (architecture qwen35moe)."""
-    from quantkit.export.gguf import export_gguf
-    from quantkit.export.gguf_types import default_type
 
     note = ""
     if type is None:
@@ -76,7 +77,6 @@ def export_vllm_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing output folder"),
 ) -> None:
     """Write a compressed-tensors pack-quantized folder for vLLM / SGLang (experts int4, unfused)."""
-    from quantkit.export.compressed_tensors import export_vllm
 
     with tensor_progress(err_console) as p:
         res = export_vllm(src, out, group_size=group_size, rest=rest, overwrite=overwrite,

@@ -14,9 +14,10 @@ from quantkit.cli import app, console
 from quantkit.cli.options import CONTEXT, COUNT, TFLOPS
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf_types import check_type
-from quantkit.export.launch import ENGINES, LaunchPlan, launch_plan
-from quantkit.export.llama_placement import LlamaPlacement
+from quantkit.export.launch import ENGINES, LaunchPlan, launch_plan, llama_cache_type, llama_launch
+from quantkit.export.llama_placement import LlamaPlacement, LlamaSettings, model_from_gguf
 from quantkit.model.checkpoint import spec_from_path
+from quantkit.model.gguf_file import read_gguf
 from quantkit.model.spec import DEFAULT_MODEL, ModelSpec, Role
 from quantkit.outputs import guard_output
 from quantkit.planner.budget import GB, GIB, SNAPSHOTS_PER_PROMPT, RunSettings, cache_dtype, compute_budget
@@ -29,6 +30,7 @@ from quantkit.planner.placement import (
     choose,
     is_plan_file,
     plan_schemes,
+    ram_needed_gib,
     solve,
 )
 from quantkit.recipe import parse_recipe_names
@@ -318,9 +320,6 @@ def plan_gguf(path: Path, hw: Hardware, context: str, batch: int, cache: str, gp
               as_json: bool) -> None:
     """`quantkit plan --model FILE.gguf`: llama.cpp's budget and placement for an existing GGUF, from its
     header (no weights loaded)."""
-    from quantkit.export.launch import llama_cache_type, llama_launch
-    from quantkit.export.llama_placement import LlamaSettings, model_from_gguf
-    from quantkit.model.gguf_file import read_gguf
 
     gm = model_from_gguf(read_gguf(path))
     ctx = parse_contexts(context, 1 << 30)[0]
@@ -352,7 +351,6 @@ def gpus_cmd(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Which catalog GPUs run each scheme on the GPU alone, with expert offload (RAM needed), or not at all."""
-    from quantkit.planner.placement import ram_needed_gib
 
     spec = spec_from_path(model)
     st = _settings(context, 1, "fp16", 512, False, spec)

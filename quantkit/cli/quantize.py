@@ -11,6 +11,20 @@ from rich.table import Table
 from quantkit.cli import app, console, err_console, fail
 from quantkit.cli.options import GROUP_SIZE
 from quantkit.cli.progress import RichProgress, tensor_progress
+from quantkit.model.checkpoint import Checkpoint, resolve_model
+from quantkit.quantize.calibrated import Calibration
+from quantkit.quantize.report import role_rows, total_row
+from quantkit.quantize.run import (
+    Interrupted,
+    QuantizeOptions,
+    TensorStats,
+    free_bytes,
+    make_plan,
+    run_quantize,
+)
+from quantkit.quantize.stats import Stats
+from quantkit.quantize.verify import verify_folder
+from quantkit.recipe import build_recipe
 from quantkit.sizes import parse_size
 
 
@@ -24,7 +38,6 @@ def _mb(n: float) -> str:
 
 
 def _roles_table(rows: list, title: str, measured: bool) -> Table:
-    from quantkit.quantize.report import total_row
 
     t = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False)
     cols = ["role", "formats", "tensors", "MB before", "MB after", "bits/w"]
@@ -71,24 +84,17 @@ def quantize(
                                        help="experts routed fewer than this fraction of the tokens get RTN"),
 ) -> None:
     """Quantize a checkpoint, streaming, into an HF-style folder with a manifest."""
-    from quantkit.model.checkpoint import Checkpoint, resolve_model
-    from quantkit.quantize.report import role_rows
-    from quantkit.quantize.run import Interrupted, QuantizeOptions, free_bytes, make_plan, run_quantize
-    from quantkit.recipe import build_recipe
 
     if resume and overwrite:
         fail("--resume and --overwrite exclude each other")
     if out is None and not dry_run:
         fail("--out DIR is required (or --dry-run)")
-    from quantkit.quantize.calibrated import Calibration
-    from quantkit.quantize.stats import Stats
 
     recipe = build_recipe(bits, fmt.lower(), group_size, uniform, override, recipe_file)
     calibration = Calibration(method.lower(), Stats.open(stats_file) if stats_file else None, min_fraction)
     shard = parse_shard_size(max_shard_size)
     ckpt = Checkpoint.open(resolve_model(src))
     if dry_run:
-        from quantkit.quantize.run import TensorStats
 
         plan = make_plan(list(ckpt.canonical()), recipe, keep_mtp, shard)
         console.print(f"recipe [bold]{recipe.name}[/]: {recipe.description}")
@@ -129,7 +135,6 @@ def verify(
     quick: bool = typer.Option(False, "--quick", help="check sizes only, not sha256"),
 ) -> None:
     """Check a quantized folder against its manifest, index and quantization_config."""
-    from quantkit.quantize.verify import verify_folder
 
     res = verify_folder(folder, hash_files=not quick)
     if not res.ok:

@@ -13,6 +13,11 @@ from quantkit.cli import app, console, err_console, fail
 from quantkit.cli.options import CONTEXT, MAX_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_text_bounded
+from quantkit.runtime import SamplingParams, load_model
+from quantkit.runtime.chat import SESSION_LIMIT, Chat, ChatSession
+from quantkit.runtime.session_file import load_session, save_session
+from quantkit.runtime.threads import set_threads
+from quantkit.runtime.worlds import world_prompt
 from quantkit.termtext import printable
 
 _PLAN = typer.Option(None, "--plan", help="a plan from `quantkit plan --out` (default: plan for this machine)")
@@ -46,8 +51,6 @@ def parse_cache_size(text: str) -> int | None:
 
 def _load(model: str, plan: Path | None, recipe: str | None, context: int | None, verify: str,
           threads: int | None = None):
-    from quantkit.runtime import load_model
-    from quantkit.runtime.threads import set_threads
 
     set_threads(threads)
     if verify not in ("auto", "full", "quick", "off"):
@@ -78,8 +81,6 @@ def generate_cmd(
     threads: int = _THREADS,
 ) -> None:
     """Generate one reply for scripts (plain text, or --json)."""
-    from quantkit.runtime import SamplingParams
-    from quantkit.runtime.worlds import world_prompt
 
     try:
         if prompt is None:
@@ -154,10 +155,6 @@ def chat_cmd(
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
         pass
-    from quantkit.runtime import SamplingParams
-    from quantkit.runtime.chat import SESSION_LIMIT, Chat, ChatSession
-    from quantkit.runtime.session_file import load_session, save_session
-    from quantkit.runtime.worlds import world_prompt
 
     try:
         if world and system:

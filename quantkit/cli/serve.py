@@ -13,6 +13,7 @@ from quantkit.cli.options import CONTEXT, COUNT, MAX_TOKENS, PORT
 from quantkit.cli.runtime import parse_cache_size
 from quantkit.errors import QuantkitError
 from quantkit.runtime.threads import set_threads
+from quantkit.server.runtime_backend import load_backend
 from quantkit.server.security import API_KEY_ENV, is_loopback
 from quantkit.sizes import parse_size
 
@@ -81,7 +82,6 @@ def serve(
     import uvicorn
 
     from quantkit.server.app import ServerConfig, create_app
-    from quantkit.server.runtime_backend import load_backend
 
     backend = load_backend(model_dir, plan=plan, model_id=model_name, max_context=context,
                            prompt_cache_bytes=cache_bytes)

@@ -9,6 +9,11 @@ import typer
 from quantkit.cli import app, console, err_console
 from quantkit.cli.export import export_app
 from quantkit.cli.progress import RichProgress, tensor_progress
+from quantkit.model.checkpoint import Checkpoint, resolve_model
+from quantkit.quantize.calib_data import load_tokens
+from quantkit.quantize.imatrix import write_imatrix_gguf
+from quantkit.quantize.stats import Stats, collect_stats, routing_coverage
+from quantkit.runtime.engine import load_tokenizer
 
 
 @app.command()
@@ -24,10 +29,6 @@ def stats(
 ) -> None:
     """Collect activation statistics (Hessians, imatrix, routing counts), one decoder layer at a time;
     an interrupted run resumes when run again with the same arguments."""
-    from quantkit.model.checkpoint import Checkpoint, resolve_model
-    from quantkit.quantize.calib_data import load_tokens
-    from quantkit.quantize.stats import collect_stats
-    from quantkit.runtime.engine import load_tokenizer
 
     folder = resolve_model(src)
     ckpt = Checkpoint.open(folder)
@@ -41,7 +42,6 @@ def stats(
         console.print(f"resumed after {res.resumed_layers} finished layers")
     console.print(f"{out}: statistics of {res.layers} layers from {res.n_tokens:,} tokens "
                   f"(+{res.n_heldout:,} held out) in {res.seconds:.1f} s")
-    from quantkit.quantize.stats import Stats, routing_coverage
 
     st = Stats.open(out)
     if st.routing():
@@ -50,7 +50,6 @@ def stats(
             f"{c['fraction']:.1%} of (layer, expert) pairs serve {c['in_sample']:.1%} of routed tokens "
             f"({c.get('held_out', float('nan')):.1%} held out)" for c in cov))
     if imatrix is not None:
-        from quantkit.quantize.imatrix import write_imatrix_gguf
 
         write_imatrix_gguf(out, imatrix, ckpt=ckpt, overwrite=overwrite)
         console.print(f"{imatrix}: llama.cpp imatrix (GGUF)")
@@ -63,7 +62,6 @@ def export_imatrix(
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing output file"),
 ) -> None:
     """Write a statistics file as a llama.cpp imatrix GGUF."""
-    from quantkit.quantize.imatrix import write_imatrix_gguf
 
     write_imatrix_gguf(stats_file, out, overwrite=overwrite)
     console.print(f"{out}: llama.cpp imatrix (GGUF) from {stats_file}")

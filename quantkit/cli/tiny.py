@@ -17,6 +17,7 @@ from rich.progress import (
 
 from quantkit.cli import app, console
 from quantkit.cli.options import COUNT, SEED
+from quantkit.testing.tiny import SIDECAR, TinyOptions, estimate_bytes, make_tiny_model
 
 
 @app.command("tiny-model")
@@ -42,7 +43,6 @@ def tiny_model(
     """Write a small random checkpoint of the real qwen3_5_moe architecture, with a working tokenizer."""
     import transformers
 
-    from quantkit.testing.tiny import SIDECAR, TinyOptions, estimate_bytes, make_tiny_model
 
     transformers.logging.set_verbosity_error()  # its missing-fast-kernel notices are noise here
     experts = experts if experts is not None else (32 if realistic else 8)

@@ -46,12 +46,14 @@ from quantkit.errors import QuantkitError
 from quantkit.export.source import ExportSource
 from quantkit.fileio import fsync_dir, pid_temp_name, replace_folder
 from quantkit.formats import QuantSpec, get_format
+from quantkit.formats.int4 import codes as int4_codes
 from quantkit.model.checkpoint import check_finite
 from quantkit.model.contract import INDEX_NAME
 from quantkit.model.quantized import StoredTensor
 from quantkit.model.spec import Role
 from quantkit.outputs import check_free, guard_output, write_marker
 from quantkit.progress import NoProgress, Progress
+from quantkit.quantize.run import copyable_files
 from quantkit.quantize.shards import ShardLayout, ShardWriter, TensorLayout
 
 FORMAT = "pack-quantized"
@@ -256,7 +258,6 @@ def _emit_int4(writer_for: Any, module: str, codes_u: torch.Tensor, scales: torc
 
 
 def _write(src: ExportSource, ot: OutTensor, g: int, writer_for: Any, progress: Progress) -> None:
-    from quantkit.formats.int4 import codes as int4_codes
 
     t = ot.source
     if ot.kind == "int4-experts":
@@ -323,7 +324,6 @@ def export_vllm(src_path: str | Path, out_dir: str | Path, group_size: int | Non
                 overwrite: bool = False, max_shard_size: int = MAX_SHARD,
                 progress: Progress | None = None) -> VllmResult:
     """Write `src_path` as a compressed-tensors pack-quantized folder at `out_dir` (atomically)."""
-    from quantkit.quantize.run import copyable_files
 
     t0 = time.perf_counter()
     out = Path(out_dir)

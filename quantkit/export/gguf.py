@@ -46,11 +46,18 @@ import numpy as np
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.export.gguf_imatrix import load_imatrix
 from quantkit.export.gguf_layout import Piece, convert, permute_blocks, pieces_for
+from quantkit.export.gguf_quantize import quantize_gguf, require_llama_cpp
+from quantkit.export.gguf_tokenizer import add_tokenizer
 from quantkit.export.gguf_types import LLAMA_TYPES, NATIVE_TYPES, check_type, tensor_bytes, tensor_type
 from quantkit.export.source import ExportSource
 from quantkit.fileio import pid_temp_name
+from quantkit.formats import QuantSpec, get_format
+from quantkit.formats.int4 import int4_to_q4_0_blocks
+from quantkit.formats.mxfp4 import to_gguf_blocks
 from quantkit.model.checkpoint import check_finite
+from quantkit.model.gguf_file import read_gguf
 from quantkit.model.quantized import StoredTensor
 from quantkit.model.spec import Role
 from quantkit.outputs import check_free, guard_output, has_magic
@@ -268,8 +275,6 @@ def _encode(x: torch.Tensor, qt: Any, name: str) -> np.ndarray:
     if qt == gguf.GGMLQuantizationType.MXFP4:
         # quantkit's MXFP4 is byte-identical to the gguf package's and runs in torch (several times faster
         # than gguf's numpy MXFP4 quantizer)
-        from quantkit.formats import QuantSpec, get_format
-        from quantkit.formats.mxfp4 import to_gguf_blocks
 
         return to_gguf_blocks(get_format("mxfp4").quantize(x, QuantSpec("mxfp4", 32)))
     return gguf.quants.quantize(x.float().numpy(), qt)
@@ -280,11 +285,9 @@ def _reuse_bytes(src: ExportSource, t: GgufTensor, experts: slice | None) -> np.
 
     parts = src.parts(t.source.name, experts)
     if t.qtype == gguf.GGMLQuantizationType.MXFP4:
-        from quantkit.formats.mxfp4 import to_gguf_blocks
 
         raw = to_gguf_blocks(parts)
     else:
-        from quantkit.formats.int4 import int4_to_q4_0_blocks
 
         raw = int4_to_q4_0_blocks(parts, t.source.spec)
     block, bpb = gguf.GGML_QUANT_SIZES[t.qtype]
@@ -357,7 +360,6 @@ def export_gguf(src_path: str | Path, out_path: str | Path, type: str = "mixed",
         raise QuantkitError(f"--imatrix applies to the types llama.cpp's quantizer writes "
                             f"({', '.join(LLAMA_TYPES)}), not --type {ftype}")
     if ftype in LLAMA_TYPES:
-        from quantkit.export.gguf_quantize import require_llama_cpp
 
         require_llama_cpp(f"--type {ftype}")
         if expert_type is not None:
@@ -415,7 +417,6 @@ def export_gguf(src_path: str | Path, out_path: str | Path, type: str = "mixed",
 
 
 def add_tokenizer_meta(w: Any, folder: Path, vocab: int) -> dict[str, Any]:
-    from quantkit.export.gguf_tokenizer import add_tokenizer
 
     return add_tokenizer(w, folder, vocab)
 
@@ -427,9 +428,6 @@ def _export_llama(src_path: Path, out: Path, ftype: str, imatrix: str | Path | N
     """bf16 GGUF (streamed here) -> llama.cpp's quantizer with our recipe -> `out`, atomically."""
     import gguf
 
-    from quantkit.export.gguf_imatrix import load_imatrix
-    from quantkit.export.gguf_quantize import quantize_gguf
-    from quantkit.model.gguf_file import read_gguf
 
     src = ExportSource.open(src_path)
     try:

@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from quantkit.errors import QuantkitError
+
 
 @dataclass(frozen=True)
 class GgmlType:
@@ -96,7 +98,6 @@ EXPERT_DOWN = "ffn_down_exps.weight"
 
 def check_type(ftype: str) -> str:
     """`ftype` lower-cased, or a one-line error listing the known types."""
-    from quantkit.errors import QuantkitError
 
     t = ftype.lower()
     if t not in ALL_TYPES:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quantkit.errors import QuantkitError
+from quantkit.export.gguf_layout import pieces_for
 from quantkit.export.gguf_types import tensor_bytes, tensor_type
 from quantkit.model.spec import ModelSpec
 
@@ -72,7 +73,6 @@ class LlamaModel:
 
 def model_from_spec(spec: ModelSpec, ftype: str) -> LlamaModel:
     """The GGUF `quantkit export gguf --type ftype` writes for `spec`, sized without writing it."""
-    from quantkit.export.gguf_layout import pieces_for
 
     c = spec.config
     tensors = {}

@@ -379,3 +379,9 @@ def load_config(path: Path) -> dict[str, Any]:
 def default_spec() -> ModelSpec:
     path = default_config_path()
     return spec_from_config(load_config(path), name=DEFAULT_MODEL, source=str(path))
+
+
+def text_config_dict(config: dict[str, Any]) -> dict[str, Any]:
+    """The language model's config (under `text_config` when nested) as transformers' text config takes it."""
+    tc = config.get("text_config", config)
+    return {k: v for k, v in tc.items() if k != "model_type"}

@@ -33,6 +33,7 @@ from quantkit.errors import QuantkitError
 from quantkit.fileio import read_json_bounded
 from quantkit.formats import QuantSpec
 from quantkit.model.spec import ModelSpec, Role, TensorSpec, TextConfig
+from quantkit.planner.hardware import cpu_name
 from quantkit.recipe import Recipe, decide
 
 PROFILE_VERSION = 1
@@ -73,7 +74,6 @@ def host_id() -> dict[str, Any]:
 
     import torch
 
-    from quantkit.planner.hardware import cpu_name
 
     return {"cpu": cpu_name(), "cores": os.cpu_count(), "machine": platform.machine(),
             "torch": torch.__version__, "threads": torch.get_num_threads()}

@@ -30,8 +30,11 @@ import numpy as np
 import torch
 
 from quantkit.errors import QuantkitError
+from quantkit.export.gguf_layout import pieces_for
+from quantkit.fileio import fsync_dir, temp_name
 from quantkit.formats import QuantSpec, get_format
 from quantkit.formats.int4 import DEFAULT_GROUP
+from quantkit.model.spec import parse_text_config, spec_from_config
 from quantkit.quantize.grid import Grid
 from quantkit.quantize.stats import Stats
 
@@ -111,8 +114,6 @@ def imatrix_quantize(w: torch.Tensor, imp: torch.Tensor, spec: QuantSpec) -> dic
 
 def _entries(stats: Stats, config: dict[str, Any]) -> list[tuple[str, np.ndarray, np.ndarray]]:
     """(gguf name, in_sum2 [n_mat, n_per_row], counts [n_mat, 1]) for every weight with statistics."""
-    from quantkit.export.gguf_layout import pieces_for
-    from quantkit.model.spec import parse_text_config, spec_from_config
 
     tc = parse_text_config(config)
     shapes = {t.name: tuple(t.shape) for t in spec_from_config(config, include_mtp=False).tensors}
@@ -139,7 +140,6 @@ def write_imatrix_gguf(stats_path: str | Path, out_path: str | Path, *, ckpt: An
     `ckpt` (optional) is checked against the statistics' model fingerprint."""
     import gguf
 
-    from quantkit.fileio import fsync_dir, temp_name
 
     stats = Stats.open(stats_path)
     if ckpt is not None:

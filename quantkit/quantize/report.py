@@ -10,6 +10,7 @@ from typing import Any
 
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_bytes
+from quantkit.quantize.run import report_paths
 
 
 @dataclass
@@ -92,7 +93,6 @@ def _fmt_err(x: float | None, digits: int = 4) -> str:
 def write_report(md_path: Path, plan: Any, stats: list[Any], seconds: float, src: Path, out: Path,
                  reused: list[str], calibration: dict[str, Any] | None = None) -> tuple[Path, Path]:
     """Write `md_path` and the JSON beside it (same stem). Atomic; returns both paths."""
-    from quantkit.quantize.run import report_paths
 
     md_path, js_path = report_paths(Path(md_path))
     try:

@@ -575,7 +575,7 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
     for n in (INDEX_NAME, "config.json"):
         files[n] = file_entry(out / n)
     seconds = time.perf_counter() - t_start
-    from quantkit.quantize.report import write_report
+    from quantkit.quantize.report import write_report  # lazy: report imports this module
 
     md, js = write_report(opts.report or (out / f"{REPORT_STEM}.md"), plan, stats, seconds, src, out, reused, cal)
     Manifest(

@@ -50,10 +50,11 @@ from safetensors.torch import save_file
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json, fsync_dir
 from quantkit.model.checkpoint import Checkpoint
+from quantkit.model.spec import text_config_dict
 from quantkit.progress import NoProgress, Progress
 from quantkit.quantize.calib_data import TokenData
 from quantkit.quantize.manifest import fingerprint
-from quantkit.quantize.shards import ShardLayout, ShardWriter, TensorLayout, read_header
+from quantkit.quantize.shards import TORCH_DTYPES, ShardLayout, ShardWriter, TensorLayout, read_header
 
 STATS_VERSION = "1"
 LM = "model.language_model."
@@ -156,7 +157,6 @@ def _text_config(ckpt: Checkpoint) -> Any:
     import transformers
     from transformers import Qwen3_5MoeTextConfig
 
-    from quantkit.runtime.loader import text_config_dict
 
     transformers.logging.set_verbosity_error()
     cfg = Qwen3_5MoeTextConfig(**text_config_dict(ckpt.config))
@@ -360,7 +360,6 @@ def _assemble(work: Path, out: Path, n_layers: int, meta: dict[str, str]) -> Non
 
 
 def _header_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    from quantkit.quantize.shards import TORCH_DTYPES
 
     hdr = read_header(path)
     return {k: (tuple(v["shape"]), TORCH_DTYPES[v["dtype"]]) for k, v in hdr.items() if k != "__metadata__"}

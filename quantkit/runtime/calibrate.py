@@ -39,6 +39,7 @@ from quantkit.planner.host_costs import (
 )
 from quantkit.recipe import Recipe
 from quantkit.runtime import kernels as K
+from quantkit.runtime import linear_attn
 from quantkit.runtime.loader import LoadReport, Placement, TensorSource, build_skeleton, populate
 
 ROW_CAP = 16384
@@ -152,7 +153,6 @@ def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8) -> 
     """Per layer type, seconds of one decode step with kernels stubbed; and the shell's seconds."""
     from transformers import DynamicCache
 
-    from quantkit.runtime import linear_attn
 
     cal = calibration_config(config)
     spec = spec_from_config(cal, name="calibration")

@@ -29,7 +29,7 @@ from typing import Any
 from rich.console import Console
 
 from quantkit.errors import QuantkitError
-from quantkit.fileio import read_text_bounded
+from quantkit.fileio import read_text_bounded, write_atomic
 from quantkit.runtime.generate import GenerationResponse, SamplingParams
 from quantkit.runtime.state_cache import snapshot_points
 from quantkit.termtext import printable
@@ -215,7 +215,6 @@ class Chat:
         if not arg:
             self.say("usage: /save FILE", "red")
             return
-        from quantkit.fileio import write_atomic
 
         try:
             write_atomic(Path(arg).expanduser(), self.s.to_json() + "\n")

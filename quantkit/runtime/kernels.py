@@ -43,7 +43,10 @@ import torch.nn.functional as F
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec, get_format
 from quantkit.formats.int4 import DEFAULT_GROUP as INT4_GROUP
+from quantkit.formats.int4 import codes
 from quantkit.formats.int4 import codes as int4_codes
+from quantkit.formats.mxfp4 import e8m0_to_fp32_half
+from quantkit.runtime import cpu_kernel
 
 COMPUTE_DTYPE = torch.bfloat16
 MXFP4_ROUTE = os.environ.get("QUANTKIT_MXFP4_ROUTE", "int4x2")  # or "dequant"
@@ -102,7 +105,6 @@ class QBf16Kernel(DenseKernel):
     MAX_ROWS = 4
 
     def __init__(self, w: torch.Tensor):
-        from quantkit.runtime import cpu_kernel
 
         super().__init__(aligned(w))
         self._mod = cpu_kernel.module()
@@ -227,7 +229,6 @@ class QKernel(Kernel):
 
     def __init__(self, fmt: str, n: int, k: int, qw: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor | None, group: int):
-        from quantkit.runtime import cpu_kernel
 
         self._mod = cpu_kernel.module()
         assert self._mod is not None, "QKernel needs the compiled CPU kernel"
@@ -254,7 +255,6 @@ class QKernel(Kernel):
 
 def qkernel(parts: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, int]) -> QKernel | None:
     """The C++ kernel for an int4/int8 matrix on the CPU, or None where it does not apply."""
-    from quantkit.runtime import cpu_kernel
 
     dev = next(iter(parts.values())).device
     if not cpu_kernel.supports(spec.format, shape, dev):
@@ -263,7 +263,6 @@ def qkernel(parts: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, i
     if spec.format == "int8":
         qw, s = cpu_kernel.repack_int8(parts["qweight"], parts["scales"])
         return QKernel("int8", n, k, qw, s, None, 0)
-    from quantkit.formats.int4 import codes
 
     g = spec.group_size or 128
     qw, s, z = cpu_kernel.repack_int4(codes(parts), parts["scales"], parts.get("zeros"))
@@ -346,7 +345,6 @@ def mxfp4_to_int4x2(parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch
     Doubled E2M1 magnitude m = lo + 4*hi (m: 0,1,2,3,4,6,8,12 -> lo 0,1,2,3,0,2,0,0 and hi
     0,0,0,0,1,1,2,3); the sign goes on both. w = 2^(e-128) * m, so lo carries scale 2^(e-128) and hi
     2^(e-126), each stored as the code + 8."""
-    from quantkit.formats.mxfp4 import e8m0_to_fp32_half
 
     s = parts["scales"]
     out, nb = s.shape
@@ -407,7 +405,6 @@ def prepare(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | Non
     if spec is None:
         w = parts if isinstance(parts, torch.Tensor) else parts["weight"]
         if route != "torch" and w.dtype == torch.bfloat16 and w.dim() == 2:
-            from quantkit.runtime import cpu_kernel
 
             if cpu_kernel.supports("bf16", tuple(w.shape), w.device):
                 return QBf16Kernel(w)

@@ -35,7 +35,7 @@ from quantkit.formats import QuantSpec, get_format
 from quantkit.model.checkpoint import Checkpoint, resolve_model
 from quantkit.model.contract import read_quant_config
 from quantkit.model.quantized import QuantizedFolder
-from quantkit.model.spec import load_config, spec_from_config
+from quantkit.model.spec import load_config, spec_from_config, text_config_dict
 from quantkit.planner.fit import check_plan, hardware_here, plan_here
 from quantkit.planner.hardware import Hardware
 from quantkit.planner.placement import Plan, contiguous_runs
@@ -187,11 +187,6 @@ class LoadReport:
     def add_kernel(self, k: Kernel, fmt: str) -> None:
         self.routes[f"{fmt}: {k.route}"] = self.routes.get(f"{fmt}: {k.route}", 0) + 1
         self.add(k.device, k.nbytes)
-
-
-def text_config_dict(config: dict[str, Any]) -> dict[str, Any]:
-    tc = config.get("text_config", config)
-    return {k: v for k, v in tc.items() if k != "model_type"}
 
 
 def build_skeleton(config: dict[str, Any]) -> Any:

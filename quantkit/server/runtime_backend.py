@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import QuantkitError
+from quantkit.runtime import load_model
 from quantkit.runtime.generate import SamplingParams, TokenEvent
 from quantkit.server.backend import Prompt
 
@@ -59,7 +60,6 @@ def load_backend(path: str | Path, plan: str | Path | None = None, model_id: str
     p = Path(path)
     if not p.is_dir():
         raise QuantkitError(f"{p}: not a folder; pass a checkpoint folder made by `quantkit quantize`")
-    from quantkit.runtime import load_model
 
     runtime = load_model(p, plan=plan, context=max_context)
     runtime.set_prompt_cache(prompt_cache_bytes)

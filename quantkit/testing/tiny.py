@@ -38,9 +38,16 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.fileio import pid_temp_name, replace_folder
 from quantkit.model.contract import INDEX_NAME
-from quantkit.model.spec import spec_from_config
+from quantkit.model.spec import dtype_bytes, spec_from_config
 from quantkit.outputs import guard_output
-from quantkit.testing.tokenizer import BPE_VOCAB, N_TOKENS, special_ids, tiny_corpus, write_tokenizer
+from quantkit.testing.tokenizer import (
+    BPE_VOCAB,
+    N_TOKENS,
+    build_tokenizer,
+    special_ids,
+    tiny_corpus,
+    write_tokenizer,
+)
 
 SIDECAR = "quantkit-tiny.json"
 
@@ -156,7 +163,6 @@ def full_config(tc: dict[str, Any]) -> dict[str, Any]:
 
 def estimate_bytes(o: TinyOptions) -> int:
     """Bytes of safetensors data the options will write (for progress bars and disk checks)."""
-    from quantkit.model.spec import dtype_bytes
 
     spec = spec_from_config(full_config(text_config(o)), include_mtp=o.mtp)
     return spec.total_params * dtype_bytes(o.dtype)
@@ -203,7 +209,6 @@ def probe_ids(n_seq: int = 4, length: int = 80) -> torch.Tensor:
     """A fixed [n_seq, length] batch of token ids from the tokenizer's corpus (chat-formatted)."""
     key = (n_seq, length)
     if key not in _PROBE:
-        from quantkit.testing.tokenizer import build_tokenizer
 
         tok = build_tokenizer()
         lines = tiny_corpus(400, seed=7)
