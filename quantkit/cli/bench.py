@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
 
+from quantkit.bench import calibrated as calibrated_bench
+from quantkit.bench import decode as decode_bench
+from quantkit.bench import engines as engines_bench
+from quantkit.bench import gguf as gguf_bench
+from quantkit.bench import kernel as kernel_bench
+from quantkit.bench import quantize as quantize_bench
+from quantkit.bench import serve as serve_bench
+from quantkit.bench import session as session_bench
+from quantkit.bench import soak as soak_bench
 from quantkit.cli import app, console, fail
 from quantkit.cli.options import CONTEXT, COUNT, COUNT0, MAX_TOKENS, SECONDS
+from quantkit.errors import QuantkitError
+from quantkit.runtime.threads import resolve_threads
 
 bench_app = typer.Typer(help="Benchmarks that write reports/ (markdown + json).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
@@ -26,9 +38,7 @@ def bench_quantize(
     checkpoint: Path = typer.Option(None, "--checkpoint", help="use this realistic-shape checkpoint instead"),
 ) -> None:
     """Quantizer throughput and error vs bitsandbytes and gguf, and peak RSS of a full run."""
-    from quantkit.bench.quantize import run
-
-    d = run(reports, workdir, experts, layers, slab, reps, checkpoint, log=console.print)
+    d = quantize_bench.run(reports, workdir, experts, layers, slab, reps, checkpoint, log=console.print)
     console.print(f"wrote {reports / 'bench-quantize.md'} ({d['seconds']:.0f} s)")
 
 
@@ -51,9 +61,7 @@ def bench_serve(
     context: int = typer.Option(None, "--context", parser=CONTEXT, help="the server's --context"),
 ) -> None:
     """Load and fault test of `quantkit serve`: latency percentiles, throughput, RSS before/after."""
-    from quantkit.bench.serve import run
-
-    d = run(reports, model, workdir, clients, requests, max_tokens, max_queue, retries, disconnects, context,
+    d = serve_bench.run(reports, model, workdir, clients, requests, max_tokens, max_queue, retries, disconnects, context,
             log=console.print)
     for name, ok in d["checks"].items():
         console.print(f"{'PASS' if ok else 'FAIL'} {name}")
@@ -62,9 +70,6 @@ def bench_serve(
 
 def _threads(n: int | None) -> int:
     """--threads checked (one-line error for 0 or more than this machine has); default every physical core."""
-    from quantkit.errors import QuantkitError
-    from quantkit.runtime.threads import resolve_threads
-
     try:
         return resolve_threads(n)
     except QuantkitError as e:
@@ -85,10 +90,8 @@ def bench_soak(
     max_queue: int = typer.Option(8, "--max-queue", parser=COUNT, help="the server's --max-queue"),
 ) -> None:
     """Soak `quantkit serve`: clients, hang-ups, oversized bodies, foreign hosts; /health and RSS watched."""
-    from quantkit.bench.soak import run_soak, write_report
-
-    d = run_soak(model, workdir, clients, seconds, max_queue, log=console.print)
-    write_report(reports, d)
+    d = soak_bench.run_soak(model, workdir, clients, seconds, max_queue, log=console.print)
+    soak_bench.write_report(reports, d)
     for name, ok in d["checks"].items():
         console.print(f"{'PASS' if ok else 'FAIL'} {name}")
     r = d["rss"]
@@ -114,10 +117,8 @@ def bench_engines(
     checkpoint: Path = typer.Option(None, "--checkpoint", help="use this bf16 checkpoint instead"),
 ) -> None:
     """llama.cpp on our GGUF export beside quantkit's runtime: decode tok/s and error vs bf16, same bits."""
-    from quantkit.bench.engines import run
-
     threads = _threads(threads)
-    d = run(reports, workdir, layers, experts, top_k, vocab, checkpoint, threads, reps, log=console.print)
+    d = engines_bench.run(reports, workdir, layers, experts, top_k, vocab, checkpoint, threads, reps, log=console.print)
     console.print(f"wrote {reports / 'bench-engines.md'} ({d['seconds']:.0f} s)")
 
 
@@ -129,9 +130,7 @@ def bench_gguf(
     reps: int = typer.Option(2, "--reps", help="decode repetitions per type (best is reported); 0: KL only"),
 ) -> None:
     """KL divergence per GGUF type through llama.cpp (with and without an imatrix), size and decode tok/s."""
-    from quantkit.bench.gguf import run
-
-    d = run(reports, workdir, _threads(threads), reps, log=console.print)
+    d = gguf_bench.run(reports, workdir, _threads(threads), reps, log=console.print)
     console.print(f"default type: {d['default']}; wrote {reports / 'bench-gguf.md'} ({d['seconds']:.0f} s)")
 
 
@@ -144,9 +143,7 @@ def bench_kernel(
     reps: int = typer.Option(5, "--reps", help="timed passes per route (best is reported)"),
 ) -> None:
     """One MoE layer at batch-1 decode: quantkit's CPU kernel vs torch's ops vs ggml, and the bandwidth bound."""
-    from quantkit.bench.kernel import run
-
-    d = run(reports, _threads(threads), layers, tokens, reps, log=console.print)
+    d = kernel_bench.run(reports, _threads(threads), layers, tokens, reps, log=console.print)
     console.print(f"wrote {reports / 'bench-kernel.md'} ({d['seconds']:.0f} s)")
 
 
@@ -171,15 +168,13 @@ def bench_decode(
                               "tokenizer's; 248320 is the real model's)"),
 ) -> None:
     """Prefill/decode tok/s and peak RSS per format beside transformers bf16, the planner and the bandwidth bound."""
-    from quantkit.bench.decode import CONFIGS, run
-
     threads = _threads(threads)
     names = [c.strip() for c in configs.split(",") if c.strip()] if configs else None
-    unknown = [c for c in names or [] if c not in CONFIGS]
+    unknown = [c for c in names or [] if c not in decode_bench.CONFIGS]
     if unknown:
-        raise typer.BadParameter(f"unknown configuration(s) {unknown}; choose from {', '.join(CONFIGS)}",
+        raise typer.BadParameter(f"unknown configuration(s) {unknown}; choose from {', '.join(decode_bench.CONFIGS)}",
                                  param_hint="--configs")
-    d = run(reports, workdir, layers, experts, prompt, decode, reps, names, rounds, threads, vocab,
+    d = decode_bench.run(reports, workdir, layers, experts, prompt, decode, reps, names, rounds, threads, vocab,
             log=console.print)
     console.print(f"wrote {reports / 'bench-decode.md'} ({d['seconds']:.0f} s)")
 
@@ -200,11 +195,9 @@ def bench_session(
     checkpoint: Path = typer.Option(None, "--checkpoint", help="use this bf16 realistic-shape checkpoint instead"),
 ) -> None:
     """A multi-turn agent session: time to first token per turn with and without the prompt cache, and llama.cpp."""
-    from quantkit.bench.session import run
-
     if turns < 2 or obs_tokens < 1 or new_tokens < 1 or baseline_every < 1:
         fail("--turns must be at least 2, --obs-tokens, --new-tokens and --baseline-every at least 1")
-    d = run(reports, workdir, turns, obs_tokens, new_tokens, layers, experts, checkpoint=checkpoint, threads=_threads(threads),
+    d = session_bench.run(reports, workdir, turns, obs_tokens, new_tokens, layers, experts, checkpoint=checkpoint, threads=_threads(threads),
             llama=llama, baseline_every=baseline_every, log=console.print)
     for name, ok in d["checks"].items():
         console.print(f"{'PASS' if ok else 'FAIL'} {name}")
@@ -220,10 +213,6 @@ def bench_calibrated(
                                        "realistic-shape checkpoint generated here, extrapolated to the 35B"),
 ) -> None:
     """RTN vs imatrix vs GPTQ on SmolLM2-135M (a real trained model): perplexity and KLD, int4 g128/g32, int8."""
-    import sys
-
-    from quantkit.bench.calibrated import run
-
-    d = run(reports, calib_tokens, eval_tokens, log=console.print, realistic_dir=realistic_dir,
+    d = calibrated_bench.run(reports, calib_tokens, eval_tokens, log=console.print, realistic_dir=realistic_dir,
             command="flock /tmp/quantkit-bench.lock quantkit " + " ".join(sys.argv[1:]))
     console.print(f"wrote {reports / 'bench-calibrated.md'} ({d['seconds']:.0f} s)")
