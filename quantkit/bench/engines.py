@@ -77,6 +77,12 @@ def _llama(path: Path, threads: int, n_ctx: int, logits_all: bool) -> Any:
                            n_threads_batch=threads, logits_all=logits_all, verbose=False)
 
 
+def last_logits(llm: Any) -> np.ndarray:
+    """The last evaluated token's logits. Without logits_all, llama-cpp-python 0.3.36 leaves `llm.scores`
+    unwritten (sampling happens in llama.cpp), so they are read from the context itself."""
+    return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))
+
+
 def llama_decode(path: Path, prompt: list[int], new_tokens: int, threads: int, reps: int) -> dict[str, Any]:
     llm = _llama(path, threads, len(prompt) + new_tokens + 8, False)
     best = None
@@ -88,9 +94,7 @@ def llama_decode(path: Path, prompt: list[int], new_tokens: int, threads: int, r
             t1 = time.perf_counter()
             toks = []
             for _i in range(new_tokens):
-                # the numpy row, not `llm.eval_logits`: that property turns every past row into Python lists
-                # (n_tokens x vocab floats) on each call, which would dominate the timing
-                tok = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                tok = int(np.argmax(last_logits(llm)))
                 toks.append(tok)
                 llm.eval([tok])
             t2 = time.perf_counter()

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from quantkit.bench.engines import DEFAULTS, _llama, _machine, prepare
+from quantkit.bench.engines import DEFAULTS, _llama, _machine, last_logits, prepare
 from quantkit.export.gguf import export_gguf
 from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.state_cache import PrefixCache
@@ -87,22 +87,16 @@ def quantkit_turn(rt: Any, ids: list[int], new_tokens: int) -> dict[str, Any]:
             "tokens": list(resp.token_ids)}
 
 
-def _last_logits(llm: Any) -> np.ndarray:
-    """The last evaluated token's logits. Without logits_all, llama-cpp-python 0.3.36 leaves `llm.scores`
-    unwritten (sampling happens in llama.cpp), so they are read from the context itself."""
-    return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))
-
-
 def llama_turn(llm: Any, ids: list[int], new_tokens: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm.reset()
     llm.eval(ids)
-    tok = int(np.argmax(_last_logits(llm)))
+    tok = int(np.argmax(last_logits(llm)))
     ttft = time.perf_counter() - t0
     toks = [tok]
     for _ in range(new_tokens - 1):
         llm.eval([tok])
-        tok = int(np.argmax(_last_logits(llm)))
+        tok = int(np.argmax(last_logits(llm)))
         toks.append(tok)
     return {"ttft_s": ttft, "prefilled": len(ids), "reused": 0, "tokens": toks}
 
