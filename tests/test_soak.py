@@ -22,6 +22,10 @@ def test_short_soak(tiny_model: Path, tmp_path: Path) -> None:
     run_quantize(Checkpoint.open(tiny_model), q, QuantizeOptions(recipe=build_recipe(4, "int", None, False, [], None)))
     d = run_soak(q, tmp_path / "work", clients=8, seconds=10, max_queue=4, log=lambda *_: None)
     count(d["requests"])
+    r = d["rss"]
+    print(f"soak: {d['clients']} clients x {d['seconds']:.0f} s, {d['requests']} requests; RSS start "
+          f"{r['start'] / 1e6:.0f} MB, peak {r['peak'] / 1e6:.0f}, end {r['end'] / 1e6:.0f}; /health "
+          f"{d['health']['polls']} polls, max {d['health']['max_s']} s; {d['by_kind_and_status']}")
     assert all(d["checks"].values()), (d["checks"], d["problems"], d["rss"], d["health"])
     kinds = {k.split()[0] for k in d["by_kind_and_status"]}
     assert {"ok", "too_long", "foreign_host"} <= kinds, d["by_kind_and_status"]

@@ -361,7 +361,8 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         q = state.get("queue")
-        if q is not None and admitted["n"] + q.stats.waiting >= config.max_queue:
+        # the one running plus --max-queue waiting, counting those still being read or rendered
+        if q is not None and admitted["n"] + q.stats.waiting + q.stats.running > config.max_queue:
             q.stats.rejected += 1
             raise ApiError(429, f"server busy: {admitted['n'] + q.stats.waiting} requests are already waiting "
                                 f"(--max-queue {config.max_queue}); retry later", "rate_limit_error",
