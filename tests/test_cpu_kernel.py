@@ -320,3 +320,18 @@ def test_unwritable_cache_is_one_line_and_torch_route(tmp_path):
     assert route_line(p) == "ROUTE torch _weight_int4pack_mm_for_cpu True"
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("quantkit: CPU kernel unavailable"), p.stderr
+
+
+@pytest.mark.skipif(not cpu_kernel.bf16_available(), reason="no AVX512-BF16")
+def test_bf16_weight_read_at_any_offset_is_used_in_place():
+    """A bf16 tensor read from a shard is a view at any byte offset: the kernel uses it as it is (no
+    copy that would double the resident bytes)."""
+    w = (torch.randn(48, 128, generator=torch.Generator().manual_seed(5)) * 0.02).to(torch.bfloat16)
+    buf = torch.zeros(w.numel() * 2 + 6, dtype=torch.uint8)
+    buf[6:] = w.view(-1).view(torch.uint8)
+    shifted = buf[6:].view(torch.bfloat16).view(48, 128)
+    assert shifted.data_ptr() % 64 == 6 % 64
+    k = prepare(shifted, None, (48, 128))
+    assert isinstance(k, QBf16Kernel) and k.w.data_ptr() == shifted.data_ptr()
+    x = torch.randn(1, 128)
+    assert rel(k(x), x.to(torch.bfloat16).float() @ w.float().t()) < 1e-5

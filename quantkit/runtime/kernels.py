@@ -106,7 +106,9 @@ class QBf16Kernel(DenseKernel):
 
     def __init__(self, w: torch.Tensor):
 
-        super().__init__(aligned(w))
+        # no `aligned` copy: the kernel's loads are unaligned, and a copy of a tensor read from a shard
+        # would double the resident bytes of every bf16 matrix
+        super().__init__(w)
         self._mod = cpu_kernel.module()
         self.route = "quantkit qk bf16 (AVX512-BF16) at decode, F.linear above 4 rows"
 
@@ -406,7 +408,7 @@ def prepare(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | Non
         w = parts if isinstance(parts, torch.Tensor) else parts["weight"]
         if route != "torch" and w.dtype == torch.bfloat16 and w.dim() == 2:
 
-            if cpu_kernel.supports("bf16", tuple(w.shape), w.device):
+            if w.is_contiguous() and cpu_kernel.supports("bf16", tuple(w.shape), w.device):
                 return QBf16Kernel(w)
         return DenseKernel(w)
     assert isinstance(parts, dict)
