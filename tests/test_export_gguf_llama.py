@@ -11,6 +11,7 @@ top-1 agreement). Each file's tensor types are read back and must be the recipe'
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -205,10 +206,10 @@ def test_bad_inputs_one_line_each(kmodel: Path, tmp_path: Path, capsys, monkeypa
     assert code == 2 and "truncated" in err
     code, err = cli("-t", "q8_0", "--imatrix", str(other))
     assert code == 2 and "--imatrix applies" in err
-    import quantkit.quantize.run as qrun
+    import quantkit.outputs as outputs
 
-    with monkeypatch.context() as mp:
-        mp.setattr(qrun, "free_bytes", lambda _p: 1 << 20)  # checked before anything is written
+    with monkeypatch.context() as mp:  # free disk is checked before anything is written
+        mp.setattr(outputs.shutil, "disk_usage", lambda _p: shutil._ntuple_diskusage(1 << 40, 1 << 40, 1 << 20))
         code, err = cli("-t", "q4_k_m")
         assert code == 2 and "not enough free disk" in err
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # the optional binding missing
@@ -218,7 +219,7 @@ def test_bad_inputs_one_line_each(kmodel: Path, tmp_path: Path, capsys, monkeypa
 
 @pytest.mark.parametrize("when", ["quantize", "interrupt"])
 def test_failure_and_ctrl_c_leave_nothing(when: str, kmodel: Path, tmp_path: Path, monkeypatch) -> None:
-    import quantkit.export.gguf_quantize as gq
+    import quantkit.export.gguf as gx
 
     def boom(src: Path, dst: Path, *a: object, **k: object) -> None:
         assert src.is_file() and src.name.startswith(".")  # the bf16 intermediate exists now
@@ -227,7 +228,7 @@ def test_failure_and_ctrl_c_leave_nothing(when: str, kmodel: Path, tmp_path: Pat
             raise KeyboardInterrupt
         raise QuantkitError("llama.cpp's quantizer failed (test)")
 
-    monkeypatch.setattr(gq, "quantize_gguf", boom)
+    monkeypatch.setattr(gx, "quantize_gguf", boom)
     with pytest.raises(KeyboardInterrupt if when == "interrupt" else QuantkitError):
         export_gguf(kmodel, tmp_path / "x.gguf", "q4_k_m")
     assert list(tmp_path.iterdir()) == []

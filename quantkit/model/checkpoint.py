@@ -491,7 +491,7 @@ def spec_from_path(path_or_id: str | Path | None) -> ModelSpec:
     if path_or_id is None or str(path_or_id) == "":
         return default_spec()
     p = resolve_model(path_or_id)
-    if p.is_file():
+    if p.exists() and not p.is_dir():  # a config.json; any other file (a device too) is read with a bound
         if p.suffix == ".safetensors":
             return Checkpoint.open(p).spec()
         return spec_from_config(load_config(p), name=p.parent.name or "model", source=str(p))
