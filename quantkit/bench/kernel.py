@@ -11,8 +11,8 @@ every route sees the same draws). Routes, one run, same threads:
   `ggml_graph_compute_with_ctx` on the same expert codes (our int4 g32 codes ARE Q4_0; int8 per-channel
   codes written as Q8_0 blocks with the row's scale). Plain Q4_0/Q8_0 rows: llama.cpp's model loader may
   also repack Q4_0 into interleaved rows, which `quantkit bench engines` measures end to end.
-The bound: bytes of the k experts' codes and scales / read bandwidth, for the reference 37.6 GB/s of
-REFERENCE.md section 5 (0.42 ms at int4 g32) and for the bandwidth measured in this run (torch's sum of
+The bound: bytes of the k experts' codes and scales / read bandwidth, for the reference 37.6 GB/s (the
+best 2-thread streaming read measured on the build machine: 0.42 ms at int4 g32) and for the bandwidth measured in this run (torch's sum of
 a 512 MB fp32 tensor, same threads; other jobs on the machine lower it).
 """
 
@@ -37,7 +37,7 @@ from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 
 DEFAULTS = {"hidden": 2048, "inter": 512, "experts": 64, "top_k": 8, "layers": 4, "tokens": 24, "reps": 5}
 GGML_KERNEL = {"int4": "Q4_0 x Q8_0", "int8": "Q8_0 x Q8_0", "bf16": "BF16 x BF16"}
-REFERENCE_GBPS = 37.6  # REFERENCE.md section 5: best 2-thread streaming read on the build machine
+REFERENCE_GBPS = 37.6  # best 2-thread streaming read measured on the build machine
 
 
 def _parts(fmt: str, e: int, n: int, k: int, g: torch.Generator) -> Any:

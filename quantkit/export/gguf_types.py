@@ -10,8 +10,8 @@ Two kinds of `--type`:
   runs with our recipe as per-tensor overrides (quantkit.export.gguf_quantize).
 
 The recipe under a llama.cpp type (`LlamaType`): routed experts' gate/up at the type's base K-type, their
-down_proj at `down` (raised a step for the _m types: down_proj is the experts' sensitive matrix,
-REFERENCE.md section 3, and reports/bench-gguf.md measures it), attention, linear attention and the
+down_proj at `down` (raised a step for the _m types: down_proj is the experts' sensitive matrix in
+published KL measurements of this model's GGUFs, and reports/bench-gguf.md measures it), attention, linear attention and the
 shared expert at Q8_0 (the best published Q4_K_M of this model keeps them there), output.weight at
 Q8_0 (as quantkit's quality recipe keeps lm_head at 8 bits: at llama.cpp's usual Q6_K it was the largest
 error term on the decisive tiny model, q6_k's KL 5.0e-3 against q8_0's 7.6e-4), token_embd at Q8_0 (llama.cpp keeps it on the CPU; at the experts' Q4_K it tripled q4_k_m's KL on

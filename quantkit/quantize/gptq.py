@@ -5,8 +5,8 @@ over its calibration inputs [C, C] (quantize/stats.py) and a QuantSpec of a form
 (int4, int8; quantize/grid.py). It returns the format's stored parts, bit-for-bit the layout
 round-to-nearest writes, and a `GptqInfo` (the damping used, or why it fell back to RTN).
 
-The algorithm (Frantar et al., GPTQ; the choices below are the ones llm-compressor and GPTQModel make,
-REFERENCE.md section 6):
+The algorithm (Frantar et al., GPTQ; the choices below are the ones llm-compressor's GPTQModifier and
+GPTQModel make in their code):
 - scales are chosen BEFORE the solve, by the format's own round-to-nearest (with its clip search), so
   the stored scales are the format's and no g_idx is needed;
 - columns are processed in order of decreasing Hessian diagonal ("static" act-order: only the order

@@ -2,8 +2,8 @@
 
 Why: torch 2.13's CPU int4 op (`_weight_int4pack_mm_for_cpu`) is compute-bound at batch 1 (25-37
 GMAC/s on 2 threads) and a MoE layer runs as 16 of its calls plus ~50 small ops from Python: 1.03 ms per
-layer-token where reading the weights takes 0.42 ms (REFERENCE.md section 5; kt-kernel measured no gain
-here). The C++ kernel quantizes activations to int8 per block of 32 and dots them against the stored
+layer-token where reading the weights takes 0.42 ms (measured on the 2-core build machine; kt-kernel
+measured no gain here). The C++ kernel quantizes activations to int8 per block of 32 and dots them against the stored
 4-bit / 8-bit codes with AVX512-VNNI (or AVX2), on torch's own OpenMP pool, and runs the k routed
 experts of a layer (gate_up, SiLU x up, down, weighted sum) in one call. Figures: reports/bench-kernel.md.
 

@@ -2,7 +2,7 @@
 //
 // Why our own: torch 2.13's `_weight_int4pack_mm_for_cpu` is compute-bound at batch 1 (25-37 GMAC/s on
 // 2 threads, bf16 activations) and a MoE layer costs 16 such calls plus ~50 small ops from Python;
-// kt-kernel's workers spin against torch's OpenMP pool (REFERENCE.md section 5). Here activations are
+// kt-kernel's workers spin against torch's OpenMP pool (measured on the 2-core build machine). Here activations are
 // quantized to int8 per block of 32 (one fp32 scale per block, as GGUF's Q8_0) and dotted against the
 // stored codes with VNNI (`vpdpbusd`: u8 codes x s8 activations) or AVX2 (`vpmaddubsw`), on torch's own
 // thread pool (at::parallel_for), and the k routed experts of a MoE layer run in one call.
