@@ -14,7 +14,8 @@ fi
 # quantkit's CPU kernel (int4/int8 MoE decode; needs gcc): built once into ~/.cache/quantkit/kernels
 # (or $QUANTKIT_KERNEL_CACHE). A failed build prints one line and set-up goes on: the runtime then keeps
 # torch's kernels.
-.venv/bin/python -m quantkit.runtime.cpu_kernel build || true
+# (called as a function: `python -m` on a module the package itself imports makes runpy warn)
+.venv/bin/python -c "from quantkit.runtime.cpu_kernel import main; raise SystemExit(main(['build']))" || true
 # The tests prove the GGUF export with llama.cpp itself: llama-cpp-python builds from its sdist (about
 # 4 minutes on 2 cores, once; pip caches the wheel). Pinned to the release whose llama.cpp knows qwen35moe.
 if [ "${1:-bnb}" = test ] && ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then

@@ -7,7 +7,7 @@ measured no gain here). The C++ kernel quantizes activations to int8 per block o
 4-bit / 8-bit codes with AVX512-VNNI (or AVX2), on torch's own OpenMP pool, and runs the k routed
 experts of a layer (gate_up, SiLU x up, down, weighted sum) in one call. Figures: reports/bench-kernel.md.
 
-Build: `python -m quantkit.runtime.cpu_kernel build` (scripts/setup.sh runs it) compiles the source with
+Build: `main(["build"])` (scripts/setup.sh calls it) compiles the source with
 torch.utils.cpp_extension (gcc, ninja) into a cache folder keyed by the source's hash and the torch
 version (`$QUANTKIT_KERNEL_CACHE`, default `~/.cache/quantkit/kernels`), so an edited source or a new
 torch never loads a stale module; a checksum written after the build guards against a truncated or
@@ -250,7 +250,7 @@ def supports(fmt: str, shape: tuple[int, ...], device: torch.device) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m quantkit.runtime.cpu_kernel build`: build (or check) the cached module; one line out.
+    """Build (or check) the cached module; one line out. scripts/setup.sh calls `main(["build"])`.
     Exits 0 even when the build fails: set-up must go on, and the runtime then keeps torch's kernels."""
     args = sys.argv[1:] if argv is None else argv
     if args not in ([], ["build"]):
