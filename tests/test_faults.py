@@ -1,4 +1,5 @@
-"""kill -9 at random points of every long-running writer (quantize, export gguf, export vllm, tiny-model),
+"""kill -9 at random points of every long-running writer (quantize, export gguf, export vllm, tiny-model,
+chat --session),
 then the same command again (issue 14): the result is byte-identical to an uninterrupted run, or the command
 says exactly what to do (and doing it gives that result); no temporary file of the killed run survives.
 
@@ -102,3 +103,38 @@ def test_kill_9_then_rerun_gives_the_uninterrupted_result(kind, tiny_model, q8, 
             leftovers += [p.name for p in out.iterdir() if p.name.endswith(".tmp") or "progress" in p.name]
         assert leftovers == [], (where, leftovers)
     assert killed >= 1, "no kill landed before the writer finished: the test proved nothing"
+
+
+def test_kill_9_during_a_chat_session_then_resume(tiny_model, tmp_path):
+    """chat --session rewrites its file after every turn; killed at a random point of a scripted session, the
+    next start resumes from the file (or ignores a damaged one with a notice), with one line and no traceback,
+    and leaves no temporary behind."""
+    rng = random.Random(f"{SEED}-chat")
+    sess = tmp_path / "talk.qks"
+    cmd = [sys.executable, "-m", "quantkit", "chat", str(tiny_model), "--session", str(sess), "--no-think",
+           "--max-new-tokens", "4", "--temperature", "0"]
+    env = {**os.environ, "COLUMNS": "200"}
+    killed = 0
+    for attempt in range(2):
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=env)
+        assert proc.stdin is not None
+        proc.stdin.write("".join(f"turn {attempt}.{i}\n" for i in range(8)).encode())
+        proc.stdin.flush()
+        deadline = time.monotonic() + 120
+        while proc.poll() is None and not _started(sess) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        delay = rng.uniform(0.0, 1.0)
+        time.sleep(delay)
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        count()
+        killed += proc.returncode == -signal.SIGKILL
+        where = f"(seed {SEED}, kill {attempt} after {delay:.2f} s, exit {proc.returncode})"
+        r = subprocess.run(cmd, input=b"/stats\n/exit\n", capture_output=True, env=env, timeout=300)
+        err = r.stderr.decode()
+        assert r.returncode == 0 and "Traceback" not in err, (where, err)
+        assert "resumed" in err or "damaged" in err, (where, err)
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], where
+    assert killed >= 1, "no kill landed before the chat finished: the test proved nothing"

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.fileio import atomic_write_bytes
+from quantkit.fileio import atomic_write_bytes, clean_leftovers
 from quantkit.model.spec import parse_text_config
 from quantkit.planner.budget import snapshot_bytes
 from quantkit.runtime.chat import ChatSession
@@ -114,6 +114,7 @@ def load_session(path: Path, rt: Any) -> Resumed:
     """Read a session file written by `save_session` for this model; see the module docstring."""
     from safetensors.torch import load
 
+    clean_leftovers(path)  # the temporary of a save that was killed half-way
     if not path.exists():
         return Resumed(None, 0, None)
     if not path.is_file():
