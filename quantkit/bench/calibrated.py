@@ -26,9 +26,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from quantkit.bench import write_reports
 from quantkit.bench.quantize import machine_info
 from quantkit.errors import QuantkitError
-from quantkit.fileio import atomic_write_bytes, temp_name
+from quantkit.fileio import temp_name
 from quantkit.formats import QuantSpec, get_format
 from quantkit.model.checkpoint import Checkpoint
 from quantkit.quantize.calib_data import default_documents, load_tokens, tokenize_documents
@@ -189,8 +190,7 @@ def run(reports: Path, calib_tokens: int = 8192, eval_tokens: int = 4096, chunk:
     d["seconds"] = round(time.perf_counter() - t0, 1)
     reports.mkdir(parents=True, exist_ok=True)
 
-    atomic_write_bytes(reports / "bench-calibrated.json", (json.dumps(d, indent=2) + "\n").encode())
-    atomic_write_bytes(reports / "bench-calibrated.md", render_markdown(d).encode())
+    write_reports(reports, "bench-calibrated", d, render_markdown(d))
     _plot(d, reports / "bench-calibrated.png")
     return d
 

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from quantkit.bench import write_reports
 from quantkit.errors import QuantkitError
-from quantkit.fileio import write_atomic
 from quantkit.model.checkpoint import Checkpoint
 from quantkit.model.spec import load_config, spec_from_config
 from quantkit.planner.budget import RunSettings
@@ -311,10 +311,8 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
         "rows": rows, "bench_seconds": bench_s, "seconds": time.perf_counter() - t_all,
     }
     reports.mkdir(parents=True, exist_ok=True)
-
-    write_atomic(reports / "bench-decode.json", json.dumps(d, indent=1) + "\n")
     plot(d, reports / "bench-decode.png")
-    write_atomic(reports / "bench-decode.md", render_md(d))
+    write_reports(reports, "bench-decode", d, render_md(d), indent=1)
     return d
 
 

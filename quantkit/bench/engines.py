@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from quantkit.bench import write_reports
 from quantkit.export.gguf import export_gguf
 from quantkit.formats import QuantSpec
 from quantkit.model.checkpoint import Checkpoint
@@ -218,8 +219,7 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
         "gguf_bf16_bytes": gb.nbytes, "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows],
         "seconds": time.perf_counter() - t_start,
     }
-    (reports / "bench-engines.json").write_text(json.dumps(data, indent=2) + "\n")
-    (reports / "bench-engines.md").write_text(render(data))
+    write_reports(reports, "bench-engines", data, render(data), indent=2)
     return data
 
 

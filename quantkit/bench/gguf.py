@@ -20,7 +20,6 @@ Reports: reports/bench-gguf.md, .json, .png (KL vs real-model size).
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from quantkit.bench import write_reports
 from quantkit.bench.engines import _machine, llama_decode, llama_logits
 from quantkit.export.gguf import export_gguf
 from quantkit.export.gguf_types import LLAMA_TYPES
@@ -109,8 +109,7 @@ def run(reports: Path, workdir: Path, threads: int = 2, reps: int = 2, new_token
         "reps": reps, "real_model_bf16_gb": real["bf16"], "rows": rows, "default": default,
         "size_slack": SIZE_SLACK, "seconds": time.perf_counter() - t_start,
     }
-    (reports / "bench-gguf.json").write_text(json.dumps(data, indent=2) + "\n")
-    (reports / "bench-gguf.md").write_text(render(data))
+    write_reports(reports, "bench-gguf", data, render(data), indent=2)
     plot(data, reports / "bench-gguf.png")
     return data
 

@@ -19,7 +19,6 @@ a 512 MB fp32 tensor, same threads; other jobs on the machine lower it).
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import time
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from quantkit.bench import write_reports
 from quantkit.bench.engines import _machine
 from quantkit.formats import QuantSpec
 from quantkit.formats.int4 import int4_to_q4_0_blocks
@@ -295,8 +295,7 @@ def run(reports: Path, threads: int, layers: int = DEFAULTS["layers"], tokens: i
          "machine": machine, "threads": threads, "read_gbps": gbps, "reference_gbps": REFERENCE_GBPS,
          "isa": cpu_kernel.isa_name(), "config": cfg, "rows": rows, "seconds": time.time() - t0}
     reports.mkdir(parents=True, exist_ok=True)
-    (reports / "bench-kernel.json").write_text(json.dumps(d, indent=1) + "\n")
-    (reports / "bench-kernel.md").write_text(render(d))
+    write_reports(reports, "bench-kernel", d, render(d), indent=1)
     return d
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from quantkit.bench import write_reports
 from quantkit.formats import QuantSpec, get_format
 from quantkit.model.checkpoint import Checkpoint
 
@@ -302,9 +303,8 @@ def run(reports: Path, workdir: Path, experts: int = 128, layers: int = 4, slab_
 
     data = _assemble(info, rows, lm_rows, lm_shape, rss, src, n_e, time.perf_counter() - t_all,
                      experts, layers)
-    (reports / "bench-quantize.json").write_text(json.dumps(data, indent=2) + "\n")
     _plot(rows, reports / "bench-quantize.png")
-    (reports / "bench-quantize.md").write_text(render_markdown(data))
+    write_reports(reports, "bench-quantize", data, render_markdown(data))
     return data
 
 

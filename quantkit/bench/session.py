@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from quantkit.bench import write_reports
 from quantkit.bench.engines import DEFAULTS, _llama, _machine, last_logits, prepare
 from quantkit.export.gguf import export_gguf
 from quantkit.runtime import SamplingParams, load_model
@@ -167,8 +168,7 @@ def run(reports: Path, workdir: Path, turns: int = 12, obs_tokens: int = 250, ne
         "load_avg_at_end": os.getloadavg()[0],
         "seconds": time.perf_counter() - t_start,
     }
-    (reports / "bench-session.json").write_text(json.dumps(data, indent=2) + "\n")
-    (reports / "bench-session.md").write_text(render(data))
+    write_reports(reports, "bench-session", data, render(data), indent=2)
     plot(data, reports / "bench-session.png")
     return data
 
