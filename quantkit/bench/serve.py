@@ -81,6 +81,25 @@ def stop_server(proc: subprocess.Popen, timeout: float = 60) -> None:
         proc.wait()
 
 
+def wait_for_health(base: str, proc: subprocess.Popen, server_log: Path, timeout: float = 600) -> dict[str, Any]:
+    """Poll /health until the server says ok (its JSON), or fail with one line naming its log."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if proc.poll() is not None:
+            raise QuantkitError(f"the server exited ({proc.returncode}): see {server_log}")
+        try:
+            h = httpx.get(base + "/health", timeout=2).json()
+            if h.get("status") == "ok":
+                return h
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise QuantkitError(f"the server did not come up in {timeout:.0f} s: see {server_log}")
+        time.sleep(0.3)
+
+
 def _pct(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
@@ -362,18 +381,7 @@ def run(reports: Path, model_dir: Path | None, workdir: Path, clients: int, requ
     base = f"http://127.0.0.1:{port}"
     try:
         t_start = time.perf_counter()
-        while True:
-            if proc.poll() is not None:
-                raise QuantkitError(f"the server exited ({proc.returncode}): see {server_log}")
-            try:
-                h = httpx.get(base + "/health", timeout=2).json()
-                if h.get("status") == "ok":
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.perf_counter() - t_start > 600:
-                raise QuantkitError(f"the server did not come up in 600 s: see {server_log}")
-            time.sleep(0.5)
+        h = wait_for_health(base, proc, server_log)
         startup_s = time.perf_counter() - t_start
         model_id = h["model"]
         url = base + "/v1/chat/completions"

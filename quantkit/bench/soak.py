@@ -28,8 +28,8 @@ from quantkit.bench.serve import (
     _prepare_model,
     free_port,
     stop_server,
+    wait_for_health,
 )
-from quantkit.errors import QuantkitError
 from quantkit.fileio import write_atomic
 
 MAX_BODY = 8 * 10**6  # the server's default --max-body (8MB)
@@ -124,19 +124,7 @@ def run_soak(model_dir: Path | None, workdir: Path, clients: int = 16, seconds: 
         proc = subprocess.Popen(cmd, stdout=lf, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if proc.poll() is not None:
-                raise QuantkitError(f"the server exited ({proc.returncode}): see {server_log}")
-            try:
-                h = httpx.get(base + "/health", timeout=2).json()
-                if h.get("status") == "ok":
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise QuantkitError(f"the server did not come up in 600 s: see {server_log}")
-            time.sleep(0.3)
+        h = wait_for_health(base, proc, server_log)
         bodies = _Bodies(h["model"])
         httpx.post(base + "/v1/chat/completions", content=bodies.ok, headers={"content-type": "application/json"},
                    timeout=600)  # warm-up
