@@ -100,3 +100,21 @@ def pytest_terminal_summary(terminalreporter) -> None:
         return
     if CASES["n"]:
         terminalreporter.write_line(f"probe: {CASES['n']} bad inputs and faults checked")
+
+
+def interrupt_quantizer_after(monkeypatch: pytest.MonkeyPatch, calls: int):
+    """Make the quantizer raise KeyboardInterrupt (Ctrl-C) when it reaches its `calls`-th tensor; returns the
+    original per-tensor function, for a test that restores it."""
+    import quantkit.quantize.run as qz
+
+    orig = qz._quantize_tensor
+    n = {"calls": 0}
+
+    def interrupt_later(*a, **k):
+        n["calls"] += 1
+        if n["calls"] == calls:
+            raise KeyboardInterrupt
+        return orig(*a, **k)
+
+    monkeypatch.setattr(qz, "_quantize_tensor", interrupt_later)
+    return orig

@@ -19,13 +19,14 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 import quantkit.cli
+import quantkit.quantize.run as qz
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec, get_format
 from quantkit.model.checkpoint import Checkpoint
 from quantkit.model.contract import INDEX_NAME
 from quantkit.quantize.manifest import JOURNAL_NAME, MANIFEST_NAME
 
-from conftest import run_main
+from conftest import interrupt_quantizer_after, run_main
 
 quantkit.cli._register()
 runner = CliRunner()
@@ -281,19 +282,8 @@ def test_kill_at_a_random_point_then_resume_is_byte_identical(tiny_model, tmp_pa
 
 
 def test_ctrl_c_leaves_a_resumable_folder(tiny_model, tmp_path, monkeypatch):
-    import quantkit.quantize.run as qz
-
     out = tmp_path / "q"
-    orig = qz._quantize_tensor
-    n = {"calls": 0}
-
-    def interrupt_later(*a, **k):
-        n["calls"] += 1
-        if n["calls"] == 30:
-            raise KeyboardInterrupt
-        return orig(*a, **k)
-
-    monkeypatch.setattr(qz, "_quantize_tensor", interrupt_later)
+    orig = interrupt_quantizer_after(monkeypatch, 30)
     r = main_cli("quantize", tiny_model, "--out", out, "--max-shard-size", "60KB")
     assert r.exit_code == 130
     assert "--resume" in r.output and "interrupted" in r.output
@@ -315,8 +305,6 @@ def test_ctrl_c_leaves_a_resumable_folder(tiny_model, tmp_path, monkeypatch):
 
 
 def test_resume_redoes_a_damaged_finished_shard(tiny_model, tmp_path, monkeypatch):
-    import quantkit.quantize.run as qz
-
     out, ref = tmp_path / "q", tmp_path / "ref"
     assert cli("quantize", tiny_model, "--out", ref, "--max-shard-size", "60KB").exit_code == 0
     orig = qz._quantize_tensor
@@ -508,8 +496,6 @@ def test_bad_existing_output_and_overwrite(tiny_model, tmp_path):
 
 
 def test_bad_disk_would_fill(tiny_model, tmp_path, monkeypatch):
-    import quantkit.quantize.run as qz
-
     real = shutil.disk_usage
     monkeypatch.setattr(qz.shutil, "disk_usage", lambda p: real(p)._replace(free=10_000))
     out = tmp_path / "o"

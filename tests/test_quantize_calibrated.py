@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+import quantkit.quantize.run as qz
 from quantkit.quantize.manifest import JOURNAL_NAME, MANIFEST_NAME
 
-from conftest import run_cli
+from conftest import interrupt_quantizer_after, run_cli
 
 
 def _qk(*args: object) -> subprocess.CompletedProcess[str]:
@@ -45,23 +46,12 @@ def _files(folder: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize("method", ["gptq", "imatrix"])
 def test_interrupted_calibrated_run_resumes_to_identical_bytes(tiny_model, tiny_stats, tmp_path, capsys,
                                                                monkeypatch, method):
-    import quantkit.quantize.run as qz
-
     args = ["quantize", tiny_model, "--bits", "4", "--uniform", "--method", method, "--stats", tiny_stats,
             "--max-shard-size", "60KB"]
     ref, out = tmp_path / "ref", tmp_path / "out"
     code, _, err = run_cli([*args, "--out", ref], capsys, monkeypatch)
     assert code == 0, err
-    orig = qz._quantize_tensor
-    n = {"calls": 0}
-
-    def interrupt_later(*a, **k):
-        n["calls"] += 1
-        if n["calls"] == 30:
-            raise KeyboardInterrupt
-        return orig(*a, **k)
-
-    monkeypatch.setattr(qz, "_quantize_tensor", interrupt_later)
+    orig = interrupt_quantizer_after(monkeypatch, 30)
     code, _, _ = run_cli([*args, "--out", out], capsys, monkeypatch)
     assert code == 130 and (out / JOURNAL_NAME).is_file() and not (out / MANIFEST_NAME).exists()
     monkeypatch.setattr(qz, "_quantize_tensor", orig)
