@@ -200,7 +200,7 @@ def render_markdown(d: dict[str, Any]) -> str:
     lines = [
         "# Calibrated quantization on a real trained model (SmolLM2-135M-Instruct)",
         "",
-        f"Command: `{d.get('command', 'flock /tmp/quantkit-bench.lock quantkit bench calibrated')}`; "
+        f"Command: `{d.get('command', 'quantkit bench calibrated')}`; "
         f"machine: {m.get('cpu')} ({m.get('cores')} cores), load average at start {m.get('load_avg_at_start')}; "
         f"{d['seconds']:.0f} s in all.",
         "",

@@ -103,8 +103,7 @@ def run(reports: Path, workdir: Path, threads: int = 2, reps: int = 2, new_token
             res.path.unlink()
     default = choose_default(rows)
     data = {
-        "command": ("flock /tmp/quantkit-bench.lock " if reps else "") + f"quantkit bench gguf --threads {threads} "
-                   f"--reps {reps}",
+        "command": f"quantkit bench gguf --threads {threads} --reps {reps}",
         "machine": machine, "threads": threads, "shape": SHAPE, "probe": list(PROBE), "new_tokens": new_tokens,
         "reps": reps, "real_model_bf16_gb": real["bf16"], "rows": rows, "default": default,
         "size_slack": SIZE_SLACK, "seconds": time.perf_counter() - t_start,

@@ -188,7 +188,7 @@ def write_report(reports: Path, d: dict[str, Any]) -> None:
     mb = 1e6
     r = d["rss"]
     lines = [SECTION[0], "", "## Soak: hang-ups, oversized bodies and foreign hosts mixed in", "",
-             f"Command: `{d['command']}` (wrapped in `flock /tmp/quantkit-bench.lock`)  ",
+             f"Command: `{d['command']}`  ",
              f"Server: `{d['server']}` (loopback, its own process)  ",
              f"{d['clients']} clients for {d['seconds']:.0f} s, {d['requests']} requests; kinds weighted "
              + ", ".join(f"{k} {w}" for k, w in KINDS.items()) + f" (body limit {d['max_body'] / mb:.0f} MB; "
