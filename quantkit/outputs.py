@@ -91,9 +91,13 @@ def check_writable(folder: Path, out: Path, flag: str) -> None:
             pass
 
 
+def free_disk(path: Path) -> int:
+    """Free bytes on the file system that holds `path` (or its nearest existing parent)."""
+    return shutil.disk_usage(_nearest_existing(Path(path).resolve())).free
+
+
 def check_free(out: Path, need: int, flag: str) -> None:
-    where = _nearest_existing(out.parent if not out.exists() else out)
-    free = shutil.disk_usage(where).free
+    free = free_disk(out.parent if not out.exists() else out)
     if need > free:
         raise QuantkitError(f"{flag}{out}: not enough free disk: the output needs {need / 1e9:.2f} GB, "
                             f"{free / 1e9:.2f} GB free; free space or pick another location")

@@ -12,13 +12,13 @@ from quantkit.cli import app, console, err_console, fail
 from quantkit.cli.options import GROUP_SIZE
 from quantkit.cli.progress import RichProgress, tensor_progress
 from quantkit.model.checkpoint import Checkpoint, resolve_model
+from quantkit.outputs import free_disk
 from quantkit.quantize.calibrated import Calibration
 from quantkit.quantize.report import role_rows, total_row
 from quantkit.quantize.run import (
     Interrupted,
     QuantizeOptions,
     TensorStats,
-    free_bytes,
     make_plan,
     run_quantize,
 )
@@ -109,7 +109,7 @@ def quantize(
             if t.note:
                 console.print(f"  note: {t.name}: {t.note}")
         if out is not None:
-            console.print(f"free disk at {out}: {free_bytes(out) / 1e9:.2f} GB; output {plan.out_bytes / 1e9:.2f} GB")
+            console.print(f"free disk at {out}: {free_disk(out) / 1e9:.2f} GB; output {plan.out_bytes / 1e9:.2f} GB")
         return
     opts = QuantizeOptions(recipe=recipe, keep_mtp=keep_mtp, max_shard_size=shard,
                            mode="resume" if resume else "overwrite" if overwrite else "new", report=report,

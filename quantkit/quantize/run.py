@@ -326,14 +326,6 @@ def copyable_files(src: Path) -> list[Path]:
     return out
 
 
-def free_bytes(folder: Path) -> int:
-    """Free bytes on the file system that holds `folder` (or its nearest existing parent)."""
-    p = folder.resolve()
-    while not p.exists():
-        p = p.parent
-    return shutil.disk_usage(p).free
-
-
 def _prepare_out(src: Path, out: Path, mode: str) -> None:
     """The guarded output location (quantkit/outputs.py); --resume continues quantkit's own run in place."""
     check_not_source(out, [src], "--out ")
