@@ -69,7 +69,7 @@ def prompts(rt: Any, turns: int, obs_tokens: int) -> list[list[int]]:
     out = []
     for t, act in enumerate(actions(turns)):
         msgs.append({"role": "user", "content": act})
-        out.append(rt.encode(rt.render(msgs)))
+        out.append(rt.render_ids(msgs)[1])
         msgs.append({"role": "assistant", "content": observation(t, obs_tokens, lambda s: len(rt.encode(s)))})
     return out
 

@@ -61,7 +61,7 @@ def next_prompt_ids(rt: Any, session: ChatSession) -> list[int]:
     """The conversation as the next turn renders it (its generation prompt included)."""
     if not session.messages:
         return []
-    return rt.encode(rt.render(session.conversation(), enable_thinking=session.thinking))
+    return rt.render_ids(session.conversation(), enable_thinking=session.thinking)[1]
 
 
 def save_session(path: Path, rt: Any, session: ChatSession) -> int:
