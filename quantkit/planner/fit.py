@@ -4,7 +4,7 @@ devices; this module never touches them)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from quantkit.errors import QuantkitError
@@ -21,9 +21,9 @@ def hardware_here(ram_available: int) -> Hardware:
 
 
 def check_plan(plan: Plan, spec: ModelSpec, folder: Path, plan_path: str, free_bytes: Mapping[str, int],
-               here: Hardware) -> None:
+               here: Callable[[], Hardware]) -> None:
     """Refuse a plan for another model, one that does not fit its own hardware, or one that needs more than
-    `free_bytes` (device id -> bytes free now) holds."""
+    `free_bytes` (device id -> bytes free now) holds. `here` detects this machine, only to say what would fit."""
     fp = spec_fingerprint(spec)
     if plan.fingerprint != fp:
         raise QuantkitError(
@@ -38,7 +38,7 @@ def check_plan(plan: Plan, spec: ModelSpec, folder: Path, plan_path: str, free_b
         if need and need > free_bytes.get(d.id, 0):
             raise QuantkitError(
                 f"{plan_path}: the plan puts {need / 1e9:.1f} GB on {d.id}, but only "
-                f"{free_bytes.get(d.id, 0) / 1e9:.1f} GB is free there; {what_fits(spec, plan, here)}")
+                f"{free_bytes.get(d.id, 0) / 1e9:.1f} GB is free there; {what_fits(spec, plan, here())}")
 
 
 def what_fits(spec: ModelSpec, plan: Plan, here: Hardware) -> str:

@@ -399,7 +399,7 @@ def load_model(path: str | Path, plan: str | Path | Plan | None = None, *, recip
     if placement is None:
         if plan is not None:
             plan_obj = plan if not isinstance(plan, (str, Path)) else load_plan_file(plan)
-            check_plan(plan_obj, spec, folder, str(plan), _free_bytes(plan_obj), _hardware_here())
+            check_plan(plan_obj, spec, folder, str(plan), _free_bytes(plan_obj), _hardware_here)
             placement = Placement.from_plan(plan_obj, f"plan {plan}")
             if context:
                 placement.context = context
