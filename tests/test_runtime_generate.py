@@ -10,8 +10,9 @@ import torch
 from transformers import Qwen3_5MoeTextConfig
 
 from quantkit.runtime import SamplingParams, load_model
+from quantkit.runtime.channels import StreamingDetokenizer
 from quantkit.runtime.engine import load_tokenizer
-from quantkit.runtime.generate import StreamingDetokenizer, sample, stream_tokens
+from quantkit.runtime.generate import sample, stream_tokens
 
 from test_runtime_common import one_thread, quantized, run_cli  # noqa: F401
 

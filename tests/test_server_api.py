@@ -27,7 +27,6 @@ import uvicorn
 
 from quantkit.runtime import SamplingParams
 from quantkit.server.app import ServerConfig, create_app
-from quantkit.server.parsing import split_reasoning
 
 MAX_CONTEXT = 2048
 MAX_BODY = 64_000
@@ -113,12 +112,14 @@ def idle(server, timeout: float = 120) -> dict:
 
 
 def reference(backend, server, messages, tools=None, thinking=True, max_tokens=12):
-    """The runtime's own greedy continuation, called directly (no HTTP) while the server is idle."""
+    """The runtime's own greedy continuation, called directly (no HTTP) while the server is idle: the prompt
+    and the (thinking, answer) texts of the runtime's channels."""
     idle(server)
     prompt = backend.render(messages, tools, thinking)
-    text = "".join(e.text for e in backend.generate(prompt, SamplingParams(max_new_tokens=max_tokens, temperature=0.0),
-                                                     threading.Event()))
-    return prompt, text
+    texts = {"thinking": "", "answer": ""}
+    for e in backend.generate(prompt, SamplingParams(max_new_tokens=max_tokens, temperature=0.0), threading.Event()):
+        texts[e.channel] += e.text
+    return prompt, (texts["thinking"], texts["answer"])
 
 
 CHAT = [{"role": "system", "content": "You are a terminal world model."},
@@ -140,7 +141,7 @@ def test_plain_completion_is_the_models_greedy_answer(client, backend, server, q
     assert prompt.opens_reasoning  # thinking is on by default
     r = client.chat.completions.create(model=q4.name, messages=CHAT, max_tokens=12, temperature=0)
     msg, ch = r.choices[0].message, r.choices[0]
-    want_reasoning, want_content = split_reasoning(text, True)
+    want_reasoning, want_content = text
     assert (getattr(msg, "reasoning_content", None) or "") == want_reasoning
     assert (msg.content or "") == want_content
     assert r.usage.prompt_tokens == len(prompt.ids)
@@ -160,7 +161,7 @@ def test_streaming_gives_the_same_answer_in_pieces(client, backend, server, q4):
     assert chunks[0].choices[0].delta.role == "assistant"
     reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks if c.choices)
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert (reasoning, content) == split_reasoning(text, True)
+    assert (reasoning, content) == text
     finals = [c for c in chunks if c.choices and c.choices[0].finish_reason]
     assert len(finals) == 1 and finals[0].choices[0].finish_reason in ("stop", "length")
     usage = chunks[-1]
@@ -175,7 +176,7 @@ def test_thinking_off(client, backend, server, q4):
     r = client.chat.completions.create(model=q4.name, messages=CHAT, max_tokens=12, temperature=0,
                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert r.usage.prompt_tokens == len(prompt.ids)
-    want_reasoning, want_content = split_reasoning(text, False)
+    want_reasoning, want_content = text
     assert (r.choices[0].message.content or "") == want_content
     assert (getattr(r.choices[0].message, "reasoning_content", None) or "") == want_reasoning
 
@@ -193,7 +194,7 @@ def test_seed_makes_sampling_reproducible(client, q4):
 
 def test_stop_string_ends_the_answer(client, backend, server, q4):
     _, text = reference(backend, server, CHAT, thinking=False, max_tokens=16)
-    _, content = split_reasoning(text, False)
+    _, content = text
     if len(content) < 4:
         pytest.skip(f"the greedy answer {content!r} is too short to cut")
     stop = content[len(content) // 2: len(content) // 2 + 2]

@@ -1,6 +1,6 @@
-"""The output parsers on real-format strings: Qwen3.5's `<think>` block and `<tool_call>` XML.
+"""The output parsers on real-format strings: Qwen3.5's `<tool_call>` XML, after the runtime's channels.
 
-A tiny random model does not write well-formed tool calls or think blocks by itself, so the parsing is
+A tiny random model does not write well-formed tool calls by itself, so the parsing is
 proven here on the exact text Qwen3.5 emits (the format its chat template describes to the model and
 renders for history), streamed in every chunking hypothesis finds, against the one-shot result.
 """
@@ -12,15 +12,14 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from quantkit.runtime.channels import ANSWER, THINKING
 from quantkit.server.parsing import (
     OutputParser,
-    ReasoningSplitter,
     StopMatcher,
     ToolCallParser,
     convert_value,
     parse_tool_block,
     parse_tool_calls,
-    split_reasoning,
 )
 
 TOOLS = [{"type": "function", "function": {
@@ -37,50 +36,6 @@ CALL = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</paramet
 def chunked(text: str, cuts: list[int]) -> list[str]:
     points = sorted({c % (len(text) + 1) for c in cuts} | {0, len(text)})
     return [text[a:b] for a, b in zip(points, points[1:], strict=False)]
-
-
-# --- reasoning -------------------------------------------------------------------------------------------
-
-def test_reasoning_when_the_prompt_opened_the_block():
-    # thinking on: the prompt ends "<think>\n", the model writes the rest of the block and the answer
-    assert split_reasoning("The user greets me.\n</think>\n\nHello!", True) == ("The user greets me.", "Hello!")
-
-
-def test_reasoning_with_the_open_tag_in_the_output():
-    assert split_reasoning("<think>\nstep 1\nstep 2\n</think>\n\nanswer", True) == ("step 1\nstep 2", "answer")
-    assert split_reasoning("<think>\nhmm\n</think>\n\nanswer", False) == ("hmm", "answer")
-
-
-def test_unclosed_reasoning_is_all_reasoning_and_thinking_off_is_all_content():
-    assert split_reasoning("still thinking when max_tokens hit", True) == ("still thinking when max_tokens hit", "")
-    # thinking off: the template already closed the block, a stray close tag is just text
-    assert split_reasoning("a</think>b", False) == ("", "a</think>b")
-    assert split_reasoning("plain answer", False) == ("", "plain answer")
-
-
-def test_inner_newlines_are_kept_and_a_later_think_tag_is_content():
-    assert split_reasoning("a\n\nb\n</think>\n\nx <think> y", True) == ("a\n\nb", "x <think> y")
-
-
-@settings(max_examples=300, deadline=None)
-@given(st.sampled_from([
-    "The user greets me.\n</think>\n\nHello!",
-    "<think>\nstep 1\n\nstep 2\n</think>\n\nanswer\n\nmore",
-    "\n\nno close tag, newlines at the end\n\n",
-    "<thi",
-    "a</thi",
-    "x\n</think>",
-    "</think>",
-    "<think></think>only content",
-]), st.booleans(), st.lists(st.integers(0, 200), max_size=12))
-def test_streamed_reasoning_equals_one_shot(text, in_reasoning, cuts):
-    sp = ReasoningSplitter(in_reasoning)
-    r, c = "", ""
-    for piece in chunked(text, cuts):
-        dr, dc = sp.feed(piece)
-        r, c = r + dr, c + dc
-    dr, dc = sp.finish()
-    assert (r + dr, c + dc) == split_reasoning(text, in_reasoning)
 
 
 # --- tool calls ------------------------------------------------------------------------------------------
@@ -164,32 +119,50 @@ def test_partial_stop_at_the_end_is_returned():
     assert not m.stopped
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(st.integers(0, 400), max_size=20))
-def test_pipeline_reasoning_then_tool_call(cuts):
-    text = "I should look up the weather.\n</think>\n\n" + CALL
-    p = OutputParser(in_reasoning=True, tools=TOOLS)
+def feed_all(p: OutputParser, parts: list[tuple[str, str]]) -> tuple[str, str, list]:
     r, c, calls = "", "", []
-    for piece in chunked(text, cuts):
-        d = p.feed(piece)
+    for channel, piece in parts:
+        d = p.feed(piece, channel)
         r, c, calls = r + d.reasoning, c + d.content, calls + d.tool_calls
     d = p.finish()
-    r, c, calls = r + d.reasoning, c + d.content, calls + d.tool_calls
+    return r + d.reasoning, c + d.content, calls + d.tool_calls
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 400), max_size=20), st.lists(st.integers(0, 400), max_size=20))
+def test_pipeline_reasoning_then_tool_call(cuts_r, cuts_a):
+    p = OutputParser(tools=TOOLS)
+    parts = [(THINKING, x) for x in chunked("I should look up the weather.", cuts_r)] + \
+        [(ANSWER, x) for x in chunked(CALL, cuts_a)]
+    r, c, calls = feed_all(p, parts)
     assert r == "I should look up the weather."
     assert c == ""
     assert [json.loads(x.arguments) for x in calls] == [{"city": "Paris", "days": 3}]
 
 
 def test_tool_call_xml_inside_reasoning_is_not_a_call():
-    p = OutputParser(in_reasoning=True, tools=TOOLS)
-    d1 = p.feed("maybe " + CALL + "\n</think>\n\nNo tool needed.")
-    d2 = p.finish()
-    assert d1.tool_calls == [] and d2.tool_calls == []
-    assert (d1.reasoning + d2.reasoning).startswith("maybe <tool_call>")
-    assert d1.content + d2.content == "No tool needed."
+    r, c, calls = feed_all(OutputParser(tools=TOOLS), [(THINKING, "maybe " + CALL), (ANSWER, "No tool needed.")])
+    assert calls == []
+    assert r.startswith("maybe <tool_call>")
+    assert c == "No tool needed."
 
 
 def test_without_tools_the_xml_stays_content():
-    p = OutputParser(in_reasoning=False, tools=None)
-    d = p.feed(CALL)
+    p = OutputParser(tools=None)
+    d = p.feed(CALL, ANSWER)
     assert d.content + p.finish().content == CALL and not d.tool_calls
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 60), max_size=10))
+def test_stop_strings_apply_within_a_channel_and_a_switch_flushes_a_partial_one(cuts):
+    # "ST" ends the reasoning: it is not the start of "STOP" once the answer begins
+    p = OutputParser(stops=["STOP"])
+    parts = [(THINKING, x) for x in chunked("think ST", cuts)] + [(ANSWER, x) for x in chunked("OP x STOP y", cuts)]
+    r, c, _ = feed_all(p, parts)
+    assert (r, c) == ("think ST", "OP x ") and p.stopped
+
+
+def test_an_unclosed_tool_block_before_more_thinking_comes_back_as_content():
+    r, c, calls = feed_all(OutputParser(tools=TOOLS), [(ANSWER, "<tool_call>\n<function=get"), (THINKING, "hm")])
+    assert (r, c, calls) == ("hm", "<tool_call>\n<function=get", [])

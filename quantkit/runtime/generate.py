@@ -6,9 +6,8 @@ peak memory per device, finish reason). Prompt tok/s = prompt tokens / prefill s
 tok/s = tokens after the first / seconds of the decode steps that produced them (the first token comes
 from the prefill's logits, as mlx-lm and llama.cpp count it).
 
-Channels: with thinking on, the chat template's generation prompt ends inside `<think>`, so tokens are
-"thinking" until the model emits `</think>`, then "answer"; a `<think>` token switches back. The tags
-themselves are not part of either text.
+Channels ("thinking" and "answer") are decided by token id in quantkit.runtime.channels, the one place
+a generation is split; the tags themselves are not part of either text.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK
+from quantkit.runtime.channels import ANSWER, THINKING, ChannelSplitter
 from quantkit.runtime.state_cache import (
     PrefixCache,
     capture_linear,
@@ -96,30 +96,6 @@ class TokenEvent:
     index: int
     response: GenerationResponse | None = None
     cached_tokens: int = 0  # prompt tokens this generation restored from the prompt cache
-
-
-class StreamingDetokenizer:
-    """Incremental decode: re-decodes only the tokens since the last clean character boundary."""
-
-    def __init__(self, tokenizer: Any):
-        self.tok = tokenizer
-        self.ids: list[int] = []
-        self.printed = ""
-
-    def add(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.tok.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        if text.endswith("\ufffd"):
-            return ""  # an incomplete UTF-8 sequence: wait for the next byte
-        delta = text[len(self.printed):]
-        if len(self.ids) > 8:  # start afresh from a clean boundary so decode cost stays constant
-            self.ids, self.printed = [], ""
-        else:
-            self.printed = text
-        return delta
-
-    def reset(self) -> None:
-        self.ids, self.printed = [], ""
 
 
 def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -230,11 +206,8 @@ def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling
         raise QuantkitError(f"the prompt is {n_prompt} tokens; the context holds {context} "
                             "(shorten it, or run with a larger --context)")
     gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-    think_start, think_end = think_ids
     dev = torch.device(devices[0]) if devices else torch.device("cpu")
-    detok = StreamingDetokenizer(tokenizer)
-    channel = "thinking" if thinking else "answer"
-    texts = {"thinking": [], "answer": []}
+    split = ChannelSplitter(tokenizer, think_ids, thinking)
     generated: list[int] = []
     finish = "length"
     t_dec = 0.0
@@ -255,17 +228,7 @@ def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling
             if tok in stop_ids:
                 finish = "stop"
                 break
-            if tok == think_end:
-                delta, channel = "", "answer"
-                detok.reset()
-            elif tok == think_start:
-                delta, channel = "", "thinking"
-                detok.reset()
-            else:
-                delta = detok.add(tok)
-                if channel == "answer" and not "".join(texts["answer"]):
-                    delta = delta.lstrip("\n")
-                texts[channel].append(delta)
+            channel, delta = split.feed(tok)
             yield TokenEvent(delta, tok, channel, i, cached_tokens=pre.cached_tokens)
             if i == budget - 1:
                 finish = "length" if budget == sampling.max_new_tokens else "context"
@@ -276,11 +239,11 @@ def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling
     n_gen = len(generated)
     steps = max(0, n_gen - 1) if finish != "cancelled" else n_gen
     resp = GenerationResponse(
-        text="".join(texts["answer"]).strip(), thinking="".join(texts["thinking"]).strip("\n"),
+        text=split.text(ANSWER).strip(), thinking=split.text(THINKING),
         token=generated[-1] if generated else None, prompt_tokens=n_prompt, generation_tokens=n_gen,
         prompt_tps=(n_prompt - pre.cached_tokens) / t_pre if t_pre > 0 else 0.0,
         generation_tps=steps / t_dec if t_dec > 0 and steps else 0.0,
         peak_memory=peak_memory(devices), finish_reason=finish, prefill_seconds=t_pre, decode_seconds=t_dec,
         token_ids=generated, cached_tokens=pre.cached_tokens,
     )
-    yield TokenEvent("", None, channel, n_gen, resp, pre.cached_tokens)
+    yield TokenEvent("", None, split.channel, n_gen, resp, pre.cached_tokens)

@@ -32,6 +32,7 @@ from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from quantkit.errors import QuantkitError
+from quantkit.runtime.channels import THINKING
 from quantkit.runtime.generate import TokenEvent
 from quantkit.server.backend import Backend, Prompt
 from quantkit.server.parsing import OutputDelta, OutputParser
@@ -271,10 +272,8 @@ class _Answer:
     def token(self, ev: TokenEvent) -> OutputDelta:
         if ev.token is not None:
             self.tokens += 1
-            if self.parser.reasoning.mode == "reasoning":
-                self.reasoning_tokens += 1
-        text = ev.text
-        d = self.parser.feed(text)
+            self.reasoning_tokens += ev.channel == THINKING
+        d = self.parser.feed(ev.text, ev.channel)
         if self.parser.stopped:
             self.job.stop("stop")
         return d
@@ -427,7 +426,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
                            headers={"Retry-After": str(config.retry_after_s)}) from None
         except QueueClosed as e:
             raise ApiError(503, str(e), "service_unavailable", code="shutting_down") from None
-        answer = _Answer(job, OutputParser(in_reasoning=prompt.opens_reasoning, stops=req.stop_list, tools=tools))
+        answer = _Answer(job, OutputParser(stops=req.stop_list, tools=tools))
         rid, now = "chatcmpl-" + uuid.uuid4().hex, int(time.time())
         watcher = asyncio.create_task(_watch_disconnect(request, job))
         if req.stream:

@@ -1,17 +1,12 @@
-"""Turning generated text into an OpenAI message: stop strings, reasoning apart from the answer, tool calls.
+"""Turning generated text into an OpenAI message: stop strings, reasoning and answer, tool calls.
 
 Every parser here is incremental (`feed(text)` as tokens arrive, `finish()` at the end) and holds back
 only what could still be the start of a tag, so a stream's deltas concatenate to exactly what the
 one-shot functions return for the same text, however it is chunked (tests check that property).
 
-Reasoning follows vLLM's `qwen3` reasoning parser: text before `</think>` is `reasoning_content`, a
-leading `<think>` in the output is dropped, the rest is `content`. Two deliberate differences, both
-because we know the prompt: when the prompt opened the think block (thinking on, the template ends with
-`<think>\\n`), an output cut off before `</think>` is all reasoning in both streaming and non-streaming
-responses (vLLM returns it as content when not streaming, as reasoning when streaming); when thinking is
-off the template has already closed the block, so a `</think>` in the output is just text unless the
-output itself opened a block with `<think>`. The newlines the template puts around the tags are
-trimmed (reasoning's ends, content's start), as Qwen's chat template does when it re-renders history.
+Reasoning is not parsed here: the runtime splits a generation into its "thinking" and "answer" channels
+by token id (quantkit.runtime.channels), and `OutputParser` is fed each text delta with its channel.
+Thinking becomes `reasoning_content`; the answer becomes `content` and tool calls.
 
 Tool calls follow vLLM's `qwen3_coder` parser for the XML Qwen3.5 writes:
 `<tool_call>\\n<function=NAME>\\n<parameter=ARG>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>`;
@@ -30,8 +25,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
+from quantkit.runtime.channels import ANSWER, THINKING
+
 TOOL_OPEN = "<tool_call>"
 TOOL_CLOSE = "</tool_call>"
 
@@ -75,84 +70,6 @@ class StopMatcher:
     def finish(self) -> str:
         out, self._buf = ("" if self.stopped else self._buf), ""
         return out
-
-
-# --- reasoning -------------------------------------------------------------------------------------------
-
-class ReasoningSplitter:
-    """Splits generated text into (reasoning, content) deltas; see the module docstring for the rules."""
-
-    def __init__(self, in_reasoning: bool):
-        self.mode = "reasoning" if in_reasoning else "content"
-        self._buf = ""
-        self._section_start = True  # nothing emitted yet in the current section: trim leading newlines
-        self._open_checked = False  # a leading <think> has been looked for in this section
-        self._held_newlines = ""  # reasoning's trailing newlines, emitted only if more reasoning follows
-
-    def _start_section(self, mode: str) -> None:
-        self.mode, self._section_start, self._open_checked, self._held_newlines = mode, True, False, ""
-
-    def feed(self, text: str) -> tuple[str, str]:
-        self._buf += text
-        reasoning, content = [], []
-        while True:
-            if self._section_start:
-                self._buf = self._buf.lstrip("\n")
-            if not self._open_checked:
-                # A leading <think>: dropped in reasoning, opens reasoning in content (see docstring).
-                if len(self._buf) < len(THINK_OPEN) and THINK_OPEN.startswith(self._buf):
-                    break  # could still become <think>: wait
-                self._open_checked = True
-                if self._section_start and self._buf.startswith(THINK_OPEN):
-                    self._buf = self._buf[len(THINK_OPEN):]
-                    if self.mode == "content":
-                        self._start_section("reasoning")
-                        self._open_checked = True
-                    continue
-            if self.mode == "content":
-                if self._buf:
-                    content.append(self._buf)
-                    self._section_start = False
-                self._buf = ""
-                break
-            i = self._buf.find(THINK_CLOSE)
-            if i >= 0:
-                body = self._buf[:i].rstrip("\n")
-                if body:
-                    reasoning.append(self._held_newlines + body)
-                self._buf = self._buf[i + len(THINK_CLOSE):]
-                self._start_section("content")
-                self._open_checked = True  # a <think> after </think> is content text
-                continue
-            keep = _partial_suffix(self._buf, (THINK_CLOSE,))
-            ready, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
-            body = ready.rstrip("\n")
-            if body:
-                reasoning.append(self._held_newlines + body)
-                self._held_newlines = ""
-                self._section_start = False
-            self._held_newlines += ready[len(body):]
-            break
-        return "".join(reasoning), "".join(content)
-
-    def finish(self) -> tuple[str, str]:
-        buf, self._buf = self._buf, ""
-        if self._section_start:
-            buf = buf.lstrip("\n")
-        if not buf:
-            return "", ""
-        if self.mode == "reasoning":
-            body = buf.rstrip("\n")  # an unclosed block: its trailing newlines are trimmed like a closed one
-            return (self._held_newlines + body if body else ""), ""
-        return "", buf
-
-
-def split_reasoning(text: str, in_reasoning: bool) -> tuple[str, str]:
-    """One-shot (reasoning, content) of a whole output."""
-    sp = ReasoningSplitter(in_reasoning)
-    r1, c1 = sp.feed(text)
-    r2, c2 = sp.finish()
-    return r1 + r2, c1 + c2
 
 
 # --- tool calls ------------------------------------------------------------------------------------------
@@ -319,14 +236,21 @@ class OutputDelta:
     def __bool__(self) -> bool:
         return bool(self.reasoning or self.content or self.tool_calls)
 
+    def __add__(self, other: OutputDelta) -> OutputDelta:
+        return OutputDelta(self.reasoning + other.reasoning, self.content + other.content,
+                           self.tool_calls + other.tool_calls)
+
 
 class OutputParser:
-    """Generated text -> stop strings -> reasoning / content -> tool calls (only in the answer)."""
+    """The runtime's channel deltas -> stop strings -> reasoning / content -> tool calls (only in the answer).
 
-    def __init__(self, *, in_reasoning: bool, stops: list[str] | None = None, tools: list[dict] | None = None):
+    Stop strings are matched within a channel: a switch of channel flushes what was held back as a
+    possible start of one."""
+
+    def __init__(self, *, stops: list[str] | None = None, tools: list[dict] | None = None):
         self.stop = StopMatcher(stops)
-        self.reasoning = ReasoningSplitter(in_reasoning)
         self.tools = ToolCallParser(tools) if tools else None
+        self.channel = THINKING
         self.text = ""  # the generated text up to the stop string, for usage accounting and logs
 
     @property
@@ -334,22 +258,27 @@ class OutputParser:
         """A stop string was seen: generation should end."""
         return self.stop.stopped
 
-    def _after_stop(self, text: str, final: bool) -> OutputDelta:
+    def _route(self, text: str, channel: str, final: bool) -> OutputDelta:
         self.text += text
-        r, c = self.reasoning.feed(text)
-        if final:
-            r2, c2 = self.reasoning.finish()
-            r, c = r + r2, c + c2
+        if channel == THINKING:
+            return OutputDelta(reasoning=text)
         calls: list[ToolCall] = []
         if self.tools is not None:
-            c, calls = self.tools.feed(c)
+            text, calls = self.tools.feed(text)
             if final:
                 c2, calls2 = self.tools.finish()
-                c, calls = c + c2, calls + calls2
-        return OutputDelta(r, c, calls)
+                text, calls = text + c2, calls + calls2
+        return OutputDelta(content=text, tool_calls=calls)
 
-    def feed(self, text: str) -> OutputDelta:
-        return self._after_stop(self.stop.feed(text), final=False)
+    def feed(self, text: str, channel: str) -> OutputDelta:
+        d = OutputDelta()
+        if channel != self.channel:
+            d = self._route(self.stop.finish(), self.channel, final=False)
+            self.channel = channel
+        return d + self._route(self.stop.feed(text), channel, final=False)
 
     def finish(self) -> OutputDelta:
-        return self._after_stop(self.stop.finish(), final=True)
+        d = self._route(self.stop.finish(), self.channel, final=self.channel == ANSWER)
+        if self.channel != ANSWER and self.tools is not None:  # an answer's unclosed tool block, then thinking
+            d = d + self._route("", ANSWER, final=True)
+        return d

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +18,8 @@ from quantkit.server.backend import Prompt
 
 
 class RuntimeBackend:
-    """A loaded `quantkit.runtime.Runtime` behind the server's Backend protocol.
-
-    The runtime streams text per channel and drops the `<think>`/`</think>` tags; the server's parser
-    (vLLM's qwen3 rules, tool calls) works on the text as generated, so the tags are put back here
-    from their token ids."""
+    """A loaded `quantkit.runtime.Runtime` behind the server's Backend protocol: its token events, whose
+    channels (thinking / answer, split by token id in quantkit.runtime.channels) the server passes on."""
 
     def __init__(self, runtime: Any, model_id: str, max_context: int | None = None):
         self.runtime = runtime
@@ -34,7 +30,6 @@ class RuntimeBackend:
         # the most bytes one token covers (byte-level BPE: one character per byte): bounds a prompt's length
         # from its text before tokenizing it
         self.max_token_bytes = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
-        self._tags = {i: t for i, t in zip(runtime.think_ids, ("<think>", "</think>"), strict=True) if i is not None}
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                enable_thinking: bool) -> Prompt:
@@ -45,9 +40,7 @@ class RuntimeBackend:
         return self.runtime.sampling(**overrides)
 
     def generate(self, prompt: Prompt, params: SamplingParams, cancel: threading.Event) -> Iterator[TokenEvent]:
-        for ev in self.runtime.generate_ids(prompt.ids, params, thinking=prompt.opens_reasoning, cancel=cancel):
-            tag = self._tags.get(ev.token) if ev.token is not None else None
-            yield ev if tag is None else replace(ev, text=tag)
+        yield from self.runtime.generate_ids(prompt.ids, params, thinking=prompt.opens_reasoning, cancel=cancel)
 
     def cache_summary(self) -> dict[str, Any] | None:
         return self.runtime.prompt_cache.summary()
