@@ -208,6 +208,14 @@ def test_cli_without_held_out_counts_says_so(tiny_model, tmp_path, capsys, monke
             "counts to check how the profile transfers)") in " ".join(out.split())
 
 
+def test_console_line_without_any_expert_on_a_gpu():
+    from quantkit.cli.plan import routing_line
+    from quantkit.planner.routing import RoutingReport
+
+    r = RoutingReport("p.stats", "fp", 0.0, 0.0, 0.0, "p.stats")
+    assert routing_line(r) == "no routed expert is on a GPU in this plan: the routing profile p.stats changes nothing"
+
+
 def test_bad_routing_files_are_refused_with_one_line(tiny_model, tmp_path, capsys, monkeypatch):
     base = ["plan", "--model", tiny_model, "--gpu", "rtx4090", "--ram", "64GB", "-s", "bf16"]
     junk = tmp_path / "junk.bin"

@@ -303,6 +303,8 @@ def _print_plan(spec: ModelSpec, hw: Hardware, contexts: list[int], rows: list[S
 
 def routing_line(r: RoutingReport) -> str:
     """"GPUs serve 41% of routed traffic (uniform placement: 25%; held-out: 38%)" for the console."""
+    if not r.uniform_share:
+        return f"no routed expert is on a GPU in this plan: the routing profile {r.source} changes nothing"
     held = (f"; on held-out tokens ({r.held_out_source}): {r.held_out_coverage:.0%}" if r.held_out_coverage is not None
             else "; no held-out counts to check how the profile transfers")
     return (f"GPUs serve {r.gpu_traffic_share:.0%} of routed traffic by the profile {r.source} "
