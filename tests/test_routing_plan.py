@@ -227,7 +227,10 @@ def test_bad_routing_files_are_refused_with_one_line(tiny_model, tmp_path, capsy
     wide = write_stats(tmp_path / "wide.stats", [row + row for row in SKEW])
     float_counts = tmp_path / "float.stats"
     write_stats(float_counts, [], extra={f"{LM}layers.{L}.mlp.routing": torch.ones(8) for L in range(4)})
+    truncated = write_stats(tmp_path / "cut.stats", SKEW)
+    truncated.write_bytes(truncated.read_bytes()[:-100])
     cases = [
+        (["--routing", truncated], ["cut.stats", "is damaged", "rerun `quantkit stats`"]),
         (["--routing", tmp_path / "missing.stats"], ["missing.stats", "does not exist", "quantkit stats"]),
         (["--routing", junk], ["junk.bin", "is not a quantkit statistics file"]),
         (["--routing", notes], ["notes.json", "is not a quantkit statistics file"]),

@@ -123,6 +123,8 @@ def read_counts(path: str | Path, n_layers: int, n_experts: int, flag: str = "--
                 ) -> tuple[str, list[list[int]], list[list[int]] | None]:
     """(model fingerprint, calibration counts, held-out counts or None) of a `quantkit stats` file, checked
     to be one for a model of `n_layers` MoE layers of `n_experts` experts."""
+    from safetensors import SafetensorError
+
     from quantkit.quantize.stats import LM, Stats  # torch: only when a profile is given
 
     p = Path(path)
@@ -149,7 +151,11 @@ def read_counts(path: str | Path, n_layers: int, n_experts: int, flag: str = "--
                 if shape != [n_experts]:
                     raise _flag_error(p, flag, f"routing counts of layer {L} have shape {shape}, the model has "
                                       f"{n_experts} experts; run `quantkit stats` on this model")
-                t = st.get(f"{LM}layers.{L}.mlp.{kind}")
+                try:
+                    t = st.get(f"{LM}layers.{L}.mlp.{kind}")
+                except SafetensorError as e:  # a header that does not cover the file
+                    raise _flag_error(p, flag, f"is damaged ({str(e).splitlines()[0]}); rerun `quantkit stats`"
+                                      ) from None
                 if t.is_floating_point() or bool((t < 0).any()):
                     raise _flag_error(p, flag, f"routing counts of layer {L} are not token counts")
                 out.append([int(x) for x in t.tolist()])
