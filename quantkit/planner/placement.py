@@ -491,7 +491,7 @@ def solve(spec: ModelSpec, recipe: Recipe, settings: RunSettings, hw: Hardware, 
     layer_dev = _assign_layers(gpus, b, n, e)
     shares = routing.shares if routing else None
     if shares is not None and (len(shares) != n or any(len(r) != e for r in shares)):
-        raise QuantkitError(f"routing profile {routing.source} is for {len(shares)} layers x {len(shares[0])} "
+        raise QuantkitError(f"routing profile {routing.source} is for {len(shares)} layers x {len(shares[0]) if shares else 0} "
                             f"experts, the model has {n} x {e}")
     gpu_experts = _fill_gpus(gpus, b, layer_dev, e, cpu_expert_layers, shares)
     _fill_cpu(cpu, gpus, b, layer_dev, gpu_experts, e, head_dev, tied)

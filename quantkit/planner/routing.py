@@ -17,6 +17,7 @@ expert)) and the arithmetic over it the planner needs.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ class RoutingProfile:
     heldout: list[list[int]] | None = None
     heldout_source: str = ""
 
-    @property
+    @cached_property
     def shares(self) -> list[list[float]]:
         return layer_shares(self.counts)
 
