@@ -33,6 +33,7 @@ from quantkit.planner.placement import (
     ram_needed_gib,
     solve,
 )
+from quantkit.planner.routing import RoutingReport, read_profile
 from quantkit.recipe import parse_recipe_names
 
 
@@ -183,6 +184,11 @@ def plan_cmd(
                                   "launch line for (default: the scheme's; e.g. q4_k_m)"),
     profile: Path = typer.Option(None, "--profile", help="runtime profile from `quantkit calibrate` (default: "
                                  "this host's, when planning for this machine)"),
+    routing: Path = typer.Option(None, "--routing", help="statistics file from `quantkit stats` of this model: "
+                                 "the GPUs take the most-routed experts first, speed uses the measured routing"),
+    routing_heldout: Path = typer.Option(None, "--routing-heldout", help="with --routing: statistics of held-out "
+                                         "text of the same corpus, to report how the placement transfers "
+                                         "(default: --routing's own held-out part)"),
 ) -> None:
     """Memory budget per scheme, a placement over GPUs and RAM, and the speed it should reach."""
     if out:
@@ -190,7 +196,12 @@ def plan_cmd(
                      overwrite=True, owned=is_plan_file, flag="--out ", create_parents=True)
     if gguf_type:
         gguf_type = check_type(gguf_type)
+    if routing_heldout and not routing:
+        raise QuantkitError("--routing-heldout needs --routing FILE (the profile the placement is made from)")
     if model and model.lower().endswith(".gguf"):
+        if routing:
+            raise QuantkitError("--routing applies to a safetensors model or config.json, not a GGUF file "
+                                "(llama.cpp places whole expert tensors per layer)")
         return plan_gguf(Path(model), build_hardware(gpu, ram, cpu_bandwidth, nodes, cpu_tflops), context, batch,
                          cache, gpu_reserve, as_json)
     spec = spec_from_path(model)
@@ -203,6 +214,8 @@ def plan_cmd(
     prof, prof_src, prof_note = profile_for_plan(profile, spec.config, this_host)
     kw = {"gpu_reserve": parse_size(gpu_reserve, "--gpu-reserve") if gpu_reserve else DEFAULT_GPU_RESERVE,
           "profile": prof, "profile_source": prof_src}
+    if routing:
+        kw["routing"] = read_profile(routing, spec.config.num_hidden_layers, spec.config.num_experts, routing_heldout)
     rows = [r for ctx in contexts
             for r in plan_schemes(spec, hw, _settings(ctx, batch, cache, prefill_chunk, mtp, spec, prompt_cache),
                                   schemes or None, **kw)]
@@ -279,11 +292,23 @@ def _print_plan(spec: ModelSpec, hw: Hardware, contexts: list[int], rows: list[S
     )
     if prof_note or plan.runtime_note:
         console.print(f"[dim]{prof_note or plan.runtime_note}[/]")
+    if plan.routing:
+        console.print(routing_line(plan.routing), highlight=False)
     console.print("[dim]assumptions:[/]")
     for a in plan.assumptions:
         console.print(f"[dim]  - {a}[/]")
     if out:
         console.print(f"plan saved to {out}")
+
+
+def routing_line(r: RoutingReport) -> str:
+    """"GPUs serve 41% of routed traffic (uniform placement: 25%; held-out: 38%)" for the console."""
+    if not r.uniform_share:
+        return f"no routed expert is on a GPU in this plan: the routing profile {r.source} changes nothing"
+    held = (f"; on held-out tokens ({r.held_out_source}): {r.held_out_coverage:.0%}" if r.held_out_coverage is not None
+            else "; no held-out counts to check how the profile transfers")
+    return (f"GPUs serve {r.gpu_traffic_share:.0%} of routed traffic by the profile {r.source} "
+            f"(uniform placement: {r.uniform_share:.0%}{held})")
 
 
 def _print_launch(launch: LaunchPlan) -> None:

@@ -7,13 +7,19 @@ experts stay resident in CPU RAM and compute there. Experts of the first layers 
 as llama.cpp's --n-cpu-moe does, so at most one layer per GPU is split between GPU and CPU. The
 embedding lives in CPU RAM (one row is gathered per token; llama.cpp does the same). Layers whose dense
 part does not fit any GPU run whole on the CPU (the first layers, like llama.cpp's -ngl).
+
+With a routing profile (`quantkit plan --routing STATS`, planner/routing.py) each GPU takes the same bytes of
+experts, but as the most-routed (layer, expert) pairs of its own layers first (ranked by their share of the
+layer's routed tokens; ties: later layer, then lower id, which is the order above), so its expert sets may
+be non-contiguous and several layers may be split; the speed estimate then uses the measured share of
+routed tokens each device serves instead of its share of the experts.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +38,7 @@ from quantkit.planner.budget import (
 )
 from quantkit.planner.hardware import DEFAULT_GPU_RESERVE, DEFAULT_HOST_RESERVE, Hardware
 from quantkit.planner.host_costs import RuntimeProfile, runtime_costs
+from quantkit.planner.routing import RoutingProfile, RoutingReport, device_traffic, routing_report
 from quantkit.planner.speed import (
     DeviceRates,
     Layout,
@@ -119,6 +126,8 @@ class Plan:
     components: dict[str, int] = field(default_factory=dict)
     runtime_speed: RuntimeSpeed | None = None  # quantkit's runtime on this host, from a calibration
     runtime_note: str = ""  # why there is no runtime estimate, when a profile was given
+    routing: RoutingReport | None = None  # with a routing profile: the traffic the GPUs serve
+    traffic: list[dict[str, float]] | None = field(default=None, repr=False)  # per layer: device -> share
 
     def device(self, dev_id: str) -> Device:
         for d in self.devices:
@@ -183,7 +192,8 @@ class Plan:
         return f"{pre}GPU+{ram:.1f}GB RAM"
 
     def layout(self) -> Layout:
-        return Layout(list(self.layer_device), self.expert_counts(), self.embedding_device, self.lm_head_device)
+        return Layout(list(self.layer_device), self.expert_counts(), self.embedding_device, self.lm_head_device,
+                      self.traffic)
 
     # -- serialization: the file the runtime consumes -------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -194,7 +204,7 @@ class Plan:
                 "device": dev,
                 "experts": {d: self.experts_on(L, d) for d in dict.fromkeys(r[0] for r in self.expert_ranges[L])},
             })
-        return {
+        out = {
             "quantkit_plan": PLAN_VERSION,
             "model": self.model,
             "spec_fingerprint": self.fingerprint,
@@ -215,6 +225,9 @@ class Plan:
             "runtime_estimates": self.runtime_speed.to_dict() if self.runtime_speed else None,
             "assumptions": self.assumptions,
         }
+        if self.routing:
+            out["routing"] = self.routing.to_dict()
+        return out
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1)
@@ -249,6 +262,7 @@ class Plan:
                 num_experts=d["num_experts"], fits=d["fits"], reason=d.get("reason", ""),
                 total_bytes=d["total_bytes"], card_estimate_gb=d["card_estimate_gb"], speed=speed,
                 assumptions=d.get("assumptions", []), components=d.get("components", {}), runtime_speed=rspeed,
+                routing=RoutingReport.from_dict(d["routing"]) if d.get("routing") else None,
             )
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise QuantkitError(f"plan file is malformed ({type(e).__name__}: {e})") from None
@@ -348,11 +362,12 @@ def _assign_layers(gpus: list[Device], b: Budget, n: int, e: int) -> list[str]:
 
 
 def _fill_gpus(gpus: list[Device], b: Budget, layer_dev: list[str], e: int,
-               cpu_expert_layers: int | None) -> list[int]:
+               cpu_expert_layers: int | None, shares: list[list[float]] | None = None) -> list[list[int]]:
     """Charge each GPU its layers' dense parts, then as many of their experts as fit, from the last layer
-    backwards so the CPU gets the first layers' experts. Returns the experts per layer on its GPU."""
+    backwards so the CPU gets the first layers' experts (with routing `shares`: most-routed pairs first,
+    `_fill_by_traffic`). Returns the expert ids per layer on its GPU."""
     n = len(layer_dev)
-    gpu_experts = [0] * n  # experts of layer L on its layer device when that is a GPU (ids 0..k-1)
+    gpu_experts: list[list[int]] = [[] for _ in range(n)]  # experts of layer L on its layer device (a GPU)
     forced = set(range(cpu_expert_layers)) if cpu_expert_layers is not None else set()
     for g in gpus:
         mine = [L for L in range(n) if layer_dev[L] == g.id]
@@ -361,16 +376,33 @@ def _fill_gpus(gpus: list[Device], b: Budget, layer_dev: list[str], e: int,
         for L in mine:
             g.add("dense", b.layer_dense[L])
             g.add("cache", b.layer_cache[L])
-        for L in reversed(mine):
-            if L in forced:
-                continue
+        order = [L for L in reversed(mine) if L not in forced]
+        if shares is not None:
+            _fill_by_traffic(g, b, order, shares, gpu_experts)
+            continue
+        for L in order:
             k = min(e, max(0, g.free_bytes) // b.expert_bytes[L]) if b.expert_bytes[L] else e
-            gpu_experts[L] = k
+            gpu_experts[L] = list(range(k))
             g.add("experts", k * b.expert_bytes[L])
     return gpu_experts
 
 
-def _fill_cpu(cpu: Device, gpus: list[Device], b: Budget, layer_dev: list[str], gpu_experts: list[int], e: int,
+def _fill_by_traffic(g: Device, b: Budget, order: list[int], shares: list[list[float]],
+                     gpu_experts: list[list[int]]) -> None:
+    """Fill `g` with the (layer, expert) pairs of the layers `order` by their share of the layer's routed
+    tokens, highest first (ties: `order`, then expert id), each one that still fits."""
+    rank = {L: i for i, L in enumerate(order)}
+    pairs = sorted(((L, x) for L in order for x in range(len(shares[L]))),
+                   key=lambda p: (-shares[p[0]][p[1]], rank[p[0]], p[1]))
+    for L, x in pairs:
+        if not b.expert_bytes[L] or b.expert_bytes[L] <= g.free_bytes:
+            gpu_experts[L].append(x)
+            g.add("experts", b.expert_bytes[L])
+    for L in order:
+        gpu_experts[L].sort()
+
+
+def _fill_cpu(cpu: Device, gpus: list[Device], b: Budget, layer_dev: list[str], gpu_experts: list[list[int]], e: int,
               head_dev: str, tied: bool) -> None:
     """The CPU takes everything the GPUs did not; on unified memory what the GPU holds is not free for it."""
     if not tied or head_dev == "cpu":
@@ -385,8 +417,8 @@ def _fill_cpu(cpu: Device, gpus: list[Device], b: Budget, layer_dev: list[str], 
         if layer_dev[L] == "cpu":
             cpu.add("dense", b.layer_dense[L])
             cpu.add("cache", b.layer_cache[L])
-            gpu_experts[L] = 0
-        k_cpu = e - gpu_experts[L]
+            gpu_experts[L] = []
+        k_cpu = e - len(gpu_experts[L])
         if k_cpu:
             cpu.add("experts", k_cpu * b.expert_bytes[L])
             cpu_compute = True
@@ -397,14 +429,13 @@ def _fill_cpu(cpu: Device, gpus: list[Device], b: Budget, layer_dev: list[str], 
         cpu.capacity = max(0, cpu.capacity - shared)
 
 
-def _expert_ranges(layer_dev: list[str], gpu_experts: list[int], e: int) -> list[list[tuple[str, int, int]]]:
+def _expert_ranges(layer_dev: list[str], gpu_experts: list[list[int]], e: int) -> list[list[tuple[str, int, int]]]:
+    """Per layer: its GPU's experts, then the CPU's, each as contiguous runs of ids."""
     ranges = []
-    for L, k in enumerate(gpu_experts):
-        rs: list[tuple[str, int, int]] = []
-        if k:
-            rs.append((layer_dev[L], 0, k))
-        if k < e:
-            rs.append(("cpu", k, e))
+    for L, ids in enumerate(gpu_experts):
+        on_gpu = set(ids)
+        rs = [(layer_dev[L], a, b) for a, b in contiguous_runs(ids)]
+        rs += [("cpu", a, b) for a, b in contiguous_runs([x for x in range(e) if x not in on_gpu])]
         ranges.append(rs)
     return ranges
 
@@ -446,10 +477,11 @@ def solve(spec: ModelSpec, recipe: Recipe, settings: RunSettings, hw: Hardware, 
           gpu_reserve: int = DEFAULT_GPU_RESERVE, host_reserve: int = DEFAULT_HOST_RESERVE,
           cpu_expert_layers: int | None = None, speed_model: SpeedModel | None = None,
           budget: Budget | None = None, with_speed: bool = True, profile: RuntimeProfile | None = None,
-          profile_source: str = "") -> Plan:
+          profile_source: str = "", routing: RoutingProfile | None = None) -> Plan:
     """Place one scheme. `cpu_expert_layers` forces the experts of the first N layers onto the CPU
     (llama.cpp's --n-cpu-moe) instead of filling the GPUs greedily. With a runtime `profile` of this
-    host (`quantkit calibrate`), the plan also gets quantkit's own runtime decode estimate."""
+    host (`quantkit calibrate`), the plan also gets quantkit's own runtime decode estimate. With a
+    `routing` profile the GPUs take the most-routed experts first and the speed uses the measured traffic."""
     b = budget or compute_budget(spec, recipe, settings)
     c = spec.config
     n, e, tied = c.num_hidden_layers, c.num_experts, c.tie_word_embeddings
@@ -457,7 +489,11 @@ def solve(spec: ModelSpec, recipe: Recipe, settings: RunSettings, hw: Hardware, 
     gpus, cpu = [d for d in devs if d.kind == "gpu"], devs[-1]
     head_dev = _place_head(gpus, b, tied)
     layer_dev = _assign_layers(gpus, b, n, e)
-    gpu_experts = _fill_gpus(gpus, b, layer_dev, e, cpu_expert_layers)
+    shares = routing.shares if routing else None
+    if shares is not None and (len(shares) != n or any(len(r) != e for r in shares)):
+        raise QuantkitError(f"routing profile {routing.source} is for {len(shares)} layers x {len(shares[0]) if shares else 0} "
+                            f"experts, the model has {n} x {e}")
+    gpu_experts = _fill_gpus(gpus, b, layer_dev, e, cpu_expert_layers, shares)
     _fill_cpu(cpu, gpus, b, layer_dev, gpu_experts, e, head_dev, tied)
     fits, reason, total = _verdict(devs, hw, layer_dev)
     plan = Plan(
@@ -468,9 +504,13 @@ def solve(spec: ModelSpec, recipe: Recipe, settings: RunSettings, hw: Hardware, 
         card_estimate_gb=card_estimate_gb(recipe.nominal_bits, settings.context, card_params(spec)),
         components=b.components(),
     )
+    sm = speed_model or SpeedModel()
+    if routing is not None and shares is not None:
+        plan.traffic = device_traffic(plan.expert_ranges, shares)
+        plan.routing = routing_report(routing, plan.expert_ranges, e, {g.id for g in gpus})
+        sm = replace(sm, routing=f"measured ({routing.source})")
     if with_speed:
-        _add_speed(plan, b, spec, recipe, hw, speed_model or SpeedModel(), gpu_reserve, host_reserve, profile,
-                   profile_source)
+        _add_speed(plan, b, spec, recipe, hw, sm, gpu_reserve, host_reserve, profile, profile_source)
     return plan
 
 

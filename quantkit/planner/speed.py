@@ -33,14 +33,17 @@ class SpeedModel:
     # prefill: MoE GEMMs with ~16 tokens per expert per 512-token chunk run far below tensor peak; no GPU
     # prefill data point calibrates this, so treat GPU prefill figures as rough
     gpu_compute_efficiency: float = 0.15
-    routing: str = "uniform"  # each expert equally likely (no routing statistics)
+    routing: str = "uniform"  # each expert equally likely; "measured (FILE)" with a routing profile
 
     def assumptions(self) -> list[str]:
         return [
             f"decode: bytes read per token / bandwidth; GPU at {self.gpu_bw_efficiency:.0%} and CPU at "
             f"{self.cpu_bw_efficiency:.0%} of peak bandwidth, plus {self.gpu_layer_overhead_s * 1e6:.0f} us "
             f"per GPU layer and {self.cpu_layer_overhead_s * 1e6:.0f} us per CPU layer",
-            f"routing {self.routing}: a device holding n of E experts of a layer serves n/E of the top-k",
+            (f"routing {self.routing}: a device holding n of E experts of a layer serves n/E of the top-k"
+             if self.routing == "uniform" else
+             f"routing {self.routing}: a device serves the share of each layer's routed tokens its experts got "
+             "in the profile (at batch > 1 the distinct experts touched are still counted as uniform)"),
             f"each GPU<->CPU hand-off of a hidden row costs {self.transfer_latency_s * 1e6:.0f} us + bytes/PCIe",
             "decode tok/s at an empty cache (as llama-bench tg128); *_full_context with the cache full",
             f"prefill: max(2 FLOPs/param/token at {self.gpu_compute_efficiency:.0%} of FP16 tensor peak, one "
@@ -88,6 +91,14 @@ class Layout:
     expert_counts: list[dict[str, int]]  # per layer: device -> number of experts
     embedding_device: str
     lm_head_device: str
+    traffic: list[dict[str, float]] | None = None  # per layer: device -> share of routed tokens; None: uniform
+
+    def routed(self, x: float, layer: int, dev: str, cnt: int, e: int) -> float:
+        """`x` (a per-token quantity of the layer's routed experts) scaled to the part `dev` serves:
+        by its experts' measured traffic share, or cnt/E under uniform routing."""
+        if self.traffic is None:
+            return x * cnt / e
+        return x * self.traffic[layer].get(dev, 0.0)
 
 
 def _distinct_experts(e: int, k: int, batch: int) -> float:
@@ -120,7 +131,7 @@ def estimate(b: Budget, layout: Layout, rates: dict[str, DeviceRates], cfg: Text
             touched = {dev}
             for d, cnt in layout.expert_counts[L].items():
                 if cnt:
-                    read[d] += b.expert_bytes[L] * distinct * cnt / e
+                    read[d] += layout.routed(b.expert_bytes[L] * distinct, L, d, cnt, e)
                     touched.add(d)
             for d in touched:
                 layers_on[d] += 1
@@ -196,7 +207,7 @@ def estimate_runtime(b: Budget, layout: Layout, rates: dict[str, DeviceRates], c
             for d, cnt in layout.expert_counts[L].items():
                 if not cnt:
                     continue
-                share = top_k * cnt / e
+                share = layout.routed(top_k, L, d, cnt, e)
                 if rates[d].kind == "cpu":
                     t[d] += share * costs.expert_s[L]
                 else:
@@ -265,7 +276,7 @@ def _prefill_tok_s(b: Budget, layout: Layout, rates: dict[str, DeviceRates], top
         for d, cnt in layout.expert_counts[L].items():
             if not cnt:
                 continue
-            f = 2 * chunk * top_k * b.expert_params[L] * cnt / e
+            f = layout.routed(2 * chunk * top_k * b.expert_params[L], L, d, cnt, e)
             if rates[d].kind == "cpu" and rates[dev].kind == "gpu":
                 cpu_exp_flops += f
                 cpu_exp_bytes += b.expert_bytes[L] * cnt

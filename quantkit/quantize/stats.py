@@ -370,10 +370,12 @@ def _header_shapes(path: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]
 class Stats:
     """A statistics file opened lazily (header checked, tensors read on demand)."""
 
-    def __init__(self, path: Path, meta: dict[str, str], names: set[str]):
+    def __init__(self, path: Path, meta: dict[str, str], names: set[str],
+                 shapes: dict[str, list[int]] | None = None):
         self.path = path
         self.meta = meta
         self.names = names
+        self.shapes = shapes or {}  # from the header: a tensor's size is known before it is read
         self._fh: Any = None
 
     @classmethod
@@ -396,7 +398,8 @@ class Stats:
         if meta.get("version") != STATS_VERSION:
             raise QuantkitError(f"{p} is statistics format {meta.get('version')}, this quantkit reads "
                                 f"{STATS_VERSION}; rerun `quantkit stats`")
-        return cls(p, meta, {k for k in hdr if k != "__metadata__"})
+        shapes = {k: v.get("shape") for k, v in hdr.items() if k != "__metadata__" and isinstance(v, dict)}
+        return cls(p, meta, {k for k in hdr if k != "__metadata__"}, shapes)
 
     def check_model(self, ckpt: Checkpoint) -> None:
         if self.meta.get("model_fingerprint") != model_fingerprint(ckpt):
