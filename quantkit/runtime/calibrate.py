@@ -111,16 +111,15 @@ def time_moe(pair: ExpertPair, top_k: int, working_set: int = WORKING_SET, passe
              seed: int = 0) -> tuple[float, dict[str, Any]] | None:
     """Seconds of one decode step through a layer's top_k routed experts of this (format, shape) pair
     where the runtime fuses them (the experts module's forward, weights out of cache); None where it does not."""
-    q_gu, gu_shape, q_dn, dn_shape = pair
-    g = torch.Generator().manual_seed(seed)
     probe = moe_module(pair, 1, seed)
     each = probe.nbytes
     if not runtime_fuses(probe):
         return None
+    del probe
     n = max(2 * top_k, min(MAX_COPIES, math.ceil(working_set / max(1, each))))
     experts = moe_module(pair, n, seed)
-    del probe
-    x = torch.randn(1, gu_shape[1], generator=g).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(1, experts.hidden_dim, generator=g).to(torch.bfloat16)
     wts = torch.softmax(torch.randn(1, top_k, generator=g), dim=-1)
     calls = max(2, n // top_k)
     routes = [torch.tensor([[(c * top_k + j) % n for j in range(top_k)]]) for c in range(calls)]
