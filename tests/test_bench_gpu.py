@@ -68,9 +68,18 @@ def test_plans_refuse_a_gpu_too_small_or_a_share_out_of_range(tiny_model):
     spec = _spec(tiny_model)
     with pytest.raises(QuantkitError, match="does not fit .* alone"):
         bg.plan_placements(spec, get_recipe("int4"), find_gpu("h200").with_memory(0.5), 64 * GIB)
-    for share in (0.0, 1.0):
+    for share in (0.0, 1.5):
         with pytest.raises(QuantkitError, match="--cpu-share"):
             bg.plan_placements(spec, get_recipe("int4"), find_gpu("h200"), 64 * GIB, cpu_share=share)
+
+
+def test_a_share_of_one_leaves_every_expert_in_ram(tiny_model):
+    spec = _spec(tiny_model)
+    *_, split = bg.plan_placements(spec, get_recipe("int4"), find_gpu("h200").with_memory(8.0), 64 * GIB,
+                                   context=256, cpu_share=1.0)
+    c = spec.config
+    assert split.plan.experts_on_cpu == c.num_hidden_layers * c.num_experts
+    assert all(d != "cpu" for d in split.plan.layer_device)  # the dense layers stay on the card
 
 
 def test_the_graph_switch_adapter_works_before_and_after_load_model_has_it(tmp_path):

@@ -112,8 +112,8 @@ def plan_placements(spec: ModelSpec, recipe: Recipe, gpu: GPU, ram_bytes: int, c
                     cpu_share: float = 0.5) -> list[PlannedPlacement]:
     """CPU alone (the reference), `gpu` alone, and `gpu` with its memory cut so that `cpu_share` of the
     expert bytes go to the CPU. One-line error when the model does not give those three placements."""
-    if not 0 < cpu_share < 1:
-        raise QuantkitError(f"--cpu-share {cpu_share}: give a fraction of the experts between 0 and 1")
+    if not 0 < cpu_share <= 1:
+        raise QuantkitError(f"--cpu-share {cpu_share}: give a share of the expert bytes in (0, 1]")
     settings = RunSettings(context=context)
     host = Host(ram_bytes=ram_bytes, ram_source="free now")
     cpu = solve(spec, recipe, settings, Hardware((), host))

@@ -18,7 +18,7 @@ from quantkit.bench import serve as serve_bench
 from quantkit.bench import session as session_bench
 from quantkit.bench import soak as soak_bench
 from quantkit.cli import app, console, fail
-from quantkit.cli.options import CONTEXT, COUNT, COUNT0, MAX_TOKENS, SECONDS
+from quantkit.cli.options import CONTEXT, COUNT, COUNT0, FRACTION, MAX_TOKENS, SECONDS
 from quantkit.errors import QuantkitError
 from quantkit.runtime.threads import resolve_threads
 
@@ -229,8 +229,8 @@ def bench_gpu(
     prompt: int = typer.Option(32, "--prompt", parser=COUNT, help="prompt tokens"),
     decode: int = typer.Option(32, "--decode", parser=COUNT, help="greedy tokens per run"),
     recipe: str = typer.Option("int4", "--recipe", help="the quantization of the checkpoint (int4: experts int4)"),
-    cpu_share: float = typer.Option(0.5, "--cpu-share",
-                                    help="share of the expert bytes the GPU+CPU plan leaves in RAM (0-1)"),
+    cpu_share: float = typer.Option(0.5, "--cpu-share", parser=FRACTION,
+                                    help="share of the expert bytes the GPU+CPU plan leaves in RAM, in (0, 1]"),
 ) -> None:
     """On a CUDA GPU: plan GPU alone and GPU+CPU, load, decode with and without CUDA graphs, check against the CPU."""
     d = gpu_bench.run(reports, workdir, layers, experts, prompt, decode, recipe, cpu_share, log=console.print)
