@@ -115,12 +115,12 @@ def _runs() -> list[bg.DecodeRun]:
     plan_gpu = {"cuda:0": 2_000_000_000}
     plan_split = {"cuda:0": 1_000_000_000, "cpu": 900_000_000}
     return [
-        bg.DecodeRun("cpu", False, ref, 40.0, 300.0, 3.0, {}, {"cpu": 1_800_000_000}, {"cpu": 1_900_000_000}),
-        bg.DecodeRun("gpu", False, ref, 250.0, 4000.0, 4.0, {"cuda:0": 1_500_000_000}, {"cuda:0": 1_400_000_000},
-                     plan_gpu),
-        bg.DecodeRun("gpu", True, ref, 600.0, 4000.0, 5.0, {"cuda:0": 1_600_000_000}, {"cuda:0": 1_400_000_000},
-                     plan_gpu),
-        bg.DecodeRun("gpu+cpu", False, late, 90.0, 900.0, 4.0, {"cuda:0": 1_200_000_000},
+        bg.DecodeRun("cpu", False, ref, 40.0, 300.0, 3.0, {}, {}, {"cpu": 1_800_000_000}, {"cpu": 1_900_000_000}),
+        bg.DecodeRun("gpu", False, ref, 250.0, 4000.0, 4.0, {"cuda:0": 1_700_000_000}, {"cuda:0": 1_500_000_000},
+                     {"cuda:0": 1_400_000_000}, plan_gpu),
+        bg.DecodeRun("gpu", True, ref, 600.0, 4000.0, 5.0, {"cuda:0": 2_300_000_000}, {"cuda:0": 1_600_000_000},
+                     {"cuda:0": 1_400_000_000}, plan_gpu),
+        bg.DecodeRun("gpu+cpu", False, late, 90.0, 900.0, 4.0, {"cuda:0": 900_000_000}, {"cuda:0": 1_200_000_000},
                      {"cuda:0": 700_000_000, "cpu": 800_000_000}, plan_split),
         bg.DecodeRun("gpu+cpu", True, [], planned_bytes=plan_split,
                      error="this build has no CUDA-graph decode (quantkit.runtime.load_model takes no cuda_graphs switch)"),
@@ -134,8 +134,11 @@ def test_checks_judge_agreement_graphs_and_memory():
     assert "gpu+cpu: graphs on and off give the same tokens" not in c  # one side failed: nothing to compare
     assert c["gpu, graphs: first 8 greedy tokens agree with the CPU"]
     assert c["gpu+cpu: first 8 greedy tokens agree with the CPU"]  # parted at token 20
-    assert c["gpu: cuda:0 peak within the plan (+10%)"]
-    assert not c["gpu+cpu: cuda:0 peak within the plan (+10%)"]  # 1.2 GB against 1.0 GB planned
+    assert c["gpu: cuda:0 load peak within the plan (+10%)"] and c["gpu: cuda:0 decode peak within the plan (+10%)"]
+    assert not c["gpu, graphs: cuda:0 load peak within the plan (+10%)"]  # 2.3 GB against 2.0 GB planned
+    assert c["gpu, graphs: cuda:0 decode peak within the plan (+10%)"]
+    assert c["gpu+cpu: cuda:0 load peak within the plan (+10%)"]
+    assert not c["gpu+cpu: cuda:0 decode peak within the plan (+10%)"]  # 1.2 GB against 1.0 GB planned
     runs = _runs()
     runs[2].tokens = runs[2].tokens[:3] + [0] * 29
     c = bg.checks(runs, decode=32)
@@ -169,7 +172,7 @@ def test_report_from_synthetic_runs(tmp_path):
     md = bg.render_md(d)
     rows = {ln.split(" | ")[0].lstrip("| "): ln for ln in md.splitlines() if ln.startswith("| ")}
     assert "| 600.0 | 4000.0 | 5.0 | 32/32 |" in rows["gpu, graphs"]
-    assert "cuda:0 1.60 GB peak / 2.00 GB planned (80%)" in rows["gpu, graphs"]
+    assert "cuda:0 load 2.30 / decode 1.60 GB peak, 2.00 GB planned (115%, 80%)" in rows["gpu, graphs"]
     assert "| 20/32 |" in rows["gpu+cpu"] and "cpu 0.80 GB weights / 0.90 GB planned" in rows["gpu+cpu"]
     assert "failed: this build has no CUDA-graph decode" in rows["gpu+cpu, graphs"]
     assert "| gpu+cpu | GPU + 128/256 experts in RAM (0.8 GB) | cpu 0.90 GB, cuda:0 1.00 GB | 2.00 GiB (cut) |" in md
@@ -178,5 +181,26 @@ def test_report_from_synthetic_runs(tmp_path):
     assert "NVIDIA H200 (140 GiB" in md and "`quantkit bench gpu --layers 4`" in md
     write_reports(tmp_path, "bench-gpu", d, md)
     back = json.loads((tmp_path / "bench-gpu.json").read_text())
-    assert back["runs"][1]["peak_bytes"] == {"cuda:0": 1_500_000_000} and back["checks"] == d["checks"]
+    assert back["runs"][1]["decode_peak_bytes"] == {"cuda:0": 1_500_000_000} and back["checks"] == d["checks"]
     assert (tmp_path / "bench-gpu.md").read_text() == md
+
+
+def test_the_cpu_reference_run_loads_its_saved_plan_and_decodes_greedily(tiny_model, tmp_path):
+    """The CPU side of a run, end to end: the saved plan loads through the adapter (no graph switch on a
+    CPU plan) and the runtime's own generation gives the greedy tokens, twice the same."""
+    from test_runtime_common import quantized
+
+    folder = quantized(tiny_model, "int4")
+    spec = spec_from_config(load_config(folder / "config.json"), name="tiny")
+    cpu, *_ = bg.plan_placements(spec, get_recipe("int4"), find_gpu("h200").with_memory(8.0), 64 * GIB, context=256)
+    plan = tmp_path / "plan-cpu.json"
+    cpu.plan.save(plan)
+    prompt = bg.fixed_prompt(8, spec.config.vocab_size)
+    a = bg.run_placement(folder, plan, cpu, False, prompt, 6)
+    b = bg.run_placement(folder, plan, cpu, False, prompt, 6)
+    assert not a.error, a.error
+    assert len(a.tokens) == 6 and a.tokens == b.tokens and a.decode_tok_s > 0 and a.load_s > 0
+    assert a.load_peak_bytes == a.decode_peak_bytes == {}  # no CUDA device in this plan
+    assert a.resident_bytes["cpu"] > 0 and a.planned_bytes == cpu.planned_bytes
+    bad = bg.run_placement(folder, tmp_path / "missing.json", cpu, False, prompt, 6)
+    assert bad.error and "missing.json" in bad.error and not bad.tokens  # a QuantkitError becomes the run's error

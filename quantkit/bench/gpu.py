@@ -18,13 +18,15 @@ What it does, in this order:
    short warm-up generation, then one greedy generation of `decode` tokens (ignore_eos) from a fixed
    prompt of `prompt` token ids, through the runtime's own generation path (`Runtime.generate_ids`).
 5. Per run: decode tok/s (the runtime's own figure: steps after the first token over their time),
-   prefill tok/s, the greedy tokens, `torch.cuda.max_memory_allocated` per CUDA device (reset before
-   each load) and the loader's resident weight bytes per device, beside the plan's bytes per device.
+   prefill tok/s, the greedy tokens, `torch.cuda.max_memory_allocated` per CUDA device while loading
+   and, apart, from the end of the load through the generations (load transients such as a layer's
+   expert slab show in the first), and the loader's resident weight bytes per device, beside the plan's
+   bytes per device.
 6. Checks: every run completed; graphs on and off give the same tokens; each GPU placement's greedy
    tokens agree with the CPU's for the first `AGREE_MIN` tokens (random weights have small logit
    margins, and the CPU kernel quantizes activations to int8 where the GPU's take bf16, so a later
-   divergence is reported, not failed); each CUDA device's peak allocation stays within the plan's bytes
-   for it plus `MEMORY_SLACK`.
+   divergence is reported, not failed); each CUDA device's load and decode peaks stay within the plan's
+   bytes for it plus `MEMORY_SLACK`.
 
 Defaults (4 layers x 64 experts, 32-token prompt, 32 decode tokens, 5 loads) keep the whole command
 to a few minutes on an H200 host; the checkpoint and its quantization are most of it on a first run.
@@ -143,7 +145,8 @@ class DecodeRun:
     decode_tok_s: float = 0.0
     prefill_tok_s: float = 0.0
     load_s: float = 0.0
-    peak_bytes: dict[str, int] = field(default_factory=dict)  # CUDA device -> torch.cuda.max_memory_allocated
+    load_peak_bytes: dict[str, int] = field(default_factory=dict)  # CUDA device -> max_memory_allocated, loading
+    decode_peak_bytes: dict[str, int] = field(default_factory=dict)  # the same from the end of the load on
     resident_bytes: dict[str, int] = field(default_factory=dict)  # device -> the loader's weight bytes
     planned_bytes: dict[str, int] = field(default_factory=dict)  # device -> the plan's bytes
     error: str = ""
@@ -185,6 +188,14 @@ def _cuda_devices(planned: dict[str, int]) -> list[str]:
     return [d for d in planned if d.startswith("cuda")]
 
 
+def _peaks(cudas: list[str]) -> dict[str, int]:
+    """torch.cuda.max_memory_allocated per device since the last call (or the reset before the load)."""
+    out = {d: int(torch.cuda.max_memory_allocated(d)) for d in cudas}
+    for d in cudas:
+        torch.cuda.reset_peak_memory_stats(d)
+    return out
+
+
 def _release() -> None:
     gc.collect()
     if torch.cuda.is_available():
@@ -205,10 +216,11 @@ def run_placement(folder: Path, plan_file: Path, p: PlannedPlacement, graphs: bo
         t0 = time.perf_counter()
         rt = load_runtime(folder, plan_file, graphs if cudas else None)
         run.load_s = time.perf_counter() - t0
+        run.load_peak_bytes = _peaks(cudas)
         greedy(rt, prompt, WARMUP_TOKENS)
         resp = greedy(rt, prompt, decode)
         run.tokens, run.decode_tok_s, run.prefill_tok_s = list(resp.token_ids), resp.generation_tps, resp.prompt_tps
-        run.peak_bytes = {d: int(torch.cuda.max_memory_allocated(d)) for d in cudas}
+        run.decode_peak_bytes = _peaks(cudas)
         run.resident_bytes = {str(k): int(v) for k, v in rt.memory().items()}
     except QuantkitError as e:
         run.error = str(e)
@@ -242,9 +254,10 @@ def checks(runs: list[DecodeRun], decode: int) -> dict[str, bool]:
                 continue
             if ref is not None:
                 out[f"{r.label}: first {want} greedy tokens agree with the CPU"] = agreement(ref.tokens, r.tokens) >= want
-            for d, peak in r.peak_bytes.items():
-                planned = r.planned_bytes.get(d, 0)
-                out[f"{r.label}: {d} peak within the plan (+{MEMORY_SLACK:.0%})"] = peak <= planned * (1 + MEMORY_SLACK)
+            for when, peaks in (("load", r.load_peak_bytes), ("decode", r.decode_peak_bytes)):
+                for d, peak in peaks.items():
+                    ok = peak <= r.planned_bytes.get(d, 0) * (1 + MEMORY_SLACK)
+                    out[f"{r.label}: {d} {when} peak within the plan (+{MEMORY_SLACK:.0%})"] = ok
     return out
 
 
@@ -343,12 +356,14 @@ def _gb(n: int | None) -> str:
 
 
 def _memory_cells(r: dict[str, Any]) -> str:
-    """'cuda:0 1.20 GB peak / 1.31 GB planned (92%)' per CUDA device; CPU: the loader's bytes vs the plan."""
+    """'cuda:0 load 1.30 / decode 1.20 GB peak, 1.31 GB planned (99%, 92%)' per CUDA device; CPU: the
+    loader's bytes vs the plan."""
     parts = []
     for d, planned in sorted(r["planned_bytes"].items()):
-        if d in r["peak_bytes"]:
-            peak = r["peak_bytes"][d]
-            parts.append(f"{d} {_gb(peak)} peak / {_gb(planned)} planned ({peak / planned:.0%})")
+        if d in r["decode_peak_bytes"]:
+            load, dec = r["load_peak_bytes"].get(d, 0), r["decode_peak_bytes"][d]
+            parts.append(f"{d} load {load / 1e9:.2f} / decode {_gb(dec)} peak, {_gb(planned)} planned "
+                         f"({load / planned:.0%}, {dec / planned:.0%})")
         elif d in r["resident_bytes"]:
             parts.append(f"{d} {_gb(r['resident_bytes'][d])} weights / {_gb(planned)} planned")
     return "; ".join(parts) or "-"
@@ -394,7 +409,8 @@ def render_md(d: dict[str, Any]) -> str:
     out += [f"- {'PASS' if ok else 'FAIL'} {name}" for name, ok in d["checks"].items()]
     out += ["", f"Agreement: random weights have small logit margins and the CPU kernel takes int8 activations where "
             f"the GPU takes bf16, so greedy tokens may part after a while; the check asks for the first "
-            f"{AGREE_MIN}. Memory: CUDA peaks are `torch.cuda.max_memory_allocated` (reset before each load), "
+            f"{AGREE_MIN}. Memory: CUDA peaks are `torch.cuda.max_memory_allocated` while loading (reset before the "
+            "load) and from the end of the load through the generations (reset after it), each "
             f"allowed {MEMORY_SLACK:.0%} over the plan's bytes for the device; CPU figures are the loader's "
             "resident weights.", ""]
     return "\n".join(out)
