@@ -204,3 +204,14 @@ def test_the_cpu_reference_run_loads_its_saved_plan_and_decodes_greedily(tiny_mo
     assert a.resident_bytes["cpu"] > 0 and a.planned_bytes == cpu.planned_bytes
     bad = bg.run_placement(folder, tmp_path / "missing.json", cpu, False, prompt, 6)
     assert bad.error and "missing.json" in bad.error and not bad.tokens  # a QuantkitError becomes the run's error
+
+
+def test_any_failure_of_one_run_is_recorded_in_one_line(tmp_path, monkeypatch):
+    def boom(*_a, **_k):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    monkeypatch.setattr(bg, "load_runtime", boom)
+    p = bg.PlannedPlacement("cpu", None)  # never read: the load fails first
+    monkeypatch.setattr(bg.PlannedPlacement, "planned_bytes", property(lambda self: {"cpu": 1}))
+    r = bg.run_placement(tmp_path, tmp_path / "p.json", p, False, [1, 2], 4)
+    assert r.error == "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB" and not r.tokens

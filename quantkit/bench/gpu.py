@@ -205,7 +205,9 @@ def _release() -> None:
 
 def run_placement(folder: Path, plan_file: Path, p: PlannedPlacement, graphs: bool, prompt: list[int],
                   decode: int) -> DecodeRun:
-    """Load `p` from its saved plan and decode; a QuantkitError becomes the run's `error`."""
+    """Load `p` from its saved plan and decode. A failure becomes the run's `error` (a QuantkitError's line;
+    anything else, e.g. a CUDA out-of-memory or a graph capture error, its type and first line), so the
+    other runs go on and the report still comes out."""
     run = DecodeRun(p.name, graphs, planned_bytes=p.planned_bytes)
     cudas = _cuda_devices(run.planned_bytes)
     rt = None
@@ -224,6 +226,8 @@ def run_placement(folder: Path, plan_file: Path, p: PlannedPlacement, graphs: bo
         run.resident_bytes = {str(k): int(v) for k, v in rt.memory().items()}
     except QuantkitError as e:
         run.error = str(e)
+    except Exception as e:  # noqa: BLE001 - any failure of one run is that run's result, reported
+        run.error = f"{type(e).__name__}: {(str(e).strip().splitlines() or ['?'])[0][:300]}"
     finally:
         del rt
         _release()
