@@ -267,6 +267,11 @@ def test_profile_for_plan(tmp_path, monkeypatch):
     path.write_text(replace(p, host={**p.host, "cpu": "Other CPU"}).to_json())  # a stale default: ignored, said
     prof, _, note = profile_for_plan(None, c, this_host=True)
     assert prof is None and "ignored" in note
+    old = json.loads(p.to_json())
+    old["version"] = 1  # a default profile from before the fused MoE timing: ignored, with the re-run line
+    path.write_text(json.dumps(old))
+    prof, _, note = profile_for_plan(None, c, this_host=True)
+    assert prof is None and "version 1" in note and "run `quantkit calibrate` again" in note
 
 
 def test_solve_carries_the_runtime_estimate_into_the_plan_file():
