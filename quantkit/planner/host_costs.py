@@ -118,7 +118,7 @@ class RuntimeProfile:
     host: dict[str, Any]
     dims: dict[str, Any]
     matmul_s: dict[str, dict[str, float]]  # spec key -> shape key -> seconds per batch-1 call
-    layer_ops_s: dict[str, float]  # layer type -> seconds per decode step, kernels excluded
+    layer_ops_s: dict[str, float]  # layer type -> seconds per decode step, kernels and routed experts excluded
     shell_s: float  # per decode step outside the layers, lm_head excluded
     argmax_s: dict[str, float]  # vocabulary size -> seconds of the greedy pick over the logits
     moe_s: dict[str, dict[str, float]] = field(default_factory=dict)  # moe key -> shapes -> s per layer-step
