@@ -174,13 +174,17 @@ def test_render_md_shows_the_calibration_the_estimate_came_from():
 
     p = RuntimeProfile(host={"cpu": "Test CPU"}, dims={}, layer_ops_s={"linear_attention": 1e-3, "full_attention": 7e-4},
                        matmul_s={"int4-g128": {"1024x2048": 67e-6, "2048x512": 37e-6}, "bf16": {"1x2048": 4e-6}},
-                       shell_s=4e-4, argmax_s={"832": 6e-6}, seconds=12.0, details={"working_set_bytes": 256 << 20})
+                       shell_s=4e-4, argmax_s={"832": 6e-6}, seconds=12.0, details={"working_set_bytes": 256 << 20},
+                       moe_s={"int4-g128": {"1024x2048+2048x512": 4.2e-4}}, expert_loop_s=3e-4)
     d = _result(_rows())
     assert "bf16" not in _table_rows(bd.render_md(d))  # no calibration table without a calibration
     d["calibration"] = s = bd.profile_summary(p)
     assert s["layer_ops_ms"] == {"linear_attention": 1.0, "full_attention": 0.7}
-    table = _table_rows(bd.render_md(d))
+    md = bd.render_md(d)
+    table = _table_rows(md)
     assert table["1x2048"] == ["4", "-"] and table["2048x512"] == ["-", "37"]
+    assert s["moe_us"] == {"int4-g128": {"1024x2048+2048x512": 420.0}} and s["expert_loop_ms"] == 0.3
+    assert "int4-g128 1024x2048+2048x512 0.42 ms" in md and "unfused experts' loop 0.30 ms" in md
 
 
 def test_plot_writes_png(tmp_path):

@@ -11,15 +11,27 @@ import pytest
 import torch
 
 from quantkit.model.spec import default_spec, load_config, spec_from_config
-from quantkit.planner.host_costs import kernel_matrices, load_profile, shape_key, spec_key
+from quantkit.planner.host_costs import (
+    expert_pairs,
+    kernel_matrices,
+    load_profile,
+    moe_key,
+    moe_shape_key,
+    runtime_costs,
+    shape_key,
+    spec_key,
+)
 from quantkit.recipe import get_recipe
 from quantkit.runtime import kernels as K
 from quantkit.runtime.calibrate import (
     CAL_VOCAB,
     _StubbedKernels,
     calibration_config,
+    moe_module,
+    runtime_fuses,
     time_kernel,
     time_layer_ops,
+    time_moe,
 )
 
 from conftest import run_cli
@@ -89,26 +101,83 @@ def test_tall_matrices_are_timed_on_a_slab_and_scaled(monkeypatch):
 
 
 def test_stubs_return_zeros_and_always_come_off():
+    from quantkit.runtime.qexperts import QuantExperts
+
     w = torch.randn(32, 64).to(torch.bfloat16)
     k = K.prepare(w, None, (32, 64))
     x = torch.randn(1, 64).to(torch.bfloat16)
     real = k(x)
-    before = {cls: cls.__dict__.get("__call__") for cls in (K.DenseKernel, K.Int4Kernel, K.Int8Kernel, K.Bnb4Kernel)}
+    classes = (K.DenseKernel, K.QBf16Kernel, K.QKernel, K.Int4Kernel, K.Int8Kernel, K.Bnb4Kernel)
+    before = {cls: cls.__dict__.get("__call__") for cls in classes}
+    table = QuantExperts.__dict__["_fused_table"]
     with pytest.raises(RuntimeError, match="inside"):
         with _StubbedKernels():
             y = k(x)
             assert y.shape == (1, 32) and not y.any()
+            assert all(cls.__dict__.get("__call__") is not before[cls] for cls in classes if before[cls])
+            assert QuantExperts.__dict__["_fused_table"] is not table  # no real fused call on empty weights
             raise RuntimeError("inside")
     assert {cls: cls.__dict__.get("__call__") for cls in before} == before
+    assert QuantExperts.__dict__["_fused_table"] is table
     assert torch.equal(k(x), real)
 
 
 def test_layer_ops_run_the_runtime_model_with_every_layer_type(tiny_model):
     cfg = json.loads((tiny_model / "config.json").read_text())
-    ops, shell, detail = time_layer_ops(cfg, steps=2, prompt=4)
-    assert set(ops) == {"linear_attention", "full_attention"}
-    assert all(v > 0 for v in ops.values()) and shell > 0
-    assert detail["linear_attention"]["samples"] == 3 * 2 and detail["full_attention"]["samples"] == 2
+    lo = time_layer_ops(cfg, steps=2, prompt=4)
+    assert set(lo.ops_s) == {"linear_attention", "full_attention"}
+    assert all(v > 0 for v in lo.ops_s.values()) and lo.shell_s > 0 and lo.expert_loop_s > 0
+    d = lo.detail
+    assert d["linear_attention"]["samples"] == 3 * 2 and d["full_attention"]["samples"] == 2
+    assert d["expert_loop"]["samples"] == 4 * 2  # the experts module of every layer, timed apart
+
+
+def test_layer_ops_exclude_the_routed_experts_module(tiny_model, monkeypatch):
+    """A slow experts module (here: 20 ms of sleep per call) lands in `expert_loop_s`, not in the layers' ops."""
+    import time as _time
+
+    from quantkit.runtime.qexperts import QuantExperts
+
+    cfg = json.loads((tiny_model / "config.json").read_text())
+    forward = QuantExperts.forward
+
+    def slow(self, *a, **k):
+        _time.sleep(0.02)
+        return forward(self, *a, **k)
+
+    monkeypatch.setattr(QuantExperts, "forward", slow)
+    lo = time_layer_ops(cfg, steps=2, prompt=4)
+    assert lo.expert_loop_s >= 0.02
+    assert all(v < 0.02 for v in lo.ops_s.values())
+
+
+def _pair(q, h: int = 64, i: int = 32):
+    return (q, (2 * i, h), q, (h, i))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8", None])
+def test_time_moe_times_the_runtimes_fused_call_where_it_fuses(fmt):
+    from quantkit.formats import QuantSpec
+    from quantkit.runtime import cpu_kernel
+
+    q = QuantSpec(fmt, 32) if fmt == "int4" else (QuantSpec(fmt) if fmt else None)
+    fuses = cpu_kernel.available() if fmt else cpu_kernel.bf16_available()
+    one = moe_module(_pair(q), 1)
+    assert runtime_fuses(one) is fuses  # the runtime's own decision, for the kernels it would build
+    got = time_moe(_pair(q), 2, working_set=1 << 20, passes=1)
+    if not fuses:
+        assert got is None  # the planner then composes the kernel calls
+        return
+    sec, d = got
+    assert 0 < sec < 1
+    assert d["copies"] * d["bytes_each"] >= 1 << 20 and d["copies"] >= 4 and d["top_k"] == 2
+    assert d["route"] == one.groups[0].gate_up[0].route
+
+
+def test_time_moe_gives_no_entry_for_formats_the_runtime_runs_unfused():
+    from quantkit.formats import QuantSpec
+
+    assert time_moe(_pair(QuantSpec("nf4", 32)), 2, working_set=1 << 20, passes=1) is None
 
 
 def test_calibrate_cli_then_plan_reads_the_profile(tiny_model, tmp_path, capsys, monkeypatch):
@@ -121,6 +190,12 @@ def test_calibrate_cli_then_plan_reads_the_profile(tiny_model, tmp_path, capsys,
     spec = spec_from_config(load_config(tiny_model / "config.json"))
     want = {(spec_key(q), shape_key(s)) for _, q, s in kernel_matrices(spec, get_recipe("int4"))}
     assert {(k, s) for k, v in p.matmul_s.items() for s in v} == want
+    from quantkit.runtime import cpu_kernel
+
+    if cpu_kernel.available():  # int4 experts fuse: the profile holds their fused call, which the plan uses
+        pair = expert_pairs(spec, get_recipe("int4"))[0]
+        assert p.moe_s[moe_key(pair[0], pair[2])][moe_shape_key(pair[1], pair[3])] > 0
+        assert runtime_costs(p, spec, get_recipe("int4")).fused[0]
     code, out, err = run_cli(["plan", "--model", tiny_model, "--profile", prof, "--scheme", "int4", "--scheme", "int8",
                               "--json"], capsys, monkeypatch)
     assert code == 0, err

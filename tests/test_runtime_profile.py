@@ -15,15 +15,20 @@ from quantkit.formats import QuantSpec
 from quantkit.model.spec import default_spec
 from quantkit.planner.budget import RunSettings, compute_budget
 from quantkit.planner.host_costs import (
+    PROFILE_VERSION,
     RuntimeCosts,
     RuntimeProfile,
     default_profile_path,
+    expert_pairs,
     host_id,
     kernel_matrices,
     load_profile,
     mismatch,
     model_dims,
+    moe_key,
+    moe_shape_key,
     needed,
+    needed_moe,
     profile_for_plan,
     runtime_costs,
     shape_key,
@@ -39,11 +44,14 @@ def _fake_time(key: str, shape: tuple[int, int]) -> float:
     return 1e-6 + per * shape[0] * shape[1] * 1e-12
 
 
-def _profile(spec, recipes, host=None) -> RuntimeProfile:
+def _profile(spec, recipes, host=None, fused=()) -> RuntimeProfile:
+    """A made-up profile; the expert formats whose moe key is in `fused` get a fused-call time (5 ms)."""
     mm = {k: {shape_key(s): _fake_time(k, s) for s in shapes} for k, (_q, shapes) in needed(spec, recipes).items()}
+    moe = {k: {moe_shape_key(p[1], p[3]): 5e-3 for p in pairs} for k, pairs in needed_moe(spec, recipes).items()
+           if k in fused}
     return RuntimeProfile(host=host or host_id(), dims=model_dims(spec.config), matmul_s=mm,
                           layer_ops_s={"linear_attention": 1e-3, "full_attention": 2e-3}, shell_s=5e-4,
-                          argmax_s={str(spec.config.vocab_size): 1e-4})
+                          argmax_s={str(spec.config.vocab_size): 1e-4}, moe_s=moe, expert_loop_s=4e-4)
 
 
 def test_spec_keys_tell_apart_what_changes_kernel_speed():
@@ -94,10 +102,54 @@ def test_runtime_costs_sum_the_layers_matrices_and_ops():
         assert costs.layer_s[L] == pytest.approx(ops + dense, rel=1e-12)
         gu = _fake_time("int4-g128", (2 * c.moe_intermediate_size, c.hidden_size))
         dn = _fake_time("int4-g128", (c.hidden_size, c.moe_intermediate_size))
-        assert costs.expert_s[L] == pytest.approx(gu + dn, rel=1e-12)  # quality: experts int4 g128
+        # quality: experts int4 g128; unfused here: two kernel calls and the loop's ops, per expert
+        assert costs.expert_s[L] == pytest.approx(gu + dn + 4e-4 / c.num_experts_per_tok, rel=1e-12)
+        assert costs.fused[L] is False
     lm = _fake_time("int8", (c.vocab_size, c.hidden_size))  # quality: lm_head int8
     assert costs.head_s == pytest.approx(p.shell_s + lm + 1e-4, rel=1e-12)
     assert c.layer_types[3] == "full_attention" and costs.layer_s[3] != costs.layer_s[0]
+
+
+def test_expert_pairs_and_moe_keys_name_what_one_fused_call_runs():
+    spec = default_spec()
+    c = spec.config
+    pairs = expert_pairs(spec, get_recipe("quality"))
+    assert sorted(pairs) == list(range(c.num_hidden_layers))
+    i4 = QuantSpec("int4", 128)
+    assert pairs[0] == (i4, (2 * c.moe_intermediate_size, c.hidden_size), i4, (c.hidden_size, c.moe_intermediate_size))
+    assert moe_key(i4, i4) == "int4-g128" and moe_key(i4, QuantSpec("int8")) == "int4-g128+int8"
+    assert moe_shape_key(pairs[0][1], pairs[0][3]) == f"{2 * c.moe_intermediate_size}x{c.hidden_size}+" \
+        f"{c.hidden_size}x{c.moe_intermediate_size}"
+    # every layer has the same experts: one pair to time per format
+    assert needed_moe(spec, [get_recipe("int4"), get_recipe("quality"), get_recipe("bf16")]) == {
+        "int4-g128": (pairs[0],), "bf16": ((None, pairs[0][1], None, pairs[0][3]),)}
+
+
+def test_runtime_costs_compose_fused_experts_from_the_fused_call():
+    """Where the profile has the fused call for the experts' format, a layer's top_k experts cost that
+    call (each expert its 1/top_k share), not 2 x top_k kernel calls; other formats keep the old sum."""
+    spec = default_spec()
+    c = spec.config
+    k = c.num_experts_per_tok
+    r4, r8 = get_recipe("int4"), get_recipe("nf4")
+    p = _profile(spec, [r4, r8], fused=("int4-g128",))
+    fused = runtime_costs(p, spec, r4)
+    assert fused.fused == [True] * c.num_hidden_layers
+    assert fused.expert_s == [pytest.approx(5e-3 / k, rel=1e-12)] * c.num_hidden_layers
+    unfused = runtime_costs(p, spec, r8)  # nf4: the runtime does not fuse it, so no moe entry
+    gu = _fake_time("nf4-g64", (2 * c.moe_intermediate_size, c.hidden_size))
+    dn = _fake_time("nf4-g64", (c.hidden_size, c.moe_intermediate_size))
+    assert unfused.fused == [False] * c.num_hidden_layers
+    assert unfused.expert_s[0] == pytest.approx(gu + dn + 4e-4 / k, rel=1e-12)
+    # the rest of the step is composed the same way either way
+    same = runtime_costs(replace(p, moe_s={}), spec, r4)
+    assert fused.layer_s == same.layer_s and fused.head_s == same.head_s and same.fused == [False] * c.num_hidden_layers
+    # on a CPU alone the estimate is exactly the parts: the fused call once per layer
+    b = compute_budget(spec, r4, RunSettings(context=4096))
+    s = estimate_runtime(b, _cpu_layout(spec), {"cpu": DeviceRates("cpu", "cpu", 50.0, 1.0)}, c, fused)
+    step = sum(fused.layer_s) + c.num_hidden_layers * 5e-3 + fused.head_s
+    assert s.decode_tok_s == pytest.approx(1 / step, rel=1e-12)
+    assert fused.to_dict()["fused"] == [True] * c.num_hidden_layers
 
 
 def test_a_profile_without_the_schemes_kernels_names_what_to_run():
@@ -160,8 +212,14 @@ def test_profile_files_round_trip_and_bad_ones_get_one_line(tmp_path):
     f = tmp_path / "p.json"
     f.write_text(p.to_json())
     assert load_profile(f) == p
-    for text, want in (("{", "not valid JSON"), (json.dumps({"version": 99}), "version 1"),
-                       (json.dumps({"version": 1, "host": {}}), "malformed")):
+    old = json.loads(p.to_json())
+    old["version"] = 1
+    for key in ("moe_s", "expert_loop_s"):
+        del old[key]
+    for text, want in (("{", "not valid JSON"), (json.dumps({"version": 99}), f"version {PROFILE_VERSION}"),
+                       (json.dumps({"version": PROFILE_VERSION, "host": {}}), "malformed"),
+                       (json.dumps(old), r"version 1, measured before quantkit timed its fused MoE call .*"
+                                         r"run `quantkit calibrate` again")):
         f.write_text(text)
         with pytest.raises(QuantkitError, match=want) as e:
             load_profile(f)
@@ -179,9 +237,11 @@ def test_mismatch_and_merge():
     assert "another model shape" in mismatch(replace(p, dims={**p.dims, "num_experts": 64}), c, here)
     assert "cpu" in mismatch(replace(p, host={**here, "cpu": "Other CPU"}), c, here)
     assert "threads" in mismatch(replace(p, host={**here, "threads": here["threads"] + 1}), c, here)
-    q = _profile(spec, [get_recipe("int8")])
+    q = _profile(spec, [get_recipe("int8")], fused=("int8",))
     both = p.merged(q)
     assert set(both.matmul_s) == set(p.matmul_s) | set(q.matmul_s)
+    assert both.moe_s == q.moe_s and both.expert_loop_s == q.expert_loop_s
+    assert runtime_costs(both, spec, get_recipe("int8")).fused[0]
     runtime_costs(both, spec, get_recipe("int4"))
     runtime_costs(both, spec, get_recipe("int8"))
 
@@ -207,6 +267,11 @@ def test_profile_for_plan(tmp_path, monkeypatch):
     path.write_text(replace(p, host={**p.host, "cpu": "Other CPU"}).to_json())  # a stale default: ignored, said
     prof, _, note = profile_for_plan(None, c, this_host=True)
     assert prof is None and "ignored" in note
+    old = json.loads(p.to_json())
+    old["version"] = 1  # a default profile from before the fused MoE timing: ignored, with the re-run line
+    path.write_text(json.dumps(old))
+    prof, _, note = profile_for_plan(None, c, this_host=True)
+    assert prof is None and "version 1" in note and "run `quantkit calibrate` again" in note
 
 
 def test_solve_carries_the_runtime_estimate_into_the_plan_file():

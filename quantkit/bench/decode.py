@@ -346,6 +346,8 @@ def profile_summary(p: Any) -> dict[str, Any]:
                                                                            p.layer_ops_s.items()},
             "shell_ms": round(p.shell_s * 1e3, 3), "argmax_ms": {k: round(v * 1e3, 4) for k, v in p.argmax_s.items()},
             "matmul_us": {k: {s: round(t * 1e6, 1) for s, t in v.items()} for k, v in p.matmul_s.items()},
+            "moe_us": {k: {s: round(t * 1e6, 1) for s, t in v.items()} for k, v in p.moe_s.items()},
+            "expert_loop_ms": round(p.expert_loop_s * 1e3, 3),
             "layer_ops_spread": p.details.get("layer_ops", {}), "working_set_bytes": p.details.get("working_set_bytes")}
 
 
@@ -489,7 +491,8 @@ def render_md(d: dict[str, Any]) -> str:
                 "`planner decode tok/s` is `quantkit plan`'s estimate for quantkit's own runtime on this host "
                 "(the `qk tok/s` column), composed by quantkit/planner/host_costs.py from parts that `quantkit "
                 f"calibrate` timed in isolation in this run ({cal['seconds']:.0f} s), never from a whole-model "
-                "run: per layer its ops with every kernel stubbed (" + lo + f"), the rest of a step "
+                "run: per layer its ops with every kernel stubbed and the routed experts apart (" + lo + "), the "
+                f"unfused experts' loop {cal.get('expert_loop_ms', 0):.2f} ms, the rest of a step "
                 f"{cal['shell_ms']:.2f} ms, and each matrix's kernel per batch-1 call with the weights cycled "
                 f"over {(cal.get('working_set_bytes') or 0) / 2**20:.0f} MiB of copies (out of the CPU caches):", "",
                 "| kernel, us per call | " + " | ".join(sorted(cal["matmul_us"])) + " |",
@@ -498,7 +501,14 @@ def render_md(d: dict[str, Any]) -> str:
         for sh in shapes:
             out.append(f"| {sh} | " + " | ".join(_f(cal["matmul_us"][k].get(sh), "{:.0f}")
                                                   for k in sorted(cal["matmul_us"])) + " |")
-        out += ["", "A decode step = the sum over layers of ops + dense matrices + top_k x (expert gate_up + down), "
+        moe = cal.get("moe_us") or {}
+        if moe:
+            out += ["", "and, for the formats this host's runtime fuses, one decode step through a layer's top_k routed "
+                    "experts (one `qk.moe` call, the experts module's forward) with the weights cycled the same way: "
+                    + ", ".join(f"{k} {sh} {t / 1e3:.2f} ms" for k, v in sorted(moe.items()) for sh, t in sorted(v.items()))
+                    + "."]
+        out += ["", "A decode step = the sum over layers of ops + dense matrices + the routed experts (the fused call "
+                "where the format fuses, else top_k x (expert gate_up + down) + the loop's ops), "
                 "plus lm_head, the rest of the step and the argmax over the vocabulary. The llama.cpp-grade "
                 "estimate (bytes / 60% of the read bandwidth + 50 us per layer) is what llama.cpp's kernels reach; "
                 "quantkit's runtime is further from the bandwidth bound than that: torch's batch-1 int4/int8 "

@@ -11,13 +11,14 @@ from quantkit.bench import calibrated as calibrated_bench
 from quantkit.bench import decode as decode_bench
 from quantkit.bench import engines as engines_bench
 from quantkit.bench import gguf as gguf_bench
+from quantkit.bench import gpu as gpu_bench
 from quantkit.bench import kernel as kernel_bench
 from quantkit.bench import quantize as quantize_bench
 from quantkit.bench import serve as serve_bench
 from quantkit.bench import session as session_bench
 from quantkit.bench import soak as soak_bench
 from quantkit.cli import app, console, fail
-from quantkit.cli.options import CONTEXT, COUNT, COUNT0, MAX_TOKENS, SECONDS
+from quantkit.cli.options import CONTEXT, COUNT, COUNT0, FRACTION, MAX_TOKENS, SECONDS
 from quantkit.errors import QuantkitError
 from quantkit.runtime.threads import resolve_threads
 
@@ -216,3 +217,25 @@ def bench_calibrated(
     d = calibrated_bench.run(reports, calib_tokens, eval_tokens, log=console.print, realistic_dir=realistic_dir,
             command="quantkit " + " ".join(sys.argv[1:]))
     console.print(f"wrote {reports / 'bench-calibrated.md'} ({d['seconds']:.0f} s)")
+
+
+@bench_app.command("gpu")
+def bench_gpu(
+    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-gpu.{md,json} go"),
+    workdir: Path = typer.Option(Path("/tmp/quantkit-bench-gpu"), "--workdir",
+                                 help="the generated checkpoint and the plans go here"),
+    layers: int = typer.Option(4, "--layers", parser=COUNT, help="layers of the generated realistic-shape checkpoint"),
+    experts: int = typer.Option(64, "--experts", parser=COUNT, help="experts per layer of the generated checkpoint"),
+    prompt: int = typer.Option(32, "--prompt", parser=COUNT, help="prompt tokens"),
+    decode: int = typer.Option(32, "--decode", parser=COUNT, help="greedy tokens per run"),
+    recipe: str = typer.Option("int4", "--recipe", help="the quantization of the checkpoint (int4: experts int4)"),
+    cpu_share: float = typer.Option(0.5, "--cpu-share", parser=FRACTION,
+                                    help="share of the expert bytes the GPU+CPU plan leaves in RAM, in (0, 1]"),
+) -> None:
+    """On a CUDA GPU: plan GPU alone and GPU+CPU, load, decode with and without CUDA graphs, check against the CPU."""
+    d = gpu_bench.run(reports, workdir, layers, experts, prompt, decode, recipe, cpu_share, log=console.print)
+    for name, ok in d.checks.items():
+        console.print(f"{'PASS' if ok else 'FAIL'} {name}")
+    console.print(f"wrote {reports / 'bench-gpu.md'} ({d.seconds:.0f} s)")
+    if not all(d.checks.values()):
+        raise typer.Exit(1)

@@ -89,8 +89,12 @@ def calibrate_cmd(
     for s in shapes:
         t.add_row(s, *[f"{prof.matmul_s[k][s] * 1e6:.0f}" if s in prof.matmul_s[k] else "-" for k in keys])
     console.print(t)
+    fused = ", ".join(f"{k} {s} {t * 1e3:.2f} ms" for k, v in sorted(prof.moe_s.items()) for s, t in sorted(v.items()))
+    console.print(f"routed experts per layer and token, one fused call for the top "
+                  f"{spec.config.num_experts_per_tok}: {fused or 'none (no format here fuses on this host)'}")
     ops = ", ".join(f"{k} layer {v * 1e3:.2f} ms" for k, v in sorted(prof.layer_ops_s.items()))
-    console.print(f"ops per decode step without kernels: {ops}; rest of the step {prof.shell_s * 1e3:.2f} ms; "
+    console.print(f"ops per decode step without kernels or routed experts: {ops}; unfused experts' loop "
+                  f"{prof.expert_loop_s * 1e3:.2f} ms; rest of the step {prof.shell_s * 1e3:.2f} ms; "
                   f"argmax over {spec.config.vocab_size} logits "
                   f"{prof.argmax_s[str(spec.config.vocab_size)] * 1e3:.2f} ms")
     hw = Hardware((), Host(ram_bytes=1 << 40))  # every scheme resident in RAM: what the CPU alone decodes

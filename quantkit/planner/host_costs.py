@@ -10,14 +10,28 @@ on the host (quantkit/runtime/calibrate.py), never from a whole-model run:
 
 - `matmul_s[spec][shape]`: one batch-1 call of the runtime's kernel for a matrix of that format and
   shape, with the weights out of the CPU caches (the call cycles over copies larger than the LLC);
+- `moe_s[experts' spec key][gate_up shape + down shape]`: one decode step through a layer's routed
+  experts where the runtime fuses them (runtime/qexperts.py: one `qk.moe` call runs the top_k experts
+  on quantkit's C++ kernel: int4/int8 with AVX2 or AVX512-VNNI, bf16 with AVX512-BF16): the experts
+  module's own forward, Python included, on real weights cycled out of the caches. Present exactly
+  for the formats this host fuses;
 - `layer_ops_s[layer type]`: a decode step through one decoder layer of the model's real dimensions
-  with every kernel call replaced by a free stub, i.e. norms, the Gated DeltaNet conv and recurrent
-  step, rotary embedding, SDPA, the router and the experts' Python loop; `shell_s` the rest of a
-  step (embedding, final norm, cache bookkeeping) and `argmax_s` the greedy pick over the vocabulary.
+  with every kernel call replaced by a free stub and the routed experts' module excluded, i.e. norms,
+  the Gated DeltaNet conv and recurrent step, rotary embedding, SDPA, the router and the shared expert's
+  small ops; `expert_loop_s` the experts module's own small ops for top_k experts where it does NOT
+  fuse (a Python loop of 2 kernel calls and ~6 small ops per expert, kernels stubbed); `shell_s` the
+  rest of a step (embedding, final norm, cache bookkeeping) and `argmax_s` the greedy pick over the
+  vocabulary.
 
-A decode step on a CPU is then the sum over the layers it computes of ops + dense matrices, top_k
-routed experts' two matrices per layer, the lm_head and the shell (`runtime_costs`). Nothing here is
-fitted to a whole-model measurement; `quantkit bench decode` checks the composition against one.
+A decode step on a CPU is then the sum over the layers it computes of ops + dense matrices + the
+routed experts, the lm_head and the shell (`runtime_costs`). The routed experts of a layer are the
+measured fused call where the profile has one for their format and shapes, else top_k x (gate_up +
+down kernel calls) + the loop's ops (the runtime's unfused path: nf4/fp4/mxfp4, or a host without the
+C++ kernel). Nothing here is fitted to a whole-model measurement; `quantkit bench decode` checks the
+composition against one.
+
+Profiles of an older PROFILE_VERSION are refused (version 1 composed fused experts as 2k separate
+calls and counted a real bf16 fused call inside the layer ops): `quantkit calibrate` again.
 """
 
 from __future__ import annotations
@@ -36,7 +50,7 @@ from quantkit.model.spec import ModelSpec, Role, TensorSpec, TextConfig
 from quantkit.planner.hardware import cpu_name
 from quantkit.recipe import Recipe, decide
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2  # 2: fused MoE timings (moe_s), layer ops without the routed experts
 # The runtime's kernels take these roles' matrices (nn.Linear of a layer, the experts, lm_head); the
 # router (mlp.gate) stays transformers' own F.linear and is measured with the layer's ops.
 KERNEL_ROLES = (Role.ATTENTION, Role.LINEAR_ATTENTION, Role.SHARED_EXPERT, Role.ROUTED_EXPERT, Role.LM_HEAD,
@@ -53,6 +67,16 @@ def spec_key(q: QuantSpec | None) -> str:
 
 def shape_key(shape: tuple[int, ...]) -> str:
     return f"{shape[-2]}x{shape[-1]}"
+
+
+def moe_key(gate_up: QuantSpec | None, down: QuantSpec | None) -> str:
+    """The fused MoE call's speed identity: the experts' spec key ("a+b" when gate_up and down differ)."""
+    a, b = spec_key(gate_up), spec_key(down)
+    return a if a == b else f"{a}+{b}"
+
+
+def moe_shape_key(gate_up: tuple[int, ...], down: tuple[int, ...]) -> str:
+    return f"{shape_key(gate_up)}+{shape_key(down)}"
 
 
 def model_dims(c: TextConfig) -> dict[str, Any]:
@@ -94,9 +118,11 @@ class RuntimeProfile:
     host: dict[str, Any]
     dims: dict[str, Any]
     matmul_s: dict[str, dict[str, float]]  # spec key -> shape key -> seconds per batch-1 call
-    layer_ops_s: dict[str, float]  # layer type -> seconds per decode step, kernels excluded
+    layer_ops_s: dict[str, float]  # layer type -> seconds per decode step, kernels and routed experts excluded
     shell_s: float  # per decode step outside the layers, lm_head excluded
     argmax_s: dict[str, float]  # vocabulary size -> seconds of the greedy pick over the logits
+    moe_s: dict[str, dict[str, float]] = field(default_factory=dict)  # moe key -> shapes -> s per layer-step
+    expert_loop_s: float = 0.0  # the unfused experts loop's small ops for top_k experts, kernels excluded
     measured_at: str = ""
     seconds: float = 0.0  # how long the calibration took
     details: dict[str, Any] = field(default_factory=dict)  # spreads, copies, working set: for the report
@@ -107,12 +133,18 @@ class RuntimeProfile:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str = "profile") -> RuntimeProfile:
-        if not isinstance(d, dict) or d.get("version") != PROFILE_VERSION:
+        version = d.get("version") if isinstance(d, dict) else None
+        if isinstance(version, int) and 0 < version < PROFILE_VERSION:
+            raise QuantkitError(f"{source}: runtime profile of version {version}, measured before quantkit timed its "
+                                f"fused MoE call (this quantkit reads version {PROFILE_VERSION}); run `quantkit "
+                                "calibrate` again")
+        if version != PROFILE_VERSION:
             raise QuantkitError(f"{source}: not a quantkit runtime profile of version {PROFILE_VERSION}; "
                                 "run `quantkit calibrate` again")
         try:
             return cls(host=dict(d["host"]), dims=dict(d["dims"]),
-                       matmul_s={k: {s: float(t) for s, t in v.items()} for k, v in d["matmul_s"].items()},
+                       matmul_s=_table(d["matmul_s"]), moe_s=_table(d["moe_s"]),
+                       expert_loop_s=float(d["expert_loop_s"]),
                        layer_ops_s={k: float(v) for k, v in d["layer_ops_s"].items()}, shell_s=float(d["shell_s"]),
                        argmax_s={str(k): float(v) for k, v in d["argmax_s"].items()},
                        measured_at=str(d.get("measured_at", "")), seconds=float(d.get("seconds", 0.0)),
@@ -122,12 +154,20 @@ class RuntimeProfile:
 
     def merged(self, other: RuntimeProfile) -> RuntimeProfile:
         """This profile with `other`'s matrix figures added (a later calibration of more formats)."""
-        mm = {k: dict(v) for k, v in self.matmul_s.items()}
-        for k, v in other.matmul_s.items():
-            mm.setdefault(k, {}).update(v)
-        return RuntimeProfile(other.host, other.dims, mm, other.layer_ops_s, other.shell_s,
-                              {**self.argmax_s, **other.argmax_s}, other.measured_at,
-                              other.seconds, {**self.details, **other.details})
+        return RuntimeProfile(other.host, other.dims, _merge(self.matmul_s, other.matmul_s), other.layer_ops_s,
+                              other.shell_s, {**self.argmax_s, **other.argmax_s}, _merge(self.moe_s, other.moe_s),
+                              other.expert_loop_s, other.measured_at, other.seconds, {**self.details, **other.details})
+
+
+def _table(d: dict[str, Any]) -> dict[str, dict[str, float]]:
+    return {str(k): {str(s): float(t) for s, t in v.items()} for k, v in d.items()}
+
+
+def _merge(a: dict[str, dict[str, float]], b: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    out = {k: dict(v) for k, v in a.items()}
+    for k, v in b.items():
+        out.setdefault(k, {}).update(v)
+    return out
 
 
 def load_profile(path: Path) -> RuntimeProfile:
@@ -150,14 +190,15 @@ class RuntimeCosts:
     """Seconds per batch-1 decode step of quantkit's runtime on one CPU, by part."""
 
     layer_s: list[float]  # per layer: ops + its dense matrices (everything but the routed experts)
-    expert_s: list[float]  # per layer: one routed expert (gate_up + down)
+    expert_s: list[float]  # per layer: one routed expert (the fused call's top_k share, or gate_up + down + loop ops)
     head_s: float  # lm_head + shell + argmax over the vocabulary
     source: str = ""
+    fused: list[bool] = field(default_factory=list)  # per layer: its experts composed from the fused call
 
     def to_dict(self) -> dict[str, Any]:
         return {"layer_ms": [round(x * 1e3, 4) for x in self.layer_s],
                 "expert_ms": [round(x * 1e3, 4) for x in self.expert_s],
-                "head_ms": round(self.head_s * 1e3, 4), "source": self.source}
+                "head_ms": round(self.head_s * 1e3, 4), "fused": list(self.fused), "source": self.source}
 
 
 def kernel_matrices(spec: ModelSpec, recipe: Recipe) -> list[tuple[TensorSpec, QuantSpec | None, tuple[int, int]]]:
@@ -186,10 +227,38 @@ def needed(spec: ModelSpec, recipes: list[Recipe]) -> dict[str, tuple[QuantSpec 
     return want
 
 
+ExpertPair = tuple[QuantSpec | None, tuple[int, int], QuantSpec | None, tuple[int, int]]
+
+
+def expert_pairs(spec: ModelSpec, recipe: Recipe) -> dict[int, ExpertPair]:
+    """Per layer, its routed experts' (gate_up spec, gate_up shape, down spec, down shape): what one fused
+    MoE call of the layer runs."""
+    parts: dict[int, dict[str, tuple[QuantSpec | None, tuple[int, int]]]] = {}
+    for t, q, shape in kernel_matrices(spec, recipe):
+        if t.role == Role.ROUTED_EXPERT and t.layer is not None:
+            parts.setdefault(t.layer, {})["down" if "down" in t.name else "gate_up"] = (q, shape)
+    return {L: (d["gate_up"][0], d["gate_up"][1], d["down"][0], d["down"][1])
+            for L, d in parts.items() if set(d) == {"gate_up", "down"}}
+
+
+def needed_moe(spec: ModelSpec, recipes: list[Recipe]) -> dict[str, tuple[ExpertPair, ...]]:
+    """moe key -> the distinct expert pairs of that key a calibration times through the fused call."""
+    want: dict[str, set[ExpertPair]] = {}
+    for r in recipes:
+        for pair in expert_pairs(spec, r).values():
+            want.setdefault(moe_key(pair[0], pair[2]), set()).add(pair)
+    return {k: tuple(sorted(v, key=lambda x: (x[1], x[3]))) for k, v in want.items()}
+
+
+def fused_moe_s(p: RuntimeProfile, pair: ExpertPair) -> float | None:
+    """The measured fused call for this layer's experts, or None where this host's runtime does not fuse them."""
+    return p.moe_s.get(moe_key(pair[0], pair[2]), {}).get(moe_shape_key(pair[1], pair[3]))
+
+
 def runtime_costs(p: RuntimeProfile, spec: ModelSpec, recipe: Recipe, source: str = "") -> RuntimeCosts:
-    """Compose a profile into per-layer decode costs for `recipe` on `spec`."""
+    """Compose a profile into per-layer decode costs for `recipe` on `spec` (module docstring)."""
     c = spec.config
-    n = c.num_hidden_layers
+    n, top_k = c.num_hidden_layers, c.num_experts_per_tok
     missing = sorted(set(c.layer_types) - set(p.layer_ops_s))
     if missing:
         raise QuantkitError(f"the runtime profile has no {missing[0]} layer cost; run `quantkit calibrate` again")
@@ -208,11 +277,18 @@ def runtime_costs(p: RuntimeProfile, spec: ModelSpec, recipe: Recipe, source: st
             expert[t.layer] += sec
         else:
             layer[t.layer] += sec
+    fused = [False] * n
+    for L, pair in expert_pairs(spec, recipe).items():
+        moe = fused_moe_s(p, pair)
+        if moe is not None:  # one call for the top_k experts: each expert's share of it
+            expert[L], fused[L] = moe / top_k, True
+        else:  # the unfused loop: 2 kernel calls per expert (summed above) and its small ops
+            expert[L] += p.expert_loop_s / top_k
     vocab = str(c.vocab_size)
     if vocab not in p.argmax_s:
         raise QuantkitError(f"the runtime profile has no argmax time for vocabulary {vocab}; run `quantkit calibrate` again")
     head += p.argmax_s[vocab]
-    return RuntimeCosts(layer, expert, head, source)
+    return RuntimeCosts(layer, expert, head, source, fused)
 
 
 def profile_for_plan(path: Path | None, c: TextConfig, this_host: bool) -> tuple[RuntimeProfile | None, str, str]:

@@ -8,10 +8,19 @@ Two measurements, each in isolation, on random weights of the model's real dimen
   CPUs, so each call reads its weights from DRAM as in a real model; `--working-set` raises it), then batch-1 calls cycle over the copies; the best of
   `passes` passes, per call. Matrices taller than `ROW_CAP` rows (the lm_head) are timed on a slab of
   `ROW_CAP` rows and scaled by rows: one large matrix is a steady stream.
+- fused MoE: where the runtime runs a layer's routed experts as one call (runtime/qexperts.py: quantkit's
+  C++ kernel, `qk.moe`), a `QuantExperts` of the real shapes is built from copies of one prepared
+  gate_up / down pair until they exceed `working_set`, and one-token forwards route to top_k experts
+  cycling over the copies (each call reads its experts from DRAM, as in a model); the best of `passes`
+  passes, per call. Formats the runtime does not fuse (its `_fused_table` says) get no entry: the
+  planner then composes their 2 x top_k kernel calls (host_costs).
 - layer ops: the runtime's own model (transformers' skeleton filled by quantkit's loader) with one
   layer of each type, the real expert count and a small vocabulary, every kernel call replaced by a
-  stub that returns zeros; matrices are `torch.empty` (never touched, so no memory). Decode steps
-  are timed per decoder layer by forward hooks; the rest of a step is the shell. The greedy argmax
+  stub that returns zeros and the experts' fused call switched off (else bf16 experts on an
+  AVX512-BF16 CPU would run a real `qk.moe` over the untouched weights); matrices are `torch.empty`
+  (never touched, so no memory). Decode steps are timed per decoder layer and per routed-experts
+  module by forward hooks: a layer's ops exclude its experts module, whose time (the unfused loop's
+  small ops, kernels stubbed) is `expert_loop_s`; the rest of a step is the shell. The greedy argmax
   over the real vocabulary is timed on its own.
 """
 
@@ -22,6 +31,7 @@ import math
 import time
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from statistics import median
 from typing import Any
@@ -31,16 +41,20 @@ import torch
 from quantkit.formats import QuantSpec, get_format
 from quantkit.model.spec import ModelSpec, Role, spec_from_config
 from quantkit.planner.host_costs import (
+    ExpertPair,
     RuntimeProfile,
     host_id,
     model_dims,
+    moe_shape_key,
     needed,
+    needed_moe,
     shape_key,
 )
 from quantkit.recipe import Recipe
 from quantkit.runtime import kernels as K
 from quantkit.runtime import linear_attn
 from quantkit.runtime.loader import LoadReport, Placement, TensorSource, build_skeleton, populate
+from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 
 ROW_CAP = 16384
 WORKING_SET = 256 << 20
@@ -55,10 +69,7 @@ def time_kernel(q: QuantSpec | None, shape: tuple[int, int], working_set: int = 
     rows, cols = shape
     rows_cal = min(rows, ROW_CAP)
     g = torch.Generator().manual_seed(seed)
-    w = (torch.randn(rows_cal, cols, generator=g) * 0.02).to(torch.bfloat16)
-    parts = w if q is None else get_format(q.format).quantize(w, q)
-    k = K.prepare(parts, q, (rows_cal, cols))
-    del w, parts
+    k = _random_kernel(q, (rows_cal, cols), g)
     n = max(2, min(MAX_COPIES, math.ceil(working_set / max(1, k.nbytes))))
     copies = [k] + [_clone(k) for _ in range(n - 1)]
     x = torch.randn(1, cols, generator=g).to(torch.bfloat16)
@@ -73,6 +84,56 @@ def time_kernel(q: QuantSpec | None, shape: tuple[int, int], working_set: int = 
             best = min(best, (time.perf_counter() - t0) / n)
     sec = best * rows / rows_cal
     return sec, {"route": k.route, "copies": n, "bytes_each": k.nbytes, "rows_timed": rows_cal}
+
+
+def _random_kernel(q: QuantSpec | None, shape: tuple[int, int], g: torch.Generator) -> K.Kernel:
+    """The runtime's kernel for a random matrix of format `q` (None: bf16) and `shape`, as the loader prepares it."""
+    w = (torch.randn(*shape, generator=g) * 0.02).to(torch.bfloat16)
+    return K.prepare(w if q is None else get_format(q.format).quantize(w, q), q, shape)
+
+
+def moe_module(pair: ExpertPair, copies: int, seed: int = 0) -> QuantExperts:
+    """A CPU `QuantExperts` of `copies` experts, each a copy of one random prepared (gate_up, down) pair."""
+    q_gu, gu_shape, q_dn, dn_shape = pair
+    g = torch.Generator().manual_seed(seed)
+    gu, dn = _random_kernel(q_gu, gu_shape, g), _random_kernel(q_dn, dn_shape, g)
+    group = ExpertGroup(torch.device("cpu"), list(range(copies)), [gu] + [_clone(gu) for _ in range(copies - 1)],
+                        [dn] + [_clone(dn) for _ in range(copies - 1)])
+    return QuantExperts(copies, gu_shape[1], dn_shape[1], [group], fmt=q_gu.format if q_gu else "bf16")
+
+
+def runtime_fuses(experts: QuantExperts) -> bool:
+    """Whether the runtime runs these experts' decode as one fused call (its own decision, not a copy of it)."""
+    return experts._fused_table() is not None
+
+
+def time_moe(pair: ExpertPair, top_k: int, working_set: int = WORKING_SET, passes: int = 3,
+             seed: int = 0) -> tuple[float, dict[str, Any]] | None:
+    """Seconds of one decode step through a layer's top_k routed experts of this (format, shape) pair
+    where the runtime fuses them (the experts module's forward, weights out of cache); None where it does not."""
+    probe = moe_module(pair, 1, seed)
+    each = probe.nbytes
+    if not runtime_fuses(probe):
+        return None
+    del probe
+    n = max(2 * top_k, min(MAX_COPIES, math.ceil(working_set / max(1, each))))
+    experts = moe_module(pair, n, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(1, experts.hidden_dim, generator=g).to(torch.bfloat16)
+    wts = torch.softmax(torch.randn(1, top_k, generator=g), dim=-1)
+    calls = max(2, n // top_k)
+    routes = [torch.tensor([[(c * top_k + j) % n for j in range(top_k)]]) for c in range(calls)]
+    best = float("inf")
+    with torch.inference_mode():
+        for idx in routes:  # warm-up: the fused table, first-call allocations, thread pool
+            experts(x, idx, wts)
+        for _ in range(passes):
+            t0 = time.perf_counter()
+            for idx in routes:
+                experts(x, idx, wts)
+            best = min(best, (time.perf_counter() - t0) / calls)
+    return best, {"copies": n, "bytes_each": each, "calls": calls, "top_k": top_k,
+                  "route": experts.groups[0].gate_up[0].route}
 
 
 def _clone(k: K.Kernel) -> K.Kernel:
@@ -123,7 +184,8 @@ def calibration_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 class _StubbedKernels:
-    """Within the block every Kernel call returns a cached zero tensor (one per kernel and row count)."""
+    """Within the block every Kernel call returns a cached zero tensor (one per kernel and row count), and
+    routed experts take the runtime's unfused path (their fused `qk.moe` call would read real weights)."""
 
     def __enter__(self) -> _StubbedKernels:
         self.saved: dict[type, Any] = {}
@@ -134,11 +196,18 @@ class _StubbedKernels:
             if "__call__" in cls.__dict__:
                 self.saved[cls] = cls.__dict__["__call__"]
                 cls.__call__ = _stub  # type: ignore[method-assign]
+        self.fused_table = QuantExperts.__dict__["_fused_table"]
+        QuantExperts._fused_table = _no_fused_table  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for cls, fn in self.saved.items():
             cls.__call__ = fn  # type: ignore[method-assign]
+        QuantExperts._fused_table = self.fused_table  # type: ignore[method-assign]
+
+
+def _no_fused_table(self: Any) -> None:
+    return None
 
 
 def _stub(self: Any, x: torch.Tensor) -> torch.Tensor:
@@ -149,8 +218,36 @@ def _stub(self: Any, x: torch.Tensor) -> torch.Tensor:
     return cache[key]
 
 
-def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8) -> tuple[dict[str, float], float, dict]:
-    """Per layer type, seconds of one decode step with kernels stubbed; and the shell's seconds."""
+@dataclass
+class LayerOps:
+    """What `time_layer_ops` measured: seconds per decode step."""
+
+    ops_s: dict[str, float]  # layer type -> its ops, kernels and the routed-experts module excluded
+    shell_s: float  # the step outside the decoder layers
+    expert_loop_s: float  # the unfused routed-experts module's own ops (top_k experts), kernels stubbed
+    detail: dict[str, Any]  # spreads, for the report
+
+
+def _timing_hooks(mod: torch.nn.Module, i: int, start: list[float], took: list[float]) -> list[Any]:
+    """Forward hooks that store `mod`'s forward seconds in took[i]."""
+
+    def pre(*_a: Any, **_k: Any) -> None:
+        start[i] = time.perf_counter()
+
+    def post(*_a: Any, **_k: Any) -> None:
+        took[i] = time.perf_counter() - start[i]
+
+    return [mod.register_forward_pre_hook(pre, prepend=True), mod.register_forward_hook(post)]
+
+
+def _spread(v: list[float]) -> dict[str, Any]:
+    return {"median_ms": round(median(v) * 1e3, 4), "min_ms": round(min(v) * 1e3, 4),
+            "max_ms": round(max(v) * 1e3, 4), "samples": len(v)}
+
+
+def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8) -> LayerOps:
+    """Per layer type, seconds of one decode step with kernels stubbed and the routed experts apart; the
+    experts module's own (unfused) ops; and the shell's seconds."""
     from transformers import DynamicCache
 
 
@@ -163,24 +260,14 @@ def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8) -> 
     populate(model, src, Placement.single(c.num_hidden_layers, c.num_experts), LoadReport())
     model.eval()
     layers = model.model.layers
-    start = [0.0] * len(layers)
-    took = [0.0] * len(layers)
-
-    def pre(i: int) -> Callable:
-        def hook(*_a: Any, **_k: Any) -> None:
-            start[i] = time.perf_counter()
-        return hook
-
-    def post(i: int) -> Callable:
-        def hook(*_a: Any, **_k: Any) -> None:
-            took[i] = time.perf_counter() - start[i]
-        return hook
-
+    n = len(layers)
+    start, took = [0.0] * (2 * n), [0.0] * (2 * n)  # [layer i, experts of layer i at n + i]
     handles = []
     for i, layer in enumerate(layers):
-        handles.append(layer.register_forward_pre_hook(pre(i), prepend=True))
-        handles.append(layer.register_forward_hook(post(i)))
+        handles += _timing_hooks(layer, i, start, took)
+        handles += _timing_hooks(layer.mlp.experts, n + i, start, took)
     per_layer: list[list[float]] = [[] for _ in layers]
+    loop: list[float] = []
     shell: list[float] = []
     try:
         with _StubbedKernels(), torch.inference_mode():
@@ -192,20 +279,20 @@ def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8) -> 
                 total = time.perf_counter() - t0
                 if s < 4:
                     continue  # warm-up
-                for i in range(len(layers)):
-                    per_layer[i].append(took[i])
-                shell.append(total - sum(took))
+                for i in range(n):
+                    per_layer[i].append(took[i] - took[n + i])
+                    loop.append(took[n + i])
+                shell.append(total - sum(took[:n]))
     finally:
         for h in handles:
             h.remove()
     by_type: dict[str, list[float]] = {}
     for i, t in enumerate(c.layer_types):
         by_type.setdefault(t, []).extend(per_layer[i])
-    ops = {t: median(v) for t, v in by_type.items()}
-    detail = {t: {"median_ms": round(median(v) * 1e3, 4), "min_ms": round(min(v) * 1e3, 4),
-                  "max_ms": round(max(v) * 1e3, 4), "samples": len(v)} for t, v in by_type.items()}
+    detail: dict[str, Any] = {t: _spread(v) for t, v in by_type.items()}
     detail["shell"] = {"median_ms": round(median(shell) * 1e3, 4), "samples": len(shell)}
-    return ops, median(shell), detail
+    detail["expert_loop"] = _spread(loop)
+    return LayerOps({t: median(v) for t, v in by_type.items()}, median(shell), median(loop), detail)
 
 
 def time_argmax(vocab: int, reps: int = 50) -> float:
@@ -225,27 +312,39 @@ def calibrate(spec: ModelSpec, recipes: list[Recipe], *, working_set: int = WORK
     t_all = time.perf_counter()
     want = needed(spec, recipes)
     items = [(key, q, shape) for key, (q, shapes) in sorted(want.items()) for shape in sorted(shapes)]
-    total = len(items) + 2
+    moe_items = [(key, pair) for key, pairs in sorted(needed_moe(spec, recipes).items()) for pair in pairs]
+    total = len(items) + len(moe_items) + 2
     mm: dict[str, dict[str, float]] = {}
     kdetail: dict[str, dict[str, Any]] = {}
+    moe: dict[str, dict[str, float]] = {}
+    mdetail: dict[str, dict[str, Any]] = {}
     for i, (key, q, shape) in enumerate(items):
         if on_item:
             on_item(f"{key} {shape_key(shape)}", i, total)
         sec, d = time_kernel(q, shape, working_set, passes)
         mm.setdefault(key, {})[shape_key(shape)] = sec
         kdetail.setdefault(key, {})[shape_key(shape)] = d
+    for j, (key, pair) in enumerate(moe_items):
+        if on_item:
+            on_item(f"fused MoE {key} {moe_shape_key(pair[1], pair[3])}", len(items) + j, total)
+        got = time_moe(pair, spec.config.num_experts_per_tok, working_set, passes)
+        mdetail.setdefault(key, {})[moe_shape_key(pair[1], pair[3])] = got[1] if got else {"fused": False}
+        if got is not None:
+            moe.setdefault(key, {})[moe_shape_key(pair[1], pair[3])] = got[0]
+    done = len(items) + len(moe_items)
     if on_item:
-        on_item("layer ops (kernels stubbed)", len(items), total)
-    ops, shell, odetail = time_layer_ops(spec.raw_config, steps)
+        on_item("layer ops (kernels stubbed)", done, total)
+    lo = time_layer_ops(spec.raw_config, steps)
     if on_item:
-        on_item("argmax over the vocabulary", len(items) + 1, total)
+        on_item("argmax over the vocabulary", done + 1, total)
     argmax = {str(spec.config.vocab_size): time_argmax(spec.config.vocab_size)}
     if on_item:
         on_item("done", total, total)
     return RuntimeProfile(
-        host=host_id(), dims=model_dims(spec.config), matmul_s=mm, layer_ops_s=ops, shell_s=shell, argmax_s=argmax,
+        host=host_id(), dims=model_dims(spec.config), matmul_s=mm, layer_ops_s=lo.ops_s, shell_s=lo.shell_s,
+        argmax_s=argmax, moe_s=moe, expert_loop_s=lo.expert_loop_s,
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), seconds=time.perf_counter() - t_all,
-        details={"kernels": kdetail, "layer_ops": odetail, "working_set_bytes": working_set, "passes": passes,
-                 "model": spec.name, "recipes": [r.name for r in recipes]},
+        details={"kernels": kdetail, "moe": mdetail, "layer_ops": lo.detail, "working_set_bytes": working_set,
+                 "passes": passes, "model": spec.name, "recipes": [r.name for r in recipes]},
     )
 
