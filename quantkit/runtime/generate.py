@@ -23,6 +23,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK
+from quantkit.runtime import decode_step
 from quantkit.runtime.state_cache import (
     PrefixCache,
     capture_linear,
@@ -181,6 +182,18 @@ def _forward(model: Any, ids: torch.Tensor, cache: Any) -> torch.Tensor:
     return out.logits[0, -1]
 
 
+def lean_decoder(model: Any, lean: bool | None) -> decode_step.LeanDecoder | None:
+    """The model's `LeanDecoder` (built once, kept on the model) when lean decode is on (`lean`, or
+    QUANTKIT_LEAN_DECODE when None) and the model is a loaded Qwen3.5-MoE; None means transformers' forward."""
+    if not (decode_step.enabled_by_env() if lean is None else lean) or not decode_step.supports(model):
+        return None
+    dec = getattr(model, "_quantkit_lean", None)
+    if dec is None:
+        dec = decode_step.LeanDecoder(model)
+        model._quantkit_lean = dec
+    return dec
+
+
 @dataclass
 class Prefill:
     cache: Any
@@ -219,9 +232,10 @@ def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling
                   stop_ids: set[int], context: int, devices: list[str], thinking: bool,
                   think_ids: tuple[int | None, int | None] = (None, None),
                   cancel: threading.Event | None = None, prefix_cache: PrefixCache | None = None,
-                  boundary_ids: frozenset[int] = frozenset()) -> Iterator[TokenEvent]:
+                  boundary_ids: frozenset[int] = frozenset(), lean: bool | None = None) -> Iterator[TokenEvent]:
     """Generate from `prompt_ids` (already rendered by the chat template). See the module docstring;
-    `prefix_cache` and `boundary_ids` as in `prefill`."""
+    `prefix_cache` and `boundary_ids` as in `prefill`; `lean` as in `lean_decoder` (one-token steps
+    through quantkit.runtime.decode_step instead of transformers' forward)."""
     sampling.validate()
     n_prompt = len(prompt_ids)
     if n_prompt == 0:
@@ -246,6 +260,9 @@ def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling
         budget = min(sampling.max_new_tokens, context - n_prompt) if logits is not None else 0
         if logits is None:
             finish = "cancelled"
+        dec = lean_decoder(model, lean) if budget > 1 else None
+        if dec is not None:
+            dec.begin(cache, n_prompt + budget)
         for i in range(budget):
             if cancel is not None and cancel.is_set():
                 finish = "cancelled"
@@ -271,7 +288,8 @@ def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling
                 finish = "length" if budget == sampling.max_new_tokens else "context"
                 break
             t1 = time.perf_counter()
-            logits = _forward(model, torch.tensor([[tok]], dtype=torch.long, device=dev), cache)
+            ids = torch.tensor([[tok]], dtype=torch.long, device=dev)
+            logits = dec.step(ids) if dec is not None else _forward(model, ids, cache)
             t_dec += time.perf_counter() - t1
     n_gen = len(generated)
     steps = max(0, n_gen - 1) if finish != "cancelled" else n_gen

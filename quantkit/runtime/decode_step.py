@@ -1,0 +1,537 @@
+"""A lean batch-1 decode step for the whole Qwen3.5-MoE decoder stack: `LeanDecoder`.
+
+Why: one decode step through transformers' `Qwen3_5MoeForCausalLM.forward` spends, besides reading the
+weights, a fixed cost per layer in Python and small ops: the decorated forwards (kwarg deprecation,
+output capture, kernel hub wrappers) and module calls with hooks, the causal and recurrent masks, the
+multimodal rotary recomposition, zero-centred norms that add 1 to their weight on every call, q and k
+normalised and rotated separately, `DynamicCache.update` growing K and V by `torch.cat` (a copy of the
+whole KV per layer per token), the recurrent state copied onto itself by `update_recurrent_state`, the
+router's casts, and `QuantExperts.forward` reading the expert ids back with `.tolist()` (a host sync on
+a GPU). That cost was measured as comparable to the weight reads of a whole layer on a 2-core CPU.
+
+Contract: the step reads the SAME objects the loaded model holds (its `Kernel`s, norm weights,
+`QuantExperts`, router, conv and gate parameters) and the SAME transformers `DynamicCache` the prefill
+filled: prefill stays transformers' forward, and the prompt cache (`runtime.state_cache`) keeps working.
+The math mirrors transformers' modules op for op in the same dtypes (bf16 activations, fp32 norms, gates,
+conv and recurrent state), so the hidden states equal transformers' up to the summation order of a few
+fused ops (tests/test_decode_step.py states the bounds; greedy tokens are identical on the test model).
+Linear-attention conv and recurrent states are updated in place in the cache. Full-attention K and V go
+into a buffer this decoder owns (allocated once per generation for the tokens it may reach, the
+prefill's K and V copied in), and the cache's `keys`/`values` are set to views of its filled part after
+each step: the cache answers `get_seq_length` as before, and no snapshot of the prompt cache ever points
+into the buffer (snapshots are views of the prefill's own `torch.cat` results).
+
+No host syncs inside the step: routing (softmax, top-k, renormalisation) stays on the layer's device;
+CPU experts fused in quantkit's kernel take the expert ids as a CPU tensor; experts on another device run
+through `GatheredExperts` (weights gathered by the routed ids on the device). On a GPU+CPU split the copy
+of the routed ids to the CPU is the one sync. `static_kv=True` keeps every shape fixed (attention over the
+whole buffer with a mask built from a device-side position), which `cuda_graphs=True` needs: the step is
+then captured once in a `torch.cuda.CUDAGraph` and replayed (`CudaGraphStep`, CUDA only).
+
+Switch: `QUANTKIT_LEAN_DECODE=0` (or `Runtime.lean_decode = False`) sends every step through
+transformers' forward again.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from quantkit.runtime.kernels import DenseKernel, Int8Kernel, Kernel
+from quantkit.runtime.qexperts import QuantExperts
+
+ENV = "QUANTKIT_LEAN_DECODE"
+
+
+def enabled_by_env() -> bool:
+    """Lean decode is on unless QUANTKIT_LEAN_DECODE=0."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def supports(model: Any) -> bool:
+    """True for a transformers Qwen3.5-MoE causal LM (the model the loader builds)."""
+    return type(model).__name__ == "Qwen3_5MoeForCausalLM" and hasattr(model, "model")
+
+
+def _kernel(mod: Any) -> Any:
+    """The callable behind a projection: a QuantLinear's Kernel, else the module itself."""
+    return getattr(mod, "kernel", mod)
+
+
+def _scale(norm: Any) -> torch.Tensor:
+    """A zero-centred RMSNorm's multiplier (1 + w) in fp32, as transformers computes it on every call."""
+    return 1.0 + norm.weight.float()
+
+
+def rms(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3_5MoeRMSNorm with the (1 + w) multiplier precomputed."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * scale).to(x.dtype)
+
+
+# ---- experts on a device: gathered by the routed ids ------------------------------------------------------
+
+class GatheredExperts:
+    """The experts of one QuantExperts group computed without reading the ids on the host: each part of
+    every expert stacked into one [E_g, ...] tensor (the kernels are re-pointed at views of it, so no
+    weight is held twice), the k routed experts' rows gathered by index on the device, and slots whose
+    expert lives in another group weighted 0. Dense (bf16) and int8 kernels only (`possible`)."""
+
+    def __init__(self, experts: QuantExperts, group_index: int):
+        g = experts.groups[group_index]
+        self.device = g.device
+        self.dense = isinstance(g.gate_up[0], DenseKernel)
+        self.gu = self._stack(g.gate_up)
+        self.dn = self._stack(g.down)
+        n = experts.num_experts
+        local = torch.zeros(n, dtype=torch.long)
+        own = torch.zeros(n, dtype=torch.float32)
+        for li, e in enumerate(g.ids):
+            local[e], own[e] = li, 1.0
+        self.local, self.own = local.to(g.device), own.to(g.device)
+        experts._fused = None  # kernel tensors moved: the fused CPU table is rebuilt from them
+
+    @staticmethod
+    def possible(group_kernels: list[Kernel]) -> bool:
+        kinds = {type(k) for k in group_kernels}
+        return len(kinds) == 1 and (issubclass(kinds.pop(), DenseKernel) or isinstance(group_kernels[0], Int8Kernel))
+
+    def _stack(self, kernels: list[Kernel]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.dense:
+            w = torch.stack([k.w for k in kernels])
+            for i, k in enumerate(kernels):
+                k.w = w[i]
+            return w, None
+        q = torch.stack([k.q for k in kernels])
+        s = torch.stack([k.s for k in kernels])
+        for i, k in enumerate(kernels):
+            k.q, k.s = q[i], s[i]
+        return q, s
+
+    def _mm(self, part: tuple[torch.Tensor, torch.Tensor | None], rows: torch.Tensor,
+            x: torch.Tensor) -> torch.Tensor:
+        """[k, out] = per slot W[rows[slot]] @ x[slot], x [k, in] in bf16."""
+        w, s = part
+        if s is None:
+            return torch.bmm(w[rows], x.unsqueeze(-1)).squeeze(-1)
+        y = torch.bmm(w[rows].to(x.dtype), x.unsqueeze(-1)).squeeze(-1)
+        return y * s[rows]
+
+    def __call__(self, h: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor) -> torch.Tensor:
+        """fp32 [1, H]: sum over slots of wts * expert(h), experts of other groups contributing 0."""
+        rows = self.local[ids]
+        k = ids.numel()
+        x = h.to(self.device, torch.bfloat16).expand(k, -1)
+        gate, up = self._mm(self.gu, rows, x).chunk(2, dim=-1)
+        y = self._mm(self.dn, rows, F.silu(gate) * up)
+        w = (wts.to(self.device) * self.own[ids]).unsqueeze(-1)
+        return (y.float() * w).sum(0, keepdim=True)
+
+
+# ---- the layers ------------------------------------------------------------------------------------------
+
+@dataclass
+class _Moe:
+    """A layer's sparse MoE block: router, routed experts, shared expert with its sigmoid gate."""
+
+    router_w: torch.Tensor
+    top_k: int
+    experts: QuantExperts
+    shared_gate: Any
+    shared_up: Any
+    shared_down: Any
+    shared_gate_proj: Any
+    device: torch.device
+    gathered: list[GatheredExperts] = field(default_factory=list)
+    cpu_fused_all: bool = False
+    cpu_groups: frozenset[int] = frozenset()  # groups computed on the CPU when others are gathered
+
+    @property
+    def has_cpu(self) -> bool:
+        return bool(self.cpu_groups)
+
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """transformers' Qwen3_5MoeTopKRouter on the device: (fp32 weights [k], int64 ids [k])."""
+        logits = F.linear(h, self.router_w)
+        probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+        top, ids = torch.topk(probs, self.top_k, dim=-1)
+        top = (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype)
+        return top.reshape(-1).float(), ids.reshape(-1)
+
+    def routed(self, h: torch.Tensor, wts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum [1, H] in h's dtype."""
+        ex = self.experts
+        if self.cpu_fused_all:
+            mod, table, _ok = ex._fused_table()  # type: ignore[misc]
+            return mod.moe(h, table, ids, wts).view(h.shape).to(h.dtype)
+        if not self.gathered:  # CPU groups only: the ids are host memory already
+            return ex._forward_one(h, ids.tolist(), wts.view(1, -1))
+        out = None
+        for g in self.gathered:
+            y = g(h, ids, wts).to(h.device)
+            out = y if out is None else out.add_(y)
+        if self.has_cpu:  # the hand-off: the one sync of a GPU+CPU split
+            out = out.add_(self._cpu_part(h, wts, ids).to(out.device))
+        return out.to(h.dtype)
+
+    def _cpu_part(self, h: torch.Tensor, wts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        ex = self.experts
+        ids_c, wts_c = ids.to("cpu"), wts.to("cpu")
+        keep = [s for s, e in enumerate(ids_c.tolist()) if ex._owner[e] in self.cpu_groups]
+        if not keep:
+            return torch.zeros(1, ex.hidden_dim, dtype=torch.float32)
+        x = h.to("cpu")
+        return ex._forward_one(x, ids_c[keep].tolist(), wts_c[keep].view(1, -1)).float()
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_down(F.silu(self.shared_gate_proj(h)) * self.shared_up(h))
+        wts, ids = self.route(h)
+        out = self.routed(h, wts, ids)
+        return out + torch.sigmoid(self.shared_gate(h)) * shared
+
+
+@dataclass
+class _Norms:
+    pre: torch.Tensor
+    post: torch.Tensor
+    eps: float
+
+
+@dataclass
+class _Attn:
+    """A gated full-attention layer's projections and the constants of its q/k norm and rotary."""
+
+    q: Any
+    k: Any
+    v: Any
+    o: Any
+    qk_scale: torch.Tensor  # [heads + kv_heads, head_dim]: q_norm's (1 + w) then k_norm's
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rot: int
+    scaling: float
+
+
+@dataclass
+class _Linear:
+    """A Gated DeltaNet layer's projections and fp32 constants."""
+
+    qkv: Any
+    z: Any
+    b: Any
+    a: Any
+    out: Any
+    conv_w: list[torch.Tensor]  # per tap: fp32 [C, 1]
+    neg_a: torch.Tensor  # -exp(A_log) in fp32
+    dt_bias: torch.Tensor
+    norm_w: torch.Tensor
+    key_dim: int
+    value_dim: int
+    hk: int
+    hv: int
+    dk: int
+    dv: int
+
+
+@dataclass
+class _Layer:
+    index: int
+    device: torch.device
+    norms: _Norms
+    mixer: _Attn | _Linear
+    moe: _Moe
+
+
+def _moe(layer: Any, dev: torch.device, gather: frozenset[int] | None) -> _Moe:
+    mlp = layer.mlp
+    ex: QuantExperts = mlp.experts
+    m = _Moe(mlp.gate.weight, mlp.gate.top_k, ex, _kernel(mlp.shared_expert_gate), _kernel(mlp.shared_expert.up_proj),
+             _kernel(mlp.shared_expert.down_proj), _kernel(mlp.shared_expert.gate_proj), dev)
+    if not isinstance(ex, QuantExperts):
+        raise TypeError("lean decode needs QuantExperts (a model built by quantkit's loader)")
+    off_cpu = [i for i, g in enumerate(ex.groups) if (g.device.type != "cpu" if gather is None else i in gather)]
+    m.cpu_groups = frozenset(i for i in range(len(ex.groups)) if i not in off_cpu)
+    if off_cpu:
+        if not all(GatheredExperts.possible(ex.groups[i].gate_up + ex.groups[i].down) for i in off_cpu):
+            raise TypeError("experts off the CPU need dense or int8 kernels for the lean step")
+        m.gathered = [GatheredExperts(ex, i) for i in off_cpu]
+        return m
+    fused = ex._fused_table() if dev.type == "cpu" else None
+    m.cpu_fused_all = fused is not None and all(fused[2])
+    return m
+
+
+def _attn(layer: Any) -> _Attn:
+    sa = layer.self_attn
+    cfg = sa.config
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    hd = sa.head_dim
+    qs, ks = _scale(sa.q_norm), _scale(sa.k_norm)
+    scale = torch.cat([qs.expand(heads, hd), ks.expand(kv, hd)])
+    rot = int(hd * cfg.rope_parameters.get("partial_rotary_factor", 1.0)) // 2 * 2
+    return _Attn(_kernel(sa.q_proj), _kernel(sa.k_proj), _kernel(sa.v_proj), _kernel(sa.o_proj), scale,
+                 heads, kv, hd, rot, sa.scaling)
+
+
+def _linear(layer: Any) -> _Linear:
+    la = layer.linear_attn
+    w = la.conv1d.weight.squeeze(1).float()  # [C, K]
+    if la.conv1d.bias is not None:
+        raise TypeError("lean decode assumes the Gated DeltaNet conv has no bias (as Qwen3.5-MoE's)")
+    return _Linear(_kernel(la.in_proj_qkv), _kernel(la.in_proj_z), _kernel(la.in_proj_b), _kernel(la.in_proj_a),
+                   _kernel(la.out_proj), [w[:, j:j + 1].contiguous() for j in range(w.shape[1])],
+                   -la.A_log.float().exp(), la.dt_bias, la.norm.weight, la.key_dim, la.value_dim,
+                   la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def linear_mixer(m: _Linear, eps: float, h: torch.Tensor, conv_state: torch.Tensor,
+                 state: torch.Tensor) -> torch.Tensor:
+    """One token through a Gated DeltaNet layer, conv and recurrent states updated in place: transformers'
+    Qwen3_5MoeGatedDeltaNet with quantkit's CPU conv and delta rule (runtime/linear_attn.py), op for op."""
+    qkv = m.qkv(h)  # [1, C]
+    z, b, a = m.z(h), m.b(h), m.a(h)
+    new = torch.cat([conv_state, qkv.unsqueeze(-1).to(conv_state.dtype)], dim=-1)  # [1, C, K + 1]
+    conv_state.copy_(new[:, :, 1:])
+    taps = len(m.conv_w)
+    acc = new[..., 1:2].float() * m.conv_w[0]
+    for j in range(1, taps):
+        acc.add_(new[..., 1 + j:2 + j].float() * m.conv_w[j])
+    x = F.silu(acc).to(h.dtype).view(1, -1)
+    q, k, v = torch.split(x, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
+    beta = b.sigmoid()
+    g = m.neg_a * F.softplus(a.float() + m.dt_bias)
+    core = _delta_rule(m, q, k, v, g, beta, state)  # [Hv, V] in h's dtype
+    return m.out(_gated_norm(core, z.view(m.hv, m.dv), m.norm_w, eps).view(1, -1))
+
+
+def _delta_rule(m: _Linear, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """runtime.linear_attn.recurrent_gated_delta_rule for one token and batch 1 (its fp32 state [1, Hv, K, V])."""
+    qf = _l2norm(q.view(m.hk, m.dk).float())
+    kf = _l2norm(k.view(m.hk, m.dk).float())
+    qf = qf / (m.dk ** 0.5)
+    if m.hv != m.hk:
+        qf, kf = qf.repeat_interleave(m.hv // m.hk, dim=0), kf.repeat_interleave(m.hv // m.hk, dim=0)
+    state.mul_(g.view(m.hv, 1, 1).exp())
+    s3 = state.view(m.hv, m.dk, m.dv)
+    kv = torch.bmm(kf.view(m.hv, 1, m.dk), s3)
+    delta = (v.float().view(m.hv, 1, m.dv) - kv) * beta.float().view(m.hv, 1, 1)
+    s3.baddbmm_(kf.view(m.hv, m.dk, 1), delta)
+    return torch.bmm(qf.view(m.hv, 1, m.dk), s3).view(m.hv, m.dv).to(q.dtype)
+
+
+def _gated_norm(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' Qwen3_5MoeRMSNormGated: norm, weight in x's dtype, SiLU gate in fp32."""
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return ((w * y) * F.silu(gate.float())).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb on [rows, head_dim] (partial rotary: the first `rot` dims)."""
+    xr, xp = x[:, :rot], x[:, rot:]
+    half = rot // 2
+    rotated = torch.cat([-xr[:, half:], xr[:, :half]], dim=-1)
+    return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
+
+
+# ---- the decoder -------------------------------------------------------------------------------------------
+
+class KVBuffer:
+    """One attention layer's K and V for this generation: [1, kv_heads, capacity, head_dim] each."""
+
+    def __init__(self, layer_cache: Any, capacity: int):
+        k, v = layer_cache.keys, layer_cache.values
+        n = k.shape[-2]
+        self.k = k.new_zeros(*k.shape[:2], capacity, k.shape[-1])
+        self.v = v.new_zeros(*v.shape[:2], capacity, v.shape[-1])
+        self.k[:, :, :n].copy_(k)
+        self.v[:, :, :n].copy_(v)
+        self.cache = layer_cache
+
+    def publish(self, n: int) -> None:
+        """Point the transformers cache layer at the first n positions."""
+        self.cache.keys, self.cache.values = self.k[:, :, :n], self.v[:, :, :n]
+
+
+class LeanDecoder:
+    """Batch-1 decode over a loaded Qwen3.5-MoE: `begin(cache, capacity)` after the prefill, then
+    `step(token)` -> logits [V] per token. See the module docstring. `gather_groups`: the expert groups
+    (by index in each layer's QuantExperts) computed by `GatheredExperts`; None: those off the CPU (the
+    tests name CPU groups to run that path, and a split, on a CPU-only machine)."""
+
+    def __init__(self, model: Any, *, static_kv: bool = False, cuda_graphs: bool = False,
+                 gather_groups: frozenset[int] | None = None):
+        tm = model.model
+        cfg = model.config
+        self.model = model
+        self.static_kv = static_kv or cuda_graphs
+        self.cuda_graphs = cuda_graphs
+        self.embed = tm.embed_tokens
+        self.final = (_scale(tm.norm), tm.norm.eps)
+        self.head = _kernel(model.lm_head)
+        self.head_device = tm.norm.weight.device
+        self.inv_freq = tm.rotary_emb.inv_freq.float()
+        self.rope_scaling = float(tm.rotary_emb.attention_scaling)
+        self.layers: list[_Layer] = []
+        for i, layer in enumerate(tm.layers):
+            dev = layer.input_layernorm.weight.device
+            norms = _Norms(_scale(layer.input_layernorm), _scale(layer.post_attention_layernorm),
+                           layer.input_layernorm.eps)
+            mixer = _linear(layer) if cfg.layer_types[i] == "linear_attention" else _attn(layer)
+            self.layers.append(_Layer(i, dev, norms, mixer, _moe(layer, dev, gather_groups)))
+        self.cache: Any = None
+        self.kv: dict[int, KVBuffer] = {}
+        self.n = 0
+        self.pos: torch.Tensor | None = None
+        self.graph: CudaGraphStep | None = None
+
+    # -- state --
+    def begin(self, cache: Any, capacity: int) -> None:
+        """Take over `cache` (a DynamicCache the prefill filled) for up to `capacity` positions in all."""
+        self.cache = cache
+        self.n = cache.get_seq_length()
+        if capacity <= self.n:
+            raise ValueError(f"capacity {capacity} leaves no room after {self.n} cached tokens")
+        self.kv = {L.index: KVBuffer(cache.layers[L.index], capacity)
+                   for L in self.layers if isinstance(L.mixer, _Attn)}
+        self.pos = torch.full((1,), self.n, dtype=torch.long, device=self.inv_freq.device)
+        self.graph = None
+        if self.cuda_graphs and self.inv_freq.device.type == "cuda":
+            self.graph = CudaGraphStep(self)
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """Logits [V] of the next token after `token` ([1, 1] int64 on the embedding's device)."""
+        logits = self.graph.replay(token) if self.graph is not None else self.forward(token)
+        self.n += 1
+        for buf in self.kv.values():
+            buf.publish(self.n)
+        return logits
+
+    # -- the step itself (no host reads of device values) --
+    def forward(self, token: torch.Tensor) -> torch.Tensor:
+        x = self.embed(token).view(1, -1)
+        cos, sin = self._rotary(x.dtype)
+        for L in self.layers:
+            x = self._layer(L, x, cos, sin)
+        x = x.to(self.head_device)
+        x = rms(x, *self.final)
+        assert self.pos is not None
+        self.pos.add_(1)
+        return self.head(x).view(-1)
+
+    def _rotary(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [1, rot] at the current position: the text rotary of Qwen3_5MoeTextRotaryEmbedding
+        (text positions are equal on its three axes, so the interleaved recomposition is the identity)."""
+        assert self.pos is not None
+        freqs = self.pos.float().view(1, 1) * self.inv_freq
+        cos, sin = freqs.cos() * self.rope_scaling, freqs.sin() * self.rope_scaling
+        return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([sin, sin], dim=-1).to(dtype)
+
+    def _layer(self, L: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if x.device != L.device:
+            x = x.to(L.device)
+            cos, sin = cos.to(L.device), sin.to(L.device)
+        h = rms(x, L.norms.pre, L.norms.eps)
+        if isinstance(L.mixer, _Attn):
+            a = self._attention(L, h, cos, sin)
+        else:
+            lc = self.cache.layers[L.index]
+            a = linear_mixer(L.mixer, L.norms.eps, h, lc.conv_states[0], lc.recurrent_states[0])
+        x = x + a
+        return x + L.moe(rms(x, L.norms.post, L.norms.eps))
+
+    def _attention(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        m = L.mixer
+        assert isinstance(m, _Attn)
+        qg = m.q(h).view(m.heads, 2 * m.head_dim)
+        q, gate = qg[:, :m.head_dim], qg[:, m.head_dim:]
+        k = m.k(h).view(m.kv_heads, m.head_dim)
+        v = m.v(h).view(1, m.kv_heads, 1, m.head_dim)
+        qk = rms(torch.cat([q, k]), m.qk_scale, L.norms.eps)
+        qk = _rotate(qk, cos, sin, m.rot)
+        q, k = qk[:m.heads].view(1, m.heads, 1, m.head_dim), qk[m.heads:].view(1, m.kv_heads, 1, m.head_dim)
+        buf = self.kv[L.index]
+        if self.static_kv:
+            assert self.pos is not None
+            buf.k.index_copy_(2, self.pos, k)
+            buf.v.index_copy_(2, self.pos, v)
+            mask = (torch.arange(buf.k.shape[2], device=h.device) <= self.pos).view(1, 1, 1, -1)
+            out = F.scaled_dot_product_attention(q, buf.k, buf.v, attn_mask=mask, scale=m.scaling, enable_gqa=True)
+        else:
+            buf.k[:, :, self.n].copy_(k[:, :, 0])
+            buf.v[:, :, self.n].copy_(v[:, :, 0])
+            keys, values = buf.k[:, :, :self.n + 1], buf.v[:, :, :self.n + 1]
+            out = F.scaled_dot_product_attention(q, keys, values, scale=m.scaling, enable_gqa=True)
+        out = out.reshape(1, -1) * torch.sigmoid(gate.reshape(1, -1))
+        return m.o(out)
+
+
+# ---- CUDA graphs (CUDA only) ---------------------------------------------------------------------------------
+
+class CudaGraphStep:
+    """The static-shape step captured once in a torch.cuda.CUDAGraph and replayed per token: the token
+    is copied into a fixed input tensor, the logits come out in a fixed output tensor. Needs every layer,
+    expert and the head on one CUDA device (no CPU hand-off inside a graph) and `static_kv`."""
+
+    def __init__(self, dec: LeanDecoder):
+        devs = {L.device for L in dec.layers} | {dec.head_device}
+        if len(devs) != 1 or next(iter(devs)).type != "cuda" or any(L.moe.has_cpu for L in dec.layers):
+            raise ValueError("CUDA graphs need the whole model on one CUDA device")
+        self.dec = dec
+        self.token = torch.zeros(1, 1, dtype=torch.long, device=next(iter(devs)))
+        self.graph: Any = None
+        self.logits: torch.Tensor | None = None
+
+    def capture(self) -> None:
+        """Warm up on a side stream (state restored), then capture one step."""
+        dec = self.dec
+        saved = self._state()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            dec.forward(self.token)
+        torch.cuda.current_stream().wait_stream(s)
+        self._restore(saved)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = dec.forward(self.token)
+        self._restore(saved)  # capture does not run the kernels, but keep the state exact
+
+    def _state(self) -> list[torch.Tensor]:
+        dec = self.dec
+        out = [dec.pos.clone()] if dec.pos is not None else []
+        for L in dec.layers:
+            if isinstance(L.mixer, _Linear):
+                lc = dec.cache.layers[L.index]
+                out += [lc.conv_states[0].clone(), lc.recurrent_states[0].clone()]
+        return out
+
+    def _restore(self, saved: list[torch.Tensor]) -> None:
+        dec = self.dec
+        it = iter(saved)
+        if dec.pos is not None:
+            dec.pos.copy_(next(it))
+        for L in dec.layers:
+            if isinstance(L.mixer, _Linear):
+                lc = dec.cache.layers[L.index]
+                lc.conv_states[0].copy_(next(it))
+                lc.recurrent_states[0].copy_(next(it))
+
+    def replay(self, token: torch.Tensor) -> torch.Tensor:
+        if self.graph is None:
+            self.token.copy_(token)
+            self.capture()
+        self.token.copy_(token)
+        self.graph.replay()
+        assert self.logits is not None
+        return self.logits
