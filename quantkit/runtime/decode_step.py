@@ -138,7 +138,7 @@ class GatheredExperts:
 class _Moe:
     """A layer's sparse MoE block: router, routed experts, shared expert with its sigmoid gate."""
 
-    router_w: torch.Tensor
+    router_w: torch.Tensor  # fp32 copy of the router's bf16 weight (a bf16 GEMV is several times slower on CPU)
     top_k: int
     experts: QuantExperts
     shared_gate: Any
@@ -156,7 +156,7 @@ class _Moe:
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' Qwen3_5MoeTopKRouter on the device: (fp32 weights [k], int64 ids [k])."""
-        logits = F.linear(h, self.router_w)
+        logits = F.linear(h.float(), self.router_w).to(h.dtype)
         probs = torch.softmax(logits, dtype=torch.float, dim=-1)
         top, ids = torch.topk(probs, self.top_k, dim=-1)
         top = (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype)
@@ -250,7 +250,7 @@ class _Layer:
 def _moe(layer: Any, dev: torch.device, gather: frozenset[int] | None) -> _Moe:
     mlp = layer.mlp
     ex: QuantExperts = mlp.experts
-    m = _Moe(mlp.gate.weight, mlp.gate.top_k, ex, _kernel(mlp.shared_expert_gate), _kernel(mlp.shared_expert.up_proj),
+    m = _Moe(mlp.gate.weight.float(), mlp.gate.top_k, ex, _kernel(mlp.shared_expert_gate), _kernel(mlp.shared_expert.up_proj),
              _kernel(mlp.shared_expert.down_proj), _kernel(mlp.shared_expert.gate_proj), dev)
     if not isinstance(ex, QuantExperts):
         raise TypeError("lean decode needs QuantExperts (a model built by quantkit's loader)")
@@ -301,10 +301,10 @@ def linear_mixer(m: _Linear, eps: float, h: torch.Tensor, conv_state: torch.Tens
     z, b, a = m.z(h), m.b(h), m.a(h)
     new = torch.cat([conv_state, qkv.unsqueeze(-1).to(conv_state.dtype)], dim=-1)  # [1, C, K + 1]
     conv_state.copy_(new[:, :, 1:])
-    taps = len(m.conv_w)
-    acc = new[..., 1:2].float() * m.conv_w[0]
-    for j in range(1, taps):
-        acc.add_(new[..., 1 + j:2 + j].float() * m.conv_w[j])
+    nf = new[..., 1:].float()
+    acc = nf[..., 0:1] * m.conv_w[0]
+    for j in range(1, len(m.conv_w)):
+        acc.add_(nf[..., j:j + 1] * m.conv_w[j])
     x = F.silu(acc).to(h.dtype).view(1, -1)
     q, k, v = torch.split(x, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
     beta = b.sigmoid()
@@ -344,6 +344,22 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> 
     return torch.cat([xr * cos + rotated * sin, xp], dim=-1)
 
 
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+           masked: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token over [kv_heads, n, head_dim] keys and values: transformers' eager attention
+    (bf16 scores scaled, softmax in fp32 cast back, bf16 weighted sum), each group of query heads against
+    its key/value head without repeating K and V. `masked` [n] bool marks positions to ignore. torch's
+    CPU SDPA (the loader's attention) takes a flash-attention path for one bf16 query that costs many
+    times this at every length, so the lean step does not use it."""
+    kv, _n, hd = keys.shape
+    qg = q.reshape(kv, -1, hd)
+    scores = torch.bmm(qg, keys.transpose(1, 2)) * scaling
+    if masked is not None:
+        scores = scores.masked_fill(masked, float("-inf"))
+    w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.bmm(w, values)  # [kv, heads / kv, hd]: query heads in order
+
+
 # ---- the decoder -------------------------------------------------------------------------------------------
 
 class KVBuffer:
@@ -357,6 +373,7 @@ class KVBuffer:
         self.k[:, :, :n].copy_(k)
         self.v[:, :, :n].copy_(v)
         self.cache = layer_cache
+        self.positions = torch.arange(capacity, device=k.device)  # static mode's mask: positions > pos
 
     def publish(self, n: int) -> None:
         """Point the transformers cache layer at the first n positions."""
@@ -463,15 +480,14 @@ class LeanDecoder:
         buf = self.kv[L.index]
         if self.static_kv:
             assert self.pos is not None
-            buf.k.index_copy_(2, self.pos, k)
-            buf.v.index_copy_(2, self.pos, v)
-            mask = (torch.arange(buf.k.shape[2], device=h.device) <= self.pos).view(1, 1, 1, -1)
-            out = F.scaled_dot_product_attention(q, buf.k, buf.v, attn_mask=mask, scale=m.scaling, enable_gqa=True)
+            pos = self.pos.to(h.device)
+            buf.k.index_copy_(2, pos, k)
+            buf.v.index_copy_(2, pos, v)
+            out = attend(q, buf.k[0], buf.v[0], m.scaling, buf.positions > pos)
         else:
             buf.k[:, :, self.n].copy_(k[:, :, 0])
             buf.v[:, :, self.n].copy_(v[:, :, 0])
-            keys, values = buf.k[:, :, :self.n + 1], buf.v[:, :, :self.n + 1]
-            out = F.scaled_dot_product_attention(q, keys, values, scale=m.scaling, enable_gqa=True)
+            out = attend(q, buf.k[0, :, :self.n + 1], buf.v[0, :, :self.n + 1], m.scaling)
         out = out.reshape(1, -1) * torch.sigmoid(gate.reshape(1, -1))
         return m.o(out)
 
