@@ -45,6 +45,10 @@ from quantkit.runtime.kernels import DenseKernel, Int8Kernel, Kernel
 from quantkit.runtime.qexperts import QuantExperts
 
 ENV = "QUANTKIT_LEAN_DECODE"
+# Dynamic-KV attention runs over the filled length rounded up to this many positions, the rest masked:
+# oneDNN builds a bf16 matmul primitive per new shape, which costs several times the product itself, so
+# a shape that changes every token would pay it on every step.
+KV_BUCKET = 64
 
 
 def enabled_by_env() -> bool:
@@ -226,7 +230,7 @@ class _Linear:
     b: Any
     a: Any
     out: Any
-    conv_w: list[torch.Tensor]  # per tap: fp32 [C, 1]
+    conv_w: list[torch.Tensor]  # per tap: fp32 [C]
     neg_a: torch.Tensor  # -exp(A_log) in fp32
     dt_bias: torch.Tensor
     norm_w: torch.Tensor
@@ -284,7 +288,7 @@ def _linear(layer: Any) -> _Linear:
     if la.conv1d.bias is not None:
         raise TypeError("lean decode assumes the Gated DeltaNet conv has no bias (as Qwen3.5-MoE's)")
     return _Linear(_kernel(la.in_proj_qkv), _kernel(la.in_proj_z), _kernel(la.in_proj_b), _kernel(la.in_proj_a),
-                   _kernel(la.out_proj), [w[:, j:j + 1].contiguous() for j in range(w.shape[1])],
+                   _kernel(la.out_proj), [w[:, j].contiguous() for j in range(w.shape[1])],
                    -la.A_log.float().exp(), la.dt_bias, la.norm.weight, la.key_dim, la.value_dim,
                    la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim)
 
@@ -293,18 +297,17 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
-def linear_mixer(m: _Linear, eps: float, h: torch.Tensor, conv_state: torch.Tensor,
+def linear_mixer(m: _Linear, eps: float, h: torch.Tensor, conv: ConvWindow,
                  state: torch.Tensor) -> torch.Tensor:
-    """One token through a Gated DeltaNet layer, conv and recurrent states updated in place: transformers'
-    Qwen3_5MoeGatedDeltaNet with quantkit's CPU conv and delta rule (runtime/linear_attn.py), op for op."""
+    """One token through a Gated DeltaNet layer, conv window and recurrent state updated in place:
+    transformers' Qwen3_5MoeGatedDeltaNet with quantkit's CPU conv and delta rule
+    (runtime/linear_attn.py), op for op."""
     qkv = m.qkv(h)  # [1, C]
     z, b, a = m.z(h), m.b(h), m.a(h)
-    new = torch.cat([conv_state, qkv.unsqueeze(-1).to(conv_state.dtype)], dim=-1)  # [1, C, K + 1]
-    conv_state.copy_(new[:, :, 1:])
-    nf = new[..., 1:].float()
-    acc = nf[..., 0:1] * m.conv_w[0]
+    nf = conv.push(qkv).float()  # [K, C]: the last K inputs, oldest first
+    acc = nf[0] * m.conv_w[0]
     for j in range(1, len(m.conv_w)):
-        acc.add_(nf[..., j:j + 1] * m.conv_w[j])
+        acc.add_(nf[j] * m.conv_w[j])
     x = F.silu(acc).to(h.dtype).view(1, -1)
     q, k, v = torch.split(x, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
     beta = b.sigmoid()
@@ -325,7 +328,7 @@ def _delta_rule(m: _Linear, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g
     s3 = state.view(m.hv, m.dk, m.dv)
     kv = torch.bmm(kf.view(m.hv, 1, m.dk), s3)
     delta = (v.float().view(m.hv, 1, m.dv) - kv) * beta.float().view(m.hv, 1, 1)
-    s3.baddbmm_(kf.view(m.hv, m.dk, 1), delta)
+    s3.addcmul_(kf.view(m.hv, m.dk, 1), delta)
     return torch.bmm(qf.view(m.hv, 1, m.dk), s3).view(m.hv, m.dv).to(q.dtype)
 
 
@@ -358,6 +361,25 @@ def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: f
         scores = scores.masked_fill(masked, float("-inf"))
     w = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.bmm(w, values)  # [kv, heads / kv, hd]: query heads in order
+
+
+class ConvWindow:
+    """A Gated DeltaNet layer's conv state held tap-major, [K, C], while this decoder runs: the cache's
+    own layout, [1, C, K], makes every op of the 4-tap conv a stride-K walk over C channels, which costs
+    tens of times the same op on rows. `sync` writes it back into the cache's tensor."""
+
+    def __init__(self, conv_state: torch.Tensor):
+        self.cache_state = conv_state
+        self.rows = conv_state[0].t().contiguous()
+
+    def push(self, x: torch.Tensor) -> torch.Tensor:
+        """Shift in x [1, C]; the new window [K, C] (also the state kept)."""
+        new = torch.cat([self.rows[1:], x.to(self.rows.dtype)])
+        self.rows.copy_(new)
+        return new
+
+    def sync(self) -> None:
+        self.cache_state.copy_(self.rows.t().unsqueeze(0))
 
 
 # ---- the decoder -------------------------------------------------------------------------------------------
@@ -408,6 +430,7 @@ class LeanDecoder:
             self.layers.append(_Layer(i, dev, norms, mixer, _moe(layer, dev, gather_groups)))
         self.cache: Any = None
         self.kv: dict[int, KVBuffer] = {}
+        self.conv: dict[int, ConvWindow] = {}
         self.n = 0
         self.pos: torch.Tensor | None = None
         self.graph: CudaGraphStep | None = None
@@ -421,10 +444,18 @@ class LeanDecoder:
             raise ValueError(f"capacity {capacity} leaves no room after {self.n} cached tokens")
         self.kv = {L.index: KVBuffer(cache.layers[L.index], capacity)
                    for L in self.layers if isinstance(L.mixer, _Attn)}
+        self.conv = {L.index: ConvWindow(cache.layers[L.index].conv_states[0])
+                     for L in self.layers if isinstance(L.mixer, _Linear)}
         self.pos = torch.full((1,), self.n, dtype=torch.long, device=self.inv_freq.device)
         self.graph = None
         if self.cuda_graphs and self.inv_freq.device.type == "cuda":
             self.graph = CudaGraphStep(self)
+
+    def sync(self) -> None:
+        """Write the conv windows back into the cache (its recurrent states and K/V views are current
+        after every step): call before anything else reads the cache's conv states."""
+        for w in self.conv.values():
+            w.sync()
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Logits [V] of the next token after `token` ([1, 1] int64 on the embedding's device)."""
@@ -462,8 +493,8 @@ class LeanDecoder:
         if isinstance(L.mixer, _Attn):
             a = self._attention(L, h, cos, sin)
         else:
-            lc = self.cache.layers[L.index]
-            a = linear_mixer(L.mixer, L.norms.eps, h, lc.conv_states[0], lc.recurrent_states[0])
+            a = linear_mixer(L.mixer, L.norms.eps, h, self.conv[L.index],
+                             self.cache.layers[L.index].recurrent_states[0])
         x = x + a
         return x + L.moe(rms(x, L.norms.post, L.norms.eps))
 
@@ -487,7 +518,9 @@ class LeanDecoder:
         else:
             buf.k[:, :, self.n].copy_(k[:, :, 0])
             buf.v[:, :, self.n].copy_(v[:, :, 0])
-            out = attend(q, buf.k[0, :, :self.n + 1], buf.v[0, :, :self.n + 1], m.scaling)
+            span = min(-(-(self.n + 1) // KV_BUCKET) * KV_BUCKET, buf.k.shape[2])
+            masked = buf.positions[:span] > self.n if span > self.n + 1 else None
+            out = attend(q, buf.k[0, :, :span], buf.v[0, :, :span], m.scaling, masked)
         out = out.reshape(1, -1) * torch.sigmoid(gate.reshape(1, -1))
         return m.o(out)
 
@@ -529,7 +562,7 @@ class CudaGraphStep:
         for L in dec.layers:
             if isinstance(L.mixer, _Linear):
                 lc = dec.cache.layers[L.index]
-                out += [lc.conv_states[0].clone(), lc.recurrent_states[0].clone()]
+                out += [dec.conv[L.index].rows.clone(), lc.recurrent_states[0].clone()]
         return out
 
     def _restore(self, saved: list[torch.Tensor]) -> None:
@@ -540,7 +573,7 @@ class CudaGraphStep:
         for L in dec.layers:
             if isinstance(L.mixer, _Linear):
                 lc = dec.cache.layers[L.index]
-                lc.conv_states[0].copy_(next(it))
+                dec.conv[L.index].rows.copy_(next(it))
                 lc.recurrent_states[0].copy_(next(it))
 
     def replay(self, token: torch.Tensor) -> torch.Tensor:

@@ -291,6 +291,8 @@ def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling
             ids = torch.tensor([[tok]], dtype=torch.long, device=dev)
             logits = dec.step(ids) if dec is not None else _forward(model, ids, cache)
             t_dec += time.perf_counter() - t1
+        if dec is not None:
+            dec.sync()
     n_gen = len(generated)
     steps = max(0, n_gen - 1) if finish != "cancelled" else n_gen
     resp = GenerationResponse(
