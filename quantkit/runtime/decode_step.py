@@ -1,32 +1,39 @@
 """A lean batch-1 decode step for the whole Qwen3.5-MoE decoder stack: `LeanDecoder`.
 
 Why: one decode step through transformers' `Qwen3_5MoeForCausalLM.forward` spends, besides reading the
-weights, a fixed cost per layer in Python and small ops: the decorated forwards (kwarg deprecation,
-output capture, kernel hub wrappers) and module calls with hooks, the causal and recurrent masks, the
-multimodal rotary recomposition, zero-centred norms that add 1 to their weight on every call, q and k
-normalised and rotated separately, `DynamicCache.update` growing K and V by `torch.cat` (a copy of the
-whole KV per layer per token), the recurrent state copied onto itself by `update_recurrent_state`, the
-router's casts, and `QuantExperts.forward` reading the expert ids back with `.tolist()` (a host sync on
-a GPU). That cost was measured as comparable to the weight reads of a whole layer on a 2-core CPU.
+weights, a fixed cost per layer in Python and small ops: decorated forwards (kwarg deprecation, output
+capture, kernel-hub wrappers) and module calls with hooks, the causal and recurrent masks, the multimodal
+rotary recomposition, zero-centred norms that add 1 to their weight on every call, q and k normalised and
+rotated apart, `DynamicCache.update` growing K and V by `torch.cat` (a copy of the whole KV per layer per
+token), the recurrent state copied onto itself by `update_recurrent_state`, the router's casts, and
+`QuantExperts.forward` reading the expert ids back with `.tolist()` (a host sync on a GPU). On a CPU,
+three torch paths cost more than the arithmetic they do: SDPA with one bf16 query (its flash path), a
+bf16 matmul whose shape changes every token (oneDNN builds a new primitive per shape), and ops over the
+conv state's [1, C, K] layout (each a stride-K walk); and a bf16 router GEMV is several times an fp32 one.
 
 Contract: the step reads the SAME objects the loaded model holds (its `Kernel`s, norm weights,
-`QuantExperts`, router, conv and gate parameters) and the SAME transformers `DynamicCache` the prefill
-filled: prefill stays transformers' forward, and the prompt cache (`runtime.state_cache`) keeps working.
-The math mirrors transformers' modules op for op in the same dtypes (bf16 activations, fp32 norms, gates,
-conv and recurrent state), so the hidden states equal transformers' up to the summation order of a few
-fused ops (tests/test_decode_step.py states the bounds; greedy tokens are identical on the test model).
-Linear-attention conv and recurrent states are updated in place in the cache. Full-attention K and V go
-into a buffer this decoder owns (allocated once per generation for the tokens it may reach, the
+`QuantExperts`, conv and gate parameters; derived constants are computed once: (1 + w) of each norm,
+-exp(A_log), the conv taps and the router weight in fp32) and the SAME transformers `DynamicCache` the
+prefill filled, so prefill stays transformers' forward and the prompt cache (`runtime.state_cache`) keeps
+working. The math is transformers' with eager attention, op for op in its dtypes (bf16 activations, fp32
+norms, gates, conv and recurrent state): the tests find logits and cache states bit-equal to
+transformers' eager forward, and within stated bounds of the loader's SDPA attention (fp32 scores).
+
+State while decoding: the Gated DeltaNet recurrent state is updated in place in the cache; the conv state
+is held tap-major by the decoder (`ConvWindow`) and written back by `sync()`; full-attention K and V go
+into a buffer the decoder owns (allocated by `begin` for the positions the generation may reach, the
 prefill's K and V copied in), and the cache's `keys`/`values` are set to views of its filled part after
-each step: the cache answers `get_seq_length` as before, and no snapshot of the prompt cache ever points
-into the buffer (snapshots are views of the prefill's own `torch.cat` results).
+each step, so `get_seq_length` stays right and no prompt-cache snapshot ever points into the buffer
+(snapshots are views of the prefill's own `torch.cat` results). Attention runs over the filled length
+rounded up to `KV_BUCKET` positions, the rest masked.
 
 No host syncs inside the step: routing (softmax, top-k, renormalisation) stays on the layer's device;
 CPU experts fused in quantkit's kernel take the expert ids as a CPU tensor; experts on another device run
-through `GatheredExperts` (weights gathered by the routed ids on the device). On a GPU+CPU split the copy
-of the routed ids to the CPU is the one sync. `static_kv=True` keeps every shape fixed (attention over the
-whole buffer with a mask built from a device-side position), which `cuda_graphs=True` needs: the step is
-then captured once in a `torch.cuda.CUDAGraph` and replayed (`CudaGraphStep`, CUDA only).
+through `GatheredExperts` (weights gathered by the routed ids on the device; dense and int8 kernels,
+other formats off the CPU keep QuantExperts' decode, which reads the ids on the host). On a GPU+CPU split
+the copy of the routed ids to the CPU is the one sync. `static_kv=True` keeps every shape fixed
+(attention over the whole buffer, masked from a device-side position), which `cuda_graphs=True` needs:
+the step is then captured once in a `torch.cuda.CUDAGraph` and replayed (`CudaGraphStep`, CUDA only).
 
 Switch: `QUANTKIT_LEAN_DECODE=0` (or `Runtime.lean_decode = False`) sends every step through
 transformers' forward again.
@@ -153,6 +160,7 @@ class _Moe:
     gathered: list[GatheredExperts] = field(default_factory=list)
     cpu_fused_all: bool = False
     cpu_groups: frozenset[int] = frozenset()  # groups computed on the CPU when others are gathered
+    host_ids: bool = False  # experts off the CPU that cannot be gathered: the ids are read on the host
 
     @property
     def has_cpu(self) -> bool:
@@ -261,9 +269,10 @@ def _moe(layer: Any, dev: torch.device, gather: frozenset[int] | None) -> _Moe:
     off_cpu = [i for i, g in enumerate(ex.groups) if (g.device.type != "cpu" if gather is None else i in gather)]
     m.cpu_groups = frozenset(i for i in range(len(ex.groups)) if i not in off_cpu)
     if off_cpu:
-        if not all(GatheredExperts.possible(ex.groups[i].gate_up + ex.groups[i].down) for i in off_cpu):
-            raise TypeError("experts off the CPU need dense or int8 kernels for the lean step")
-        m.gathered = [GatheredExperts(ex, i) for i in off_cpu]
+        if all(GatheredExperts.possible(ex.groups[i].gate_up + ex.groups[i].down) for i in off_cpu):
+            m.gathered = [GatheredExperts(ex, i) for i in off_cpu]
+        else:  # e.g. int4 experts on a GPU: QuantExperts' own decode, which reads the ids on the host
+            m.cpu_groups, m.host_ids = frozenset(), True
         return m
     fused = ex._fused_table() if dev.type == "cpu" else None
     m.cpu_fused_all = fused is not None and all(fused[2])
@@ -432,6 +441,7 @@ class LeanDecoder:
         self.kv: dict[int, KVBuffer] = {}
         self.conv: dict[int, ConvWindow] = {}
         self.n = 0
+        self.capacity = 0
         self.pos: torch.Tensor | None = None
         self.graph: CudaGraphStep | None = None
 
@@ -440,6 +450,7 @@ class LeanDecoder:
         """Take over `cache` (a DynamicCache the prefill filled) for up to `capacity` positions in all."""
         self.cache = cache
         self.n = cache.get_seq_length()
+        self.capacity = capacity
         if capacity <= self.n:
             raise ValueError(f"capacity {capacity} leaves no room after {self.n} cached tokens")
         self.kv = {L.index: KVBuffer(cache.layers[L.index], capacity)
@@ -459,6 +470,8 @@ class LeanDecoder:
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Logits [V] of the next token after `token` ([1, 1] int64 on the embedding's device)."""
+        if self.n >= self.capacity:
+            raise ValueError(f"the decoder was begun for {self.capacity} positions; all are filled")
         logits = self.graph.replay(token) if self.graph is not None else self.forward(token)
         self.n += 1
         for buf in self.kv.values():
@@ -536,6 +549,8 @@ class CudaGraphStep:
         devs = {L.device for L in dec.layers} | {dec.head_device}
         if len(devs) != 1 or next(iter(devs)).type != "cuda" or any(L.moe.has_cpu for L in dec.layers):
             raise ValueError("CUDA graphs need the whole model on one CUDA device")
+        if any(L.moe.host_ids for L in dec.layers):
+            raise ValueError("CUDA graphs need experts the lean step can gather (dense or int8)")
         self.dec = dec
         self.token = torch.zeros(1, 1, dtype=torch.long, device=next(iter(devs)))
         self.graph: Any = None
