@@ -109,6 +109,14 @@ def test_layer_ops_run_the_runtime_model_with_every_layer_type(tiny_model):
     assert set(ops) == {"linear_attention", "full_attention"}
     assert all(v > 0 for v in ops.values()) and shell > 0
     assert detail["linear_attention"]["samples"] == 3 * 2 and detail["full_attention"]["samples"] == 2
+    assert detail["path"] == {"step": "lean"}  # the step generation runs
+
+
+def test_layer_ops_can_time_transformers_forward(tiny_model):
+    cfg = json.loads((tiny_model / "config.json").read_text())
+    ops, shell, detail = time_layer_ops(cfg, steps=2, prompt=4, lean=False)
+    assert set(ops) == {"linear_attention", "full_attention"} and shell > 0
+    assert detail["path"] == {"step": "transformers"} and detail["full_attention"]["samples"] == 2
 
 
 def test_calibrate_cli_then_plan_reads_the_profile(tiny_model, tmp_path, capsys, monkeypatch):

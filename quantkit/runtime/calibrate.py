@@ -11,7 +11,9 @@ Two measurements, each in isolation, on random weights of the model's real dimen
 - layer ops: the runtime's own model (transformers' skeleton filled by quantkit's loader) with one
   layer of each type, the real expert count and a small vocabulary, every kernel call replaced by a
   stub that returns zeros; matrices are `torch.empty` (never touched, so no memory). Decode steps
-  are timed per decoder layer by forward hooks; the rest of a step is the shell. The greedy argmax
+  run the path generation runs (the lean step of quantkit.runtime.decode_step unless
+  QUANTKIT_LEAN_DECODE=0, else transformers' forward) and are timed per decoder layer; the rest of a
+  step is the shell. The greedy argmax
   over the real vocabulary is timed on its own.
 """
 
@@ -21,7 +23,7 @@ import copy
 import math
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from statistics import median
 from typing import Any
@@ -38,8 +40,8 @@ from quantkit.planner.host_costs import (
     shape_key,
 )
 from quantkit.recipe import Recipe
+from quantkit.runtime import decode_step, linear_attn
 from quantkit.runtime import kernels as K
-from quantkit.runtime import linear_attn
 from quantkit.runtime.loader import LoadReport, Placement, TensorSource, build_skeleton, populate
 
 ROW_CAP = 16384
@@ -149,19 +151,8 @@ def _stub(self: Any, x: torch.Tensor) -> torch.Tensor:
     return cache[key]
 
 
-def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8) -> tuple[dict[str, float], float, dict]:
-    """Per layer type, seconds of one decode step with kernels stubbed; and the shell's seconds."""
-    from transformers import DynamicCache
-
-
-    cal = calibration_config(config)
-    spec = spec_from_config(cal, name="calibration")
-    c = spec.config
-    linear_attn.install()
-    model = build_skeleton(cal)
-    src = RandomSource(spec)
-    populate(model, src, Placement.single(c.num_hidden_layers, c.num_experts), LoadReport())
-    model.eval()
+def _transformers_steps(model: Any, cache: Any, steps: int, _prompt: int) -> Iterator[tuple[list[float], float]]:
+    """Decode steps through transformers' forward: (seconds per decoder layer, seconds of the step)."""
     layers = model.model.layers
     start = [0.0] * len(layers)
     took = [0.0] * len(layers)
@@ -180,24 +171,66 @@ def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8) -> 
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(pre(i), prepend=True))
         handles.append(layer.register_forward_hook(post(i)))
-    per_layer: list[list[float]] = [[] for _ in layers]
-    shell: list[float] = []
     try:
-        with _StubbedKernels(), torch.inference_mode():
-            cache = DynamicCache(config=model.config)
-            model(input_ids=torch.zeros(1, prompt, dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
-            for s in range(steps + 4):
-                t0 = time.perf_counter()
-                model(input_ids=torch.zeros(1, 1, dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
-                total = time.perf_counter() - t0
-                if s < 4:
-                    continue  # warm-up
-                for i in range(len(layers)):
-                    per_layer[i].append(took[i])
-                shell.append(total - sum(took))
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
+            yield list(took), time.perf_counter() - t0
     finally:
         for h in handles:
             h.remove()
+
+
+def _lean_steps(model: Any, cache: Any, steps: int, prompt: int) -> Iterator[tuple[list[float], float]]:
+    """Decode steps through the lean step generation uses (quantkit.runtime.decode_step)."""
+    dec = decode_step.LeanDecoder(model)
+    dec.begin(cache, prompt + steps + 1)
+    took = [0.0] * len(dec.layers)
+    layer = dec._layer
+
+    def timed(L: Any, *args: Any) -> torch.Tensor:
+        t0 = time.perf_counter()
+        y = layer(L, *args)
+        took[L.index] = time.perf_counter() - t0
+        return y
+
+    dec._layer = timed  # type: ignore[method-assign]
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        dec.step(torch.zeros(1, 1, dtype=torch.long))
+        yield list(took), time.perf_counter() - t0
+
+
+def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8,
+                   lean: bool | None = None) -> tuple[dict[str, float], float, dict]:
+    """Per layer type, seconds of one decode step with kernels stubbed; and the shell's seconds. `lean`:
+    time the step generation runs (quantkit.runtime.decode_step, unless QUANTKIT_LEAN_DECODE=0 when None),
+    else transformers' forward."""
+    from transformers import DynamicCache
+
+
+    cal = calibration_config(config)
+    spec = spec_from_config(cal, name="calibration")
+    c = spec.config
+    linear_attn.install()
+    model = build_skeleton(cal)
+    src = RandomSource(spec)
+    populate(model, src, Placement.single(c.num_hidden_layers, c.num_experts), LoadReport())
+    model.eval()
+    layers = model.model.layers
+    per_layer: list[list[float]] = [[] for _ in layers]
+    shell: list[float] = []
+    with _StubbedKernels(), torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.zeros(1, prompt, dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
+        use_lean = decode_step.enabled_by_env() if lean is None else lean
+        run = _lean_steps if use_lean else _transformers_steps
+        for took, total in run(model, cache, steps + 4, prompt):
+            for i in range(len(layers)):
+                per_layer[i].append(took[i])
+            shell.append(total - sum(took))
+    per_layer = [v[4:] for v in per_layer]  # warm-up
+    shell = shell[4:]
     by_type: dict[str, list[float]] = {}
     for i, t in enumerate(c.layer_types):
         by_type.setdefault(t, []).extend(per_layer[i])
@@ -205,6 +238,7 @@ def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8) -> 
     detail = {t: {"median_ms": round(median(v) * 1e3, 4), "min_ms": round(min(v) * 1e3, 4),
                   "max_ms": round(max(v) * 1e3, 4), "samples": len(v)} for t, v in by_type.items()}
     detail["shell"] = {"median_ms": round(median(shell) * 1e3, 4), "samples": len(shell)}
+    detail["path"] = {"step": "lean" if use_lean else "transformers"}
     return ops, median(shell), detail
 
 
