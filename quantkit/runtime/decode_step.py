@@ -64,8 +64,10 @@ def enabled_by_env() -> bool:
 
 
 def supports(model: Any) -> bool:
-    """True for a transformers Qwen3.5-MoE causal LM (the model the loader builds)."""
-    return type(model).__name__ == "Qwen3_5MoeForCausalLM" and hasattr(model, "model")
+    """True for a Qwen3.5-MoE causal LM built by quantkit's loader (QuantExperts in every layer)."""
+    if type(model).__name__ != "Qwen3_5MoeForCausalLM":
+        return False
+    return all(isinstance(layer.mlp.experts, QuantExperts) for layer in model.model.layers)
 
 
 def _kernel(mod: Any) -> Any:
