@@ -320,27 +320,27 @@ def linear_mixer(m: _Linear, eps: float, h: torch.Tensor, conv: ConvWindow,
     for j in range(1, len(m.conv_w)):
         acc.add_(nf[j] * m.conv_w[j])
     x = F.silu(acc).to(h.dtype).view(1, -1)
-    q, k, v = torch.split(x, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
+    qk, v = x[:, :2 * m.key_dim], x[:, 2 * m.key_dim:]  # q then k, then v
     beta = b.sigmoid()
     g = m.neg_a * F.softplus(a.float() + m.dt_bias)
-    core = _delta_rule(m, q, k, v, g, beta, state)  # [Hv, V] in h's dtype
+    core = _delta_rule(m, qk, v, g, beta, state)  # [Hv, V] in h's dtype
     return m.out(_gated_norm(core, z.view(m.hv, m.dv), m.norm_w, eps).view(1, -1))
 
 
-def _delta_rule(m: _Linear, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-    """runtime.linear_attn.recurrent_gated_delta_rule for one token and batch 1 (its fp32 state [1, Hv, K, V])."""
-    qf = _l2norm(q.view(m.hk, m.dk).float())
-    kf = _l2norm(k.view(m.hk, m.dk).float())
-    qf = qf / (m.dk ** 0.5)
+def _delta_rule(m: _Linear, qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                state: torch.Tensor) -> torch.Tensor:
+    """runtime.linear_attn.recurrent_gated_delta_rule for one token and batch 1 (its fp32 state [1, Hv, K, V]);
+    q and k, adjacent in the conv output, normalised as one [2 Hk, K] tensor (the same rows)."""
+    qkf = _l2norm(qk.view(2 * m.hk, m.dk).float()).view(2, m.hk, m.dk)
     if m.hv != m.hk:
-        qf, kf = qf.repeat_interleave(m.hv // m.hk, dim=0), kf.repeat_interleave(m.hv // m.hk, dim=0)
+        qkf = qkf.repeat_interleave(m.hv // m.hk, dim=1)
+    qf, kf = qkf[0] / (m.dk ** 0.5), qkf[1]
     state.mul_(g.view(m.hv, 1, 1).exp())
     s3 = state.view(m.hv, m.dk, m.dv)
     kv = torch.bmm(kf.view(m.hv, 1, m.dk), s3)
     delta = (v.float().view(m.hv, 1, m.dv) - kv) * beta.float().view(m.hv, 1, 1)
     s3.addcmul_(kf.view(m.hv, m.dk, 1), delta)
-    return torch.bmm(qf.view(m.hv, 1, m.dk), s3).view(m.hv, m.dv).to(q.dtype)
+    return torch.bmm(qf.view(m.hv, 1, m.dk), s3).view(m.hv, m.dv).to(qk.dtype)
 
 
 def _gated_norm(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
