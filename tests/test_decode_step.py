@@ -149,6 +149,8 @@ def test_greedy_generation_identical(tiny_model, recipe, one_thread):  # noqa: F
         rt.lean_decode = True
         got = rt.generate(msgs, temperature=0, max_new_tokens=16, ignore_eos=True).token_ids
         assert got == want and len(got) == 16
+        dec = rt.model._quantkit_lean  # the decoder generation used let go of its cache and buffers
+        assert dec.cache is None and not dec.kv and not dec.conv
 
 
 def test_prompt_cache_second_turn(tiny_model, one_thread):  # noqa: F811

@@ -470,6 +470,11 @@ class LeanDecoder:
         for w in self.conv.values():
             w.sync()
 
+    def end(self) -> None:
+        """`sync`, then let go of the cache and this generation's buffers."""
+        self.sync()
+        self.cache, self.kv, self.conv, self.graph = None, {}, {}, None
+
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Logits [V] of the next token after `token` ([1, 1] int64 on the embedding's device)."""
         if self.n >= self.capacity:

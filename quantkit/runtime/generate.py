@@ -263,36 +263,38 @@ def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling
         dec = lean_decoder(model, lean) if budget > 1 else None
         if dec is not None:
             dec.begin(cache, n_prompt + budget)
-        for i in range(budget):
-            if cancel is not None and cancel.is_set():
-                finish = "cancelled"
-                break
-            tok = sample(logits, sampling, gen)
-            generated.append(tok)
-            if tok in stop_ids:
-                finish = "stop"
-                break
-            if tok == think_end:
-                delta, channel = "", "answer"
-                detok.reset()
-            elif tok == think_start:
-                delta, channel = "", "thinking"
-                detok.reset()
-            else:
-                delta = detok.add(tok)
-                if channel == "answer" and not "".join(texts["answer"]):
-                    delta = delta.lstrip("\n")
-                texts[channel].append(delta)
-            yield TokenEvent(delta, tok, channel, i, cached_tokens=pre.cached_tokens)
-            if i == budget - 1:
-                finish = "length" if budget == sampling.max_new_tokens else "context"
-                break
-            t1 = time.perf_counter()
-            ids = torch.tensor([[tok]], dtype=torch.long, device=dev)
-            logits = dec.step(ids) if dec is not None else _forward(model, ids, cache)
-            t_dec += time.perf_counter() - t1
-        if dec is not None:
-            dec.sync()
+        try:
+            for i in range(budget):
+                if cancel is not None and cancel.is_set():
+                    finish = "cancelled"
+                    break
+                tok = sample(logits, sampling, gen)
+                generated.append(tok)
+                if tok in stop_ids:
+                    finish = "stop"
+                    break
+                if tok == think_end:
+                    delta, channel = "", "answer"
+                    detok.reset()
+                elif tok == think_start:
+                    delta, channel = "", "thinking"
+                    detok.reset()
+                else:
+                    delta = detok.add(tok)
+                    if channel == "answer" and not "".join(texts["answer"]):
+                        delta = delta.lstrip("\n")
+                    texts[channel].append(delta)
+                yield TokenEvent(delta, tok, channel, i, cached_tokens=pre.cached_tokens)
+                if i == budget - 1:
+                    finish = "length" if budget == sampling.max_new_tokens else "context"
+                    break
+                t1 = time.perf_counter()
+                ids = torch.tensor([[tok]], dtype=torch.long, device=dev)
+                logits = dec.step(ids) if dec is not None else _forward(model, ids, cache)
+                t_dec += time.perf_counter() - t1
+        finally:
+            if dec is not None:
+                dec.end()  # conv states back into the cache, buffers released (also when the consumer stops)
     n_gen = len(generated)
     steps = max(0, n_gen - 1) if finish != "cancelled" else n_gen
     resp = GenerationResponse(
