@@ -553,7 +553,7 @@ class CudaGraphStep:
     expert and the head on one CUDA device (no CPU hand-off inside a graph) and `static_kv`."""
 
     def __init__(self, dec: LeanDecoder):
-        devs = {L.device for L in dec.layers} | {dec.head_device}
+        devs = {L.device for L in dec.layers} | {dec.head_device, dec.inv_freq.device}
         if len(devs) != 1 or next(iter(devs)).type != "cuda" or any(L.moe.has_cpu for L in dec.layers):
             raise ValueError("CUDA graphs need the whole model on one CUDA device")
         if any(L.moe.host_ids for L in dec.layers):
