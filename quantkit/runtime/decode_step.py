@@ -154,10 +154,10 @@ class _Moe:
     router_w: torch.Tensor  # fp32 copy of the router's bf16 weight (a bf16 GEMV is several times slower on CPU)
     top_k: int
     experts: QuantExperts
-    shared_gate: Any
+    shared_gate_proj: Any  # the shared expert's MLP: gate_proj, up_proj, down_proj
     shared_up: Any
     shared_down: Any
-    shared_gate_proj: Any
+    shared_sigmoid_gate: Any  # shared_expert_gate: [H] -> 1, through a sigmoid
     device: torch.device
     gathered: list[GatheredExperts] = field(default_factory=list)
     cpu_fused_all: bool = False
@@ -179,33 +179,34 @@ class _Moe:
     def routed(self, h: torch.Tensor, wts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum [1, H] in h's dtype."""
         ex = self.experts
-        if self.cpu_fused_all:
+        if self.cpu_fused_all:  # a CPU layer whose experts all run in quantkit's fused kernel
             mod, table, _ok = ex._fused_table()  # type: ignore[misc]
             return mod.moe(h, table, ids, wts).view(h.shape).to(h.dtype)
-        if not self.gathered:  # CPU groups only: the ids are host memory already
+        if self.host_ids or (not self.gathered and h.device.type == "cpu"):
+            # a CPU layer (its ids are host memory), or experts only QuantExperts' own decode can run
             return ex._forward_one(h, ids.tolist(), wts.view(1, -1))
-        out = None
+        out = torch.zeros(1, ex.hidden_dim, dtype=torch.float32, device=h.device)
         for g in self.gathered:
-            y = g(h, ids, wts).to(h.device)
-            out = y if out is None else out.add_(y)
+            out.add_(g(h, ids, wts).to(h.device))
         if self.has_cpu:  # the hand-off: the one sync of a GPU+CPU split
-            out = out.add_(self._cpu_part(h, wts, ids).to(out.device))
+            out.add_(self._cpu_part(h, wts, ids).to(h.device))
         return out.to(h.dtype)
 
     def _cpu_part(self, h: torch.Tensor, wts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 [1, H] on the CPU: the slots whose experts live in the CPU groups, through QuantExperts'
+        decode (quantkit's fused kernel where it applies), the others weighted out."""
         ex = self.experts
         ids_c, wts_c = ids.to("cpu"), wts.to("cpu")
         keep = [s for s, e in enumerate(ids_c.tolist()) if ex._owner[e] in self.cpu_groups]
         if not keep:
             return torch.zeros(1, ex.hidden_dim, dtype=torch.float32)
-        x = h.to("cpu")
-        return ex._forward_one(x, ids_c[keep].tolist(), wts_c[keep].view(1, -1)).float()
+        return ex._forward_one(h.to("cpu"), ids_c[keep].tolist(), wts_c[keep].view(1, -1)).float()
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         shared = self.shared_down(F.silu(self.shared_gate_proj(h)) * self.shared_up(h))
         wts, ids = self.route(h)
         out = self.routed(h, wts, ids)
-        return out + torch.sigmoid(self.shared_gate(h)) * shared
+        return out + torch.sigmoid(self.shared_sigmoid_gate(h)) * shared
 
 
 @dataclass
@@ -264,10 +265,12 @@ class _Layer:
 def _moe(layer: Any, dev: torch.device, gather: frozenset[int] | None) -> _Moe:
     mlp = layer.mlp
     ex: QuantExperts = mlp.experts
-    m = _Moe(mlp.gate.weight.float(), mlp.gate.top_k, ex, _kernel(mlp.shared_expert_gate), _kernel(mlp.shared_expert.up_proj),
-             _kernel(mlp.shared_expert.down_proj), _kernel(mlp.shared_expert.gate_proj), dev)
     if not isinstance(ex, QuantExperts):
         raise TypeError("lean decode needs QuantExperts (a model built by quantkit's loader)")
+    se = mlp.shared_expert
+    m = _Moe(router_w=mlp.gate.weight.float(), top_k=mlp.gate.top_k, experts=ex,
+             shared_gate_proj=_kernel(se.gate_proj), shared_up=_kernel(se.up_proj), shared_down=_kernel(se.down_proj),
+             shared_sigmoid_gate=_kernel(mlp.shared_expert_gate), device=dev)
     off_cpu = [i for i, g in enumerate(ex.groups) if (g.device.type != "cpu" if gather is None else i in gather)]
     m.cpu_groups = frozenset(i for i in range(len(ex.groups)) if i not in off_cpu)
     if off_cpu:
