@@ -67,6 +67,10 @@ def supports(model: Any) -> bool:
     """True for a Qwen3.5-MoE causal LM built by quantkit's loader (QuantExperts in every layer)."""
     if type(model).__name__ != "Qwen3_5MoeForCausalLM":
         return False
+    cfg = model.config
+    rope = (getattr(cfg, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope in ("dynamic", "longrope") or cfg.hidden_act not in ("silu", "swish"):
+        return False  # frequencies that change with the length; another activation: transformers' path
     return all(isinstance(layer.mlp.experts, QuantExperts) for layer in model.model.layers)
 
 
@@ -230,6 +234,7 @@ class _Attn:
     head_dim: int
     rot: int
     scaling: float
+    eps: float
 
 
 @dataclass
@@ -293,7 +298,7 @@ def _attn(layer: Any) -> _Attn:
     scale = torch.cat([qs.expand(heads, hd), ks.expand(kv, hd)])
     rot = int(hd * cfg.rope_parameters.get("partial_rotary_factor", 1.0)) // 2 * 2
     return _Attn(_kernel(sa.q_proj), _kernel(sa.k_proj), _kernel(sa.v_proj), _kernel(sa.o_proj), scale,
-                 heads, kv, hd, rot, sa.scaling)
+                 heads, kv, hd, rot, sa.scaling, sa.q_norm.eps)
 
 
 def _linear(layer: Any) -> _Linear:
@@ -528,7 +533,7 @@ class LeanDecoder:
         q, gate = qg[:, :m.head_dim], qg[:, m.head_dim:]
         k = m.k(h).view(m.kv_heads, m.head_dim)
         v = m.v(h).view(1, m.kv_heads, 1, m.head_dim)
-        qk = rms(torch.cat([q, k]), m.qk_scale, L.norms.eps)
+        qk = rms(torch.cat([q, k]), m.qk_scale, m.eps)
         qk = _rotate(qk, cos, sin, m.rot)
         q, k = qk[:m.heads].view(1, m.heads, 1, m.head_dim), qk[m.heads:].view(1, m.kv_heads, 1, m.head_dim)
         buf = self.kv[L.index]
