@@ -6,6 +6,10 @@ peak memory per device, finish reason). Prompt tok/s = prompt tokens / prefill s
 tok/s = tokens after the first / seconds of the decode steps that produced them (the first token comes
 from the prefill's logits, as mlx-lm and llama.cpp count it).
 
+Prefill is transformers' forward; the one-token decode steps after it run through
+quantkit.runtime.decode_step's `LeanDecoder` on the cache the prefill filled (same math, a fraction of
+the per-layer cost), unless QUANTKIT_LEAN_DECODE=0 or `Runtime.lean_decode` is False.
+
 Channels: with thinking on, the chat template's generation prompt ends inside `<think>`, so tokens are
 "thinking" until the model emits `</think>`, then "answer"; a `<think>` token switches back. The tags
 themselves are not part of either text.
