@@ -276,6 +276,8 @@ def test_switches(tiny_model, monkeypatch):
     monkeypatch.setenv(decode_step.ENV, "0")
     assert lean_decoder(rt.model, None) is None and not decode_step.enabled_by_env()
     assert lean_decoder(object(), True) is None  # anything but a Qwen3.5-MoE causal LM: transformers' path
+    monkeypatch.setenv(decode_step.GRAPHS_ENV, "1")
+    assert not decode_step.graphs_by_env(rt.model)  # a CPU model never captures a CUDA graph
 
 
 def test_cuda_graphs_switch_on_cpu(tiny_model, one_thread):  # noqa: F811

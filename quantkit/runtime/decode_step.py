@@ -35,8 +35,9 @@ the copy of the routed ids to the CPU is the one sync. `static_kv=True` keeps ev
 (attention over the whole buffer, masked from a device-side position), which `cuda_graphs=True` needs:
 the step is then captured once in a `torch.cuda.CUDAGraph` and replayed (`CudaGraphStep`, CUDA only).
 
-Switch: `QUANTKIT_LEAN_DECODE=0` (or `Runtime.lean_decode = False`) sends every step through
-transformers' forward again.
+Switches: `QUANTKIT_LEAN_DECODE=0` (or `Runtime.lean_decode = False`) sends every step through
+transformers' forward again; `QUANTKIT_CUDA_GRAPHS=1` has generation build its decoder with
+`cuda_graphs=True` when the model sits on a CUDA device (off by default).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from quantkit.runtime.kernels import DenseKernel, Int8Kernel, Kernel
 from quantkit.runtime.qexperts import QuantExperts
 
 ENV = "QUANTKIT_LEAN_DECODE"
+GRAPHS_ENV = "QUANTKIT_CUDA_GRAPHS"
 # Dynamic-KV attention runs over the filled length rounded up to this many positions, the rest masked:
 # oneDNN builds a bf16 matmul primitive per new shape, which costs several times the product itself, so
 # a shape that changes every token would pay it on every step.
@@ -61,6 +63,14 @@ KV_BUCKET = 64
 def enabled_by_env() -> bool:
     """Lean decode is on unless QUANTKIT_LEAN_DECODE=0."""
     return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def graphs_by_env(model: Any) -> bool:
+    """QUANTKIT_CUDA_GRAPHS=1 asks for CUDA-graph decode (off by default), honoured for a model whose
+    first layer is on a CUDA device (`CudaGraphStep` then checks that all of it is)."""
+    if os.environ.get(GRAPHS_ENV, "0").strip() != "1":
+        return False
+    return model.model.layers[0].input_layernorm.weight.device.type == "cuda"
 
 
 def supports(model: Any) -> bool:

@@ -193,7 +193,7 @@ def lean_decoder(model: Any, lean: bool | None) -> decode_step.LeanDecoder | Non
         return None
     dec = getattr(model, "_quantkit_lean", None)
     if dec is None:
-        dec = decode_step.LeanDecoder(model)
+        dec = decode_step.LeanDecoder(model, cuda_graphs=decode_step.graphs_by_env(model))
         model._quantkit_lean = dec
     return dec
 
