@@ -192,3 +192,18 @@ def test_plot_writes_png(tmp_path):
     bd.plot(d, tmp_path / "p.png")
     data = (tmp_path / "p.png").read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_timed_decode_runs_the_lean_step_for_quantkit_models(tiny_model):
+    """quantkit configurations time the decode step generation runs (the lean step); the greedy tokens are
+    the transformers forward's; transformers' own model is never given the lean step."""
+    from quantkit.runtime import load_model
+    from quantkit.runtime.generate import lean_decoder
+    from quantkit.testing.tiny import load_reference_model
+
+    m = load_model(quantized(tiny_model, "int8")).model
+    prompt = list(range(5, 25))
+    _, steps, lean = bd._timed(m, prompt, 6, lean=True)
+    _, _, plain = bd._timed(m, prompt, 6, lean=False)
+    assert len(steps) == 6 and lean == plain and getattr(m, "_quantkit_lean", None) is not None
+    assert lean_decoder(load_reference_model(tiny_model, torch.bfloat16), True) is None

@@ -130,23 +130,33 @@ def test_layer_ops_run_the_runtime_model_with_every_layer_type(tiny_model):
     d = lo.detail
     assert d["linear_attention"]["samples"] == 3 * 2 and d["full_attention"]["samples"] == 2
     assert d["expert_loop"]["samples"] == 4 * 2  # the experts module of every layer, timed apart
+    assert d["path"] == {"step": "lean"}  # the step generation runs
 
 
-def test_layer_ops_exclude_the_routed_experts_module(tiny_model, monkeypatch):
-    """A slow experts module (here: 20 ms of sleep per call) lands in `expert_loop_s`, not in the layers' ops."""
+def test_layer_ops_can_time_transformers_forward(tiny_model):
+    cfg = json.loads((tiny_model / "config.json").read_text())
+    lo = time_layer_ops(cfg, steps=2, prompt=4, lean=False)
+    assert set(lo.ops_s) == {"linear_attention", "full_attention"} and lo.shell_s > 0 and lo.expert_loop_s > 0
+    assert lo.detail["path"] == {"step": "transformers"} and lo.detail["full_attention"]["samples"] == 2
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_layer_ops_exclude_the_routed_experts_module(tiny_model, monkeypatch, lean):
+    """Slow routed experts (here: 20 ms of sleep per decode call) land in `expert_loop_s`, not in the layers'
+    ops, on the lean step and on transformers' forward alike."""
     import time as _time
 
     from quantkit.runtime.qexperts import QuantExperts
 
     cfg = json.loads((tiny_model / "config.json").read_text())
-    forward = QuantExperts.forward
+    one = QuantExperts._forward_one
 
     def slow(self, *a, **k):
         _time.sleep(0.02)
-        return forward(self, *a, **k)
+        return one(self, *a, **k)
 
-    monkeypatch.setattr(QuantExperts, "forward", slow)
-    lo = time_layer_ops(cfg, steps=2, prompt=4)
+    monkeypatch.setattr(QuantExperts, "_forward_one", slow)
+    lo = time_layer_ops(cfg, steps=2, prompt=4, lean=lean)
     assert lo.expert_loop_s >= 0.02
     assert all(v < 0.02 for v in lo.ops_s.values())
 

@@ -40,6 +40,7 @@ from quantkit.planner.placement import solve
 from quantkit.quantize.run import QuantizeOptions, run_quantize
 from quantkit.recipe import get_recipe
 from quantkit.runtime import linear_attn, load_model
+from quantkit.runtime.generate import lean_decoder
 from quantkit.runtime.loader import QuantEmbedding
 from quantkit.runtime.qexperts import QuantExperts
 from quantkit.testing.tiny import make_tiny_model
@@ -70,8 +71,10 @@ def read_bandwidth_gbs(gib: float = 1.0, reps: int = 5) -> float:
     return x.numel() * 4 / best / 1e9
 
 
-def _timed(model: Any, prompt: list[int], decode: int) -> tuple[float, list[float], list[int]]:
-    """Prefill seconds, each decode step's seconds, and the greedy tokens."""
+def _timed(model: Any, prompt: list[int], decode: int, lean: bool = False) -> tuple[float, list[float], list[int]]:
+    """Prefill seconds, each decode step's seconds, and the greedy tokens. `lean`: decode steps as
+    generation runs them (quantkit.runtime.generate.lean_decoder: the lean step unless
+    QUANTKIT_LEAN_DECODE=0)."""
     from transformers import DynamicCache
 
     steps: list[float] = []
@@ -81,10 +84,17 @@ def _timed(model: Any, prompt: list[int], decode: int) -> tuple[float, list[floa
         out = model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True, logits_to_keep=1)
         t_pre = time.perf_counter() - t0
         toks = [int(out.logits[0, -1].argmax())]
+        dec = lean_decoder(model, None) if lean else None
+        if dec is not None:
+            dec.begin(cache, len(prompt) + decode + 1)
         for _ in range(decode):
             t1 = time.perf_counter()
-            out = model(input_ids=torch.tensor([[toks[-1]]]), cache=cache, use_cache=True, logits_to_keep=1)
-            toks.append(int(out.logits[0, -1].argmax()))
+            ids = torch.tensor([[toks[-1]]])
+            if dec is not None:
+                logits = dec.step(ids)
+            else:
+                logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            toks.append(int(logits.argmax()))
             steps.append(time.perf_counter() - t1)
     return t_pre, steps, toks
 
@@ -171,7 +181,7 @@ def run_one(mode: str, folder: Path, prompt_len: int, decode: int, reps: int,
     best_p = best_d = 0.0
     median_d, toks = 0.0, []
     for _ in range(reps):
-        t_pre, steps, toks = _timed(model, prompt, decode)
+        t_pre, steps, toks = _timed(model, prompt, decode, lean=not mode.startswith("transformers"))
         best_p = max(best_p, prompt_len / t_pre)
         if len(steps) / sum(steps) > best_d:
             best_d = len(steps) / sum(steps)

@@ -13,7 +13,8 @@ What it does, in this order:
    that `cpu_share` of the expert bytes no longer fit: those experts stay in RAM and compute on the CPU,
    the first layers' first, as the planner does on a smaller card). A CPU-only plan is the reference.
 4. Each plan is saved beside the checkpoint and loaded with `quantkit.runtime.load_model(path, plan=...)`,
-   CUDA-graph decode off and on (`load_model(..., cuda_graphs=...)`; a build without that keyword gets
+   CUDA-graph decode off and on for `gpu` (a graph cannot hold the CPU experts' hand-off of `gpu+cpu`)
+   (`load_model(..., cuda_graphs=...)`; a build without that keyword gets
    one clear error for the graph runs, recorded in the report, and the rest still runs). Each load does one
    short warm-up generation, then one greedy generation of `decode` tokens (ignore_eos) from a fixed
    prompt of `prompt` token ids, through the runtime's own generation path (`Runtime.generate_ids`).
@@ -331,7 +332,7 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
         plan_file = workdir / f"plan-{p.name.replace('+', '-')}.json"
         p.plan.save(plan_file)
         log(f"{p.name}: {p.plan.summary()}")
-        for graphs in ((False,) if p.name == "cpu" else (False, True)):
+        for graphs in ((False, True) if p.name == "gpu" else (False,)):  # a graph cannot hold the CPU hand-off
             r = run_placement(folder, plan_file, p, graphs, prompt, decode)
             log(f"  {r.label}: " + (f"failed: {r.error}" if r.error else
                                     f"decode {r.decode_tok_s:.1f} tok/s, load {r.load_s:.1f} s"))

@@ -18,9 +18,11 @@ Two measurements, each in isolation, on random weights of the model's real dimen
   layer of each type, the real expert count and a small vocabulary, every kernel call replaced by a
   stub that returns zeros and the experts' fused call switched off (else bf16 experts on an
   AVX512-BF16 CPU would run a real `qk.moe` over the untouched weights); matrices are `torch.empty`
-  (never touched, so no memory). Decode steps are timed per decoder layer and per routed-experts
-  module by forward hooks: a layer's ops exclude its experts module, whose time (the unfused loop's
-  small ops, kernels stubbed) is `expert_loop_s`; the rest of a step is the shell. The greedy argmax
+  (never touched, so no memory). Decode steps run the path generation runs (the lean step of
+  quantkit.runtime.decode_step unless QUANTKIT_LEAN_DECODE=0, else transformers' forward) and are timed
+  per decoder layer and per routed-experts call: a layer's ops exclude its routed experts, whose time
+  (the unfused loop's small ops, kernels stubbed) is `expert_loop_s`; the rest of a step is the shell.
+  The greedy argmax
   over the real vocabulary is timed on its own.
 """
 
@@ -30,7 +32,7 @@ import copy
 import math
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from statistics import median
@@ -51,8 +53,8 @@ from quantkit.planner.host_costs import (
     shape_key,
 )
 from quantkit.recipe import Recipe
+from quantkit.runtime import decode_step, linear_attn
 from quantkit.runtime import kernels as K
-from quantkit.runtime import linear_attn
 from quantkit.runtime.loader import LoadReport, Placement, TensorSource, build_skeleton, populate
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 
@@ -222,10 +224,10 @@ def _stub(self: Any, x: torch.Tensor) -> torch.Tensor:
 class LayerOps:
     """What `time_layer_ops` measured: seconds per decode step."""
 
-    ops_s: dict[str, float]  # layer type -> its ops, kernels and the routed-experts module excluded
+    ops_s: dict[str, float]  # layer type -> its ops, kernels and the routed experts excluded
     shell_s: float  # the step outside the decoder layers
-    expert_loop_s: float  # the unfused routed-experts module's own ops (top_k experts), kernels stubbed
-    detail: dict[str, Any]  # spreads, for the report
+    expert_loop_s: float  # the unfused routed experts' own ops (top_k experts), kernels stubbed
+    detail: dict[str, Any]  # spreads and the path timed, for the report
 
 
 def _timing_hooks(mod: torch.nn.Module, i: int, start: list[float], took: list[float]) -> list[Any]:
@@ -245,11 +247,67 @@ def _spread(v: list[float]) -> dict[str, Any]:
             "max_ms": round(max(v) * 1e3, 4), "samples": len(v)}
 
 
-def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8) -> LayerOps:
-    """Per layer type, seconds of one decode step with kernels stubbed and the routed experts apart; the
-    experts module's own (unfused) ops; and the shell's seconds."""
-    from transformers import DynamicCache
+Steps = Iterator[tuple[list[float], list[float], float]]  # per step: layer seconds, their experts', the step's
 
+
+def _transformers_steps(model: Any, cache: Any, steps: int, _prompt: int) -> Steps:
+    """Decode steps through transformers' forward."""
+    layers = model.model.layers
+    n = len(layers)
+    start, took = [0.0] * (2 * n), [0.0] * (2 * n)  # [layer i, experts of layer i at n + i]
+    handles = []
+    for i, layer in enumerate(layers):
+        handles += _timing_hooks(layer, i, start, took)
+        handles += _timing_hooks(layer.mlp.experts, n + i, start, took)
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            model(input_ids=torch.zeros(1, 1, dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
+            yield took[:n], took[n:], time.perf_counter() - t0
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _lean_steps(model: Any, cache: Any, steps: int, prompt: int) -> Steps:
+    """Decode steps through the lean step generation uses (quantkit.runtime.decode_step)."""
+    dec = decode_step.LeanDecoder(model)
+    dec.begin(cache, prompt + steps + 1)
+    n = len(dec.layers)
+    took, experts = [0.0] * n, [0.0] * n
+    layer = dec._layer
+
+    def timed(L: Any, *args: Any) -> torch.Tensor:
+        t0 = time.perf_counter()
+        y = layer(L, *args)
+        took[L.index] = time.perf_counter() - t0
+        return y
+
+    def timed_routed(i: int, routed: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def run(*args: Any) -> torch.Tensor:
+            t0 = time.perf_counter()
+            y = routed(*args)
+            experts[i] = time.perf_counter() - t0
+            return y
+        return run
+
+    for L in dec.layers:
+        L.moe.routed = timed_routed(L.index, L.moe.routed)  # type: ignore[method-assign]
+    dec._layer = timed  # type: ignore[method-assign]
+    try:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            dec.step(torch.zeros(1, 1, dtype=torch.long))
+            yield took, experts, time.perf_counter() - t0
+    finally:
+        dec.end()
+
+
+def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8, lean: bool | None = None) -> LayerOps:
+    """Per layer type, seconds of one decode step with kernels stubbed and the routed experts apart; the
+    experts' own (unfused) ops; and the shell's seconds. `lean`: time the step generation runs
+    (quantkit.runtime.decode_step, unless QUANTKIT_LEAN_DECODE=0 when None), else transformers' forward."""
+    from transformers import DynamicCache
 
     cal = calibration_config(config)
     spec = spec_from_config(cal, name="calibration")
@@ -259,39 +317,29 @@ def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8) -> 
     src = RandomSource(spec)
     populate(model, src, Placement.single(c.num_hidden_layers, c.num_experts), LoadReport())
     model.eval()
-    layers = model.model.layers
-    n = len(layers)
-    start, took = [0.0] * (2 * n), [0.0] * (2 * n)  # [layer i, experts of layer i at n + i]
-    handles = []
-    for i, layer in enumerate(layers):
-        handles += _timing_hooks(layer, i, start, took)
-        handles += _timing_hooks(layer.mlp.experts, n + i, start, took)
-    per_layer: list[list[float]] = [[] for _ in layers]
+    n = c.num_hidden_layers
+    per_layer: list[list[float]] = [[] for _ in range(n)]
     loop: list[float] = []
     shell: list[float] = []
-    try:
-        with _StubbedKernels(), torch.inference_mode():
-            cache = DynamicCache(config=model.config)
-            model(input_ids=torch.zeros(1, prompt, dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
-            for s in range(steps + 4):
-                t0 = time.perf_counter()
-                model(input_ids=torch.zeros(1, 1, dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
-                total = time.perf_counter() - t0
-                if s < 4:
-                    continue  # warm-up
-                for i in range(n):
-                    per_layer[i].append(took[i] - took[n + i])
-                    loop.append(took[n + i])
-                shell.append(total - sum(took[:n]))
-    finally:
-        for h in handles:
-            h.remove()
+    use_lean = decode_step.enabled_by_env() if lean is None else lean
+    with _StubbedKernels(), torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        model(input_ids=torch.zeros(1, prompt, dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
+        run = _lean_steps if use_lean else _transformers_steps
+        for s, (took, experts, total) in enumerate(run(model, cache, steps + 4, prompt)):
+            if s < 4:
+                continue  # warm-up
+            for i in range(n):
+                per_layer[i].append(took[i] - experts[i])
+                loop.append(experts[i])
+            shell.append(total - sum(took))
     by_type: dict[str, list[float]] = {}
     for i, t in enumerate(c.layer_types):
         by_type.setdefault(t, []).extend(per_layer[i])
     detail: dict[str, Any] = {t: _spread(v) for t, v in by_type.items()}
     detail["shell"] = {"median_ms": round(median(shell) * 1e3, 4), "samples": len(shell)}
     detail["expert_loop"] = _spread(loop)
+    detail["path"] = {"step": "lean" if use_lean else "transformers"}
     return LayerOps({t: median(v) for t, v in by_type.items()}, median(shell), median(loop), detail)
 
 

@@ -11,6 +11,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_json_bounded
+from quantkit.runtime import decode_step
 from quantkit.runtime.devices import available_bytes
 from quantkit.runtime.generate import GenerationResponse, SamplingParams, TokenEvent, stream_tokens
 from quantkit.runtime.safe_prompt import render_ids
@@ -100,6 +101,9 @@ class Runtime:
         self._lock = threading.Lock()
         self.last: GenerationResponse | None = None
         self.last_prompt_ids: list[int] = []
+        # one-token decode steps through quantkit.runtime.decode_step (False: transformers' forward)
+        self.lean_decode = decode_step.enabled_by_env()
+        self.cuda_graphs: bool | None = None  # the lean step through a CUDA graph (None: QUANTKIT_CUDA_GRAPHS)
 
     # ---- facts ----
     @property
@@ -179,7 +183,8 @@ class Runtime:
             for e in stream_tokens(self.model, self.tokenizer, ids, sampling=sampling, stop_ids=stops,
                                    context=self.context, devices=self._io_devices(), thinking=thinking,
                                    think_ids=self.think_ids, cancel=ev, prefix_cache=self.prompt_cache,
-                                   boundary_ids=self.boundary_ids):
+                                   boundary_ids=self.boundary_ids, lean=self.lean_decode,
+                                   graphs=self.cuda_graphs):
                 if e.response is not None:
                     self.last = e.response
                 yield e

@@ -6,6 +6,10 @@ peak memory per device, finish reason). Prompt tok/s = prompt tokens / prefill s
 tok/s = tokens after the first / seconds of the decode steps that produced them (the first token comes
 from the prefill's logits, as mlx-lm and llama.cpp count it).
 
+Prefill is transformers' forward; the one-token decode steps after it run through
+quantkit.runtime.decode_step's `LeanDecoder` on the cache the prefill filled (same math, a fraction of
+the per-layer cost), unless QUANTKIT_LEAN_DECODE=0 or `Runtime.lean_decode` is False.
+
 Channels ("thinking" and "answer") are decided by token id in quantkit.runtime.channels, the one place
 a generation is split; the tags themselves are not part of either text.
 """
@@ -22,6 +26,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK
+from quantkit.runtime import decode_step
 from quantkit.runtime.channels import ANSWER, THINKING, ChannelSplitter
 from quantkit.runtime.state_cache import (
     PrefixCache,
@@ -157,6 +162,23 @@ def _forward(model: Any, ids: torch.Tensor, cache: Any) -> torch.Tensor:
     return out.logits[0, -1]
 
 
+def lean_decoder(model: Any, lean: bool | None, graphs: bool | None = None) -> decode_step.LeanDecoder | None:
+    """The model's `LeanDecoder` (built once, kept on the model) when lean decode is on (`lean`, or
+    QUANTKIT_LEAN_DECODE when None) and the model is a loaded Qwen3.5-MoE; None means transformers' forward.
+    `graphs`: through a CUDA graph (None: QUANTKIT_CUDA_GRAPHS); a model not on one CUDA device is refused."""
+    if not (decode_step.enabled_by_env() if lean is None else lean) or not decode_step.supports(model):
+        return None
+    want = decode_step.graphs_by_env(model) if graphs is None else bool(graphs)
+    if graphs and not decode_step.on_cuda(model):
+        raise QuantkitError("CUDA-graph decode needs the model on a CUDA device; this placement puts its "
+                            "layers on the CPU (load it without cuda_graphs)")
+    dec = getattr(model, "_quantkit_lean", None)
+    if dec is None or dec.cuda_graphs != want:
+        dec = decode_step.LeanDecoder(model, cuda_graphs=want)
+        model._quantkit_lean = dec
+    return dec
+
+
 @dataclass
 class Prefill:
     cache: Any
@@ -195,9 +217,11 @@ def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling
                   stop_ids: set[int], context: int, devices: list[str], thinking: bool,
                   think_ids: tuple[int | None, int | None] = (None, None),
                   cancel: threading.Event | None = None, prefix_cache: PrefixCache | None = None,
-                  boundary_ids: frozenset[int] = frozenset()) -> Iterator[TokenEvent]:
+                  boundary_ids: frozenset[int] = frozenset(), lean: bool | None = None,
+                  graphs: bool | None = None) -> Iterator[TokenEvent]:
     """Generate from `prompt_ids` (already rendered by the chat template). See the module docstring;
-    `prefix_cache` and `boundary_ids` as in `prefill`."""
+    `prefix_cache` and `boundary_ids` as in `prefill`; `lean` as in `lean_decoder` (one-token steps
+    through quantkit.runtime.decode_step instead of transformers' forward)."""
     sampling.validate()
     n_prompt = len(prompt_ids)
     if n_prompt == 0:
@@ -219,23 +243,31 @@ def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling
         budget = min(sampling.max_new_tokens, context - n_prompt) if logits is not None else 0
         if logits is None:
             finish = "cancelled"
-        for i in range(budget):
-            if cancel is not None and cancel.is_set():
-                finish = "cancelled"
-                break
-            tok = sample(logits, sampling, gen)
-            generated.append(tok)
-            if tok in stop_ids:
-                finish = "stop"
-                break
-            channel, delta = split.feed(tok)
-            yield TokenEvent(delta, tok, channel, i, cached_tokens=pre.cached_tokens)
-            if i == budget - 1:
-                finish = "length" if budget == sampling.max_new_tokens else "context"
-                break
-            t1 = time.perf_counter()
-            logits = _forward(model, torch.tensor([[tok]], dtype=torch.long, device=dev), cache)
-            t_dec += time.perf_counter() - t1
+        dec = lean_decoder(model, lean, graphs) if budget > 1 else None
+        if dec is not None:
+            dec.begin(cache, n_prompt + budget)
+        try:
+            for i in range(budget):
+                if cancel is not None and cancel.is_set():
+                    finish = "cancelled"
+                    break
+                tok = sample(logits, sampling, gen)
+                generated.append(tok)
+                if tok in stop_ids:
+                    finish = "stop"
+                    break
+                channel, delta = split.feed(tok)
+                yield TokenEvent(delta, tok, channel, i, cached_tokens=pre.cached_tokens)
+                if i == budget - 1:
+                    finish = "length" if budget == sampling.max_new_tokens else "context"
+                    break
+                t1 = time.perf_counter()
+                ids = torch.tensor([[tok]], dtype=torch.long, device=dev)
+                logits = dec.step(ids) if dec is not None else _forward(model, ids, cache)
+                t_dec += time.perf_counter() - t1
+        finally:
+            if dec is not None:
+                dec.end()  # conv states back into the cache, buffers released (also when the consumer stops)
     n_gen = len(generated)
     steps = max(0, n_gen - 1) if finish != "cancelled" else n_gen
     resp = GenerationResponse(

@@ -375,8 +375,11 @@ def load_plan_file(path: str | Path) -> Plan:
 
 def load_model(path: str | Path, plan: str | Path | Plan | None = None, *, recipe: str | None = None,
                context: int | None = None, verify: str = "auto", placement: Placement | None = None,
-               progress: Callable[[str], None] | None = None, route: str | None = None) -> Runtime:
-    """Load a quantized (or bf16) checkpoint folder into a `Runtime`. See the module docstring."""
+               progress: Callable[[str], None] | None = None, route: str | None = None,
+               cuda_graphs: bool | None = None) -> Runtime:
+    """Load a quantized (or bf16) checkpoint folder into a `Runtime`. See the module docstring.
+    `cuda_graphs`: decode through a captured CUDA graph (the model must be on one CUDA device; None: the
+    QUANTKIT_CUDA_GRAPHS environment switch)."""
 
 
     t0 = time.perf_counter()
@@ -424,5 +427,7 @@ def load_model(path: str | Path, plan: str | Path | Plan | None = None, *, recip
     finally:
         src.close()
     report.seconds = time.perf_counter() - t0
-    return Runtime(model, folder, config, placement, report, recipe=rec, plan=plan_obj)
+    rt = Runtime(model, folder, config, placement, report, recipe=rec, plan=plan_obj)
+    rt.cuda_graphs = cuda_graphs
+    return rt
 
