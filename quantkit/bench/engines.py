@@ -13,6 +13,11 @@ On a realistic-shape checkpoint (real hidden/head/expert sizes, fewer layers and
 Random-weight MoE routers are nearly tied (the smallest top-k gap per position is about 0.01), so on this checkpoint even the bf16
 engines disagree with the fp32 reference on some tokens; the bf16 rows give that floor. The tok/s are
 for this checkpoint's depth (`layers`), not the 40-layer model.
+
+Beside both engines, the memory-bandwidth bound: the weight bytes one decode step reads (every
+non-expert matrix, top_k of each layer's experts, one embedding row; from the GGUF's tensor sizes for
+llama.cpp, from the loaded kernels for quantkit, as `quantkit bench decode` counts them) over this
+machine's measured read bandwidth, and each engine's decode as a fraction of it.
 """
 
 from __future__ import annotations
@@ -29,9 +34,11 @@ import numpy as np
 import torch
 
 from quantkit.bench import write_reports
+from quantkit.bench.decode import read_bandwidth_gbs, step_bytes
 from quantkit.export.gguf import export_gguf
 from quantkit.formats import QuantSpec
 from quantkit.model.checkpoint import Checkpoint
+from quantkit.model.gguf_file import read_gguf
 from quantkit.model.spec import Role
 from quantkit.quantize.run import QuantizeOptions, run_quantize
 from quantkit.recipe import INT8, Recipe
@@ -53,6 +60,20 @@ def _machine() -> dict[str, Any]:
     return {"cpu": flags.split(":", 1)[-1].strip() or platform.processor(), "cores": os.cpu_count(),
             "ram_gb": round(psutil.virtual_memory().total / 1e9, 1), "torch": torch.__version__,
             "load_avg_at_start": os.getloadavg()[0]}
+
+
+def gguf_step_bytes(path: Path, top_k: int) -> int:
+    """Weight bytes one decode step reads from a GGUF: every tensor but the routed experts' (`*_exps`),
+    top_k / experts of those, and one row of the token embedding."""
+    total = 0
+    for t in read_gguf(path).tensors:
+        if t.name == "token_embd.weight":
+            total += t.nbytes // t.shape[0]
+        elif "_exps." in t.name:
+            total += t.nbytes * top_k // t.shape[0]
+        else:
+            total += t.nbytes
+    return total
 
 
 def _kl(ref: np.ndarray, got: np.ndarray) -> float:
@@ -193,7 +214,8 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
         log(f"{label} {bits}")
         d = llama_decode(path, prompt, new_tokens, threads, reps)
         e = _errors(ref, llama_logits(path, probe, threads))
-        rows.append({"engine": label, "bits": bits, "file_mb": path.stat().st_size / 1e6, **d, **e})
+        rows.append({"engine": label, "bits": bits, "file_mb": path.stat().st_size / 1e6,
+                     "step_bytes": gguf_step_bytes(path, tc["num_experts_per_tok"]), **d, **e})
     for label, folder, bits in (("quantkit", qdir, "4-bit (experts int4 g32, int8 rest)"),
                                 ("quantkit", checkpoint, "bf16")):
         log(f"{label} {bits}")
@@ -201,17 +223,22 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
         d = quantkit_decode(rt, prompt, new_tokens, reps)
         e = _errors(ref, rt.logits(probe).numpy())
         mem = sum(rt.memory().values())
-        rows.append({"engine": label, "bits": bits, "file_mb": mem / 1e6, **d, **e})
+        rows.append({"engine": label, "bits": bits, "file_mb": mem / 1e6, "step_bytes": step_bytes(rt.model, tc["num_experts_per_tok"]),
+                     **d, **e})
         del rt
     for r in rows:
         r["same_greedy_as_llama_4bit"] = r["tokens"] == rows[0]["tokens"]
     base = rows[0]["decode_tps"]
+    bw = read_bandwidth_gbs()
     for r in rows:
         r["decode_vs_llama_4bit"] = r["decode_tps"] / base if base else math.nan
+        r["bound_tps"] = bw * 1e9 / r["step_bytes"]
+        r["of_bound"] = r["decode_tps"] / r["bound_tps"]
     data = {
         "command": "quantkit bench engines" + (f" --checkpoint {checkpoint}" if given else
-                                               f" --layers {layers} --experts {experts} --top-k {top_k} --vocab {vocab}"),
-        "machine": machine, "threads": threads, "checkpoint": str(checkpoint),
+                                               f" --layers {layers} --experts {experts} --top-k {top_k} --vocab {vocab}")
+        + (f" --reps {reps}" if reps != DEFAULTS["reps"] else ""),
+        "machine": machine, "threads": threads, "checkpoint": str(checkpoint), "read_bandwidth_gbs": round(bw, 2),
         "shape": {"layers": tc["num_hidden_layers"], "experts": tc["num_experts"], "top_k": tc["num_experts_per_tok"],
                   "hidden": tc["hidden_size"], "vocab": tc["vocab_size"]},
         "prompt_tokens": len(prompt), "new_tokens": new_tokens, "reps": reps,
@@ -231,19 +258,20 @@ def render(d: dict[str, Any]) -> str:
         f"Command: `{d['command']}` ({d['seconds']:.0f} s). Machine: {m['cpu']}, {m['cores']} cores, "
         f"{m['ram_gb']} GB RAM, torch {m['torch']}, {d['threads']} threads for both engines; load average at "
         f"start {m['load_avg_at_start']:.1f} (other work shares this machine: compare the ratios, not the "
-        "absolute rates).",
+        f"absolute rates); measured read bandwidth {d['read_bandwidth_gbs']} GB/s (best full sum over 1 GiB).",
         "",
         f"Checkpoint: realistic shapes (hidden {s['hidden']}, experts of 512, vocab {s['vocab']:,}) with "
         f"{s['layers']} layers and {s['experts']} experts, top-{s['top_k']}; random weights. Decode: "
         f"{d['prompt_tokens']}-token prompt, {d['new_tokens']} greedy tokens, best of {d['reps']}. Errors: "
         "logits on a 2 x 64-token probe against transformers' fp32 forward of the bf16 weights.",
         "",
-        "| engine | bits | decode tok/s | vs llama.cpp 4-bit | prefill tok/s | top-1 vs ref | KL vs ref | max dlogit | "
-        "weights MB | same greedy tokens |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| engine | bits | decode tok/s | vs llama.cpp 4-bit | MB read per token | bandwidth bound tok/s | of bound | "
+        "prefill tok/s | top-1 vs ref | KL vs ref | max dlogit | weights MB | same greedy tokens |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in d["rows"]:
         lines.append(f"| {r['engine']} | {r['bits']} | {r['decode_tps']:.2f} | {r['decode_vs_llama_4bit']:.2f}x | "
+                     f"{r['step_bytes'] / 1e6:,.0f} | {r['bound_tps']:.1f} | {r['of_bound']:.0%} | "
                      f"{r['prefill_tps']:.1f} | {r['top1']:.3f} | {r['kl']:.2e} | {r['max_abs']:.3f} | "
                      f"{r['file_mb']:,.0f} | {'yes' if r['same_greedy_as_llama_4bit'] else 'no'} |")
     g = d["gguf_mixed"]
