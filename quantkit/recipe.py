@@ -21,6 +21,12 @@ NF4 = QuantSpec("nf4", 64, True)
 FP4 = QuantSpec("fp4", 64, True)
 MXFP4 = QuantSpec("mxfp4", 32, True)
 
+# Matrices every recipe keeps in `keep_dtype`: linear attention's in_proj_a / in_proj_b set each head's
+# decay and write strength in the Gated DeltaNet (32 rows each), so a rounding error there scales the
+# whole recurrent state of a head; the MoE recipes of GPTQ-style quantizers keep them, and they are about
+# 0.02% of the weights.
+KEPT_MATRICES = ("linear_attn.in_proj_a.weight", "linear_attn.in_proj_b.weight")
+
 _MATRIX_ROLES = (
     Role.ROUTED_EXPERT, Role.SHARED_EXPERT, Role.ATTENTION, Role.LINEAR_ATTENTION, Role.EMBEDDING, Role.LM_HEAD,
 )
@@ -38,7 +44,7 @@ class Recipe:
 
     def spec_for(self, t: TensorSpec) -> QuantSpec | None:
         """The QuantSpec for one tensor, or None to keep it in `keep_dtype`."""
-        if not t.is_matrix:
+        if not t.is_matrix or t.name.endswith(KEPT_MATRICES):
             return None
         role = mtp_subrole(t.name) if t.role == Role.MTP else t.role
         return self.rules.get(role)
@@ -77,11 +83,11 @@ def _uniform(name: str, q: QuantSpec, bits: int, desc: str) -> Recipe:
 RECIPES: dict[str, Recipe] = {
     "bf16": Recipe("bf16", {}, "bfloat16", "all weights in bf16, as published", 16),
     "fp16": Recipe("fp16", {}, "float16", "all weights in fp16", 16),
-    "int8": _uniform("int8", INT8, 8, "int8 per output channel on every matrix; router and norms bf16"),
-    "int4": _uniform("int4", INT4_G128, 4, "int4 group 128 symmetric on every matrix; router and norms bf16"),
-    "nf4": _uniform("nf4", NF4, 4, "bitsandbytes NF4 (block 64) on every matrix; router and norms bf16"),
-    "fp4": _uniform("fp4", FP4, 4, "bitsandbytes FP4 (block 64) on every matrix; router and norms bf16"),
-    "mxfp4": _uniform("mxfp4", MXFP4, 4, "OCP MXFP4 on every matrix; router and norms bf16"),
+    "int8": _uniform("int8", INT8, 8, "int8 per output channel on every matrix; router, norms and in_proj_a/b bf16"),
+    "int4": _uniform("int4", INT4_G128, 4, "int4 group 128 symmetric on every matrix; router, norms and in_proj_a/b bf16"),
+    "nf4": _uniform("nf4", NF4, 4, "bitsandbytes NF4 (block 64) on every matrix; router, norms and in_proj_a/b bf16"),
+    "fp4": _uniform("fp4", FP4, 4, "bitsandbytes FP4 (block 64) on every matrix; router, norms and in_proj_a/b bf16"),
+    "mxfp4": _uniform("mxfp4", MXFP4, 4, "OCP MXFP4 on every matrix; router, norms and in_proj_a/b bf16"),
     # The default 4-bit recipe: only routed experts (93% of the weights) go to 4 bits. Attention, linear
     # attention and the shared expert are the sensitive, always-active part (REFERENCE section 3: the
     # best Q4_K_M keeps them at 8 bits); lm_head at int8 per channel. The embedding stays bf16: it is
@@ -97,7 +103,7 @@ RECIPES: dict[str, Recipe] = {
             Role.EMBEDDING: None,
         },
         description="routed experts int4 g128; attention, linear attention, shared expert, lm_head int8; "
-        "router, norms, embedding bf16",
+        "router, norms, embedding, in_proj_a/b bf16",
         nominal_bits=4,
     ),
 }
@@ -225,7 +231,7 @@ def build_recipe(bits: int = 4, fmt: str = "int", group_size: int | None = None,
         tag = q4.format + (f"-g{q4.group_size}" if q4.group_size != default_group(q4.format) else "")
         if uniform:
             r = Recipe(f"uniform-{tag}", {ro: q4 for ro in _MATRIX_ROLES},
-                       description=f"{tag} on every matrix; router and norms bf16", nominal_bits=4)
+                       description=f"{tag} on every matrix; router, norms and in_proj_a/b bf16", nominal_bits=4)
         else:
             base = RECIPES["quality"]
             rules = dict(base.rules)

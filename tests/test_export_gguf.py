@@ -237,10 +237,11 @@ def test_quantkit_codes_are_reused(tiny_model: Path, tmp_path: Path) -> None:
     r1 = export_gguf(qm, tmp_path / "a.gguf", "mxfp4")
     export_gguf(tiny_model, tmp_path / "b.gguf", "mxfp4")
     reused = {t.name for t in r1.tensors if t.how == "reused"}
-    # every MXFP4 tensor is reused except ssm_out: its value-head column reorder moves 16-wide heads
-    # inside 32-wide blocks here (tiny head dim), so it is requantized and says so
+    # every MXFP4 tensor is reused except ssm_out (its value-head column reorder moves 16-wide heads
+    # inside 32-wide blocks here (tiny head dim), so it is requantized and says so) and ssm_alpha/ssm_beta
+    # (in_proj_a/b: every recipe keeps them bf16, recipe.KEPT_MATRICES, so the export quantizes them)
     mx = {t.name for t in r1.tensors if t.qtype.name == "MXFP4"}
-    assert mx - reused == {f"blk.{i}.ssm_out.weight" for i in range(3)}
+    assert mx - reused == {f"blk.{i}.{n}.weight" for i in range(3) for n in ("ssm_out", "ssm_alpha", "ssm_beta")}
     a, b = ({t.name: t.data.tobytes() for t in gguf.GGUFReader(str(p)).tensors} for p in (tmp_path / "a.gguf",
                                                                                        tmp_path / "b.gguf"))
     assert all(a[n] == b[n] for n in reused)  # copied codes = ggml's own MXFP4 of the bf16 weights

@@ -9,7 +9,16 @@ import pytest
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec
 from quantkit.model.spec import Role, TensorSpec, default_spec, role_of
-from quantkit.recipe import INT4_G128, INT8, Recipe, build_recipe, decide, parse_override, parse_spec_text
+from quantkit.recipe import (
+    INT4_G128,
+    INT8,
+    Recipe,
+    build_recipe,
+    decide,
+    get_recipe,
+    parse_override,
+    parse_spec_text,
+)
 
 SPEC = default_spec()
 BY_NAME = {t.name: t for t in SPEC.tensors}
@@ -91,9 +100,19 @@ def test_recipe_file(tmp_path):
         build_recipe(recipe_file=str(p))
 
 
+@pytest.mark.parametrize("name", ["bf16", "int8", "int4", "quality", "mxfp4"])
+def test_every_recipe_keeps_linear_attentions_in_proj_a_and_b(name):
+    spec = default_spec()
+    kept = [t for t in spec.tensors if t.name.endswith(("in_proj_a.weight", "in_proj_b.weight"))]
+    assert len(kept) == 2 * spec.config.layer_types.count("linear_attention")
+    assert all(decide(get_recipe(name), t).spec is None for t in kept)
+    other = next(t for t in spec.tensors if t.name.endswith("in_proj_qkv.weight"))
+    assert (decide(get_recipe(name), other).spec is None) == (name == "bf16")
+
+
 def test_eligibility_falls_back_and_says_so():
     r = build_recipe(4, uniform=True)
-    odd = TensorSpec(L0 + "linear_attn.in_proj_b.weight", (32, 100), "bfloat16", Role.LINEAR_ATTENTION, 0)
+    odd = TensorSpec(L0 + "linear_attn.in_proj_z.weight", (32, 100), "bfloat16", Role.LINEAR_ATTENTION, 0)
     d = decide(r, odd)
     assert d.spec == INT8 and "does not divide the row length 100" in d.note
     small = TensorSpec(L0 + "mlp.experts.down_proj", (8, 64, 32), "bfloat16", Role.ROUTED_EXPERT, 0)

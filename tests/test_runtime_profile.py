@@ -93,9 +93,11 @@ def test_runtime_costs_sum_the_layers_matrices_and_ops():
         if t.layer is not None and t.role.value != "mtp":
             by_layer.setdefault(t.layer, []).append(t)
     for L in (0, 3):
-        # quality: every dense matrix int8 but the shared-expert gate (a norm-like vector, kept bf16); the
-        # router is transformers' own F.linear, timed with the layer's ops; the conv is not a matrix
-        dense = sum(_fake_time("bf16" if ".shared_expert_gate." in t.name else "int8", t.shape)
+        # quality: every dense matrix int8 but the shared-expert gate (a norm-like vector) and in_proj_a/b
+        # (recipe.KEPT_MATRICES), kept bf16; the router is transformers' own F.linear, timed with the
+        # layer's ops; the conv is not a matrix
+        kept = (".shared_expert_gate.", ".in_proj_a.", ".in_proj_b.")
+        dense = sum(_fake_time("bf16" if any(k in t.name for k in kept) else "int8", t.shape)
                     for t in by_layer[L] if t.is_matrix and ".mlp.experts." not in t.name
                     and not t.name.endswith(".mlp.gate.weight"))
         ops = p.layer_ops_s[c.layer_types[L]]

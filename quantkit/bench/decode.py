@@ -40,6 +40,7 @@ from quantkit.planner.placement import solve
 from quantkit.quantize.run import QuantizeOptions, run_quantize
 from quantkit.recipe import get_recipe
 from quantkit.runtime import linear_attn, load_model
+from quantkit.runtime.calibrate import time_layer_ops
 from quantkit.runtime.generate import lean_decoder
 from quantkit.runtime.loader import QuantEmbedding
 from quantkit.runtime.qexperts import QuantExperts
@@ -225,6 +226,19 @@ def planner_estimate(folder: Path, recipe: Any, bandwidth: float, prompt_len: in
             "runtime_decode_tok_s": p.runtime_speed.decode_tok_s if p.runtime_speed else None}
 
 
+def layer_overhead(config: dict[str, Any], rounds: int = 3) -> dict[str, dict[str, float]]:
+    """Per-layer decode cost besides the weight reads, ms, for transformers' forward and the lean step
+    (`time_layer_ops`: kernels stubbed, routed experts apart), in interleaved rounds, the best of each."""
+    best: dict[str, dict[str, float]] = {}
+    for _ in range(rounds):
+        for path, lean in (("transformers", False), ("lean", True)):
+            lo = time_layer_ops(config, lean=lean)
+            cur = {**lo.ops_s, "shell": lo.shell_s}
+            prev = best.get(path)
+            best[path] = cur if prev is None else {k: min(prev[k], v) for k, v in cur.items()}
+    return {p: {k: round(v * 1e3, 3) for k, v in d.items()} for p, d in best.items()}
+
+
 def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt_len: int = 128, decode: int = 16,
         reps: int = 1, configs: list[str] | None = None, rounds: int = 2, threads: int | None = None,
         vocab: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
@@ -255,6 +269,10 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
     if recipes:
         log(f"calibrating the runtime's parts for {', '.join(recipes)} (quantkit calibrate)")
         profile = calibrate_subprocess(src, recipes, workdir / f"profile-{tag}.json", threads)
+    log("per-layer overhead: transformers' forward vs the lean step (kernels stubbed)")
+    if threads:
+        torch.set_num_threads(threads)
+    overhead = layer_overhead(json.loads((src / "config.json").read_text()))
     load_before = os.getloadavg()
     t_bench = time.perf_counter()
     rows: dict[str, dict[str, Any]] = {}
@@ -318,6 +336,7 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
         "prompt_tokens": prompt_len, "decode_steps": decode, "reps": reps, "rounds": rounds,
         "targets": targets(rows),
         "calibration": profile_summary(profile) if profile else None,
+        "layer_overhead_ms": overhead,
         "rows": rows, "bench_seconds": bench_s, "seconds": time.perf_counter() - t_all,
     }
     reports.mkdir(parents=True, exist_ok=True)
@@ -494,6 +513,16 @@ def render_md(d: dict[str, Any]) -> str:
         perr = {n: r["planner_prefill_error"] for n, r in rows.items() if r.get("planner_prefill_error") is not None}
         out.append("- (not a target) planner prefill estimate (llama.cpp-grade) vs measured: "
                    + ", ".join(f"{n} {e:+.0%}" for n, e in perr.items()) + ".")
+    ov = d.get("layer_overhead_ms")
+    if ov:
+        kinds = [k for k in ("full_attention", "linear_attention", "shell") if k in ov["lean"]]
+        out += ["", "## Per-layer decode overhead: transformers' forward vs the lean step", "",
+                "What a decode step costs besides reading the weights: `time_layer_ops` on one layer of each type "
+                "with every kernel stubbed and the routed experts timed apart (the shell: embedding, final norm, "
+                "head call and cache bookkeeping outside the layers), best of 3 interleaved rounds.", "",
+                "| path | " + " | ".join(f"{k} ms" for k in kinds) + " |", "|---|" + "---:|" * len(kinds)]
+        for path, label in (("transformers", "transformers' forward (before)"), ("lean", "lean step (after)")):
+            out.append(f"| {label} | " + " | ".join(f"{ov[path][k]:.3f}" for k in kinds) + " |")
     cal = d.get("calibration")
     if cal:
         lo = ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(cal["layer_ops_ms"].items()))
@@ -535,7 +564,7 @@ def render_md(d: dict[str, Any]) -> str:
         "reference the speed target is judged on; `transformers-bf16+linattn` also gets quantkit's one-token Gated DeltaNet step (the same "
         "replacement the quantkit runtime uses), so the gap between it and a quantkit row is the runtime's own "
         "work; `quantkit-bf16` is the quantkit runtime without quantization; the rest are uniform recipes "
-        "(every matrix in that format; router and norms bf16) and `quality` is the default `--bits 4` recipe "
+        "(every matrix in that format; router, norms and in_proj_a/b bf16) and `quality` is the default `--bits 4` recipe "
         "(experts int4, the rest int8). Bandwidth bound: bytes one decode step reads (weights as loaded, with "
         "top_k of the experts; caches read and written) over the measured read bandwidth; `of bound` is the "
         "measured decode over it. Peak RSS: the smallest peak over the rounds (it includes load-time transients and "
