@@ -118,3 +118,13 @@ def interrupt_quantizer_after(monkeypatch: pytest.MonkeyPatch, calls: int):
 
     monkeypatch.setattr(qz, "_quantize_tensor", interrupt_later)
     return orig
+
+
+def one_line_error(code: int, out: str, err: str, *needles: str) -> None:
+    """A refusal as users see it: exit 2, one `error:` line naming each of `needles`, no traceback."""
+    assert code == 2, (out, err)
+    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), err
+    assert "Traceback" not in err + out
+    for n in needles:
+        assert n in " ".join(err.split()), err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 import pexpect
@@ -15,6 +16,12 @@ from quantkit.runtime.chat import ChatSession, fit_context
 from test_runtime_common import quantized
 
 
+def _default_sigint() -> None:
+    """Ctrl-C as in a user's terminal: a runner started in the background (`cmd &` in a script) ignores
+    SIGINT, and the ignore is inherited, so the chat would never see the test's Ctrl-C at its prompt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_chat_session_in_a_terminal(tiny_model, tmp_path):
     q = quantized(tiny_model, "quality")
@@ -22,7 +29,7 @@ def test_chat_session_in_a_terminal(tiny_model, tmp_path):
     env = {**os.environ, "NO_COLOR": "1", "TERM": "dumb", "COLUMNS": "200", "OMP_NUM_THREADS": "1"}
     child = pexpect.spawn(sys.executable, ["-m", "quantkit", "chat", str(q), "--max-new-tokens", "40", "--seed", "0",
                                            "--system", "You are terse."], env=env, encoding="utf-8", timeout=240,
-                          dimensions=(50, 200))
+                          dimensions=(50, 200), preexec_fn=_default_sigint)
     try:
         child.expect("you> ")
         child.sendline("hello there")

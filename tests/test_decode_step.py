@@ -38,6 +38,15 @@ def _prefilled(rt):
     return ids, prefill(rt.model, ids, torch.device("cpu")).cache
 
 
+def _begun(rt, **kw):
+    """(prompt ids, a prefilled reference cache, a LeanDecoder begun on a second prefilled cache)."""
+    ids, ref = _prefilled(rt)
+    _, cache = _prefilled(rt)
+    dec = LeanDecoder(rt.model, **kw)
+    dec.begin(cache, len(ids) + STEPS + 1)
+    return ids, ref, dec
+
+
 def _caches_equal(a, b) -> bool:
     for x, y in zip(a.layers, b.layers, strict=True):
         if hasattr(x, "recurrent_states"):
@@ -55,10 +64,8 @@ def test_bit_equal_to_transformers_eager(tiny_model, recipe, static_kv, one_thre
     rt = _load(tiny_model, recipe)
     rt.model.config._attn_implementation = "eager"
     with torch.inference_mode():
-        ids, ref = _prefilled(rt)
-        _, cache = _prefilled(rt)
-        dec = LeanDecoder(rt.model, static_kv=static_kv)
-        dec.begin(cache, len(ids) + STEPS + 1)
+        ids, ref, dec = _begun(rt, static_kv=static_kv)
+        cache = dec.cache
         for t in _tokens():
             tok = torch.tensor([[t]])
             assert torch.equal(dec.step(tok), _forward(rt.model, tok, ref))
@@ -102,10 +109,7 @@ def test_layers_match_transformers_with_expert_choice_fixed(tiny_model, recipe, 
     worst = {"linear_attention": 0.0, "full_attention": 0.0}
     kinds = rt.model.config.layer_types
     with torch.inference_mode():
-        ids, ref = _prefilled(rt)
-        _, cache = _prefilled(rt)
-        dec = LeanDecoder(rt.model)
-        dec.begin(cache, len(ids) + STEPS + 1)
+        ids, ref, dec = _begun(rt)
         for t in _tokens():
             _, rec = _hf_step_layers(rt.model, torch.tensor([[t]]), ref)
             cos, sin = dec._rotary(torch.bfloat16)
@@ -128,10 +132,7 @@ def test_steps_pick_transformers_tokens(tiny_model, recipe, one_thread):  # noqa
     every step, logits within bf16 rounding."""
     rt = _load(tiny_model, recipe)
     with torch.inference_mode():
-        ids, ref = _prefilled(rt)
-        _, cache = _prefilled(rt)
-        dec = LeanDecoder(rt.model)
-        dec.begin(cache, len(ids) + STEPS + 1)
+        ids, ref, dec = _begun(rt)
         for t in _tokens():
             tok = torch.tensor([[t]])
             want, got = _forward(rt.model, tok, ref).float(), dec.step(tok).float()

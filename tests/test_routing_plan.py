@@ -30,6 +30,7 @@ from quantkit.planner.routing import (
 from quantkit.quantize.shards import ShardLayout, ShardWriter, TensorLayout
 from quantkit.quantize.stats import LM, STATS_VERSION, model_fingerprint
 
+from conftest import one_line_error
 from test_runtime_common import one_thread, quantized, run_cli  # noqa: F401
 
 # 4 layers x 8 experts, 80 routed tokens per layer (40 tokens, top-2). Shares of the layer's tokens:
@@ -59,15 +60,6 @@ def write_stats(out: Path, counts: list[list[int]], heldout: list[list[int]] | N
             w.write(k, v)
         w.commit()
     return out
-
-
-def _one_line_error(code: int, out: str, err: str, *needles: str) -> None:
-    assert code == 2, (out, err)
-    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), err
-    assert "Traceback" not in err + out
-    for n in needles:
-        assert n in " ".join(err.split()), err
 
 
 # ---- the arithmetic ------------------------------------------------------------------------------------
@@ -245,7 +237,7 @@ def test_bad_routing_files_are_refused_with_one_line(tiny_model, tmp_path, capsy
          ["--routing-heldout", "three.stats", "3 layers"]),
     ]
     for extra, needles in cases:
-        _one_line_error(*run_cli([*base, *extra], capsys, monkeypatch), *needles)
+        one_line_error(*run_cli([*base, *extra], capsys, monkeypatch), *needles)
 
 
 def test_a_real_stats_file_gives_a_profile(tiny_stats):

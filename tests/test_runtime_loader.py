@@ -15,6 +15,7 @@ from quantkit.runtime import Placement, load_model
 from quantkit.runtime.qexperts import QuantExperts
 from quantkit.runtime.qlinear import QuantLinear
 
+from conftest import one_line_error
 from test_runtime_common import one_thread, quantized, run_cli  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -87,15 +88,6 @@ def test_plan_file_from_quantkit_plan(tiny_model, tmp_path, capsys, monkeypatch)
     assert rt.context == json.loads(plan.read_text())["settings"]["context"]
 
 
-def _one_line_error(code: int, out: str, err: str, *needles: str) -> None:
-    assert code == 2, (out, err)
-    lines = [ln for ln in err.strip().splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), err
-    assert "Traceback" not in err + out
-    for n in needles:
-        assert n in " ".join(err.split()), err
-
-
 @pytest.fixture
 def q_copy(tiny_model, tmp_path) -> Path:
     dst = tmp_path / "q"
@@ -108,9 +100,9 @@ def test_bad_folder_fails_verification(q_copy, capsys, monkeypatch):
     data = bytearray(shard.read_bytes())
     data[-10] ^= 0xFF  # same size, different bytes: only the hash sees it
     shard.write_bytes(bytes(data))
-    _one_line_error(*run_cli(["generate", q_copy, "--prompt", "hi"], capsys, monkeypatch), "fails verification")
+    one_line_error(*run_cli(["generate", q_copy, "--prompt", "hi"], capsys, monkeypatch), "fails verification")
     shard.write_bytes(bytes(data[:-100]))
-    _one_line_error(*run_cli(["generate", q_copy, "--prompt", "hi", "--verify", "quick"], capsys, monkeypatch),
+    one_line_error(*run_cli(["generate", q_copy, "--prompt", "hi", "--verify", "quick"], capsys, monkeypatch),
                     "fails verification")
 
 
@@ -118,7 +110,7 @@ def test_unknown_quantization_version(q_copy, capsys, monkeypatch):
     cfg = json.loads((q_copy / "config.json").read_text())
     cfg["quantization_config"]["version"] = 99
     (q_copy / "config.json").write_text(json.dumps(cfg))
-    _one_line_error(*run_cli(["generate", q_copy, "--prompt", "hi", "--verify", "off"], capsys, monkeypatch),
+    one_line_error(*run_cli(["generate", q_copy, "--prompt", "hi", "--verify", "off"], capsys, monkeypatch),
                     "version 99", "unknown")
 
 
@@ -138,12 +130,12 @@ def test_plan_that_does_not_fit_is_refused_before_loading(tiny_model, tmp_path, 
     cpu["used"]["experts"] = 50 * 10**12  # 50 TB of experts in RAM
     plan.write_text(json.dumps(d))
     _refuse_loading(monkeypatch)
-    _one_line_error(*run_cli(["generate", quantized(tiny_model, "quality"), "--prompt", "hi", "--plan", plan],
+    one_line_error(*run_cli(["generate", quantized(tiny_model, "quality"), "--prompt", "hi", "--plan", plan],
                              capsys, monkeypatch), "only", "free", "this recipe fits")
     d["layers"][0]["device"] = "cuda:0"
     d["non_expert"]["lm_head"] = "cuda:0"
     plan.write_text(json.dumps(d))
-    _one_line_error(*run_cli(["generate", quantized(tiny_model, "quality"), "--prompt", "hi", "--plan", plan],
+    one_line_error(*run_cli(["generate", quantized(tiny_model, "quality"), "--prompt", "hi", "--plan", plan],
                              capsys, monkeypatch), "cuda:0")
 
 
@@ -152,17 +144,17 @@ def test_plan_for_another_model(tiny_model, tmp_path, capsys, monkeypatch):
     code, _o, err = run_cli(["plan", "--scheme", "quality", "--ram", "512GB", "--out", other], capsys, monkeypatch)
     assert code == 0, err  # a plan for the default model (the 35B), not the tiny one
     _refuse_loading(monkeypatch)
-    _one_line_error(*run_cli(["generate", quantized(tiny_model, "quality"), "--prompt", "hi", "--plan", other],
+    one_line_error(*run_cli(["generate", quantized(tiny_model, "quality"), "--prompt", "hi", "--plan", other],
                              capsys, monkeypatch), "was made for model", "quantkit plan")
 
 
 def test_prompt_longer_than_context_and_empty_prompt(tiny_model, capsys, monkeypatch):
     q = quantized(tiny_model, "quality")
     long = "the agent world model predicts the next observation " * 20
-    _one_line_error(*run_cli(["generate", q, "--prompt", long, "--context", "64"], capsys, monkeypatch),
+    one_line_error(*run_cli(["generate", q, "--prompt", long, "--context", "64"], capsys, monkeypatch),
                     "the context holds 64")
     _refuse_loading(monkeypatch)
-    _one_line_error(*run_cli(["generate", q, "--prompt", "   "], capsys, monkeypatch), "empty prompt")
+    one_line_error(*run_cli(["generate", q, "--prompt", "   "], capsys, monkeypatch), "empty prompt")
 
 
 def test_recipe_on_a_quantized_folder_and_unknown_recipe(tiny_model):
