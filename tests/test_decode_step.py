@@ -294,3 +294,15 @@ def test_cuda_graphs_switch_on_cpu(tiny_model, one_thread):  # noqa: F811
         dec.step(torch.tensor([[5]]))
         with pytest.raises(ValueError, match="one CUDA device"):
             decode_step.CudaGraphStep(dec)
+
+
+def test_cuda_graphs_switch_off_a_cuda_device_is_refused_in_one_line(tiny_model):
+    """`load_model(..., cuda_graphs=True)` is the switch bench gpu turns on; a CPU placement cannot take it."""
+    from quantkit.errors import QuantkitError
+
+    rt = load_model(tiny_model, cuda_graphs=True)
+    assert rt.cuda_graphs is True
+    with pytest.raises(QuantkitError, match="CUDA-graph decode needs the model on a CUDA device"):
+        rt.generate([{"role": "user", "content": "hi"}], temperature=0, max_new_tokens=4)
+    rt.cuda_graphs = None  # the environment switch (off): the same runtime generates
+    assert rt.generate([{"role": "user", "content": "hi"}], temperature=0, max_new_tokens=4).generation_tokens >= 1
