@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from quantkit.bench import write_reports
+from quantkit.bench import read_bandwidth_gbs, write_reports
 from quantkit.errors import QuantkitError
 from quantkit.model.checkpoint import Checkpoint
 from quantkit.model.spec import load_config, spec_from_config
@@ -59,17 +59,6 @@ CONFIGS: dict[str, tuple[str, str | None]] = {
     "fp4": ("quantkit", "fp4"),
     "mxfp4": ("quantkit", "mxfp4"),
 }
-
-
-def read_bandwidth_gbs(gib: float = 1.0, reps: int = 5) -> float:
-    """Read bandwidth: bytes of a large fp32 tensor over the best time of a full sum over it."""
-    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        float(x.sum())
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best / 1e9
 
 
 def _timed(model: Any, prompt: list[int], decode: int, lean: bool = False) -> tuple[float, list[float], list[int]]:

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from quantkit.bench import write_reports
-from quantkit.bench.decode import read_bandwidth_gbs, step_bytes
+from quantkit.bench import read_bandwidth_gbs, write_reports
+from quantkit.bench.decode import step_bytes
 from quantkit.export.gguf import export_gguf
 from quantkit.formats import QuantSpec
 from quantkit.model.checkpoint import Checkpoint

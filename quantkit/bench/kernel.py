@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from quantkit.bench import write_reports
+from quantkit.bench import read_bandwidth_gbs, write_reports
 from quantkit.bench.engines import _machine
 from quantkit.formats import QuantSpec
 from quantkit.formats.int4 import int4_to_q4_0_blocks
@@ -65,14 +65,9 @@ def _layer_bytes(fmt: str, h: int, i: int, k: int) -> int:
 
 
 def read_gbps(threads: int) -> float:
+    """This run's read bandwidth on `threads` threads (a 512 MB fp32 sum)."""
     torch.set_num_threads(threads)
-    big = torch.rand(128 * 1024 * 1024)
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        big.sum()
-        best = min(best, time.perf_counter() - t)
-    return big.numel() * 4 / best / 1e9
+    return read_bandwidth_gbs(0.5)
 
 
 def _quantexperts(layer: tuple[dict, dict], fmt: str, route: str | None, cfg: dict) -> Any:
