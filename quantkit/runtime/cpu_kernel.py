@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from quantkit.runtime import hugepages
+
 SOURCE = Path(__file__).parent / "csrc" / "qk_cpu.cpp"
 TILE = 16
 BLOCK = 32
@@ -210,11 +212,12 @@ _REPACK_ROWS = 4096
 
 def repack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """codes uint8 [N, K] (0..15), scales/zeros [N, K/g] -> the kernel's tiles (see qk_cpu.cpp)."""
+    """codes uint8 [N, K] (0..15), scales/zeros [N, K/g] -> the kernel's tiles (see qk_cpu.cpp), on
+    2 MiB pages where large (runtime/hugepages.py)."""
     n, k = codes.shape
     nt = -(-n // TILE)
     ng = scales.shape[1]
-    qw = torch.empty(nt, k // BLOCK, 4, TILE, 4, dtype=torch.uint8)
+    qw = hugepages.empty((nt, k // BLOCK, 4, TILE, 4), torch.uint8)
     for r0 in range(0, nt * TILE, _REPACK_ROWS):
         r1 = min(nt * TILE, r0 + _REPACK_ROWS)
         q = codes[r0:min(r1, n)].to(torch.uint8)
@@ -222,7 +225,7 @@ def repack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor |
         qw[r0 // TILE:r1 // TILE] = (q[..., 0, :] | (q[..., 1, :] << 4)).permute(0, 2, 3, 1, 4)
 
     def tiles(s: torch.Tensor) -> torch.Tensor:
-        return _pad_rows(s.to(torch.bfloat16), nt * TILE, 0).view(nt, TILE, ng).transpose(1, 2).contiguous()
+        return hugepages.copy(_pad_rows(s.to(torch.bfloat16), nt * TILE, 0).view(nt, TILE, ng).transpose(1, 2).contiguous())
 
     return qw.view(-1), tiles(scales), tiles(zeros) if zeros is not None else None
 
@@ -231,7 +234,7 @@ def repack_int8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
     """q int8 [N, K], per-row scales [N] -> (codes + 128 as uint8 tiles, fp32 scales [NT*16])."""
     n, k = q.shape
     nt = -(-n // TILE)
-    qw = torch.empty(nt, k // BLOCK, 8, TILE, 4, dtype=torch.uint8)
+    qw = hugepages.empty((nt, k // BLOCK, 8, TILE, 4), torch.uint8)
     for r0 in range(0, nt * TILE, _REPACK_ROWS):
         r1 = min(nt * TILE, r0 + _REPACK_ROWS)
         u = q[r0:min(r1, n)].contiguous().view(torch.uint8) ^ 0x80  # two's complement + 128

@@ -46,7 +46,7 @@ from quantkit.formats.int4 import DEFAULT_GROUP as INT4_GROUP
 from quantkit.formats.int4 import codes
 from quantkit.formats.int4 import codes as int4_codes
 from quantkit.formats.mxfp4 import e8m0_to_fp32_half
-from quantkit.runtime import cpu_kernel
+from quantkit.runtime import cpu_kernel, hugepages
 
 COMPUTE_DTYPE = torch.bfloat16
 MXFP4_ROUTE = os.environ.get("QUANTKIT_MXFP4_ROUTE", "int4x2")  # or "dequant"
@@ -104,11 +104,13 @@ class QBf16Kernel(DenseKernel):
 
     MAX_ROWS = 4
 
-    def __init__(self, w: torch.Tensor):
+    def __init__(self, w: torch.Tensor, shared: bool = False):
 
-        # no `aligned` copy: the kernel's loads are unaligned, and a copy of a tensor read from a shard
-        # would double the resident bytes of every bf16 matrix
-        super().__init__(w)
+        # the kernel's loads are unaligned: no `aligned` copy. A large matrix moves to 2 MiB pages
+        # (runtime/hugepages.py: the kernel streams it every token); the source tensor is then dropped
+        # by the loader, so the copy costs no resident bytes, except for a `shared` tensor (the tied
+        # embedding), which stays where it is
+        super().__init__(w if shared else hugepages.copy(w))
         self._mod = cpu_kernel.module()
         self.route = "quantkit qk bf16 (AVX512-BF16) at decode, F.linear above 4 rows"
 
@@ -398,10 +400,11 @@ KERNELS: dict[str, Callable[[dict[str, torch.Tensor], QuantSpec, tuple[int, int]
 
 
 def prepare(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | None, shape: tuple[int, ...],
-            route: str | None = None) -> Kernel:
+            route: str | None = None, shared: bool = False) -> Kernel:
     """The kernel for one matrix whose parts already sit on their device. `route` forces a route
     ("dequant" for the generic fallback, "torch" for torch's packed ops instead of quantkit's CPU
-    kernel), for tests and benchmarks."""
+    kernel), for tests and benchmarks. `shared`: a dense tensor the model also uses elsewhere (kept as
+    it is, not copied)."""
     if len(shape) != 2:
         raise QuantkitError(f"prepare takes one matrix [out, in]; got shape {list(shape)}")
     if spec is None:
@@ -409,7 +412,7 @@ def prepare(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | Non
         if route != "torch" and w.dtype == torch.bfloat16 and w.dim() == 2:
 
             if w.is_contiguous() and cpu_kernel.supports("bf16", tuple(w.shape), w.device):
-                return QBf16Kernel(w)
+                return QBf16Kernel(w, shared)
         return DenseKernel(w)
     assert isinstance(parts, dict)
     if route == "dequant":

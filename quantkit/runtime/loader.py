@@ -333,7 +333,8 @@ def populate(model: Any, src: TensorSource, placement: Placement, report: LoadRe
     if src.has("lm_head.weight"):
         model.lm_head = _linear_kernel(src, "lm_head.weight", head, report)
     elif cfg.tie_word_embeddings and isinstance(tm.embed_tokens, nn.Embedding):
-        model.lm_head = QuantLinear(prepare(tm.embed_tokens.weight.to(head), None, tuple(tm.embed_tokens.weight.shape)))
+        w = tm.embed_tokens.weight.to(head)
+        model.lm_head = QuantLinear(prepare(w, None, tuple(w.shape), shared=w is tm.embed_tokens.weight))
     else:
         raise QuantkitError("the checkpoint has no lm_head.weight and the embedding is not tied")
     rot = Qwen3_5MoeTextRotaryEmbedding(cfg)
