@@ -46,6 +46,36 @@ def test_recurrent_step_matches_transformers(b, hk, hv, d):
     assert (out != ref_out).float().mean() < 0.01
 
 
+@pytest.mark.parametrize("h,kd,vd", [(32, 128, 128), (4, 16, 24), (3, 8, 8)])
+@pytest.mark.parametrize("isa", [2, 1])
+def test_state_step_kernel_matches_torch_ops(h, kd, vd, isa, monkeypatch):
+    """quantkit's `delta_step` (AVX512 where V is a multiple of 16, the portable loop otherwise or on the
+    AVX2 level) against the torch ops it replaces, on the same inputs."""
+    from quantkit.runtime import cpu_kernel
+
+    mod = cpu_kernel.module()
+    if mod is None or mod.detect_isa() < isa:
+        pytest.skip("the CPU kernel (at this instruction set) is not available here")
+    g = torch.Generator().manual_seed(h + kd + vd)
+    q, k = (torch.nn.functional.normalize(torch.randn(h, kd, generator=g), dim=-1) for _ in range(2))
+    v = torch.randn(h, vd, generator=g)
+    logd, beta = -torch.rand(h, generator=g) * 2, torch.rand(h, generator=g)
+    state = torch.randn(h, kd, vd, generator=g) * 0.3
+    before = mod.isa()
+    mod.set_isa(isa)
+    try:
+        fast_state = state.clone()
+        fast = linear_attn.delta_state_step(q, k, v, logd, beta, fast_state)
+    finally:
+        mod.set_isa(before)
+    monkeypatch.setattr(cpu_kernel, "module", lambda: None)
+    ref_state = state.clone()
+    ref = linear_attn.delta_state_step(q, k, v, logd, beta, ref_state)
+    torch.testing.assert_close(fast_state, ref_state, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(fast_state, state)  # updated in place
+
+
 def test_recurrent_step_hands_other_cases_to_transformers():
     q, k, v, decay, beta, state = _inputs(1, 2, 4, 16, seq=3)  # a 3-token chunk: transformers' loop
     ref = _orig("torch_recurrent_gated_delta_rule")(q, k, v, decay, beta, state.clone(), True, True)

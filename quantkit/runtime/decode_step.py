@@ -51,6 +51,7 @@ import torch.nn.functional as F
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime.kernels import DenseKernel, Int4Kernel, Int8Kernel, Kernel
+from quantkit.runtime.linear_attn import delta_state_step
 from quantkit.runtime.qexperts import QuantExperts
 
 ENV = "QUANTKIT_LEAN_DECODE"
@@ -374,12 +375,9 @@ def _delta_rule(m: _Linear, qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     if m.hv != m.hk:
         qkf = qkf.repeat_interleave(m.hv // m.hk, dim=1)
     qf, kf = qkf[0] / (m.dk ** 0.5), qkf[1]
-    state.mul_(g.view(m.hv, 1, 1).exp())
-    s3 = state.view(m.hv, m.dk, m.dv)
-    kv = torch.bmm(kf.view(m.hv, 1, m.dk), s3)
-    delta = (v.float().view(m.hv, 1, m.dv) - kv) * beta.float().view(m.hv, 1, 1)
-    s3.addcmul_(kf.view(m.hv, m.dk, 1), delta)
-    return torch.bmm(qf.view(m.hv, 1, m.dk), s3).view(m.hv, m.dv).to(qk.dtype)
+    out = delta_state_step(qf, kf, v.float().view(m.hv, m.dv), g.view(m.hv), beta.float().view(m.hv),
+                           state.view(m.hv, m.dk, m.dv))
+    return out.to(qk.dtype)
 
 
 def _gated_norm(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -13,12 +13,13 @@ by the loader; `uninstall()` restores the originals (the benchmark uses it to ti
 The decode step (`torch_recurrent_gated_delta_rule` with one token) updates a [B, Hv, 128, 128] fp32 state
 per layer. transformers writes it as broadcast multiplies and sums, each allocating a new 2 MB state:
 0.54-0.73 ms per layer per token inside the loaded model on the 2-core build machine (3.5-7.8 ms when
-timed alone under load). `recurrent_gated_delta_rule` below does the same math as three batched matrix
-products on the state, updated in place (0.29-0.43 ms in the model): decay,
-kv = k @ S, S += k^T (beta (v - kv)), out = q @ S. The outer product is added by `addcmul_` (one
-fused multiply-add pass, twice as fast as a K=1 `baddbmm_`). Only the fp32 rounding of the k/q
-contractions and of that multiply-add differs (state differences ~1e-7; bf16 outputs identical in the
-tests). quantkit.runtime.decode_step does the same ops. Prompts (more than
+timed alone under load). `recurrent_gated_delta_rule` below does the same math on the state in place:
+decay, kv = k @ S, S += k^T (beta (v - kv)), out = q @ S (`delta_state_step`). With quantkit's CPU kernel
+built that is one call (`delta_step` in csrc/qk_cpu.cpp) that reads and writes the state once, head by
+head; without it, torch's batched matrix products and `addcmul_` (0.29-0.43 ms per layer in the model),
+which pass over the 2 MB state four times. Only the fp32 rounding of the k/q contractions and of the
+multiply-adds differs from transformers (state differences ~1e-7). quantkit.runtime.decode_step calls the
+same `delta_state_step`, so its decode step and this one agree bit for bit. Prompts (more than
 one token), CUDA tensors and a missing initial state go to transformers' own functions.
 """
 
@@ -26,6 +27,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from quantkit.runtime import cpu_kernel
 
 _ORIG: dict[str, object] = {}
 
@@ -106,13 +109,27 @@ def recurrent_gated_delta_rule(query, key, value, g, beta, initial_state=None, o
     if hv != hk:
         q, k = q.repeat_interleave(hv // hk, dim=1), k.repeat_interleave(hv // hk, dim=1)
     state = initial_state if initial_state.is_contiguous() else initial_state.contiguous()
-    state.mul_(g[:, 0].float().exp()[..., None, None])
-    s3 = state.view(b * hv, kd, vd)
-    kv = torch.bmm(k.reshape(b * hv, 1, kd), s3)  # [B*Hv, 1, V]
-    delta = (value[:, 0].float().reshape(b * hv, 1, vd) - kv) * beta[:, 0].float().reshape(b * hv, 1, 1)
-    s3.addcmul_(k.reshape(b * hv, kd, 1), delta)  # the outer product added in one pass (2x baddbmm_ with K=1)
-    out = torch.bmm(q.reshape(b * hv, 1, kd), s3)
+    out = delta_state_step(q.reshape(b * hv, kd), k.reshape(b * hv, kd), value[:, 0].float().reshape(b * hv, vd),
+                           g[:, 0].float().reshape(-1), beta[:, 0].float().reshape(-1), state.view(b * hv, kd, vd))
     return out.view(b, 1, hv, vd).to(out_dtype), (state if output_final_state else None)
+
+
+def delta_state_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor) -> torch.Tensor:
+    """The state update and readout of one token, fp32 throughout: q, k [H, K] (normalised, q scaled,
+    heads repeated), v [H, V], g and beta [H]; `state` [H, K, V] contiguous, updated in place; returns
+    [H, V]. On the CPU with quantkit's kernel built, its `delta_step` (one read and one write of the state);
+    elsewhere the same math in torch ops."""
+    mod = cpu_kernel.module() if state.device.type == "cpu" else None
+    if mod is not None:
+        return mod.delta_step(q.contiguous(), k.contiguous(), v.contiguous(), g.exp().contiguous(),
+                              beta.contiguous(), state)
+    h, kd, vd = state.shape
+    state.mul_(g.exp().view(h, 1, 1))
+    kv = torch.bmm(k.view(h, 1, kd), state)  # [H, 1, V]
+    delta = (v.view(h, 1, vd) - kv) * beta.view(h, 1, 1)
+    state.addcmul_(k.view(h, kd, 1), delta)  # the outer product added in one pass (2x baddbmm_ with K=1)
+    return torch.bmm(q.view(h, 1, kd), state).view(h, vd)
 
 
 def install(recurrent: bool = True) -> None:

@@ -287,6 +287,56 @@ QK_AVX512 double sum_f32_avx512(const float* p, int64_t n) {
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 
+// One head of the gated delta rule for one token, state S [K, V] fp32 updated in place:
+// S *= decay; kv = k^T S; S += k (beta (v - kv))^T; out = q^T S. Two passes over S (the second from L2).
+QK_AVX512 void delta_head_avx512(float* S, int64_t K, int64_t V, const float* q, const float* k, const float* v,
+                                 float decay, float beta, float* kv, float* out) {
+  const __m512 dv = _mm512_set1_ps(decay);
+  for (int64_t j = 0; j < V; j += 16) _mm512_storeu_ps(kv + j, _mm512_setzero_ps());
+  for (int64_t i = 0; i < K; ++i) {
+    float* row = S + i * V;
+    const __m512 ki = _mm512_set1_ps(k[i]);
+    for (int64_t j = 0; j < V; j += 16) {
+      const __m512 sv = _mm512_mul_ps(_mm512_loadu_ps(row + j), dv);
+      _mm512_storeu_ps(row + j, sv);
+      _mm512_storeu_ps(kv + j, _mm512_fmadd_ps(ki, sv, _mm512_loadu_ps(kv + j)));
+    }
+  }
+  const __m512 bv = _mm512_set1_ps(beta);
+  for (int64_t j = 0; j < V; j += 16) {
+    _mm512_storeu_ps(kv + j, _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(v + j), _mm512_loadu_ps(kv + j)), bv));
+    _mm512_storeu_ps(out + j, _mm512_setzero_ps());
+  }
+  for (int64_t i = 0; i < K; ++i) {
+    float* row = S + i * V;
+    const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+    for (int64_t j = 0; j < V; j += 16) {
+      const __m512 sv = _mm512_fmadd_ps(ki, _mm512_loadu_ps(kv + j), _mm512_loadu_ps(row + j));
+      _mm512_storeu_ps(row + j, sv);
+      _mm512_storeu_ps(out + j, _mm512_fmadd_ps(qi, sv, _mm512_loadu_ps(out + j)));
+    }
+  }
+}
+
+void delta_head(float* S, int64_t K, int64_t V, const float* q, const float* k, const float* v, float decay,
+                float beta, float* kv, float* out) {
+  for (int64_t j = 0; j < V; ++j) kv[j] = 0.f;
+  for (int64_t i = 0; i < K; ++i)
+    for (int64_t j = 0; j < V; ++j) {
+      S[i * V + j] *= decay;
+      kv[j] += k[i] * S[i * V + j];
+    }
+  for (int64_t j = 0; j < V; ++j) {
+    kv[j] = (v[j] - kv[j]) * beta;
+    out[j] = 0.f;
+  }
+  for (int64_t i = 0; i < K; ++i)
+    for (int64_t j = 0; j < V; ++j) {
+      S[i * V + j] += k[i] * kv[j];
+      out[j] += q[i] * S[i * V + j];
+    }
+}
+
 // ---------------------------------------------------------------- AVX2 (+FMA)
 #define QK_AVX2 __attribute__((target("avx2,fma")))
 
@@ -658,7 +708,39 @@ double qk_stream_sum(torch::Tensor x) {
   }, std::plus<double>());
 }
 
+// The gated delta rule for one token over H heads (runtime/linear_attn.py): q, k [H, K] (normalised,
+// q scaled, heads already repeated), v [H, V], decay = exp(g) and beta [H], all fp32; state [H, K, V] fp32
+// updated in place; returns out [H, V] fp32. torch's route (mul_, bmm, addcmul_, bmm) passes over the
+// 2 MB state of a real layer four times and costs six ops; this reads and writes it once.
+torch::Tensor qk_delta_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor decay,
+                            torch::Tensor beta, torch::Tensor state) {
+  TORCH_CHECK(state.scalar_type() == torch::kFloat && state.is_contiguous() && state.dim() == 3,
+              "qk_delta_step: state must be contiguous fp32 [H, K, V]");
+  const int64_t H = state.size(0), K = state.size(1), V = state.size(2);
+  for (const torch::Tensor* t : {&q, &k, &v, &decay, &beta})
+    TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous(), "qk_delta_step: inputs must be contiguous fp32");
+  TORCH_CHECK(q.numel() == H * K && k.numel() == H * K && v.numel() == H * V && decay.numel() == H &&
+              beta.numel() == H, "qk_delta_step: shapes do not match the state");
+  torch::Tensor out = torch::empty({H, V}, torch::kFloat);
+  const bool wide = isa() == 2 && V % 16 == 0;
+  float* sp = state.data_ptr<float>();
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  const float *dp = decay.data_ptr<float>(), *bp = beta.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, H, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> kv(V);
+    for (int64_t h = lo; h < hi; ++h) {
+      if (wide)
+        delta_head_avx512(sp + h * K * V, K, V, qp + h * K, kp + h * K, vp + h * V, dp[h], bp[h], kv.data(), op + h * V);
+      else
+        delta_head(sp + h * K * V, K, V, qp + h * K, kp + h * K, vp + h * V, dp[h], bp[h], kv.data(), op + h * V);
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("delta_step", &qk_delta_step, "one token of the gated delta rule, state updated in place");
   mod.def("stream_sum", &qk_stream_sum, "sum of an fp32 tensor at streaming speed (the read-bandwidth probe)");
   mod.def("isa", &qk_isa, "the instruction set in use: 2 AVX512-VNNI, 1 AVX2, 0 none");
   mod.def("detect_isa", &qk_detect_isa, "the best instruction set this CPU has");
