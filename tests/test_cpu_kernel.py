@@ -67,6 +67,26 @@ def test_linear_matches_fp32_reference(isa, spec, shape):
         assert rel(y, reference_matmul(x, parts, spec, shape)) < TOL, (m, k.route)
 
 
+@pytest.mark.parametrize("spec", [*SPECS, None], ids=[*SPEC_IDS, "bf16"])
+def test_bf16_activations_in_and_out_without_torch_casts(isa, spec):
+    """A bf16 x gives a bf16 y from the kernel itself, bit-equal to the fp32 route rounded by torch
+    (the widening and the rounding happen inside the call, not as separate torch ops)."""
+    if spec is None and not cpu_kernel.bf16_available():
+        pytest.skip("no AVX512-BF16")
+    shape = (40, 256)
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+    parts = get_format(spec.format).quantize(w, spec) if spec else w
+    k = prepare(parts, spec, shape)
+    for m in (1, 3):
+        x = torch.randn(m, shape[1], generator=g).to(torch.bfloat16)
+        raw = k._mod.linear_bf16(x, k.w) if spec is None else k._mod.linear(
+            x, k.qw, k.scales, k.zeros, k.fmt_bits, k.group, k.out_features)
+        assert raw.dtype == torch.bfloat16
+        assert torch.equal(raw, k(x.float()).to(torch.bfloat16)) and torch.equal(k(x), raw)
+        assert torch.equal(k(x.to(torch.float16)), k(x.float()).to(torch.float16))  # other dtypes via torch
+
+
 def test_outliers_and_zero_blocks(isa):
     """A block of zeros (scale 0) gives exact zeros; a large outlier only coarsens its own block."""
     shape = (32, 256)

@@ -118,7 +118,7 @@ class QBf16Kernel(DenseKernel):
         if x.shape[0] > self.MAX_ROWS:
             return super().__call__(x)
         y = self._mod.linear_bf16(x, self.w)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def descriptor(self) -> list[int]:
         return [self.w.data_ptr(), 0, 0, 16, 0, self.out_features, self.in_features, 0]
@@ -245,7 +245,7 @@ class QKernel(Kernel):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self._mod.linear(x, self.qw, self.scales, self.zeros, self.fmt_bits, self.group, self.out_features)
-        return y if x.dtype == torch.float32 else y.to(x.dtype)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def descriptor(self) -> list[int]:
         """(qw, scales, zeros pointers, bits, group, out, in, 0): one row of qk_moe's table."""

@@ -113,6 +113,38 @@ void to_bf16_row(const float* x, int64_t k, uint16_t* out) {
   for (int64_t i = 0; i < k; ++i) out[i] = to_bf16(x[i]);
 }
 
+// x's values as contiguous fp32 without a torch op for the decode dtypes (an op costs a few microseconds,
+// as much as a small matrix): fp32 as it is, bf16 widened into `buf` (exact), others through torch (`keep`)
+const float* f32_values(const torch::Tensor& x, std::vector<float>& buf, torch::Tensor& keep) {
+  if (x.scalar_type() == torch::kFloat && x.is_contiguous()) return x.data_ptr<float>();
+  if (x.scalar_type() == torch::kBFloat16 && x.is_contiguous()) {
+    const int64_t n = x.numel();
+    buf.resize(n);
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr());
+    for (int64_t i = 0; i < n; ++i) {
+      const uint32_t u = static_cast<uint32_t>(p[i]) << 16;
+      std::memcpy(&buf[i], &u, 4);
+    }
+    return buf.data();
+  }
+  keep = x.to(torch::kFloat).contiguous();
+  return keep.data_ptr<float>();
+}
+
+// A result [rows, n] in bf16 for bf16 inputs (rounded as torch's .to(torch.bfloat16)), fp32 otherwise.
+struct Result {
+  torch::Tensor t;
+  float* f = nullptr;
+  uint16_t* h = nullptr;
+  Result(int64_t rows, int64_t n, bool bf16) {
+    t = torch::empty({rows, n}, bf16 ? torch::kBFloat16 : torch::kFloat);
+    if (bf16) h = reinterpret_cast<uint16_t*>(t.data_ptr()); else f = t.data_ptr<float>();
+  }
+  void put(int64_t at, const float* v, int64_t count) const {
+    if (h) to_bf16_row(v, count, h + at); else std::memcpy(f + at, v, count * sizeof(float));
+  }
+};
+
 // ---------------------------------------------------------------- AVX512-BF16 (bf16 weights)
 #define QK_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
 
@@ -549,7 +581,8 @@ void qk_set_bf16(bool on) {
   g_bf16_off = !on;
 }
 
-// y [M, N] fp32 = x [M, K] @ W^T for a row-major bf16 W (decode batch sizes; prefill stays with torch)
+// y [M, N] = x [M, K] @ W^T for a row-major bf16 W (decode batch sizes; prefill stays with torch);
+// y is bf16 for a bf16 x, fp32 otherwise
 torch::Tensor qk_linear_bf16(torch::Tensor x, torch::Tensor w) {
   TORCH_CHECK(bf16_ok(), "qk: no AVX512-BF16 on this CPU");
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && w.scalar_type() == torch::kBFloat16 && w.is_contiguous() &&
@@ -564,35 +597,35 @@ torch::Tensor qk_linear_bf16(torch::Tensor x, torch::Tensor w) {
   std::vector<QAct> acts(rows);
   for (int64_t r = 0; r < rows; ++r)
     acts[r].xb = reinterpret_cast<const uint16_t*>(xb.data_ptr()) + r * k;
-  torch::Tensor y = torch::empty({rows, n}, torch::kFloat);
-  float* yp = y.data_ptr<float>();
+  const Result y(rows, n, x.scalar_type() == torch::kBFloat16);
   at::parallel_for(0, m.tiles(), grain(m.k * 2 * kTile * rows), [&](int64_t lo, int64_t hi) {
     float tmp[kTile];
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t valid = std::min<int64_t>(kTile, n - t * kTile);
       for (int64_t r = 0; r < rows; ++r) {
         tile_bf16(m, t, acts[r], tmp);
-        std::memcpy(yp + r * n + t * kTile, tmp, valid * sizeof(float));
+        y.put(r * n + t * kTile, tmp, valid);
       }
     }
   });
-  return y;
+  return y.t;
 }
 
-// y [M, N] fp32 = x [M, K] @ W^T
+// y [M, N] = x [M, K] @ W^T; y is bf16 for a bf16 x, fp32 otherwise
 torch::Tensor qk_linear(torch::Tensor x, torch::Tensor qw, torch::Tensor scales, c10::optional<torch::Tensor> zeros,
                         int64_t fmt, int64_t group, int64_t n) {
   TORCH_CHECK(isa() > 0, "qk: no AVX2/AVX512-VNNI on this CPU");
   TORCH_CHECK(x.dim() == 2, "qk_linear: x must be [M, K]");
   const int64_t rows = x.size(0), k = x.size(1);
   QMat m = mat_from(qw, scales, zeros, fmt, group, n, k);
-  torch::Tensor xf = x.to(torch::kFloat).contiguous();
+  std::vector<float> xbuf;
+  torch::Tensor keep;
+  const float* xf = f32_values(x, xbuf, keep);
   QActBuf buf;
-  quantize_rows(xf.data_ptr<float>(), rows, k, buf);
+  quantize_rows(xf, rows, k, buf);
   std::vector<QAct> acts(rows);
   for (int64_t r = 0; r < rows; ++r) acts[r] = buf.row(r, k);
-  torch::Tensor y = torch::empty({rows, n}, torch::kFloat);
-  float* yp = y.data_ptr<float>();
+  const Result y(rows, n, x.scalar_type() == torch::kBFloat16);
   const int64_t nt = m.tiles();
   // rows of x in chunks of 64 so a tile's codes are read from memory once per chunk, not once per row
   constexpr int64_t kChunk = 64;
@@ -603,12 +636,11 @@ torch::Tensor qk_linear(torch::Tensor x, torch::Tensor qw, torch::Tensor scales,
       for (int64_t t = lo; t < hi; ++t) {
         tile(m, t, acts.data() + r0, nr, tmp.data());
         const int64_t valid = std::min<int64_t>(kTile, n - t * kTile);
-        for (int64_t r = 0; r < nr; ++r)
-          std::memcpy(yp + (r0 + r) * n + t * kTile, tmp.data() + r * kTile, valid * sizeof(float));
+        for (int64_t r = 0; r < nr; ++r) y.put((r0 + r) * n + t * kTile, tmp.data() + r * kTile, valid);
       }
     }
   });
-  return y;
+  return y.t;
 }
 
 // One token through k routed experts: y [H] fp32 = sum_slot w[slot] * down_e(silu(gate_e(x)) * up_e(x)).
@@ -618,8 +650,10 @@ torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, to
   TORCH_CHECK(isa() > 0, "qk: no AVX2/AVX512-VNNI on this CPU");
   TORCH_CHECK(table.scalar_type() == torch::kLong && table.dim() == 3 && table.size(1) == 2 && table.size(2) == 8 &&
               table.is_contiguous(), "qk_moe: table must be int64 [E, 2, 8]");
-  torch::Tensor idc = ids.to(torch::kLong).contiguous().view(-1);
-  torch::Tensor wc = wts.to(torch::kFloat).contiguous().view(-1);
+  const bool ids_ok = ids.scalar_type() == torch::kLong && ids.is_contiguous();
+  const bool wts_ok = wts.scalar_type() == torch::kFloat && wts.is_contiguous();
+  torch::Tensor idc = ids_ok ? ids : ids.to(torch::kLong).contiguous();
+  torch::Tensor wc = wts_ok ? wts : wts.to(torch::kFloat).contiguous();
   const int64_t ns = idc.numel();
   TORCH_CHECK(wc.numel() == ns && ns > 0, "qk_moe: ids and weights differ in length");
   const int64_t* tb = table.data_ptr<int64_t>();
@@ -638,8 +672,10 @@ torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, to
       TORCH_CHECK(m.fmt != 16 || bf16_ok(), "qk_moe: bf16 experts need AVX512-BF16");
     }
   }
-  torch::Tensor xf = x.to(torch::kFloat).contiguous().view(-1);
-  const int64_t hdim = xf.numel(), inter = dn[0].k;
+  std::vector<float> xbuf;
+  torch::Tensor keep;
+  const float* xf = f32_values(x, xbuf, keep);
+  const int64_t hdim = x.numel(), inter = dn[0].k;
   for (int64_t s = 0; s < ns; ++s)
     TORCH_CHECK(gu[s].k == hdim && gu[s].n == 2 * inter && dn[s].k == inter && dn[s].n == hdim,
                 "qk_moe: expert shapes do not match the hidden size");
@@ -649,7 +685,7 @@ torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, to
     dn16 = dn16 || dn[s].fmt == 16;
   }
   QActBuf xa;
-  quantize_rows(xf.data_ptr<float>(), 1, hdim, xa, gu16);
+  quantize_rows(xf, 1, hdim, xa, gu16);
   const QAct x0 = xa.row(0, hdim);
   // gate_up, SiLU x up and the int8 blocks of the result in one pass: a work item is one expert's 32
   // intermediate values (gate rows 32j..32j+31 and the matching up rows: four 16-row tiles)
