@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantkit.runtime import decode_step, load_model
+from quantkit.runtime import cpu_kernel, decode_step, load_model
 from quantkit.runtime.decode_step import GatheredExperts, LeanDecoder
 from quantkit.runtime.generate import _forward, lean_decoder, prefill
 from quantkit.runtime.loader import Placement
@@ -65,6 +65,8 @@ def test_bit_equal_to_transformers_eager(tiny_model, recipe, static_kv, one_thre
     rt.model.config._attn_implementation = "eager"
     with torch.inference_mode():
         ids, ref, dec = _begun(rt, static_kv=static_kv)
+        # on an AVX512-BF16 CPU the router runs on quantkit's bf16 kernel, and is still bit-equal
+        assert all((L.moe.router_kernel is not None) == cpu_kernel.bf16_available() for L in dec.layers)
         cache = dec.cache
         for t in _tokens():
             tok = torch.tensor([[t]])

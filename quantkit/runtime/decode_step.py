@@ -50,7 +50,8 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.errors import QuantkitError
-from quantkit.runtime.kernels import DenseKernel, Int4Kernel, Int8Kernel, Kernel
+from quantkit.runtime import cpu_kernel
+from quantkit.runtime.kernels import DenseKernel, Int4Kernel, Int8Kernel, Kernel, QBf16Kernel
 from quantkit.runtime.linear_attn import delta_state_step
 from quantkit.runtime.qexperts import QuantExperts
 
@@ -187,7 +188,11 @@ class GatheredExperts:
 class _Moe:
     """A layer's sparse MoE block: router, routed experts, shared expert with its sigmoid gate."""
 
-    router_w: torch.Tensor  # fp32 copy of the router's bf16 weight (a bf16 GEMV is several times slower on CPU)
+    router_w: torch.Tensor  # fp32 copy of the router's bf16 weight (a bf16 GEMV is several times slower on
+    # CPU); the bf16 weight itself where router_kernel runs
+    # on a CPU with AVX512-BF16: quantkit's bf16 kernel on the stored weight (the same bf16 products summed
+    # in fp32, rounded to bf16; 4x faster than the fp32 GEMV for 256 experts on the build machine)
+    router_kernel: Kernel | None
     top_k: int
     experts: QuantExperts
     shared_gate_proj: Any  # the shared expert's MLP: gate_proj, up_proj, down_proj
@@ -206,7 +211,10 @@ class _Moe:
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """transformers' Qwen3_5MoeTopKRouter on the device: (fp32 weights [k], int64 ids [k])."""
-        logits = F.linear(h.float(), self.router_w).to(h.dtype)
+        if self.router_kernel is not None and h.dtype == torch.bfloat16:
+            logits = self.router_kernel(h)
+        else:
+            logits = F.linear(h.float(), self.router_w.float()).to(h.dtype)
         probs = torch.softmax(logits, dtype=torch.float, dim=-1)
         top, ids = torch.topk(probs, self.top_k, dim=-1)
         top = (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype)
@@ -305,7 +313,10 @@ def _moe(layer: Any, dev: torch.device, gather: frozenset[int] | None) -> _Moe:
     if not isinstance(ex, QuantExperts):
         raise TypeError("lean decode needs QuantExperts (a model built by quantkit's loader)")
     se = mlp.shared_expert
-    m = _Moe(router_w=mlp.gate.weight.float(), top_k=mlp.gate.top_k, experts=ex,
+    rw = mlp.gate.weight
+    router_kernel = (QBf16Kernel(rw, shared=True) if rw.dtype == torch.bfloat16 and rw.is_contiguous()
+                     and cpu_kernel.supports("bf16", tuple(rw.shape), rw.device) else None)
+    m = _Moe(router_w=rw.float() if router_kernel is None else rw, router_kernel=router_kernel, top_k=mlp.gate.top_k, experts=ex,
              shared_gate_proj=_kernel(se.gate_proj), shared_up=_kernel(se.up_proj), shared_down=_kernel(se.down_proj),
              shared_sigmoid_gate=_kernel(mlp.shared_expert_gate), device=dev)
     off_cpu = [i for i, g in enumerate(ex.groups) if (g.device.type != "cpu" if gather is None else i in gather)]
