@@ -21,7 +21,7 @@ import torch
 
 from quantkit.formats import QuantSpec, get_format
 from quantkit.runtime import cpu_kernel
-from quantkit.runtime.kernels import DenseKernel, QBf16Kernel, QKernel, prepare, reference_matmul
+from quantkit.runtime.kernels import DenseKernel, Projections, QBf16Kernel, QKernel, prepare, reference_matmul
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernel is not built on this machine")
@@ -85,6 +85,32 @@ def test_bf16_activations_in_and_out_without_torch_casts(isa, spec):
         assert raw.dtype == torch.bfloat16
         assert torch.equal(raw, k(x.float()).to(torch.bfloat16)) and torch.equal(k(x), raw)
         assert torch.equal(k(x.to(torch.float16)), k(x.float()).to(torch.float16))  # other dtypes via torch
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_projections_on_one_input_equal_their_kernels(isa, dtype):
+    """A layer's projections of one hidden state in one `linear_many` call (every format, bf16 kept
+    matrices among them where the CPU has AVX512-BF16, odd row counts): each output equals its own kernel's,
+    bit for bit; a kernel the call cannot take sends the whole group through the kernels one by one."""
+    g = torch.Generator().manual_seed(3)
+    k_in = 256
+    specs = [*SPECS] + ([None] if isa == 2 and cpu_kernel.bf16_available() else [])
+    kernels = []
+    for i, spec in enumerate(specs):
+        w = (torch.randn(24 + 40 * i, k_in, generator=g) * 0.02).to(torch.bfloat16)
+        kernels.append(prepare(get_format(spec.format).quantize(w, spec) if spec else w, spec, tuple(w.shape)))
+    proj = Projections(kernels)
+    assert proj.fused
+    for m in (1, 3):
+        x = torch.randn(m, k_in, generator=g).to(dtype)
+        got = proj(x)
+        assert len(got) == len(kernels)
+        for y, k in zip(got, kernels, strict=True):
+            assert y.dtype == k(x).dtype and torch.equal(y, k(x))
+    odd = Projections([kernels[0], DenseKernel(torch.randn(8, k_in).to(torch.bfloat16))])
+    assert not odd.fused
+    x = torch.randn(1, k_in, generator=g).to(dtype)
+    assert torch.equal(odd(x)[0], kernels[0](x))
 
 
 def test_outliers_and_zero_blocks(isa):
@@ -235,6 +261,11 @@ def test_bad_arguments_are_errors_not_crashes():
         mod.moe(torch.zeros(H), table, torch.tensor([0]), torch.ones(1))
     with pytest.raises(RuntimeError, match="out of range"):
         mod.moe(torch.zeros(H), table, torch.tensor([5]), torch.ones(1))
+    with pytest.raises(RuntimeError, match="does not take this input"):
+        mod.linear_many(torch.zeros(1, 64), torch.zeros(1, 8, dtype=torch.int64))
+    k = prepare(get_format("int8").quantize(torch.randn(16, 64).bfloat16(), QuantSpec("int8")), QuantSpec("int8"), (16, 64))
+    with pytest.raises(RuntimeError, match="does not take this input"):
+        mod.linear_many(torch.zeros(1, 96), torch.tensor([k.descriptor()]))
 
 
 # ---------------------------------------------------------------- fallbacks, in fresh processes

@@ -186,8 +186,9 @@ def calibration_config(config: dict[str, Any]) -> dict[str, Any]:
 
 
 class _StubbedKernels:
-    """Within the block every Kernel call returns a cached zero tensor (one per kernel and row count), and
-    routed experts take the runtime's unfused path (their fused `qk.moe` call would read real weights)."""
+    """Within the block every Kernel call returns a cached zero tensor (one per kernel and row count),
+    routed experts take the runtime's unfused path (their fused `qk.moe` call would read real weights) and
+    Projections call their kernels one by one (their `linear_many` call would too)."""
 
     def __enter__(self) -> _StubbedKernels:
         self.saved: dict[type, Any] = {}
@@ -200,16 +201,24 @@ class _StubbedKernels:
                 cls.__call__ = _stub  # type: ignore[method-assign]
         self.fused_table = QuantExperts.__dict__["_fused_table"]
         QuantExperts._fused_table = _no_fused_table  # type: ignore[method-assign]
+        self.projections = K.Projections.__dict__["__call__"]
+        K.Projections.__call__ = _one_by_one  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: Any) -> None:
         for cls, fn in self.saved.items():
             cls.__call__ = fn  # type: ignore[method-assign]
         QuantExperts._fused_table = self.fused_table  # type: ignore[method-assign]
+        K.Projections.__call__ = self.projections  # type: ignore[method-assign]
 
 
 def _no_fused_table(self: Any) -> None:
     return None
+
+
+def _one_by_one(self: Any, x: torch.Tensor) -> list[torch.Tensor]:
+    """Projections through each (stubbed) kernel: the fused call would read real weights."""
+    return [k(x) for k in self.kernels]
 
 
 def _stub(self: Any, x: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime import cpu_kernel
-from quantkit.runtime.kernels import DenseKernel, Int4Kernel, Int8Kernel, Kernel, QBf16Kernel
+from quantkit.runtime.kernels import DenseKernel, Int4Kernel, Int8Kernel, Kernel, Projections, QBf16Kernel
 from quantkit.runtime.linear_attn import delta_state_step
 from quantkit.runtime.qexperts import QuantExperts
 
@@ -203,6 +203,10 @@ class _Moe:
     gathered: list[GatheredExperts] = field(default_factory=list)
     cpu_fused_all: bool = False
     cpu_groups: frozenset[int] = frozenset()  # groups computed on the CPU when others are gathered
+    shared_in: Projections = field(init=False)  # gate_proj, up_proj and the sigmoid gate, all on h
+
+    def __post_init__(self) -> None:
+        self.shared_in = Projections([self.shared_gate_proj, self.shared_up, self.shared_sigmoid_gate])
     host_ids: bool = False  # experts off the CPU that cannot be gathered: the ids are read on the host
 
     @property
@@ -247,10 +251,11 @@ class _Moe:
         return ex._forward_one(h.to("cpu"), ids_c[keep].tolist(), wts_c[keep].view(1, -1)).float()
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        shared = self.shared_down(F.silu(self.shared_gate_proj(h)) * self.shared_up(h))
+        gate, up, sg = self.shared_in(h)
+        shared = self.shared_down(F.silu(gate) * up)
         wts, ids = self.route(h)
         out = self.routed(h, wts, ids)
-        return out + torch.sigmoid(self.shared_sigmoid_gate(h)) * shared
+        return out + torch.sigmoid(sg) * shared
 
 
 @dataclass
@@ -275,6 +280,10 @@ class _Attn:
     rot: int
     scaling: float
     eps: float
+    qkv_in: Projections = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.qkv_in = Projections([self.q, self.k, self.v])
 
 
 @dataclass
@@ -296,6 +305,10 @@ class _Linear:
     hv: int
     dk: int
     dv: int
+    proj_in: Projections = field(init=False)  # in_proj_qkv, _z, _b, _a, all on h
+
+    def __post_init__(self) -> None:
+        self.proj_in = Projections([self.qkv, self.z, self.b, self.a])
 
 
 @dataclass
@@ -364,8 +377,7 @@ def linear_mixer(m: _Linear, eps: float, h: torch.Tensor, conv: ConvWindow,
     """One token through a Gated DeltaNet layer, conv window and recurrent state updated in place:
     transformers' Qwen3_5MoeGatedDeltaNet with quantkit's CPU conv and delta rule
     (runtime/linear_attn.py), op for op."""
-    qkv = m.qkv(h)  # [1, C]
-    z, b, a = m.z(h), m.b(h), m.a(h)
+    qkv, z, b, a = m.proj_in(h)  # qkv [1, C]
     nf = conv.push(qkv).float()  # [K, C]: the last K inputs, oldest first
     acc = nf[0] * m.conv_w[0]
     for j in range(1, len(m.conv_w)):
@@ -572,10 +584,11 @@ class LeanDecoder:
     def _attention(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         m = L.mixer
         assert isinstance(m, _Attn)
-        qg = m.q(h).view(m.heads, 2 * m.head_dim)
+        qo, ko, vo = m.qkv_in(h)
+        qg = qo.view(m.heads, 2 * m.head_dim)
         q, gate = qg[:, :m.head_dim], qg[:, m.head_dim:]
-        k = m.k(h).view(m.kv_heads, m.head_dim)
-        v = m.v(h).view(1, m.kv_heads, 1, m.head_dim)
+        k = ko.view(m.kv_heads, m.head_dim)
+        v = vo.view(1, m.kv_heads, 1, m.head_dim)
         qk = rms(torch.cat([q, k]), m.qk_scale, m.eps)
         qk = _rotate(qk, cos, sin, m.rot)
         q, k = qk[:m.heads].view(1, m.heads, 1, m.head_dim), qk[m.heads:].view(1, m.kv_heads, 1, m.head_dim)

@@ -257,6 +257,32 @@ class QKernel(Kernel):
         return [self.qw, self.scales] + ([self.zeros] if self.zeros is not None else [])
 
 
+class Projections:
+    """Several matrices applied to the same input (a layer's q/k/v, its linear-attention in_proj_*, the
+    shared expert's gate/up/gate): one `linear_many` call of quantkit's CPU kernel, which quantizes the
+    input once and runs every matrix's tiles in one parallel region, where every one of them is a
+    `QKernel` or `QBf16Kernel`; else each kernel in turn. Either way the outputs equal the kernels' own,
+    bit for bit (tests/test_cpu_kernel.py)."""
+
+    def __init__(self, kernels: list[Any]):
+        self.kernels = kernels
+        mod = cpu_kernel.module()
+        fused = (mod is not None and all(isinstance(k, (QKernel, QBf16Kernel)) for k in kernels)
+                 and len({k.in_features for k in kernels}) == 1)
+        self._mod = mod if fused else None
+        self._table = torch.tensor([k.descriptor() for k in kernels], dtype=torch.int64) if fused else None
+
+    @property
+    def fused(self) -> bool:
+        return self._mod is not None
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if self._mod is not None and x.dim() == 2 and x.shape[0] <= QBf16Kernel.MAX_ROWS and x.dtype in (
+                torch.bfloat16, torch.float32):
+            return self._mod.linear_many(x.contiguous(), self._table)
+        return [k(x) for k in self.kernels]
+
+
 def qkernel(parts: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, int]) -> QKernel | None:
     """The C++ kernel for an int4/int8 matrix on the CPU, or None where it does not apply."""
 

@@ -24,6 +24,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -643,6 +644,64 @@ torch::Tensor qk_linear(torch::Tensor x, torch::Tensor qw, torch::Tensor scales,
   return y.t;
 }
 
+// Several matrices on one input x [M, K] (a layer's projections of the same hidden state): x is widened
+// and quantized once and one parallel region runs every matrix's tiles, each tile exactly as `linear` /
+// `linear_bf16` computes it. `table` int64 [P, 8]: per matrix (qw or bf16 weight ptr, scales ptr, zeros ptr
+// or 0, fmt 4/8/16, group, n, k, 0), from tensors cpu_kernel.py's callers keep alive. Returns the P
+// outputs [M, n], bf16 for a bf16 x, fp32 otherwise.
+std::vector<torch::Tensor> qk_linear_many(torch::Tensor x, torch::Tensor table) {
+  TORCH_CHECK(isa() > 0, "qk: no AVX2/AVX512-VNNI on this CPU");
+  TORCH_CHECK(x.dim() == 2, "qk_linear_many: x must be [M, K]");
+  TORCH_CHECK(table.scalar_type() == torch::kLong && table.dim() == 2 && table.size(1) == 8 && table.is_contiguous() &&
+              table.size(0) > 0, "qk_linear_many: table must be int64 [P, 8]");
+  const int64_t rows = x.size(0), k = x.size(1), np = table.size(0);
+  std::vector<QMat> mats(np);
+  std::vector<int64_t> first(np + 1, 0);
+  bool want16 = false;
+  int64_t bytes = 0;
+  for (int64_t p = 0; p < np; ++p) {
+    const int64_t* f = table.data_ptr<int64_t>() + p * 8;
+    QMat& m = mats[p];
+    TORCH_CHECK(f[0] != 0 && (f[3] == 4 || f[3] == 8 || f[3] == 16) && f[5] > 0 && f[6] == k,
+                "qk_linear_many: matrix ", p, " does not take this input");
+    TORCH_CHECK(f[3] != 16 || bf16_ok(), "qk_linear_many: bf16 matrices need AVX512-BF16");
+    m.qw = reinterpret_cast<const uint8_t*>(f[0]);
+    m.scales = reinterpret_cast<const void*>(f[1]);
+    m.zeros = reinterpret_cast<const uint16_t*>(f[2]);
+    m.fmt = f[3]; m.group = f[3] == 4 ? f[4] : kBlock; m.n = f[5]; m.k = f[6];
+    want16 = want16 || m.fmt == 16;
+    first[p + 1] = first[p] + m.tiles();
+    bytes += m.n * m.k * (m.fmt == 4 ? 1 : m.fmt == 8 ? 2 : 4) / 2;
+  }
+  TORCH_CHECK(k % kBlock == 0, "qk_linear_many: in_features must be a multiple of 32");
+  std::vector<float> xbuf;
+  torch::Tensor keep;
+  const float* xf = f32_values(x, xbuf, keep);
+  QActBuf buf;
+  quantize_rows(xf, rows, k, buf, want16);
+  std::vector<QAct> acts(rows);
+  for (int64_t r = 0; r < rows; ++r) acts[r] = buf.row(r, k);
+  const bool bf = x.scalar_type() == torch::kBFloat16;
+  std::vector<Result> outs;
+  outs.reserve(np);
+  for (int64_t p = 0; p < np; ++p) outs.emplace_back(rows, mats[p].n, bf);
+  const int64_t total = first[np];
+  at::parallel_for(0, total, grain(bytes / std::max<int64_t>(total, 1) * rows), [&](int64_t lo, int64_t hi) {
+    std::vector<float> tmp(rows * kTile);
+    int64_t p = std::upper_bound(first.begin(), first.end(), lo) - first.begin() - 1;
+    for (int64_t i = lo; i < hi; ++i) {
+      while (i >= first[p + 1]) ++p;
+      const QMat& m = mats[p];
+      const int64_t t = i - first[p], valid = std::min<int64_t>(kTile, m.n - t * kTile);
+      tile(m, t, acts.data(), rows, tmp.data());
+      for (int64_t r = 0; r < rows; ++r) outs[p].put(r * m.n + t * kTile, tmp.data() + r * kTile, valid);
+    }
+  });
+  std::vector<torch::Tensor> ys;
+  for (auto& o : outs) ys.push_back(o.t);
+  return ys;
+}
+
 // One token through k routed experts: y [H] fp32 = sum_slot w[slot] * down_e(silu(gate_e(x)) * up_e(x)).
 // `table` int64 [E, 2, 8]: per expert, gate_up then down, each (qw ptr, scales ptr, zeros ptr or 0, fmt,
 // group, n, k, 0), filled by cpu_kernel.py from tensors it keeps alive. Slots are summed in slot order.
@@ -782,6 +841,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("detect_isa", &qk_detect_isa, "the best instruction set this CPU has");
   mod.def("set_isa", &qk_set_isa, "use a lower instruction set (tests, QUANTKIT_NO_AVX512)");
   mod.def("linear", &qk_linear, "y [M, N] fp32 = x [M, K] @ W^T from repacked int4/int8 tiles");
+  mod.def("linear_many", &qk_linear_many, "several matrices on one input: one quantization, one parallel region");
   mod.def("moe", &qk_moe, "one token through k routed experts in one call");
   mod.def("has_bf16", &qk_has_bf16, "whether the bf16 path (AVX512-BF16) is in use");
   mod.def("set_bf16", &qk_set_bf16, "turn the bf16 path off (or back on)");
