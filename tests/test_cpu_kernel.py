@@ -113,6 +113,32 @@ def test_projections_on_one_input_equal_their_kernels(isa, dtype):
     assert torch.equal(odd(x)[0], kernels[0](x))
 
 
+@pytest.mark.skipif(not cpu_kernel.bf16_available(), reason="no AVX512-BF16")
+@pytest.mark.parametrize("heads,kv,hd,n", [(16, 2, 256, 1), (16, 2, 256, 300), (16, 2, 256, 1500), (4, 2, 16, 9),
+                                           (3, 3, 32, 17), (32, 2, 128, 64), (6, 1, 48, 5)])
+def test_decode_attention_matches_the_torch_route(heads, kv, hd, n):
+    """`qk.attend` against the lean step's torch attention (transformers' eager roundings) over the first n
+    rows of larger K/V buffers: equal but for the order of fp32 sums (1 bf16 ulp on a few outputs)."""
+    from quantkit.runtime.decode_step import attend
+
+    g = torch.Generator().manual_seed(n + hd)
+    cap = n + 7
+    keys = torch.randn(kv, cap, hd, generator=g).bfloat16()
+    values = torch.randn(kv, cap, hd, generator=g).bfloat16()
+    keys[:, n:], values[:, n:] = 1e4, 1e4  # rows past n must not count
+    q = torch.randn(heads, hd, generator=g).bfloat16()
+    ref = attend(q.view(1, heads, 1, hd), keys[:, :n], values[:, :n], hd ** -0.5).reshape(heads, hd)
+    got = cpu_kernel.module().attend(q, keys, values, n, hd ** -0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == (heads, hd)
+    # one bf16 ulp of the output, or of a probability that flipped times the head's largest output
+    r = ref.float().abs()
+    tol = r * 2 ** -7 + r.amax(dim=-1, keepdim=True) * 2 ** -8
+    assert bool(((got.float() - ref.float()).abs() <= tol).all())
+    assert float((got != ref).float().mean()) < 0.01
+    with pytest.raises(RuntimeError, match="do not fit"):
+        cpu_kernel.module().attend(q, keys, values, cap + 1, 1.0)
+
+
 def test_outliers_and_zero_blocks(isa):
     """A block of zeros (scale 0) gives exact zeros; a large outlier only coarsens its own block."""
     shape = (32, 256)

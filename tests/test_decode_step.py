@@ -67,6 +67,7 @@ def test_bit_equal_to_transformers_eager(tiny_model, recipe, static_kv, one_thre
         ids, ref, dec = _begun(rt, static_kv=static_kv)
         # on an AVX512-BF16 CPU the router runs on quantkit's bf16 kernel, and is still bit-equal
         assert all((L.moe.router_kernel is not None) == cpu_kernel.bf16_available() for L in dec.layers)
+        assert (dec.attend_kernel is not None) == (cpu_kernel.bf16_available() and not static_kv)
         cache = dec.cache
         for t in _tokens():
             tok = torch.tensor([[t]])

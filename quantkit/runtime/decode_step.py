@@ -506,6 +506,8 @@ class LeanDecoder:
         self.capacity = 0
         self.pos: torch.Tensor | None = None
         self.graph: CudaGraphStep | None = None
+        # a CPU layer's attention on quantkit's kernel (`qk.attend`) where the CPU has AVX512-BF16
+        self.attend_kernel = cpu_kernel.module() if cpu_kernel.bf16_available() and not static_kv else None
 
     # -- state --
     def begin(self, cache: Any, capacity: int) -> None:
@@ -599,6 +601,11 @@ class LeanDecoder:
             buf.k.index_copy_(2, pos, k)
             buf.v.index_copy_(2, pos, v)
             out = attend(q, buf.k[0], buf.v[0], m.scaling, buf.positions > pos)
+        elif (self.attend_kernel is not None and h.device.type == "cpu" and q.dtype == torch.bfloat16
+              and m.head_dim % 16 == 0):
+            buf.k[:, :, self.n].copy_(k[:, :, 0])
+            buf.v[:, :, self.n].copy_(v[:, :, 0])
+            out = self.attend_kernel.attend(q.view(m.heads, m.head_dim), buf.k[0], buf.v[0], self.n + 1, m.scaling)
         else:
             buf.k[:, :, self.n].copy_(k[:, :, 0])
             buf.v[:, :, self.n].copy_(v[:, :, 0])

@@ -147,7 +147,7 @@ struct Result {
 };
 
 // ---------------------------------------------------------------- AVX512-BF16 (bf16 weights)
-#define QK_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma")))
+#define QK_BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx512vnni,fma")))
 
 // out[r] = row r of w (row-major, k % 32 == 0) . x, for R rows
 template <int R>
@@ -368,6 +368,138 @@ void delta_head(float* S, int64_t K, int64_t V, const float* q, const float* k, 
       S[i * V + j] += k[i] * kv[j];
       out[j] += q[i] * S[i * V + j];
     }
+}
+
+// bf16 -> fp32 of one value, and fp32 rounded through bf16 (what a torch op with a bf16 result keeps)
+inline float bf16_value(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline float through_bf16(float f) { return bf16_value(to_bf16(f)); }
+
+// lane i = the sum of v[i]'s 16 lanes: a transpose-and-add tree (15 adds for 16 sums instead of 16 reductions)
+QK_BF16 inline __m512 reduce16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
+// 16 fp32 values rounded through bf16 (nearest even, as to_bf16; a NaN stays a NaN)
+QK_BF16 inline __m512 through_bf16x16(__m512 x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))),
+                           _mm512_set1_epi32(0x00400000));
+  return _mm512_castsi512_ps(r);
+}
+
+// 32 bf16 values at p + d of a row of hd (a multiple of 16): the last 16 of an odd row padded with zeros
+QK_BF16 inline __m512bh row32(const uint16_t* p, int64_t d, int64_t hd) {
+  return (__m512bh)(d + 32 <= hd ? _mm512_loadu_si512(p + d) : _mm512_maskz_loadu_epi16(0xFFFFu, p + d));
+}
+
+// scores s [G, n] of G query heads against key rows 0..n-1: bf16(bf16(q . k) * scaling)
+template <int G>
+QK_BF16 void attend_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t hd, float scaling, float* s) {
+  constexpr int R = 16 / G;  // key rows per batch: 16 dot products reduced together
+  const __m512 sc = _mm512_set1_ps(scaling);
+  int64_t j = 0;
+  for (; j + R <= n; j += R) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < hd; d += 32) {
+      __m512bh qv[G];
+      for (int h = 0; h < G; ++h) qv[h] = row32(q + h * hd, d, hd);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh kv = row32(k + (j + r) * hd, d, hd);
+        for (int h = 0; h < G; ++h) acc[r * G + h] = _mm512_dpbf16_ps(acc[r * G + h], kv, qv[h]);
+      }
+    }
+    float out[16];
+    _mm512_storeu_ps(out, through_bf16x16(_mm512_mul_ps(through_bf16x16(reduce16(acc)), sc)));
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < G; ++h) s[h * n + j + r] = out[r * G + h];
+  }
+  for (; j < n; ++j)
+    for (int h = 0; h < G; ++h) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t d = 0; d < hd; d += 32)
+        a = _mm512_dpbf16_ps(a, row32(k + j * hd, d, hd), row32(q + h * hd, d, hd));
+      s[h * n + j] = through_bf16(through_bf16(_mm512_reduce_add_ps(a)) * scaling);
+    }
+}
+
+// in place: each row of s [G, n] -> bf16(softmax) in fp32
+QK_BF16 void attend_softmax(float* s, int64_t g, int64_t n) {
+  for (int64_t h = 0; h < g; ++h) {
+    float* sh = s + h * n;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) mx = std::fmax(mx, sh[j]);
+    float sum = 0.f;
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+      const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_loadu_ps(sh + j), _mm512_set1_ps(mx)));
+      _mm512_storeu_ps(sh + j, e);
+      sum += _mm512_reduce_add_ps(e);
+    }
+    for (; j < n; ++j) {
+      sh[j] = std::exp(sh[j] - mx);
+      sum += sh[j];
+    }
+    const __m512 sv = _mm512_set1_ps(sum);
+    for (j = 0; j + 16 <= n; j += 16)
+      _mm512_storeu_ps(sh + j, through_bf16x16(_mm512_div_ps(_mm512_loadu_ps(sh + j), sv)));
+    for (; j < n; ++j) sh[j] = through_bf16(sh[j] / sum);
+  }
+}
+
+// acc [G, hd] = p [G, n] @ v [n, hd] in fp32, rows in order; blocks of 64 value rows stay in L1 while
+// C chunks of 16 columns of the G outputs sit in registers
+template <int G, int C>
+QK_BF16 void attend_sum(const float* p, const uint16_t* v, int64_t n, int64_t hd, float* acc) {
+  constexpr int64_t kRows = 64;
+  for (int64_t i = 0; i < G * hd; ++i) acc[i] = 0.f;
+  for (int64_t j0 = 0; j0 < n; j0 += kRows) {
+    const int64_t j1 = std::min(n, j0 + kRows);
+    for (int64_t d = 0; d < hd; d += 16 * C) {
+      __m512 a[G][C];
+      for (int h = 0; h < G; ++h)
+        for (int c = 0; c < C; ++c) a[h][c] = _mm512_loadu_ps(acc + h * hd + d + 16 * c);
+      for (int64_t j = j0; j < j1; ++j) {
+        __m512 vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = bf16x16_avx512(v + j * hd + d + 16 * c);
+        for (int h = 0; h < G; ++h) {
+          const __m512 w = _mm512_set1_ps(p[h * n + j]);
+          for (int c = 0; c < C; ++c) a[h][c] = _mm512_fmadd_ps(w, vv[c], a[h][c]);
+        }
+      }
+      for (int h = 0; h < G; ++h)
+        for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + h * hd + d + 16 * c, a[h][c]);
+    }
+  }
+}
+
+// One kv head of a decode token's attention (see qk_attend): G query heads q [G, hd] against rows 0..n-1
+// of k and v [cap, hd]; out [G, hd] bf16. s: scratch of G * n floats, acc of G * hd.
+template <int G>
+QK_BF16 void attend_head(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t n, int64_t hd,
+                         float scaling, float* s, float* acc, uint16_t* out) {
+  attend_scores<G>(q, k, n, hd, scaling, s);
+  attend_softmax(s, G, n);
+  if (G <= 8 && hd % 32 == 0) attend_sum<G, 2>(s, v, n, hd, acc); else attend_sum<G, 1>(s, v, n, hd, acc);
+  to_bf16_row(acc, G * hd, out);
 }
 
 // ---------------------------------------------------------------- AVX2 (+FMA)
@@ -834,7 +966,50 @@ torch::Tensor qk_delta_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
   return out;
 }
 
+// One decode token's attention over the first n positions of a layer's K/V buffers: q [heads, hd] bf16,
+// keys and values [kv, cap, hd] bf16 (contiguous), query heads h*g .. h*g+g-1 on kv head h. The roundings
+// of the torch route it replaces (runtime/decode_step.attend, transformers' eager attention): scores
+// rounded to bf16, scaled in bf16, softmax in fp32 rounded to bf16, the weighted sum in fp32 rounded to
+// bf16; only the order of the fp32 sums and the exp differ. Each key and value row is read from memory
+// once for its g query heads. Returns [heads, hd] bf16. Threads split the kv heads.
+torch::Tensor qk_attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t n, double scaling) {
+  TORCH_CHECK(bf16_ok(), "qk_attend: needs AVX512-BF16");
+  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && keys.scalar_type() == torch::kBFloat16 &&
+              values.scalar_type() == torch::kBFloat16 && q.is_contiguous() && keys.is_contiguous() &&
+              values.is_contiguous() && q.dim() == 2 && keys.dim() == 3 && keys.sizes() == values.sizes(),
+              "qk_attend: q [heads, hd], keys and values [kv, cap, hd], contiguous bf16");
+  const int64_t heads = q.size(0), hd = q.size(1), kv = keys.size(0), cap = keys.size(1);
+  TORCH_CHECK(keys.size(2) == hd && hd % 16 == 0 && kv > 0 && heads % kv == 0 && n >= 1 && n <= cap,
+              "qk_attend: shapes do not fit (head_dim a multiple of 16, 1 <= n <= capacity)");
+  const int64_t g = heads / kv;
+  torch::Tensor out = torch::empty({heads, hd}, torch::kBFloat16);
+  const uint16_t* qp = reinterpret_cast<const uint16_t*>(q.data_ptr());
+  const uint16_t* kp = reinterpret_cast<const uint16_t*>(keys.data_ptr());
+  const uint16_t* vp = reinterpret_cast<const uint16_t*>(values.data_ptr());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  // query heads per kv head in groups of G (16, 8, 4, 2 or 1: the widest dividing g)
+  const int64_t G = g % 16 == 0 ? 16 : g % 8 == 0 ? 8 : g % 4 == 0 ? 4 : g % 2 == 0 ? 2 : 1;
+  const float sc = static_cast<float>(scaling);
+  at::parallel_for(0, kv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> s(G * n), acc(G * hd);
+    for (int64_t h = lo; h < hi; ++h)
+      for (int64_t q0 = h * g; q0 < (h + 1) * g; q0 += G) {
+        const uint16_t *qh = qp + q0 * hd, *kh = kp + h * cap * hd, *vh = vp + h * cap * hd;
+        uint16_t* oh = op + q0 * hd;
+        switch (G) {
+          case 16: attend_head<16>(qh, kh, vh, n, hd, sc, s.data(), acc.data(), oh); break;
+          case 8: attend_head<8>(qh, kh, vh, n, hd, sc, s.data(), acc.data(), oh); break;
+          case 4: attend_head<4>(qh, kh, vh, n, hd, sc, s.data(), acc.data(), oh); break;
+          case 2: attend_head<2>(qh, kh, vh, n, hd, sc, s.data(), acc.data(), oh); break;
+          default: attend_head<1>(qh, kh, vh, n, hd, sc, s.data(), acc.data(), oh); break;
+        }
+      }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
+  mod.def("attend", &qk_attend, "one decode token's attention over a layer's K/V buffers (bf16)");
   mod.def("delta_step", &qk_delta_step, "one token of the gated delta rule, state updated in place");
   mod.def("stream_sum", &qk_stream_sum, "sum of an fp32 tensor at streaming speed (the read-bandwidth probe)");
   mod.def("isa", &qk_isa, "the instruction set in use: 2 AVX512-VNNI, 1 AVX2, 0 none");
