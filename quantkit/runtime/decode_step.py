@@ -27,6 +27,15 @@ each step, so `get_seq_length` stays right and no prompt-cache snapshot ever poi
 (snapshots are views of the prefill's own `torch.cat` results). Attention runs over the filled length
 rounded up to `KV_BUCKET` positions, the rest masked.
 
+On a CPU, quantkit's kernel (runtime/cpu_kernel.py) takes the step's pieces that torch runs as many small
+ops: a layer's projections of one hidden state in one call (`Projections`), the Gated DeltaNet state
+update (`linear_attn.delta_state_step`: one read and one write of the state), the router on the bf16
+kernel, and, with AVX512-BF16 and dynamic KV, the attention over the filled positions (`qk.attend`: the
+same bf16 roundings as `attend`, fp32 sums in another order). The projections equal the kernels one by
+one and transformers' forward shares the state update; the router and the attention sum in another order
+than torch's, which on the test model still leaves every logit and cache state bit-equal, and in the
+kernel tests moves at most one bf16 step on under 1% of attention outputs (tests/test_cpu_kernel.py).
+
 No host syncs inside the step: routing (softmax, top-k, renormalisation) stays on the layer's device;
 CPU experts fused in quantkit's kernel take the expert ids as a CPU tensor; experts on another device run
 through `GatheredExperts` (weights gathered by the routed ids on the device; dense, int8 and tinygemm
