@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import mmap
 import sys
@@ -57,6 +58,19 @@ def test_chunk_slices_are_disjoint_and_outlive_their_neighbours():
     gc.collect()
     hugepages.empty((1 << 20,), torch.uint8).fill_(255)  # reuse of freed memory would show here
     assert int(keep.min()) == int(keep.max()) == 3
+
+
+def test_each_tensor_is_its_own_storage():
+    """A deep copy (calibrate clones kernels) or a save takes a tensor's bytes, not its chunk's."""
+    t = hugepages.empty((300_000,), torch.uint8)
+    assert t.untyped_storage().nbytes() == 300_000
+    assert copy.deepcopy(t).untyped_storage().nbytes() == 300_000
+
+
+def test_off_block_keeps_torchs_allocator():
+    with hugepages.off():
+        assert not hugepages.enabled() and not advised(hugepages.empty((1 << 20,), torch.uint8))
+    assert hugepages.enabled()
 
 
 def test_repacked_codes_are_advised_and_compute_the_same(monkeypatch):

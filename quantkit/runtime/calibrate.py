@@ -53,7 +53,7 @@ from quantkit.planner.host_costs import (
     shape_key,
 )
 from quantkit.recipe import Recipe
-from quantkit.runtime import decode_step, linear_attn
+from quantkit.runtime import decode_step, hugepages, linear_attn
 from quantkit.runtime import kernels as K
 from quantkit.runtime.loader import LoadReport, Placement, TensorSource, build_skeleton, populate
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
@@ -324,7 +324,8 @@ def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8, lea
     linear_attn.install()
     model = build_skeleton(cal)
     src = RandomSource(spec)
-    populate(model, src, Placement.single(c.num_hidden_layers, c.num_experts), LoadReport())
+    with hugepages.off():  # its matrices stay untouched `torch.empty`: no copies that would fault them in
+        populate(model, src, Placement.single(c.num_hidden_layers, c.num_experts), LoadReport())
     model.eval()
     n = c.num_hidden_layers
     per_layer: list[list[float]] = [[] for _ in range(n)]

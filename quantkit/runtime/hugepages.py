@@ -11,17 +11,20 @@ Linux's default THP mode (`madvise`) gives them only to memory that asks.
 Contract: `empty(shape, dtype)` returns an uninitialised CPU tensor. Tensors of at least `MIN_BYTES` come
 from anonymous mappings advised `MADV_HUGEPAGE` (pages are faulted on first write, so only bytes written
 are resident); smaller ones share chunks of `CHUNK` bytes, page-aligned, so a layer's experts sit on a
-few huge pages instead of each starting its own. A tensor keeps its mapping alive (torch.frombuffer holds
-it); a chunk is unmapped when its last tensor is freed. Below `MIN_BYTES`, on other systems, or with
+few huge pages instead of each starting its own. Each tensor is its own storage over its bytes (a deep
+copy or a save takes only those) and keeps its mapping alive; a chunk is unmapped when its last tensor
+is freed. Below `MIN_BYTES`, on other systems, or with
 `QUANTKIT_HUGEPAGES=0`, plain `torch.empty`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import mmap
 import os
 import threading
+from collections.abc import Iterator
 
 import torch
 
@@ -31,33 +34,51 @@ MIN_BYTES = 256 << 10  # below this a tensor spans few pages: torch's allocator
 _ALIGN = 4096
 
 _lock = threading.Lock()
-_chunk: torch.Tensor | None = None
+_chunk: mmap.mmap | None = None
 _used = 0
+
+
+_off = threading.local()
 
 
 def enabled() -> bool:
     """Whether weights go to advised 2 MiB pages (Linux with MADV_HUGEPAGE, not switched off)."""
-    return hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("QUANTKIT_HUGEPAGES", "1") != "0"
+    return (hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("QUANTKIT_HUGEPAGES", "1") != "0"
+            and not getattr(_off, "on", False))
 
 
-def _mapping(nbytes: int) -> torch.Tensor:
+@contextlib.contextmanager
+def off() -> Iterator[None]:
+    """Plain torch memory within the block (this thread): for models whose weights are never read, such as
+    calibrate's stubbed-kernel timing, where a copy would fault in gigabytes `torch.empty` left untouched."""
+    prev = getattr(_off, "on", False)
+    _off.on = True
+    try:
+        yield
+    finally:
+        _off.on = prev
+
+
+def _mapping(nbytes: int) -> mmap.mmap:
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
     mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         mm.madvise(mmap.MADV_HUGEPAGE)
     except OSError:  # THP off in this kernel: the mapping still works, on 4 KiB pages
         pass
-    return torch.frombuffer(mm, dtype=torch.uint8)
+    return mm
 
 
 def _bytes(nbytes: int) -> torch.Tensor:
+    # each tensor gets its own storage over its bytes of the mapping (torch.frombuffer with an offset), so
+    # a copy or a save of one tensor takes its bytes, not the chunk's
     global _chunk, _used
     if nbytes > CHUNK // 4:
-        return _mapping(nbytes)[:nbytes]
+        return torch.frombuffer(_mapping(nbytes), dtype=torch.uint8, count=nbytes)
     with _lock:
         if _chunk is None or _used + nbytes > CHUNK:
             _chunk, _used = _mapping(CHUNK), 0
-        out = _chunk[_used:_used + nbytes]
+        out = torch.frombuffer(_chunk, dtype=torch.uint8, count=nbytes, offset=_used)
         _used += -(-nbytes // _ALIGN) * _ALIGN
         return out
 
