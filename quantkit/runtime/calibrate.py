@@ -139,8 +139,13 @@ def time_moe(pair: ExpertPair, top_k: int, working_set: int = WORKING_SET, passe
 
 
 def _clone(k: K.Kernel) -> K.Kernel:
-    """A copy of a prepared kernel with its own weight memory (module references are shared)."""
-    return copy.deepcopy(k, {id(v): v for v in vars(k).values() if isinstance(v, types.ModuleType)})
+    """A copy of a prepared kernel with its own weight memory (module references are shared), its large
+    tensors on the memory the runtime gives them (runtime/hugepages.py), so the timing is the runtime's."""
+    c = copy.deepcopy(k, {id(v): v for v in vars(k).values() if isinstance(v, types.ModuleType)})
+    for name, v in vars(c).items():
+        if isinstance(v, torch.Tensor) and v.device.type == "cpu":
+            setattr(c, name, hugepages.copy(v))
+    return c
 
 
 class RandomSource(TensorSource):
