@@ -67,6 +67,21 @@ def test_each_tensor_is_its_own_storage():
     assert copy.deepcopy(t).untyped_storage().nbytes() == 300_000
 
 
+def test_a_mapped_file_is_not_copied(tmp_path):
+    """A tensor over a mapped file (a safetensors shard read lazily) stays where it is: a copy would add
+    its bytes to the file's cached pages. Anonymous memory is copied."""
+    from safetensors.torch import safe_open, save_file
+
+    save_file({"w": torch.randn(512, 1024).to(torch.bfloat16)}, str(tmp_path / "m.safetensors"))
+    with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as f:
+        mapped = f.get_tensor("w")
+    assert hugepages.file_backed(mapped) and hugepages.copy(mapped) is mapped
+    anon = mapped.clone()
+    assert not hugepages.file_backed(anon)
+    moved = hugepages.copy(anon)
+    assert moved is not anon and advised(moved) and torch.equal(moved, anon)
+
+
 def test_off_block_keeps_torchs_allocator():
     with hugepages.off():
         assert not hugepages.enabled() and not advised(hugepages.empty((1 << 20,), torch.uint8))

@@ -91,9 +91,33 @@ def empty(shape: tuple[int, ...] | list[int], dtype: torch.dtype) -> torch.Tenso
     return _bytes(nbytes).view(dtype).view(tuple(shape))
 
 
+def _file_ranges() -> list[tuple[int, int]]:
+    """[start, end) of this process's mappings of files (from /proc/self/maps)."""
+    out = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            if len(parts) == 6 and parts[5].startswith("/"):
+                lo, hi = parts[0].split("-")
+                out.append((int(lo, 16), int(hi, 16)))
+    return out
+
+
+def file_backed(t: torch.Tensor) -> bool:
+    """Whether t's memory is a mapping of a file (a safetensors shard read lazily): a copy would fault in
+    the file's pages as well as the copy's. True where /proc is missing."""
+    try:
+        ranges = _file_ranges()
+    except OSError:
+        return True
+    addr = t.data_ptr()
+    return any(lo <= addr < hi for lo, hi in ranges)
+
+
 def copy(t: torch.Tensor) -> torch.Tensor:
-    """`t` copied into `empty`'s memory (a CPU tensor; returned as it is when small or switched off)."""
-    if t.device.type != "cpu" or t.numel() * t.element_size() < MIN_BYTES or not enabled():
+    """`t` copied into `empty`'s memory (a CPU tensor; returned as it is when small, switched off, or a
+    mapping of a file: there the copy would double the resident bytes, the file's pages staying cached)."""
+    if t.device.type != "cpu" or t.numel() * t.element_size() < MIN_BYTES or not enabled() or file_backed(t):
         return t
     out = empty(tuple(t.shape), t.dtype)
     out.copy_(t)

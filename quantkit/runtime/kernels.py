@@ -106,10 +106,10 @@ class QBf16Kernel(DenseKernel):
 
     def __init__(self, w: torch.Tensor, shared: bool = False):
 
-        # the kernel's loads are unaligned: no `aligned` copy. A large matrix moves to 2 MiB pages
-        # (runtime/hugepages.py: the kernel streams it every token); the source tensor is then dropped
-        # by the loader, so the copy costs no resident bytes, except for a `shared` tensor (the tied
-        # embedding), which stays where it is
+        # the kernel's loads are unaligned: no `aligned` copy. A large matrix in anonymous memory moves to
+        # 2 MiB pages (runtime/hugepages.py: the kernel streams it every token) and the loader drops the
+        # source, so the copy costs no resident bytes. A mapped shard (read lazily, its pages cached) and
+        # a `shared` tensor (the tied embedding) stay where they are: a copy would double their bytes
         super().__init__(w if shared else hugepages.copy(w))
         self._mod = cpu_kernel.module()
         self.route = "quantkit qk bf16 (AVX512-BF16) at decode, F.linear above 4 rows"
