@@ -114,12 +114,15 @@ def bench_engines(
     vocab: int = typer.Option(248320, "--vocab", parser=COUNT, help="vocabulary (embedding and lm_head rows)"),
     threads: int = typer.Option(None, "--threads", help="threads for both engines [default: every physical core]"),
     reps: int = typer.Option(2, "--reps", parser=COUNT,
-                             help="decode repetitions per engine (best is reported)"),
+                             help="decode repetitions per engine and round (best is reported)"),
+    rounds: int = typer.Option(3, "--rounds", parser=COUNT,
+                               help="rounds, each running every engine once (interleaved; best is reported)"),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="use this bf16 checkpoint instead"),
 ) -> None:
     """llama.cpp on our GGUF export beside quantkit's runtime: decode tok/s and error vs bf16, same bits."""
     threads = _threads(threads)
-    d = engines_bench.run(reports, workdir, layers, experts, top_k, vocab, checkpoint, threads, reps, log=console.print)
+    d = engines_bench.run(reports, workdir, layers, experts, top_k, vocab, checkpoint, threads, reps,
+                          rounds=rounds, log=console.print)
     console.print(f"wrote {reports / 'bench-engines.md'} ({d['seconds']:.0f} s)")
 
 
