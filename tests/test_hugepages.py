@@ -67,19 +67,26 @@ def test_each_tensor_is_its_own_storage():
     assert copy.deepcopy(t).untyped_storage().nbytes() == 300_000
 
 
-def test_a_mapped_file_is_not_copied(tmp_path):
-    """A tensor over a mapped file (a safetensors shard read lazily) stays where it is: a copy would add
-    its bytes to the file's cached pages. Anonymous memory is copied."""
+def rss_file_kb() -> int:
+    return int(next(ln for ln in open("/proc/self/status") if ln.startswith("RssFile:")).split()[1])
+
+
+def test_a_mapped_file_is_copied_and_its_pages_let_go(tmp_path):
+    """A tensor over a mapped file (a safetensors shard read lazily) is copied and the file's pages leave
+    this process's resident set (they stay cached); the mapped tensor still reads the file's values."""
     from safetensors.torch import safe_open, save_file
 
-    save_file({"w": torch.randn(512, 1024).to(torch.bfloat16)}, str(tmp_path / "m.safetensors"))
+    w = torch.randn(2048, 2048).to(torch.bfloat16)  # 8 MiB
+    save_file({"w": w}, str(tmp_path / "m.safetensors"))
     with safe_open(str(tmp_path / "m.safetensors"), framework="pt") as f:
         mapped = f.get_tensor("w")
-    assert hugepages.file_backed(mapped) and hugepages.copy(mapped) is mapped
-    anon = mapped.clone()
-    assert not hugepages.file_backed(anon)
-    moved = hugepages.copy(anon)
-    assert moved is not anon and advised(moved) and torch.equal(moved, anon)
+    assert hugepages.file_backed(mapped) and not hugepages.file_backed(w)
+    float(mapped.float().sum())  # fault every page in
+    before = rss_file_kb()
+    moved = hugepages.copy(mapped)
+    assert advised(moved) and torch.equal(moved, w)
+    assert rss_file_kb() < before - 6 * 1024  # most of the 8 MiB no longer counted
+    assert torch.equal(mapped, w)  # faulted back in from the file
 
 
 def test_off_block_keeps_torchs_allocator():

@@ -104,21 +104,37 @@ def _file_ranges() -> list[tuple[int, int]]:
 
 
 def file_backed(t: torch.Tensor) -> bool:
-    """Whether t's memory is a mapping of a file (a safetensors shard read lazily): a copy would fault in
-    the file's pages as well as the copy's. True where /proc is missing."""
+    """Whether t's memory is a mapping of a file (a safetensors shard read lazily). False where /proc is
+    missing."""
     try:
         ranges = _file_ranges()
     except OSError:
-        return True
+        return False
     addr = t.data_ptr()
     return any(lo <= addr < hi for lo, hi in ranges)
 
 
+def _unmap_pages(t: torch.Tensor) -> None:
+    """Drop the whole pages under t from this process's mapping of its file (MADV_DONTNEED): they stay in
+    the page cache, clean and reclaimable, and a later read of t faults them back in from the file."""
+    import ctypes
+
+    page = mmap.PAGESIZE
+    lo = -(-t.data_ptr() // page) * page
+    hi = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    if hi > lo:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_DONTNEED)
+
+
 def copy(t: torch.Tensor) -> torch.Tensor:
-    """`t` copied into `empty`'s memory (a CPU tensor; returned as it is when small, switched off, or a
-    mapping of a file: there the copy would double the resident bytes, the file's pages staying cached)."""
-    if t.device.type != "cpu" or t.numel() * t.element_size() < MIN_BYTES or not enabled() or file_backed(t):
+    """`t` copied into `empty`'s memory (a CPU tensor; returned as it is when small or switched off). When t
+    maps a file (a safetensors shard the loader reads lazily), its pages are then unmapped from this process
+    (`_unmap_pages`), so the copy does not count twice in its resident memory."""
+    if t.device.type != "cpu" or t.numel() * t.element_size() < MIN_BYTES or not enabled():
         return t
     out = empty(tuple(t.shape), t.dtype)
     out.copy_(t)
+    if file_backed(t):
+        _unmap_pages(t)
     return out
