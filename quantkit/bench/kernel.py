@@ -12,8 +12,9 @@ every route sees the same draws). Routes, one run, same threads:
   codes written as Q8_0 blocks with the row's scale). Plain Q4_0/Q8_0 rows: llama.cpp's model loader may
   also repack Q4_0 into interleaved rows, which `quantkit bench engines` measures end to end.
 The bound: bytes of the k experts' codes and scales / read bandwidth, for the reference 37.6 GB/s (the
-best 2-thread streaming read measured on the build machine: 0.42 ms at int4 g32) and for the bandwidth measured in this run (torch's sum of
-a 512 MB fp32 tensor, same threads; other jobs on the machine lower it).
+best 2-thread streaming read measured on the build machine: 0.42 ms at int4 g32) and for the bandwidth measured in this run (a
+streaming read of 512 MB, same threads; other jobs on the machine lower it).
+Then one decode token's attention over 64-8192 cached tokens: the lean step's torch route against `qk.attend`.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _layer_bytes(fmt: str, h: int, i: int, k: int) -> int:
 
 
 def read_gbps(threads: int) -> float:
-    """This run's read bandwidth on `threads` threads (a 512 MB fp32 sum)."""
+    """This run's read bandwidth on `threads` threads (a streaming read of 512 MB, bench.read_bandwidth_gbs)."""
     torch.set_num_threads(threads)
     return read_bandwidth_gbs(0.5)
 
@@ -242,6 +243,40 @@ def time_ggml(layers: list[tuple[dict, dict]], fmt: str, draws: torch.Tensor, wt
         base.ggml_free(ctx)
 
 
+ATTENTION_TOKENS = (64, 512, 2048, 8192)
+
+
+def time_attention(reps: int, lengths: tuple[int, ...] = ATTENTION_TOKENS) -> list[dict[str, Any]]:
+    """One decode token's attention over n cached tokens in the real model's shapes (16 query heads on 2 kv
+    heads of 256, bf16): the lean step's torch route (`decode_step.attend`) against quantkit's `qk.attend`,
+    best of `reps` interleaved passes each; [] where the kernel has no AVX512-BF16 route."""
+    from quantkit.runtime.decode_step import attend
+
+    mod = cpu_kernel.module()
+    if mod is None or not cpu_kernel.bf16_available():
+        return []
+    heads, kv, hd = 16, 2, 256
+    g = torch.Generator().manual_seed(2)
+    out = []
+    for n in lengths:
+        keys = torch.randn(kv, n, hd, generator=g).to(torch.bfloat16)
+        values = torch.randn(kv, n, hd, generator=g).to(torch.bfloat16)
+        q = torch.randn(heads, hd, generator=g).to(torch.bfloat16)
+        routes = {"torch": lambda q=q, k=keys, v=values: attend(q.view(1, heads, 1, hd), k, v, hd ** -0.5),
+                  "qk": lambda q=q, k=keys, v=values, n=n: mod.attend(q, k, v, n, hd ** -0.5)}
+        best = {name: float("inf") for name in routes}
+        for _ in range(reps):
+            for name, fn in routes.items():
+                fn()
+                t = time.perf_counter()
+                for _i in range(5):
+                    fn()
+                best[name] = min(best[name], (time.perf_counter() - t) / 5)
+        out.append({"tokens": n, "kv_bytes": 2 * keys.numel() * 2, "torch_us": best["torch"] * 1e6,
+                    "qk_us": best["qk"] * 1e6})
+    return out
+
+
 def run(reports: Path, threads: int, layers: int = DEFAULTS["layers"], tokens: int = DEFAULTS["tokens"],
         reps: int = DEFAULTS["reps"], formats: tuple[str, ...] = ("int4", "int8", "bf16"),
         log: Any = print) -> dict[str, Any]:
@@ -286,9 +321,11 @@ def run(reports: Path, threads: int, layers: int = DEFAULTS["layers"], tokens: i
             rows.append({"format": fmt, "route": name, "kernel": route, "ms": ms, "layers": nl, "bound_ms_ref": bound_ref,
                          "bound_ms_run": bound_run, "layer_bytes": nbytes})
         del lays
+    log("attention over the cache: torch route vs qk.attend")
+    attention = time_attention(reps)
     d = {"command": f"quantkit bench kernel --threads {threads} --layers {layers} --tokens {tokens} --reps {reps}",
          "machine": machine, "threads": threads, "read_gbps": gbps, "reference_gbps": REFERENCE_GBPS,
-         "isa": cpu_kernel.isa_name(), "config": cfg, "rows": rows, "seconds": time.time() - t0}
+         "isa": cpu_kernel.isa_name(), "config": cfg, "rows": rows, "attention": attention, "seconds": time.time() - t0}
     reports.mkdir(parents=True, exist_ok=True)
     write_reports(reports, "bench-kernel", d, render(d), indent=1)
     return d
@@ -303,7 +340,7 @@ def render(d: dict[str, Any]) -> str:
         f"{m['ram_gb']} GB RAM, torch {m['torch']}, {d['threads']} threads for every route, quantkit kernel "
         f"path {d['isa']}; load average at start {m['load_avg_at_start']:.1f} (the machine is shared: compare "
         f"the ratios, not the absolute times). Read bandwidth measured in this run: {d['read_gbps']:.1f} GB/s "
-        f"(torch sum of 512 MB fp32); the reference bound uses {d['reference_gbps']} GB/s.",
+        f"(a streaming read of 512 MB); the reference bound uses {d['reference_gbps']} GB/s.",
         "",
         f"Layer: hidden {c['hidden']}, experts of {c['inter']}, top-{c['top_k']} of {c['experts']}; {c['layers']} "
         f"layers with their own weights, {c['tokens']} tokens per pass, new experts drawn per token and layer "
@@ -336,6 +373,21 @@ def render(d: dict[str, Any]) -> str:
         "per-call thread start included, amortized over the layers of one graph).",
         "",
     ]
+    if d.get("attention"):
+        out += [
+            "## Attention over the cache at decode",
+            "",
+            "One token's attention in the real model's shapes (16 query heads on 2 kv heads of 256, bf16) over n "
+            "cached tokens: the lean step's torch route (`decode_step.attend`: transformers' eager roundings) "
+            "against quantkit's `qk.attend` (same roundings, fp32 sums in another order), best of the passes.",
+            "",
+            "| cached tokens | K+V MB | torch us | qk.attend us | speed-up | qk.attend GB/s |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for a in d["attention"]:
+            out.append(f"| {a['tokens']:,} | {a['kv_bytes'] / 1e6:.1f} | {a['torch_us']:.0f} | {a['qk_us']:.0f} | "
+                       f"{a['torch_us'] / a['qk_us']:.2f}x | {a['kv_bytes'] / a['qk_us'] / 1e3:.1f} |")
+        out.append("")
     return "\n".join(out)
 
 
