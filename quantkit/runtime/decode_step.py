@@ -197,10 +197,10 @@ class GatheredExperts:
 class _Moe:
     """A layer's sparse MoE block: router, routed experts, shared expert with its sigmoid gate."""
 
-    router_w: torch.Tensor  # fp32 copy of the router's bf16 weight (a bf16 GEMV is several times slower on
-    # CPU); the bf16 weight itself where router_kernel runs
-    # on a CPU with AVX512-BF16: quantkit's bf16 kernel on the stored weight (the same bf16 products summed
-    # in fp32, rounded to bf16; 4x faster than the fp32 GEMV for 256 experts on the build machine)
+    # the router's weight in fp32 (torch's bf16 GEMV is several times slower on CPU), or as stored where
+    # router_kernel runs: quantkit's bf16 kernel on a CPU with AVX512-BF16 (the bf16 products summed in
+    # fp32, rounded to bf16; 4x faster than the fp32 GEMV for 256 experts on the build machine)
+    router_w: torch.Tensor
     router_kernel: Kernel | None
     top_k: int
     experts: QuantExperts
@@ -212,11 +212,11 @@ class _Moe:
     gathered: list[GatheredExperts] = field(default_factory=list)
     cpu_fused_all: bool = False
     cpu_groups: frozenset[int] = frozenset()  # groups computed on the CPU when others are gathered
+    host_ids: bool = False  # experts off the CPU that cannot be gathered: the ids are read on the host
     shared_in: Projections = field(init=False)  # gate_proj, up_proj and the sigmoid gate, all on h
 
     def __post_init__(self) -> None:
         self.shared_in = Projections([self.shared_gate_proj, self.shared_up, self.shared_sigmoid_gate])
-    host_ids: bool = False  # experts off the CPU that cannot be gathered: the ids are read on the host
 
     @property
     def has_cpu(self) -> bool:
@@ -338,8 +338,8 @@ def _moe(layer: Any, dev: torch.device, gather: frozenset[int] | None) -> _Moe:
     rw = mlp.gate.weight
     router_kernel = (QBf16Kernel(rw, shared=True) if rw.dtype == torch.bfloat16 and rw.is_contiguous()
                      and cpu_kernel.supports("bf16", tuple(rw.shape), rw.device) else None)
-    m = _Moe(router_w=rw.float() if router_kernel is None else rw, router_kernel=router_kernel, top_k=mlp.gate.top_k, experts=ex,
-             shared_gate_proj=_kernel(se.gate_proj), shared_up=_kernel(se.up_proj), shared_down=_kernel(se.down_proj),
+    m = _Moe(router_w=rw.float() if router_kernel is None else rw, router_kernel=router_kernel,
+             top_k=mlp.gate.top_k, experts=ex, shared_gate_proj=_kernel(se.gate_proj), shared_up=_kernel(se.up_proj), shared_down=_kernel(se.down_proj),
              shared_sigmoid_gate=_kernel(mlp.shared_expert_gate), device=dev)
     off_cpu = [i for i, g in enumerate(ex.groups) if (g.device.type != "cpu" if gather is None else i in gather)]
     m.cpu_groups = frozenset(i for i in range(len(ex.groups)) if i not in off_cpu)

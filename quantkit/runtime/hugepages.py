@@ -13,8 +13,9 @@ from anonymous mappings advised `MADV_HUGEPAGE` (pages are faulted on first writ
 are resident); smaller ones share chunks of `CHUNK` bytes, page-aligned, so a layer's experts sit on a
 few huge pages instead of each starting its own. Each tensor is its own storage over its bytes (a deep
 copy or a save takes only those) and keeps its mapping alive; a chunk is unmapped when its last tensor
-is freed. Below `MIN_BYTES`, on other systems, or with
-`QUANTKIT_HUGEPAGES=0`, plain `torch.empty`.
+is freed. Below `MIN_BYTES`, on other systems, with `QUANTKIT_HUGEPAGES=0` or inside `off()`, plain
+`torch.empty`. `copy(t)` moves a tensor there; when t maps a file (a safetensors shard read lazily), the
+file's pages are then unmapped from the process, so the weights count once in its resident memory.
 """
 
 from __future__ import annotations
@@ -36,8 +37,6 @@ _ALIGN = 4096
 _lock = threading.Lock()
 _chunk: mmap.mmap | None = None
 _used = 0
-
-
 _off = threading.local()
 
 

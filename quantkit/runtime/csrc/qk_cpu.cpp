@@ -19,6 +19,15 @@
 // For one 16-row tile and one 32-block the 4 (int4) or 8 (int8) 64-byte rows are each one zmm: lane r
 // holds 4 consecutive codes of row r, multiplied by the same 4 activation bytes broadcast to all lanes.
 // The +8 / +128 offsets of the unsigned codes are removed with the block's activation sum.
+//
+// Beside the matrices, the decode step's pieces that torch runs as many small ops (each op costs a few
+// microseconds of dispatch on a CPU, as much as reading a small matrix; measured per step with
+// torch.profiler and in `quantkit bench decode`'s per-layer overhead on the build machine):
+// - linear_many: a layer's projections of one input, quantized once, in one parallel region;
+// - delta_step: the Gated DeltaNet state update of one token (torch: six ops, four passes over the state);
+// - attend (AVX512-BF16): one token's attention over the cached K/V with the torch route's bf16 roundings
+//   (torch's bf16 bmm/softmax/bmm took 1.2-8x as long over 8192-64 cached tokens, reports/bench-kernel.md);
+// - stream_sum: a plain streaming read, the benches' read-bandwidth probe.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
