@@ -8,7 +8,8 @@ On a realistic-shape checkpoint (real hidden/head/expert sizes, fewer layers and
    per channel (GGUF: Q8_0, 8.5 bits), embedding bf16 (GGUF: Q8_0);
 2. that folder is exported to GGUF `mixed`; the bf16 source to GGUF `bf16`;
 3. each engine runs greedy decode from the same prompt (best of `reps`, in each of `rounds` rounds that run
-   the engines in turn, best kept; prefill timed apart) with the same thread count, and its logits on a probe batch are compared with transformers' fp32 forward of the
+   the engines in turn, best kept; prefill timed apart) with the same thread count, and its logits on a
+   probe batch are compared with transformers' fp32 forward of the
    bf16 weights (top-1 agreement, mean KL, max |dlogit|).
 Random-weight MoE routers are nearly tied (the smallest top-k gap per position is about 0.01), so on this checkpoint even the bf16
 engines disagree with the fp32 reference on some tokens; the bf16 rows give that floor. The tok/s are
