@@ -141,11 +141,11 @@ def time_moe(pair: ExpertPair, top_k: int, working_set: int = WORKING_SET, passe
 def _clone(k: K.Kernel) -> K.Kernel:
     """A copy of a prepared kernel with its own weight memory (module references are shared), its large
     tensors on the memory the runtime gives them (runtime/hugepages.py), so the timing is the runtime's."""
-    c = copy.deepcopy(k, {id(v): v for v in vars(k).values() if isinstance(v, types.ModuleType)})
-    for name, v in vars(c).items():
-        if isinstance(v, torch.Tensor) and v.device.type == "cpu":
-            setattr(c, name, hugepages.copy(v))
-    return c
+    memo: dict[int, Any] = {id(v): v for v in vars(k).values() if isinstance(v, types.ModuleType)}
+    for v in vars(k).values():  # large CPU tensors copied once, straight onto those pages
+        if isinstance(v, torch.Tensor) and v.device.type == "cpu" and (c := hugepages.copy(v)) is not v:
+            memo[id(v)] = c
+    return copy.deepcopy(k, memo)
 
 
 class RandomSource(TensorSource):

@@ -123,6 +123,14 @@ void to_bf16_row(const float* x, int64_t k, uint16_t* out) {
   for (int64_t i = 0; i < k; ++i) out[i] = to_bf16(x[i]);
 }
 
+// bf16 -> fp32 of one value (exact)
+inline float bf16_value(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
 // x's values as contiguous fp32 without a torch op for the decode dtypes (an op costs a few microseconds,
 // as much as a small matrix): fp32 as it is, bf16 widened into `buf` (exact), others through torch (`keep`)
 const float* f32_values(const torch::Tensor& x, std::vector<float>& buf, torch::Tensor& keep) {
@@ -131,10 +139,7 @@ const float* f32_values(const torch::Tensor& x, std::vector<float>& buf, torch::
     const int64_t n = x.numel();
     buf.resize(n);
     const uint16_t* p = reinterpret_cast<const uint16_t*>(x.data_ptr());
-    for (int64_t i = 0; i < n; ++i) {
-      const uint32_t u = static_cast<uint32_t>(p[i]) << 16;
-      std::memcpy(&buf[i], &u, 4);
-    }
+    for (int64_t i = 0; i < n; ++i) buf[i] = bf16_value(p[i]);
     return buf.data();
   }
   keep = x.to(torch::kFloat).contiguous();
@@ -379,13 +384,6 @@ void delta_head(float* S, int64_t K, int64_t V, const float* q, const float* k, 
     }
 }
 
-// bf16 -> fp32 of one value, and fp32 rounded through bf16 (what a torch op with a bf16 result keeps)
-inline float bf16_value(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 inline float through_bf16(float f) { return bf16_value(to_bf16(f)); }
 
 // lane i = the sum of v[i]'s 16 lanes: a transpose-and-add tree (15 adds for 16 sums instead of 16 reductions)
@@ -681,6 +679,20 @@ QMat mat_from(const torch::Tensor& qw, const torch::Tensor& scales, const c10::o
   return m;
 }
 
+// A matrix from one row of a descriptor table (QKernel / QBf16Kernel.descriptor() in kernels.py): qw or
+// the bf16 weight, scales, zeros or 0 (pointers), format 4/8/16, group, n, k, 0
+QMat mat_from_row(const int64_t* f) {
+  QMat m;
+  m.qw = reinterpret_cast<const uint8_t*>(f[0]);
+  m.scales = reinterpret_cast<const void*>(f[1]);
+  m.zeros = reinterpret_cast<const uint16_t*>(f[2]);
+  m.fmt = f[3];
+  m.group = f[3] == 4 ? f[4] : kBlock;
+  m.n = f[5];
+  m.k = f[6];
+  return m;
+}
+
 void quantize_any(const float* x, int64_t k, int8_t* q, float* d, int32_t* s, float* ds) {
   if (isa() == 2) quantize_row_avx512(x, k, q, d, s, ds); else quantize_row(x, k, q, d, s, ds);
 }
@@ -802,14 +814,10 @@ std::vector<torch::Tensor> qk_linear_many(torch::Tensor x, torch::Tensor table) 
   int64_t bytes = 0;
   for (int64_t p = 0; p < np; ++p) {
     const int64_t* f = table.data_ptr<int64_t>() + p * 8;
-    QMat& m = mats[p];
     TORCH_CHECK(f[0] != 0 && (f[3] == 4 || f[3] == 8 || f[3] == 16) && f[5] > 0 && f[6] == k,
                 "qk_linear_many: matrix ", p, " does not take this input");
     TORCH_CHECK(f[3] != 16 || bf16_ok(), "qk_linear_many: bf16 matrices need AVX512-BF16");
-    m.qw = reinterpret_cast<const uint8_t*>(f[0]);
-    m.scales = reinterpret_cast<const void*>(f[1]);
-    m.zeros = reinterpret_cast<const uint16_t*>(f[2]);
-    m.fmt = f[3]; m.group = f[3] == 4 ? f[4] : kBlock; m.n = f[5]; m.k = f[6];
+    const QMat& m = mats[p] = mat_from_row(f);
     want16 = want16 || m.fmt == 16;
     first[p + 1] = first[p] + m.tiles();
     bytes += m.n * m.k * (m.fmt == 4 ? 1 : m.fmt == 8 ? 2 : 4) / 2;
@@ -864,11 +872,7 @@ torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, to
     for (int j = 0; j < 2; ++j) {
       const int64_t* f = tb + (e * 2 + j) * 8;
       TORCH_CHECK(f[0] != 0, "qk_moe: expert ", e, " has no fused kernel");
-      QMat& m = j == 0 ? gu[s] : dn[s];
-      m.qw = reinterpret_cast<const uint8_t*>(f[0]);
-      m.scales = reinterpret_cast<const void*>(f[1]);
-      m.zeros = reinterpret_cast<const uint16_t*>(f[2]);
-      m.fmt = f[3]; m.group = f[4]; m.n = f[5]; m.k = f[6];
+      const QMat& m = (j == 0 ? gu[s] : dn[s]) = mat_from_row(f);
       TORCH_CHECK(m.fmt != 16 || bf16_ok(), "qk_moe: bf16 experts need AVX512-BF16");
     }
   }
