@@ -211,16 +211,17 @@ def test_timed_decode_runs_the_lean_step_for_quantkit_models(tiny_model):
     assert lean_decoder(load_reference_model(tiny_model, torch.bfloat16), True) is None
 
 
-def test_layer_overhead_times_both_paths_and_the_report_shows_them(tiny_model):
+def test_layer_overhead_times_every_path_and_the_report_shows_them(tiny_model):
     cfg = json.loads((tiny_model / "config.json").read_text())
     ov = bd.layer_overhead(cfg, rounds=1)
-    assert set(ov) == {"transformers", "lean"}
+    assert set(ov) == {"transformers", "lean-torch", "lean"}
     for path in ov.values():
         assert set(path) == {"full_attention", "linear_attention", "shell"} and all(v > 0 for v in path.values())
     d = _result(_rows())
     assert "Per-layer decode overhead" not in bd.render_md(d)
     d["layer_overhead_ms"] = ov
     table = _table_rows(bd.render_md(d))
-    assert table["transformers' forward (before)"] == [f"{ov['transformers'][k]:.3f}" for k in
-                                                       ("full_attention", "linear_attention", "shell")]
-    assert table["lean step (after)"][0] == f"{ov['lean']['full_attention']:.3f}"
+    assert table["transformers' forward"] == [f"{ov['transformers'][k]:.3f}" for k in
+                                              ("full_attention", "linear_attention", "shell")]
+    assert table["lean step, torch route"][1] == f"{ov['lean-torch']['linear_attention']:.3f}"
+    assert table["lean step, the kernel's fused ops (the default)"][0] == f"{ov['lean']['full_attention']:.3f}"

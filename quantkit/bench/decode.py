@@ -216,12 +216,13 @@ def planner_estimate(folder: Path, recipe: Any, bandwidth: float, prompt_len: in
 
 
 def layer_overhead(config: dict[str, Any], rounds: int = 3) -> dict[str, dict[str, float]]:
-    """Per-layer decode cost besides the weight reads, ms, for transformers' forward and the lean step
-    (`time_layer_ops`: kernels stubbed, routed experts apart), in interleaved rounds, the best of each."""
+    """Per-layer decode cost besides the weight reads, ms, for transformers' forward, the lean step's torch
+    route and the lean step with the kernel's fused ops (`time_layer_ops`: kernels stubbed, routed experts
+    apart), in interleaved rounds, the best of each."""
     best: dict[str, dict[str, float]] = {}
     for _ in range(rounds):
-        for path, lean in (("transformers", False), ("lean", True)):
-            lo = time_layer_ops(config, lean=lean)
+        for path, lean, fused in (("transformers", False, False), ("lean-torch", True, False), ("lean", True, True)):
+            lo = time_layer_ops(config, lean=lean, fused=fused)
             cur = {**lo.ops_s, "shell": lo.shell_s}
             prev = best.get(path)
             best[path] = cur if prev is None else {k: min(prev[k], v) for k, v in cur.items()}
@@ -515,8 +516,10 @@ def render_md(d: dict[str, Any]) -> str:
                 "with every kernel stubbed and the routed experts timed apart (the shell: embedding, final norm, "
                 "head call and cache bookkeeping outside the layers), best of 3 interleaved rounds.", "",
                 "| path | " + " | ".join(f"{k} ms" for k in kinds) + " |", "|---|" + "---:|" * len(kinds)]
-        for path, label in (("transformers", "transformers' forward (before)"), ("lean", "lean step (after)")):
-            out.append(f"| {label} | " + " | ".join(f"{ov[path][k]:.3f}" for k in kinds) + " |")
+        for path, label in (("transformers", "transformers' forward"), ("lean-torch", "lean step, torch route"),
+                            ("lean", "lean step, the kernel's fused ops (the default)")):
+            if path in ov:
+                out.append(f"| {label} | " + " | ".join(f"{ov[path][k]:.3f}" for k in kinds) + " |")
     cal = d.get("calibration")
     if cal:
         lo = ", ".join(f"{k} {v:.2f} ms" for k, v in sorted(cal["layer_ops_ms"].items()))

@@ -283,9 +283,10 @@ def _transformers_steps(model: Any, cache: Any, steps: int, _prompt: int) -> Ste
             h.remove()
 
 
-def _lean_steps(model: Any, cache: Any, steps: int, prompt: int) -> Steps:
-    """Decode steps through the lean step generation uses (quantkit.runtime.decode_step)."""
-    dec = decode_step.LeanDecoder(model)
+def _lean_steps(model: Any, cache: Any, steps: int, prompt: int, fused: bool = True) -> Steps:
+    """Decode steps through the lean step generation uses (quantkit.runtime.decode_step); `fused`: with
+    the kernel's fused ops where the CPU takes them (the default), else its torch route."""
+    dec = decode_step.LeanDecoder(model, fused_ops=fused)
     dec.begin(cache, prompt + steps + 1)
     n = len(dec.layers)
     took, experts = [0.0] * n, [0.0] * n
@@ -317,10 +318,12 @@ def _lean_steps(model: Any, cache: Any, steps: int, prompt: int) -> Steps:
         dec.end()
 
 
-def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8, lean: bool | None = None) -> LayerOps:
+def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8, lean: bool | None = None,
+                   fused: bool = True) -> LayerOps:
     """Per layer type, seconds of one decode step with kernels stubbed and the routed experts apart; the
     experts' own (unfused) ops; and the shell's seconds. `lean`: time the step generation runs
-    (quantkit.runtime.decode_step, unless QUANTKIT_LEAN_DECODE=0 when None), else transformers' forward."""
+    (quantkit.runtime.decode_step, unless QUANTKIT_LEAN_DECODE=0 when None), else transformers' forward;
+    `fused=False` times the lean step's torch route instead of its fused ops."""
     from transformers import DynamicCache
 
     cal = calibration_config(config)
@@ -340,8 +343,9 @@ def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8, lea
     with _StubbedKernels(), torch.inference_mode():
         cache = DynamicCache(config=model.config)
         model(input_ids=torch.zeros(1, prompt, dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
-        run = _lean_steps if use_lean else _transformers_steps
-        for s, (took, experts, total) in enumerate(run(model, cache, steps + 4, prompt)):
+        steps_run = (_lean_steps(model, cache, steps + 4, prompt, fused) if use_lean
+                     else _transformers_steps(model, cache, steps + 4, prompt))
+        for s, (took, experts, total) in enumerate(steps_run):
             if s < 4:
                 continue  # warm-up
             for i in range(n):

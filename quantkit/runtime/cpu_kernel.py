@@ -1,4 +1,5 @@
-"""quantkit's own CPU kernel for int4/int8 weights (csrc/qk_cpu.cpp): build, load, repack, call.
+"""quantkit's own CPU kernel for int4/int8 weights (csrc/qk_cpu.cpp) and the decode step's other pieces
+(csrc/qk_step.cpp): build, load, repack, call.
 
 Why: torch 2.13's CPU int4 op (`_weight_int4pack_mm_for_cpu`) is compute-bound at batch 1 (25-37
 GMAC/s on 2 threads) and a MoE layer runs as 16 of its calls plus ~50 small ops from Python: 1.03 ms per
@@ -7,8 +8,8 @@ measured no gain here). The C++ kernel quantizes activations to int8 per block o
 4-bit / 8-bit codes with AVX512-VNNI (or AVX2), on torch's own OpenMP pool, and runs the k routed
 experts of a layer (gate_up, SiLU x up, down, weighted sum) in one call. Figures: reports/bench-kernel.md.
 
-Build: `main(["build"])` (scripts/setup.sh calls it) compiles the source with
-torch.utils.cpp_extension (gcc, ninja) into a cache folder keyed by the source's hash and the torch
+Build: `main(["build"])` (scripts/setup.sh calls it) compiles the sources with
+torch.utils.cpp_extension (gcc, ninja) into a cache folder keyed by the sources' hash and the torch
 version (`$QUANTKIT_KERNEL_CACHE`, default `~/.cache/quantkit/kernels`), so an edited source or a new
 torch never loads a stale module; a checksum written after the build guards against a truncated or
 corrupt file. At run time the first use imports it (building it if missing, about a minute). Whatever
@@ -42,7 +43,9 @@ import torch
 
 from quantkit.runtime import hugepages
 
-SOURCE = Path(__file__).parent / "csrc" / "qk_cpu.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "qk_cpu.cpp", CSRC / "qk_step.cpp")  # compiled
+HEADERS = (CSRC / "qk_common.h", CSRC / "qk_step.h")
 TILE = 16
 BLOCK = 32
 
@@ -62,7 +65,8 @@ def enabled_by_env() -> bool:
 
 def cache_dir() -> Path:
     base = os.environ.get("QUANTKIT_KERNEL_CACHE") or str(Path.home() / ".cache" / "quantkit" / "kernels")
-    digest = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:12]
+    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
+    digest = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:12]
     return Path(base) / f"qk_cpu-{digest}"
 
 
@@ -99,7 +103,7 @@ def _build(d: Path) -> ModuleType:
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     d.mkdir(parents=True, exist_ok=True)
-    mod = cpp_extension.load(name=_module_name(d), sources=[str(SOURCE)], build_directory=str(d),
+    mod = cpp_extension.load(name=_module_name(d), sources=[str(p) for p in SOURCES], build_directory=str(d),
                              extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
     so, stamp = _paths(d)
     tmp = stamp.with_suffix(".tmp")

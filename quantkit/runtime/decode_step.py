@@ -30,11 +30,17 @@ rounded up to `KV_BUCKET` positions, the rest masked.
 On a CPU, quantkit's kernel (runtime/cpu_kernel.py) takes the step's pieces that torch runs as many small
 ops: a layer's projections of one hidden state in one call (`Projections`), the Gated DeltaNet state
 update (`linear_attn.delta_state_step`: one read and one write of the state), the router on the bf16
-kernel, and, with AVX512-BF16 and dynamic KV, the attention over the filled positions (`qk.attend`: the
-same bf16 roundings as `attend`, fp32 sums in another order). The projections equal the kernels one by
-one and transformers' forward shares the state update; the router and the attention sum in another order
-than torch's, which on the test model still leaves every logit and cache state bit-equal, and in the
-kernel tests moves at most one bf16 step on under 1% of attention outputs (tests/test_cpu_kernel.py).
+kernel, and, with AVX512-BF16 and dynamic KV, the attention over the filled positions (`qk.attend`). On
+an AVX512 CPU with dynamic KV (`fused_ops`, the default) the rest of a layer follows (csrc/qk_step.cpp):
+its norms with the residual add, the Gated DeltaNet core between its projections (`gdn_step`: conv
+window, SiLU, gates, q/k l2-norm, state update, gated RMSNorm), the attention core (`attn_step`: q/k
+norm, rotary, K/V write, attention, sigmoid gate), the routing and the MoE block's sum, so a layer is about
+a dozen calls instead of forty-odd torch ops (per-layer overhead before and after in
+reports/bench-decode.md). They keep torch's dtypes and bf16 roundings with fp32 sums in another order: on
+the test model every logit is still bit-equal to transformers' eager forward and the cache states agree
+to 1e-7 (tests/test_decode_step.py, tests/test_step_ops.py state the bounds); `fused_ops=False` keeps
+the torch route, bit-equal. The rotary's cos / sin come from a table made once per `ROPE_BLOCK`
+positions, and a quantized embedding table's rows are kept once dequantized (`EMBED_ROWS`).
 
 No host syncs inside the step: routing (softmax, top-k, renormalisation) stays on the layer's device;
 CPU experts fused in quantkit's kernel take the expert ids as a CPU tensor; experts on another device run
@@ -70,6 +76,8 @@ GRAPHS_ENV = "QUANTKIT_CUDA_GRAPHS"
 # oneDNN builds a bf16 matmul primitive per new shape, which costs several times the product itself, so
 # a shape that changes every token would pay it on every step.
 KV_BUCKET = 64
+ROPE_BLOCK = 256  # positions per table of rotary cos / sin (dynamic KV)
+EMBED_ROWS = 4096  # dequantized embedding rows kept (16 MiB at hidden 2048 in bf16)
 
 
 def enabled_by_env() -> bool:
@@ -213,6 +221,7 @@ class _Moe:
     cpu_fused_all: bool = False
     cpu_groups: frozenset[int] = frozenset()  # groups computed on the CPU when others are gathered
     host_ids: bool = False  # experts off the CPU that cannot be gathered: the ids are read on the host
+    step: Any = None  # quantkit's kernel module when the step's fused ops run this CPU layer (`fused_ops`)
     shared_in: Projections = field(init=False)  # gate_proj, up_proj and the sigmoid gate, all on h
 
     def __post_init__(self) -> None:
@@ -228,6 +237,9 @@ class _Moe:
             logits = self.router_kernel(h)
         else:
             logits = F.linear(h.float(), self.router_w.float()).to(h.dtype)
+        if self.step is not None and logits.dtype == torch.bfloat16:
+            wts, ids = self.step.route(logits, self.top_k)
+            return wts, ids
         probs = torch.softmax(logits, dtype=torch.float, dim=-1)
         top, ids = torch.topk(probs, self.top_k, dim=-1)
         top = (top / top.sum(dim=-1, keepdim=True)).to(logits.dtype)
@@ -265,6 +277,21 @@ class _Moe:
         wts, ids = self.route(h)
         out = self.routed(h, wts, ids)
         return out + torch.sigmoid(sg) * shared
+
+    def add_to(self, x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """x + this block's output on h (h = the post-attention norm of x)."""
+        f = self.step
+        if f is None or h.dtype != torch.bfloat16:
+            return x + self(h)
+        gate, up, sg = self.shared_in(h)
+        shared = self.shared_down(f.silu_mul(gate, up))
+        wts, ids = self.route(h)
+        if self.cpu_fused_all:
+            mod, table, _ok = self.experts._fused_table()  # type: ignore[misc]
+            routed = mod.moe(h, table, ids, wts)
+        else:
+            routed = self.routed(h, wts, ids).float().view(-1)
+        return f.moe_out(x, routed, shared, sg)
 
 
 @dataclass
@@ -315,9 +342,16 @@ class _Linear:
     dk: int
     dv: int
     proj_in: Projections = field(init=False)  # in_proj_qkv, _z, _b, _a, all on h
+    # for the kernel's gdn_step: the taps as one fp32 [K, C], dt_bias and the norm weight in fp32
+    conv_taps: torch.Tensor = field(init=False)
+    dt_bias_f: torch.Tensor = field(init=False)
+    norm_wf: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         self.proj_in = Projections([self.qkv, self.z, self.b, self.a])
+        self.conv_taps = torch.stack(self.conv_w).contiguous()
+        self.dt_bias_f = self.dt_bias.float().contiguous()
+        self.norm_wf = self.norm_w.float().contiguous()
 
 
 @dataclass
@@ -387,16 +421,23 @@ def linear_mixer(m: _Linear, eps: float, h: torch.Tensor, conv: ConvWindow,
     transformers' Qwen3_5MoeGatedDeltaNet with quantkit's CPU conv and delta rule
     (runtime/linear_attn.py), op for op."""
     qkv, z, b, a = m.proj_in(h)  # qkv [1, C]
+    return m.out(linear_core(m, eps, qkv, z, b, a, conv, state))
+
+
+def linear_core(m: _Linear, eps: float, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                conv: ConvWindow, state: torch.Tensor) -> torch.Tensor:
+    """`linear_mixer` between the projections: the input of out_proj [1, Hv*Dv] (what the kernel's
+    `gdn_step` computes in one call)."""
     nf = conv.push(qkv).float()  # [K, C]: the last K inputs, oldest first
     acc = nf[0] * m.conv_w[0]
     for j in range(1, len(m.conv_w)):
         acc.add_(nf[j] * m.conv_w[j])
-    x = F.silu(acc).to(h.dtype).view(1, -1)
+    x = F.silu(acc).to(qkv.dtype).view(1, -1)
     qk, v = x[:, :2 * m.key_dim], x[:, 2 * m.key_dim:]  # q then k, then v
     beta = b.sigmoid()
     g = m.neg_a * F.softplus(a.float() + m.dt_bias)
-    core = _delta_rule(m, qk, v, g, beta, state)  # [Hv, V] in h's dtype
-    return m.out(_gated_norm(core, z.view(m.hv, m.dv), m.norm_w, eps).view(1, -1))
+    core = _delta_rule(m, qk, v, g, beta, state)  # [Hv, V] in the activations' dtype
+    return _gated_norm(core, z.view(m.hv, m.dv), m.norm_w, eps).view(1, -1)
 
 
 def _delta_rule(m: _Linear, qk: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -489,13 +530,14 @@ class LeanDecoder:
     tests name CPU groups to run that path, and a split, on a CPU-only machine)."""
 
     def __init__(self, model: Any, *, static_kv: bool = False, cuda_graphs: bool = False,
-                 gather_groups: frozenset[int] | None = None):
+                 gather_groups: frozenset[int] | None = None, fused_ops: bool = True):
         tm = model.model
         cfg = model.config
         self.model = model
         self.static_kv = static_kv or cuda_graphs
         self.cuda_graphs = cuda_graphs
         self.embed = tm.embed_tokens
+        self._rows: dict[int, torch.Tensor] = {}  # insertion-ordered: the oldest first
         self.final = (_scale(tm.norm), tm.norm.eps)
         self.head = _kernel(model.lm_head)
         self.head_device = tm.norm.weight.device
@@ -514,9 +556,22 @@ class LeanDecoder:
         self.n = 0
         self.capacity = 0
         self.pos: torch.Tensor | None = None
+        self._rope: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.graph: CudaGraphStep | None = None
         # a CPU layer's attention on quantkit's kernel (`qk.attend`) where the CPU has AVX512-BF16
         self.attend_kernel = cpu_kernel.module() if cpu_kernel.bf16_available() and not static_kv else None
+        # a quantized embedding's rows kept (`_embed`) on an all-CPU decoder: elsewhere reading the token id
+        # would be the host read the device path avoids
+        parts = getattr(self.embed, "parts", None)  # a QuantEmbedding (runtime/loader.py)
+        self._cache_rows = (bool(parts) and all(t.device.type == "cpu" for t in parts.values())
+                            and not self.static_kv and all(not L.moe.gathered and not L.moe.host_ids
+                                                           and L.device.type == "cpu" for L in self.layers))
+        # a CPU layer's norms, mixer core, routing and MoE sum as the kernel's fused ops (AVX512)
+        mod = cpu_kernel.module()
+        self.step_ops = mod if fused_ops and mod is not None and mod.isa() == 2 and not self.static_kv else None
+        for L in self.layers:
+            if L.device.type == "cpu":
+                L.moe.step = self.step_ops
 
     # -- state --
     def begin(self, cache: Any, capacity: int) -> None:
@@ -561,28 +616,66 @@ class LeanDecoder:
 
     # -- the step itself (no host reads of device values) --
     def forward(self, token: torch.Tensor) -> torch.Tensor:
-        x = self.embed(token).view(1, -1)
+        x = self._embed(token).view(1, -1)
         cos, sin = self._rotary(x.dtype)
         for L in self.layers:
             x = self._layer(L, x, cos, sin)
         x = x.to(self.head_device)
-        x = rms(x, *self.final)
+        f = self._ops(x)
+        x = f.rms(x, *self.final) if f is not None else rms(x, *self.final)
         assert self.pos is not None
         self.pos.add_(1)
         return self.head(x).view(-1)
 
+    def _embed(self, token: torch.Tensor) -> torch.Tensor:
+        """The token's embedding row. A quantized table on the CPU dequantizes a row in a dozen small ops,
+        so its rows are kept once made (up to EMBED_ROWS, least recently used first out); elsewhere the
+        module itself (reading the id back would be a host sync on a GPU)."""
+        if not self._cache_rows:
+            return self.embed(token)
+        t = int(token)
+        row = self._rows.pop(t, None)
+        if row is None:
+            row = self.embed(token)
+            if len(self._rows) >= EMBED_ROWS:
+                self._rows.pop(next(iter(self._rows)))
+        self._rows[t] = row
+        return row
+
     def _rotary(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [1, rot] at the current position: the text rotary of Qwen3_5MoeTextRotaryEmbedding
-        (text positions are equal on its three axes, so the interleaved recomposition is the identity)."""
+        (text positions are equal on its three axes, so the interleaved recomposition is the identity).
+        With dynamic KV, rows of a table made once per ROPE_BLOCK positions (the same ops on more rows:
+        ten small ops a step saved); with static KV from the device-side position."""
+        if not self.static_kv:
+            block, row = divmod(self.n, ROPE_BLOCK)
+            key = (dtype, block)
+            if key not in self._rope:
+                pos = torch.arange(block * ROPE_BLOCK, (block + 1) * ROPE_BLOCK, device=self.inv_freq.device)
+                self._rope = {key: self._rope_rows(pos, dtype)}  # one block at a time: positions only grow
+            cos, sin = self._rope[key]
+            return cos[row:row + 1], sin[row:row + 1]
         assert self.pos is not None
-        freqs = self.pos.float().view(1, 1) * self.inv_freq
+        return self._rope_rows(self.pos, dtype)
+
+    def _rope_rows(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = pos.float().view(-1, 1) * self.inv_freq
         cos, sin = freqs.cos() * self.rope_scaling, freqs.sin() * self.rope_scaling
         return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([sin, sin], dim=-1).to(dtype)
+
+    def _ops(self, x: torch.Tensor) -> Any:
+        """The kernel module when its fused ops take this activation (bf16 on the CPU), else None."""
+        if self.step_ops is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16:
+            return self.step_ops
+        return None
 
     def _layer(self, L: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if x.device != L.device:
             x = x.to(L.device)
             cos, sin = cos.to(L.device), sin.to(L.device)
+        f = self._ops(x)
+        if f is not None:
+            return self._layer_fused(f, L, x, cos, sin)
         h = rms(x, L.norms.pre, L.norms.eps)
         if isinstance(L.mixer, _Attn):
             a = self._attention(L, h, cos, sin)
@@ -591,6 +684,30 @@ class LeanDecoder:
                              self.cache.layers[L.index].recurrent_states[0])
         x = x + a
         return x + L.moe(rms(x, L.norms.post, L.norms.eps))
+
+    def _layer_fused(self, f: Any, L: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`_layer` with the kernel's fused ops: about a dozen calls instead of forty-odd torch ops."""
+        eps = L.norms.eps
+        h = f.rms(x, L.norms.pre, eps)
+        m = L.mixer
+        if isinstance(m, _Linear) and self.conv[L.index].rows.dtype != torch.bfloat16:
+            out = linear_mixer(m, eps, h, self.conv[L.index], self.cache.layers[L.index].recurrent_states[0])
+        elif isinstance(m, _Linear):
+            qkv, z, b, a = m.proj_in(h)
+            state = self.cache.layers[L.index].recurrent_states[0]
+            core = f.gdn_step(qkv, z, b, a, self.conv[L.index].rows, m.conv_taps, m.neg_a, m.dt_bias_f, m.norm_wf,
+                              m.norm_w.dtype == torch.bfloat16, state.view(m.hv, m.dk, m.dv), m.hk, eps)
+            out = m.out(core)
+        elif self.attend_kernel is not None and m.head_dim % 16 == 0:
+            qo, ko, vo = m.qkv_in(h)
+            buf = self.kv[L.index]
+            gated = f.attn_step(qo, ko, vo, m.qk_scale, cos.reshape(-1), sin.reshape(-1), buf.k[0], buf.v[0], self.n,
+                                m.scaling, m.eps)
+            out = m.o(gated)
+        else:
+            out = self._attention(L, h, cos, sin)
+        x, h2 = f.add_rms(x, out, L.norms.post, eps)
+        return L.moe.add_to(x, h2)
 
     def _attention(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         m = L.mixer

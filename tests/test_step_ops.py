@@ -1,0 +1,152 @@
+"""The lean decode step's fused ops (csrc/qk_step.cpp) against the torch ops they replace
+(runtime/decode_step.py), at the real model's sizes (hidden 2048, Gated DeltaNet 16 k-heads / 32 v-heads
+x 128 with a 4-tap conv, 16 q / 2 kv heads x 256 with a quarter of each head rotated, 256 experts, top 8).
+
+Bounds: the ops keep torch's dtypes and bf16 roundings; their fp32 sums run in another order and their
+exp is the kernel's own, so a result may differ from torch's by one bf16 step where an fp32 value sits on
+a bf16 rounding boundary. `_close` allows that on at most `SHARE` of the elements (one of the router's
+8 weights); on these inputs every result was bit-equal when the tests were written. The router's choice
+and order of experts is exact where no two probabilities tie.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quantkit.runtime import cpu_kernel
+from quantkit.runtime.decode_step import ConvWindow, _Linear, _rotate, attend, linear_core, rms
+
+pytestmark = pytest.mark.skipif(not (cpu_kernel.available() and cpu_kernel.module().isa() == 2),
+                                reason="the fused step ops need quantkit's kernel with AVX512")
+
+H = 2048
+ONE_STEP = 2.0 ** -7  # a bf16 step relative to the value (the kernel's bound per differing element)
+SHARE = 0.005
+
+
+@pytest.fixture
+def qk():
+    return cpu_kernel.module()
+
+
+def _bf16(*shape: int, scale: float = 1.0, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, share: float) -> None:
+    """Equal except on at most `share` of the elements, and those within one bf16 step."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    g, w = got.float(), want.float()
+    diff = (g - w).abs()
+    off = diff > 0
+    assert float(off.float().mean()) <= share, f"{int(off.sum())} of {off.numel()} elements differ"
+    if off.any():
+        rel = diff[off] / w.abs()[off].clamp_min(1e-30)
+        assert float(rel.max()) <= ONE_STEP, float(rel.max())
+
+
+def test_rms_and_add_rms(qk):
+    x, a = _bf16(1, H, seed=1), _bf16(1, H, scale=0.3, seed=2)
+    scale = 1.0 + _bf16(H, scale=0.1, seed=3).float()
+    _close(qk.rms(x, scale, 1e-6), rms(x, scale, 1e-6), SHARE)
+    s, y = qk.add_rms(x, a, scale, 1e-6)
+    assert torch.equal(s, x + a)  # the residual add is one rounding, exactly torch's
+    _close(y, rms(x + a, scale, 1e-6), SHARE)
+    rows = _bf16(18, 256, seed=4)  # several rows, each its own norm
+    sc = 1.0 + _bf16(256, scale=0.1, seed=5).float()
+    _close(qk.rms(rows, sc, 1e-6), rms(rows, sc, 1e-6), SHARE)
+
+
+def test_silu_mul_and_moe_out(qk):
+    g, u = _bf16(1, 512, scale=2, seed=6), _bf16(1, 512, seed=7)
+    _close(qk.silu_mul(g, u), F.silu(g) * u, SHARE)
+    x, shared, sg = _bf16(1, H, seed=8), _bf16(1, H, scale=0.2, seed=9), _bf16(1, 1, seed=10)
+    routed = torch.randn(H, generator=torch.Generator().manual_seed(11)) * 0.2
+    want = x + (routed.to(torch.bfloat16).view(1, -1) + torch.sigmoid(sg) * shared)
+    _close(qk.moe_out(x, routed, shared, sg), want, SHARE)
+
+
+@pytest.mark.parametrize("experts", [256, 64, 20])
+def test_route(qk, experts):
+    logits = _bf16(1, experts, scale=2, seed=experts)
+    wts, ids = qk.route(logits, 8)
+    probs = torch.softmax(logits, dtype=torch.float, dim=-1)
+    top, want_ids = torch.topk(probs, 8, dim=-1)
+    want = (top / top.sum(dim=-1, keepdim=True)).to(torch.bfloat16).reshape(-1).float()
+    assert ids.dtype == torch.long and torch.equal(ids, want_ids.reshape(-1))
+    _close(wts, want, 1 / 8)
+
+
+def _linear_layer(seed: int) -> tuple[_Linear, dict[str, torch.Tensor]]:
+    hk, hv, dk, dv, taps = 16, 32, 128, 128, 4
+    g = torch.Generator().manual_seed(seed)
+    c = 2 * hk * dk + hv * dv
+    w = torch.randn(c, taps, generator=g) * 0.5
+    m = _Linear(None, None, None, None, None, [w[:, j].contiguous() for j in range(taps)],
+                -torch.rand(hv, generator=g) * 4 - 0.1, (torch.rand(hv, generator=g) + 0.5).to(torch.bfloat16),
+                (1 + torch.randn(dv, generator=g) * 0.1).to(torch.bfloat16), hk * dk, hv * dv, hk, hv, dk, dv)
+    inputs = {"qkv": _bf16(1, c, seed=seed + 1), "z": _bf16(1, hv * dv, seed=seed + 2),
+              "b": _bf16(1, hv, seed=seed + 3), "a": _bf16(1, hv, seed=seed + 4),
+              "conv": _bf16(1, c, taps, scale=0.5, seed=seed + 5),
+              "state": torch.randn(1, hv, dk, dv, generator=g) * 0.05}
+    return m, inputs
+
+
+def test_gdn_step_matches_the_torch_route(qk):
+    m, inp = _linear_layer(20)
+    state_t, state_k = inp["state"].clone(), inp["state"].clone()
+    conv_t, conv_k = ConvWindow(inp["conv"].clone()), ConvWindow(inp["conv"].clone())
+    for step in range(3):  # the conv window and the state carry over between tokens
+        qkv, z, b, a = (_bf16(*inp[k].shape, seed=100 * step + i) for i, k in enumerate(("qkv", "z", "b", "a")))
+        want = linear_core(m, 1e-6, qkv, z, b, a, conv_t, state_t)
+        got = qk.gdn_step(qkv, z, b, a, conv_k.rows, m.conv_taps, m.neg_a, m.dt_bias_f, m.norm_wf, True,
+                          state_k.view(m.hv, m.dk, m.dv), m.hk, 1e-6)
+        assert torch.equal(conv_k.rows, conv_t.rows)  # the window shift is exact
+        _close(got, want, SHARE)
+        err = float((state_k - state_t).norm() / state_t.norm())
+        assert err < 1e-5, err  # fp32 state: sums in another order only
+
+
+def test_attn_step_matches_the_torch_route(qk):
+    if not cpu_kernel.bf16_available():
+        pytest.skip("attn_step needs AVX512-BF16")
+    heads, kv, hd, rot, cap, n = 16, 2, 256, 64, 96, 70
+    qo, ko, vo = _bf16(1, heads * 2 * hd, seed=30), _bf16(1, kv * hd, seed=31), _bf16(1, kv * hd, seed=32)
+    qk_scale = 1.0 + _bf16(heads + kv, hd, scale=0.1, seed=33).float()
+    freqs = torch.arange(rot // 2).float() * 0.37
+    cos, sin = torch.cat([freqs.cos()] * 2).to(torch.bfloat16), torch.cat([freqs.sin()] * 2).to(torch.bfloat16)
+    keys, values = _bf16(kv, cap, hd, seed=34), _bf16(kv, cap, hd, seed=35)
+    kc, vc = keys.clone(), values.clone()
+    got = qk.attn_step(qo, ko, vo, qk_scale, cos, sin, kc, vc, n, hd ** -0.5, 1e-6)
+    # the torch route (LeanDecoder._attention, dynamic KV)
+    qg = qo.view(heads, 2 * hd)
+    q, gate = qg[:, :hd], qg[:, hd:]
+    nq = _rotate(rms(torch.cat([q, ko.view(kv, hd)]), qk_scale, 1e-6), cos.view(1, -1), sin.view(1, -1), rot)
+    keys[:, n], values[:, n] = nq[heads:], vo.view(kv, hd)
+    out = attend(nq[:heads].view(1, heads, 1, hd), keys[:, :n + 1], values[:, :n + 1], hd ** -0.5)
+    want = out.reshape(1, -1) * torch.sigmoid(gate.reshape(1, -1))
+    _close(kc[:, n], keys[:, n], SHARE)  # normalised and rotated k
+    assert torch.equal(vc, values)
+    _close(got, want, SHARE)
+
+
+def test_bad_inputs_are_one_line_errors(qk):
+    m, inp = _linear_layer(40)
+    st = inp["state"].view(m.hv, m.dk, m.dv)
+    with pytest.raises(RuntimeError, match="qk_gdn_step: shapes do not match the layer"):
+        qk.gdn_step(inp["qkv"][:, :-16], inp["z"], inp["b"], inp["a"], inp["conv"][0].t().contiguous(), m.conv_taps,
+                    m.neg_a, m.dt_bias_f, m.norm_wf, True, st, m.hk, 1e-6)
+    with pytest.raises(RuntimeError, match="qk_rms: scale must be contiguous fp32 with 2048 values"):
+        qk.rms(_bf16(1, H), torch.ones(H - 1), 1e-6)
+    with pytest.raises(RuntimeError, match="qk_add_rms: x must be a contiguous bf16 CPU tensor"):
+        qk.add_rms(torch.ones(1, H), _bf16(1, H), torch.ones(H), 1e-6)
+    with pytest.raises(RuntimeError, match="qk_route: top_k must be in 1..64"):
+        qk.route(_bf16(1, 64), 65)
+    if cpu_kernel.bf16_available():
+        with pytest.raises(RuntimeError, match="qk_attn_step: shapes do not fit"):
+            k = _bf16(2, 8, 256)
+            qk.attn_step(_bf16(1, 16 * 512), _bf16(1, 512), _bf16(1, 512), torch.ones(18, 256), _bf16(64), _bf16(64),
+                         k, k.clone(), 8, 0.06, 1e-6)
