@@ -248,9 +248,8 @@ class _Moe:
     def routed(self, h: torch.Tensor, wts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum [1, H] in h's dtype."""
         ex = self.experts
-        if self.cpu_fused_all:  # a CPU layer whose experts all run in quantkit's fused kernel
-            mod, table, _ok = ex._fused_table()  # type: ignore[misc]
-            return mod.moe(h, table, ids, wts).view(h.shape).to(h.dtype)
+        if self.cpu_fused_all:
+            return self._fused_sum(h, wts, ids).view(h.shape).to(h.dtype)
         if self.host_ids or (not self.gathered and h.device.type == "cpu"):
             # a CPU layer (its ids are host memory), or experts only QuantExperts' own decode can run
             return ex._forward_one(h, ids.tolist(), wts.view(1, -1))
@@ -260,6 +259,11 @@ class _Moe:
         if self.has_cpu:  # the hand-off: the one sync of a GPU+CPU split
             out.add_(self._cpu_part(h, wts, ids).to(h.device))
         return out.to(h.dtype)
+
+    def _fused_sum(self, h: torch.Tensor, wts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 [H]: a CPU layer whose experts all run in quantkit's fused kernel, one `qk.moe` call."""
+        mod, table, _ok = self.experts._fused_table()  # type: ignore[misc]
+        return mod.moe(h, table, ids, wts)
 
     def _cpu_part(self, h: torch.Tensor, wts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """fp32 [1, H] on the CPU: the slots whose experts live in the CPU groups, through QuantExperts'
@@ -286,11 +290,8 @@ class _Moe:
         gate, up, sg = self.shared_in(h)
         shared = self.shared_down(f.silu_mul(gate, up))
         wts, ids = self.route(h)
-        if self.cpu_fused_all:
-            mod, table, _ok = self.experts._fused_table()  # type: ignore[misc]
-            routed = mod.moe(h, table, ids, wts)
-        else:
-            routed = self.routed(h, wts, ids).float().view(-1)
+        routed = (self._fused_sum(h, wts, ids) if self.cpu_fused_all
+                  else self.routed(h, wts, ids).float().view(-1))
         return f.moe_out(x, routed, shared, sg)
 
 
@@ -698,7 +699,7 @@ class LeanDecoder:
             core = f.gdn_step(qkv, z, b, a, self.conv[L.index].rows, m.conv_taps, m.neg_a, m.dt_bias_f, m.norm_wf,
                               m.norm_w.dtype == torch.bfloat16, state.view(m.hv, m.dk, m.dv), m.hk, eps)
             out = m.out(core)
-        elif self.attend_kernel is not None and m.head_dim % 16 == 0:
+        elif self._kernel_attends(m, h):
             qo, ko, vo = m.qkv_in(h)
             buf = self.kv[L.index]
             gated = f.attn_step(qo, ko, vo, m.qk_scale, cos.reshape(-1), sin.reshape(-1), buf.k[0], buf.v[0], self.n,
@@ -708,6 +709,12 @@ class LeanDecoder:
             out = self._attention(L, h, cos, sin)
         x, h2 = f.add_rms(x, out, L.norms.post, eps)
         return L.moe.add_to(x, h2)
+
+    def _kernel_attends(self, m: _Attn, h: torch.Tensor) -> bool:
+        """Whether this layer's attention runs on the kernel (`qk.attend` / `qk.attn_step`): dynamic KV on
+        an AVX512-BF16 CPU, bf16 activations on the CPU, head_dim a multiple of 16."""
+        return (self.attend_kernel is not None and h.device.type == "cpu" and h.dtype == torch.bfloat16
+                and m.head_dim % 16 == 0)
 
     def _attention(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         m = L.mixer
@@ -727,8 +734,7 @@ class LeanDecoder:
             buf.k.index_copy_(2, pos, k)
             buf.v.index_copy_(2, pos, v)
             out = attend(q, buf.k[0], buf.v[0], m.scaling, buf.positions > pos)
-        elif (self.attend_kernel is not None and h.device.type == "cpu" and q.dtype == torch.bfloat16
-              and m.head_dim % 16 == 0):
+        elif self._kernel_attends(m, h):
             buf.k[:, :, self.n].copy_(k[:, :, 0])
             buf.v[:, :, self.n].copy_(v[:, :, 0])
             out = self.attend_kernel.attend(q.view(m.heads, m.head_dim), buf.k[0], buf.v[0], self.n + 1, m.scaling)

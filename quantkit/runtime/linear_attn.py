@@ -15,7 +15,7 @@ per layer. transformers writes it as broadcast multiplies and sums, each allocat
 0.54-0.73 ms per layer per token inside the loaded model on the 2-core build machine (3.5-7.8 ms when
 timed alone under load). `recurrent_gated_delta_rule` below does the same math on the state in place:
 decay, kv = k @ S, S += k^T (beta (v - kv)), out = q @ S (`delta_state_step`). With quantkit's CPU kernel
-built that is one call (`delta_step` in csrc/qk_cpu.cpp) that reads and writes the state once, head by
+built that is one call (`delta_step` in csrc/qk_step.cpp) that reads and writes the state once, head by
 head; without it, torch's batched matrix products and `addcmul_` (0.29-0.43 ms per layer in the model),
 which pass over the 2 MB state four times. Only the fp32 rounding of the k/q contractions and of the
 multiply-adds differs from transformers (state differences ~1e-7). quantkit.runtime.decode_step calls the

@@ -86,6 +86,16 @@ void delta_head(float* S, int64_t K, int64_t V, const float* q, const float* k, 
     }
 }
 
+// one head of the delta rule on the widest path this CPU and V allow
+void delta_head_any(float* S, int64_t K, int64_t V, const float* q, const float* k, const float* v, float decay,
+                    float beta, float* kv, float* out) {
+  if (isa() == 2 && V % 16 == 0) delta_head_avx512(S, K, V, q, k, v, decay, beta, kv, out);
+  else delta_head(S, K, V, q, k, v, decay, beta, kv, out);
+}
+
+// 1 / (1 + e^-x) of one value in fp32 (torch's sigmoid, before its bf16 rounding)
+inline float sigmoid1(float x) { return 1.f / (1.f + std::exp(-x)); }
+
 // lane i = the sum of v[i]'s 16 lanes: a transpose-and-add tree (15 adds for 16 sums instead of 16 reductions)
 QK_BF16 inline __m512 reduce16(const __m512* v) {
   __m512 t[8], u[4];
@@ -304,14 +314,12 @@ QK_AVX512 void gdn_head(const GdnArgs& g, const uint16_t* x, int64_t h, float* q
   l2norm_row(x + key_dim + kh * g.dk, g.dk, 1.f, k);
   const uint16_t* xv = x + 2 * key_dim + h * g.dv;
   for (int64_t i = 0; i < g.dv; ++i) v[i] = bf16_value(xv[i]);
-  const float bh = bf16_value(g.b[h]);
-  const float beta = through_bf16(1.f / (1.f + std::exp(-bh)));
+  const float beta = through_bf16(sigmoid1(bf16_value(g.b[h])));
   const float sp = bf16_value(g.a[h]) + g.dt_bias[h];
   const float softplus = sp > 20.f ? sp : std::log1p(std::exp(sp));
   const float decay = std::exp(g.neg_a[h] * softplus);
   float* S = g.state + h * g.dk * g.dv;
-  if (g.dv % 16 == 0) delta_head_avx512(S, g.dk, g.dv, q, k, v, decay, beta, kv, o);
-  else delta_head(S, g.dk, g.dv, q, k, v, decay, beta, kv, o);
+  delta_head_any(S, g.dk, g.dv, q, k, v, decay, beta, kv, o);
   // gated RMSNorm: y = bf16(o * rsqrt(mean(o^2) + eps)) with o rounded to bf16 first; w * y (bf16 when w
   // is); times silu(z) in fp32; rounded to bf16
   for (int64_t i = 0; i < g.dv; ++i) ob[i] = to_bf16(o[i]);
@@ -387,19 +395,14 @@ torch::Tensor qk_delta_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
   TORCH_CHECK(q.numel() == H * K && k.numel() == H * K && v.numel() == H * V && decay.numel() == H &&
               beta.numel() == H, "qk_delta_step: shapes do not match the state");
   torch::Tensor out = torch::empty({H, V}, torch::kFloat);
-  const bool wide = isa() == 2 && V % 16 == 0;
   float* sp = state.data_ptr<float>();
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   const float *dp = decay.data_ptr<float>(), *bp = beta.data_ptr<float>();
   float* op = out.data_ptr<float>();
   at::parallel_for(0, H, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> kv(V);
-    for (int64_t h = lo; h < hi; ++h) {
-      if (wide)
-        delta_head_avx512(sp + h * K * V, K, V, qp + h * K, kp + h * K, vp + h * V, dp[h], bp[h], kv.data(), op + h * V);
-      else
-        delta_head(sp + h * K * V, K, V, qp + h * K, kp + h * K, vp + h * V, dp[h], bp[h], kv.data(), op + h * V);
-    }
+    for (int64_t h = lo; h < hi; ++h)
+      delta_head_any(sp + h * K * V, K, V, qp + h * K, kp + h * K, vp + h * V, dp[h], bp[h], kv.data(), op + h * V);
   });
   return out;
 }
@@ -532,7 +535,7 @@ QK_AVX512 torch::Tensor qk_moe_out(torch::Tensor x, torch::Tensor routed, torch:
   const int64_t h = x.numel();
   check_f32(routed, h, "qk_moe_out: routed");
   TORCH_CHECK(shared.numel() == h && sg.numel() == 1, "qk_moe_out: shapes do not match");
-  const float gate = through_bf16(1.f / (1.f + std::exp(-bf16_value(bf16_ptr(sg)[0]))));
+  const float gate = through_bf16(sigmoid1(bf16_value(bf16_ptr(sg)[0])));
   const __m512 gv = _mm512_set1_ps(gate);
   torch::Tensor y = torch::empty_like(x);
   const float* rp = routed.data_ptr<float>();
