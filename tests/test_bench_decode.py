@@ -92,7 +92,7 @@ def _rows() -> dict:
         r = {"prefill_tok_s": pre, "decode_tok_s": dec, "peak_rss": 2.0e9, "peak_rss_rounds": [2.5e9, 2.0e9],
              "rss_after": 1.5e9, "step_bytes": step,
              "bound_tok_s": 20e9 / step, "routes": {"x": 1}, "decode_tok_s_rounds": [dec * 0.9, dec],
-             "decode_steps": 16}
+             "decode_steps": 16, "probe_gbs": 10.0}
         if planner is not None:
             r["planner_decode_tok_s"], r["planner_prefill_tok_s"] = planner, pre * 2
             r["generic_planner_decode_tok_s"] = planner * 3
@@ -117,7 +117,15 @@ def test_ratios_and_targets():
     assert rows["int4"]["planner_prefill_error"] == pytest.approx(1.0)
     assert rows["int4"]["generic_planner_error"] == pytest.approx(90 / 25 - 1)
     assert "vs_transformers_conv" not in rows["nf4"]
+    # int4: 25 tok/s x 130 MB = 3.25 GB/s of a 20 GB/s best probe, and of the 10 GB/s read before its round
+    assert rows["int4"]["of_bound"] == pytest.approx(25 / (20e9 / 130e6))
+    assert rows["int4"]["of_own_probe"] == pytest.approx(25 * 130e6 / 10e9)
     t = bd.targets(rows)
+    assert t["int4_of_bound"] == pytest.approx(0.1625) and t["bound_met"] is False
+    fast = _rows()
+    fast["int4"]["decode_tok_s"] = 100.0  # 13 GB/s: 65% of the 20 GB/s bound
+    bd.add_ratios(fast)
+    assert bd.targets(fast)["bound_met"] is True and bd.targets({})["bound_met"] is None
     assert t["speedup_met"] is True
     assert t["planner_within_25pct"] == {"int4": True, "int8": False}
     assert t["planner_met"] is False
@@ -165,6 +173,9 @@ def test_render_md_shows_every_row_of_the_result():
         assert f"{r['prefill_tok_s']:.1f}" in cells and f"{r['decode_tok_s']:.2f}" in cells, (name, cells)
         if "planner_decode_tok_s" in r:
             assert f"{r['planner_decode_tok_s']:.1f}" in cells and f"{r['planner_error']:+.0%}" in cells
+        assert cells[9:11] == [f"{r['of_bound']:.0%}", f"{r['of_own_probe']:.0%}"], (name, cells)
+    assert "- int4 decode at least 60% of the read-bandwidth bound: **MISSED**, 16% of the bound at the run's " \
+           "best probe (20.0 GB/s); 32% of the 10.0 GB/s read just before its best round." in md
     assert d["command"] in md and "(bench-decode.png)" in md
     assert "## Notes on this run" not in md
     d["notes"] = ["one", "two"]
