@@ -117,7 +117,7 @@ def test_ratios_and_targets():
     assert rows["int4"]["planner_prefill_error"] == pytest.approx(1.0)
     assert rows["int4"]["generic_planner_error"] == pytest.approx(90 / 25 - 1)
     assert "vs_transformers_conv" not in rows["nf4"]
-    # int4: 25 tok/s x 130 MB = 3.25 GB/s of a 20 GB/s best probe, and of the 10 GB/s read before its round
+    # int4: 25 tok/s x 130 MB = 3.25 GB/s of a 20 GB/s best probe, and of the 10 GB/s read after its decode
     assert rows["int4"]["of_bound"] == pytest.approx(25 / (20e9 / 130e6))
     assert rows["int4"]["of_own_probe"] == pytest.approx(25 * 130e6 / 10e9)
     t = bd.targets(rows)
@@ -175,7 +175,7 @@ def test_render_md_shows_every_row_of_the_result():
             assert f"{r['planner_decode_tok_s']:.1f}" in cells and f"{r['planner_error']:+.0%}" in cells
         assert cells[9:11] == [f"{r['of_bound']:.0%}", f"{r['of_own_probe']:.0%}"], (name, cells)
     assert "- int4 decode at least 60% of the read-bandwidth bound: **MISSED**, 16% of the bound at the run's " \
-           "best probe (20.0 GB/s); 32% of the 10.0 GB/s read just before its best round." in md
+           "best probe (20.0 GB/s); 32% of the 10.0 GB/s read right after its best round's decode." in md
     assert d["command"] in md and "(bench-decode.png)" in md
     assert "## Notes on this run" not in md
     d["notes"] = ["one", "two"]
@@ -236,3 +236,12 @@ def test_layer_overhead_times_every_path_and_the_report_shows_them(tiny_model):
                                               ("full_attention", "linear_attention", "shell")]
     assert table["lean step, torch route"][1] == f"{ov['lean-torch']['linear_attention']:.3f}"
     assert table["lean step, the kernel's fused ops (the default)"][0] == f"{ov['lean']['full_attention']:.3f}"
+
+
+def test_run_one_reads_the_bandwidth_right_after_its_decode(tiny_model):
+    r = bd.run_one("quantkit", tiny_model, 8, 4, 1)
+    assert r["decode_tok_s"] > 0 and r["step_bytes"] > 0
+    assert r["probe_gbs"] > 0  # the share `of its probe` is taken against this read
+    rows = {"int4": {**r, "bound_tok_s": 1e9}}
+    bd.add_ratios(rows)
+    assert rows["int4"]["of_own_probe"] == pytest.approx(r["decode_tok_s"] * r["step_bytes"] / (r["probe_gbs"] * 1e9))

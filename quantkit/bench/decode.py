@@ -9,9 +9,9 @@ keeps its best round: a burst of load then hurts one round of every configuratio
 of one. Every round's figure stays in the JSON. The bandwidth bound is the bytes one decode step reads --
 the weights (every non-expert matrix, top_k experts per layer, lm_head; the embedding one row) plus the
 caches (Gated DeltaNet recurrent and conv states read and written, K and V up to the filled length) --
-over the measured read bandwidth of this machine (the best of streaming reads of a 1 GiB tensor, one
-before each configuration's run). The planner's figures
-come from `quantkit.planner.placement.solve` for a CPU-only host with that bandwidth: its estimate for quantkit's own
+over the measured read bandwidth of this machine (the best of the streaming reads of a 1 GiB tensor at
+the start and before each round, and of 256 MiB in each configuration's process right after its decode).
+The planner's figures come from `quantkit.planner.placement.solve` for a CPU-only host with that bandwidth: its estimate for quantkit's own
 runtime, composed from a `quantkit calibrate` run made at the start of the benchmark (parts timed in
 isolation: quantkit/planner/host_costs.py), which the target judges; and its llama.cpp-grade estimate.
 """
@@ -181,11 +181,14 @@ def run_one(mode: str, folder: Path, prompt_len: int, decode: int, reps: int,
     import psutil
 
     rss_after = psutil.Process().memory_info().rss
+    # the read bandwidth right after the decode (peak RSS already taken): this VM's moves between spells of
+    # about 32 and 60 GB/s lasting 10-30 s, so a probe from another moment can belong to the other spell
+    probe = read_bandwidth_gbs(gib=PROBE_GIB)
     wbytes = step_bytes(model, cfg.num_experts_per_tok)
     cbytes = cache_bytes_per_step(cfg, prompt_len + decode // 2)
     return {"mode": mode, "prefill_tok_s": best_p, "decode_tok_s": best_d, "decode_median_step_tok_s": median_d,
             "peak_rss": rss, "rss_after": rss_after, "load_s": load_s, "weight_bytes_per_step": wbytes, "cache_bytes_per_step": cbytes,
-            "step_bytes": wbytes + cbytes, "routes": routes, "threads": torch.get_num_threads(), "tokens": toks}
+            "step_bytes": wbytes + cbytes, "probe_gbs": round(probe, 2), "routes": routes, "threads": torch.get_num_threads(), "tokens": toks}
 
 
 def calibrate_subprocess(src: Path, recipes: list[str], out: Path, threads: int | None) -> Any:
@@ -268,6 +271,8 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
     t_bench = time.perf_counter()
     rows: dict[str, dict[str, Any]] = {}
     for rnd in range(rounds):
+        if rnd:
+            bws.append(read_bandwidth_gbs())
         for name in names:
             mode, recipe = CONFIGS[name]
             slow = mode == "transformers" and not cpu_has_avx512_bf16()
@@ -275,8 +280,6 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
                 continue  # without AVX512-BF16 plain transformers' bf16 conv is seconds per step: one short round
             n_dec = 2 if slow else decode
             log(f"round {rnd + 1}/{rounds}: {name}")
-            probe = read_bandwidth_gbs()  # the bandwidth of this moment: this VM's moves between runs
-            bws.append(probe)
             cmd = [sys.executable, "-m", "quantkit.bench.decode", "--one", mode, str(folders[name]), str(prompt_len),
                    str(n_dec), str(reps), str(threads or 0)]
             p = subprocess.run(cmd, capture_output=True, text=True,
@@ -288,7 +291,7 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
                 continue
             r = json.loads(p.stdout.strip().splitlines()[-1])
             r["decode_steps"] = n_dec
-            r["probe_gbs"] = round(probe, 2)
+            bws.append(r["probe_gbs"])
             log(f"  prefill {r['prefill_tok_s']:.1f} tok/s, decode {r['decode_tok_s']:.2f} tok/s, "
                 f"peak RSS {r['peak_rss'] / 1e9:.2f} GB")
             prev = rows.get(name, {})
@@ -348,11 +351,12 @@ PLAIN = "transformers-bf16"
 PLANNER_TOLERANCE = 0.25
 SPEEDUP_TARGET = 2.0
 BOUND_TARGET = 0.6  # int4 decode as a share of the read-bandwidth bound (issue 12)
+PROBE_GIB = 0.25  # the probe each configuration's process reads after its decode (8x the L3 of the build machine)
 
 
 def add_ratios(rows: dict[str, dict[str, Any]]) -> None:
     """Each row's decode tok/s over the two transformers references and as a share of the bandwidth bound
-    (the best probe of the run; and the probe read just before the row's kept round), and the planner's
+    (the best probe of the run; and the probe read right after the row's kept decode), and the planner's
     error (estimate / measured - 1), in place."""
     base = rows.get(REFERENCE, {}).get("decode_tok_s")
     plain = rows.get(PLAIN, {}).get("decode_tok_s")
@@ -361,7 +365,7 @@ def add_ratios(rows: dict[str, dict[str, Any]]) -> None:
             continue
         if r.get("bound_tok_s"):
             r["of_bound"] = r["decode_tok_s"] / r["bound_tok_s"]
-        if r.get("probe_gbs") and r.get("step_bytes"):  # the probe read just before the kept round
+        if r.get("probe_gbs") and r.get("step_bytes"):  # the probe read right after the kept round's decode
             r["of_own_probe"] = r["decode_tok_s"] * r["step_bytes"] / (r["probe_gbs"] * 1e9)
         r["vs_transformers_conv"] = r["decode_tok_s"] / base if base else None
         r["vs_transformers_plain"] = r["decode_tok_s"] / plain if plain else None
@@ -473,8 +477,8 @@ def render_md(d: dict[str, Any]) -> str:
         f"Command: `{d['command']}` ({d['seconds']:.0f} s in all, {d['bench_seconds']:.0f} s of timed runs).",
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['threads']} threads), measured read "
-        f"bandwidth {m['read_bandwidth_gbs']} GB/s (a streaming read of 1 GiB at the start and before each "
-        f"configuration's run: the best of {_probes(m)}); load average {m['loadavg_before']} before, "
+        f"bandwidth {m['read_bandwidth_gbs']} GB/s (streaming reads of 1 GiB at the start and before each round, "
+        f"and of 256 MiB after each configuration's decode: the best of {_probes(m)}); load average {m['loadavg_before']} before, "
         f"{m['loadavg_after']} after. Other jobs share this machine, so absolute figures are low and noisy: each "
         f"configuration ran in {d['rounds']} interleaved rounds (its own process each time) and keeps its best; "
         "the ratios within this one run are the result, and every round's figure is in the JSON.",
@@ -522,7 +526,7 @@ def render_md(d: dict[str, Any]) -> str:
         own = t.get("int4_of_own_probe")
         out.append(f"- int4 decode at least {BOUND_TARGET:.0%} of the read-bandwidth bound: **{verdict}**, {share:.0%} "
                    f"of the bound at the run's best probe ({m['read_bandwidth_gbs']} GB/s)"
-                   + (f"; {own:.0%} of the {i4['probe_gbs']} GB/s read just before its best round." if own else "."))
+                   + (f"; {own:.0%} of the {i4['probe_gbs']} GB/s read right after its best round's decode." if own else "."))
     errs = t.get("planner_errors", {})
     if errs:
         bad = {n: e for n, e in errs.items() if abs(e) > PLANNER_TOLERANCE}
@@ -592,8 +596,8 @@ def render_md(d: dict[str, Any]) -> str:
         "(every matrix in that format; router, norms and in_proj_a/b bf16) and `quality` is the default `--bits 4` recipe "
         "(experts int4, the rest int8). Bandwidth bound: bytes one decode step reads (weights as loaded, with "
         "top_k of the experts; caches read and written) over the measured read bandwidth; `of bound` is the "
-        "measured decode over it; `of its probe` is the same share of the bandwidth read just before the row's "
-        "kept round (this machine's bandwidth moves between runs, so both are shown; the target is judged on "
+        "measured decode over it; `of its probe` is the same share of the bandwidth read right after the row's "
+        "kept decode, in its process (this machine's bandwidth moves between runs, so both are shown; the target is judged on "
         "the first). Peak RSS: the smallest peak over the rounds (it includes load-time transients and "
         "varies between rounds); RSS after: resident at the end of the run. Planner errors are estimate / "
         "measured - 1; the llama.cpp-grade figure is quantkit.planner.placement's generic model for a CPU-only host with the "
