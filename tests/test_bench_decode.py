@@ -245,3 +245,17 @@ def test_run_one_reads_the_bandwidth_right_after_its_decode(tiny_model):
     rows = {"int4": {**r, "bound_tok_s": 1e9}}
     bd.add_ratios(rows)
     assert rows["int4"]["of_own_probe"] == pytest.approx(r["decode_tok_s"] * r["step_bytes"] / (r["probe_gbs"] * 1e9))
+
+
+def test_render_md_shows_the_spells_when_polled():
+    from quantkit.bench import spells
+
+    d = _result(_rows())
+    polled = {"step_bytes": 130e6, "samples": [{"read_before_gbs": 10.0, "read_after_gbs": 10.0, "decode_tok_s": 50.0},
+                                               {"read_before_gbs": 20.0, "read_after_gbs": 20.0, "decode_tok_s": 80.0}]}
+    d["spells"] = {"config": "int4", "seconds": 60.0, **spells.summarize(polled)}
+    md = bd.render_md(d)
+    assert "spell by spell: slow 65% (10.0 GB/s), fast 52% (20.0 GB/s) (section below)." in md
+    assert "## int4 decode in the machine's bandwidth spells" in md and "| fast | 1 | 20.0 | 80.0 | 52% |" in md
+    d["spells"] = None
+    assert "spells" not in bd.render_md(d)

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from quantkit.bench import read_bandwidth_gbs, write_reports
+from quantkit.bench import read_bandwidth_gbs, spells, write_reports
 from quantkit.errors import QuantkitError
 from quantkit.model.checkpoint import Checkpoint
 from quantkit.model.spec import load_config, spec_from_config
@@ -235,7 +235,7 @@ def layer_overhead(config: dict[str, Any], rounds: int = 3) -> dict[str, dict[st
 
 def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt_len: int = 128, decode: int = 16,
         reps: int = 1, configs: list[str] | None = None, rounds: int = 2, threads: int | None = None,
-        vocab: int | None = None, log: Callable[[str], None] = print) -> dict[str, Any]:
+        vocab: int | None = None, log: Callable[[str], None] = print, spells_s: float = 0.0) -> dict[str, Any]:
 
     t_all = time.perf_counter()
     names = configs or list(CONFIGS)
@@ -307,6 +307,18 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
             r["probe_gbs_rounds"] = probe_hist
             rows[name] = r
     bench_s = time.perf_counter() - t_bench
+    spell = None
+    if spells_s > 0 and "int4" in folders:
+        log(f"int4 decoding for {spells_s:g} s between bandwidth reads (--spells)")
+        cmd = [sys.executable, "-m", "quantkit.bench.spells", str(folders["int4"]), str(spells_s), str(prompt_len),
+               str(decode), str(threads or 0)]
+        p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+        if p.returncode == 0:
+            polled = json.loads(p.stdout.strip().splitlines()[-1])
+            spell = {"config": "int4", "seconds": spells_s, **spells.summarize(polled), "polled": polled["samples"]}
+            bws.extend(r for smp in polled["samples"] for r in (smp["read_before_gbs"], smp["read_after_gbs"]))
+        else:
+            log(f"  failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
     bw = max(bws)
     for name, r in rows.items():
         if "error" in r:
@@ -320,7 +332,8 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
             r["planner_prefill_tok_s"] = est["prefill_tok_s"]
     add_ratios(rows)
     cfg = json.loads((src / "config.json").read_text())["text_config"]
-    rounds_part = f" --rounds {rounds}" + (f" --threads {threads}" if threads else "") + (f" --vocab {vocab}" if vocab else "")
+    rounds_part = (f" --rounds {rounds}" + (f" --threads {threads}" if threads else "") + (f" --vocab {vocab}" if vocab else "")
+                   + (f" --spells {spells_s:g}" if spells_s > 0 else ""))
     sub = f" --configs {','.join(names)}" if configs else ""
     d = {
         "command": f"quantkit bench decode --layers {layers} --experts {experts} --prompt {prompt_len} "
@@ -336,6 +349,7 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
                        "vocab": cfg["vocab_size"], "bf16_bytes": sum(f.stat().st_size for f in src.glob("*.safetensors"))},
         "prompt_tokens": prompt_len, "decode_steps": decode, "reps": reps, "rounds": rounds,
         "targets": targets(rows),
+        "spells": spell,
         "calibration": profile_summary(profile) if profile else None,
         "layer_overhead_ms": overhead,
         "rows": rows, "bench_seconds": bench_s, "seconds": time.perf_counter() - t_all,
@@ -526,7 +540,11 @@ def render_md(d: dict[str, Any]) -> str:
         own = t.get("int4_of_own_probe")
         out.append(f"- int4 decode at least {BOUND_TARGET:.0%} of the read-bandwidth bound: **{verdict}**, {share:.0%} "
                    f"of the bound at the run's best probe ({m['read_bandwidth_gbs']} GB/s)"
-                   + (f"; {own:.0%} of the {i4['probe_gbs']} GB/s read right after its best round's decode." if own else "."))
+                   + (f"; {own:.0%} of the {i4['probe_gbs']} GB/s read right after its best round's decode." if own else ".")
+                   + (" Against the read of the same moment, spell by spell: "
+                      + ", ".join(f"{n} {v['share_of_read']:.0%} ({v['read_gbs']:.1f} GB/s)"
+                                  for n, v in d["spells"]["spells"].items()) + " (section below)."
+                      if d.get("spells") and d["spells"]["spells"] else ""))
     errs = t.get("planner_errors", {})
     if errs:
         bad = {n: e for n, e in errs.items() if abs(e) > PLANNER_TOLERANCE}
@@ -540,6 +558,8 @@ def render_md(d: dict[str, Any]) -> str:
         perr = {n: r["planner_prefill_error"] for n, r in rows.items() if r.get("planner_prefill_error") is not None}
         out.append("- (not a target) planner prefill estimate (llama.cpp-grade) vs measured: "
                    + ", ".join(f"{n} {e:+.0%}" for n, e in perr.items()) + ".")
+    if d.get("spells"):
+        out += spells.render(d["spells"]["config"], d["spells"], d["spells"]["seconds"])
     ov = d.get("layer_overhead_ms")
     if ov:
         kinds = [k for k in ("full_attention", "linear_attention", "shell") if k in ov["lean"]]

@@ -170,6 +170,8 @@ def bench_decode(
     vocab: int = typer.Option(None, "--vocab", parser=COUNT,
                               help="vocabulary of the generated checkpoint (default: the tiny "
                               "tokenizer's; 248320 is the real model's)"),
+    spells: float = typer.Option(0.0, "--spells", min=0.0, help="then decode int4 for this many seconds between "
+                                 "bandwidth reads, its share of the read grouped by the machine's spells (0: off)"),
 ) -> None:
     """Prefill/decode tok/s and peak RSS per format beside transformers bf16, the planner and the bandwidth bound."""
     threads = _threads(threads)
@@ -179,7 +181,7 @@ def bench_decode(
         raise typer.BadParameter(f"unknown configuration(s) {unknown}; choose from {', '.join(decode_bench.CONFIGS)}",
                                  param_hint="--configs")
     d = decode_bench.run(reports, workdir, layers, experts, prompt, decode, reps, names, rounds, threads, vocab,
-            log=console.print)
+                         log=console.print, spells_s=spells)
     console.print(f"wrote {reports / 'bench-decode.md'} ({d['seconds']:.0f} s)")
 
 
