@@ -183,12 +183,20 @@ def run_one(mode: str, folder: Path, prompt_len: int, decode: int, reps: int,
     rss_after = psutil.Process().memory_info().rss
     # the read bandwidth right after the decode (peak RSS already taken): this VM's moves between spells of
     # about 32 and 60 GB/s lasting 10-30 s, so a probe from another moment can belong to the other spell
-    probe = read_bandwidth_gbs(gib=PROBE_GIB)
+    probe = read_bandwidth_gbs(gib=spells.READ_GIB)
     wbytes = step_bytes(model, cfg.num_experts_per_tok)
     cbytes = cache_bytes_per_step(cfg, prompt_len + decode // 2)
     return {"mode": mode, "prefill_tok_s": best_p, "decode_tok_s": best_d, "decode_median_step_tok_s": median_d,
             "peak_rss": rss, "rss_after": rss_after, "load_s": load_s, "weight_bytes_per_step": wbytes, "cache_bytes_per_step": cbytes,
             "step_bytes": wbytes + cbytes, "probe_gbs": round(probe, 2), "routes": routes, "threads": torch.get_num_threads(), "tokens": toks}
+
+
+def _child(cmd: list[str]) -> tuple[dict[str, Any] | None, str]:
+    """Run one measuring process: (the JSON of its last stdout line, "") or (None, its last stderr line)."""
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+    if p.returncode != 0:
+        return None, (p.stderr.strip().splitlines() or ["?"])[-1]
+    return json.loads(p.stdout.strip().splitlines()[-1]), ""
 
 
 def calibrate_subprocess(src: Path, recipes: list[str], out: Path, threads: int | None) -> Any:
@@ -282,14 +290,12 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
             log(f"round {rnd + 1}/{rounds}: {name}")
             cmd = [sys.executable, "-m", "quantkit.bench.decode", "--one", mode, str(folders[name]), str(prompt_len),
                    str(n_dec), str(reps), str(threads or 0)]
-            p = subprocess.run(cmd, capture_output=True, text=True,
-                               env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
-            if p.returncode != 0:
+            r, err = _child(cmd)
+            if r is None:
                 if name not in rows:
-                    rows[name] = {"error": (p.stderr.strip().splitlines() or ["?"])[-1]}
-                log(f"  failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+                    rows[name] = {"error": err}
+                log(f"  failed: {err}")
                 continue
-            r = json.loads(p.stdout.strip().splitlines()[-1])
             r["decode_steps"] = n_dec
             bws.append(r["probe_gbs"])
             log(f"  prefill {r['prefill_tok_s']:.1f} tok/s, decode {r['decode_tok_s']:.2f} tok/s, "
@@ -312,13 +318,12 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
         log(f"int4 decoding for {spells_s:g} s between bandwidth reads (--spells)")
         cmd = [sys.executable, "-m", "quantkit.bench.spells", str(folders["int4"]), str(spells_s), str(prompt_len),
                str(decode), str(threads or 0)]
-        p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
-        if p.returncode == 0:
-            polled = json.loads(p.stdout.strip().splitlines()[-1])
+        polled, err = _child(cmd)
+        if polled is not None:
             spell = {"config": "int4", "seconds": spells_s, **spells.summarize(polled), "polled": polled["samples"]}
             bws.extend(r for smp in polled["samples"] for r in (smp["read_before_gbs"], smp["read_after_gbs"]))
         else:
-            log(f"  failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+            log(f"  failed: {err}")
     bw = max(bws)
     for name, r in rows.items():
         if "error" in r:
@@ -365,7 +370,6 @@ PLAIN = "transformers-bf16"
 PLANNER_TOLERANCE = 0.25
 SPEEDUP_TARGET = 2.0
 BOUND_TARGET = 0.6  # int4 decode as a share of the read-bandwidth bound (issue 12)
-PROBE_GIB = 0.25  # the probe each configuration's process reads after its decode (8x the L3 of the build machine)
 
 
 def add_ratios(rows: dict[str, dict[str, Any]]) -> None:
