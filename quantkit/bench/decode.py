@@ -496,7 +496,8 @@ def render_md(d: dict[str, Any]) -> str:
         "",
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['threads']} threads), measured read "
         f"bandwidth {m['read_bandwidth_gbs']} GB/s (streaming reads of 1 GiB at the start and before each round, "
-        f"and of 256 MiB after each configuration's decode: the best of {_probes(m)}); load average {m['loadavg_before']} before, "
+        f"and of 256 MiB after each configuration's decode{' and in --spells' if d.get('spells') else ''}: "
+        f"the best of {_probes(m)}); load average {m['loadavg_before']} before, "
         f"{m['loadavg_after']} after. Other jobs share this machine, so absolute figures are low and noisy: each "
         f"configuration ran in {d['rounds']} interleaved rounds (its own process each time) and keeps its best; "
         "the ratios within this one run are the result, and every round's figure is in the JSON.",
