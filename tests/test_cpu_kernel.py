@@ -251,6 +251,27 @@ def test_decode_is_one_call_and_independent_of_the_split():
         assert torch.equal(split(x, idx, w), want), groups
 
 
+@pytest.mark.parametrize("spec", [QuantSpec("int4", 32), QuantSpec("int8"), None], ids=["int4-g32", "int8", "bf16"])
+def test_fused_moe_is_the_same_on_any_thread_count(spec):
+    """The gate_up phase reads runs of tiles whose length follows the thread count (whole experts on few
+    threads, halved runs on many); every length gives the same sums, bit for bit."""
+    if spec is None and not cpu_kernel.bf16_available():
+        pytest.skip("no AVX512-BF16")
+    q, gu_p, dn_p = experts(spec)
+    before = torch.get_num_threads()
+    try:
+        for seed in range(2):
+            x, idx, w = routing(seed)
+            got = []
+            for n in (1, 2, 3, 8):  # INTER 128: runs of 8 tiles on 1 thread, 4 and 2 on more
+                torch.set_num_threads(n)
+                got.append(q(x, idx, w))
+            assert all(torch.equal(g, got[0]) for g in got[1:])
+            assert rel(got[0], reference(spec, gu_p, dn_p, x, idx, w)) < TOL
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_mixed_fused_and_unfused_experts():
     """Experts the kernel cannot take (here: forced onto torch's route) run beside one fused call."""
     spec = QuantSpec("int8")

@@ -670,24 +670,32 @@ torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, to
   QActBuf xa;
   quantize_rows(xf, 1, hdim, xa, gu16);
   const QAct x0 = xa.row(0, hdim);
-  // gate_up, SiLU x up and the int8 blocks of the result in one pass: a work item is one expert's 32
-  // intermediate values (gate rows 32j..32j+31 and the matching up rows: four 16-row tiles)
+  // gate_up, SiLU x up and the int8 blocks of the result in one pass. A work item is a run of `run` tiles
+  // of one expert's gate rows and the matching run of its up rows; the SiLU x up values it makes are
+  // quantized per 32. The longer the runs, the less the read switches between the gate and up streams:
+  // whole experts per item read 1.14x faster than runs of 2 tiles (one MoE layer, top-8 of 64, weights out
+  // of cache, 60 interleaved A/B rounds on the build machine; same sums). Runs halve until every thread
+  // has two items.
   TORCH_CHECK(inter % kBlock == 0, "qk_moe: the expert width must be a multiple of 32");
-  const int64_t nj = inter / kBlock;
+  const int64_t nj = inter / kBlock, ntg = inter / kTile;
+  int64_t run = ntg;
+  while (run % 4 == 0 && ns * (ntg / run) < 2 * at::get_num_threads()) run /= 2;
+  const int64_t nrun = ntg / run;
   QActBuf aa;
   aa.resize(ns, inter);
-  at::parallel_for(0, ns * nj, 1, [&](int64_t lo, int64_t hi) {
-    float h[4 * kTile], act[kBlock];
+  at::parallel_for(0, ns * nrun, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> h(2 * run * kTile);
+    float act[kBlock];
     for (int64_t i = lo; i < hi; ++i) {
-      const int64_t s = i / nj, j = i % nj, tg = 2 * j, tu = inter / kTile + 2 * j;
-      tile(gu[s], tg, &x0, 1, h);
-      tile(gu[s], tg + 1, &x0, 1, h + kTile);
-      tile(gu[s], tu, &x0, 1, h + 2 * kTile);
-      tile(gu[s], tu + 1, &x0, 1, h + 3 * kTile);
-      silu_mul32(h, h + 2 * kTile, act);
-      const int64_t b = s * nj + j;
-      quantize_any(act, kBlock, aa.q.data() + b * kBlock, aa.d.data() + b, aa.s.data() + b, aa.ds.data() + b);
-      if (dn16) to_bf16_row(act, kBlock, aa.xb.data() + b * kBlock);
+      const int64_t s = i / nrun, j = i % nrun;
+      for (int64_t r = 0; r < run; ++r) tile(gu[s], run * j + r, &x0, 1, h.data() + r * kTile);
+      for (int64_t r = 0; r < run; ++r) tile(gu[s], ntg + run * j + r, &x0, 1, h.data() + (run + r) * kTile);
+      for (int64_t c = 0; c < run / 2; ++c) {
+        silu_mul32(h.data() + c * kBlock, h.data() + run * kTile + c * kBlock, act);
+        const int64_t b = s * nj + j * (run / 2) + c;
+        quantize_any(act, kBlock, aa.q.data() + b * kBlock, aa.d.data() + b, aa.s.data() + b, aa.ds.data() + b);
+        if (dn16) to_bf16_row(act, kBlock, aa.xb.data() + b * kBlock);
+      }
     }
   });
   std::vector<QAct> acts(ns);
