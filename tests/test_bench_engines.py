@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from quantkit.bench.engines import gguf_step_bytes
+from quantkit.bench.engines import gguf_step_bytes, targets
 from quantkit.export.gguf import export_gguf
 from quantkit.model.gguf_file import read_gguf
 
@@ -18,3 +18,40 @@ def test_gguf_step_bytes_reads_top_k_of_the_experts_and_one_embedding_row(tiny_m
     assert gguf_step_bytes(path, n_exp) == everything  # every expert: the whole file but the embedding
     exp_bytes = sum(t.nbytes for t in experts)
     assert gguf_step_bytes(path, 2) == everything - exp_bytes + sum(t.nbytes * 2 // n_exp for t in experts)
+
+
+def _rows(q4: float, l4: float, qb: float, lb: float, rounds: tuple[list[float], ...]) -> list[dict]:
+    rows = []
+    for (engine, bits, tps, pre), r in zip((("llama.cpp", "4-bit mixed", l4, 200.0), ("llama.cpp", "bf16", lb, 190.0),
+                                            ("quantkit", "4-bit (experts int4 g32)", q4, 400.0),
+                                            ("quantkit", "bf16", qb, 230.0)), rounds, strict=True):
+        rows.append({"engine": engine, "bits": bits, "decode_tps": tps, "prefill_tps": pre, "decode_tps_rounds": r})
+    return rows
+
+
+def test_targets_pair_each_engine_with_llama_cpp_at_the_same_bits():
+    rows = _rows(50.0, 40.0, 20.0, 30.0, ([40.0, 20.0], [30.0, 15.0], [50.0, 30.0], [20.0, 15.0]))
+    got = {t["target"]: t for t in targets(rows)}
+    assert got["4-bit decode"]["ratio"] == 50.0 / 40.0 and got["4-bit decode"]["met"]
+    assert got["4-bit decode"]["median_round_ratio"] == (50 / 40 + 30 / 20) / 2
+    assert got["bf16 decode"]["ratio"] == 20.0 / 30.0 and not got["bf16 decode"]["met"]  # 0.67x < 0.8x
+    assert got["bf16 decode"]["median_round_ratio"] == (20 / 30 + 15 / 15) / 2
+    assert got["4-bit prefill"]["ratio"] == 2.0 and "median_round_ratio" not in got["4-bit prefill"]
+    assert "**MISSED**, 0.67x" in render_targets(rows)
+
+
+def test_targets_skip_an_engine_that_did_not_run():
+    rows = [r for r in _rows(50.0, 40.0, 20.0, 30.0, ([1.0], [1.0], [1.0], [1.0])) if r["bits"] != "bf16"]
+    assert [t["target"] for t in targets(rows)] == ["4-bit decode", "4-bit prefill"]
+
+
+def render_targets(rows: list[dict]) -> str:
+    from quantkit.bench.engines import render
+
+    d = {"machine": {"cpu": "x", "cores": 2, "ram_gb": 1, "torch": "t", "load_avg_at_start": 0.0}, "shape":
+         {"hidden": 8, "vocab": 8, "layers": 1, "experts": 2, "top_k": 1}, "command": "c", "seconds": 1.0,
+         "threads": 2, "read_bandwidth_gbs": 1.0, "read_bandwidth_probes_gbs": [1.0], "prompt_tokens": 1,
+         "new_tokens": 1, "reps": 1, "rounds": 2, "gguf_mixed": {"bytes": 1, "seconds": 1.0, "counts": {}, "types": {}},
+         "rows": [{**r, "decode_vs_llama_4bit": 1.0, "step_bytes": 1, "bound_tps": 1.0, "of_bound": 1.0, "top1": 1.0,
+                   "kl": 0.0, "max_abs": 0.0, "file_mb": 1.0, "same_greedy_as_llama_4bit": True} for r in rows]}
+    return render(d).split("## Targets")[1]

@@ -260,10 +260,38 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
         "prompt_tokens": len(prompt), "new_tokens": new_tokens, "reps": reps, "rounds": rounds,
         "gguf_mixed": {"seconds": t_mixed, "bytes": gm.nbytes, "counts": gm.counts(), "types": gm.by_type()},
         "gguf_bf16_bytes": gb.nbytes, "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows],
+        "targets": targets(rows),
         "seconds": time.perf_counter() - t_start,
     }
     write_reports(reports, "bench-engines", data, render(data), indent=2)
     return data
+
+
+# issue 12's bars: (quantkit row, llama.cpp row, measure, at least)
+TARGETS = (("4-bit decode", "quantkit 4", "llama.cpp 4", "decode_tps", 1.0),
+           ("bf16 decode", "quantkit bf16", "llama.cpp bf16", "decode_tps", 0.8),
+           ("4-bit prefill", "quantkit 4", "llama.cpp 4", "prefill_tps", 1.0))
+
+
+def _row(rows: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
+    engine, bits = key.split(" ", 1)
+    return next((r for r in rows if r["engine"] == engine and r["bits"].startswith(bits)), None)
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each bar: quantkit's best over llama.cpp's best, whether it clears the bar, and (decode) the median of
+    the round-by-round ratios, which a single lucky round of either engine moves less."""
+    out = []
+    for name, ours, theirs, key, bar in TARGETS:
+        a, b = _row(rows, ours), _row(rows, theirs)
+        if a is None or b is None or not b.get(key):
+            continue
+        t = {"target": name, "at_least": bar, "ratio": a[key] / b[key], "met": a[key] / b[key] >= bar}
+        ra, rb = a.get("decode_tps_rounds"), b.get("decode_tps_rounds")
+        if key == "decode_tps" and ra and rb and len(ra) == len(rb):
+            t["median_round_ratio"] = float(np.median([x / y for x, y in zip(ra, rb, strict=True) if y]))
+        out.append(t)
+    return out
 
 
 def render(d: dict[str, Any]) -> str:
@@ -305,4 +333,14 @@ def render(d: dict[str, Any]) -> str:
         "rows add the quantization error. The decode ratio is the bar quantkit's runtime has to clear.",
         "",
     ]
+    tl = targets(d["rows"])
+    if tl:
+        lines += ["## Targets", "",
+                  "quantkit's best against llama.cpp's best at the same bits; the median of the round-by-round ratios "
+                  "beside it (each round runs all four engines in turn).", ""]
+        for t in tl:
+            med = f"; round by round, median {t['median_round_ratio']:.2f}x" if "median_round_ratio" in t else ""
+            lines.append(f"- {t['target']} at least {t['at_least']:.1f}x llama.cpp's: "
+                         f"**{'met' if t['met'] else 'MISSED'}**, {t['ratio']:.2f}x{med}.")
+        lines.append("")
     return "\n".join(lines)
