@@ -69,6 +69,7 @@ from quantkit.runtime import cpu_kernel
 from quantkit.runtime.kernels import DenseKernel, Int4Kernel, Int8Kernel, Kernel, Projections, QBf16Kernel
 from quantkit.runtime.linear_attn import delta_state_step
 from quantkit.runtime.qexperts import QuantExperts
+from quantkit.runtime.state_cache import set_token_count
 
 ENV = "QUANTKIT_LEAN_DECODE"
 GRAPHS_ENV = "QUANTKIT_CUDA_GRAPHS"
@@ -578,7 +579,7 @@ class LeanDecoder:
     def begin(self, cache: Any, capacity: int) -> None:
         """Take over `cache` (a DynamicCache the prefill filled) for up to `capacity` positions in all."""
         self.cache = cache
-        self.n = cache.get_seq_length()
+        self.n = int(cache.get_seq_length())  # a tensor from transformers >= 5.25
         self.capacity = capacity
         if capacity <= self.n:
             raise ValueError(f"capacity {capacity} leaves no room after {self.n} cached tokens")
@@ -599,6 +600,8 @@ class LeanDecoder:
         after every step): call before anything else reads the cache's conv states."""
         for w in self.conv.values():
             w.sync()
+        if self.cache is not None:
+            set_token_count(self.cache, self.n)
 
     def end(self) -> None:
         """`sync`, then let go of the cache and this generation's buffers."""

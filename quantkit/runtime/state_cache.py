@@ -107,6 +107,16 @@ def _is_linear(layer: Any) -> bool:
     return hasattr(layer, "recurrent_states")
 
 
+def set_token_count(cache: Any, n: int) -> None:
+    """Set the token count each linear-attention layer keeps (transformers >= 5.25: `cumulative_length_linear`,
+    which `get_seq_length` returns) to `n`. quantkit's decode step and `restore` fill those layers' states
+    without transformers' update, which is what advances it; earlier versions keep no count."""
+    for layer in cache.layers:
+        count = getattr(layer, "cumulative_length_linear", None)
+        if isinstance(count, torch.Tensor):
+            count.fill_(n)
+
+
 def capture_linear(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """Copies of every linear-attention layer's (conv, recurrent) state, None for attention layers."""
     out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
@@ -154,6 +164,7 @@ def restore(snap: Snapshot, config: Any) -> Any:
             assert a is not None and b is not None
             layer.lazy_initialization(a, b)
             layer.keys, layer.values = a, b
+    set_token_count(cache, len(snap.ids))
     return cache
 
 
