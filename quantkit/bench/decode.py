@@ -184,11 +184,17 @@ def run_one(mode: str, folder: Path, prompt_len: int, decode: int, reps: int,
     # the read bandwidth right after the decode (peak RSS already taken): this VM's moves between spells of
     # about 32 and 60 GB/s lasting 10-30 s, so a probe from another moment can belong to the other spell
     probe = read_bandwidth_gbs(gib=spells.READ_GIB)
-    wbytes = step_bytes(model, cfg.num_experts_per_tok)
-    cbytes = cache_bytes_per_step(cfg, prompt_len + decode // 2)
+    wbytes, cbytes = decode_bytes(model, prompt_len, decode)
     return {"mode": mode, "prefill_tok_s": best_p, "decode_tok_s": best_d, "decode_median_step_tok_s": median_d,
             "peak_rss": rss, "rss_after": rss_after, "load_s": load_s, "weight_bytes_per_step": wbytes, "cache_bytes_per_step": cbytes,
             "step_bytes": wbytes + cbytes, "probe_gbs": round(probe, 2), "routes": routes, "threads": torch.get_num_threads(), "tokens": toks}
+
+
+def decode_bytes(model: Any, prompt_len: int, decode: int) -> tuple[int, int]:
+    """(weight bytes, cache bytes) one decode step of this run reads: top_k experts per layer, the caches at
+    the mean filled length of `decode` steps after a `prompt_len` prompt."""
+    cfg = model.config
+    return step_bytes(model, cfg.num_experts_per_tok), cache_bytes_per_step(cfg, prompt_len + decode // 2)
 
 
 def _child(cmd: list[str]) -> tuple[dict[str, Any] | None, str]:

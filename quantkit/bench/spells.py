@@ -30,7 +30,7 @@ def poll(folder: Path, seconds: float, prompt_len: int, decode: int, threads: in
     import torch
 
     from quantkit.bench import read_bandwidth_gbs
-    from quantkit.bench.decode import _timed, cache_bytes_per_step, step_bytes
+    from quantkit.bench.decode import _timed, decode_bytes
     from quantkit.runtime import load_model
 
     if threads:
@@ -48,8 +48,7 @@ def poll(folder: Path, seconds: float, prompt_len: int, decode: int, threads: in
         after = read_bandwidth_gbs(gib=READ_GIB, reps=3)
         samples.append({"read_before_gbs": round(before, 2), "read_after_gbs": round(after, 2),
                         "decode_tok_s": round(len(steps) / sum(steps), 2)})
-    nbytes = step_bytes(model, cfg.num_experts_per_tok) + cache_bytes_per_step(cfg, prompt_len + decode // 2)
-    return {"seconds": seconds, "step_bytes": nbytes, "samples": samples}
+    return {"seconds": seconds, "step_bytes": sum(decode_bytes(model, prompt_len, decode)), "samples": samples}
 
 
 def summarize(poll_result: dict[str, Any]) -> dict[str, Any]:
