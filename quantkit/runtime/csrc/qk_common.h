@@ -65,4 +65,9 @@ QK_AVX512 inline __m512 exp_avx512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// x * sigmoid(x) as x / (1 + e^-x), fp32 (torch's silu before its bf16 rounding)
+QK_AVX512 inline __m512 silu_avx512(__m512 x) {
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
+}
+
 }  // namespace qk

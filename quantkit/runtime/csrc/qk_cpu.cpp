@@ -293,9 +293,7 @@ QK_AVX512 void quantize_row_avx512(const float* x, int64_t k, int8_t* q, float* 
 // out[i] = silu(g[i]) * u[i] for 32 values
 QK_AVX512 void silu_mul32_avx512(const float* g, const float* u, float* out) {
   for (int h = 0; h < 2; ++h) {
-    const __m512 gv = _mm512_loadu_ps(g + 16 * h), uv = _mm512_loadu_ps(u + 16 * h);
-    const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-    _mm512_storeu_ps(out + 16 * h, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.f), e)), uv));
+    _mm512_storeu_ps(out + 16 * h, _mm512_mul_ps(silu_avx512(_mm512_loadu_ps(g + 16 * h)), _mm512_loadu_ps(u + 16 * h)));
   }
 }
 

@@ -244,10 +244,6 @@ QK_AVX512 inline __m512 sigmoid16(__m512 x) {
   return _mm512_div_ps(one, _mm512_add_ps(one, exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
 }
 
-QK_AVX512 inline __m512 silu16(__m512 x) {
-  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-}
-
 // sum of squares of n bf16 values, fp32
 QK_AVX512 inline float sum_sq(const uint16_t* x, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
@@ -290,7 +286,7 @@ QK_AVX512 void gdn_conv(const GdnArgs& g, uint16_t* out) {
     __m512 acc = _mm512_mul_ps(ld16(g.conv + c, m), ld32(g.conv_w + c, m));
     for (int64_t j = 1; j < K; ++j)
       acc = _mm512_add_ps(acc, _mm512_mul_ps(ld16(g.conv + j * C + c, m), ld32(g.conv_w + j * C + c, m)));
-    st16(out + c, silu16(acc), m);
+    st16(out + c, silu_avx512(acc), m);
   }
 }
 
@@ -331,7 +327,7 @@ QK_AVX512 void gdn_head(const GdnArgs& g, const uint16_t* x, int64_t h, float* q
     const __m512 y = rb(_mm512_mul_ps(ld16(ob + i, m), r));
     __m512 wy = _mm512_mul_ps(ld32(g.norm_w + i, m), y);
     if (g.norm_w_bf16) wy = rb(wy);
-    st16(out + h * g.dv + i, _mm512_mul_ps(wy, silu16(ld16(zh + i, m))), m);
+    st16(out + h * g.dv + i, _mm512_mul_ps(wy, silu_avx512(ld16(zh + i, m))), m);
   }
 }
 
@@ -485,7 +481,7 @@ QK_AVX512 torch::Tensor qk_silu_mul(torch::Tensor gate, torch::Tensor up) {
   const int64_t n = gate.numel();
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 m = lanes(n, i);
-    st16(bf16_ptr(y) + i, _mm512_mul_ps(rb(silu16(ld16(bf16_ptr(gate) + i, m))), ld16(bf16_ptr(up) + i, m)), m);
+    st16(bf16_ptr(y) + i, _mm512_mul_ps(rb(silu_avx512(ld16(bf16_ptr(gate) + i, m))), ld16(bf16_ptr(up) + i, m)), m);
   }
   return y;
 }
