@@ -125,6 +125,45 @@ def test_fused_ops_track_transformers_eager(tiny_model, recipe, one_thread):  # 
     assert _cache_err(cache, ref) <= FUSED_STATE_BOUND, _cache_err(cache, ref)
 
 
+@pytest.mark.skipif(not cpu_kernel.bf16_available(), reason="the one-call stack needs quantkit's kernel with AVX512-BF16")
+@pytest.mark.parametrize("recipe", ["bf16", "int8", "int4"])
+def test_one_call_stack_equals_the_per_layer_route(tiny_model, recipe, one_thread):  # noqa: F811
+    """`qk.Layers` (the whole stack in one call) makes the per-layer fused route's logits and cache states,
+    bit for bit, and takes every step of the default decoder on this CPU."""
+    rt = _load(tiny_model, recipe)
+    with torch.inference_mode():
+        ids, _, per_layer = _begun(rt, one_call=False)
+        _, _, stacked = _begun(rt)
+        assert per_layer.stack is None and stacked.stack is not None and len(stacked.stack) == len(stacked.layers)
+        calls = []
+        stacked._layer = lambda *a: calls.append(a)  # the Python loop must not run
+        for t in _tokens():
+            tok = torch.tensor([[t]])
+            assert torch.equal(stacked.step(tok), per_layer.step(tok))
+        assert not calls
+        per_layer.sync()
+        stacked.sync()
+    assert _caches_equal(stacked.cache, per_layer.cache)
+    assert stacked.cache.get_seq_length() == len(ids) + STEPS
+
+
+def test_one_call_stack_falls_back_per_layer(tiny_model, one_thread):  # noqa: F811
+    """A layer the stack cannot take (here: its experts left to QuantExperts' own decode) sends the whole
+    step through the per-layer route, with the same logits as a decoder built without the stack."""
+    rt = _load(tiny_model, "int8")
+    with torch.inference_mode():
+        _, _, want = _begun(rt, one_call=False)
+        ids, cache = _prefilled(rt)
+        dec = LeanDecoder(rt.model)
+        dec.layers[1].moe.cpu_fused_all = False
+        want.layers[1].moe.cpu_fused_all = False
+        dec.begin(cache, len(ids) + STEPS + 1)
+        assert dec.stack is None
+        for t in _tokens(3):
+            tok = torch.tensor([[t]])
+            assert torch.equal(dec.step(tok), want.step(tok))
+
+
 def _hf_step_layers(model, tok, cache):
     """transformers' step on `cache`: per layer (input, output, router weights, router ids)."""
     rec = [{} for _ in model.model.layers]

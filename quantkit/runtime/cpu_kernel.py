@@ -44,8 +44,8 @@ import torch
 from quantkit.runtime import hugepages
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "qk_cpu.cpp", CSRC / "qk_step.cpp")  # compiled
-HEADERS = (CSRC / "qk_common.h", CSRC / "qk_step.h")
+SOURCES = (CSRC / "qk_cpu.cpp", CSRC / "qk_step.cpp", CSRC / "qk_layers.cpp")  # compiled
+HEADERS = (CSRC / "qk_common.h", CSRC / "qk_cpu.h", CSRC / "qk_layers.h", CSRC / "qk_step.h")
 TILE = 16
 BLOCK = 32
 

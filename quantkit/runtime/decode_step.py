@@ -224,9 +224,15 @@ class _Moe:
     host_ids: bool = False  # experts off the CPU that cannot be gathered: the ids are read on the host
     step: Any = None  # quantkit's kernel module when the step's fused ops run this CPU layer (`fused_ops`)
     shared_in: Projections = field(init=False)  # gate_proj, up_proj and the sigmoid gate, all on h
+    # for the one-call layer loop (`Layers`): the same three with the router's matrix, and the shared down
+    shared_and_router: Projections | None = field(init=False)
+    down_one: Projections = field(init=False)
 
     def __post_init__(self) -> None:
         self.shared_in = Projections([self.shared_gate_proj, self.shared_up, self.shared_sigmoid_gate])
+        self.shared_and_router = (Projections([self.shared_gate_proj, self.shared_up, self.shared_sigmoid_gate,
+                                               self.router_kernel]) if self.router_kernel is not None else None)
+        self.down_one = Projections([self.shared_down])
 
     @property
     def has_cpu(self) -> bool:
@@ -319,9 +325,11 @@ class _Attn:
     scaling: float
     eps: float
     qkv_in: Projections = field(init=False)
+    o_one: Projections = field(init=False)  # o_proj as a one-matrix table (the one-call layer loop)
 
     def __post_init__(self) -> None:
         self.qkv_in = Projections([self.q, self.k, self.v])
+        self.o_one = Projections([self.o])
 
 
 @dataclass
@@ -344,6 +352,7 @@ class _Linear:
     dk: int
     dv: int
     proj_in: Projections = field(init=False)  # in_proj_qkv, _z, _b, _a, all on h
+    out_one: Projections = field(init=False)  # out_proj as a one-matrix table (the one-call layer loop)
     # for the kernel's gdn_step: the taps as one fp32 [K, C], dt_bias and the norm weight in fp32
     conv_taps: torch.Tensor = field(init=False)
     dt_bias_f: torch.Tensor = field(init=False)
@@ -351,6 +360,7 @@ class _Linear:
 
     def __post_init__(self) -> None:
         self.proj_in = Projections([self.qkv, self.z, self.b, self.a])
+        self.out_one = Projections([self.out])
         self.conv_taps = torch.stack(self.conv_w).contiguous()
         self.dt_bias_f = self.dt_bias.float().contiguous()
         self.norm_wf = self.norm_w.float().contiguous()
@@ -532,7 +542,7 @@ class LeanDecoder:
     tests name CPU groups to run that path, and a split, on a CPU-only machine)."""
 
     def __init__(self, model: Any, *, static_kv: bool = False, cuda_graphs: bool = False,
-                 gather_groups: frozenset[int] | None = None, fused_ops: bool = True):
+                 gather_groups: frozenset[int] | None = None, fused_ops: bool = True, one_call: bool = True):
         tm = model.model
         cfg = model.config
         self.model = model
@@ -574,6 +584,8 @@ class LeanDecoder:
         for L in self.layers:
             if L.device.type == "cpu":
                 L.moe.step = self.step_ops
+        self.one_call = one_call
+        self.stack: Any = None  # the kernel's `Layers` for this generation, where `_stack` can make one
 
     # -- state --
     def begin(self, cache: Any, capacity: int) -> None:
@@ -589,6 +601,7 @@ class LeanDecoder:
                      for L in self.layers if isinstance(L.mixer, _Linear)}
         self.pos = torch.full((1,), self.n, dtype=torch.long, device=self.inv_freq.device)
         self.graph = None
+        self.stack = self._stack() if self.one_call else None
         if self.cuda_graphs and self.inv_freq.device.type == "cuda":
             try:
                 self.graph = CudaGraphStep(self)
@@ -606,7 +619,7 @@ class LeanDecoder:
     def end(self) -> None:
         """`sync`, then let go of the cache and this generation's buffers."""
         self.sync()
-        self.cache, self.kv, self.conv, self.graph = None, {}, {}, None
+        self.cache, self.kv, self.conv, self.graph, self.stack = None, {}, {}, None, None
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Logits [V] of the next token after `token` ([1, 1] int64 on the embedding's device)."""
@@ -622,14 +635,49 @@ class LeanDecoder:
     def forward(self, token: torch.Tensor) -> torch.Tensor:
         x = self._embed(token).view(1, -1)
         cos, sin = self._rotary(x.dtype)
-        for L in self.layers:
-            x = self._layer(L, x, cos, sin)
+        if self.stack is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            x = self.stack.run(x, cos.reshape(-1), sin.reshape(-1), self.n)
+        else:
+            for L in self.layers:
+                x = self._layer(L, x, cos, sin)
         x = x.to(self.head_device)
         f = self._ops(x)
         x = f.rms(x, *self.final) if f is not None else rms(x, *self.final)
         assert self.pos is not None
         self.pos.add_(1)
         return self.head(x).view(-1)
+
+    def _stack(self) -> Any:
+        """The whole stack of layers as one call of the kernel (`qk.Layers`, csrc/qk_layers.cpp): the fused
+        route's calls in C++, bit-equal to `_layer_fused` layer by layer. None unless every layer takes that
+        route on quantkit's kernels: CPU, AVX512-BF16 attention, bf16 conv windows, every projection a
+        `QKernel` / `QBf16Kernel` table, the routed experts in one `qk.moe` call, the router on the bf16 kernel."""
+        f = self.step_ops
+        if f is None or self.attend_kernel is None or not hasattr(f, "Layers"):
+            return None
+        stack = f.Layers()
+        for L in self.layers:
+            m, moe = L.mixer, L.moe
+            if L.device.type != "cpu" or not moe.cpu_fused_all or moe.shared_and_router is None:
+                return None
+            tables = [moe.shared_and_router, moe.down_one] + (
+                [m.proj_in, m.out_one] if isinstance(m, _Linear) else [m.qkv_in, m.o_one])
+            if not all(p.fused for p in tables) or (isinstance(m, _Attn) and m.head_dim % 16):
+                return None
+            pre, post, eps = L.norms.pre, L.norms.post, L.norms.eps
+            if isinstance(m, _Linear):
+                conv = self.conv[L.index].rows
+                if conv.dtype != torch.bfloat16:
+                    return None
+                state = self.cache.layers[L.index].recurrent_states[0].view(m.hv, m.dk, m.dv)
+                stack.add_gdn(pre, post, eps, m.proj_in.table, m.out_one.table, conv, m.conv_taps, m.neg_a,
+                              m.dt_bias_f, m.norm_wf, m.norm_w.dtype == torch.bfloat16, state, m.hk)
+            else:
+                buf = self.kv[L.index]
+                stack.add_attention(pre, post, eps, m.qkv_in.table, m.o_one.table, m.qk_scale, buf.k[0], buf.v[0],
+                                    m.scaling, m.eps)
+            stack.set_moe(moe.shared_and_router.table, moe.down_one.table, moe.experts._fused_table()[1], moe.top_k)
+        return stack
 
     def _embed(self, token: torch.Tensor) -> torch.Tensor:
         """The token's embedding row. A quantized table on the CPU dequantizes a row in a dozen small ops,

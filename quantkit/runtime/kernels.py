@@ -277,6 +277,11 @@ class Projections:
     def fused(self) -> bool:
         return self._mod is not None
 
+    @property
+    def table(self) -> torch.Tensor | None:
+        """The int64 [P, 8] descriptor table `linear_many` takes, where fused."""
+        return self._table
+
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if self._mod is not None and x.dim() == 2 and x.shape[0] <= QBf16Kernel.MAX_ROWS and x.dtype in (
                 torch.bfloat16, torch.float32):

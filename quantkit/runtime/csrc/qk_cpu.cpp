@@ -33,6 +33,8 @@
 #include <vector>
 
 #include "qk_common.h"
+#include "qk_cpu.h"
+#include "qk_layers.h"
 #include "qk_step.h"
 
 namespace qk {
@@ -758,4 +760,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("has_bf16", &qk_has_bf16, "whether the bf16 path (AVX512-BF16) is in use");
   mod.def("set_bf16", &qk_set_bf16, "turn the bf16 path off (or back on)");
   mod.def("linear_bf16", &qk_linear_bf16, "y [M, N] fp32 = x [M, K] @ W^T, W row-major bf16");
+  qk_bind_layers(mod);
 }

@@ -1,0 +1,145 @@
+// A decode step's whole stack of layers in one call from Python: `Layers`, filled once per generation by
+// runtime/decode_step.py (LeanDecoder.begin) and run once per token.
+//
+// Why: on the fused route a layer is about a dozen kernel calls, and between them Python looked up the
+// layer's tensors, converted each argument through pybind11 and kept the results alive: about a tenth of
+// a millisecond per layer, the same order as a small layer's weight read (profiled on bench decode's
+// int4 checkpoint; before and after in reports/bench-decode.md). Here the same calls follow each other
+// in C++, with the same arguments in the same order, so the results are those of the Python loop bit
+// for bit (tests/test_decode_step.py). The router's matrix joins the shared expert's projections in one
+// linear_many call (each of its tiles computed as linear_bf16 computes it: the same logits).
+//
+// Every tensor a layer needs is held here (the descriptor tables point into weights the loaded model
+// keeps); the conv windows, recurrent states and K/V buffers are updated in place, as on the Python route.
+
+#include "qk_layers.h"
+
+#include <vector>
+
+#include "qk_cpu.h"
+#include "qk_step.h"
+
+namespace {
+
+struct Layer {
+  bool gdn = false;  // a Gated DeltaNet layer, else gated attention
+  torch::Tensor pre, post;  // the two norms' (1 + w), fp32
+  double eps = 0;
+  torch::Tensor in, out;  // descriptor tables: the mixer's input projections, its output projection
+  // Gated DeltaNet
+  torch::Tensor conv, conv_w, neg_a, dt_bias, norm_w, state;
+  bool norm_w_bf16 = false;
+  int64_t hk = 0;
+  // gated attention
+  torch::Tensor qk_scale, keys, values;
+  double scaling = 0, qk_eps = 0;
+  // MoE: shared gate, up, sigmoid gate and the router in one table; the shared down; the routed experts
+  torch::Tensor shared_in, shared_down, experts;
+  int64_t top_k = 0;
+  bool has_moe = false;
+};
+
+void check_table(const torch::Tensor& t, int64_t rows, const char* what) {
+  TORCH_CHECK(t.scalar_type() == torch::kLong && t.dim() == 2 && t.size(0) == rows && t.size(1) == 8 &&
+              t.is_contiguous(), "qk Layers: ", what, " must be an int64 [", rows, ", 8] descriptor table");
+}
+
+class Layers {
+ public:
+  void add_gdn(torch::Tensor pre, torch::Tensor post, double eps, torch::Tensor in, torch::Tensor out,
+               torch::Tensor conv, torch::Tensor conv_w, torch::Tensor neg_a, torch::Tensor dt_bias,
+               torch::Tensor norm_w, bool norm_w_bf16, torch::Tensor state, int64_t hk) {
+    check_table(in, 4, "a Gated DeltaNet layer's in_proj table");
+    Layer L = mixer(pre, post, eps, out);
+    L.gdn = true;
+    L.in = in;
+    L.conv = conv;
+    L.conv_w = conv_w;
+    L.neg_a = neg_a;
+    L.dt_bias = dt_bias;
+    L.norm_w = norm_w;
+    L.norm_w_bf16 = norm_w_bf16;
+    L.state = state;
+    L.hk = hk;
+    layers_.push_back(L);
+  }
+
+  void add_attention(torch::Tensor pre, torch::Tensor post, double eps, torch::Tensor in, torch::Tensor out,
+                     torch::Tensor qk_scale, torch::Tensor keys, torch::Tensor values, double scaling, double qk_eps) {
+    check_table(in, 3, "an attention layer's q/k/v table");
+    Layer L = mixer(pre, post, eps, out);
+    L.in = in;
+    L.qk_scale = qk_scale;
+    L.keys = keys;
+    L.values = values;
+    L.scaling = scaling;
+    L.qk_eps = qk_eps;
+    layers_.push_back(L);
+  }
+
+  // the MoE block of the layer added last
+  void set_moe(torch::Tensor shared_in, torch::Tensor shared_down, torch::Tensor experts, int64_t top_k) {
+    TORCH_CHECK(!layers_.empty(), "qk Layers: set_moe before any layer");
+    check_table(shared_in, 4, "the shared expert's gate/up/gate + router table");
+    check_table(shared_down, 1, "the shared expert's down table");
+    TORCH_CHECK(experts.scalar_type() == torch::kLong && experts.dim() == 3 && experts.is_contiguous(),
+                "qk Layers: the experts' table must be qk_moe's int64 [E, 2, 8]");
+    TORCH_CHECK(top_k >= 1 && top_k <= experts.size(0), "qk Layers: top_k must be in 1..", experts.size(0));
+    Layer& L = layers_.back();
+    L.shared_in = shared_in;
+    L.shared_down = shared_down;
+    L.experts = experts;
+    L.top_k = top_k;
+    L.has_moe = true;
+  }
+
+  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x [1, H] bf16 through every layer; cos and sin [rot] bf16 at position n, which the attention layers
+  // write into their K/V buffers and attend up to
+  torch::Tensor run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t n) const {
+    for (const Layer& L : layers_) {
+      TORCH_CHECK(L.has_moe, "qk Layers: a layer has no MoE block");
+      const torch::Tensor h = qk_rms(x, L.pre, L.eps);
+      const std::vector<torch::Tensor> p = qk_linear_many(h, L.in);
+      const torch::Tensor core =
+          L.gdn ? qk_gdn_step(p[0], p[1], p[2], p[3], L.conv, L.conv_w, L.neg_a, L.dt_bias, L.norm_w, L.norm_w_bf16,
+                              L.state, L.hk, L.eps)
+                : qk_attn_step(p[0], p[1], p[2], L.qk_scale, cos, sin, L.keys, L.values, n, L.scaling, L.qk_eps);
+      const std::vector<torch::Tensor> xs = qk_add_rms(x, qk_linear_many(core, L.out)[0], L.post, L.eps);
+      const torch::Tensor& h2 = xs[1];
+      const std::vector<torch::Tensor> s = qk_linear_many(h2, L.shared_in);  // gate, up, sigmoid gate, router
+      const torch::Tensor shared = qk_linear_many(qk_silu_mul(s[0], s[1]), L.shared_down)[0];
+      const std::vector<torch::Tensor> r = qk_route(s[3], L.top_k);
+      x = qk_moe_out(xs[0], qk_moe(h2, L.experts, r[1], r[0]), shared, s[2]);
+    }
+    return x;
+  }
+
+ private:
+  static Layer mixer(torch::Tensor pre, torch::Tensor post, double eps, torch::Tensor out) {
+    check_table(out, 1, "a mixer's output projection table");
+    Layer L;
+    L.pre = pre;
+    L.post = post;
+    L.eps = eps;
+    L.out = out;
+    return L;
+  }
+
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+void qk_bind_layers(pybind11::module_& mod) {
+  namespace py = pybind11;
+  py::class_<Layers>(mod, "Layers", "a decode step's stack of layers, run in one call (qk_layers.cpp)")
+      .def(py::init<>())
+      .def("add_gdn", &Layers::add_gdn, "append a Gated DeltaNet layer")
+      .def("add_attention", &Layers::add_attention, "append a gated attention layer")
+      .def("set_moe", &Layers::set_moe, "the MoE block of the layer added last")
+      .def("__len__", &Layers::size)
+      .def("run", &Layers::run, "x [1, H] bf16 through every layer at position n",
+           py::call_guard<py::gil_scoped_release>());
+}
