@@ -193,12 +193,12 @@ void tile_bf16(const QMat& m, int64_t t, const QAct& a, float* out) {
   for (; o < out + kTile; ++o) *o = 0.f;
 }
 
-// Two blocks per step: four independent vpdpbusd chains. The high nibbles are masked in place (0xF0,
-// i.e. 16 x code) and their sums shifted right by 4 once per block (exact: a multiple of 16).
+// One 32-block of a tile against MR activation rows: ga[r] += d_b * (codes . xq) as int32 -> fp32. The
+// high nibbles are masked in place (0xF0, i.e. 16 x code) and their sum shifted right by 4 (exact: a
+// multiple of 16); the +8 offset and the group's scale are applied once per group (tile_int4_avx512).
 template <int MR>
-QK_AVX512 __attribute__((always_inline)) inline void int4_block_avx512(const uint8_t* p, const uint16_t* sv,
-                                                                      const uint16_t* zv, const QAct* a,
-                                                                      int64_t b, __m512* acc) {
+QK_AVX512 __attribute__((always_inline)) inline void int4_block_avx512(const uint8_t* p, const QAct* a, int64_t b,
+                                                                      __m512* ga) {
   const __m512i mlo = _mm512_set1_epi8(0x0F), mhi = _mm512_set1_epi8(static_cast<char>(0xF0));
   for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + 64 * c), _MM_HINT_T0);
   __m512i lo[4], hi[4];
@@ -207,7 +207,6 @@ QK_AVX512 __attribute__((always_inline)) inline void int4_block_avx512(const uin
     lo[c] = _mm512_and_si512(v, mlo);
     hi[c] = _mm512_and_si512(v, mhi);
   }
-  const __m512 s = bf16x16_avx512(sv);
   for (int r = 0; r < MR; ++r) {
     const int8_t* xq = a[r].q + b * kBlock;
     __m512i il = _mm512_setzero_si512(), ih = _mm512_setzero_si512();
@@ -215,35 +214,44 @@ QK_AVX512 __attribute__((always_inline)) inline void int4_block_avx512(const uin
       il = _mm512_dpbusd_epi32(il, lo[c], _mm512_set1_epi32(load_i32(xq + 8 * c)));
       ih = _mm512_dpbusd_epi32(ih, hi[c], _mm512_set1_epi32(load_i32(xq + 8 * c + 4)));
     }
-    __m512i is = _mm512_add_epi32(il, _mm512_srai_epi32(ih, 4));
-    is = _mm512_sub_epi32(is, _mm512_set1_epi32(8 * a[r].s[b]));
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_mul_ps(s, _mm512_set1_ps(a[r].d[b])), acc[r]);
-  }
-  if (zv) {
-    const __m512 z = bf16x16_avx512(zv);
-    for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(a[r].ds[b]), acc[r]);
+    const __m512i is = _mm512_add_epi32(il, _mm512_srai_epi32(ih, 4));
+    ga[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_set1_ps(a[r].d[b]), ga[r]);
   }
 }
 
-// Two blocks per step: four independent vpdpbusd chains. The high nibbles are masked in place (0xF0,
-// i.e. 16 x code) and their sums shifted right by 4 once per block (exact: a multiple of 16).
+// A 16-row int4 tile, group by group: per row, sum_b d_b (codes_b . xq_b) over the group's blocks, less
+// the +8 offset (8 sum_b d_b s_b), times the group's scale, plus its zero times sum_b d_b s_b. Widening
+// the scales and removing the offset once per group instead of once per block made bench decode's int4
+// checkpoint decode 1.04x faster (median of 30 alternating rounds, both builds in one process, on the
+// build machine). Sharing each activation broadcast between four tiles was 1.29x faster in cache but
+// 0.9x out of it, so a tile is still computed on its own.
 template <int MR>
 QK_AVX512 void tile_int4_avx512(const QMat& m, int64_t t, const QAct* a, float* out) {
-  const int64_t nb = m.k / kBlock, ng = m.k / m.group;
-  const int shift = __builtin_ctzll(static_cast<uint64_t>(m.group / kBlock));  // block -> group
+  const int64_t nb = m.k / kBlock, ng = m.k / m.group, bpg = m.group / kBlock;
   const uint8_t* qw = m.qw + t * nb * 256;
   const uint16_t* sc = static_cast<const uint16_t*>(m.scales) + t * ng * kTile;
   const uint16_t* zp = m.zeros ? m.zeros + t * ng * kTile : nullptr;
   __m512 acc[MR];
   for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
-  int64_t b = 0;
-  for (; b + 1 < nb; b += 2) {
-    int4_block_avx512<MR>(qw + b * 256, sc + (b >> shift) * kTile, zp ? zp + (b >> shift) * kTile : nullptr, a, b, acc);
-    int4_block_avx512<MR>(qw + (b + 1) * 256, sc + ((b + 1) >> shift) * kTile,
-                          zp ? zp + ((b + 1) >> shift) * kTile : nullptr, a, b + 1, acc);
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512 ga[MR];
+    float dss[MR];
+    for (int r = 0; r < MR; ++r) {
+      ga[r] = _mm512_setzero_ps();
+      dss[r] = 0.f;
+    }
+    for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+      int4_block_avx512<MR>(qw + b * 256, a, b, ga);
+      for (int r = 0; r < MR; ++r) dss[r] += a[r].ds[b];
+    }
+    const __m512 s = bf16x16_avx512(sc + g * kTile);
+    for (int r = 0; r < MR; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_sub_ps(ga[r], _mm512_set1_ps(8.f * dss[r])), s, acc[r]);
+    if (zp) {
+      const __m512 z = bf16x16_avx512(zp + g * kTile);
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(dss[r]), acc[r]);
+    }
   }
-  if (b < nb)
-    int4_block_avx512<MR>(qw + b * 256, sc + (b >> shift) * kTile, zp ? zp + (b >> shift) * kTile : nullptr, a, b, acc);
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
 }
 
