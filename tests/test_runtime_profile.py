@@ -20,6 +20,7 @@ from quantkit.planner.host_costs import (
     RuntimeProfile,
     default_profile_path,
     expert_pairs,
+    fastest,
     host_id,
     kernel_matrices,
     load_profile,
@@ -246,6 +247,28 @@ def test_mismatch_and_merge():
     assert runtime_costs(both, spec, get_recipe("int8")).fused[0]
     runtime_costs(both, spec, get_recipe("int4"))
     runtime_costs(both, spec, get_recipe("int8"))
+
+
+def test_fastest_of_several_calibrations_takes_each_part_at_its_fastest():
+    """bench decode calibrates once per round and plans from each part's fastest time (as each decode is
+    its best round): a part slow in one calibration and fast in another comes out fast, per entry."""
+    spec = default_spec()
+    p = _profile(spec, [get_recipe("int4")], fused=tuple(needed_moe(spec, [get_recipe("int4")])))
+    assert p.moe_s
+    key, shapes = next(iter(p.matmul_s.items()))
+    sh = next(iter(shapes))
+    slow = replace(p, matmul_s={k: {s: 2 * t for s, t in v.items()} for k, v in p.matmul_s.items()},
+                   shell_s=2 * p.shell_s, seconds=5.0)
+    fast_here = replace(slow, matmul_s={**slow.matmul_s, key: {**slow.matmul_s[key], sh: p.matmul_s[key][sh] / 4}},
+                        layer_ops_s={k: v / 3 for k, v in p.layer_ops_s.items()}, seconds=7.0)
+    got = fastest([slow, p, fast_here])
+    assert got.matmul_s[key][sh] == p.matmul_s[key][sh] / 4
+    assert all(got.matmul_s[k][s] == t for k, v in p.matmul_s.items() for s, t in v.items() if (k, s) != (key, sh))
+    assert got.layer_ops_s == fast_here.layer_ops_s and got.shell_s == p.shell_s and got.moe_s == p.moe_s
+    assert got.seconds == p.seconds + 12.0 and got.details["calibrations"] == 3
+    assert runtime_costs(got, spec, get_recipe("int4")).fused[0]
+    with pytest.raises(ValueError):
+        fastest([])
 
 
 def test_profile_for_plan(tmp_path, monkeypatch):

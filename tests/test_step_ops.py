@@ -150,3 +150,24 @@ def test_bad_inputs_are_one_line_errors(qk):
             k = _bf16(2, 8, 256)
             qk.attn_step(_bf16(1, 16 * 512), _bf16(1, 512), _bf16(1, 512), torch.ones(18, 256), _bf16(64), _bf16(64),
                          k, k.clone(), 8, 0.06, 1e-6)
+
+
+def test_layer_stack_misuse_is_one_line_errors(qk):
+    """qk.Layers (the one-call stack; its results are checked against the per-layer route in
+    tests/test_decode_step.py): wrong tables and a layer without its MoE block are errors, not crashes."""
+    m, inp = _linear_layer(41)
+    st = inp["state"].view(m.hv, m.dk, m.dv)
+    one = torch.zeros(1, 8, dtype=torch.int64)
+    stack = qk.Layers()
+    assert len(stack) == 0 and torch.equal(stack.run(_bf16(1, H), _bf16(64), _bf16(64), 0), _bf16(1, H))
+    with pytest.raises(RuntimeError, match="set_moe before any layer"):
+        stack.set_moe(torch.zeros(4, 8, dtype=torch.int64), one, torch.zeros(4, 2, 8, dtype=torch.int64), 2)
+    with pytest.raises(RuntimeError, match=r"in_proj table must be an int64 \[4, 8\]"):
+        stack.add_gdn(torch.ones(H), torch.ones(H), 1e-6, one, one, inp["conv"][0].t().contiguous(), m.conv_taps,
+                      m.neg_a, m.dt_bias_f, m.norm_wf, True, st, m.hk)
+    stack.add_gdn(torch.ones(H), torch.ones(H), 1e-6, torch.zeros(4, 8, dtype=torch.int64), one,
+                  inp["conv"][0].t().contiguous(), m.conv_taps, m.neg_a, m.dt_bias_f, m.norm_wf, True, st, m.hk)
+    with pytest.raises(RuntimeError, match="a layer has no MoE block"):
+        stack.run(_bf16(1, H), _bf16(64), _bf16(64), 0)
+    with pytest.raises(RuntimeError, match="top_k must be in 1..4"):
+        stack.set_moe(torch.zeros(4, 8, dtype=torch.int64), one, torch.zeros(4, 2, 8, dtype=torch.int64), 5)

@@ -12,8 +12,9 @@ caches (Gated DeltaNet recurrent and conv states read and written, K and V up to
 over the measured read bandwidth of this machine (the best of the streaming reads of a 1 GiB tensor at
 the start and before each round, and of 256 MiB in each configuration's process right after its decode).
 The planner's figures come from `quantkit.planner.placement.solve` for a CPU-only host with that bandwidth: its estimate for quantkit's own
-runtime, composed from a `quantkit calibrate` run made at the start of the benchmark (parts timed in
-isolation: quantkit/planner/host_costs.py), which the target judges; and its llama.cpp-grade estimate.
+runtime, composed from `quantkit calibrate` runs made at the start of each round (parts timed in
+isolation: quantkit/planner/host_costs.py; each part at its fastest over the rounds, as each decode is its
+best round), which the target judges; and its llama.cpp-grade estimate.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from quantkit.model.checkpoint import Checkpoint
 from quantkit.model.spec import load_config, spec_from_config
 from quantkit.planner.budget import RunSettings
 from quantkit.planner.hardware import build_hardware, cpu_name
-from quantkit.planner.host_costs import load_profile
+from quantkit.planner.host_costs import fastest, load_profile
 from quantkit.planner.placement import solve
 from quantkit.quantize.run import QuantizeOptions, run_quantize
 from quantkit.recipe import get_recipe
@@ -273,10 +274,8 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
     bws = [read_bandwidth_gbs()]  # one probe per round too: it moves on a shared VM, the best is the bound
     log(f"read bandwidth {bws[0]:.1f} GB/s")
     recipes = sorted({CONFIGS[n][1] or "bf16" for n in names if CONFIGS[n][0] == "quantkit"})
-    profile = None
-    if recipes:
-        log(f"calibrating the runtime's parts for {', '.join(recipes)} (quantkit calibrate)")
-        profile = calibrate_subprocess(src, recipes, workdir / f"profile-{tag}.json", threads)
+    calibrations = []
+    cal_s = 0.0  # not part of the timed runs
     log("per-layer overhead: transformers' forward vs the lean step (kernels stubbed)")
     if threads:
         torch.set_num_threads(threads)
@@ -287,6 +286,11 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
     for rnd in range(rounds):
         if rnd:
             bws.append(read_bandwidth_gbs())
+        if recipes:
+            log(f"round {rnd + 1}/{rounds}: calibrating the runtime's parts for {', '.join(recipes)} (quantkit calibrate)")
+            t_cal = time.perf_counter()
+            calibrations.append(calibrate_subprocess(src, recipes, workdir / f"profile-{tag}-{rnd}.json", threads))
+            cal_s += time.perf_counter() - t_cal
         for name in names:
             mode, recipe = CONFIGS[name]
             slow = mode == "transformers" and not cpu_has_avx512_bf16()
@@ -318,7 +322,8 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
             r["decode_tok_s_rounds"], r["prefill_tok_s_rounds"], r["peak_rss_rounds"] = history, pre_hist, rss_hist
             r["probe_gbs_rounds"] = probe_hist
             rows[name] = r
-    bench_s = time.perf_counter() - t_bench
+    bench_s = time.perf_counter() - t_bench - cal_s
+    profile = fastest(calibrations) if calibrations else None
     spell = None
     if spells_s > 0 and "int4" in folders:
         log(f"int4 decoding for {spells_s:g} s between bandwidth reads (--spells)")
@@ -403,7 +408,7 @@ def add_ratios(rows: dict[str, dict[str, Any]]) -> None:
 
 def profile_summary(p: Any) -> dict[str, Any]:
     """What the report shows of the calibration the planner's runtime estimate is composed from."""
-    return {"seconds": round(p.seconds, 1), "host": p.host, "layer_ops_ms": {k: round(v * 1e3, 3) for k, v in
+    return {"seconds": round(p.seconds, 1), "calibrations": p.details.get("calibrations", 1), "host": p.host, "layer_ops_ms": {k: round(v * 1e3, 3) for k, v in
                                                                            p.layer_ops_s.items()},
             "shell_ms": round(p.shell_s * 1e3, 3), "argmax_ms": {k: round(v * 1e3, 4) for k, v in p.argmax_s.items()},
             "matmul_us": {k: {s: round(t * 1e6, 1) for s, t in v.items()} for k, v in p.matmul_s.items()},
@@ -589,7 +594,8 @@ def render_md(d: dict[str, Any]) -> str:
         out += ["", "## How the planner's estimate is made", "",
                 "`planner decode tok/s` is `quantkit plan`'s estimate for quantkit's own runtime on this host "
                 "(the `qk tok/s` column), composed by quantkit/planner/host_costs.py from parts that `quantkit "
-                f"calibrate` timed in isolation in this run ({cal['seconds']:.0f} s), never from a whole-model "
+                f"calibrate` timed in isolation in this run ({cal.get('calibrations', 1)} calibrations, one at the "
+                f"start of each round, each part at its fastest; {cal['seconds']:.0f} s), never from a whole-model "
                 "run: per layer its ops with every kernel stubbed and the routed experts apart (" + lo + "), the "
                 f"unfused experts' loop {cal.get('expert_loop_ms', 0):.2f} ms, the rest of a step "
                 f"{cal['shell_ms']:.2f} ms, and each matrix's kernel per batch-1 call with the weights cycled "

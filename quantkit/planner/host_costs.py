@@ -159,6 +159,37 @@ class RuntimeProfile:
                               other.expert_loop_s, other.measured_at, other.seconds, {**self.details, **other.details})
 
 
+def fastest(profiles: list[RuntimeProfile]) -> RuntimeProfile:
+    """One profile from calibrations of the same host and model at different moments: each part at its
+    fastest. On a machine whose read bandwidth moves between spells, one calibration times every kernel
+    in whichever spell it fell in; a decode measured as the best of several rounds is compared with the
+    same kind of figure. The last profile's host, dims and details; `seconds` is the sum."""
+    if not profiles:
+        raise ValueError("no calibrations to take the fastest of")
+
+    def low(tables: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for t in tables:
+            for k, v in t.items():
+                for sh, sec in v.items():
+                    row = out.setdefault(k, {})
+                    row[sh] = min(row.get(sh, sec), sec)
+        return out
+
+    def low1(ds: list[dict[str, float]]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for d in ds:
+            for k, v in d.items():
+                out[k] = min(out.get(k, v), v)
+        return out
+
+    last = profiles[-1]
+    return RuntimeProfile(last.host, last.dims, low([p.matmul_s for p in profiles]), low1([p.layer_ops_s for p in profiles]),
+                          min(p.shell_s for p in profiles), low1([p.argmax_s for p in profiles]),
+                          low([p.moe_s for p in profiles]), min(p.expert_loop_s for p in profiles), last.measured_at,
+                          sum(p.seconds for p in profiles), {**last.details, "calibrations": len(profiles)})
+
+
 def _table(d: dict[str, Any]) -> dict[str, dict[str, float]]:
     return {str(k): {str(s): float(t) for s, t in v.items()} for k, v in d.items()}
 

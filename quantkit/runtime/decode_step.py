@@ -36,7 +36,9 @@ its norms with the residual add, the Gated DeltaNet core between its projections
 window, SiLU, gates, q/k l2-norm, state update, gated RMSNorm), the attention core (`attn_step`: q/k
 norm, rotary, K/V write, attention, sigmoid gate), the routing and the MoE block's sum, so a layer is about
 a dozen calls instead of forty-odd torch ops (per-layer overhead before and after in
-reports/bench-decode.md). They keep torch's dtypes and bf16 roundings with fp32 sums in another order: on
+reports/bench-decode.md). Where every layer takes that route on quantkit's matrices, `begin` fills the
+kernel's `Layers` (csrc/qk_layers.cpp) and a step runs the whole stack in one call: the same calls in
+C++, bit-equal (`one_call=False` keeps the loop in Python). They keep torch's dtypes and bf16 roundings with fp32 sums in another order: on
 the test model every logit is still bit-equal to transformers' eager forward and the cache states agree
 to 1e-7 (tests/test_decode_step.py, tests/test_step_ops.py state the bounds); `fused_ops=False` keeps
 the torch route, bit-equal. The rotary's cos / sin come from a table made once per `ROPE_BLOCK`
