@@ -21,21 +21,30 @@
 
 namespace {
 
+struct Gdn {  // a Gated DeltaNet layer's core (qk_gdn_step's arguments)
+  torch::Tensor conv, conv_w, neg_a, dt_bias, norm_w, state;
+  bool norm_w_bf16 = false;
+  int64_t hk = 0;
+};
+
+struct Attention {  // a gated attention layer's core (qk_attn_step's arguments)
+  torch::Tensor qk_scale, keys, values;
+  double scaling = 0, qk_eps = 0;
+};
+
+struct Moe {  // shared gate, up, sigmoid gate and the router in one table; the shared down; the routed experts
+  torch::Tensor shared_in, shared_down, experts;
+  int64_t top_k = 0;
+};
+
 struct Layer {
   bool gdn = false;  // a Gated DeltaNet layer, else gated attention
   torch::Tensor pre, post;  // the two norms' (1 + w), fp32
   double eps = 0;
   torch::Tensor in, out;  // descriptor tables: the mixer's input projections, its output projection
-  // Gated DeltaNet
-  torch::Tensor conv, conv_w, neg_a, dt_bias, norm_w, state;
-  bool norm_w_bf16 = false;
-  int64_t hk = 0;
-  // gated attention
-  torch::Tensor qk_scale, keys, values;
-  double scaling = 0, qk_eps = 0;
-  // MoE: shared gate, up, sigmoid gate and the router in one table; the shared down; the routed experts
-  torch::Tensor shared_in, shared_down, experts;
-  int64_t top_k = 0;
+  Gdn g;
+  Attention at;
+  Moe moe;
   bool has_moe = false;
 };
 
@@ -50,30 +59,18 @@ class Layers {
                torch::Tensor conv, torch::Tensor conv_w, torch::Tensor neg_a, torch::Tensor dt_bias,
                torch::Tensor norm_w, bool norm_w_bf16, torch::Tensor state, int64_t hk) {
     check_table(in, 4, "a Gated DeltaNet layer's in_proj table");
-    Layer L = mixer(pre, post, eps, out);
-    L.gdn = true;
-    L.in = in;
-    L.conv = conv;
-    L.conv_w = conv_w;
-    L.neg_a = neg_a;
-    L.dt_bias = dt_bias;
-    L.norm_w = norm_w;
-    L.norm_w_bf16 = norm_w_bf16;
-    L.state = state;
-    L.hk = hk;
+    check_table(out, 1, "a mixer's output projection table");
+    Layer L{true, pre, post, eps, in, out};
+    L.g = Gdn{conv, conv_w, neg_a, dt_bias, norm_w, state, norm_w_bf16, hk};
     layers_.push_back(L);
   }
 
   void add_attention(torch::Tensor pre, torch::Tensor post, double eps, torch::Tensor in, torch::Tensor out,
                      torch::Tensor qk_scale, torch::Tensor keys, torch::Tensor values, double scaling, double qk_eps) {
     check_table(in, 3, "an attention layer's q/k/v table");
-    Layer L = mixer(pre, post, eps, out);
-    L.in = in;
-    L.qk_scale = qk_scale;
-    L.keys = keys;
-    L.values = values;
-    L.scaling = scaling;
-    L.qk_eps = qk_eps;
+    check_table(out, 1, "a mixer's output projection table");
+    Layer L{false, pre, post, eps, in, out};
+    L.at = Attention{qk_scale, keys, values, scaling, qk_eps};
     layers_.push_back(L);
   }
 
@@ -85,12 +82,8 @@ class Layers {
     TORCH_CHECK(experts.scalar_type() == torch::kLong && experts.dim() == 3 && experts.is_contiguous(),
                 "qk Layers: the experts' table must be qk_moe's int64 [E, 2, 8]");
     TORCH_CHECK(top_k >= 1 && top_k <= experts.size(0), "qk Layers: top_k must be in 1..", experts.size(0));
-    Layer& L = layers_.back();
-    L.shared_in = shared_in;
-    L.shared_down = shared_down;
-    L.experts = experts;
-    L.top_k = top_k;
-    L.has_moe = true;
+    layers_.back().moe = Moe{shared_in, shared_down, experts, top_k};
+    layers_.back().has_moe = true;
   }
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
@@ -102,31 +95,23 @@ class Layers {
       TORCH_CHECK(L.has_moe, "qk Layers: a layer has no MoE block");
       const torch::Tensor h = qk_rms(x, L.pre, L.eps);
       const std::vector<torch::Tensor> p = qk_linear_many(h, L.in);
+      const Gdn& g = L.g;
+      const Attention& at = L.at;
       const torch::Tensor core =
-          L.gdn ? qk_gdn_step(p[0], p[1], p[2], p[3], L.conv, L.conv_w, L.neg_a, L.dt_bias, L.norm_w, L.norm_w_bf16,
-                              L.state, L.hk, L.eps)
-                : qk_attn_step(p[0], p[1], p[2], L.qk_scale, cos, sin, L.keys, L.values, n, L.scaling, L.qk_eps);
+          L.gdn ? qk_gdn_step(p[0], p[1], p[2], p[3], g.conv, g.conv_w, g.neg_a, g.dt_bias, g.norm_w, g.norm_w_bf16,
+                              g.state, g.hk, L.eps)
+                : qk_attn_step(p[0], p[1], p[2], at.qk_scale, cos, sin, at.keys, at.values, n, at.scaling, at.qk_eps);
       const std::vector<torch::Tensor> xs = qk_add_rms(x, qk_linear_many(core, L.out)[0], L.post, L.eps);
       const torch::Tensor& h2 = xs[1];
-      const std::vector<torch::Tensor> s = qk_linear_many(h2, L.shared_in);  // gate, up, sigmoid gate, router
-      const torch::Tensor shared = qk_linear_many(qk_silu_mul(s[0], s[1]), L.shared_down)[0];
-      const std::vector<torch::Tensor> r = qk_route(s[3], L.top_k);
-      x = qk_moe_out(xs[0], qk_moe(h2, L.experts, r[1], r[0]), shared, s[2]);
+      const std::vector<torch::Tensor> s = qk_linear_many(h2, L.moe.shared_in);  // gate, up, sigmoid gate, router
+      const torch::Tensor shared = qk_linear_many(qk_silu_mul(s[0], s[1]), L.moe.shared_down)[0];
+      const std::vector<torch::Tensor> r = qk_route(s[3], L.moe.top_k);
+      x = qk_moe_out(xs[0], qk_moe(h2, L.moe.experts, r[1], r[0]), shared, s[2]);
     }
     return x;
   }
 
  private:
-  static Layer mixer(torch::Tensor pre, torch::Tensor post, double eps, torch::Tensor out) {
-    check_table(out, 1, "a mixer's output projection table");
-    Layer L;
-    L.pre = pre;
-    L.post = post;
-    L.eps = eps;
-    L.out = out;
-    return L;
-  }
-
   std::vector<Layer> layers_;
 };
 
