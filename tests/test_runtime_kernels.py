@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 
@@ -31,18 +33,20 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("route", [None, "dequant", "torch"])
 def test_kernel_matches_dequantize_then_matmul(spec, shape, route):
-    g = torch.Generator().manual_seed(hash((spec.format, shape)) & 0xFFFF)
+    g = torch.Generator().manual_seed(zlib.crc32(repr((spec.format, spec.group_size, shape)).encode()))
     w = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
     parts = get_format(spec.format).quantize(w, spec)
     k = prepare(parts, spec, shape, route=route)
     for m in (1, 7):
-        x = torch.randn(m, shape[1], generator=g).to(torch.bfloat16)
-        y = k(x)
-        assert y.shape == (m, shape[0]) and y.dtype == torch.bfloat16
-        ref = reference_matmul(x, parts, spec, shape)
+        # 8 calls of m rows each, judged together: a 4-output matrix's error over one call's 4 values
+        # swings with the draw (it measured 3% on one of them)
+        xs = [torch.randn(m, shape[1], generator=g).to(torch.bfloat16) for _ in range(8)]
+        ys = [k(x) for x in xs]
+        assert all(y.shape == (m, shape[0]) and y.dtype == torch.bfloat16 for y in ys)
+        y, ref = torch.cat(ys), torch.cat([reference_matmul(x, parts, spec, shape) for x in xs])
         # bf16 activations and outputs: ~2^-8 per element; the packed kernels may also round scales to bf16.
         # quantkit's CPU kernel rounds activations to int8 per block of 32 (about 0.6% rms per element on
-        # Gaussian inputs): 2e-2 leaves room for 4-output rows
+        # Gaussian inputs)
         tol = 2e-2 if isinstance(k, QKernel) else 1e-2
         assert rel(y, ref) < tol, (k.route, m)
 
