@@ -232,8 +232,8 @@ class _Moe:
 
     def __post_init__(self) -> None:
         self.shared_in = Projections([self.shared_gate_proj, self.shared_up, self.shared_sigmoid_gate])
-        self.shared_and_router = (Projections([self.shared_gate_proj, self.shared_up, self.shared_sigmoid_gate,
-                                               self.router_kernel]) if self.router_kernel is not None else None)
+        self.shared_and_router = (Projections([*self.shared_in.kernels, self.router_kernel])
+                                  if self.router_kernel is not None else None)
         self.down_one = Projections([self.shared_down])
 
     @property
@@ -655,7 +655,7 @@ class LeanDecoder:
         route on quantkit's kernels: CPU, AVX512-BF16 attention, bf16 conv windows, every projection a
         `QKernel` / `QBf16Kernel` table, the routed experts in one `qk.moe` call, the router on the bf16 kernel."""
         f = self.step_ops
-        if f is None or self.attend_kernel is None or not hasattr(f, "Layers"):
+        if f is None or not hasattr(f, "Layers"):
             return None
         stack = f.Layers()
         for L in self.layers:
@@ -664,7 +664,7 @@ class LeanDecoder:
                 return None
             tables = [moe.shared_and_router, moe.down_one] + (
                 [m.proj_in, m.out_one] if isinstance(m, _Linear) else [m.qkv_in, m.o_one])
-            if not all(p.fused for p in tables) or (isinstance(m, _Attn) and m.head_dim % 16):
+            if not all(p.fused for p in tables) or (isinstance(m, _Attn) and not self._attends(m)):
                 return None
             pre, post, eps = L.norms.pre, L.norms.post, L.norms.eps
             if isinstance(m, _Linear):
@@ -766,8 +766,11 @@ class LeanDecoder:
     def _kernel_attends(self, m: _Attn, h: torch.Tensor) -> bool:
         """Whether this layer's attention runs on the kernel (`qk.attend` / `qk.attn_step`): dynamic KV on
         an AVX512-BF16 CPU, bf16 activations on the CPU, head_dim a multiple of 16."""
-        return (self.attend_kernel is not None and h.device.type == "cpu" and h.dtype == torch.bfloat16
-                and m.head_dim % 16 == 0)
+        return h.device.type == "cpu" and h.dtype == torch.bfloat16 and self._attends(m)
+
+    def _attends(self, m: _Attn) -> bool:
+        """The activation-independent half of `_kernel_attends`: the kernel is there and takes this head_dim."""
+        return self.attend_kernel is not None and m.head_dim % 16 == 0
 
     def _attention(self, L: _Layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         m = L.mixer
