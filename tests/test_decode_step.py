@@ -135,8 +135,10 @@ def test_one_call_stack_equals_the_per_layer_route(tiny_model, recipe, one_threa
         ids, _, per_layer = _begun(rt, one_call=False)
         _, _, stacked = _begun(rt)
         assert per_layer.stack is None and stacked.stack is not None and len(stacked.stack) == len(stacked.layers)
+        assert stacked.stack_head and not per_layer.stack_head
         calls = []
         stacked._layer = lambda *a: calls.append(a)  # the Python loop must not run
+        stacked.head = lambda *a: calls.append(a)  # nor the Python head: the stack runs the norm and the head
         for t in _tokens():
             tok = torch.tensor([[t]])
             assert torch.equal(stacked.step(tok), per_layer.step(tok))
@@ -164,6 +166,23 @@ def test_one_call_stack_falls_back_per_layer(tiny_model, one_thread):  # noqa: F
             assert torch.equal(dec.step(tok), want.step(tok))
 
 
+def test_one_call_stack_leaves_a_head_off_the_kernel_to_python(tiny_model, one_thread):  # noqa: F811
+    """A head that is not one of quantkit's CPU kernels: the stack runs the layers and Python the final
+    norm and the head, with the per-layer route's logits."""
+    rt = _load(tiny_model, "int8")
+    with torch.inference_mode():
+        _, _, want = _begun(rt, one_call=False)
+        ids, cache = _prefilled(rt)
+        dec = LeanDecoder(rt.model)
+        head = dec.head
+        dec.head = lambda x: head(x)  # the same matrix behind a callable the stack cannot read
+        dec.begin(cache, len(ids) + STEPS + 1)
+        assert dec.stack is not None and not dec.stack_head
+        for t in _tokens(3):
+            tok = torch.tensor([[t]])
+            assert torch.equal(dec.step(tok), want.step(tok))
+
+
 def _hf_step_layers(model, tok, cache):
     """transformers' step on `cache`: per layer (input, output, router weights, router ids)."""
     rec = [{} for _ in model.model.layers]
@@ -181,14 +200,6 @@ def _hf_step_layers(model, tok, cache):
         for h in hooks:
             h.remove()
     return logits, rec
-
-
-def _advance(dec: LeanDecoder) -> None:
-    """What `step` does after `forward`, for a test that ran the layers one by one."""
-    dec.pos.add_(1)
-    dec.n += 1
-    for buf in dec.kv.values():
-        buf.publish(dec.n)
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -215,7 +226,7 @@ def test_layers_match_transformers_with_expert_choice_fixed(tiny_model, recipe, 
                 d_ref, d_got = (r["out"].view(1, -1) - x).float(), (got - x).float()
                 err = float((d_got - d_ref).norm() / d_ref.norm())
                 worst[kinds[L.index]] = max(worst[kinds[L.index]], err)
-            _advance(dec)
+            dec.n += 1  # what `step` does after `forward`
     assert worst["linear_attention"] <= (FUSED_LAYER_BOUND if fused else 0.0), worst
     assert worst["full_attention"] < SDPA_LAYER_BOUND, worst
 

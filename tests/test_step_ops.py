@@ -160,6 +160,13 @@ def test_layer_stack_misuse_is_one_line_errors(qk):
     one = torch.zeros(1, 8, dtype=torch.int64)
     stack = qk.Layers()
     assert len(stack) == 0 and torch.equal(stack.run(_bf16(1, H), _bf16(64), _bf16(64), 0), _bf16(1, H))
+    with pytest.raises(RuntimeError, match="step before set_head"):
+        stack.step(_bf16(1, H), _bf16(4, 64), _bf16(4, 64), 0, 0)
+    with pytest.raises(RuntimeError, match=r"the head's table must be an int64 \[1, 8\]"):
+        stack.set_head(torch.ones(H), 1e-6, torch.zeros(2, 8, dtype=torch.int64))
+    stack.set_head(torch.ones(H), 1e-6, one)
+    with pytest.raises(RuntimeError, match="row 4 is outside the rotary tables"):
+        stack.step(_bf16(1, H), _bf16(4, 64), _bf16(4, 64), 4, 0)
     with pytest.raises(RuntimeError, match="set_moe before any layer"):
         stack.set_moe(torch.zeros(4, 8, dtype=torch.int64), one, torch.zeros(4, 2, 8, dtype=torch.int64), 2)
     with pytest.raises(RuntimeError, match=r"in_proj table must be an int64 \[4, 8\]"):

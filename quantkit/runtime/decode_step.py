@@ -68,7 +68,15 @@ import torch.nn.functional as F
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime import cpu_kernel
-from quantkit.runtime.kernels import DenseKernel, Int4Kernel, Int8Kernel, Kernel, Projections, QBf16Kernel
+from quantkit.runtime.kernels import (
+    DenseKernel,
+    Int4Kernel,
+    Int8Kernel,
+    Kernel,
+    Projections,
+    QBf16Kernel,
+    QKernel,
+)
 from quantkit.runtime.linear_attn import delta_state_step
 from quantkit.runtime.qexperts import QuantExperts
 from quantkit.runtime.state_cache import set_token_count
@@ -588,6 +596,7 @@ class LeanDecoder:
                 L.moe.step = self.step_ops
         self.one_call = one_call
         self.stack: Any = None  # the kernel's `Layers` for this generation, where `_stack` can make one
+        self.stack_head = False  # whether `stack` also runs the final norm and the head (`_stack_head`)
 
     # -- state --
     def begin(self, cache: Any, capacity: int) -> None:
@@ -601,9 +610,11 @@ class LeanDecoder:
                    for L in self.layers if isinstance(L.mixer, _Attn)}
         self.conv = {L.index: ConvWindow(cache.layers[L.index].conv_states[0])
                      for L in self.layers if isinstance(L.mixer, _Linear)}
-        self.pos = torch.full((1,), self.n, dtype=torch.long, device=self.inv_freq.device)
+        # the device-side position the static-KV step reads (a host int would be baked into a CUDA graph)
+        self.pos = torch.full((1,), self.n, dtype=torch.long, device=self.inv_freq.device) if self.static_kv else None
         self.graph = None
         self.stack = self._stack() if self.one_call else None
+        self.stack_head = self.stack is not None and self._stack_head(self.stack)
         if self.cuda_graphs and self.inv_freq.device.type == "cuda":
             try:
                 self.graph = CudaGraphStep(self)
@@ -615,6 +626,8 @@ class LeanDecoder:
         after every step): call before anything else reads the cache's conv states."""
         for w in self.conv.values():
             w.sync()
+        for buf in self.kv.values():
+            buf.publish(self.n)
         if self.cache is not None:
             set_token_count(self.cache, self.n)
 
@@ -622,6 +635,7 @@ class LeanDecoder:
         """`sync`, then let go of the cache and this generation's buffers."""
         self.sync()
         self.cache, self.kv, self.conv, self.graph, self.stack = None, {}, {}, None, None
+        self.stack_head = False
 
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Logits [V] of the next token after `token` ([1, 1] int64 on the embedding's device)."""
@@ -629,13 +643,14 @@ class LeanDecoder:
             raise ValueError(f"the decoder was begun for {self.capacity} positions; all are filled")
         logits = self.graph.replay(token) if self.graph is not None else self.forward(token)
         self.n += 1
-        for buf in self.kv.values():
-            buf.publish(self.n)
         return logits
 
     # -- the step itself (no host reads of device values) --
     def forward(self, token: torch.Tensor) -> torch.Tensor:
         x = self._embed(token).view(1, -1)
+        if self.stack_head and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            cos, sin, row = self._rope_table(x.dtype)
+            return self.stack.step(x, cos, sin, row, self.n)
         cos, sin = self._rotary(x.dtype)
         if self.stack is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
             x = self.stack.run(x, cos.reshape(-1), sin.reshape(-1), self.n)
@@ -645,8 +660,8 @@ class LeanDecoder:
         x = x.to(self.head_device)
         f = self._ops(x)
         x = f.rms(x, *self.final) if f is not None else rms(x, *self.final)
-        assert self.pos is not None
-        self.pos.add_(1)
+        if self.pos is not None:
+            self.pos.add_(1)
         return self.head(x).view(-1)
 
     def _stack(self) -> Any:
@@ -681,6 +696,20 @@ class LeanDecoder:
             stack.set_moe(moe.shared_and_router.table, moe.down_one.table, moe.experts._fused_table()[1], moe.top_k)
         return stack
 
+    def _stack_head(self, stack: Any) -> bool:
+        """Give `stack` the final norm and the head where the head is on quantkit's CPU kernel, so that a
+        step after the embedding is one call: the rotary's row, the norm, the head and the position
+        count were a dozen torch ops from Python, each slow right after a step has streamed the weights
+        through the caches. Same calls, same logits."""
+        head = self.head
+        if self.head_device.type != "cpu" or not isinstance(head, (QKernel, QBf16Kernel)):
+            return False
+        if isinstance(head, QBf16Kernel) and not cpu_kernel.bf16_available():
+            return False
+        self._head_table = torch.tensor([head.descriptor()], dtype=torch.int64)
+        stack.set_head(self.final[0], self.final[1], self._head_table)
+        return True
+
     def _embed(self, token: torch.Tensor) -> torch.Tensor:
         """The token's embedding row. A quantized table on the CPU dequantizes a row in a dozen small ops,
         so its rows are kept once made (up to EMBED_ROWS, least recently used first out); elsewhere the
@@ -702,15 +731,20 @@ class LeanDecoder:
         With dynamic KV, rows of a table made once per ROPE_BLOCK positions (the same ops on more rows:
         ten small ops a step saved); with static KV from the device-side position."""
         if not self.static_kv:
-            block, row = divmod(self.n, ROPE_BLOCK)
-            key = (dtype, block)
-            if key not in self._rope:
-                pos = torch.arange(block * ROPE_BLOCK, (block + 1) * ROPE_BLOCK, device=self.inv_freq.device)
-                self._rope = {key: self._rope_rows(pos, dtype)}  # one block at a time: positions only grow
-            cos, sin = self._rope[key]
+            cos, sin, row = self._rope_table(dtype)
             return cos[row:row + 1], sin[row:row + 1]
         assert self.pos is not None
         return self._rope_rows(self.pos, dtype)
+
+    def _rope_table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """cos, sin [ROPE_BLOCK, rot] for the block of positions holding n, and n's row in them."""
+        block, row = divmod(self.n, ROPE_BLOCK)
+        key = (dtype, block)
+        if key not in self._rope:
+            pos = torch.arange(block * ROPE_BLOCK, (block + 1) * ROPE_BLOCK, device=self.inv_freq.device)
+            self._rope = {key: self._rope_rows(pos, dtype)}  # one block at a time: positions only grow
+        cos, sin = self._rope[key]
+        return cos, sin, row
 
     def _rope_rows(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = pos.float().view(-1, 1) * self.inv_freq

@@ -89,6 +89,24 @@ class Layers {
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
+  // the final norm ((1 + w) fp32) and the head's descriptor table [1, 8], for `step`
+  void set_head(torch::Tensor scale, double eps, torch::Tensor table) {
+    check_table(table, 1, "the head's table");
+    head_scale_ = scale;
+    head_eps_ = eps;
+    head_ = table;
+  }
+
+  // A whole decode step after the embedding: x [1, H] bf16 through every layer (`run`), the final norm
+  // and the head; the rotary's cos and sin are row `row` of the tables [R, rot]. Returns the logits [V].
+  torch::Tensor step(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t row, int64_t n) const {
+    TORCH_CHECK(head_.defined(), "qk Layers: step before set_head");
+    TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && row >= 0 && row < cos.size(0),
+                "qk Layers: row ", row, " is outside the rotary tables");
+    const torch::Tensor h = run(x, cos[row], sin[row], n);
+    return qk_linear_many(qk_rms(h, head_scale_, head_eps_), head_)[0].view(-1);
+  }
+
   // x [1, H] bf16 through every layer; cos and sin [rot] bf16 at position n, which the attention layers
   // write into their K/V buffers and attend up to
   torch::Tensor run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t n) const {
@@ -114,6 +132,8 @@ class Layers {
 
  private:
   std::vector<Layer> layers_;
+  torch::Tensor head_scale_, head_;
+  double head_eps_ = 0;
 };
 
 }  // namespace
@@ -126,6 +146,9 @@ void qk_bind_layers(pybind11::module_& mod) {
       .def("add_attention", &Layers::add_attention, "append a gated attention layer")
       .def("set_moe", &Layers::set_moe, "the MoE block of the layer added last")
       .def("__len__", &Layers::size)
+      .def("set_head", &Layers::set_head, "the final norm and the head, for step")
       .def("run", &Layers::run, "x [1, H] bf16 through every layer at position n",
+           py::call_guard<py::gil_scoped_release>())
+      .def("step", &Layers::step, "x [1, H] bf16 through every layer, the final norm and the head: logits [V]",
            py::call_guard<py::gil_scoped_release>());
 }
