@@ -129,7 +129,8 @@ def test_fused_ops_track_transformers_eager(tiny_model, recipe, one_thread):  # 
 @pytest.mark.parametrize("recipe", ["bf16", "int8", "int4"])
 def test_one_call_stack_equals_the_per_layer_route(tiny_model, recipe, one_thread):  # noqa: F811
     """`qk.Layers` (the whole stack in one call) makes the per-layer fused route's logits and cache states,
-    bit for bit, and takes every step of the default decoder on this CPU."""
+    bit for bit, and takes every step of the default decoder on this CPU; a token id given as an int
+    embeds as its tensor does."""
     rt = _load(tiny_model, recipe)
     with torch.inference_mode():
         ids, _, per_layer = _begun(rt, one_call=False)
@@ -140,8 +141,8 @@ def test_one_call_stack_equals_the_per_layer_route(tiny_model, recipe, one_threa
         stacked._layer = lambda *a: calls.append(a)  # the Python loop must not run
         stacked.head = lambda *a: calls.append(a)  # nor the Python head: the stack runs the norm and the head
         for t in _tokens():
-            tok = torch.tensor([[t]])
-            assert torch.equal(stacked.step(tok), per_layer.step(tok))
+            # the id as an int on one side (generation passes it so), the [1, 1] tensor on the other
+            assert torch.equal(stacked.step(t), per_layer.step(torch.tensor([[t]])))
         assert not calls
         per_layer.sync()
         stacked.sync()

@@ -81,11 +81,11 @@ def _timed(model: Any, prompt: list[int], decode: int, lean: bool = False) -> tu
             dec.begin(cache, len(prompt) + decode + 1)
         for _ in range(decode):
             t1 = time.perf_counter()
-            ids = torch.tensor([[toks[-1]]])
             if dec is not None:
-                logits = dec.step(ids)
+                logits = dec.step(toks[-1])
             else:
-                logits = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+                logits = model(input_ids=torch.tensor([[toks[-1]]]), cache=cache, use_cache=True,
+                               logits_to_keep=1).logits[0, -1]
             toks.append(int(logits.argmax()))
             steps.append(time.perf_counter() - t1)
     return t_pre, steps, toks

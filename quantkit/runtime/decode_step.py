@@ -637,16 +637,17 @@ class LeanDecoder:
         self.cache, self.kv, self.conv, self.graph, self.stack = None, {}, {}, None, None
         self.stack_head = False
 
-    def step(self, token: torch.Tensor) -> torch.Tensor:
-        """Logits [V] of the next token after `token` ([1, 1] int64 on the embedding's device)."""
+    def step(self, token: torch.Tensor | int) -> torch.Tensor:
+        """Logits [V] of the next token after `token`: [1, 1] int64 on the embedding's device, or the id
+        (then no tensor is made for it where the embedding's rows are kept)."""
         if self.n >= self.capacity:
             raise ValueError(f"the decoder was begun for {self.capacity} positions; all are filled")
-        logits = self.graph.replay(token) if self.graph is not None else self.forward(token)
+        logits = self.graph.replay(self._ids(token)) if self.graph is not None else self.forward(token)
         self.n += 1
         return logits
 
     # -- the step itself (no host reads of device values) --
-    def forward(self, token: torch.Tensor) -> torch.Tensor:
+    def forward(self, token: torch.Tensor | int) -> torch.Tensor:
         x = self._embed(token).view(1, -1)
         if self.stack_head and x.dtype == torch.bfloat16 and x.device.type == "cpu":
             cos, sin, row = self._rope_table(x.dtype)
@@ -710,16 +711,23 @@ class LeanDecoder:
         stack.set_head(self.final[0], self.final[1], self._head_table)
         return True
 
-    def _embed(self, token: torch.Tensor) -> torch.Tensor:
+    def _ids(self, token: torch.Tensor | int) -> torch.Tensor:
+        """`token` as the [1, 1] int64 tensor the embedding module takes."""
+        if isinstance(token, torch.Tensor):
+            return token
+        w = getattr(self.embed, "weight", None)
+        return torch.tensor([[token]], dtype=torch.long, device=w.device if isinstance(w, torch.Tensor) else "cpu")
+
+    def _embed(self, token: torch.Tensor | int) -> torch.Tensor:
         """The token's embedding row. A quantized table on the CPU dequantizes a row in a dozen small ops,
         so its rows are kept once made (up to EMBED_ROWS, least recently used first out); elsewhere the
         module itself (reading the id back would be a host sync on a GPU)."""
         if not self._cache_rows:
-            return self.embed(token)
+            return self.embed(self._ids(token))
         t = int(token)
         row = self._rows.pop(t, None)
         if row is None:
-            row = self.embed(token)
+            row = self.embed(self._ids(token))
             if len(self._rows) >= EMBED_ROWS:
                 self._rows.pop(next(iter(self._rows)))
         self._rows[t] = row

@@ -135,7 +135,7 @@ def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor | 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     """One token from [V] logits: greedy at temperature 0, else top-k, then top-p, then temperature."""
     if p.temperature == 0:
-        return int(torch.argmax(logits.float()))
+        return int(torch.argmax(logits))  # bf16 logits widen exactly: the same index without the copy
     ids, probs = candidates(logits, p)
     j = int(torch.multinomial(probs, 1, generator=gen))
     return int(ids[j]) if ids is not None else j
@@ -262,8 +262,10 @@ def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling
                     finish = "length" if budget == sampling.max_new_tokens else "context"
                     break
                 t1 = time.perf_counter()
-                ids = torch.tensor([[tok]], dtype=torch.long, device=dev)
-                logits = dec.step(ids) if dec is not None else _forward(model, ids, cache)
+                if dec is not None:
+                    logits = dec.step(tok)  # the id itself: a tensor made for it is a cold torch op per token
+                else:
+                    logits = _forward(model, torch.tensor([[tok]], dtype=torch.long, device=dev), cache)
                 t_dec += time.perf_counter() - t1
         finally:
             if dec is not None:
