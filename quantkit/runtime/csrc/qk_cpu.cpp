@@ -69,12 +69,12 @@ using namespace qk;
 
 namespace {
 
-// Software prefetch distance in bytes ahead of the weight stream. 8 KiB beat 1-4 KiB for int4, int8 and
-// bf16 (248k x 2048 matrices, one and two threads, 4 KiB and 2 MiB pages, measured side by side on the
-// 2-core build machine: +3-15%); further ahead gained nothing. The prefetches are non-temporal: a decode
-// step reads each weight once, and bench decode's int4 checkpoint decoded 1.03-1.04x faster with NTA than
-// with T0 (medians of two runs of 30 alternating rounds, both builds in one process; prefill 1.035x), with
-// the kernel alone out of cache unchanged (1.00x).
+// Software prefetch distance in bytes ahead of the bf16 rows' streams. 8 KiB beat 1-4 KiB (248k x 2048
+// matrices, one and two threads, 4 KiB and 2 MiB pages, measured side by side on the 2-core build machine:
+// +3-15%); further ahead gained nothing. The int4 and int8 tiles issue no prefetches and leave their
+// streams to the hardware prefetcher: without them, the kernel alone out of cache read 1.06-1.10x (int4)
+// and 1.13-1.19x (int8) faster, and bench decode's checkpoints decoded 1.08x (int4) and 1.20x (int8)
+// faster (medians of 10-30 alternating rounds, both builds in one process, on the build machine).
 constexpr int64_t kPrefetch = 8192;
 
 struct QMat {
@@ -178,7 +178,7 @@ QK_BF16 void rows_bf16(const uint16_t* w, int64_t k, const uint16_t* x, float* o
   for (int64_t j = 0; j < k; j += 32) {
     const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + j);
     for (int r = 0; r < R; ++r) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + r * k + j) + kPrefetch, _MM_HINT_NTA);
+      _mm_prefetch(reinterpret_cast<const char*>(w + r * k + j) + kPrefetch, _MM_HINT_T0);
       acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w + r * k + j), xv);
     }
   }
@@ -203,7 +203,6 @@ template <int MR>
 QK_AVX512 __attribute__((always_inline)) inline void int4_block_avx512(const uint8_t* p, const QAct* a, int64_t b,
                                                                       __m512* ga) {
   const __m512i mlo = _mm512_set1_epi8(0x0F), mhi = _mm512_set1_epi8(static_cast<char>(0xF0));
-  for (int c = 0; c < 4; ++c) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + 64 * c), _MM_HINT_NTA);
   __m512i lo[4], hi[4];
   for (int c = 0; c < 4; ++c) {
     __m512i v = _mm512_loadu_si512(p + 64 * c);
@@ -266,7 +265,6 @@ QK_AVX512 void tile_int8_avx512(const QMat& m, int64_t t, const QAct* a, float* 
   for (int r = 0; r < MR; ++r) fs[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = qw + b * 512;
-    for (int c = 0; c < 8; ++c) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch + 64 * c), _MM_HINT_NTA);
     __m512i w[8];
     for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(p + 64 * c);
     for (int r = 0; r < MR; ++r) {
