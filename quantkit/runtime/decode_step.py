@@ -622,8 +622,8 @@ class LeanDecoder:
                 raise QuantkitError(f"CUDA-graph decode: {e}; load without cuda_graphs") from None
 
     def sync(self) -> None:
-        """Write the conv windows back into the cache (its recurrent states and K/V views are current
-        after every step): call before anything else reads the cache's conv states."""
+        """Write the conv windows back into the cache and point its K/V at the filled positions (its
+        recurrent states are current after every step): call before anything else reads the cache."""
         for w in self.conv.values():
             w.sync()
         for buf in self.kv.values():
@@ -699,9 +699,9 @@ class LeanDecoder:
 
     def _stack_head(self, stack: Any) -> bool:
         """Give `stack` the final norm and the head where the head is on quantkit's CPU kernel, so that a
-        step after the embedding is one call: the rotary's row, the norm, the head and the position
-        count were a dozen torch ops from Python, each slow right after a step has streamed the weights
-        through the caches. Same calls, same logits."""
+        step after the embedding is one call: the rotary's row, the norm and the head were torch ops from
+        Python, each slow right after a step has streamed the weights through the caches. Same calls,
+        same logits."""
         head = self.head
         if self.head_device.type != "cpu" or not isinstance(head, (QKernel, QBf16Kernel)):
             return False

@@ -1,5 +1,6 @@
 // A decode step's whole stack of layers in one call from Python: `Layers`, filled once per generation by
-// runtime/decode_step.py (LeanDecoder.begin) and run once per token.
+// runtime/decode_step.py (LeanDecoder.begin) and run once per token; with `set_head`, `step` also runs
+// the final norm and the head, so that everything after the embedding is that one call.
 //
 // Why: on the fused route a layer is about a dozen kernel calls, and between them Python looked up the
 // layer's tensors, converted each argument through pybind11 and kept the results alive: about 15 us per
