@@ -68,15 +68,7 @@ import torch.nn.functional as F
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime import cpu_kernel
-from quantkit.runtime.kernels import (
-    DenseKernel,
-    Int4Kernel,
-    Int8Kernel,
-    Kernel,
-    Projections,
-    QBf16Kernel,
-    QKernel,
-)
+from quantkit.runtime.kernels import DenseKernel, Int4Kernel, Int8Kernel, Kernel, Projections, QBf16Kernel
 from quantkit.runtime.linear_attn import delta_state_step
 from quantkit.runtime.qexperts import QuantExperts
 from quantkit.runtime.state_cache import set_token_count
@@ -649,11 +641,12 @@ class LeanDecoder:
     # -- the step itself (no host reads of device values) --
     def forward(self, token: torch.Tensor | int) -> torch.Tensor:
         x = self._embed(token).view(1, -1)
-        if self.stack_head and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        stacked = self.stack is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu"
+        if stacked and self.stack_head:
             cos, sin, row = self._rope_table(x.dtype)
             return self.stack.step(x, cos, sin, row, self.n)
         cos, sin = self._rotary(x.dtype)
-        if self.stack is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        if stacked:
             x = self.stack.run(x, cos.reshape(-1), sin.reshape(-1), self.n)
         else:
             for L in self.layers:
@@ -702,12 +695,12 @@ class LeanDecoder:
         step after the embedding is one call: the rotary's row, the norm and the head were torch ops from
         Python, each slow right after a step has streamed the weights through the caches. Same calls,
         same logits."""
-        head = self.head
-        if self.head_device.type != "cpu" or not isinstance(head, (QKernel, QBf16Kernel)):
+        head = Projections([self.head])  # a table where the head is a QKernel / QBf16Kernel
+        if self.head_device.type != "cpu" or not head.fused:
             return False
-        if isinstance(head, QBf16Kernel) and not cpu_kernel.bf16_available():
+        if isinstance(self.head, QBf16Kernel) and not cpu_kernel.bf16_available():
             return False
-        self._head_table = torch.tensor([head.descriptor()], dtype=torch.int64)
+        self._head_table = head.table  # kept alive beside the stack that reads it
         stack.set_head(self.final[0], self.final[1], self._head_table)
         return True
 
