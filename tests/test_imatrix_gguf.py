@@ -95,4 +95,4 @@ def test_cli_writes_the_imatrix_beside_the_stats(tiny_model, tmp_path, capsys, m
     assert code == 0, err
     assert im2.read_bytes() == im.read_bytes()
     code, so, err = run_cli(["export", "imatrix", out, im2], capsys, monkeypatch)
-    assert code == 2 and "already exists" in err
+    assert code == 2 and "exists; pass --overwrite" in err

@@ -113,7 +113,7 @@ def test_cli_default_corpus_then_refusals(tiny_model, tiny_model_mtp, tiny_stats
     assert code == 0, err
     assert "quantkit-default" in so and "tokens" in so and Stats.open(out).tokens == 896
     code, so, err = run_cli(["stats", tiny_model, "--out", out], capsys, monkeypatch)
-    assert code == 2 and "already exists" in err
+    assert code == 2 and "exists; pass --overwrite" in err
     # statistics of another model are refused by quantize, in one line
     code, so, err = run_cli(["quantize", tiny_model_mtp, "--method", "gptq", "--stats", tiny_stats, "--out",
                              tmp_path / "q"], capsys, monkeypatch)

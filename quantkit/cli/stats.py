@@ -10,6 +10,7 @@ from quantkit.cli import app, console, err_console
 from quantkit.cli.export import export_app
 from quantkit.cli.progress import RichProgress, tensor_progress
 from quantkit.model.checkpoint import Checkpoint, resolve_model
+from quantkit.outputs import guard_output, has_magic
 from quantkit.quantize.calib_data import load_tokens
 from quantkit.quantize.imatrix import write_imatrix_gguf
 from quantkit.quantize.stats import Stats, collect_stats, routing_coverage
@@ -31,6 +32,9 @@ def stats(
     an interrupted run resumes when run again with the same arguments."""
 
     folder = resolve_model(src)
+    if imatrix is not None:  # refused before the long run, not after it
+        guard_output(imatrix, sources=[folder, out], overwrite=overwrite, owned=has_magic(b"GGUF"),
+                     flag="--imatrix ")
     ckpt = Checkpoint.open(folder)
     tok = load_tokenizer(folder)
     tokens = load_tokens(data, tok, chunk_size, max_tokens)

@@ -76,6 +76,12 @@ class HeaderEntry:
 
 def read_safetensors_header(path: Path) -> dict[str, HeaderEntry]:
     """Parse and validate one shard's header (no weights read). Raises QuantkitError naming the file."""
+    return read_safetensors(path)[1]
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, str], dict[str, HeaderEntry]]:
+    """(string metadata, tensors) of a safetensors header, both validated (no weights read): offsets against
+    shapes and the file's size, `__metadata__` a map of strings. Raises QuantkitError naming the file."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -96,6 +102,9 @@ def read_safetensors_header(path: Path) -> dict[str, HeaderEntry]:
         raise QuantkitError(f"{path}: corrupt safetensors header (not valid JSON); re-download it") from None
     if not isinstance(header, dict):
         raise QuantkitError(f"{path}: corrupt safetensors header (not a JSON object); re-download it")
+    meta = header.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise QuantkitError(f"{path}: corrupt safetensors header (__metadata__ is not a map of strings)")
     base = 8 + n
     out: dict[str, HeaderEntry] = {}
     data_end = 0
@@ -107,7 +116,7 @@ def read_safetensors_header(path: Path) -> dict[str, HeaderEntry]:
             s, e = int(s), int(e)
         except (KeyError, TypeError, ValueError):
             raise QuantkitError(f"{path}: corrupt safetensors header (entry {name!r} is malformed)") from None
-        if code not in ST_DTYPES:
+        if not isinstance(code, str) or code not in ST_DTYPES:
             raise QuantkitError(f"{path}: tensor {name} has dtype {code}, which quantkit does not read")
         tname, width = ST_DTYPES[code]
         numel = 1
@@ -121,11 +130,15 @@ def read_safetensors_header(path: Path) -> dict[str, HeaderEntry]:
                 f"of {code})")
         out[name] = HeaderEntry(name, path, shape, tname, base + s, base + e)
         data_end = max(data_end, e)
+    spans = sorted((t.start - base, t.end - base) for t in out.values())
+    if any(a != b for (_, b), (a, _) in zip([(0, 0), *spans], spans, strict=False)):
+        raise QuantkitError(f"{path}: corrupt safetensors header (tensor data offsets overlap or leave gaps); "
+                            "re-download it")
     if base + data_end > size:
         raise QuantkitError(
             f"{path}: truncated shard: the header needs {base + data_end} bytes, the file has {size}; "
             "re-download it")
-    return out
+    return meta, out
 
 
 def _allowed_roots(folder: Path) -> list[Path]:

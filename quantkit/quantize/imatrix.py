@@ -35,6 +35,7 @@ from quantkit.fileio import fsync_dir, temp_name
 from quantkit.formats import QuantSpec, get_format
 from quantkit.formats.int4 import DEFAULT_GROUP
 from quantkit.model.spec import parse_text_config, spec_from_config
+from quantkit.outputs import guard_output, has_magic
 from quantkit.quantize.grid import Grid
 from quantkit.quantize.stats import Stats
 
@@ -145,18 +146,13 @@ def write_imatrix_gguf(stats_path: str | Path, out_path: str | Path, *, ckpt: An
     if ckpt is not None:
         stats.check_model(ckpt)
     out = Path(out_path)
-    if out.exists() and not overwrite:
-        raise QuantkitError(f"{out} already exists; pass --overwrite to replace it")
-    if out.resolve() == Path(stats_path).resolve():
-        raise QuantkitError(f"{out} is the statistics file itself; name another output")
-    try:
-        config = json.loads(stats.meta["config"])
-    except (KeyError, json.JSONDecodeError):
-        raise QuantkitError(f"{stats_path} does not carry its model's config; rerun `quantkit stats`") from None
-    entries = _entries(stats, config)
+    sources = [Path(stats_path)] + ([Path(ckpt.path)] if ckpt is not None else [])
+    guard_output(out, sources=sources, overwrite=overwrite, owned=has_magic(b"GGUF"))
+    if "config" not in stats.meta:
+        raise QuantkitError(f"{stats_path} does not carry its model's config; rerun `quantkit stats`")
+    entries = _entries(stats, json.loads(stats.meta["config"]))  # the config was validated by Stats.open
     if not entries:
         raise QuantkitError(f"{stats_path} holds no per-column statistics to export")
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(out)
     try:
         w = gguf.GGUFWriter(str(tmp), arch="imatrix")
@@ -172,6 +168,8 @@ def write_imatrix_gguf(stats_path: str | Path, out_path: str | Path, *, ckpt: An
         w.write_tensors_to_file()
         w.close()
         tmp.replace(out)
+    except OSError as e:
+        raise QuantkitError(f"{out}: cannot write ({e.strerror}); free space or pick another location") from None
     finally:
         tmp.unlink(missing_ok=True)
     fsync_dir(out.parent)

@@ -156,5 +156,16 @@ def write_report(md_path: Path, plan: Any, stats: list[Any], seconds: float, src
               "error, with --stats, is ||(W - Q(W)) X|| / ||W X|| on the statistics' held-out tokens X (routed "
               "experts: every held-out token through every expert).", ""]
     atomic_write_bytes(md_path, "\n".join(lines).encode())
-    atomic_write_bytes(js_path, (json.dumps(data, indent=2) + "\n").encode())
+    atomic_write_bytes(js_path, (json.dumps(finite(data), indent=2, allow_nan=False) + "\n").encode())
     return md_path, js_path
+
+
+def finite(obj: Any) -> Any:
+    """`obj` with every NaN or infinite float replaced by None: the JSON report stays valid JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj

@@ -32,33 +32,36 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import math
 import os
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json, fsync_dir
-from quantkit.model.checkpoint import Checkpoint
+from quantkit.model.checkpoint import Checkpoint, read_safetensors
 from quantkit.model.spec import text_config_dict
+from quantkit.outputs import guard_output
 from quantkit.progress import NoProgress, Progress
+from quantkit.quantize import stats_check
 from quantkit.quantize.calib_data import TokenData
 from quantkit.quantize.manifest import fingerprint
 from quantkit.quantize.shards import TORCH_DTYPES, ShardLayout, ShardWriter, TensorLayout, read_header
 
 STATS_VERSION = "1"
 LM = "model.language_model."
-MAX_STATS_HEADER = 100_000_000
 DEFAULT_HELDOUT = 0.125
 # Chunks run through a layer at once: bounds the attention / DeltaNet temporaries.
 BATCH_CHUNKS = 4
@@ -221,6 +224,14 @@ def _run_layer(layer: torch.nn.Module, i: int, hidden: torch.Tensor, n_calib: in
 
 # --- the work folder, resuming, assembling ----------------------------------------------------------------
 
+def is_stats_file(path: Path) -> bool:
+    """An `owned` test (quantkit/outputs.py): a statistics file `quantkit stats` wrote."""
+    try:
+        return read_safetensors(path)[0].get("format") == "quantkit-stats"
+    except QuantkitError:
+        return False
+
+
 def _work_dir(out: Path) -> Path:
     return out.parent / f".{out.name}.partial"
 
@@ -252,13 +263,11 @@ def collect_stats(ckpt: Checkpoint, tokens: TokenData, out: Path, heldout_fracti
     progress = progress or NoProgress()
     t0 = time.perf_counter()
     out = Path(out)
-    src = Path(ckpt.path).resolve()
-    if out.resolve() == src or src in out.resolve().parents:
-        raise QuantkitError(f"--out {out} lies inside the source folder {ckpt.path}; write it elsewhere")
-    if out.exists() and not overwrite:
-        raise QuantkitError(f"{out} already exists; pass --overwrite to replace it")
-    if out.exists() and out.is_dir():
-        raise QuantkitError(f"--out {out} is a folder; name a file")
+    need = sum(math.prod(s) * 8 for s, _d in stats_check.expected_shapes(
+        ckpt.config, str(ckpt.path), DENSE_LINEARS, GATE_UP, DOWN).values()) + tokens.chunks.numel() * 4 * int(
+        text_config_dict(ckpt.config).get("hidden_size", 0))  # the file + its work copy, the hidden states
+    guard_output(out, sources=[Path(ckpt.path)], overwrite=overwrite, owned=is_stats_file, need_bytes=need,
+                 flag="--out ")
     for t in ckpt.canonical():
         if t.is_matrix and t.dtype not in ("bfloat16", "float16", "float32"):
             raise QuantkitError(f"{ckpt.path}: {t.name} is {t.dtype}; statistics need a bf16/fp16/fp32 source")
@@ -273,18 +282,53 @@ def collect_stats(ckpt: Checkpoint, tokens: TokenData, out: Path, heldout_fracti
             "heldout_tokens": str(n_held * tokens.chunks.shape[1]), "layers": str(n_layers),
             "config": json.dumps(ckpt.config, sort_keys=True)}
     work = _work_dir(out)
+    with _locked_work(work, out):
+        try:
+            return _collect(ckpt, tokens, out, work, meta, cfg, n_calib, n_held, progress, stop_after, t0)
+        except (OSError, SafetensorError) as e:  # a full disk mid-run: nothing half-written stays behind
+            shutil.rmtree(work, ignore_errors=True)
+            why = getattr(e, "strerror", None) or str(e).splitlines()[0][:120]
+            raise QuantkitError(f"--out {out}: statistics not written ({why}); its work folder was removed: "
+                                "free space or pick another location") from None
+
+
+@contextlib.contextmanager
+def _locked_work(work: Path, out: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the work folder: a second `stats` to the same --out is refused, not raced."""
+    try:
+        work.mkdir(exist_ok=True)
+        fd = os.open(work, os.O_RDONLY)
+    except OSError as e:
+        raise QuantkitError(f"--out {out}: cannot create {work.name} ({e.strerror}); pick another location"
+                            ) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise QuantkitError(f"--out {out}: another `quantkit stats` is writing it; wait for it to finish"
+                                ) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _collect(ckpt: Checkpoint, tokens: TokenData, out: Path, work: Path, meta: dict[str, str], cfg: Any,
+             n_calib: int, n_held: int, progress: Progress, stop_after: int | None, t0: float) -> StatsResult:
+    n_layers = cfg.num_hidden_layers
     state_path = work / "state.json"
     done = 0
-    if work.is_dir():
-        try:
-            state = json.loads(state_path.read_text())
-        except (OSError, json.JSONDecodeError):
-            state = {}
-        if state.get("meta") == meta:
-            done = int(state.get("done", 0))
-        else:
-            shutil.rmtree(work)  # ours (hidden, named for `out`), for other data or another model
-    work.mkdir(parents=True, exist_ok=True)
+    try:
+        state = json.loads(state_path.read_text())
+    except (OSError, ValueError, RecursionError):
+        state = {}
+    if isinstance(state, dict) and state.get("meta") == meta and isinstance(state.get("done"), int):
+        done = min(max(state["done"], 0), n_layers)
+    else:  # ours (hidden, named for `out`), for other data or another model: start afresh, keep the folder
+        for p in work.iterdir():
+            if p.is_dir() and not p.is_symlink():
+                shutil.rmtree(p)
+            else:
+                p.unlink()
     if done == 0:
         atomic_write_json(state_path, {"meta": meta, "done": 0})
         emb = ckpt.load(f"{LM}embed_tokens.weight")
@@ -380,31 +424,36 @@ class Stats:
 
     @classmethod
     def open(cls, path: str | Path) -> Stats:
+        """Open and validate (quantize/stats_check.py) a statistics file; one QuantkitError if it is unusable."""
         p = Path(path)
         if not p.is_file():
             raise QuantkitError(f"statistics file {p} does not exist; make it with `quantkit stats SRC --out {p}`")
-        with open(p, "rb") as fh:
-            head = fh.read(8)
-            n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if n <= 0 or n > MAX_STATS_HEADER or n + 8 > p.stat().st_size:
-                raise QuantkitError(f"{p} is not a quantkit statistics file (no safetensors header)")
-            try:
-                hdr = json.loads(fh.read(n))
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                raise QuantkitError(f"{p} is not a quantkit statistics file (corrupt header)") from None
-        meta = hdr.get("__metadata__") or {}
+        try:
+            meta, entries = read_safetensors(p)
+        except QuantkitError as e:  # the shard reader's words, said of a statistics file
+            why = str(e).removeprefix(f"{p}: ").removesuffix("; re-download it")
+            raise QuantkitError(f"{p} is not a quantkit statistics file or is damaged ({why}); rerun "
+                                "`quantkit stats`") from None
         if meta.get("format") != "quantkit-stats":
             raise QuantkitError(f"{p} is not a quantkit statistics file; make one with `quantkit stats`")
         if meta.get("version") != STATS_VERSION:
             raise QuantkitError(f"{p} is statistics format {meta.get('version')}, this quantkit reads "
                                 f"{STATS_VERSION}; rerun `quantkit stats`")
-        shapes = {k: v.get("shape") for k, v in hdr.items() if k != "__metadata__" and isinstance(v, dict)}
-        return cls(p, meta, {k for k in hdr if k != "__metadata__"}, shapes)
+        config = stats_check.check_meta(p, meta)
+        if config is not None:  # else shapes are checked against the model it is used with (check_model)
+            found = {k: (e.shape, e.dtype) for k, e in entries.items()}
+            stats_check.check_tensors(p, found, stats_check.expected_shapes(config, f"{p} (its config)",
+                                                                            DENSE_LINEARS, GATE_UP, DOWN))
+        return cls(p, meta, set(entries), {k: list(e.shape) for k, e in entries.items()})
 
     def check_model(self, ckpt: Checkpoint) -> None:
+        """The statistics are this checkpoint's: the fingerprint, and every tensor's shape against its config."""
         if self.meta.get("model_fingerprint") != model_fingerprint(ckpt):
             raise QuantkitError(f"{self.path} holds statistics of another model or shape than {ckpt.path}; "
                                 f"run `quantkit stats {ckpt.path} --out FILE` for this one")
+        found = {k: (tuple(v), "") for k, v in self.shapes.items()}
+        want = stats_check.expected_shapes(ckpt.config, str(ckpt.path), DENSE_LINEARS, GATE_UP, DOWN)
+        stats_check.check_tensors(self.path, found, {k: (s, "") for k, (s, _d) in want.items()})
 
     @property
     def tokens(self) -> int:
@@ -414,11 +463,22 @@ class Stats:
         return key in self.names
 
     def get(self, key: str) -> torch.Tensor:
+        """One tensor, its values checked (finite floats, non-negative counts)."""
         if key not in self.names:
             raise QuantkitError(f"{self.path} has no {key}")
-        if self._fh is None:
-            self._fh = safe_open(str(self.path), "pt")
-        return self._fh.get_tensor(key)
+        try:
+            if self._fh is None:
+                self._fh = safe_open(str(self.path), "pt")
+            t = self._fh.get_tensor(key)
+        except (SafetensorError, OSError) as e:
+            raise QuantkitError(f"{self.path}: cannot read {key} ({str(e).splitlines()[0][:120]}); "
+                                "rerun `quantkit stats`") from None
+        return stats_check.check_values(self.path, key, t)
+
+    def check_all(self) -> None:
+        """Read every tensor once (one at a time) and check its values: a NaN is refused before a long run."""
+        for key in sorted(self.names):
+            self.get(key)
 
     def close(self) -> None:
         self._fh = None
