@@ -156,7 +156,7 @@ def test_plain_completion_is_the_models_greedy_answer(client, backend, server, q
 def test_streaming_gives_the_same_answer_in_pieces(client, backend, server, q4):
     _, text = reference(backend, server, CHAT)
     stream = client.chat.completions.create(model=q4.name, messages=CHAT, max_tokens=12, temperature=0,
-                                            stream=True)
+                                            stream=True, stream_options={"include_usage": True})
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks if c.choices)
@@ -168,6 +168,19 @@ def test_streaming_gives_the_same_answer_in_pieces(client, backend, server, q4):
     assert usage.choices == [] and usage.usage.completion_tokens >= 1
     assert usage.model_extra["timings"]["predicted_n"] == usage.usage.completion_tokens
     assert len([c for c in chunks if c.choices]) >= 3  # role, at least one text piece, finish
+
+
+def test_the_plain_streaming_loop_of_every_tutorial_works(client, q4):
+    """Without stream_options.include_usage no chunk has empty choices (OpenAI sends the usage chunk only when
+    asked), so `chunk.choices[0]` never raises."""
+    text = ""
+    for chunk in client.chat.completions.create(model="gpt-4o", messages=CHAT, max_tokens=6, stream=True,
+                                                extra_body={"chat_template_kwargs": {"enable_thinking": False}}):
+        assert chunk.usage is None and chunk.model == "gpt-4o"
+        text += chunk.choices[0].delta.content or ""
+    off = client.chat.completions.create(model=q4.name, messages=CHAT, max_tokens=3, stream=True,
+                                         stream_options={"include_usage": False})
+    assert all(c.choices for c in off)
 
 
 def test_thinking_off(client, backend, server, q4):
@@ -261,7 +274,7 @@ def _bad_cases(q4) -> list[tuple[str, bytes | dict, int, str, str | None]]:
          "messages[0].content", "messages[0].content"),
         ("wrong type temperature", {"model": q4.name, "messages": msgs, "temperature": "hot"}, 400, "temperature",
          "temperature"),
-        ("unknown model", {"model": "gpt-4o", "messages": msgs}, 404, "gpt-4o", "model"),
+        ("n over the limit", {"model": q4.name, "messages": msgs, "n": 99}, 400, "n 99", "n"),
         ("max_tokens 0", {"model": q4.name, "messages": msgs, "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
         ("max_tokens -5", {"model": q4.name, "messages": msgs, "max_tokens": -5}, 400, "max_tokens", "max_tokens"),
         ("unknown role", {"model": q4.name, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "wizard",
@@ -272,7 +285,8 @@ def _bad_cases(q4) -> list[tuple[str, bytes | dict, int, str, str | None]]:
         ("bad tool arguments", {"model": q4.name, "messages": [*msgs, {"role": "assistant", "tool_calls": [
             {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]}, 400,
          "not valid JSON", "messages[1].tool_calls"),
-        ("n 2", {"model": q4.name, "messages": msgs, "n": 2}, 400, "n > 1", "n"),
+        ("bad schema", {"model": q4.name, "messages": msgs, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "string", "pattern": "(?<=a)b"}}}}, 400, "look-around", "response_format"),
         ("huge body", b'{"model": "' + b"x" * (MAX_BODY + 1) + b'"}', 413, str(MAX_BODY), None),
     ]
 

@@ -189,6 +189,8 @@ def one_request(url: str, model: str, prompt: str, stream: bool, max_tokens: int
 
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "stream": stream, "ignore_eos": True}
+    if stream:
+        body["stream_options"] = {"include_usage": True}  # the usage chunk the checker counts
     attempts = 0
     t0 = time.perf_counter()
     while True:
@@ -282,8 +284,8 @@ def run_faults(base: str, model: str, n_disconnects: int, max_body: int) -> dict
             with lock:
                 statuses.append((f"hang-up {type(e).__name__}", -1))
 
-    bad = [("malformed JSON", b'{"model": ', 400), ("unknown model", json.dumps(
-        {"model": "nope", "messages": [{"role": "user", "content": "x"}]}).encode(), 404),
+    bad = [("malformed JSON", b'{"model": ', 400), ("n over the limit", json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": "x"}], "n": 1000}).encode(), 400),
         ("max_tokens 0", json.dumps({"model": model, "messages": [{"role": "user", "content": "x"}],
                                      "max_tokens": 0}).encode(), 400),
         ("unknown role", json.dumps({"model": model, "messages": [{"role": "robot", "content": "x"}]}).encode(), 400),

@@ -50,6 +50,10 @@ class SamplingParams:
     seed: int | None = None
     max_new_tokens: int = 512
     ignore_eos: bool = False  # keep going past end-of-turn tokens (vLLM's extension; for benchmarks and tests)
+    # per-request logits processing (the server's penalties, grammar mask, logprobs: quantkit/server/logits.py):
+    # `hook.process(logits) -> logits` before each sampling, `hook.accept(token) -> info` after it; the info
+    # rides on that token's TokenEvent
+    hook: Any = None
 
     def validate(self) -> None:
         if self.temperature < 0:
@@ -101,6 +105,7 @@ class TokenEvent:
     index: int
     response: GenerationResponse | None = None
     cached_tokens: int = 0  # prompt tokens this generation restored from the prompt cache
+    info: Any = None  # what SamplingParams.hook.accept returned for this token (e.g. its logprobs)
 
 
 def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -251,13 +256,15 @@ def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling
                 if cancel is not None and cancel.is_set():
                     finish = "cancelled"
                     break
-                tok = sample(logits, sampling, gen)
+                hook = sampling.hook
+                tok = sample(logits if hook is None else hook.process(logits), sampling, gen)
+                info = None if hook is None else hook.accept(tok)
                 generated.append(tok)
                 if tok in stop_ids:
                     finish = "stop"
                     break
                 channel, delta = split.feed(tok)
-                yield TokenEvent(delta, tok, channel, i, cached_tokens=pre.cached_tokens)
+                yield TokenEvent(delta, tok, channel, i, cached_tokens=pre.cached_tokens, info=info)
                 if i == budget - 1:
                     finish = "length" if budget == sampling.max_new_tokens else "context"
                     break

@@ -52,3 +52,7 @@ class Backend(Protocol):
     def cache_summary(self) -> dict[str, Any] | None:
         """The prompt cache's size, entries and hit rate for /health (None: the backend has none)."""
         ...
+
+    # Optional (the app checks with getattr; RuntimeBackend has them all):
+    # vocab_size: int; encode(text) -> Prompt and decode_prompt(ids) -> Prompt for /v1/completions;
+    # token_piece(id) -> (text, bytes) for logprobs; grammars() -> quantkit.server.grammar.Grammars.

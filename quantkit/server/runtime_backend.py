@@ -30,6 +30,7 @@ class RuntimeBackend:
         # the most bytes one token covers (byte-level BPE: one character per byte): bounds a prompt's length
         # from its text before tokenizing it
         self.max_token_bytes = max((len(t) for t in self.tokenizer.get_vocab()), default=1)
+        self._pieces: Any = None
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                enable_thinking: bool) -> Prompt:
@@ -44,6 +45,33 @@ class RuntimeBackend:
 
     def cache_summary(self) -> dict[str, Any] | None:
         return self.runtime.prompt_cache.summary()
+
+    # --- /v1/completions, logprobs, constrained decoding -------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def encode(self, text: str) -> Prompt:
+        """A raw prompt (no chat template), its control tokens' text read as those tokens, as vLLM and
+        llama-server do for /v1/completions (the caller writes the whole prompt)."""
+        return Prompt(text, list(self.tokenizer.encode(text, add_special_tokens=False)))
+
+    def decode_prompt(self, ids: list[int]) -> Prompt:
+        return Prompt(self.tokenizer.decode(ids, skip_special_tokens=False), ids)
+
+    def token_piece(self, token: int) -> tuple[str, list[int]]:
+        if self._pieces is None:
+            from quantkit.server.logits import TokenPieces
+
+            self._pieces = TokenPieces(self.tokenizer)
+        return self._pieces(token)
+
+    def grammars(self) -> Any:
+        """The grammar engine on this tokenizer (quantkit/server/grammar.py; built on first use: about 3.5 s
+        for a 248k vocabulary)."""
+        from quantkit.server.grammar import Grammars
+
+        return Grammars(self.tokenizer, sorted(self.runtime.stop_ids), self.runtime.think_ids[1])
 
 
 def load_backend(path: str | Path, plan: str | Path | None = None, model_id: str | None = None,

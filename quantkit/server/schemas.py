@@ -1,8 +1,8 @@
-"""OpenAI-shaped request and response models for /v1/chat/completions and /v1/models.
+"""OpenAI-shaped request and response models for /v1/chat/completions, /v1/completions and /v1/models.
 
 Requests are validated strictly (a string is not an integer, as in OpenAI's API; no NaN or Infinity);
-unknown fields are accepted, since clients send many optional ones (`user`, `store`, ...), except those
-that would change the answer, which quantkit/server/app.py refuses by name (logprobs, response_format, ...).
+unknown fields are accepted, since clients send many optional ones (`user`, `store`, ...). Every field that
+changes the answer is declared here and either applied or refused by name (quantkit/server/options.py).
 """
 
 from __future__ import annotations
@@ -87,25 +87,24 @@ class StreamOptions(_Strict):
     include_usage: bool | None = None
 
 
-class ChatCompletionRequest(_Strict):
+class _Generation(_Strict):
+    """The fields /v1/chat/completions and /v1/completions share (sampling, penalties, stops, choices)."""
     model: str
-    messages: list[Message] = Field(min_length=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # -1 or 0: no top-k
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0, le=10)
+    logit_bias: dict[str, float] | None = None
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 63)  # int64, as OpenAI's
     stop: str | list[str] | None = None
-    logprobs: bool | None = None  # refused when true: see quantkit/server/app.py
-    top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     n: int | None = Field(None, ge=1)
-    tools: list[ToolDef] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says
 
     @property
@@ -113,6 +112,30 @@ class ChatCompletionRequest(_Strict):
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        """A streamed answer ends with a usage-only chunk only when asked (OpenAI's stream_options)."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_Generation):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[ToolDef] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class CompletionRequest(_Generation):
+    """/v1/completions: raw text (or token ids) continued without the chat template."""
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=20)  # the number of top tokens per position (OpenAI: <= 5)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
 
 
 # --- responses -------------------------------------------------------------------------------------------
@@ -135,11 +158,41 @@ class AssistantOut(BaseModel):
     tool_calls: list[ToolCallOut] | None = None
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprobOut(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprobOut] | None
+    refusal: None = None
+
+
 class Choice(BaseModel):
     index: int = 0
     message: AssistantOut
     finish_reason: str
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, `top_logprobs` as {token: logprob} per position."""
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
 
 
 class CompletionTokensDetails(BaseModel):
@@ -178,7 +231,18 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[Choice]
     usage: Usage
-    timings: Timings
+    timings: Timings | None = None
+    system_fingerprint: str | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+    timings: Timings | None = None
     system_fingerprint: str | None = None
 
 

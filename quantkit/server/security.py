@@ -5,8 +5,11 @@
   127.0.0.1 sends its own name as Host, and gets 403 (DNS rebinding);
 - with an API key (`--api-key` or QUANTKIT_API_KEY), every endpoint but /health needs
   `Authorization: Bearer KEY` (or `x-api-key: KEY`), compared in constant time; 401 otherwise;
-- a POST body must be declared `application/json`: a page can post `text/plain` cross-origin without a CORS
-  preflight, never JSON; 415 otherwise.
+- a POST from a browser page (it carries an `Origin` header) must be declared `application/json`: a page can
+  post `text/plain` or a form cross-origin without a CORS preflight, never JSON; 415 otherwise. A request
+  without an Origin (curl, scripts, SDKs) may leave the content type out or say another one (`curl -d`
+  says a form), as llama-server allows: its body is parsed as JSON all the same (400 when it is not). An
+  origin listed by --cors-origin is trusted like a client without one.
 
 Errors are OpenAI error objects, as every other error of the server."""
 
@@ -62,8 +65,9 @@ class Guard:
     """ASGI middleware: Host check, API key, JSON content type (see the module docstring)."""
 
     def __init__(self, app: Any, *, hosts: frozenset[str], api_key: str | None,
-                 open_paths: tuple[str, ...] = ("/health",)):
+                 open_paths: tuple[str, ...] = ("/health",), cors_origins: tuple[str, ...] = ()):
         self.app, self.hosts, self.api_key, self.open_paths = app, hosts, api_key, open_paths
+        self.origins = frozenset(o.rstrip("/").lower() for o in cors_origins)
 
     def _check(self, scope: dict[str, Any]) -> JSONResponse | None:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
@@ -80,9 +84,12 @@ class Guard:
                               "authentication_error", "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         if scope.get("method") == "POST":
             ctype = headers.get("content-type", "").split(";")[0].strip().lower()
-            if ctype != "application/json":
-                return _error(415, f"Content-Type {ctype or 'missing'!r} is not accepted: send the body as "
-                                   "application/json", "invalid_request_error", "unsupported_media_type")
+            origin = headers.get("origin")
+            trusted = origin is None or "*" in self.origins or origin.rstrip("/").lower() in self.origins
+            if ctype != "application/json" and not trusted:
+                return _error(415, f"Content-Type {ctype or 'missing'!r} is not accepted from a web page (Origin "
+                                   f"{origin!r}): send the body as application/json",
+                              "invalid_request_error", "unsupported_media_type")
         return None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
