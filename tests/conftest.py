@@ -7,6 +7,9 @@ They are shared by many test files: treat them as read-only (copy a folder befor
 - `tiny_model_transformers_layout`: the SAME weights written by transformers' save_pretrained
   (`model.layers.*`, per-expert experts): its canonical tensors equal `tiny_model`'s.
 - `tiny_model_mtp`: published layout with the MTP layer (`mtp.*`, per-expert), not decisive.
+- `kernel_table`: each op table of quantkit's CPU kernel (avx512bf16, avx512, avx2, generic) at or below the
+  level this run uses (QUANTKIT_CPU_ISA lowers it), forced in turn and restored; a table the CPU or the
+  build lacks is skipped with that reason.
 
 Plain helpers the tests import (`from conftest import run_cli, run_main`):
 - `run_cli`: the entry point quantkit.cli.main() in this process (monkeypatch applies), output captured;
@@ -90,6 +93,36 @@ def tiny_stats(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Pa
     out = tmp_path_factory.mktemp("stats") / "tiny.stats"
     collect_stats(Checkpoint.open(tiny_model), tokens, out)
     return out
+
+
+KERNEL_TABLES = ("avx512bf16", "avx512", "avx2", "generic")
+
+
+@pytest.fixture(params=KERNEL_TABLES)
+def kernel_table(request: pytest.FixtureRequest):
+    from quantkit.runtime import cpu_kernel
+
+    mod = cpu_kernel.module()
+    if mod is None:
+        pytest.skip("the CPU kernel is not built on this machine")
+    name = request.param
+    level = cpu_kernel.ISA_LEVELS[name.removesuffix("bf16")]
+    in_use = cpu_kernel.chosen_level(mod.detect_isa())
+    if level > in_use:
+        pytest.skip(f"{name}: above the level this run uses ({cpu_kernel.ISA_NAMES[in_use]})")
+    if name not in mod.units():
+        pytest.skip(f"{name}: this build has no such unit (the compiler could not build it)")
+    if name.startswith("avx512") and name not in mod.cpu_features():
+        pytest.skip(f"{name}: this CPU lacks it")
+    before = (mod.isa(), mod.has_bf16())
+    mod.set_isa(level)
+    if level == 2:
+        mod.set_bf16(name == "avx512bf16")
+    assert mod.table() == name
+    yield name
+    mod.set_isa(before[0])
+    if before[0] == 2:
+        mod.set_bf16(before[1])
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

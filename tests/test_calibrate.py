@@ -171,7 +171,7 @@ def test_time_moe_times_the_runtimes_fused_call_where_it_fuses(fmt):
     from quantkit.runtime import cpu_kernel
 
     q = QuantSpec(fmt, 32) if fmt == "int4" else (QuantSpec(fmt) if fmt else None)
-    fuses = cpu_kernel.available() if fmt else cpu_kernel.bf16_available()
+    fuses = cpu_kernel.available()
     one = moe_module(_pair(q), 1)
     assert runtime_fuses(one) is fuses  # the runtime's own decision, for the kernels it would build
     got = time_moe(_pair(q), 2, working_set=1 << 20, passes=1)

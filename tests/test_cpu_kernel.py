@@ -1,6 +1,7 @@
-"""quantkit's C++ CPU kernel (runtime/cpu_kernel.py, csrc/qk_cpu.cpp): every path against the fp32
-reference, the fused MoE decode against the per-expert route, and the fallbacks (switched off, no AVX512,
-a failed build, a corrupt cached module) each costing one line and keeping torch's kernels.
+"""quantkit's C++ CPU kernel (runtime/cpu_kernel.py, csrc/qk_cpu.cpp): every path on every op table
+(generic, AVX2, AVX512, AVX512-BF16: the `kernel_table` fixture) against the fp32 reference, the fused MoE
+decode against the per-expert route, the forced instruction set, and the fallbacks (switched off, a unit
+or the whole build failing, a corrupt or foreign cached module) each costing one line.
 
 Error bound: activations are rounded to int8 per block of 32 (scale = the block's largest magnitude /
 127): about 0.6% rms per element on Gaussian inputs, so a matmul lands within ~0.6% of the fp32 result
@@ -32,20 +33,9 @@ SPEC_IDS = ["int4-g32", "int4-g64-asym", "int4-g128", "int8"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def isas() -> list[int]:
-    best = cpu_kernel.module().detect_isa()
-    return [i for i in (2, 1) if i <= best]
-
-
-@pytest.fixture(params=[2, 1], ids=["avx512vnni", "avx2"])
-def isa(request):
-    mod = cpu_kernel.module()
-    if request.param > mod.detect_isa():
-        pytest.skip("this CPU lacks that instruction set")
-    before = mod.isa()
-    mod.set_isa(request.param)
-    yield request.param
-    mod.set_isa(before)
+@pytest.fixture
+def isa(kernel_table):
+    return kernel_table
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -60,7 +50,7 @@ def test_linear_matches_fp32_reference(isa, spec, shape):
     parts = get_format(spec.format).quantize(w, spec)
     k = prepare(parts, spec, shape)
     assert isinstance(k, QKernel)
-    for m in (1, 3, 5, 70):  # 70 rows: chunks of 4 (2 on AVX2) and a remainder
+    for m in (1, 3, 5, 70):  # 70 rows: chunks of 4 (2 on AVX2, 1 generic) and a remainder
         x = torch.randn(m, shape[1], generator=g)
         y = k(x)
         assert y.shape == (m, shape[0]) and y.dtype == torch.float32
@@ -71,8 +61,6 @@ def test_linear_matches_fp32_reference(isa, spec, shape):
 def test_bf16_activations_in_and_out_without_torch_casts(isa, spec):
     """A bf16 x gives a bf16 y from the kernel itself, bit-equal to the fp32 route rounded by torch
     (the widening and the rounding happen inside the call, not as separate torch ops)."""
-    if spec is None and not cpu_kernel.bf16_available():
-        pytest.skip("no AVX512-BF16")
     shape = (40, 256)
     g = torch.Generator().manual_seed(7)
     w = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
@@ -90,11 +78,11 @@ def test_bf16_activations_in_and_out_without_torch_casts(isa, spec):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_projections_on_one_input_equal_their_kernels(isa, dtype):
     """A layer's projections of one hidden state in one `linear_many` call (every format, bf16 kept
-    matrices among them where the CPU has AVX512-BF16, odd row counts): each output equals its own kernel's,
+    matrices among them, odd row counts): each output equals its own kernel's,
     bit for bit; a kernel the call cannot take sends the whole group through the kernels one by one."""
     g = torch.Generator().manual_seed(3)
     k_in = 256
-    specs = [*SPECS] + ([None] if isa == 2 and cpu_kernel.bf16_available() else [])
+    specs = [*SPECS, None]
     kernels = []
     for i, spec in enumerate(specs):
         w = (torch.randn(24 + 40 * i, k_in, generator=g) * 0.02).to(torch.bfloat16)
@@ -113,10 +101,9 @@ def test_projections_on_one_input_equal_their_kernels(isa, dtype):
     assert torch.equal(odd(x)[0], kernels[0](x))
 
 
-@pytest.mark.skipif(not cpu_kernel.bf16_available(), reason="no AVX512-BF16")
 @pytest.mark.parametrize("heads,kv,hd,n", [(16, 2, 256, 1), (16, 2, 256, 300), (16, 2, 256, 1500), (4, 2, 16, 9),
-                                           (3, 3, 32, 17), (32, 2, 128, 64), (6, 1, 48, 5)])
-def test_decode_attention_matches_the_torch_route(heads, kv, hd, n):
+                                           (3, 3, 32, 17), (32, 2, 128, 64), (6, 1, 48, 5), (32, 1, 64, 40)])
+def test_decode_attention_matches_the_torch_route(isa, heads, kv, hd, n):
     """`qk.attend` against the lean step's torch attention (transformers' eager roundings) over the first n
     rows of larger K/V buffers: equal but for the order of fp32 sums (1 bf16 ulp on a few outputs)."""
     from quantkit.runtime.decode_step import attend
@@ -195,10 +182,6 @@ def routing(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 @pytest.mark.parametrize("spec", [*SPECS, None], ids=[*SPEC_IDS, "bf16"])
 def test_fused_moe_decode_matches_reference_and_torch_route(isa, spec):
-    if spec is None and isa != 2:
-        pytest.skip("bf16 experts fuse on AVX512-BF16 only")
-    if spec is None and not cpu_kernel.bf16_available():
-        pytest.skip("no AVX512-BF16")
     q, gu_p, dn_p = experts(spec)
     qt, _, _ = experts(spec, route="torch")
     for seed in range(3):
@@ -211,9 +194,8 @@ def test_fused_moe_decode_matches_reference_and_torch_route(isa, spec):
         assert rel(got, qt(x.bfloat16(), idx, w.bfloat16())) < TOL
 
 
-@pytest.mark.skipif(not cpu_kernel.bf16_available(), reason="no AVX512-BF16")
 @pytest.mark.parametrize("shape", [(7, 64), (40, 256), (200, 2048)], ids=lambda s: f"{s[0]}x{s[1]}")
-def test_bf16_linear_is_exact_fp32_accumulation(shape):
+def test_bf16_linear_is_exact_fp32_accumulation(isa, shape):
     """bf16 x bf16 products summed in fp32: the fp32 matmul of the bf16-rounded inputs, to fp32 rounding;
     above MAX_ROWS rows the same tensor goes through F.linear."""
     g = torch.Generator().manual_seed(shape[0])
@@ -255,8 +237,6 @@ def test_decode_is_one_call_and_independent_of_the_split():
 def test_fused_moe_is_the_same_on_any_thread_count(spec):
     """The gate_up phase reads runs of tiles whose length follows the thread count (whole experts on few
     threads, halved runs on many); every length gives the same sums, bit for bit."""
-    if spec is None and not cpu_kernel.bf16_available():
-        pytest.skip("no AVX512-BF16")
     q, gu_p, dn_p = experts(spec)
     before = torch.get_num_threads()
     try:
@@ -345,16 +325,85 @@ def test_switched_off_keeps_torch_route_quietly():
     assert p.stderr.strip() == ""
 
 
-def test_no_avx512_switch_runs_the_avx2_path():
-    if 1 not in isas():
-        pytest.skip("no AVX2")
-    p = run_probe({"QUANTKIT_NO_AVX512": "1"})
-    assert route_line(p) == "ROUTE quantkit qk int4 (AVX2, int8 activations) True"
-    code = ("import torch\nfrom quantkit.runtime.kernels import prepare\n"
-            "print('ROUTE', prepare(torch.zeros(32, 64, dtype=torch.bfloat16), None, (32, 64)).route)\n")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PYTHONPATH": str(ROOT), "QUANTKIT_NO_AVX512": "1"})
-    assert route_line(p) == "ROUTE bf16 F.linear"  # bf16 needs AVX512-BF16: torch keeps it
+def _levels() -> list[str]:
+    """The levels this CPU and build can run, best first."""
+    best = cpu_kernel.module().detect_isa()
+    return [cpu_kernel.ISA_NAMES[i] for i in range(best, -1, -1)]
+
+
+BF16_PROBE = ("import torch\nfrom quantkit.runtime.kernels import prepare\n"
+              "print('ROUTE', prepare(torch.zeros(32, 64, dtype=torch.bfloat16), None, (32, 64)).route)\n")
+
+
+@pytest.mark.parametrize("level", ["avx2", "generic"])
+def test_forced_isa_runs_that_table_quietly(level):
+    """QUANTKIT_CPU_ISA=avx2|generic runs that level's table for every matrix, bf16 included, with nothing
+    on stderr."""
+    if level not in _levels():
+        pytest.skip(f"{level}: this CPU or build cannot run it")
+    p = run_probe({"QUANTKIT_CPU_ISA": level})
+    assert route_line(p) == f"ROUTE quantkit qk int4 ({level}, int8 activations) True"
+    assert p.stderr.strip() == ""
+    p = subprocess.run([sys.executable, "-c", BF16_PROBE], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "QUANTKIT_CPU_ISA": level})
+    assert route_line(p) == f"ROUTE quantkit qk bf16 ({level}) at decode, F.linear above 4 rows"
+
+
+@pytest.mark.parametrize("value,best,want,why", [
+    ("avx9", 2, 2, "is not one of generic, avx2, avx512"), ("avx512", 1, 1, "cannot run it; using avx2"),
+    ("avx2", 0, 0, "cannot run it; using generic"), (" AVX2 ", 2, 1, None), ("generic", 1, 0, None)])
+def test_isa_switch_values(monkeypatch, capsys, value, best, want, why):
+    """QUANTKIT_CPU_ISA against what the CPU has (`best`, as a CPU without AVX2 or AVX512 reports it): a level
+    at or below it is taken as asked; an unknown one or one above it costs one line and runs the best."""
+    monkeypatch.setenv("QUANTKIT_CPU_ISA", value)
+    monkeypatch.setattr(cpu_kernel, "_notice_given", set())
+    assert cpu_kernel.chosen_level(best) == want
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [] if why is None else (len(err) == 1 and err[0].startswith("quantkit: ") and why in err[0])
+
+
+@pytest.mark.parametrize("env,why", [({"QUANTKIT_CPU_ISA": "avx9"}, "is not one of"),
+                                     ({"QUANTKIT_NO_AVX512": "1"}, "replaced by QUANTKIT_CPU_ISA=avx2")])
+def test_bad_isa_switch_in_a_fresh_process(env, why):
+    """End to end: one line on stderr, no traceback, and the kernel still runs (the old switch: on AVX2)."""
+    p = run_probe(env)
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and why in lines[0], p.stderr
+    want = "avx2" if "QUANTKIT_NO_AVX512" in env and "avx2" in _levels() else cpu_kernel_table_name(_levels()[0])
+    assert route_line(p) == f"ROUTE quantkit qk int4 ({want}, int8 activations) True"
+
+
+def cpu_kernel_table_name(level: str) -> str:
+    """The table a level runs by default: AVX512 with BF16 where the CPU has it."""
+    mod = cpu_kernel.module()
+    return "avx512bf16" if level == "avx512" and "avx512bf16" in mod.cpu_features() else level
+
+
+def test_foreign_compiler_gets_its_own_cache(tmp_path, monkeypatch):
+    """The cache folder is keyed by the compiler (its path and version) and the units' flags: a module
+    another compiler built is never loaded, it is rebuilt in a folder of its own."""
+    here = cpu_kernel.cache_dir()
+    fake = tmp_path / "c++"
+    fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo 'c++ (Other) 99.1' && exit 0\nexec g++ \"$@\"\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CXX", str(fake))
+    assert cpu_kernel.cache_dir() != here
+    monkeypatch.delenv("CXX")
+    monkeypatch.setenv("QUANTKIT_KERNEL_UNIT_FLAGS", "avx2:-DQK_OTHER=1")
+    assert cpu_kernel.cache_dir() != here
+
+
+@pytest.mark.slow
+def test_a_unit_the_compiler_cannot_build_is_left_out(tmp_path):
+    """A unit whose flags the compiler refuses is left out with one line naming it; the module still loads
+    and runs the units that built (here: the generic one alone)."""
+    broken = ";".join(f"{u}:-mno-such-isa-flag" for u in cpu_kernel.UNITS if u != "generic")
+    p = run_probe({"QUANTKIT_KERNEL_CACHE": str(tmp_path), "QUANTKIT_KERNEL_UNIT_FLAGS": broken})
+    assert route_line(p) == "ROUTE quantkit qk int4 (generic, int8 activations) True"
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip() and "building the CPU kernel" not in ln]
+    named = sorted(ln.split("the ")[1].split(" unit")[0] for ln in lines)
+    assert named == sorted(u for u in cpu_kernel._units() if u != "generic"), p.stderr
+    assert all(ln.startswith("quantkit: CPU kernel: the ") and "did not build" in ln for ln in lines), p.stderr
 
 
 def copy_cache(tmp_path: Path) -> Path:
@@ -420,7 +469,6 @@ def test_unwritable_cache_is_one_line_and_torch_route(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("quantkit: CPU kernel unavailable"), p.stderr
 
 
-@pytest.mark.skipif(not cpu_kernel.bf16_available(), reason="no AVX512-BF16")
 def test_bf16_weight_read_at_any_offset_is_used_in_place():
     """A bf16 tensor read from a shard is a view at any byte offset: the kernel uses it as it is (no
     copy that would double the resident bytes)."""

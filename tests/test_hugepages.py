@@ -112,8 +112,8 @@ def test_repacked_codes_are_advised_and_compute_the_same(monkeypatch):
 
 
 def test_bf16_kernel_copies_unless_shared():
-    if not cpu_kernel.bf16_available():
-        pytest.skip("no AVX512-BF16 kernel here")
+    if not cpu_kernel.available():
+        pytest.skip("the CPU kernel is not built on this machine")
     w = torch.randn(512, 1024).to(torch.bfloat16)
     x = torch.randn(1, 1024)
     own = prepare(w, None, tuple(w.shape))

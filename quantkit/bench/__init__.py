@@ -20,7 +20,7 @@ def read_bandwidth_gbs(gib: float = 1.0, reps: int = 5) -> float:
     from quantkit.runtime import cpu_kernel, hugepages
 
     x = hugepages.empty((int(gib * (1 << 30)) // 4,), torch.float32).fill_(1.0)
-    mod = cpu_kernel.module() if cpu_kernel.isa_name().startswith("AVX512") else None
+    mod = cpu_kernel.module()
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()

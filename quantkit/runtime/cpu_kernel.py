@@ -1,31 +1,28 @@
-"""quantkit's own CPU kernel for int4/int8 weights (csrc/qk_cpu.cpp) and the decode step's other pieces
-(csrc/qk_step.cpp): build, load, repack, call.
+"""quantkit's own CPU kernel: build, load, choose the instruction set, repack, call.
 
-Why: torch 2.13's CPU int4 op (`_weight_int4pack_mm_for_cpu`) is compute-bound at batch 1 (25-37
-GMAC/s on 2 threads) and a MoE layer runs as 16 of its calls plus ~50 small ops from Python: 1.03 ms per
-layer-token where reading the weights takes 0.42 ms (measured on the 2-core build machine; kt-kernel
-measured no gain here). The C++ kernel quantizes activations to int8 per block of 32 and dots them against the stored
-4-bit / 8-bit codes with AVX512-VNNI (or AVX2), on torch's own OpenMP pool, and runs the k routed
-experts of a layer (gate_up, SiLU x up, down, weighted sum) in one call. Figures: reports/bench-kernel.md.
+Why: torch's CPU int4 op is compute-bound at batch 1 and a MoE layer ran as 16 of its calls plus ~50 small
+ops from Python (reports/bench-kernel.md). The C++ kernel quantizes activations to int8 per block of 32 and
+dots them against the stored 4-bit / 8-bit codes, runs the k routed experts of a layer in one call, and
+fuses the rest of a decode step (norms, routing, the Gated DeltaNet and attention cores, the whole stack of
+layers in one call).
 
-Build: `main(["build"])` (scripts/setup.sh calls it) compiles the sources with
-torch.utils.cpp_extension (gcc, ninja) into a cache folder keyed by the sources' hash and the torch
-version (`$QUANTKIT_KERNEL_CACHE`, default `~/.cache/quantkit/kernels`), so an edited source or a new
-torch never loads a stale module; a checksum written after the build guards against a truncated or
-corrupt file. At run time the first use imports it (building it if missing, about a minute). Whatever
-goes wrong (no compiler, a failed build, a CPU without AVX2) costs one line on stderr and the runtime
-keeps torch's kernels.
+Instruction sets: every op has a generic C++ version and AVX2+FMA, AVX512 (F/BW/VL/VNNI) and AVX512-BF16
+versions (csrc/qk_ops_impl.h), each compiled as its own unit with its own -m flags (`UNITS`) and linked
+into one module, which picks one table once at load from cpuid and the OS's XSAVE state
+(csrc/qk_cpu.cpp). No CPU runs an instruction it lacks, whatever the compiler hoists. A unit the compiler
+cannot build is left out with one line; the others still load. `QUANTKIT_CPU_ISA=generic|avx2|avx512`
+forces a lower one (a level the CPU or the build lacks gets one line and the best there is).
 
-bf16 weights (kept tensors, bf16 experts): on CPUs with AVX512-BF16 the same module dots them as they
-are stored (row-major, no repack) with bf16 activations at decode batch sizes (`vdpbf16ps`, fp32
-accumulation), and bf16 experts join the fused MoE call; prefill keeps torch's `F.linear` (oneDNN GEMM).
-
-Switches: `QUANTKIT_CPU_KERNEL=off` keeps torch's kernels; `QUANTKIT_NO_AVX512=1` uses the AVX2 path
-(what a CPU without AVX512-VNNI runs; bf16 weights then stay on torch).
+Build: `main(["build"])` (scripts/setup.sh calls it) compiles into a cache folder keyed by the sources,
+the torch version, the compiler (path and version) and the units' flags (`$QUANTKIT_KERNEL_CACHE`, default
+`~/.cache/quantkit/kernels`), so an edited source, a new torch or another compiler never loads a stale
+module; a checksum written after the build guards against a truncated or corrupt file. Whatever goes wrong
+(no compiler, a failed build) costs one line on stderr and the runtime keeps torch's kernels.
+`QUANTKIT_CPU_KERNEL=off` keeps torch's kernels.
 
 Error of the int8 activations: each block of 32 is rounded to 127 levels of its largest magnitude, a
 relative error of about 2^-8 per element, the same order as the bf16 activations torch's route takes;
-tests/test_cpu_kernel.py holds the fused route within 2e-2 relative of the fp32 reference.
+tests/test_cpu_kernel.py holds the fused route within 2e-2 relative of the fp32 reference on every ISA.
 """
 
 from __future__ import annotations
@@ -33,7 +30,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import platform
+import shlex
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -44,8 +44,17 @@ import torch
 from quantkit.runtime import hugepages
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "qk_cpu.cpp", CSRC / "qk_step.cpp", CSRC / "qk_layers.cpp")  # compiled
-HEADERS = (CSRC / "qk_common.h", CSRC / "qk_cpu.h", CSRC / "qk_layers.h", CSRC / "qk_step.h")
+SOURCES = (CSRC / "qk_cpu.cpp", CSRC / "qk_step.cpp", CSRC / "qk_layers.cpp")  # torch-facing, baseline flags
+HEADERS = (CSRC / "qk_common.h", CSRC / "qk_cpu.h", CSRC / "qk_layers.h", CSRC / "qk_step.h", CSRC / "qk_ops.h",
+           CSRC / "qk_ops_impl.h")
+_AVX2 = ("-mavx2", "-mfma")
+_AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
+# the ISA units (csrc/qk_ops_<name>.cpp) and their own flags; generic is required, the others optional
+UNITS: dict[str, tuple[str, ...]] = {"generic": (), "avx2": _AVX2, "avx512": _AVX512,
+                                     "avx512bf16": (*_AVX512, "-mavx512bf16")}
+UNIT_CFLAGS = ("-O3", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
+ISA_LEVELS = {"generic": 0, "avx2": 1, "avx512": 2}
+ISA_NAMES = {v: k for k, v in ISA_LEVELS.items()}
 TILE = 16
 BLOCK = 32
 
@@ -63,11 +72,75 @@ def enabled_by_env() -> bool:
     return os.environ.get("QUANTKIT_CPU_KERNEL", "on").strip().lower() not in ("off", "0", "no", "false")
 
 
+def _units() -> dict[str, tuple[str, ...]]:
+    """The units to build here: all on x86-64, the generic one elsewhere."""
+    if platform.machine().lower() in ("x86_64", "amd64", "i686", "i386"):
+        return UNITS
+    return {"generic": ()}
+
+
+def _cxx() -> str:
+    return os.environ.get("CXX") or "c++"
+
+
+@functools.lru_cache(maxsize=8)
+def _compiler_id(cxx: str) -> str:
+    """The compiler's resolved path and version line ("?" when it cannot run: the build then fails)."""
+    exe = shutil.which(cxx.split()[0]) if cxx.strip() else None
+    if exe is None:
+        return f"{cxx}: not found"
+    try:
+        out = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return f"{exe}: ?"
+    return f"{os.path.realpath(exe)}: {(out.splitlines() or ['?'])[0]}"
+
+
 def cache_dir() -> Path:
+    """The cache folder for these sources, this torch, this compiler and these units' flags."""
     base = os.environ.get("QUANTKIT_KERNEL_CACHE") or str(Path.home() / ".cache" / "quantkit" / "kernels")
-    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    digest = hashlib.sha256(text + torch.__version__.encode()).hexdigest()[:12]
+    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS + tuple(_unit_source(u) for u in _units()))
+    key = "\n".join([torch.__version__, _compiler_id(_cxx()), repr(sorted(_units().items())), repr(UNIT_CFLAGS),
+                     platform.machine(), os.environ.get("QUANTKIT_KERNEL_UNIT_FLAGS", "")])
+    digest = hashlib.sha256(text + key.encode()).hexdigest()[:12]
     return Path(base) / f"qk_cpu-{digest}"
+
+
+def _unit_source(name: str) -> Path:
+    return CSRC / f"qk_ops_{name}.cpp"
+
+
+def _compile_units(d: Path) -> list[str]:
+    """Compile each ISA unit with its own flags into d; the objects that built. A unit that fails costs one
+    line and is left out (its table is then absent); the generic unit must build."""
+    objs = []
+    for name, flags in _units().items():
+        obj = d / f"qk_ops_{name}.o"
+        cmd = [*shlex.split(_cxx()), *UNIT_CFLAGS, *flags, *_extra_unit_flags(name), "-c", str(_unit_source(name)),
+               "-o", str(obj)]
+        try:
+            p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            ok, why = p.returncode == 0, next((ln for ln in p.stderr.splitlines() if "error" in ln), p.stderr[-200:])
+        except (OSError, subprocess.SubprocessError) as err:
+            ok, why = False, str(err)
+        if ok:
+            objs.append(str(obj))
+        elif name == "generic":
+            raise RuntimeError(f"error: the generic unit did not build: {why.strip()[:200]}")
+        else:
+            notice(f"CPU kernel: the {name} unit did not build ({why.strip()[:160]}); left out, the others load")
+    return objs
+
+
+def _extra_unit_flags(name: str) -> list[str]:
+    """Extra flags for one unit from $QUANTKIT_KERNEL_UNIT_FLAGS ("avx512:-mfoo;avx2:-mbar"): how the tests
+    make one unit fail to build."""
+    out: list[str] = []
+    for item in os.environ.get("QUANTKIT_KERNEL_UNIT_FLAGS", "").split(";"):
+        unit, _, flags = item.partition(":")
+        if unit.strip() == name:
+            out += shlex.split(flags)
+    return out
 
 
 def _module_name(d: Path) -> str:
@@ -103,8 +176,9 @@ def _build(d: Path) -> ModuleType:
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     d.mkdir(parents=True, exist_ok=True)
+    objs = _compile_units(d)
     mod = cpp_extension.load(name=_module_name(d), sources=[str(p) for p in SOURCES], build_directory=str(d),
-                             extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+                             extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp", *objs], verbose=False)
     so, stamp = _paths(d)
     tmp = stamp.with_suffix(".tmp")
     tmp.write_text(_sha256(so))
@@ -175,26 +249,50 @@ def module() -> ModuleType | None:
     mod = build(quiet=True)
     if mod is None:
         return None
-    best = mod.detect_isa()
-    if best == 0:
-        notice("CPU kernel needs AVX2+FMA or AVX512-VNNI, which this CPU lacks; using torch's kernels")
-        return None
-    if os.environ.get("QUANTKIT_NO_AVX512", "").strip() not in ("", "0"):
-        best = min(best, 1)
-    mod.set_isa(best)
-    mod.set_bf16(best == 2 and mod.has_bf16())
+    mod.set_isa(chosen_level(mod.detect_isa()))
     return mod
 
 
+def chosen_level(best: int) -> int:
+    """The level to run: the best this CPU and build have, lowered by QUANTKIT_CPU_ISA (one line when the
+    value is unknown or above what there is)."""
+    want = os.environ.get("QUANTKIT_CPU_ISA", "").strip().lower()
+    if not want and os.environ.get("QUANTKIT_NO_AVX512", "").strip() not in ("", "0"):
+        notice("QUANTKIT_NO_AVX512 is replaced by QUANTKIT_CPU_ISA=avx2 (honoured for now)")
+        want = "avx2"
+    if not want:
+        return best
+    if want not in ISA_LEVELS:
+        notice(f"QUANTKIT_CPU_ISA={want!r} is not one of {', '.join(ISA_LEVELS)}; using {ISA_NAMES[best]}")
+        return best
+    if ISA_LEVELS[want] > best:
+        notice(f"QUANTKIT_CPU_ISA={want}: this CPU (or this build) cannot run it; using {ISA_NAMES[best]}")
+        return best
+    return ISA_LEVELS[want]
+
+
 def bf16_available() -> bool:
-    """Whether bf16 matrices can use the kernel (AVX512-BF16 CPUs; not under QUANTKIT_NO_AVX512)."""
+    """Whether bf16 matrices run on the kernel (wherever it loads: AVX512-BF16 dots them natively, the
+    other units widen bf16 to fp32 in registers)."""
+    return available()
+
+
+def isa() -> str:
+    """The instruction set in use: "generic", "avx2" or "avx512" ("none" without the kernel)."""
     mod = module()
-    return bool(mod is not None and mod.has_bf16())
+    return ISA_NAMES[mod.isa()] if mod else "none"
 
 
 def isa_name() -> str:
+    """The op table in use, as routes name it: generic, avx2, avx512 or avx512bf16 ("none" without one)."""
     mod = module()
-    return {2: "AVX512-VNNI", 1: "AVX2"}.get(mod.isa(), "none") if mod else "none"
+    return mod.table() if mod else "none"
+
+
+def lower_isas() -> list[str]:
+    """The levels below the one in use that this CPU can run (what CI proves a second time)."""
+    mod = module()
+    return [ISA_NAMES[i] for i in range(mod.isa())] if mod else []
 
 
 def available() -> bool:
@@ -251,21 +349,22 @@ def supports(fmt: str, shape: tuple[int, ...], device: torch.device) -> bool:
     """Whether a matrix of this format ("bf16" for kept weights) and shape can run on the kernel."""
     if device.type != "cpu" or len(shape) != 2 or shape[1] % BLOCK or shape[0] <= 0:
         return False
-    if fmt == "bf16":
-        return bf16_available()
-    return fmt in ("int4", "int8") and available()
+    return fmt in ("bf16", "int4", "int8") and available()
 
 
 def main(argv: list[str] | None = None) -> int:
     """Build (or check) the cached module; one line out. scripts/setup.sh calls `main(["build"])`.
     Exits 0 even when the build fails: set-up must go on, and the runtime then keeps torch's kernels."""
     args = sys.argv[1:] if argv is None else argv
-    if args not in ([], ["build"]):
-        print("usage: python -m quantkit.runtime.cpu_kernel [build]", file=sys.stderr)
+    if args not in ([], ["build"], ["lower-isas"]):
+        print("usage: python -m quantkit.runtime.cpu_kernel [build | lower-isas]", file=sys.stderr)
         return 2
     mod = module()
+    if args == ["lower-isas"]:  # scripts/test.sh: the levels to prove a second time, one a line
+        print("\n".join(lower_isas()))
+        return 0
     if mod is not None:
-        print(f"quantkit: CPU kernel ready ({isa_name()}) in {cache_dir()}")
+        print(f"quantkit: CPU kernel ready ({isa_name()}; units {', '.join(mod.units())}) in {cache_dir()}")
     elif not enabled_by_env():
         print("quantkit: CPU kernel switched off (QUANTKIT_CPU_KERNEL=off)")
     return 0

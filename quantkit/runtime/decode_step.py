@@ -30,8 +30,8 @@ rounded up to `KV_BUCKET` positions, the rest masked.
 On a CPU, quantkit's kernel (runtime/cpu_kernel.py) takes the step's pieces that torch runs as many small
 ops: a layer's projections of one hidden state in one call (`Projections`), the Gated DeltaNet state
 update (`linear_attn.delta_state_step`: one read and one write of the state), the router on the bf16
-kernel, and, with AVX512-BF16 and dynamic KV, the attention over the filled positions (`qk.attend`). On
-an AVX512 CPU with dynamic KV (`fused_ops`, the default) the rest of a layer follows (csrc/qk_step.cpp):
+kernel, and, with dynamic KV, the attention over the filled positions (`qk.attend`). With dynamic KV
+(`fused_ops`, the default; on every instruction set the kernel has) the rest of a layer follows (csrc/qk_step.cpp):
 its norms with the residual add, the Gated DeltaNet core between its projections (`gdn_step`: conv
 window, SiLU, gates, q/k l2-norm, state update, gated RMSNorm), the attention core (`attn_step`: q/k
 norm, rotary, K/V write, attention, sigmoid gate), the routing and the MoE block's sum, so a layer is about
@@ -209,8 +209,8 @@ class _Moe:
     """A layer's sparse MoE block: router, routed experts, shared expert with its sigmoid gate."""
 
     # the router's weight in fp32 (torch's bf16 GEMV is several times slower on CPU), or as stored where
-    # router_kernel runs: quantkit's bf16 kernel on a CPU with AVX512-BF16 (the bf16 products summed in
-    # fp32, rounded to bf16; 4x faster than the fp32 GEMV for 256 experts on the build machine)
+    # router_kernel runs: quantkit's bf16 kernel on the CPU (the bf16 products summed in fp32, rounded to
+    # bf16; faster than the fp32 GEMV for 256 experts: reports/bench-kernel.md)
     router_w: torch.Tensor
     router_kernel: Kernel | None
     top_k: int
@@ -572,17 +572,17 @@ class LeanDecoder:
         self.pos: torch.Tensor | None = None
         self._rope: dict[tuple[torch.dtype, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.graph: CudaGraphStep | None = None
-        # a CPU layer's attention on quantkit's kernel (`qk.attend`) where the CPU has AVX512-BF16
-        self.attend_kernel = cpu_kernel.module() if cpu_kernel.bf16_available() and not static_kv else None
+        # a CPU layer's attention on quantkit's kernel (`qk.attend`, every instruction set)
+        self.attend_kernel = cpu_kernel.module() if not static_kv else None
         # a quantized embedding's rows kept (`_embed`) on an all-CPU decoder: elsewhere reading the token id
         # would be the host read the device path avoids
         parts = getattr(self.embed, "parts", None)  # a QuantEmbedding (runtime/loader.py)
         self._cache_rows = (bool(parts) and all(t.device.type == "cpu" for t in parts.values())
                             and not self.static_kv and all(not L.moe.gathered and not L.moe.host_ids
                                                            and L.device.type == "cpu" for L in self.layers))
-        # a CPU layer's norms, mixer core, routing and MoE sum as the kernel's fused ops (AVX512)
+        # a CPU layer's norms, mixer core, routing and MoE sum as the kernel's fused ops (every instruction set)
         mod = cpu_kernel.module()
-        self.step_ops = mod if fused_ops and mod is not None and mod.isa() == 2 and not self.static_kv else None
+        self.step_ops = mod if fused_ops and mod is not None and not self.static_kv else None
         for L in self.layers:
             if L.device.type == "cpu":
                 L.moe.step = self.step_ops
@@ -661,20 +661,13 @@ class LeanDecoder:
     def _stack(self) -> Any:
         """The whole stack of layers as one call of the kernel (`qk.Layers`, csrc/qk_layers.cpp): the fused
         route's calls in C++, bit-equal to `_layer_fused` layer by layer. None unless every layer takes that
-        route on quantkit's kernels: CPU, AVX512-BF16 attention, bf16 conv windows, every projection a
+        route on quantkit's kernels: CPU, the kernel's attention, bf16 conv windows, every projection a
         `QKernel` / `QBf16Kernel` table, the routed experts in one `qk.moe` call, the router on the bf16 kernel."""
-        f = self.step_ops
-        if f is None or not hasattr(f, "Layers"):
+        if not self.one_call_possible():
             return None
-        stack = f.Layers()
+        stack = self.step_ops.Layers()
         for L in self.layers:
             m, moe = L.mixer, L.moe
-            if L.device.type != "cpu" or not moe.cpu_fused_all or moe.shared_and_router is None:
-                return None
-            tables = [moe.shared_and_router, moe.down_one] + (
-                [m.proj_in, m.out_one] if isinstance(m, _Linear) else [m.qkv_in, m.o_one])
-            if not all(p.fused for p in tables) or (isinstance(m, _Attn) and not self._attends(m)):
-                return None
             pre, post, eps = L.norms.pre, L.norms.post, L.norms.eps
             if isinstance(m, _Linear):
                 conv = self.conv[L.index].rows
@@ -690,6 +683,29 @@ class LeanDecoder:
             stack.set_moe(moe.shared_and_router.table, moe.down_one.table, moe.experts._fused_table()[1], moe.top_k)
         return stack
 
+    def one_call_possible(self) -> bool:
+        """Whether every layer can take the one-call stack (what `_stack` checks before the cache exists):
+        CPU, fused ops, every projection on quantkit's kernel, the experts in one `qk.moe` call."""
+        f = self.step_ops
+        if not self.one_call or f is None or not hasattr(f, "Layers"):
+            return False
+        for L in self.layers:
+            m, moe = L.mixer, L.moe
+            if L.device.type != "cpu" or not moe.cpu_fused_all or moe.shared_and_router is None:
+                return False
+            tables = [moe.shared_and_router, moe.down_one] + (
+                [m.proj_in, m.out_one] if isinstance(m, _Linear) else [m.qkv_in, m.o_one])
+            if not all(p.fused for p in tables) or (isinstance(m, _Attn) and not self._attends(m)):
+                return False
+        return True
+
+    def route(self) -> dict[str, Any]:
+        """How this decoder computes a step on the CPU: the kernel's instruction set and op table, whether
+        the CPU layers run the fused ops, and whether the whole stack is one call."""
+        cpu = any(L.device.type == "cpu" for L in self.layers)
+        return {"isa": cpu_kernel.isa(), "table": cpu_kernel.isa_name(),
+                "fused_ops": cpu and self.step_ops is not None, "one_call": self.one_call_possible()}
+
     def _stack_head(self, stack: Any) -> bool:
         """Give `stack` the final norm and the head where the head is on quantkit's CPU kernel, so that a
         step after the embedding is one call: the rotary's row, the norm and the head were torch ops from
@@ -697,8 +713,6 @@ class LeanDecoder:
         same logits."""
         head = Projections([self.head])  # a table where the head is a QKernel / QBf16Kernel
         if self.head_device.type != "cpu" or not head.fused:
-            return False
-        if isinstance(self.head, QBf16Kernel) and not cpu_kernel.bf16_available():
             return False
         self._head_table = head.table  # kept alive beside the stack that reads it
         stack.set_head(self.final[0], self.final[1], self._head_table)
@@ -799,8 +813,8 @@ class LeanDecoder:
         return L.moe.add_to(x, h2)
 
     def _kernel_attends(self, m: _Attn, h: torch.Tensor) -> bool:
-        """Whether this layer's attention runs on the kernel (`qk.attend` / `qk.attn_step`): dynamic KV on
-        an AVX512-BF16 CPU, bf16 activations on the CPU, head_dim a multiple of 16."""
+        """Whether this layer's attention runs on the kernel (`qk.attend` / `qk.attn_step`): dynamic KV,
+        bf16 activations on the CPU, head_dim a multiple of 16."""
         return h.device.type == "cpu" and h.dtype == torch.bfloat16 and self._attends(m)
 
     def _attends(self, m: _Attn) -> bool:

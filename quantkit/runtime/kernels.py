@@ -6,9 +6,9 @@ touching the weight again. `reference_matmul` is the plain dequantize-then-matmu
 tested against.
 
 Routes (the first that applies):
-- bf16 (kept tensors): `F.linear`; on a CPU with AVX512-BF16, quantkit's kernel at decode batch sizes
-  (`QBf16Kernel`, the stored tensor as it is).
-- int4 and int8 on a CPU with AVX2 or AVX512-VNNI: quantkit's own C++ kernel (`QKernel`, built at
+- bf16 (kept tensors): quantkit's kernel at decode batch sizes where it is built (`QBf16Kernel`, the stored
+  tensor as it is: AVX512-BF16 dots, or bf16 widened in registers), `F.linear` above them and elsewhere.
+- int4 and int8 on a CPU: quantkit's own C++ kernel (every instruction set, generic C++ included) (`QKernel`, built at
   set-up: runtime/cpu_kernel.py, csrc/qk_cpu.cpp), int8 activations against the stored codes, repacked
   once at load into 16-row tiles; the torch routes below stay where it is missing or switched off
   (`QUANTKIT_CPU_KERNEL=off`), or `route="torch"`.
@@ -98,8 +98,8 @@ class DenseKernel(Kernel):
 
 
 class QBf16Kernel(DenseKernel):
-    """bf16 weights on quantkit's CPU kernel (AVX512-BF16) at decode batch sizes: the stored row-major
-    tensor as it is, bf16 activations, fp32 accumulation. Batches above `MAX_ROWS` (prefill) go to
+    """bf16 weights on quantkit's CPU kernel at decode batch sizes: the stored row-major tensor as it is,
+    bf16 activations, fp32 accumulation (AVX512-BF16 dots, or bf16 widened to fp32 in registers). Batches above `MAX_ROWS` (prefill) go to
     torch's `F.linear` (a oneDNN GEMM), on the same tensor."""
 
     MAX_ROWS = 4
@@ -113,7 +113,7 @@ class QBf16Kernel(DenseKernel):
         # tensor (the tied embedding) stays where it is
         super().__init__(w if shared else hugepages.copy(w))
         self._mod = cpu_kernel.module()
-        self.route = "quantkit qk bf16 (AVX512-BF16) at decode, F.linear above 4 rows"
+        self.route = f"quantkit qk bf16 ({cpu_kernel.isa_name()}) at decode, F.linear above 4 rows"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.MAX_ROWS:

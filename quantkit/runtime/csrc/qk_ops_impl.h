@@ -1,0 +1,978 @@
+// One ISA unit's ops (qk_ops.h's table), compiled once per instruction set: the unit's source defines
+// QK_TARGET (0 generic, 1 AVX2+FMA, 2 AVX512 F/BW/VL/VNNI, 3 the same with AVX512-BF16) and includes this
+// file, and runtime/cpu_kernel.py compiles it with that ISA's -m flags.
+//
+// The fused ops are written once over `vf`, a vector of W fp32 lanes: 16 on AVX512, 8 on AVX2, and 8 in
+// plain C++ arrays for the generic unit (which the compiler vectorises for whatever baseline it targets).
+// The int4 / int8 tiles, the bf16 rows and the attention scores have hand-written versions where an
+// instruction set has a better one (VNNI, vpmaddubsw, vdpbf16ps). The roundings are torch's (see qk_step.cpp);
+// only the order of fp32 sums and the exp polynomial differ between units.
+//
+// Everything here has internal linkage (an anonymous namespace, no std templates): a unit compiled with
+// AVX512 flags must not emit weak code that the linker could pick for a unit run on a lesser CPU.
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if QK_TARGET >= 1
+#include <immintrin.h>
+#endif
+
+#include "qk_ops.h"
+
+namespace {
+
+using qk::GdnArgs;
+using qk::kBlock;
+using qk::kTile;
+using qk::QAct;
+using qk::QMat;
+
+inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+
+// fp32 -> bf16, round to nearest even (NaN kept a NaN), as torch's .to(torch.bfloat16)
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float bf16_value(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float through_bf16(float f) { return bf16_value(to_bf16(f)); }
+
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  memcpy(&v, p, 4);
+  return v;
+}
+
+inline float sigmoid1(float x) { return 1.f / (1.f + expf(-x)); }
+
+// ---------------------------------------------------------------- the vector of W fp32 lanes
+#if QK_TARGET >= 2
+constexpr int W = 16;
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset(float x) { return _mm512_set1_ps(x); }
+inline vf vld(const float* p) { return _mm512_loadu_ps(p); }
+inline void vst(float* p, vf x) { _mm512_storeu_ps(p, x); }
+inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vabs(vf a) { return _mm512_abs_ps(a); }
+inline vf vfma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
+inline float vmaxr(vf a) { return _mm512_reduce_max_ps(a); }
+inline __mmask16 lanes(int64_t n) { return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1); }
+inline vf vld_n(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(lanes(n), p); }
+inline void vst_n(float* p, vf x, int64_t n) { _mm512_mask_storeu_ps(p, lanes(n), x); }
+inline vf vld16_n(const uint16_t* p, int64_t n) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes(n), p)), 16));
+}
+inline vf vld16(const uint16_t* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+// 2W bf16 values split into the even- and odd-indexed ones (for dots whose sum order is free)
+inline void vld16x2(const uint16_t* p, vf& even, vf& odd) {
+  const __m512i v = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+// rounded through bf16 (nearest even, as to_bf16; a NaN stays a NaN)
+inline vf vround16(vf x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  r = _mm512_and_si512(r, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_and_si512(u, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))),
+                           _mm512_set1_epi32(0x00400000));
+  return _mm512_castsi512_ps(r);
+}
+inline void vst16_n(uint16_t* p, vf x, int64_t n) {
+  const __m512i r = _mm512_srli_epi32(_mm512_castps_si512(vround16(x)), 16);
+  _mm256_mask_storeu_epi16(p, lanes(n), _mm512_cvtepi32_epi16(r));
+}
+inline void vst16(uint16_t* p, vf x) { vst16_n(p, x, 16); }
+// e^x: 2^(x log2 e) = 2^n * 2^f, f in [-0.5, 0.5], degree-6 polynomial (rel. error ~2e-7), vscalefps
+inline vf vexp(vf x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.f)), _mm512_set1_ps(-88.f));
+  const vf t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const vf n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vf f = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.6931471805599453f));
+  vf p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+#elif QK_TARGET == 1
+constexpr int W = 8;
+using vf = __m256;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset(float x) { return _mm256_set1_ps(x); }
+inline vf vld(const float* p) { return _mm256_loadu_ps(p); }
+inline void vst(float* p, vf x) { _mm256_storeu_ps(p, x); }
+inline vf vadd(vf a, vf b) { return _mm256_add_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline vf vabs(vf a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
+inline vf vfma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(vf a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline float vmaxr(vf a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
+inline vf vld16(const uint16_t* p) {
+  return _mm256_castsi256_ps(
+      _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+inline void vld16x2(const uint16_t* p, vf& even, vf& odd) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+inline vf vround16(vf x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i hi = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), hi);
+  const __m256i q = _mm256_or_si256(_mm256_and_si256(u, hi), _mm256_set1_epi32(0x00400000));
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(r, q, _mm256_castps_si256(nan)));
+}
+inline void vst16(uint16_t* p, vf x) {
+  const __m256i r = _mm256_srli_epi32(_mm256_castps_si256(vround16(x)), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+// e^x as exp_avx512, with 2^n made in the exponent bits (x kept >= -87.3 so that 2^n stays normal)
+inline vf vexp(vf x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.f)), _mm256_set1_ps(-87.3f));
+  const vf t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+  const vf n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vf f = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.6931471805599453f));
+  vf p = _mm256_set1_ps(1.f / 720);
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 120));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 24));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f / 6));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+#else  // generic: plain C++, correct on any CPU the compiler targets
+constexpr int W = 8;
+struct vf {
+  float v[W];
+};
+#define QK_LANES(expr) \
+  vf r;                \
+  for (int i = 0; i < W; ++i) r.v[i] = (expr); \
+  return r
+inline vf vzero() { QK_LANES(0.f); }
+inline vf vset(float x) { QK_LANES(x); }
+inline vf vld(const float* p) { QK_LANES(p[i]); }
+inline void vst(float* p, vf x) { for (int i = 0; i < W; ++i) p[i] = x.v[i]; }
+inline vf vadd(vf a, vf b) { QK_LANES(a.v[i] + b.v[i]); }
+inline vf vsub(vf a, vf b) { QK_LANES(a.v[i] - b.v[i]); }
+inline vf vmul(vf a, vf b) { QK_LANES(a.v[i] * b.v[i]); }
+inline vf vdiv(vf a, vf b) { QK_LANES(a.v[i] / b.v[i]); }
+inline vf vmax(vf a, vf b) { QK_LANES(a.v[i] > b.v[i] ? a.v[i] : b.v[i]); }
+inline vf vabs(vf a) { QK_LANES(fabsf(a.v[i])); }
+inline vf vfma(vf a, vf b, vf c) { QK_LANES(a.v[i] * b.v[i] + c.v[i]); }  // two roundings (no FMA assumed)
+inline vf vld16(const uint16_t* p) { QK_LANES(bf16_value(p[i])); }
+inline void vld16x2(const uint16_t* p, vf& even, vf& odd) {
+  for (int i = 0; i < W; ++i) {
+    even.v[i] = bf16_value(p[2 * i]);
+    odd.v[i] = bf16_value(p[2 * i + 1]);
+  }
+}
+inline vf vround16(vf x) { QK_LANES(through_bf16(x.v[i])); }
+inline void vst16(uint16_t* p, vf x) { for (int i = 0; i < W; ++i) p[i] = to_bf16(x.v[i]); }
+inline vf vexp(vf x) { QK_LANES(expf(x.v[i])); }
+#undef QK_LANES
+inline float vsum(vf a) {
+  float s = 0.f;
+  for (int i = 0; i < W; ++i) s += a.v[i];
+  return s;
+}
+inline float vmaxr(vf a) {
+  float m = a.v[0];
+  for (int i = 1; i < W; ++i) m = a.v[i] > m ? a.v[i] : m;
+  return m;
+}
+inline void prefetch(const void* p) { __builtin_prefetch(p); }
+#endif
+
+#if QK_TARGET < 2  // tails through a zeroed buffer (AVX512 masks its loads and stores)
+inline vf vld_n(const float* p, int64_t n) {
+  float t[W] = {};
+  memcpy(t, p, n * sizeof(float));
+  return vld(t);
+}
+inline void vst_n(float* p, vf x, int64_t n) {
+  float t[W];
+  vst(t, x);
+  memcpy(p, t, n * sizeof(float));
+}
+inline vf vld16_n(const uint16_t* p, int64_t n) {
+  uint16_t t[W] = {};
+  memcpy(t, p, n * sizeof(uint16_t));
+  return vld16(t);
+}
+inline void vst16_n(uint16_t* p, vf x, int64_t n) {
+  uint16_t t[W];
+  vst16(t, x);
+  memcpy(p, t, n * sizeof(uint16_t));
+}
+#endif
+
+// the lanes of a row from i: W of them, or the tail
+inline vf ld(const float* p, int64_t n, int64_t i) { return n - i >= W ? vld(p + i) : vld_n(p + i, n - i); }
+inline vf ld16(const uint16_t* p, int64_t n, int64_t i) { return n - i >= W ? vld16(p + i) : vld16_n(p + i, n - i); }
+inline void st16(uint16_t* p, vf x, int64_t n, int64_t i) {
+  if (n - i >= W) vst16(p + i, x); else vst16_n(p + i, x, n - i);
+}
+
+inline vf vsilu(vf x) { return vdiv(x, vadd(vset(1.f), vexp(vsub(vzero(), x)))); }
+inline vf vsigmoid(vf x) { return vdiv(vset(1.f), vadd(vset(1.f), vexp(vsub(vzero(), x)))); }
+
+// ---------------------------------------------------------------- activations
+void to_bf16_row(const float* x, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = to_bf16(x[i]);
+}
+
+// x ~ q * d per block of 32, rounding to nearest even (as nearbyint); identical on every unit
+void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int32_t* s, float* ds) {
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    const float* xb = x + b * kBlock;
+    vf m = vzero();
+    for (int i = 0; i < kBlock; i += W) m = vmax(m, vabs(vld(xb + i)));
+    const float amax = vmaxr(m);
+    const float dd = amax / 127.f;
+    const float id = dd > 0.f ? 1.f / dd : 0.f;
+    int32_t sum = 0;
+#if QK_TARGET >= 2
+    const __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(vld(xb), vset(id)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(vld(xb + 16), vset(id)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtsepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtsepi32_epi8(q1));
+    sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#elif QK_TARGET == 1
+    __m256i qi[4];  // vcvtps2dq rounds to nearest even under the default MXCSR
+    for (int j = 0; j < 4; ++j) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(vld(xb + 8 * j), vset(id)));
+    const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * kBlock),
+                        _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i t = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+    h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+    sum = _mm_cvtsi128_si32(_mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1)));
+#else
+    for (int i = 0; i < kBlock; ++i) {
+      const int v = static_cast<int>(nearbyintf(xb[i] * id));
+      q[b * kBlock + i] = static_cast<int8_t>(v);
+      sum += v;
+    }
+#endif
+    d[b] = dd;
+    s[b] = sum;
+    ds[b] = dd * static_cast<float>(sum);
+  }
+}
+
+// out[i] = silu(g[i]) * u[i] for 32 values
+void silu_mul32(const float* g, const float* u, float* out) {
+  for (int i = 0; i < kBlock; i += W) vst(out + i, vmul(vsilu(vld(g + i)), vld(u + i)));
+}
+
+// sum of n floats (n % 64 == 0) with four independent chains: a plain streaming read
+double sum_f32(const float* p, int64_t n) {
+  vf a0 = vzero(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i < n; i += 4 * W) {
+    a0 = vadd(a0, vld(p + i));
+    a1 = vadd(a1, vld(p + i + W));
+    a2 = vadd(a2, vld(p + i + 2 * W));
+    a3 = vadd(a3, vld(p + i + 3 * W));
+  }
+  return vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
+}
+
+// ---------------------------------------------------------------- bf16 matrices
+// Software prefetch distance in bytes ahead of the bf16 rows' streams. 8 KiB beat 1-4 KiB (248k x 2048
+// matrices, one and two threads, measured side by side on the 2-core build machine); further ahead gained
+// nothing. The int4 / int8 tiles leave their streams to the hardware prefetcher (faster without hints).
+constexpr int64_t kPrefetch = 8192;
+
+// out[r] = row r of w (row-major, k % 32 == 0) . x, for R rows
+template <int R>
+void rows_bf16(const uint16_t* w, int64_t k, const uint16_t* x, float* out) {
+#if QK_TARGET == 3
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < k; j += 32) {
+    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + j);
+    for (int r = 0; r < R; ++r) {
+      prefetch(reinterpret_cast<const char*>(w + r * k + j) + kPrefetch);
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w + r * k + j), xv);
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+#else
+  // bf16 widened to fp32 in registers: even and odd elements as two halves (a shift and a mask)
+  vf acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = vzero();
+  for (int64_t j = 0; j < k; j += 2 * W) {
+    vf xe, xo;
+    vld16x2(x + j, xe, xo);
+    for (int r = 0; r < R; ++r) {
+      prefetch(reinterpret_cast<const char*>(w + r * k + j) + kPrefetch);
+      vf we, wo;
+      vld16x2(w + r * k + j, we, wo);
+      acc[r] = vfma(wo, xo, vfma(we, xe, acc[r]));
+    }
+  }
+  for (int r = 0; r < R; ++r) out[r] = vsum(acc[r]);
+#endif
+}
+
+void tile_bf16(const QMat& m, int64_t t, const QAct& a, float* out) {
+  const uint16_t* w = reinterpret_cast<const uint16_t*>(m.qw);
+  int64_t r = t * kTile;
+  const int64_t end = imin(r + kTile, m.n);
+  float* o = out;
+#if QK_TARGET >= 2
+  for (; r + 8 <= end; r += 8, o += 8) rows_bf16<8>(w + r * m.k, m.k, a.xb, o);
+#else
+  for (; r + 4 <= end; r += 4, o += 4) rows_bf16<4>(w + r * m.k, m.k, a.xb, o);
+#endif
+  for (; r < end; ++r, ++o) rows_bf16<1>(w + r * m.k, m.k, a.xb, o);
+  for (; o < out + kTile; ++o) *o = 0.f;
+}
+
+// ---------------------------------------------------------------- int4 / int8 tiles
+#if QK_TARGET >= 2
+constexpr int kRowsPerCall = 4;  // activation rows per pass over a tile (zmm registers: 32)
+
+// One 32-block of a tile against MR activation rows: ga[r] += d_b * (codes . xq) as int32 -> fp32. The
+// high nibbles are masked in place (0xF0, i.e. 16 x code) and their sum shifted right by 4 (exact: a
+// multiple of 16); the +8 offset and the group's scale are applied once per group (tile_int4).
+template <int MR>
+__attribute__((always_inline)) inline void int4_block(const uint8_t* p, const QAct* a, int64_t b, __m512* ga) {
+  const __m512i mlo = _mm512_set1_epi8(0x0F), mhi = _mm512_set1_epi8(static_cast<char>(0xF0));
+  __m512i lo[4], hi[4];
+  for (int c = 0; c < 4; ++c) {
+    __m512i v = _mm512_loadu_si512(p + 64 * c);
+    lo[c] = _mm512_and_si512(v, mlo);
+    hi[c] = _mm512_and_si512(v, mhi);
+  }
+  for (int r = 0; r < MR; ++r) {
+    const int8_t* xq = a[r].q + b * kBlock;
+    __m512i il = _mm512_setzero_si512(), ih = _mm512_setzero_si512();
+    for (int c = 0; c < 4; ++c) {
+      il = _mm512_dpbusd_epi32(il, lo[c], _mm512_set1_epi32(load_i32(xq + 8 * c)));
+      ih = _mm512_dpbusd_epi32(ih, hi[c], _mm512_set1_epi32(load_i32(xq + 8 * c + 4)));
+    }
+    const __m512i is = _mm512_add_epi32(il, _mm512_srai_epi32(ih, 4));
+    ga[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_set1_ps(a[r].d[b]), ga[r]);
+  }
+}
+
+// A 16-row int4 tile, group by group: per row, sum_b d_b (codes_b . xq_b) over the group's blocks, less
+// the +8 offset (8 sum_b d_b s_b), times the group's scale, plus its zero times sum_b d_b s_b.
+template <int MR>
+void tile_int4(const QMat& m, int64_t t, const QAct* a, float* out) {
+  const int64_t nb = m.k / kBlock, ng = m.k / m.group, bpg = m.group / kBlock;
+  const uint8_t* qw = m.qw + t * nb * 256;
+  const uint16_t* sc = static_cast<const uint16_t*>(m.scales) + t * ng * kTile;
+  const uint16_t* zp = m.zeros ? m.zeros + t * ng * kTile : nullptr;
+  __m512 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m512 ga[MR];
+    float dss[MR];
+    for (int r = 0; r < MR; ++r) {
+      ga[r] = _mm512_setzero_ps();
+      dss[r] = 0.f;
+    }
+    for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+      int4_block<MR>(qw + b * 256, a, b, ga);
+      for (int r = 0; r < MR; ++r) dss[r] += a[r].ds[b];
+    }
+    const __m512 s = vld16(sc + g * kTile);
+    for (int r = 0; r < MR; ++r)
+      acc[r] = _mm512_fmadd_ps(_mm512_sub_ps(ga[r], _mm512_set1_ps(8.f * dss[r])), s, acc[r]);
+    if (zp) {
+      const __m512 z = vld16(zp + g * kTile);
+      for (int r = 0; r < MR; ++r) acc[r] = _mm512_fmadd_ps(z, _mm512_set1_ps(dss[r]), acc[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * kTile, acc[r]);
+}
+
+template <int MR>
+void tile_int8(const QMat& m, int64_t t, const QAct* a, float* out) {
+  const int64_t nb = m.k / kBlock;
+  const uint8_t* qw = m.qw + t * nb * 512;
+  __m512 fs[MR];
+  for (int r = 0; r < MR; ++r) fs[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = qw + b * 512;
+    __m512i w[8];
+    for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(p + 64 * c);
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* xq = a[r].q + b * kBlock;
+      __m512i i[4];
+      for (int j = 0; j < 4; ++j)
+        i[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
+      for (int j = 0; j < 4; ++j)
+        i[j] = _mm512_dpbusd_epi32(i[j], w[j + 4], _mm512_set1_epi32(load_i32(xq + 4 * j + 16)));
+      __m512i is = _mm512_add_epi32(_mm512_add_epi32(i[0], i[1]), _mm512_add_epi32(i[2], i[3]));
+      is = _mm512_sub_epi32(is, _mm512_set1_epi32(128 * a[r].s[b]));
+      fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_set1_ps(a[r].d[b]), fs[r]);
+    }
+  }
+  const __m512 s = _mm512_loadu_ps(static_cast<const float*>(m.scales) + t * kTile);
+  for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * kTile, _mm512_mul_ps(s, fs[r]));
+}
+
+#elif QK_TARGET == 1
+constexpr int kRowsPerCall = 2;  // activation rows per pass over a tile (ymm registers: 16)
+
+// The 16-row tile as two 8-row halves (the low and high 32 bytes of each 64-byte row of codes).
+template <int MR>
+void tile_int4(const QMat& m, int64_t t, const QAct* a, float* out) {
+  const int64_t nb = m.k / kBlock, bpg = m.group / kBlock, ng = m.k / m.group;
+  const uint8_t* qw = m.qw + t * nb * 256;
+  const uint16_t* sc = static_cast<const uint16_t*>(m.scales) + t * ng * kTile;
+  const uint16_t* zp = m.zeros ? m.zeros + t * ng * kTile : nullptr;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[MR];
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < ng; ++g) {
+      __m256 fs[MR];
+      float zs[MR];
+      for (int r = 0; r < MR; ++r) { fs[r] = _mm256_setzero_ps(); zs[r] = 0.f; }
+      for (int64_t bb = 0; bb < bpg; ++bb) {
+        const int64_t b = g * bpg + bb;
+        const uint8_t* p = qw + b * 256 + 32 * h;
+        // 16-bit sums: each vpmaddubsw lane is at most 2 * 15 * 127 and a block adds 8 of them (30480)
+        __m256i s16[MR];
+        for (int r = 0; r < MR; ++r) s16[r] = _mm256_setzero_si256();
+        for (int c = 0; c < 4; ++c) {
+          __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c));
+          __m256i lo = _mm256_and_si256(v, mask);
+          __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+          for (int r = 0; r < MR; ++r) {
+            const int8_t* xq = a[r].q + b * kBlock + 8 * c;
+            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xq))));
+            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xq + 4))));
+          }
+        }
+        for (int r = 0; r < MR; ++r) {
+          __m256i is = _mm256_sub_epi32(_mm256_madd_epi16(s16[r], ones), _mm256_set1_epi32(8 * a[r].s[b]));
+          fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(a[r].d[b]), fs[r]);
+          zs[r] += a[r].ds[b];
+        }
+      }
+      const __m256 s = vld16(sc + g * kTile + 8 * h);
+      for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(s, fs[r], acc[r]);
+      if (zp) {
+        const __m256 z = vld16(zp + g * kTile + 8 * h);
+        for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(z, _mm256_set1_ps(zs[r]), acc[r]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * kTile + 8 * h, acc[r]);
+  }
+}
+
+template <int MR>
+void tile_int8(const QMat& m, int64_t t, const QAct* a, float* out) {
+  const int64_t nb = m.k / kBlock;
+  const uint8_t* qw = m.qw + t * nb * 512;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 fs[MR];
+    for (int r = 0; r < MR; ++r) fs[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = qw + b * 512 + 32 * h;
+      __m256i i32[MR];
+      for (int r = 0; r < MR; ++r) i32[r] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        // back to the signed code, then |w| x sign(x, w): vpmaddubsw's u8 x s8 cannot overflow (2*128*127)
+        __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c)), flip);
+        __m256i aw = _mm256_sign_epi8(w, w);
+        for (int r = 0; r < MR; ++r) {
+          __m256i x = _mm256_set1_epi32(load_i32(a[r].q + b * kBlock + 4 * c));
+          i32[r] = _mm256_add_epi32(i32[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones));
+        }
+      }
+      for (int r = 0; r < MR; ++r)
+        fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[r]), _mm256_set1_ps(a[r].d[b]), fs[r]);
+    }
+    const __m256 s = _mm256_loadu_ps(static_cast<const float*>(m.scales) + t * kTile + 8 * h);
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * kTile + 8 * h, _mm256_mul_ps(s, fs[r]));
+  }
+}
+
+#else
+constexpr int kRowsPerCall = 1;
+
+// The same sums as the SIMD tiles, one row at a time: int32 dots per block, then the block's scale.
+template <int MR>
+void tile_int4(const QMat& m, int64_t t, const QAct* a, float* out) {
+  const int64_t nb = m.k / kBlock, ng = m.k / m.group, bpg = m.group / kBlock;
+  const uint8_t* qw = m.qw + t * nb * 256;
+  const uint16_t* sc = static_cast<const uint16_t*>(m.scales) + t * ng * kTile;
+  const uint16_t* zp = m.zeros ? m.zeros + t * ng * kTile : nullptr;
+  for (int r = 0; r < MR; ++r)
+    for (int row = 0; row < kTile; ++row) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < ng; ++g) {
+        float ga = 0.f, dss = 0.f;
+        for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+          const uint8_t* p = qw + b * 256 + 4 * row;
+          const int8_t* xq = a[r].q + b * kBlock;
+          int32_t is = 0;
+          for (int c = 0; c < 4; ++c)
+            for (int i = 0; i < 4; ++i) {
+              const uint8_t byte = p[64 * c + i];
+              is += (byte & 15) * xq[8 * c + i] + (byte >> 4) * xq[8 * c + 4 + i];
+            }
+          ga += static_cast<float>(is) * a[r].d[b];
+          dss += a[r].ds[b];
+        }
+        acc += (ga - 8.f * dss) * bf16_value(sc[g * kTile + row]);
+        if (zp) acc += bf16_value(zp[g * kTile + row]) * dss;
+      }
+      out[r * kTile + row] = acc;
+    }
+}
+
+template <int MR>
+void tile_int8(const QMat& m, int64_t t, const QAct* a, float* out) {
+  const int64_t nb = m.k / kBlock;
+  const uint8_t* qw = m.qw + t * nb * 512;
+  const float* sc = static_cast<const float*>(m.scales) + t * kTile;
+  for (int r = 0; r < MR; ++r)
+    for (int row = 0; row < kTile; ++row) {
+      float fs = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = qw + b * 512 + 4 * row;
+        const int8_t* xq = a[r].q + b * kBlock;
+        int32_t is = 0;
+        for (int c = 0; c < 8; ++c)
+          for (int i = 0; i < 4; ++i) is += p[64 * c + i] * xq[4 * c + i];
+        fs += static_cast<float>(is - 128 * a[r].s[b]) * a[r].d[b];
+      }
+      out[r * kTile + row] = sc[row] * fs;
+    }
+}
+#endif
+
+template <int MR>
+void tile_mr(const QMat& m, int64_t t, const QAct* a, float* out) {
+  if (m.fmt == 4) tile_int4<MR>(m, t, a, out); else tile_int8<MR>(m, t, a, out);
+}
+
+// rows of `a` in chunks of kRowsPerCall; out [rows][16]
+void tile(const QMat& m, int64_t t, const QAct* a, int64_t rows, float* out) {
+  if (m.fmt == 16) {
+    for (int64_t r = 0; r < rows; ++r) tile_bf16(m, t, a[r], out + r * kTile);
+    return;
+  }
+  for (int64_t r = 0; r < rows; r += kRowsPerCall) {
+    switch (imin(kRowsPerCall, rows - r)) {
+      case 1: tile_mr<1>(m, t, a + r, out + r * kTile); break;
+#if QK_TARGET >= 1
+      case 2: tile_mr<2>(m, t, a + r, out + r * kTile); break;
+#endif
+#if QK_TARGET >= 2
+      case 3: tile_mr<3>(m, t, a + r, out + r * kTile); break;
+      case 4: tile_mr<4>(m, t, a + r, out + r * kTile); break;
+#endif
+      default: break;
+    }
+  }
+}
+
+// ---------------------------------------------------------------- the gated delta rule
+// One head for one token, state S [K, V] fp32 updated in place: S *= decay; kv = k^T S;
+// S += k (beta (v - kv))^T; out = q^T S. Two passes over S (the second from L2).
+void delta_head(float* S, int64_t K, int64_t V, const float* q, const float* k, const float* v, float decay,
+                float beta, float* kv, float* out) {
+  if (V % W) {  // a width no vector divides: plain loops
+    for (int64_t j = 0; j < V; ++j) kv[j] = 0.f;
+    for (int64_t i = 0; i < K; ++i)
+      for (int64_t j = 0; j < V; ++j) {
+        S[i * V + j] *= decay;
+        kv[j] += k[i] * S[i * V + j];
+      }
+    for (int64_t j = 0; j < V; ++j) {
+      kv[j] = (v[j] - kv[j]) * beta;
+      out[j] = 0.f;
+    }
+    for (int64_t i = 0; i < K; ++i)
+      for (int64_t j = 0; j < V; ++j) {
+        S[i * V + j] += k[i] * kv[j];
+        out[j] += q[i] * S[i * V + j];
+      }
+    return;
+  }
+  const vf dv = vset(decay);
+  for (int64_t j = 0; j < V; j += W) vst(kv + j, vzero());
+  for (int64_t i = 0; i < K; ++i) {
+    float* row = S + i * V;
+    const vf ki = vset(k[i]);
+    for (int64_t j = 0; j < V; j += W) {
+      const vf sv = vmul(vld(row + j), dv);
+      vst(row + j, sv);
+      vst(kv + j, vfma(ki, sv, vld(kv + j)));
+    }
+  }
+  const vf bv = vset(beta);
+  for (int64_t j = 0; j < V; j += W) {
+    vst(kv + j, vmul(vsub(vld(v + j), vld(kv + j)), bv));
+    vst(out + j, vzero());
+  }
+  for (int64_t i = 0; i < K; ++i) {
+    float* row = S + i * V;
+    const vf ki = vset(k[i]), qi = vset(q[i]);
+    for (int64_t j = 0; j < V; j += W) {
+      const vf sv = vfma(ki, vld(kv + j), vld(row + j));
+      vst(row + j, sv);
+      vst(out + j, vfma(qi, sv, vld(out + j)));
+    }
+  }
+}
+
+// ---------------------------------------------------------------- attention over bf16 K/V
+// scores s [G, n] of G query heads against key rows 0..n-1: bf16(bf16(q . k) * scaling)
+#if QK_TARGET == 3
+// lane i = the sum of v[i]'s 16 lanes: a transpose-and-add tree (15 adds for 16 sums instead of 16 reductions)
+inline __m512 reduce16(const __m512* v) {
+  __m512 t[8], u[4];
+  for (int i = 0; i < 8; ++i)
+    t[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
+    u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+  const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
+// 32 bf16 values at p + d of a row of hd (a multiple of 16): the last 16 of an odd row padded with zeros
+inline __m512bh row32(const uint16_t* p, int64_t d, int64_t hd) {
+  return (__m512bh)(d + 32 <= hd ? _mm512_loadu_si512(p + d) : _mm512_maskz_loadu_epi16(0xFFFFu, p + d));
+}
+
+template <int G>
+void attend_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t hd, float scaling, float* s) {
+  constexpr int R = 16 / G;  // key rows per batch: 16 dot products reduced together
+  const __m512 sc = _mm512_set1_ps(scaling);
+  int64_t j = 0;
+  for (; j + R <= n; j += R) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < hd; d += 32) {
+      __m512bh qv[G];
+      for (int h = 0; h < G; ++h) qv[h] = row32(q + h * hd, d, hd);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh kv = row32(k + (j + r) * hd, d, hd);
+        for (int h = 0; h < G; ++h) acc[r * G + h] = _mm512_dpbf16_ps(acc[r * G + h], kv, qv[h]);
+      }
+    }
+    float out[16];
+    _mm512_storeu_ps(out, vround16(_mm512_mul_ps(vround16(reduce16(acc)), sc)));
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < G; ++h) s[h * n + j + r] = out[r * G + h];
+  }
+  for (; j < n; ++j)
+    for (int h = 0; h < G; ++h) {
+      __m512 a = _mm512_setzero_ps();
+      for (int64_t d = 0; d < hd; d += 32)
+        a = _mm512_dpbf16_ps(a, row32(k + j * hd, d, hd), row32(q + h * hd, d, hd));
+      s[h * n + j] = through_bf16(through_bf16(_mm512_reduce_add_ps(a)) * scaling);
+    }
+}
+#else
+// bf16 widened to fp32: per key row, its W-wide pieces against the G query rows (each read once per row)
+template <int G>
+void attend_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t hd, float scaling, float* s) {
+  for (int64_t j = 0; j < n; ++j) {
+    vf acc[G];
+    for (int h = 0; h < G; ++h) acc[h] = vzero();
+    for (int64_t d = 0; d < hd; d += W) {
+      const vf kv = vld16(k + j * hd + d);
+      for (int h = 0; h < G; ++h) acc[h] = vfma(vld16(q + h * hd + d), kv, acc[h]);
+    }
+    for (int h = 0; h < G; ++h) s[h * n + j] = through_bf16(through_bf16(vsum(acc[h])) * scaling);
+  }
+}
+#endif
+
+// in place: each row of s [G, n] -> bf16(softmax) in fp32
+void attend_softmax(float* s, int64_t g, int64_t n) {
+  for (int64_t h = 0; h < g; ++h) {
+    float* sh = s + h * n;
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < n; ++j) mx = fmaxf(mx, sh[j]);
+    float sum = 0.f;
+    int64_t j = 0;
+    for (; j + W <= n; j += W) {
+      const vf e = vexp(vsub(vld(sh + j), vset(mx)));
+      vst(sh + j, e);
+      sum += vsum(e);
+    }
+    for (; j < n; ++j) {
+      sh[j] = expf(sh[j] - mx);
+      sum += sh[j];
+    }
+    const vf sv = vset(sum);
+    for (j = 0; j + W <= n; j += W) vst(sh + j, vround16(vdiv(vld(sh + j), sv)));
+    for (; j < n; ++j) sh[j] = through_bf16(sh[j] / sum);
+  }
+}
+
+// acc [G, hd] = p [G, n] @ v [n, hd] in fp32, rows in order; blocks of 64 value rows stay in L1 while
+// C chunks of W columns of the G outputs sit in registers
+template <int G, int C>
+void attend_sum(const float* p, const uint16_t* v, int64_t n, int64_t hd, float* acc) {
+  constexpr int64_t kRows = 64;
+  for (int64_t i = 0; i < G * hd; ++i) acc[i] = 0.f;
+  for (int64_t j0 = 0; j0 < n; j0 += kRows) {
+    const int64_t j1 = imin(n, j0 + kRows);
+    for (int64_t d = 0; d < hd; d += W * C) {
+      vf a[G][C];
+      for (int h = 0; h < G; ++h)
+        for (int c = 0; c < C; ++c) a[h][c] = vld(acc + h * hd + d + W * c);
+      for (int64_t j = j0; j < j1; ++j) {
+        vf vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = vld16(v + j * hd + d + W * c);
+        for (int h = 0; h < G; ++h) {
+          const vf w = vset(p[h * n + j]);
+          for (int c = 0; c < C; ++c) a[h][c] = vfma(w, vv[c], a[h][c]);
+        }
+      }
+      for (int h = 0; h < G; ++h)
+        for (int c = 0; c < C; ++c) vst(acc + h * hd + d + W * c, a[h][c]);
+    }
+  }
+}
+
+template <int G>
+void attend_group(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t n, int64_t hd, float scaling,
+                  float* s, float* acc, uint16_t* out) {
+  attend_scores<G>(q, k, n, hd, scaling, s);
+  attend_softmax(s, G, n);
+  // two chunks of W columns in registers where they and the G accumulators fit (32 zmm, 16 ymm)
+  constexpr bool two = W == 16 ? G <= 8 : G <= 4;
+  if (two && hd % (2 * W) == 0) attend_sum<G, 2>(s, v, n, hd, acc); else attend_sum<G, 1>(s, v, n, hd, acc);
+  to_bf16_row(acc, G * hd, out);
+}
+
+// G query heads q [G, hd] against rows 0..n-1 of k and v [cap, hd]; out [G, hd] bf16
+void attend_head(int G, const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t n, int64_t hd,
+                 float scaling, float* s, float* acc, uint16_t* out) {
+  switch (G) {
+#if QK_TARGET == 3
+    case 16: attend_group<16>(q, k, v, n, hd, scaling, s, acc, out); break;
+#else
+    case 16:  // sixteen accumulators do not fit the registers of the widening scores: two groups of 8
+      attend_group<8>(q, k, v, n, hd, scaling, s, acc, out);
+      attend_group<8>(q + 8 * hd, k, v, n, hd, scaling, s, acc, out + 8 * hd);
+      break;
+#endif
+    case 8: attend_group<8>(q, k, v, n, hd, scaling, s, acc, out); break;
+    case 4: attend_group<4>(q, k, v, n, hd, scaling, s, acc, out); break;
+    case 2: attend_group<2>(q, k, v, n, hd, scaling, s, acc, out); break;
+    default: attend_group<1>(q, k, v, n, hd, scaling, s, acc, out); break;
+  }
+}
+
+// ---------------------------------------------------------------- a layer's elementwise ops (bf16 rows)
+// sum of squares of n bf16 values, fp32
+float sum_sq(const uint16_t* x, int64_t n) {
+  vf acc = vzero();
+  for (int64_t i = 0; i < n; i += W) {
+    const vf v = ld16(x, n, i);
+    acc = vadd(acc, vmul(v, v));
+  }
+  return vsum(acc);
+}
+
+// y = bf16((x * rsqrt(mean(x^2) + eps)) * scale): transformers' Qwen3_5MoeRMSNorm with (1 + w) precomputed
+void rms_row(const uint16_t* x, int64_t n, const float* scale, float eps, uint16_t* y) {
+  const float ms = sum_sq(x, n) / static_cast<float>(n);
+  const vf r = vset(1.f / sqrtf(ms + eps));
+  for (int64_t i = 0; i < n; i += W) st16(y, vmul(vmul(ld16(x, n, i), r), ld(scale, n, i)), n, i);
+}
+
+void add_bf16(const uint16_t* x, const uint16_t* a, int64_t n, uint16_t* y) {
+  for (int64_t i = 0; i < n; i += W) st16(y, vadd(ld16(x, n, i), ld16(a, n, i)), n, i);
+}
+
+// bf16(bf16(silu(gate)) * up)
+void silu_mul_bf16(const uint16_t* g, const uint16_t* u, int64_t n, uint16_t* y) {
+  for (int64_t i = 0; i < n; i += W) st16(y, vmul(vround16(vsilu(ld16(g, n, i))), ld16(u, n, i)), n, i);
+}
+
+// p = e^(x - mx) of n bf16 values; returns their sum (lane sums, then across lanes)
+float exp_shifted(const uint16_t* x, int64_t n, float mx, float* p) {
+  vf acc = vzero();
+  for (int64_t i = 0; i < n; i += W) {
+    vf e = vexp(vsub(ld16(x, n, i), vset(mx)));
+    if (n - i >= W) {
+      vst(p + i, e);
+    } else {
+      vst_n(p + i, e, n - i);
+      e = vld_n(p + i, n - i);  // the tail's lanes past n must not join the sum
+    }
+    acc = vadd(acc, e);
+  }
+  return vsum(acc);
+}
+
+// x + bf16(bf16(routed) + bf16(gate * shared)), gate = bf16(sigmoid(sg)) given
+void moe_out(const uint16_t* x, const float* routed, const uint16_t* shared, float gate, int64_t n, uint16_t* y) {
+  const vf gv = vset(gate);
+  for (int64_t i = 0; i < n; i += W) {
+    const vf blk = vround16(vadd(vround16(ld(routed, n, i)), vround16(vmul(gv, ld16(shared, n, i)))));
+    st16(y, vadd(ld16(x, n, i), blk), n, i);
+  }
+}
+
+// o = bf16(o * bf16(sigmoid(g))): the attention output's gate
+void gate_mul(uint16_t* o, const uint16_t* g, int64_t n) {
+  for (int64_t i = 0; i < n; i += W) st16(o, vmul(ld16(o, n, i), vround16(vsigmoid(ld16(g, n, i)))), n, i);
+}
+
+// ---------------------------------------------------------------- Gated DeltaNet layer
+// conv window shifted by the new input, then out[c] = bf16(silu(sum_j window[j][c] * w[j][c])), taps in
+// order, each product and sum rounded (torch's mul / add_ per tap)
+void gdn_conv(const GdnArgs& g, uint16_t* out) {
+  const int64_t K = g.taps, C = g.channels;
+  memmove(g.conv, g.conv + C, (K - 1) * C * sizeof(uint16_t));
+  memcpy(g.conv + (K - 1) * C, g.qkv, C * sizeof(uint16_t));
+  for (int64_t c = 0; c < C; c += W) {
+    vf acc = vmul(ld16(g.conv, C, c), ld(g.conv_w, C, c));
+    for (int64_t j = 1; j < K; ++j) acc = vadd(acc, vmul(ld16(g.conv + j * C, C, c), ld(g.conv_w + j * C, C, c)));
+    st16(out, vsilu(acc), C, c);
+  }
+}
+
+// x * rsqrt(sum(x^2) + 1e-6) / div of one bf16 row into fp32 (the delta rule's q and k)
+void l2norm_row(const uint16_t* x, int64_t n, float div, float* y) {
+  const float ss = sum_sq(x, n);
+  const vf r = vset(1.f / sqrtf(ss + 1e-6f)), dv = vset(div);
+  for (int64_t i = 0; i < n; i += W) {
+    vf v = vmul(ld16(x, n, i), r);
+    if (div != 1.f) v = vdiv(v, dv);
+    if (n - i >= W) vst(y + i, v); else vst_n(y + i, v, n - i);
+  }
+}
+
+// one value head h: its q/k (of k-head h / (Hv/Hk)), v, gates, the state update, the gated RMSNorm
+void gdn_head(const GdnArgs& g, const uint16_t* x, int64_t h, float* scratch, uint16_t* ob, uint16_t* out) {
+  float *q = scratch, *k = q + g.dk, *v = k + g.dk, *kv = v + g.dv, *o = kv + g.dv;
+  const int64_t kh = h / (g.hv / g.hk), key_dim = g.hk * g.dk;
+  l2norm_row(x + kh * g.dk, g.dk, sqrtf(static_cast<float>(g.dk)), q);
+  l2norm_row(x + key_dim + kh * g.dk, g.dk, 1.f, k);
+  const uint16_t* xv = x + 2 * key_dim + h * g.dv;
+  for (int64_t i = 0; i < g.dv; ++i) v[i] = bf16_value(xv[i]);
+  const float beta = through_bf16(sigmoid1(bf16_value(g.b[h])));
+  const float sp = bf16_value(g.a[h]) + g.dt_bias[h];
+  const float softplus = sp > 20.f ? sp : log1pf(expf(sp));
+  const float decay = expf(g.neg_a[h] * softplus);
+  delta_head(g.state + h * g.dk * g.dv, g.dk, g.dv, q, k, v, decay, beta, kv, o);
+  // gated RMSNorm: y = bf16(o * rsqrt(mean(o^2) + eps)) with o rounded to bf16 first; w * y (bf16 when w
+  // is); times silu(z) in fp32; rounded to bf16
+  for (int64_t i = 0; i < g.dv; ++i) ob[i] = to_bf16(o[i]);
+  const float ms = sum_sq(ob, g.dv) / static_cast<float>(g.dv);
+  const vf r = vset(1.f / sqrtf(ms + g.eps));
+  const uint16_t* zh = g.z + h * g.dv;
+  for (int64_t i = 0; i < g.dv; i += W) {
+    const vf y = vround16(vmul(ld16(ob, g.dv, i), r));
+    vf wy = vmul(ld(g.norm_w, g.dv, i), y);
+    if (g.norm_w_bf16) wy = vround16(wy);
+    st16(out + h * g.dv, vmul(wy, vsilu(ld16(zh, g.dv, i))), g.dv, i);
+  }
+}
+
+// ---------------------------------------------------------------- gated attention layer
+// rows [R, hd] bf16 -> RMSNorm with per-row scales [R, hd], then the rotary on the first `rot` dims:
+// y = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)), as transformers' apply_rotary_pos_emb on bf16
+void norm_rotate(const uint16_t* x, int64_t stride, int64_t rows, int64_t hd, const float* scale,
+                 const uint16_t* cos, const uint16_t* sin, int64_t rot, float eps, uint16_t* nrm, uint16_t* y) {
+  const int64_t half = rot / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    rms_row(x + r * stride, hd, scale + r * hd, eps, nrm);
+    uint16_t* yr = y + r * hd;
+    for (int64_t i = 0; i < rot; ++i) {
+      const float xi = bf16_value(nrm[i]);
+      const float other = i < half ? -bf16_value(nrm[i + half]) : bf16_value(nrm[i - half]);
+      const float a = through_bf16(xi * bf16_value(cos[i])), b = through_bf16(other * bf16_value(sin[i]));
+      yr[i] = to_bf16(a + b);
+    }
+    memcpy(yr + rot, nrm + rot, (hd - rot) * sizeof(uint16_t));
+  }
+}
+
+#if QK_TARGET == 0
+#define QK_NAME "generic"
+#define QK_LEVEL 0
+#define QK_ENTRY qk_ops_generic
+#elif QK_TARGET == 1
+#define QK_NAME "avx2"
+#define QK_LEVEL 1
+#define QK_ENTRY qk_ops_avx2
+#elif QK_TARGET == 2
+#define QK_NAME "avx512"
+#define QK_LEVEL 2
+#define QK_ENTRY qk_ops_avx512
+#else
+#define QK_NAME "avx512bf16"
+#define QK_LEVEL 2
+#define QK_ENTRY qk_ops_avx512bf16
+#endif
+
+// constant-initialised: loading the module runs none of this unit's code
+constexpr qk::Ops kOps = {QK_NAME,    QK_LEVEL,  quantize_row, tile,     to_bf16_row, silu_mul32,
+                          sum_f32,    delta_head, attend_head, rms_row,  add_bf16,    silu_mul_bf16,
+                          exp_shifted, moe_out,   gate_mul,    gdn_conv, gdn_head,    norm_rotate};
+
+}  // namespace
+
+extern "C" const qk::Ops* QK_ENTRY() { return &kOps; }
