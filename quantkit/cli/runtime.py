@@ -76,7 +76,7 @@ def generate_cmd(
     seed: int = typer.Option(None, "--seed", parser=SEED),
     think: bool = typer.Option(True, "--think/--no-think", help="let the model reason first (default on)"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object: text, thinking, token counts, tok/s, "
-                                 "finish reason"),
+                                 "finish reason, the CPU route (instruction set, fused ops, one call)"),
     plan: Path = _PLAN, recipe: str = _RECIPE, context: int = _CONTEXT, verify: str = _VERIFY,
     threads: int = _THREADS,
 ) -> None:
@@ -122,6 +122,7 @@ def generate_cmd(
         d = resp.to_dict()
         d["model"] = str(rt.folder)
         d["memory_weights"] = rt.memory()
+        d["route"] = rt.route()
         console.print_json(json.dumps(d))
         return
     if shown:

@@ -241,6 +241,7 @@ class Chat:
         self.say(f"model {self.rt.folder} ({getattr(self.rt.recipe, 'name', '?')}), placement: "
                  f"{self.rt.placement.source}")
         self.say("weights: " + ", ".join(f"{d} {fmt_bytes(b)}" for d, b in w.items()))
+        self.say(self.rt.route_line())
         self.say(f"context: {self.context_used}/{self.rt.context} tokens used, {len(self.s.messages)} messages, "
                  f"thinking {'on' if self.s.thinking else 'off'}")
         if self.last:

@@ -11,9 +11,15 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_json_bounded
-from quantkit.runtime import decode_step
+from quantkit.runtime import cpu_kernel, decode_step
 from quantkit.runtime.devices import available_bytes
-from quantkit.runtime.generate import GenerationResponse, SamplingParams, TokenEvent, stream_tokens
+from quantkit.runtime.generate import (
+    GenerationResponse,
+    SamplingParams,
+    TokenEvent,
+    lean_decoder,
+    stream_tokens,
+)
 from quantkit.runtime.safe_prompt import render_ids
 from quantkit.runtime.state_cache import PrefixCache
 
@@ -113,6 +119,20 @@ class Runtime:
     @property
     def devices(self) -> list[str]:
         return self.placement.devices()
+
+    def route(self) -> dict[str, Any]:
+        """The decode route of the CPU part of the model: {"isa": generic|avx2|avx512 (or none), "table",
+        "fused_ops", "one_call"} (`LeanDecoder.route`; both False where lean decode is off)."""
+        dec = lean_decoder(self.model, self.lean_decode, self.cuda_graphs)
+        if dec is None:
+            return {"isa": cpu_kernel.isa(), "table": cpu_kernel.isa_name(), "fused_ops": False, "one_call": False}
+        return dec.route()
+
+    def route_line(self) -> str:
+        """The route in a few words, for logs and /stats."""
+        r = self.route()
+        how = "one call per token" if r["one_call"] else "fused ops per layer" if r["fused_ops"] else "torch ops"
+        return f"CPU route: {r['table']} kernel ({r['isa']}), {how}"
 
     def memory(self) -> dict[str, int]:
         """Resident weight bytes per device (what the loader placed)."""

@@ -1,0 +1,62 @@
+"""The decode route is visible: `generate --json` carries {"isa", "table", "fused_ops", "one_call"}, chat's
+/stats and the serve start line name it, and it follows QUANTKIT_CPU_ISA (forced in a fresh process, as a
+user sets it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_chat_cache import run_chat
+
+from quantkit.runtime import SamplingParams, cpu_kernel, load_model
+
+from conftest import run_cli
+from test_runtime_common import quantized
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_generate_json_names_the_route(tiny_model, capsys, monkeypatch):
+    q = quantized(tiny_model, "quality")
+    code, out, err = run_cli(["generate", q, "--prompt", "hi", "--max-new-tokens", "2", "--json", "--no-think"],
+                             capsys, monkeypatch)
+    assert code == 0, err
+    route = json.loads(out)["route"]
+    assert set(route) == {"isa", "table", "fused_ops", "one_call"}
+    if cpu_kernel.available():
+        assert route["isa"] == cpu_kernel.isa() and route["table"] == cpu_kernel.module().table()
+        assert route["fused_ops"] is True and route["one_call"] is True  # the tiny model is all on the CPU
+    else:
+        assert route == {"isa": "none", "table": "none", "fused_ops": False, "one_call": False}
+
+
+def test_lean_decode_off_is_torch_ops(tiny_model):
+    rt = load_model(tiny_model, recipe="int4")
+    rt.lean_decode = False
+    assert rt.route()["fused_ops"] is False and rt.route()["one_call"] is False
+    assert rt.route_line().endswith("torch ops")
+
+
+def test_chat_stats_names_the_route(tiny_model):
+    rt = load_model(tiny_model, recipe="int4")
+    _chat, out = run_chat(rt, ["hello", "/stats"], SamplingParams(temperature=0, max_new_tokens=3))
+    assert rt.route_line() in out and "CPU route: " in out
+
+
+@pytest.mark.parametrize("level", ["avx2", "generic"])
+def test_forced_isa_shows_in_the_route(tiny_model, level):
+    """A forced lower level runs the whole fused, one-call step on that level's table."""
+    mod = cpu_kernel.module()
+    if mod is None or level not in cpu_kernel.ISA_NAMES.values() or cpu_kernel.ISA_LEVELS[level] > mod.detect_isa():
+        pytest.skip(f"{level}: this CPU or build cannot run it")
+    q = quantized(tiny_model, "quality")
+    p = subprocess.run([sys.executable, "-m", "quantkit", "generate", q, "--prompt", "hi", "--max-new-tokens", "2",
+                        "--json", "--no-think"], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(ROOT), "QUANTKIT_CPU_ISA": level})
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["route"] == {"isa": level, "table": level, "fused_ops": True, "one_call": True}
