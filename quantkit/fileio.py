@@ -12,12 +12,14 @@ Where an output may go is decided by quantkit/outputs.py (`guard_output`), which
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
+import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from quantkit.errors import QuantkitError
 
@@ -135,12 +137,26 @@ def write_atomic(path: Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
+def open_regular(path: Path, what: str = "file") -> BinaryIO:
+    """`path` opened for reading, refused in one line unless it is a regular file: a FIFO would block the
+    open (or the read) forever and a device never ends (opened non-blocking, then checked)."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "is a folder", str(path))
+        raise QuantkitError(f"{path}: is not a regular file (a FIFO, socket or device); name the {what} itself")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
 def read_bytes_bounded(path: str | Path, what: str = "file", limit: int = DEFAULT_READ_LIMIT) -> bytes:
     """The bytes of a user-named file, at most `limit` of them: a larger file (or an endless device) is refused
     with one line naming it, after reading no more than `limit + 1` bytes."""
     p = Path(path)
     try:
-        with open(p, "rb") as f:
+        with open_regular(p, what) as f:
             data = f.read(limit + 1)
     except IsADirectoryError:
         raise QuantkitError(f"{p}: is a folder; name the {what}") from None

@@ -2,6 +2,7 @@
 exporters). `guard_output` is called before any work and refuses, in one line naming the path and what to do:
 
 - a location equal to, inside, or holding a source (resolved through symlinks): a source is never written;
+- a symbolic link (writing would replace the link), a FIFO, socket or device;
 - an existing output without the command's `--overwrite`; with it, a folder (or file) that quantkit did not
   write (`owned` says how to recognise its own: a manifest, a marker file, a GGUF magic) is still refused:
   quantkit deletes only what it wrote;
@@ -20,7 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from quantkit.errors import QuantkitError
-from quantkit.fileio import atomic_write_json, clean_leftovers
+from quantkit.fileio import atomic_write_json, clean_leftovers, read_json_bounded
 
 MARKER = ".quantkit-output.json"
 # files that mark a folder as written by quantkit: the marker, the quantizer's manifest and journal, the tiny
@@ -45,6 +46,17 @@ def has_magic(magic: bytes) -> Callable[[Path], bool]:
                 return f.read(len(magic)) == magic
         except OSError:
             return False
+    return test
+
+
+def json_with_keys(*keys: str, limit: int = 64 << 20) -> Callable[[Path], bool]:
+    """An `owned` test for JSON files: a JSON object holding every one of `keys` (read with a size bound)."""
+    def test(p: Path) -> bool:
+        try:
+            d = read_json_bounded(p, "file", limit)
+        except QuantkitError:
+            return False
+        return isinstance(d, dict) and all(k in d for k in keys)
     return test
 
 
@@ -110,11 +122,21 @@ def guard_output(out: Path, *, sources: Sequence[Path] = (), kind: str = "file",
     option in messages ("--out "); `kind` is "file" or "folder"; `owned` recognises quantkit's own earlier
     output (default for folders: `is_own_folder`); `create_parents` allows a missing parent folder."""
     out = Path(out)
-    if kind == "folder" and owned is None:
-        owned = is_own_folder
+    try:
+        _guard(out, sources, kind, overwrite, owned or (is_own_folder if kind == "folder" else None), need_bytes,
+               flag, create_parents)
+    except OSError as e:  # e.g. a name longer than the file system allows
+        raise QuantkitError(f"{flag}{out}: cannot write there ({e.strerror}); pick another location") from None
+
+
+def _guard(out: Path, sources: Sequence[Path], kind: str, overwrite: bool, owned: Callable[[Path], bool] | None,
+           need_bytes: int, flag: str, create_parents: bool) -> None:
     check_not_source(out, sources, flag)
-    if out.is_symlink() and not out.exists():
-        raise QuantkitError(f"{flag}{out}: is a dangling symlink; remove it or pick another location")
+    if out.is_symlink():  # writing would replace the link (or, for a folder, fail to remove it)
+        raise QuantkitError(f"{flag}{out}: is a symbolic link; name the location itself "
+                            f"({os.path.realpath(out)}) or pick another")
+    if out.exists() and not (out.is_file() or out.is_dir()):
+        raise QuantkitError(f"{flag}{out}: is not a regular file (a FIFO, socket or device); pick another location")
     if out.exists():
         if kind == "folder" and not out.is_dir():
             raise QuantkitError(f"{flag}{out}: exists and is not a folder; pick another location")

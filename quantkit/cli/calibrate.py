@@ -24,7 +24,7 @@ from quantkit.fileio import write_atomic
 from quantkit.model.checkpoint import spec_from_path
 from quantkit.model.contract import read_quant_config
 from quantkit.model.spec import load_config
-from quantkit.outputs import guard_output
+from quantkit.outputs import guard_output, json_with_keys
 from quantkit.planner.budget import RunSettings
 from quantkit.planner.hardware import Hardware, Host
 from quantkit.planner.host_costs import default_profile_path, load_profile, mismatch
@@ -59,7 +59,8 @@ def calibrate_cmd(
     recipes = [RECIPES[n] for n in parse_recipe_names(scheme)] or _own_recipe(model) or list(RECIPES.values())
     ws = sizes.parse_size(working_set, "--working-set (256MB defeats the CPU caches)", minimum=sizes.MB)
     path = out or default_profile_path(spec.config)
-    guard_output(path, kind="file", overwrite=True, create_parents=True, flag="--out " if out else "")
+    guard_output(path, kind="file", overwrite=True, create_parents=True, flag="--out " if out else "",
+                 owned=json_with_keys("host", "dims", "matmul_s"))  # only a runtime profile is replaced
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TimeRemainingColumn(), TextColumn("[dim]{task.fields[what]}"))
     with Progress(*cols, console=err_console, transient=True, disable=not err_console.is_terminal) as bar:

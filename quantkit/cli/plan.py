@@ -157,6 +157,14 @@ def _hardware_dict(hw: Hardware) -> dict:
     }
 
 
+def _model_sources(model: str | None) -> list[Path]:
+    """What `plan --out` must stay out of: the --model path, and the checkpoint folder of a config.json."""
+    if not model or not Path(model).exists():
+        return []
+    p = Path(model)
+    return [p, p.parent] if p.is_file() and p.name == "config.json" else [p]
+
+
 @app.command("plan")
 def plan_cmd(
     model: str = typer.Option(None, "--model", "-m", help="config.json, checkpoint folder or cached HF id"),
@@ -192,7 +200,7 @@ def plan_cmd(
 ) -> None:
     """Memory budget per scheme, a placement over GPUs and RAM, and the speed it should reach."""
     if out:
-        guard_output(out, sources=[Path(model)] if model and Path(model).exists() else [], kind="file",
+        guard_output(out, sources=_model_sources(model), kind="file",
                      overwrite=True, owned=is_plan_file, flag="--out ", create_parents=True)
     if gguf_type:
         gguf_type = check_type(gguf_type)
