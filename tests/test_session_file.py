@@ -1,5 +1,5 @@
 """`quantkit chat --session FILE`: the conversation and its state saved after each turn and resumed after a
-restart without a re-prefill; a file for another model or recipe is refused in one line, a damaged one is
+restart without a re-prefill; a file for another model or recipe is refused in one line, damaged state is
 ignored with a notice (never loaded half-way)."""
 
 from __future__ import annotations
@@ -88,13 +88,16 @@ def test_damaged_files_are_ignored_never_half_loaded(tiny_model, saved, tmp_path
         p = tmp_path / f"{name}.qks"
         p.write_bytes(blob)
         rt = fresh(tiny_model)
+        if name == "truncated-header":  # not recognisably a session: refused, never "ignored and overwritten"
+            with pytest.raises(QuantkitError, match="not a quantkit chat session"):
+                load_session(p, rt)
+            continue
         r = load_session(p, rt)
         assert r.notice and "damaged" in r.notice and "\n" not in r.notice, name
         assert r.restored_tokens == 0 and len(rt.prompt_cache) == 0, name
-        if name != "truncated-header":  # the conversation survives, its state is prefilled normally
-            assert r.session is not None and len(r.session.messages) == 6
-            c, _ = chat(rt, r.session, ["whoami"])
-            assert c.last.cached_tokens == 0
+        assert r.session is not None and len(r.session.messages) == 6  # the conversation survives
+        c, _ = chat(rt, r.session, ["whoami"])
+        assert c.last.cached_tokens == 0
 
 
 def test_chat_cli_session_round_trip(tiny_model, tmp_path):
@@ -118,7 +121,8 @@ def test_chat_cli_session_round_trip(tiny_model, tmp_path):
     meta = json.loads(path.read_bytes()[8:8 + int.from_bytes(path.read_bytes()[:8], "little")])["__metadata__"]
     assert len(json.loads(meta["conversation"])["messages"]) == 6
     path.write_bytes(b"garbage" * 10)
-    third = run("")
-    assert third.returncode == 0 and "damaged session file ignored" in third.stderr
+    third = run("")  # not quantkit's: refused in one line and left as it was
+    assert third.returncode != 0 and "not a quantkit output" in third.stderr and "Traceback" not in third.stderr
+    assert path.read_bytes() == b"garbage" * 10
     bad = run_main("chat", tiny_model, "--session", tmp_path / "none.qks", "--prompt-cache-size", "lots")
     assert bad.returncode != 0 and "--prompt-cache-size 'lots'" in bad.stderr and "Traceback" not in bad.stderr

@@ -13,9 +13,10 @@ from quantkit.cli import app, console, err_console, fail
 from quantkit.cli.options import CONTEXT, MAX_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_text_bounded
+from quantkit.outputs import guard_output
 from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.chat import SESSION_LIMIT, Chat, ChatSession
-from quantkit.runtime.session_file import load_session, save_session
+from quantkit.runtime.session_file import is_session_file, load_session, save_session
 from quantkit.runtime.threads import set_threads
 from quantkit.runtime.worlds import world_prompt
 from quantkit.termtext import printable
@@ -169,6 +170,9 @@ def chat_cmd(
         session = ChatSession(system=world_prompt(world) if world else system, thinking=think)
         if load:
             session = ChatSession.from_json(read_text_bounded(load, "chat session", SESSION_LIMIT), str(load))
+        if session_file:  # before the model loads: a file the user cares about is refused, never replaced
+            guard_output(session_file, sources=[Path(model)] if Path(model).exists() else [], overwrite=True,
+                         owned=is_session_file, flag="--session ")
         rt = _load(model, plan, recipe, context, verify, threads)
         rt.set_prompt_cache(cache_bytes)
         autosave = None

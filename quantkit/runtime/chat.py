@@ -30,6 +30,7 @@ from rich.console import Console
 
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_text_bounded, write_atomic
+from quantkit.outputs import guard_output, json_with_keys
 from quantkit.runtime.generate import GenerationResponse, SamplingParams
 from quantkit.runtime.state_cache import snapshot_points
 from quantkit.termtext import printable
@@ -74,6 +75,8 @@ class ChatSession:
             d = json.loads(text)
         except json.JSONDecodeError as e:
             raise QuantkitError(f"{source}: not valid JSON (line {e.lineno}: {e.msg})") from None
+        except RecursionError:
+            raise QuantkitError(f"{source}: the JSON nests too deeply; not a conversation saved by /save") from None
         if not isinstance(d, dict) or d.get("quantkit_chat") != CHAT_FILE_VERSION:
             raise QuantkitError(f"{source}: not a conversation saved by quantkit chat (/save)")
         msgs = d.get("messages")
@@ -216,10 +219,13 @@ class Chat:
             self.say("usage: /save FILE", "red")
             return
 
-        try:
-            write_atomic(Path(arg).expanduser(), self.s.to_json() + "\n")
-        except OSError as e:
-            self.say(f"cannot write {arg}: {e.strerror}", "red")
+        path = Path(arg).expanduser()
+        try:  # the one output guard: never over a file quantkit chat did not write, a folder or a FIFO
+            guard_output(path, overwrite=True, owned=json_with_keys("quantkit_chat", limit=SESSION_LIMIT),
+                         flag="/save ")
+            write_atomic(path, self.s.to_json() + "\n")
+        except QuantkitError as e:
+            self.say(str(e), "red")
             return
         self.say(f"saved {len(self.s.messages)} messages to {arg}")
 

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.fileio import atomic_write_bytes, clean_leftovers
+from quantkit.fileio import atomic_write_bytes, clean_leftovers, read_json_bounded
+from quantkit.model.contract import MANIFEST_NAME
 from quantkit.model.spec import parse_text_config
 from quantkit.planner.budget import snapshot_bytes
 from quantkit.runtime.chat import ChatSession
@@ -38,15 +39,51 @@ SESSION_VERSION = "1"
 HEADER_SLACK = 64 << 20  # metadata (the conversation's JSON) and safetensors' header on top of the tensors
 
 
+SAMPLES, SAMPLE_BYTES = 16, 1 << 16  # slices of a source shard hashed into its fingerprint
+_FINGERPRINTS: dict[tuple[Any, ...], str] = {}
+
+
+def _shard_digest(path: Path, size: int) -> str:
+    """sha256 of a shard's safetensors header and SAMPLES slices spread over its data: two checkpoints of the
+    same shapes (same headers) but other weights differ here, without reading gigabytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        h.update(head + f.read(min(n, 100 << 20)))
+        for i in range(SAMPLES):
+            f.seek(size * i // SAMPLES)
+            h.update(f.read(SAMPLE_BYTES))
+    return h.hexdigest()
+
+
+def weights_fingerprint(folder: Path) -> str:
+    """What identifies the weights: a quantized folder's manifest entries (size and sha256 of every shard), or
+    for a source checkpoint its shards' names, sizes, and header-and-sample digests. Memoized per file state."""
+    from quantkit.model.checkpoint import find_shards
+
+    man = folder / MANIFEST_NAME
+    files = [man] if man.is_file() else find_shards(folder)
+    key = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+    if key not in _FINGERPRINTS:
+        if man.is_file():
+            d = read_json_bounded(man, "manifest")
+            obj: Any = d.get("shards") if isinstance(d, dict) else None
+        else:
+            obj = [[p.name, p.stat().st_size, _shard_digest(p, p.stat().st_size)] for p in files]
+        _FINGERPRINTS[key] = hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+    return _FINGERPRINTS[key]
+
+
 def identity(rt: Any) -> dict[str, str]:
-    """What a state is valid for: the model (config.json's text part), the recipe, the placement."""
+    """What a state is valid for: the model (config.json's text part), its weights, the recipe, the placement."""
     def h(obj: Any) -> str:
         return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     p = rt.placement
     recipe = rt.recipe.to_dict() if hasattr(rt.recipe, "to_dict") else str(rt.recipe)
-    return {"model": h(rt.config.get("text_config", rt.config)), "recipe": h(recipe),
-            "placement": h([p.layer_device, p.experts, p.embedding, p.lm_head])}
+    return {"model": h(rt.config.get("text_config", rt.config)), "weights": weights_fingerprint(rt.folder),
+            "recipe": h(recipe), "placement": h([p.layer_device, p.experts, p.embedding, p.lm_head])}
 
 
 def _digest(tensors: dict[str, torch.Tensor]) -> str:
@@ -110,6 +147,44 @@ def _metadata(path: Path, size: int) -> dict[str, str]:
     return meta if isinstance(meta, dict) else {}
 
 
+def is_session_file(path: Path) -> bool:
+    """An `owned` test (quantkit/outputs.py): a session file quantkit chat wrote."""
+    try:
+        return _metadata(path, path.stat().st_size).get("quantkit_session") is not None
+    except (OSError, ValueError):
+        return False
+
+
+def state_shapes(rt: Any, n: int) -> list[tuple[str, tuple[int, ...], tuple[int, ...]]]:
+    """(kind, shape of its first tensor, of its second) per layer of this model's state after `n` tokens."""
+    c = parse_text_config(rt.config)
+    conv = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    lin = ((1, conv, c.linear_conv_kernel_dim), (1, c.linear_num_value_heads, c.linear_key_head_dim,
+                                                  c.linear_value_head_dim))
+    kv = (1, c.num_key_value_heads, n, c.head_dim)
+    return [("linear", *lin) if t == "linear_attention" else ("kv", kv, kv) for t in c.layer_types]
+
+
+def check_state(rt: Any, session: ChatSession, ids: Any, kinds: Any, tensors: dict[str, torch.Tensor]) -> None:
+    """The saved state is one this model makes for this conversation (ValueError naming what is not): its tokens
+    a prefix of the conversation's next prompt, one layer kind per layer, every tensor of its shape and
+    finite. A checksum proves only that the file was not damaged, not that its content was not forged."""
+    want = next_prompt_ids(rt, session)
+    if not isinstance(ids, list) or not 0 < len(ids) < min(len(want) + 1, rt.context) or ids != want[:len(ids)]:
+        raise ValueError("its tokens are not the conversation's")
+    layers = state_shapes(rt, len(ids))
+    if kinds != [k for k, _a, _b in layers]:
+        raise ValueError("its layers are not this model's")
+    names = {"linear": ("conv", "recurrent"), "kv": ("keys", "values")}
+    expected = {f"{i}.{n}": shape for i, (k, *shapes) in enumerate(layers) for n, shape in zip(names[k], shapes,
+                                                                                             strict=True)}
+    if set(tensors) != set(expected):
+        raise ValueError("its tensors are not this model's layers")
+    for name, t in tensors.items():
+        if tuple(t.shape) != expected[name] or not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+            raise ValueError(f"{name} is not a finite state of shape {list(expected[name])}")
+
+
 def load_session(path: Path, rt: Any) -> Resumed:
     """Read a session file written by `save_session` for this model; see the module docstring."""
     from safetensors.torch import load
@@ -125,9 +200,8 @@ def load_session(path: Path, rt: Any) -> Resumed:
                             "not a quantkit chat session file")
     try:
         meta = _metadata(path, size)
-    except ValueError as e:
-        return Resumed(None, 0, f"{path}: damaged session file ignored ({e}); starting a new conversation, "
-                                "it will be overwritten")
+    except ValueError as e:  # never "ignored and overwritten": it may be a file the user cares about
+        raise QuantkitError(f"{path}: not a quantkit chat session file ({e}); pass another --session path") from None
     if meta.get("quantkit_session") != SESSION_VERSION:
         raise QuantkitError(f"{path}: not a quantkit chat session file (version {SESSION_VERSION}); pass another "
                             "--session path")
@@ -136,11 +210,12 @@ def load_session(path: Path, rt: Any) -> Resumed:
     except ValueError:
         theirs = {}
     mine = identity(rt)
-    for key in ("model", "recipe", "placement"):
+    for key in ("model", "recipe", "placement", "weights"):
         if not isinstance(theirs, dict) or theirs.get(key) != mine[key]:
-            raise QuantkitError(f"{path}: this session's state was written for another {key} than {rt.folder.name} "
-                                f"loaded here; resume it with the same model, recipe and placement, or start a "
-                                f"new --session file")
+            other = "other weights" if key == "weights" else f"another {key}"
+            raise QuantkitError(f"{path}: this session's state was written for {other} than {rt.folder.name} "
+                                f"loaded here; resume it with the same model, weights, recipe and placement, or "
+                                f"start a new --session file")
     session = ChatSession.from_json(meta.get("conversation", ""), str(path))
     try:
         ids = json.loads(meta["ids"])
@@ -150,10 +225,9 @@ def load_session(path: Path, rt: Any) -> Resumed:
         tensors = load(path.read_bytes())
         if _digest(tensors) != meta.get("sha256"):
             raise ValueError("checksum mismatch")
+        check_state(rt, session, ids, kinds, tensors)
         devices = [rt.placement.layer_device[i] for i in range(len(kinds))]
         snap = Snapshot.from_tensors(ids, kinds, tensors, devices)
-        if snap.length >= rt.context or len(kinds) != len(rt.placement.layer_device):
-            raise ValueError("state does not fit this model's layers or context")
     except Exception as e:  # noqa: BLE001 - any damage: keep the conversation, prefill it normally
         return Resumed(session, 0, f"{path}: saved state damaged ({str(e).splitlines()[0][:120]}); the conversation "
                                    "is kept and will be prefilled normally")
