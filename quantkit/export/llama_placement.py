@@ -36,6 +36,9 @@ from quantkit.export.gguf_types import tensor_bytes, tensor_type
 from quantkit.model.spec import ModelSpec
 
 ARCH = "qwen35moe"
+# bounds on a GGUF header's hyperparameters (as quantkit.model.spec bounds a config.json's)
+MAX_LAYERS = 1024
+MAX_DIM = 1 << 22
 COMPUTE_PER_TOKEN_HIDDEN = 72  # bytes per ubatch token per hidden unit, besides the logits (measured: 70.4)
 CACHE_BLOCKS = {"f16": (2, 1), "bf16": (2, 1), "q8_0": (34, 32), "q4_0": (18, 32)}
 DEFAULT_UBATCH = 512
@@ -90,24 +93,33 @@ def model_from_gguf(info: Any) -> LlamaModel:
     if info.arch != ARCH:
         raise QuantkitError(f"{info.path}: architecture {info.arch or 'unknown'!r}, not {ARCH} "
                             "(Qwen3.5-MoE); quantkit plans this model family only")
-    try:
-        n = int(info.get("block_count"))
-        rec = info.get("attention.recurrent_layers")
-        full = tuple(not bool(x) for x in rec) if isinstance(rec, list) else tuple(
-            (i + 1) % int(info.get("full_attention_interval", 4)) == 0 for i in range(n))
-        tok = info.by_name().get("token_embd.weight")
-        vocab = tok.shape[0] if tok else int(info.metadata.get("tokenizer.ggml.tokens", 0))
-        m = LlamaModel(info.path.name, {t.name: t.nbytes for t in info.tensors}, n, full,
-                       int(info.get("attention.head_count_kv")), int(info.get("attention.key_length")), vocab,
-                       int(info.get("embedding_length")), int(info.get("ssm.inner_size")),
-                       int(info.get("ssm.state_size")), int(info.get("ssm.group_count")),
-                       int(info.get("ssm.conv_kernel")))
-    except (TypeError, ValueError) as e:
-        raise QuantkitError(f"{info.path}: a {ARCH} hyperparameter is missing from the GGUF header ({e}); "
-                            "re-export it") from None
-    if len(full) != n:
-        raise QuantkitError(f"{info.path}: recurrent_layers has {len(full)} entries for {n} layers; re-export it")
-    return m
+    def num(key: str, hi: int, default: int | None = None) -> int:
+        """An architecture key: a whole number in 1..hi (a float, a bool, zero or 2^62 layers is refused)."""
+        v = info.get(key, default)
+        if not isinstance(v, int) or isinstance(v, bool) or not 1 <= v <= hi:
+            raise QuantkitError(f"{info.path}: GGUF key {ARCH}.{key} is {v!r}, not a whole number in 1..{hi}; "
+                                "re-export it")
+        return v
+
+    n = num("block_count", MAX_LAYERS)
+    rec = info.get("attention.recurrent_layers")
+    if rec is None:
+        every = num("full_attention_interval", n, 4)
+        full = tuple((i + 1) % every == 0 for i in range(n))
+    elif isinstance(rec, list) and len(rec) == n and all(x in (0, 1) for x in rec):
+        full = tuple(not bool(x) for x in rec)
+    else:
+        raise QuantkitError(f"{info.path}: GGUF key {ARCH}.attention.recurrent_layers is not {n} flags (one per "
+                            "layer); re-export it")
+    tok = info.by_name().get("token_embd.weight")
+    vocab = tok.shape[0] if tok else info.metadata.get("tokenizer.ggml.tokens", 0)
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or not 0 <= vocab <= MAX_DIM:
+        raise QuantkitError(f"{info.path}: the GGUF vocabulary size {vocab!r} is not a count; re-export it")
+    return LlamaModel(info.path.name, {t.name: t.nbytes for t in info.tensors}, n, full,
+                      num("attention.head_count_kv", MAX_DIM), num("attention.key_length", MAX_DIM), vocab,
+                      num("embedding_length", MAX_DIM), num("ssm.inner_size", MAX_DIM),
+                      num("ssm.state_size", MAX_DIM), num("ssm.group_count", MAX_DIM),
+                      num("ssm.conv_kernel", 64))
 
 
 @dataclass(frozen=True)

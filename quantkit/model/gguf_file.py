@@ -3,6 +3,9 @@
 `read_gguf(path)` checks, before trusting anything: the file exists and is a file, starts with the GGUF
 magic, its header parses (the `gguf` package's reader, which maps the file and reads only the header and
 tensor infos), and every tensor's data lies inside the file (a truncated download is refused by name).
+Before the reader runs, `check_header_bounds` walks the header checking every count and length it declares
+(tensors, keys, strings, arrays) against bounds and the file's size, so a hostile header cannot hang it;
+after, every tensor's dimensions (1..2^40, whole blocks) and offset alignment are checked.
 Errors are one line (QuantkitError) naming the file and what to do. Scalar and string metadata are kept;
 arrays of up to MAX_ARRAY items as lists, longer ones (the tokenizer's 248k tokens) as their length only.
 """
@@ -10,6 +13,8 @@ arrays of up to MAX_ARRAY items as lists, longer ones (the tokenizer's 248k toke
 from __future__ import annotations
 
 import math
+import mmap
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +23,15 @@ from quantkit.errors import QuantkitError
 
 MAGIC = b"GGUF"
 MAX_ARRAY = 4096
+# Bounds on what a header may declare, far above any real model's (a 248k-token vocabulary, ~2k tensors, a
+# chat template of kilobytes) so that a hostile header is refused before it is walked.
+MAX_ENTRIES = 1 << 20
+MAX_ITEMS = 1 << 24
+MAX_STRING = 1 << 26
+MAX_DIM = 1 << 40
+# GGUF value types: scalar sizes, string, array
+_SCALAR = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
 
 
 @dataclass(frozen=True)
@@ -66,6 +80,70 @@ def _value(field_: Any) -> Any:
     return field_.parts[-1].tolist()[0]
 
 
+def _bounded(f: mmap.mmap, pos: int, n: int, p: Path, what: str) -> int:
+    if n < 0 or pos + n > len(f):
+        raise QuantkitError(f"{p}: the GGUF header's {what} runs past the end of the file; re-download or "
+                            "re-export it")
+    return pos + n
+
+
+def _skip_value(f: mmap.mmap, pos: int, vtype: int, p: Path, key: str, depth: int = 0) -> int:
+    """The position after one metadata value of type `vtype`, every declared length checked."""
+    if vtype in _SCALAR:
+        return _bounded(f, pos, _SCALAR[vtype], p, key)
+    if vtype == _STRING:
+        (n,) = struct.unpack_from("<Q", f, _bounded(f, pos, 8, p, key) - 8)
+        if n > MAX_STRING:
+            raise QuantkitError(f"{p}: GGUF key {key[:80]} holds a string of {n:,} bytes (at most {MAX_STRING:,}); "
+                                "not a model file quantkit reads")
+        return _bounded(f, pos + 8, n, p, key)
+    if vtype == _ARRAY and depth < 2:
+        sub, n = struct.unpack_from("<IQ", f, _bounded(f, pos, 12, p, key) - 12)
+        pos += 12
+        if n > MAX_ITEMS:
+            raise QuantkitError(f"{p}: GGUF key {key[:80]} holds an array of {n:,} items (at most {MAX_ITEMS:,}); "
+                                "not a model file quantkit reads")
+        if sub in _SCALAR:
+            return _bounded(f, pos, n * _SCALAR[sub], p, key)
+        for _ in range(n):
+            pos = _skip_value(f, pos, sub, p, key, depth + 1)
+        return pos
+    raise QuantkitError(f"{p}: GGUF key {key[:80]} has value type {vtype}, which GGUF does not define; re-export it")
+
+
+def check_header_bounds(p: Path, size: int) -> None:
+    """Walk the GGUF header checking every count and length it declares against bounds and the file's size
+    BEFORE the `gguf` reader trusts them (a 2^62-item array or tensor count would hang it)."""
+    if size < 24:
+        raise QuantkitError(f"{p}: the GGUF header is truncated ({size} bytes); re-download or re-export it")
+    with p.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as f:
+        version, n_tensors, n_kv = struct.unpack_from("<IQQ", f, 4)
+        if version not in (2, 3):
+            raise QuantkitError(f"{p}: GGUF version {version}; quantkit reads versions 2 and 3")
+        for n, what in ((n_tensors, "tensors"), (n_kv, "metadata keys")):
+            if n > MAX_ENTRIES:
+                raise QuantkitError(f"{p}: the GGUF header declares {n:,} {what} (at most {MAX_ENTRIES:,}); "
+                                    "not a model file quantkit reads")
+        pos = 24
+        for _ in range(n_kv):
+            end = _skip_value(f, pos, _STRING, p, "name")
+            key = bytes(f[pos + 8:end]).decode("utf-8", "replace")
+            (vtype,) = struct.unpack_from("<I", f, _bounded(f, end, 4, p, key) - 4)
+            pos = _skip_value(f, end + 4, vtype, p, key)
+        for _ in range(n_tensors):
+            pos = _skip_value(f, pos, _STRING, p, "tensor name")
+            (n_dims,) = struct.unpack_from("<I", f, _bounded(f, pos, 4, p, "tensor table") - 4)
+            if not 0 < n_dims <= 4:
+                raise QuantkitError(f"{p}: a tensor of {n_dims} dimensions in the GGUF tensor table (1 to 4); "
+                                    "re-export it")
+            dims = struct.unpack_from(f"<{n_dims}Q", f, _bounded(f, pos + 4, 8 * n_dims + 12, p, "tensor table")
+                                      - 8 * n_dims - 12)
+            if not all(1 <= d <= MAX_DIM for d in dims):
+                raise QuantkitError(f"{p}: a tensor of shape {list(dims)} in the GGUF tensor table (dimensions "
+                                    "1..2^40); re-export it")
+            pos += 4 + 8 * n_dims + 12
+
+
 def read_gguf(path: str | Path, what: str = "GGUF file") -> GgufInfo:
     """The header of GGUF file `path` (metadata and tensor table), validated; `what` names it in errors."""
     p = Path(path)
@@ -76,6 +154,7 @@ def read_gguf(path: str | Path, what: str = "GGUF file") -> GgufInfo:
         head = f.read(4)
     if head != MAGIC:
         raise QuantkitError(f"{p}: not a GGUF file (it does not start with 'GGUF'); name a .gguf {what}")
+    check_header_bounds(p, size)
     import gguf
 
     try:
@@ -90,10 +169,18 @@ def read_gguf(path: str | Path, what: str = "GGUF file") -> GgufInfo:
         meta[k] = _value(fld)
     tensors = []
     end = 0
+    align = meta.get("general.alignment", 32)
+    if not isinstance(align, int) or isinstance(align, bool) or not 0 < align <= 1 << 16 or align & (align - 1):
+        raise QuantkitError(f"{p}: general.alignment {align!r} is not a power of two; re-export it")
     for t in reader.tensors:
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         tname = t.tensor_type.name
         block, nb = gguf.GGML_QUANT_SIZES[t.tensor_type]
+        if not shape or min(shape) < 1 or max(shape) > MAX_DIM or shape[-1] % block:
+            raise QuantkitError(f"{p}: tensor {t.name[:80]} has shape {list(shape)}, not a {tname} tensor "
+                                "(dimensions 1..2^40, rows a whole number of blocks); re-export it")
+        if int(t.data_offset) % align:
+            raise QuantkitError(f"{p}: tensor {t.name[:80]} data is not aligned to {align} bytes; re-export it")
         nbytes = math.prod(shape[:-1]) * (shape[-1] // block) * nb if shape else 0
         tensors.append(GgufTensorInfo(t.name, shape, tname, nbytes, int(t.data_offset)))
         end = max(end, int(t.data_offset) + nbytes)
