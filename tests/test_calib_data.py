@@ -65,3 +65,14 @@ def test_bad_calibration_files_are_refused_in_one_line(tmp_path, tiny_model, cap
 def test_too_few_tokens_names_the_count(tok):
     with pytest.raises(QuantkitError, match=r"\d+ calibration tokens"):
         load_tokens(None, tok, chunk_size=128, max_tokens=512)
+
+
+def test_deeply_nested_jsonl_is_one_line(tmp_path, tiny_model, capsys, monkeypatch):
+    """A line nested thousands of levels deep ends in one line, not a RecursionError (issue 26)."""
+    from probe_util import expect_one_line
+
+    data = tmp_path / "deep.jsonl"
+    data.write_text('{"messages": ' + "[" * 5000 + "]" * 5000 + "}\n")
+    code, out, err = run_cli(["stats", tiny_model, "--data", data, "--out", tmp_path / "s"], capsys, monkeypatch)
+    expect_one_line(code, out, err, "deep.jsonl line 1 is not a JSONL chat")
+    assert not (tmp_path / "s").exists()

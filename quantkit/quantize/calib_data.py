@@ -119,7 +119,7 @@ def read_documents(path: str | Path) -> list[Document]:
         try:
             obj = json.loads(line)
             chat = _chat_of(obj)
-        except (json.JSONDecodeError, ValueError):
+        except (json.JSONDecodeError, ValueError, RecursionError):  # RecursionError: nested thousands deep
             raise QuantkitError(
                 f"calibration file {p} line {i} is not a JSONL chat (want {{\"messages\": [{{\"role\": ..., "
                 "\"content\": ...}]}} or {\"text\": ...} per line); fix the line or pass plain text"
