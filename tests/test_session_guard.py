@@ -190,3 +190,32 @@ def test_the_genuine_session_passes_the_same_checks(tiny_model, session):
     rt = _rt(tiny_model)
     r = load_session(session[0], rt)
     assert r.notice is None and r.restored_tokens > 0 and len(rt.prompt_cache) == 1
+
+
+# --- text that is not text ------------------------------------------------------------------------------
+
+def test_binary_stdin_to_generate_is_one_line(tiny_model):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "quantkit", "generate", str(tiny_model)], input=b"\xff\xfe\x00\x81 ls",
+                       capture_output=True, env={**os.environ, "COLUMNS": "200"}, timeout=300)
+    expect_one_line(r.returncode, r.stdout.decode(), r.stderr.decode(errors="replace"), "not UTF-8 text")
+
+
+def test_a_chat_line_of_binary_bytes_is_refused_and_the_chat_goes_on():
+    from types import SimpleNamespace
+
+    count()
+    lines = iter(["ls \udcff\udcfe", "/save"])
+
+    def read(_p: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+    buf = io.StringIO()
+    chat = Chat(SimpleNamespace(folder=Path("m"), context=64), ChatSession(), SamplingParams(),
+                Console(file=buf, width=300), read)
+    chat.run()  # the surrogate line never reaches the tokenizer (it would raise TypeError there)
+    assert "not UTF-8 text" in buf.getvalue() and "usage: /save FILE" in buf.getvalue() and chat.s.messages == []

@@ -15,7 +15,7 @@ from quantkit.errors import QuantkitError
 from quantkit.fileio import read_text_bounded
 from quantkit.outputs import guard_output
 from quantkit.runtime import SamplingParams, load_model
-from quantkit.runtime.chat import SESSION_LIMIT, Chat, ChatSession
+from quantkit.runtime.chat import SESSION_LIMIT, Chat, ChatSession, check_text
 from quantkit.runtime.session_file import is_session_file, load_session, save_session
 from quantkit.runtime.threads import set_threads
 from quantkit.runtime.worlds import world_prompt
@@ -92,6 +92,7 @@ def generate_cmd(
                 raise QuantkitError(f"the prompt on stdin is longer than {PROMPT_LIMIT:,} characters; shorten it")
         if not prompt.strip():
             raise QuantkitError("empty prompt: give some text with --prompt or on stdin")
+        check_text(prompt, "the prompt")
         if world and system:
             raise QuantkitError("--world sets the system prompt; drop --system or --world")
         sys_prompt = world_prompt(world) if world else system

@@ -90,6 +90,15 @@ class ChatSession:
         return cls(system=system, messages=msgs, thinking=bool(d.get("thinking", True)))
 
 
+def check_text(text: str, what: str) -> None:
+    """Refuse text holding bytes that are not UTF-8 (Python keeps them as lone surrogates, which the tokenizer
+    rejects with a TypeError): binary data piped as a prompt is one line."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise QuantkitError(f"{what} is not UTF-8 text (bad byte at character {e.start}); pass text") from None
+
+
 def fit_context(count: Callable[[list[dict[str, Any]]], int], session: ChatSession, context: int,
                 reply_room: int) -> tuple[int, int]:
     """Drop the oldest exchanges until the conversation + reply room fits. Returns (messages dropped,
@@ -164,6 +173,11 @@ class Chat:
                 if line.split()[0].lower() not in SAVED_COMMANDS:
                     continue
             else:
+                try:
+                    check_text(line, "this message")
+                except QuantkitError as e:
+                    self.say(str(e), "red")
+                    continue
                 self.turn(line)
             self._autosave()
 
