@@ -259,3 +259,19 @@ def test_render_md_shows_the_spells_when_polled():
     assert "## int4 decode in the machine's bandwidth spells" in md and "| fast | 1 | 20.0 | 80.0 | 52% |" in md
     d["spells"] = None
     assert "spells" not in bd.render_md(d)
+
+
+def test_forced_avx2_row_is_judged_against_the_bound_too(monkeypatch):
+    """`int4-avx2` (the int4 folder with the kernel forced to AVX2) gets its own bound verdict, and is in the
+    default run only where AVX2 is a lower level than this CPU's."""
+    rows = _rows()
+    rows["int4-avx2"] = {**rows["int4"], "decode_tok_s": 100.0}  # 13 GB/s of a 20 GB/s bound: 65%
+    bd.add_ratios(rows)
+    t = bd.targets(rows)
+    assert t["int4_avx2_of_bound"] == pytest.approx(0.65) and t["bound_avx2_met"] is True
+    assert t["bound_met"] is False and bd.targets(_rows())["bound_avx2_met"] is None
+    from quantkit.runtime import cpu_kernel
+
+    for isa, has in (("avx512", True), ("avx2", False), ("generic", False), ("none", False)):
+        monkeypatch.setattr(cpu_kernel, "isa", lambda isa=isa: isa)
+        assert ("int4-avx2" in bd.default_configs()) is has, isa

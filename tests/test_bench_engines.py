@@ -1,10 +1,15 @@
-"""`quantkit bench engines`' bandwidth bound for llama.cpp: the bytes one decode step reads from a GGUF."""
+"""`quantkit bench engines`: the bandwidth bound for llama.cpp (the bytes one decode step reads from a GGUF), the
+targets per instruction set, and --isa."""
 
 from __future__ import annotations
+
+import pytest
 
 from quantkit.bench.engines import gguf_step_bytes, targets
 from quantkit.export.gguf import export_gguf
 from quantkit.model.gguf_file import read_gguf
+
+from conftest import run_cli
 
 
 def test_gguf_step_bytes_reads_top_k_of_the_experts_and_one_embedding_row(tiny_model, tmp_path):
@@ -55,3 +60,22 @@ def render_targets(rows: list[dict]) -> str:
          "rows": [{**r, "decode_vs_llama_4bit": 1.0, "step_bytes": 1, "bound_tps": 1.0, "of_bound": 1.0, "top1": 1.0,
                    "kl": 0.0, "max_abs": 0.0, "file_mb": 1.0, "same_greedy_as_llama_4bit": True} for r in rows]}
     return render(d).split("## Targets")[1]
+
+
+def test_targets_per_instruction_set_each_against_the_same_llama_cpp():
+    """quantkit at two instruction sets (the native table and the forced AVX2 one): each is judged against the
+    same llama.cpp rows and named by its table."""
+    rows = _rows(50.0, 40.0, 40.0, 30.0, ([1.0], [1.0], [1.0], [1.0]))
+    rows[2]["isa"] = rows[3]["isa"] = "avx512bf16"
+    rows += [{**rows[2], "isa": "avx2", "decode_tps": 44.0}, {**rows[3], "isa": "avx2", "decode_tps": 28.0}]
+    got = {t["target"]: t for t in targets(rows)}
+    assert got["4-bit decode (avx512bf16)"]["ratio"] == 50.0 / 40.0 and got["4-bit decode (avx512bf16)"]["met"]
+    assert got["4-bit decode (avx2)"]["ratio"] == 44.0 / 40.0 and not got["4-bit decode (avx2)"]["met"]  # < 1.2x
+    assert got["bf16 decode (avx2)"]["ratio"] == 28.0 / 30.0 and not got["bf16 decode (avx2)"]["met"]
+    assert got["bf16 decode (avx512bf16)"]["met"] and len(got) == 6
+
+
+@pytest.mark.parametrize("value,why", [("avx9", "is not one of generic, avx2, avx512"), ("avx2,,sse", "'sse'")])
+def test_bench_engines_isa_option_refuses_unknown_names(value, why, capsys, monkeypatch):
+    code, _, err = run_cli(["bench", "engines", "--isa", value], capsys, monkeypatch)
+    assert code == 2 and "error:" in err and why in err and "Traceback" not in err

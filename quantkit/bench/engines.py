@@ -15,6 +15,10 @@ Random-weight MoE routers are nearly tied (the smallest top-k gap per position i
 engines disagree with the fp32 reference on some tokens; the bf16 rows give that floor. The tok/s are
 for this checkpoint's depth (`layers`), not the 40-layer model.
 
+quantkit runs once per instruction set in `isas` (default: the best this CPU has, and on an AVX512 CPU also
+AVX2, the table most users' CPUs run), forced in the same process between rounds, so both sit side by side
+against the same llama.cpp figures; the header names the CPU's instruction sets.
+
 Beside both engines, the memory-bandwidth bound: the weight bytes one decode step reads (every
 non-expert matrix, top_k of each layer's experts, one embedding row; from the GGUF's tensor sizes for
 llama.cpp, from the loaded kernels for quantkit, as `quantkit bench decode` counts them) over this
@@ -43,7 +47,7 @@ from quantkit.model.gguf_file import read_gguf
 from quantkit.model.spec import Role
 from quantkit.quantize.run import QuantizeOptions, run_quantize
 from quantkit.recipe import INT8, Recipe
-from quantkit.runtime import SamplingParams, load_model
+from quantkit.runtime import SamplingParams, cpu_kernel, load_model
 from quantkit.testing.tiny import load_reference_model, make_tiny_model
 
 DEFAULTS = {"layers": 4, "experts": 64, "top_k": 8, "vocab": 248320, "prompt": 64, "new_tokens": 32,
@@ -58,9 +62,39 @@ def _machine() -> dict[str, Any]:
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")), "")
     except OSError:
         pass
+    mod = cpu_kernel.module()
     return {"cpu": flags.split(":", 1)[-1].strip() or platform.processor(), "cores": os.cpu_count(),
             "ram_gb": round(psutil.virtual_memory().total / 1e9, 1), "torch": torch.__version__,
-            "load_avg_at_start": os.getloadavg()[0]}
+            "load_avg_at_start": os.getloadavg()[0],
+            "isa": ", ".join(mod.cpu_features()) or "no AVX2" if mod else "unknown (no CPU kernel)"}
+
+
+def default_isas() -> list[str]:
+    """The instruction sets quantkit runs at: the level in use, and AVX2 too where that is AVX512."""
+    level = cpu_kernel.isa()
+    if level == "none":
+        return ["none"]
+    return [level, "avx2"] if level == "avx512" else [level]
+
+
+class forced_isa:
+    """Run the kernel at `name` (generic, avx2, avx512) inside the block, as QUANTKIT_CPU_ISA would."""
+
+    def __init__(self, name: str):
+        self.mod, self.name = cpu_kernel.module(), name
+
+    def __enter__(self) -> str:
+        if self.mod is None:
+            return "none"
+        self.before = (self.mod.isa(), self.mod.has_bf16())
+        self.mod.set_isa(cpu_kernel.ISA_LEVELS[self.name])
+        return self.mod.table()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.mod is not None:
+            self.mod.set_isa(self.before[0])
+            if self.before[0] == 2:
+                self.mod.set_bf16(self.before[1])
 
 
 def gguf_step_bytes(path: Path, top_k: int) -> int:
@@ -181,10 +215,11 @@ def prepare(workdir: Path, layers: int, experts: int, top_k: int, vocab: int, ch
 def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts: int = DEFAULTS["experts"],
         top_k: int = DEFAULTS["top_k"], vocab: int = DEFAULTS["vocab"], checkpoint: Path | None = None,
         threads: int | None = None, reps: int = DEFAULTS["reps"], new_tokens: int = DEFAULTS["new_tokens"],
-        rounds: int = DEFAULTS["rounds"],
+        rounds: int = DEFAULTS["rounds"], isas: list[str] | None = None,
         log: Any = print) -> dict[str, Any]:
 
     t_start = time.perf_counter()
+    isas = isas or default_isas()
     given = checkpoint is not None
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -212,14 +247,15 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
 
     rows: list[dict[str, Any]] = []
     bws: list[float] = []  # the read bandwidth after each engine: it moves on a shared VM, the best is the bound
-    engines = [("llama.cpp", files["mixed"], "4-bit mixed (GGUF mixed: Q4_0 experts reused, Q8_0 rest)"),
-               ("llama.cpp", files["bf16"], "bf16"), ("quantkit", qdir, "4-bit (experts int4 g32, int8 rest)"),
-               ("quantkit", checkpoint, "bf16")]
+    engines = [("llama.cpp", files["mixed"], "4-bit mixed (GGUF mixed: Q4_0 experts reused, Q8_0 rest)", ""),
+               ("llama.cpp", files["bf16"], "bf16", "")]
+    for isa in isas:
+        engines += [("quantkit", qdir, "4-bit (experts int4 g32, int8 rest)", isa), ("quantkit", checkpoint, "bf16", isa)]
     # engines interleaved round by round, each keeping its best: on a shared VM a slow spell then lands on
     # every engine alike instead of on whichever ran during it
     for rnd in range(rounds):
-        for i, (label, path, bits) in enumerate(engines):
-            log(f"round {rnd + 1}/{rounds}: {label} {bits}")
+        for i, (label, path, bits, isa) in enumerate(engines):
+            log(f"round {rnd + 1}/{rounds}: {label} {bits}" + (f" on {isa}" if isa else ""))
             if label == "llama.cpp":
                 d = llama_decode(path, prompt, new_tokens, threads, reps)
                 if not rnd:
@@ -227,13 +263,15 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
                                  "step_bytes": gguf_step_bytes(path, tc["num_experts_per_tok"]),
                                  **_errors(ref, llama_logits(path, probe, threads))})
             else:
-                rt = load_model(path, context=max(512, DEFAULTS["prompt"] + new_tokens + 8))
-                d = quantkit_decode(rt, prompt, new_tokens, reps)
-                if not rnd:
-                    rows.append({"engine": label, "bits": bits, "file_mb": sum(rt.memory().values()) / 1e6,
-                                 "step_bytes": step_bytes(rt.model, tc["num_experts_per_tok"]),
-                                 **_errors(ref, rt.logits(probe).numpy())})
-                del rt
+                with forced_isa(isa) as table:
+                    rt = load_model(path, context=max(512, DEFAULTS["prompt"] + new_tokens + 8))
+                    d = quantkit_decode(rt, prompt, new_tokens, reps)
+                    if not rnd:
+                        rows.append({"engine": label, "bits": bits, "isa": table, "route": rt.route(),
+                                     "file_mb": sum(rt.memory().values()) / 1e6,
+                                     "step_bytes": step_bytes(rt.model, tc["num_experts_per_tok"]),
+                                     **_errors(ref, rt.logits(probe).numpy())})
+                    del rt
             r = rows[i]
             r["decode_tps_rounds"] = r.get("decode_tps_rounds", []) + [round(d["decode_tps"], 2)]
             if d["decode_tps"] > r.get("decode_tps", 0.0):
@@ -252,12 +290,13 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
         "command": "quantkit bench engines" + (f" --checkpoint {checkpoint}" if given else
                                                f" --layers {layers} --experts {experts} --top-k {top_k} --vocab {vocab}")
         + (f" --reps {reps}" if reps != DEFAULTS["reps"] else "")
-        + (f" --rounds {rounds}" if rounds != DEFAULTS["rounds"] else ""),
+        + (f" --rounds {rounds}" if rounds != DEFAULTS["rounds"] else "")
+        + (f" --isa {','.join(isas)}" if isas != default_isas() else ""),
         "machine": machine, "threads": threads, "checkpoint": str(checkpoint), "read_bandwidth_gbs": round(bw, 2),
         "read_bandwidth_probes_gbs": [round(b, 2) for b in bws],
         "shape": {"layers": tc["num_hidden_layers"], "experts": tc["num_experts"], "top_k": tc["num_experts_per_tok"],
                   "hidden": tc["hidden_size"], "vocab": tc["vocab_size"]},
-        "prompt_tokens": len(prompt), "new_tokens": new_tokens, "reps": reps, "rounds": rounds,
+        "prompt_tokens": len(prompt), "new_tokens": new_tokens, "reps": reps, "rounds": rounds, "isas": isas,
         "gguf_mixed": {"seconds": t_mixed, "bytes": gm.nbytes, "counts": gm.counts(), "types": gm.by_type()},
         "gguf_bf16_bytes": gb.nbytes, "rows": [{k: v for k, v in r.items() if k != "tokens"} for r in rows],
         "targets": targets(rows),
@@ -267,10 +306,10 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
     return data
 
 
-# issue 12's bars: (quantkit row, llama.cpp row, measure, at least)
-TARGETS = (("4-bit decode", "quantkit 4", "llama.cpp 4", "decode_tps", 1.0),
-           ("bf16 decode", "quantkit bf16", "llama.cpp bf16", "decode_tps", 0.8),
-           ("4-bit prefill", "quantkit 4", "llama.cpp 4", "prefill_tps", 1.0))
+# the bars (issue 25), on every instruction set quantkit ran at: (quantkit row, llama.cpp row, measure, at least)
+TARGETS = (("4-bit decode", "quantkit 4", "llama.cpp 4", "decode_tps", 1.2),
+           ("bf16 decode", "quantkit bf16", "llama.cpp bf16", "decode_tps", 1.0),
+           ("4-bit prefill", "quantkit 4", "llama.cpp 4", "prefill_tps", 1.5))
 
 
 def _row(rows: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
@@ -279,8 +318,20 @@ def _row(rows: list[dict[str, Any]], key: str) -> dict[str, Any] | None:
 
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each bar: quantkit's best over llama.cpp's best, whether it clears the bar, and (decode) the median of
-    the round-by-round ratios, which a single lucky round of either engine moves less."""
+    """Each bar, per instruction set quantkit ran at (named where there are several): quantkit's best over
+    llama.cpp's best, whether it clears the bar, and (decode) the median of the round-by-round ratios, which a
+    single lucky round of either engine moves less."""
+    theirs_rows = [r for r in rows if r["engine"] != "quantkit"]
+    isas = list(dict.fromkeys(r.get("isa", "") for r in rows if r["engine"] == "quantkit"))
+    out = []
+    for isa in isas:
+        group = theirs_rows + [r for r in rows if r["engine"] == "quantkit" and r.get("isa", "") == isa]
+        out += [{**t, "target": f"{t['target']} ({isa})" if len(isas) > 1 else t["target"], "isa": isa}
+                for t in _targets(group)]
+    return out
+
+
+def _targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for name, ours, theirs, key, bar in TARGETS:
         a, b = _row(rows, ours), _row(rows, theirs)
@@ -300,7 +351,8 @@ def render(d: dict[str, Any]) -> str:
         "# Engines: llama.cpp on our GGUF export vs quantkit's runtime",
         "",
         f"Command: `{d['command']}` ({d['seconds']:.0f} s). Machine: {m['cpu']}, {m['cores']} cores, "
-        f"{m['ram_gb']} GB RAM, torch {m['torch']}, {d['threads']} threads for both engines; load average at "
+        f"{m['ram_gb']} GB RAM, instruction sets {m.get('isa', '?')}, torch {m['torch']}, {d['threads']} threads "
+        f"for both engines; quantkit's kernel at {', '.join(d.get('isas', ['?']))}; load average at "
         f"start {m['load_avg_at_start']:.1f} (other work shares this machine: compare the ratios, not the "
         f"absolute rates); measured read bandwidth {d['read_bandwidth_gbs']} GB/s (a streaming read of 1 GiB after each engine, "
         f"the best of {d['read_bandwidth_probes_gbs']}).",
@@ -311,12 +363,13 @@ def render(d: dict[str, Any]) -> str:
         f"{d.get('rounds', 1)} rounds with the engines interleaved (every round's best in the JSON). Errors: "
         "logits on a 2 x 64-token probe against transformers' fp32 forward of the bf16 weights.",
         "",
-        "| engine | bits | decode tok/s | vs llama.cpp 4-bit | MB read per token | bandwidth bound tok/s | of bound | "
-        "prefill tok/s | top-1 vs ref | KL vs ref | max dlogit | weights MB | same greedy tokens |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| engine | bits | kernel | decode tok/s | vs llama.cpp 4-bit | MB read per token | bandwidth bound tok/s | "
+        "of bound | prefill tok/s | top-1 vs ref | KL vs ref | max dlogit | weights MB | same greedy tokens |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in d["rows"]:
-        lines.append(f"| {r['engine']} | {r['bits']} | {r['decode_tps']:.2f} | {r['decode_vs_llama_4bit']:.2f}x | "
+        lines.append(f"| {r['engine']} | {r['bits']} | {r.get('isa') or 'its own build'} | {r['decode_tps']:.2f} | "
+                     f"{r['decode_vs_llama_4bit']:.2f}x | "
                      f"{r['step_bytes'] / 1e6:,.0f} | {r['bound_tps']:.1f} | {r['of_bound']:.0%} | "
                      f"{r['prefill_tps']:.1f} | {r['top1']:.3f} | {r['kl']:.2e} | {r['max_abs']:.3f} | "
                      f"{r['file_mb']:,.0f} | {'yes' if r['same_greedy_as_llama_4bit'] else 'no'} |")

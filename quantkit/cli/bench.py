@@ -78,6 +78,23 @@ def _threads(n: int | None) -> int:
         raise
 
 
+def _isas(value: str | None) -> list[str] | None:
+    """--isa checked: known names this CPU (and build) can run, else one line and exit 2."""
+    if value is None:
+        return None
+    from quantkit.runtime import cpu_kernel
+
+    names = [v.strip().lower() for v in value.split(",") if v.strip()]
+    mod = cpu_kernel.module()
+    best = mod.detect_isa() if mod else -1
+    for n in names or [value]:
+        if n not in cpu_kernel.ISA_LEVELS:
+            fail(f"--isa {value!r}: {n!r} is not one of {', '.join(cpu_kernel.ISA_LEVELS)}")
+        if cpu_kernel.ISA_LEVELS[n] > best:
+            fail(f"--isa {n}: this CPU (or this build of the kernel) cannot run it; leave it out")
+    return list(dict.fromkeys(names))
+
+
 @bench_app.command("soak")
 def bench_soak(
     reports: Path = typer.Option(Path("reports"), "--reports",
@@ -118,11 +135,13 @@ def bench_engines(
     rounds: int = typer.Option(3, "--rounds", parser=COUNT,
                                help="rounds, each running every engine once (interleaved; best is reported)"),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="use this bf16 checkpoint instead"),
+    isa: str = typer.Option(None, "--isa", help="quantkit's kernel at these instruction sets, side by side (comma "
+                            "list of generic, avx2, avx512) [default: this CPU's best, and avx2 too on AVX512]"),
 ) -> None:
     """llama.cpp on our GGUF export beside quantkit's runtime: decode tok/s and error vs bf16, same bits."""
     threads = _threads(threads)
     d = engines_bench.run(reports, workdir, layers, experts, top_k, vocab, checkpoint, threads, reps,
-                          rounds=rounds, log=console.print)
+                          rounds=rounds, isas=_isas(isa), log=console.print)
     console.print(f"wrote {reports / 'bench-engines.md'} ({d['seconds']:.0f} s)")
 
 
