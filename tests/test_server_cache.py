@@ -10,9 +10,10 @@ import threading
 import httpx
 import openai
 import pytest
-from test_server_api import ServerThread, idle, load, q4  # noqa: F401
 
 from quantkit.server.app import ServerConfig, create_app
+
+from test_server_api import ServerThread, idle, load, q4  # noqa: F401
 
 SYSTEM = {"role": "system", "content": "You are a terminal world model. Print what each command prints."}
 

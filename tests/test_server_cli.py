@@ -1,5 +1,6 @@
 """`quantkit serve` as users start it: the real command in a subprocess answering the openai client
-(plain, streaming, tools), and its bad input through the real entry point (one line, exit 2)."""
+(plain, streaming, tools, an alias, /metrics), and its bad input through the real entry point (one line,
+exit 2), an address not on this machine included (refused before the model loads)."""
 
 from __future__ import annotations
 
@@ -37,7 +38,8 @@ def test_quantkit_serve_answers_the_openai_client(q4: Path, tmp_path: Path):
     port = free_port()
     log = (tmp_path / "serve.log").open("w+")
     proc = subprocess.Popen([sys.executable, "-m", "quantkit", "serve", str(q4), "--port", str(port),
-                             "--max-queue", "2", "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT,
+                             "--max-queue", "2", "--log-level", "warning", "--alias", "gpt-4o"],
+                            stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "COLUMNS": "200"})
     try:
         deadline = time.monotonic() + 300
@@ -51,16 +53,19 @@ def test_quantkit_serve_answers_the_openai_client(q4: Path, tmp_path: Path):
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.5)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
-        assert [m.id for m in client.models.list().data] == ["q4"]
+        assert [m.id for m in client.models.list().data] == ["q4", "gpt-4o"]
         msgs = [{"role": "user", "content": "hello"}]
         r = client.chat.completions.create(model="q4", messages=msgs, max_tokens=5)
         assert r.choices[0].message.role == "assistant" and 1 <= r.usage.completion_tokens <= 5
-        chunks = list(client.chat.completions.create(model="q4", messages=msgs, max_tokens=5, stream=True))
+        chunks = list(client.chat.completions.create(model="gpt-4o", messages=msgs, max_tokens=5, stream=True,
+                                                     stream_options={"include_usage": True}))
         assert chunks[-1].usage is not None and any(c.choices and c.choices[0].finish_reason for c in chunks)
         r = client.chat.completions.create(model="q4", messages=msgs, tools=TOOLS, max_tokens=5,
                                            extra_body={"chat_template_kwargs": {"enable_thinking": False}})
         assert r.usage.prompt_tokens > 100  # the tool schema and instructions went into the prompt
         assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert 'quantkit_requests_total{endpoint="/v1/chat/completions",status="200"} 3.0' in text
     finally:
         stop_server(proc)
     out = Path(log.name).read_text()
@@ -74,6 +79,12 @@ def test_serve_bad_input_is_one_line(tmp_path: Path, capsys, monkeypatch):
         (["serve", str(tmp_path), "--max-queue", "0"], "'--max-queue': '0' is out of range"),
         (["serve", str(tmp_path), "--max-body", "lots"], "--max-body 'lots'"),
         (["serve", str(tmp_path), "--port", "70000"], "'--port': '70000' is out of range"),
+        (["serve", str(tmp_path), "--host", "8.8.8.8"], "it is not an address of this machine"),
+        (["serve", str(tmp_path), "--cors-origin", "localhost:3000"], "is not an origin"),
+        (["serve", str(tmp_path), "--cors-origin", "http://a.example/path"], "is not an origin"),
+        (["serve", str(tmp_path), "--alias", "my model"], "--alias 'my model'"),
+        (["serve", str(tmp_path), "--body-timeout", "0"], "'--body-timeout': '0' is out of range"),
+        (["serve", str(tmp_path), "--max-n", "0"], "'--max-n': '0' is out of range"),
     ]
     for args, needle in cases:
         code, out, err = run_cli(args, capsys, monkeypatch)
@@ -82,12 +93,12 @@ def test_serve_bad_input_is_one_line(tmp_path: Path, capsys, monkeypatch):
 
 
 def test_binding_beyond_loopback_warns(tmp_path: Path, capsys, monkeypatch):
-    # the folder is missing, so nothing is ever bound: this checks the warning comes first
-    code, _, err = run_cli(["serve", str(tmp_path / "missing"), "--host", "0.0.0.0"], capsys, monkeypatch)
-    assert code == 2
+    # the folder holds no checkpoint: the socket is bound (and warned about), then loading fails in one line
+    code, _, err = run_cli(["serve", str(tmp_path), "--host", "0.0.0.0", "--port", "0"], capsys, monkeypatch)
+    assert code == 2 and err.count("error:") == 1
     assert "warning" in err and "0.0.0.0" in err and "no authentication" in err
-    code, _, err = run_cli(["serve", str(tmp_path / "missing")], capsys, monkeypatch)
-    assert "warning" not in err
+    code, _, err = run_cli(["serve", str(tmp_path), "--port", "0"], capsys, monkeypatch)
+    assert code == 2 and "warning" not in err
 
 
 def test_loopback_addresses():

