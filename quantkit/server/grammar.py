@@ -109,7 +109,9 @@ class _LLConstraint:
             return
         self._llt.fill_next_token_bitmask(self.matcher, self.bitmask, 0)
         head = logits[: self.n_vocab]
-        self._llt.apply_token_bitmask_inplace(head, self.bitmask)
+        # llguidance fills the mask on the host; on a GPU route it is one 4-bytes-per-32-tokens upload per token
+        mask = self.bitmask if head.device.type == "cpu" else self.bitmask.to(head.device, non_blocking=True)
+        self._llt.apply_token_bitmask_inplace(head, mask)
         if logits.numel() > self.n_vocab:  # the model's padded vocabulary rows: never text
             logits[self.n_vocab:] = float("-inf")
 

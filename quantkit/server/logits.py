@@ -69,11 +69,11 @@ class LogitsHook:
         self._seen: torch.Tensor | None = None  # [V] in the prompt or generated (repetition penalty)
         self._logprobs: torch.Tensor | None = None
 
-    def _state(self, v: int) -> None:
-        if self._counts is None:
-            self._counts = torch.zeros(v, dtype=torch.float32)
-            self._seen = torch.zeros(v, dtype=torch.bool)
-            ids = torch.tensor([t for t in self.prompt_ids if 0 <= t < v], dtype=torch.long)
+    def _state(self, v: int, device: torch.device) -> None:
+        if self._counts is None:  # kept on the logits' device: no per-token copies
+            self._counts = torch.zeros(v, dtype=torch.float32, device=device)
+            self._seen = torch.zeros(v, dtype=torch.bool, device=device)
+            ids = torch.tensor([t for t in self.prompt_ids if 0 <= t < v], dtype=torch.long, device=device)
             self._seen[ids] = True
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
@@ -82,7 +82,7 @@ class LogitsHook:
             self._logprobs = torch.log_softmax(x, dim=-1)
         p = self.p
         if p.presence or p.frequency or p.repetition != 1:
-            self._state(x.numel())
+            self._state(x.numel(), x.device)
             assert self._counts is not None and self._seen is not None
             if p.repetition != 1:
                 s = x[self._seen]
