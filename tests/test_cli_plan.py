@@ -144,3 +144,22 @@ def test_invalid_json_and_empty_checkpoint_folder(tmp_path, capsys, monkeypatch)
 def test_console_script_error_has_no_traceback() -> None:
     r = run_main("plan", "--gpu", "rtx4099")
     assert r.returncode == 2 and "unknown GPU 'rtx4099'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_plan_cpu_only_and_a_card_outside_the_catalog(capsys, monkeypatch) -> None:
+    code, out, err = run_cli(["plan", "--gpu", "none", "--ram", "64", "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    d = json.loads(out)
+    rec = next(r for r in d["schemes"] if r["scheme"] == d["recommended"])
+    assert d["hardware"]["gpus"] == [] and rec["fits"] and rec["placement"]["where"] == "cpu"
+    code, out, err = run_cli(["plan", "--gpu", "custom:24GiB,936", "--ram", "64", "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["hardware"]["gpus"][0]["memory_gib"] == 24 and d["hardware"]["gpus"][0]["bandwidth_gbs"] == 936
+    # the same card as the catalog's RTX 3090 (24 GiB, 936 GB/s) decodes at the same estimated speed
+    _, ref, _ = run_cli(["plan", "--gpu", "rtx3090", "--ram", "64", "--json"], capsys, monkeypatch)
+    tps = {r["scheme"]: r["est_decode_tok_s"] for r in d["schemes"]}
+    ref_tps = {r["scheme"]: r["est_decode_tok_s"] for r in json.loads(ref)["schemes"]}
+    assert tps["int4"] == pytest.approx(ref_tps["int4"], rel=0.05)
+    code, _, err = run_cli(["plan", "--gpu", "custom:0", "--ram", "64"], capsys, monkeypatch)
+    assert code == 2 and err.count("error:") == 1 and "VRAM" in err

@@ -94,3 +94,34 @@ def test_apple_unified_memory_is_the_ram() -> None:
     assert hw.unified and hw.host.ram_bytes == 128 * GIB and hw.host.ram_source == "unified"
     assert hw.host.cpu_bandwidth_gbs == find_gpu("m4max").bandwidth_gbs
     assert find_gpu("m4max").usable_bytes == int(0.75 * 128 * GIB)
+
+
+@pytest.mark.parametrize("arg", ["none", "cpu", "CPU", " none "])
+def test_gpu_none_plans_the_cpu_alone(arg: str) -> None:
+    hw = build_hardware([arg], "64")
+    assert hw.gpus == () and "no GPU" in hw.describe() and any("CPU alone" in n for n in hw.notes)
+    assert not any("detected" in n for n in hw.notes)  # not this machine's GPU: none at all
+
+
+def test_custom_gpus_outside_the_catalog() -> None:
+    g = parse_gpu_arg("custom:24GiB,936")
+    assert len(g) == 1 and g[0].memory_bytes == 24 * GIB and g[0].bandwidth_gbs == 936.0
+    assert parse_gpu_arg("custom:20")[0].memory_bytes == 20 * GIB  # a bare number is GiB, as for --ram
+    two = parse_gpu_arg("2xcustom:16GB,448GB/s")
+    assert [x.memory_bytes for x in two] == [16 * 10**9] * 2 and two[0].bandwidth_gbs == 448.0
+    mixed = parse_gpu_arg("custom:24,936,rtx3060")
+    assert [x.family for x in mixed][0] == "custom" and mixed[1].id == find_gpu("rtx3060").id
+    assumed = parse_gpu_arg("custom:8")[0]
+    assert assumed.bandwidth_gbs == 500.0 and "assumed" in assumed.name
+
+
+@pytest.mark.parametrize("arg,needle", [
+    ("custom:0", "out of range"), ("custom:-8", "not a size"), ("custom:24,0", "above 0"),
+    ("custom:24,-100", "above 0"), ("custom:", "custom:VRAM"), ("none,rtx4090", "give it alone"),
+])
+def test_bad_gpu_specs_are_one_line(arg: str, needle: str) -> None:
+    with pytest.raises(QuantkitError, match=needle) as e:
+        build_hardware([arg], "64")
+    assert "\n" not in str(e.value)
+    with pytest.raises(QuantkitError, match="alone"):
+        build_hardware(["none", "rtx4090"], "64")

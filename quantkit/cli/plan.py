@@ -168,7 +168,8 @@ def _model_sources(model: str | None) -> list[Path]:
 @app.command("plan")
 def plan_cmd(
     model: str = typer.Option(None, "--model", "-m", help="config.json, checkpoint folder or cached HF id"),
-    gpu: list[str] = typer.Option(None, "--gpu", "-g", help="GPU name, e.g. rtx4090, 2x3090; repeatable"),
+    gpu: list[str] = typer.Option(None, "--gpu", "-g", help="GPU name, e.g. rtx4090, 2x3090; none (or cpu): no "
+                                  "GPU; custom:VRAM[,GB/s] for a card outside the catalog; repeatable"),
     nodes: int = typer.Option(1, "--nodes", parser=COUNT, help="identical nodes (for multi-node vLLM)"),
     ram: str = typer.Option(None, "--ram",
                             help="host RAM, e.g. 64GiB, 64 (GiB) or 68.7GB (GB = 10^9) (default: this machine's)"),

@@ -178,18 +178,62 @@ def find_gpu(name: str) -> GPU:
 _COUNT_RE = re.compile(r"^\s*(\d{1,2})\s*[x*]\s*(.+)$", re.I)
 
 
-def parse_gpu_arg(arg: str) -> list[GPU]:
-    """`rtx4090`, `2x3090`, `"RTX 4090"`, `rtx3090,rtx3060` -> GPUs."""
-    out: list[GPU] = []
+NO_GPU = ("none", "cpu")  # `--gpu none` / `--gpu cpu`: plan for the CPU alone
+CUSTOM_BANDWIDTH_GBS = 500.0  # a custom card without a bandwidth (as for a detected card not in the catalog)
+_BANDWIDTH_RE = re.compile(r"^\s*-?\d+(?:\.\d+)?\s*(?:gb/?s)?\s*$", re.I)
+
+
+def custom_gpu(spec: str) -> GPU:
+    """`custom:VRAM[,BANDWIDTH]` (VRAM by the size rule, a bare number in GiB; bandwidth in GB/s) -> a GPU
+    outside the catalog."""
+    body = spec.split(":", 1)[1] if ":" in spec else ""
+    vram, _, bw = body.partition(",")
+    if not vram.strip():
+        raise QuantkitError(f"--gpu {spec!r}: give custom:VRAM[,BANDWIDTH], e.g. custom:24GiB,936")
+    mem = sizes.parse_size(vram, f"--gpu {spec!r}: VRAM", bare_unit=GIB)
+    if mem <= 0:
+        raise QuantkitError(f"--gpu {spec!r}: VRAM must be more than 0")
+    if bw.strip():
+        m = re.match(r"^\s*(-?\d+(?:\.\d+)?)\s*(?:gb/?s)?\s*$", bw, re.I)
+        if not m or float(m.group(1)) <= 0:
+            raise QuantkitError(f"--gpu {spec!r}: bandwidth {bw.strip()!r} must be a number of GB/s above 0")
+        gbs, bw_text = float(m.group(1)), f"{float(m.group(1)):g} GB/s"
+    else:
+        gbs, bw_text = CUSTOM_BANDWIDTH_GBS, f"bandwidth assumed {CUSTOM_BANDWIDTH_GBS:.0f} GB/s"
+    gib = mem / GIB
+    return GPU(id=f"custom-{gib:g}gib", name=f"custom GPU ({gib:g} GiB, {bw_text})", vendor="nvidia",
+               family="custom", compute="", memory_gib=gib, bandwidth_gbs=gbs, fp16_tflops=50.0 * gbs / 500.0,
+               native=("fp16",), pcie="4.0x16")
+
+
+def _gpu_parts(arg: str) -> list[str]:
+    """`arg` split at commas, keeping `custom:VRAM,BANDWIDTH` together."""
+    out: list[str] = []
     for part in arg.split(","):
+        if out and "custom:" in out[-1].lower() and "," not in out[-1] and _BANDWIDTH_RE.match(part):
+            out[-1] += "," + part
+        else:
+            out.append(part)
+    return out
+
+
+def parse_gpu_arg(arg: str) -> list[GPU]:
+    """`rtx4090`, `2x3090`, `"RTX 4090"`, `rtx3090,rtx3060`, `custom:24GiB,936`, `2xcustom:16` -> GPUs;
+    `none` or `cpu` -> no GPU (only alone)."""
+    if arg.strip().lower() in NO_GPU:
+        return []
+    out: list[GPU] = []
+    for part in _gpu_parts(arg):
         part = part.strip()
         if not part:
             continue
+        if part.lower() in NO_GPU:
+            raise QuantkitError(f"--gpu {arg!r}: {part} means no GPU at all; give it alone")
         m = _COUNT_RE.match(part)
         n, name = (int(m.group(1)), m.group(2)) if m else (1, part)
         if n <= 0 or n > 64:
             raise QuantkitError(f"GPU count in {part!r} must be between 1 and 64")
-        out += [find_gpu(name)] * n
+        out += [custom_gpu(name) if name.strip().lower().startswith("custom") else find_gpu(name)] * n
     if not out:
         raise QuantkitError(f"no GPU named in {arg!r}")
     return out
@@ -269,7 +313,11 @@ def build_hardware(gpu_args: list[str] | None, ram: str | None = None, cpu_bandw
     if nodes < 1:
         raise QuantkitError(f"--nodes {nodes} must be at least 1")
     if gpu_args:
+        if len(gpu_args) > 1 and any(a.strip().lower() in NO_GPU for a in gpu_args):
+            raise QuantkitError("--gpu none (or cpu) means no GPU at all; give it alone")
         gpus = [g for a in gpu_args for g in parse_gpu_arg(a)]
+        if not gpus:
+            notes.append("--gpu none: planning for the CPU alone")
     else:
         gpus, dnotes = detect_gpus()
         notes += dnotes
