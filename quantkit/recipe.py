@@ -8,6 +8,7 @@ role they would have in a decoder layer (`mtp_subrole`), so a kept MTP layer is 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from quantkit.errors import QuantkitError
@@ -212,13 +213,22 @@ def load_recipe_file(path: str) -> Recipe:
 
 
 def build_recipe(bits: int = 4, fmt: str = "int", group_size: int | None = None, uniform: bool = False,
-                 overrides: list[str] | tuple[str, ...] = (), recipe_file: str | None = None) -> Recipe:
-    """The recipe `quantkit quantize` runs: `--recipe FILE` or `--bits/--format/--group-size/--uniform`,
-    then each `--override ROLE=SPEC`. --bits 4 is the `quality` recipe with `--format` on the routed
-    experts (on every matrix with --uniform); --bits 8 is int8 on every matrix."""
+                 overrides: list[str] | tuple[str, ...] = (), recipe_file: str | None = None,
+                 scheme: str | None = None) -> Recipe:
+    """The recipe `quantkit quantize` runs: `--scheme NAME` (the names `plan` uses), `--recipe FILE` or
+    `--bits/--format/--group-size/--uniform`, then each `--override ROLE=SPEC`. --bits 4 is the `quality`
+    recipe with `--format` on the routed experts (on every matrix with --uniform); --bits 8 is int8 on every
+    matrix."""
     if fmt not in FORMAT_CHOICES:
         raise QuantkitError(f"--format {fmt!r}: use one of {', '.join(FORMAT_CHOICES)}")
-    if recipe_file:
+    if scheme:
+        if recipe_file:
+            raise QuantkitError("--scheme names a recipe and --recipe reads one from a file: give one of them")
+        r = get_recipe(scheme)
+    elif recipe_file:
+        if recipe_file.lower() in RECIPES and not Path(recipe_file).exists():
+            raise QuantkitError(f"--recipe {recipe_file!r} is a scheme's name: write --scheme {recipe_file} "
+                                "(--recipe reads a JSON recipe file)")
         r = load_recipe_file(recipe_file)
     elif bits == 8:
         if fmt != "int":

@@ -29,7 +29,7 @@ def test_without_cuda_the_command_says_so_in_one_line_and_does_nothing(tmp_path,
 
 
 def test_an_unknown_recipe_is_refused_before_anything_else(tmp_path, capsys, monkeypatch):
-    code, _, err = run_cli(["bench", "gpu", "--recipe", "int3", "--workdir", tmp_path / "w"], capsys, monkeypatch)
+    code, _, err = run_cli(["bench", "gpu", "--scheme", "int3", "--workdir", tmp_path / "w"], capsys, monkeypatch)
     assert code == 2 and err.count("\n") == 1 and "int3" in err
 
 

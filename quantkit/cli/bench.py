@@ -18,7 +18,7 @@ from quantkit.bench import serve as serve_bench
 from quantkit.bench import session as session_bench
 from quantkit.bench import soak as soak_bench
 from quantkit.cli import app, console, fail
-from quantkit.cli.options import CONTEXT, COUNT, COUNT0, FRACTION, MAX_TOKENS, SECONDS
+from quantkit.cli.options import CONTEXT, COUNT, COUNT0, FRACTION, MAX_TOKENS, SECONDS, renamed
 from quantkit.errors import QuantkitError
 from quantkit.runtime.threads import resolve_threads
 
@@ -59,7 +59,7 @@ def bench_serve(
                                 help="retries of a request after 429 (Retry-After apart)"),
     disconnects: int = typer.Option(3, "--disconnects", parser=COUNT0,
                                     help="clients that hang up mid-stream in the fault phase"),
-    context: int = typer.Option(None, "--context", parser=CONTEXT, help="the server's --context"),
+    context: int = typer.Option(None, "--context", "-c", parser=CONTEXT, help="the server's --context (e.g. 32k)"),
 ) -> None:
     """Load and fault test of `quantkit serve`: latency percentiles, throughput, RSS before/after."""
     d = serve_bench.run(reports, model, workdir, clients, requests, max_tokens, max_queue, retries, disconnects, context,
@@ -252,11 +252,14 @@ def bench_gpu(
     experts: int = typer.Option(64, "--experts", parser=COUNT, help="experts per layer of the generated checkpoint"),
     prompt: int = typer.Option(32, "--prompt", parser=COUNT, help="prompt tokens"),
     decode: int = typer.Option(32, "--decode", parser=COUNT, help="greedy tokens per run"),
-    recipe: str = typer.Option("int4", "--recipe", help="the quantization of the checkpoint (int4: experts int4)"),
+    scheme: str = typer.Option(None, "--scheme", "-s", help="the quantization of the checkpoint (int4: experts "
+                               "int4) [default: int4]"),
+    old_recipe: str = typer.Option(None, "--recipe", hidden=True),  # the old spelling of --scheme
     cpu_share: float = typer.Option(0.5, "--cpu-share", parser=FRACTION,
                                     help="share of the expert bytes the GPU+CPU plan leaves in RAM, in (0, 1]"),
 ) -> None:
     """On a CUDA GPU: plan GPU alone and GPU+CPU, load, decode with and without CUDA graphs, check against the CPU."""
+    recipe = renamed(scheme, old_recipe, "--scheme", "--recipe", "int4")
     d = gpu_bench.run(reports, workdir, layers, experts, prompt, decode, recipe, cpu_share, log=console.print)
     for name, ok in d.checks.items():
         console.print(f"{'PASS' if ok else 'FAIL'} {name}")

@@ -3,12 +3,18 @@ once: finite (no nan, no inf), an integer where one is meant, inside its range, 
 message (`Invalid value for '--temperature': 'nan' is not a finite number in [0, 100]`). Commands declare
 `typer.Option(0.6, "--temperature", parser=TEMPERATURE)`; the rest of quantkit may assume sane values.
 
-`0` never silently means "default": an option whose default is "unset" is declared with `None`."""
+`0` never silently means "default": an option whose default is "unset" is declared with `None`.
+
+One vocabulary across commands: `-c/--context` takes `64k` everywhere (`tokens`), `--max-tokens` is the one
+generation cap, `--scheme` names a quantization recipe (`--recipe FILE` is a JSON recipe). An old spelling keeps
+working for one release with a one-line notice (`renamed`)."""
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
+from typing import Any
 
 import typer
 
@@ -49,12 +55,51 @@ def count(lo: int = 1, hi: int = 1 << 31) -> Callable[[str], float | int]:
     return number(lo, hi, integer=True)
 
 
+# the default model's max_position_embeddings: `262k` means it (262 x 1024 overshoots it by the 1000/1024
+# difference), as `plan -c` reads it
+DEFAULT_MAX_CONTEXT = 262144
+
+
+def tokens(lo: int = 1, hi: int = 1 << 24) -> Callable[[str], float | int]:
+    """A parser for a token count: `4096` or `64k` (k = 1024; `262k` = 262144, the model's maximum)."""
+    base = number(lo, hi, integer=True)
+
+    def parse(text: str | int) -> float | int:
+        raw = str(text).strip().lower()
+        m = re.fullmatch(r"(\d+)\s*k", raw)
+        if m:
+            n = int(m.group(1))
+            raw = str(DEFAULT_MAX_CONTEXT if n * 1024 > DEFAULT_MAX_CONTEXT >= n * 1000 else n * 1024)
+        try:
+            return base(raw)
+        except typer.BadParameter:
+            raise typer.BadParameter(f"{str(text).strip()!r} is not a token count in [{_fmt(lo)}, {_fmt(hi)}] "
+                                     "(write 4096 or 64k)") from None
+
+    parse.__name__ = "tokens"
+    return parse
+
+
+def renamed(value: Any, old_value: Any, new: str, old: str, default: Any = None) -> Any:
+    """The option's value whichever name gave it: the old spelling works for one release, with a notice."""
+    if old_value is None:
+        return default if value is None else value
+    from quantkit.cli import err_console
+    from quantkit.errors import QuantkitError
+
+    if value is not None:
+        raise QuantkitError(f"{old} is the old name of {new}: give {new} only")
+    err_console.print(f"[yellow]notice:[/] {old} is now {new}; the old name goes in the next release",
+                      highlight=False, soft_wrap=True)
+    return old_value
+
+
 TEMPERATURE = number(0, 100)
 TOP_P = number(0, 1, lo_open=True)
 TOP_K = count(0, 1 << 31)
 SEED = count(0, (1 << 63) - 1)
 MAX_TOKENS = count(1, 1 << 24)
-CONTEXT = count(1, 1 << 24)
+CONTEXT = tokens()
 GROUP_SIZE = count(1, 1 << 16)
 PORT = count(0, 65535)
 TFLOPS = number(0, 1e7, lo_open=True)

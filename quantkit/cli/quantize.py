@@ -61,9 +61,11 @@ def quantize(
     src: str = typer.Argument(..., help="checkpoint folder (sharded safetensors) or a model in the local HF cache"),
     out: Path = typer.Option(None, "--out", "-o",
                              help="output folder (must not exist, unless --resume/--overwrite)"),
-    bits: int = typer.Option(4, "--bits",
-                             help="4: the quality recipe (routed experts 4-bit, attention 8-bit); 8: int8"),
-    fmt: str = typer.Option("int", "--format", help="4-bit format: int (int4), nf4, fp4, mxfp4"),
+    scheme: str = typer.Option(None, "--scheme", "-s", help="a recipe by the names `plan` compares: quality "
+                               "(routed experts int4, attention int8), int4, int8, nf4, fp4, mxfp4, bf16"),
+    bits: int = typer.Option(None, "--bits",
+                             help="4: the quality recipe (routed experts 4-bit, attention 8-bit); 8: int8 [default: 4]"),
+    fmt: str = typer.Option(None, "--format", help="4-bit format: int (int4), nf4, fp4, mxfp4 [default: int]"),
     group_size: int = typer.Option(None, "--group-size", parser=GROUP_SIZE,
                                    help="group/block size of the 4-bit format"),
     uniform: bool = typer.Option(False, "--uniform", help="the same 4-bit format on every eligible matrix"),
@@ -90,7 +92,10 @@ def quantize(
     if out is None and not dry_run:
         fail("--out DIR is required (or --dry-run)")
 
-    recipe = build_recipe(bits, fmt.lower(), group_size, uniform, override, recipe_file)
+    if scheme and (bits is not None or fmt is not None or uniform):
+        fail("--scheme names the whole recipe: drop --bits/--format/--uniform (or --scheme)")
+    recipe = build_recipe(4 if bits is None else bits, (fmt or "int").lower(), group_size, uniform, override,
+                          recipe_file, scheme)
     calibration = Calibration(method.lower(), Stats.open(stats_file) if stats_file else None, min_fraction)
     shard = parse_shard_size(max_shard_size)
     ckpt = Checkpoint.open(resolve_model(src))

@@ -10,7 +10,7 @@ import typer
 
 from quantkit import sizes
 from quantkit.cli import app, console, err_console, fail
-from quantkit.cli.options import CONTEXT, MAX_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P
+from quantkit.cli.options import CONTEXT, MAX_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P, renamed
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_text_bounded
 from quantkit.outputs import guard_output
@@ -22,16 +22,17 @@ from quantkit.runtime.worlds import world_prompt
 from quantkit.termtext import printable
 
 _PLAN = typer.Option(None, "--plan", help="a plan from `quantkit plan --out` (default: plan for this machine)")
-_RECIPE = typer.Option(None, "--recipe", help="quantize an unquantized checkpoint while loading (int8, int4, "
-                       "quality, nf4, fp4, mxfp4; default: keep bf16)")
-_CONTEXT = typer.Option(None, "--context", parser=CONTEXT,
-                        help="context length to plan for [default: the plan's, else 4096]")
+_SCHEME = typer.Option(None, "--scheme", "-s", help="quantize an unquantized checkpoint while loading (int8, "
+                       "int4, quality, nf4, fp4, mxfp4; as `plan --scheme`; default: keep bf16)")
+_OLD_RECIPE = typer.Option(None, "--recipe", hidden=True)  # the old spelling of --scheme
+_CONTEXT = typer.Option(None, "--context", "-c", parser=CONTEXT,
+                        help="context length to plan for, e.g. 32768 or 32k [default: the plan's, else 4096]")
+_OLD_MAX_NEW = typer.Option(None, "--max-new-tokens", parser=MAX_TOKENS, hidden=True)  # the old --max-tokens
 _VERIFY = typer.Option("auto", "--verify",
                        help="check a quantized folder first: auto (hash shards under 4 GB), "
                        "full, quick (sizes and headers), off")
 # a prompt on stdin: 16M characters is far beyond any context (262k tokens is ~1 MB of text)
 PROMPT_LIMIT = 16 << 20
-_MAX_NEW = "--max-new-tokens"
 _THREADS = typer.Option(None, "--threads", help="CPU threads [default: every physical core]")
 _CACHE_SIZE = typer.Option("auto", "--prompt-cache-size",
                            help="memory for snapshots of the conversation state, so each turn prefills only its "
@@ -69,7 +70,9 @@ def generate_cmd(
     system: str = typer.Option(None, "--system", help="system prompt"),
     world: str = typer.Option(None, "--world", help="AgentWorld domain system prompt: mcp, search, terminal, "
                               "swe, android, web, os"),
-    max_new_tokens: int = typer.Option(512, _MAX_NEW, parser=MAX_TOKENS),
+    max_tokens: int = typer.Option(None, "--max-tokens", "-n", parser=MAX_TOKENS,
+                                   help="most tokens to generate [default: 512]"),
+    old_max_new_tokens: int = _OLD_MAX_NEW,
     temperature: float = typer.Option(0.6, "--temperature", parser=TEMPERATURE,
                                       help="0 = greedy; 0.6 as the model card evaluates"),
     top_p: float = typer.Option(0.95, "--top-p", parser=TOP_P),
@@ -78,7 +81,8 @@ def generate_cmd(
     think: bool = typer.Option(True, "--think/--no-think", help="let the model reason first (default on)"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object: text, thinking, token counts, tok/s, "
                                  "finish reason, the CPU route (instruction set, fused ops, one call)"),
-    plan: Path = _PLAN, recipe: str = _RECIPE, context: int = _CONTEXT, verify: str = _VERIFY,
+    plan: Path = _PLAN, scheme: str = _SCHEME, old_recipe: str = _OLD_RECIPE, context: int = _CONTEXT,
+    verify: str = _VERIFY,
     threads: int = _THREADS,
 ) -> None:
     """Generate one reply for scripts (plain text, or --json)."""
@@ -96,6 +100,8 @@ def generate_cmd(
         if world and system:
             raise QuantkitError("--world sets the system prompt; drop --system or --world")
         sys_prompt = world_prompt(world) if world else system
+        max_new_tokens = renamed(max_tokens, old_max_new_tokens, "--max-tokens", "--max-new-tokens", 512)
+        recipe = renamed(scheme, old_recipe, "--scheme", "--recipe")
         sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             max_new_tokens=max_new_tokens)
         sp.validate()
@@ -140,7 +146,9 @@ def chat_cmd(
     system: str = typer.Option(None, "--system", help="system prompt"),
     world: str = typer.Option(None, "--world", help="be the world model of a domain: mcp, search, terminal, "
                               "swe, android, web, os (type the agent's actions)"),
-    max_new_tokens: int = typer.Option(2048, _MAX_NEW, parser=MAX_TOKENS),
+    max_tokens: int = typer.Option(None, "--max-tokens", "-n", parser=MAX_TOKENS,
+                                   help="most tokens to generate [default: 2048]"),
+    old_max_new_tokens: int = _OLD_MAX_NEW,
     temperature: float = typer.Option(0.6, "--temperature", parser=TEMPERATURE),
     top_p: float = typer.Option(0.95, "--top-p", parser=TOP_P),
     top_k: int = typer.Option(20, "--top-k", parser=TOP_K),
@@ -150,7 +158,8 @@ def chat_cmd(
     session_file: Path = typer.Option(None, "--session", help="keep the conversation and its cached state in this "
                                       "file after every turn, and resume from it (no re-prefill after a restart)"),
     prompt_cache_size: str = _CACHE_SIZE,
-    plan: Path = _PLAN, recipe: str = _RECIPE, context: int = _CONTEXT, verify: str = _VERIFY,
+    plan: Path = _PLAN, scheme: str = _SCHEME, old_recipe: str = _OLD_RECIPE, context: int = _CONTEXT,
+    verify: str = _VERIFY,
     threads: int = _THREADS,
 ) -> None:
     """Talk to the model: streamed replies, thinking shown apart, /help for commands."""
@@ -164,6 +173,8 @@ def chat_cmd(
             raise QuantkitError("--world sets the system prompt; drop --system or --world")
         if load and session_file:
             raise QuantkitError("--session resumes its own file; drop --load or --session")
+        max_new_tokens = renamed(max_tokens, old_max_new_tokens, "--max-tokens", "--max-new-tokens", 2048)
+        recipe = renamed(scheme, old_recipe, "--scheme", "--recipe")
         sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             max_new_tokens=max_new_tokens)
         sp.validate()

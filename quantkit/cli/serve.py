@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 import typer
 
 from quantkit.cli import app, console, err_console, fail
-from quantkit.cli.options import CONTEXT, COUNT, MAX_TOKENS, PORT, SECONDS
+from quantkit.cli.options import CONTEXT, COUNT, MAX_TOKENS, PORT, SECONDS, renamed
 from quantkit.cli.runtime import parse_cache_size
 from quantkit.errors import QuantkitError
 from quantkit.runtime.threads import set_threads
@@ -103,10 +103,11 @@ def serve(
     body_timeout: float = typer.Option(30.0, "--body-timeout", parser=SECONDS,
                                        help="seconds a client has to send its request body (408 after)"),
     max_n: int = typer.Option(8, "--max-n", parser=COUNT, help="most choices (n) one request may ask for"),
-    context: int = typer.Option(None, "--context", parser=CONTEXT,
-                                help="context length to plan for (default: the plan's, or 4096)"),
-    default_max_tokens: int = typer.Option(None, "--default-max-tokens", parser=MAX_TOKENS,
-                                           help="max_tokens when a request gives none (default: rest of context)"),
+    context: int = typer.Option(None, "--context", "-c", parser=CONTEXT,
+                                help="context length to plan for, e.g. 32k (default: the plan's, or 4096)"),
+    max_tokens: int = typer.Option(None, "--max-tokens", "-n", parser=MAX_TOKENS,
+                                   help="max_tokens when a request gives none (default: rest of context)"),
+    old_max_tokens: int = typer.Option(None, "--default-max-tokens", parser=MAX_TOKENS, hidden=True),
     log_level: str = typer.Option("info", "--log-level", help=f"uvicorn log level: {', '.join(LOG_LEVELS)}"),
     allowed_hosts: list[str] = typer.Option([], "--allowed-hosts", help="more Host header names to answer "
                                             "(repeatable; loopback names and --host always; '*' for any)"),
@@ -122,6 +123,7 @@ def serve(
     /health, /metrics)."""
     if log_level.lower() not in LOG_LEVELS:
         fail(f"--log-level {log_level!r}: use one of {', '.join(LOG_LEVELS)}")
+    default_max_tokens = renamed(max_tokens, old_max_tokens, "--max-tokens", "--default-max-tokens")
     host = check_host(host)
     body_limit = parse_size(max_body, "--max-body")
     if api_key is not None and not api_key.strip():
