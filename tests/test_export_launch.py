@@ -57,3 +57,23 @@ def test_each_scheme_gets_a_launch_for_each_engine():
             assert ("--quantization fp8" in vl.command) == (scheme == "int8")
         else:
             assert vl.command.startswith(f"vllm serve {vl.export_command.split()[4]} ")
+
+
+def test_llama_server_gives_each_slot_the_planned_context_and_both_lines_serve_tools():
+    """`--batch 4 -c 64k` budgets 4 x 64k of KV: llama-server's -c is all slots together, so the line must say
+    -c 262144 -np 4 (not -c 65536, which is 16k per slot), and the placement must hold 4 x 64k of KV."""
+    from quantkit.export.llama_placement import LlamaSettings, kv_layer_bytes, model_from_spec
+
+    spec = default_spec()
+    hw = build_hardware(["rtx4090"], "128GB", None, 1, None)
+    plan = solve(spec, RECIPES["int4"], RunSettings(context=65536, batch=4), hw)
+    line = shlex.split(launch_plan("llama.cpp", plan, hw, spec.name, "SRC").command)
+    assert line[line.index("-c") + 1] == str(4 * 65536) and line[line.index("-np") + 1] == "4"
+    assert "--jinja" in line  # the GGUF's chat template: tool calls need it
+    gm = model_from_spec(spec, "q4_0")
+    one = kv_layer_bytes(gm, LlamaSettings(context=65536, parallel=1))
+    assert kv_layer_bytes(gm, LlamaSettings(context=65536, parallel=4)) == 4 * one
+    vl = shlex.split(launch_plan("vllm", plan, build_hardware(["2xh100"], "256GB", None, 1, None), spec.name,
+                                 "SRC").command)
+    assert vl[vl.index("--tool-call-parser") + 1] == "qwen3_coder" and "--enable-auto-tool-choice" in vl
+    assert vl[vl.index("--reasoning-parser") + 1] == "qwen3"

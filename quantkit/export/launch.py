@@ -131,7 +131,8 @@ _LLAMA_CACHE = {"fp16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0", "
 def llama_cpp_command(p: LlamaPlacement, model_path: str = "model.gguf") -> str:
     """llama-server line for a llama.cpp placement."""
     st = p.settings
-    args = ["llama-server", "-m", model_path, "-c", str(st.context), *p.flags(), "-fa", "on"]
+    # -c is all slots' KV together; --jinja: the GGUF's own chat template, which tool calls need
+    args = ["llama-server", "-m", model_path, "-c", str(st.n_ctx), *p.flags(), "-fa", "on", "--jinja"]
     if st.ubatch != 512:
         args += ["-ub", str(st.ubatch)]
     if st.cache_type != "f16":
@@ -171,7 +172,8 @@ def vllm_command(plan: Plan, hw: Hardware, model: str) -> tuple[str, list[str]]:
     if tp * pp > 1:
         args += ["--enable-expert-parallel"]
     args += ["--language-model-only", "--max-model-len", str(plan.settings.context),
-             "--gpu-memory-utilization", "0.92", "--reasoning-parser", "qwen3"]
+             "--gpu-memory-utilization", "0.92", "--reasoning-parser", "qwen3",
+             "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"]  # the XML tool calls Qwen3.5 writes
     if plan.settings.cache_dtype == "fp8":
         args += ["--kv-cache-dtype", "fp8"]
     elif plan.settings.cache_dtype in ("q8_0", "q4_0"):

@@ -124,15 +124,20 @@ def model_from_gguf(info: Any) -> LlamaModel:
 
 @dataclass(frozen=True)
 class LlamaSettings:
-    context: int = 4096
+    context: int = 4096  # tokens per sequence (slot), as quantkit's plan budgets them
     parallel: int = 1  # llama-server -np: sequences (each has its own recurrent state)
     cache_type: str = "f16"
     ubatch: int = DEFAULT_UBATCH
 
+    @property
+    def n_ctx(self) -> int:
+        """llama-server's -c: the KV cache of all slots together (-c 65536 -np 4 is 16k per slot)."""
+        return self.context * self.parallel
+
 
 def kv_layer_bytes(m: LlamaModel, s: LlamaSettings) -> int:
     bb, be = CACHE_BLOCKS[s.cache_type]
-    return s.context * 2 * m.n_head_kv * math.ceil(m.head_dim / be) * bb
+    return s.n_ctx * 2 * m.n_head_kv * math.ceil(m.head_dim / be) * bb
 
 
 def rs_layer_bytes(m: LlamaModel, s: LlamaSettings) -> int:
@@ -142,7 +147,7 @@ def rs_layer_bytes(m: LlamaModel, s: LlamaSettings) -> int:
 
 def compute_bytes(m: LlamaModel, s: LlamaSettings, with_output: bool) -> int:
     per_tok = m.n_embd * COMPUTE_PER_TOKEN_HIDDEN + (m.vocab * 4 if with_output else 0)
-    return s.ubatch * per_tok + s.context * s.ubatch * 2
+    return s.ubatch * per_tok + s.n_ctx * s.ubatch * 2
 
 
 @dataclass
@@ -225,7 +230,8 @@ def solve_llama(m: LlamaModel, s: LlamaSettings, gpu_memory: list[int], reserve:
     budgets = [max(0, g - reserve) for g in gpu_memory]
     lb = _Layers(m, s)
     assumptions = [
-        f"llama-server -fa on, -ub {s.ubatch}, -c {s.context} (-np {s.parallel}), KV cache {s.cache_type}",
+        f"llama-server -fa on, -ub {s.ubatch}, -c {s.n_ctx} (-np {s.parallel}: {s.context} tokens per slot), "
+        f"KV cache {s.cache_type}",
         "GPU bytes = this file's tensors on each card + KV cache + recurrent state + compute buffer "
         f"(logits ubatch x vocab x 4 = {s.ubatch * m.vocab * 4 / 2**20:.0f} MiB with the output layer); "
         f"{reserve / 2**30:.2f} GiB per card left for the CUDA context",
