@@ -163,3 +163,24 @@ def test_plan_cpu_only_and_a_card_outside_the_catalog(capsys, monkeypatch) -> No
     assert tps["int4"] == pytest.approx(ref_tps["int4"], rel=0.05)
     code, _, err = run_cli(["plan", "--gpu", "custom:0", "--ram", "64"], capsys, monkeypatch)
     assert code == 2 and err.count("error:") == 1 and "VRAM" in err
+
+
+def test_the_recommendation_is_the_fastest_at_or_above_the_quality_floor(capsys, monkeypatch) -> None:
+    """RTX 3060 + 64 GB: int8 (about half the speed of the 4-bit schemes) was recommended over them."""
+    from quantkit.recipe import QUALITY_RANK
+
+    def plan(*extra):
+        code, out, err = run_cli(["plan", "--gpu", "rtx3060", "--ram", "64", "--json", *extra], capsys, monkeypatch)
+        assert code == 0, err
+        d = json.loads(out)
+        return d["recommended"], {r["scheme"]: r for r in d["schemes"] if r["fits"]}
+
+    rec, rows = plan()
+    floor = QUALITY_RANK["quality"]
+    eligible = {s: r["est_decode_tok_s"] for s, r in rows.items() if QUALITY_RANK[s] >= floor}
+    assert rec != "int8" and rows[rec]["est_decode_tok_s"] == max(eligible.values())
+    rec, rows = plan("--min-quality", "int4")
+    assert rows[rec]["est_decode_tok_s"] == max(r["est_decode_tok_s"] for s, r in rows.items()
+                                                if QUALITY_RANK[s] >= QUALITY_RANK["int4"])
+    code, _, err = run_cli(["plan", "--gpu", "rtx3060", "--min-quality", "int3"], capsys, monkeypatch)
+    assert code == 2 and "unknown scheme 'int3'" in err

@@ -24,6 +24,7 @@ from quantkit.planner.budget import GB, GIB, SNAPSHOTS_PER_PROMPT, RunSettings, 
 from quantkit.planner.hardware import DEFAULT_GPU_RESERVE, Hardware, build_hardware, load_catalog, parse_size
 from quantkit.planner.host_costs import profile_for_plan
 from quantkit.planner.placement import (
+    DEFAULT_QUALITY_FLOOR,
     RECIPES,
     Plan,
     SchemeResult,
@@ -186,6 +187,9 @@ def plan_cmd(
     prompt_cache: int = typer.Option(SNAPSHOTS_PER_PROMPT, "--prompt-cache",
                                      help="conversation-state snapshots to budget for (2 per conversation kept "
                                      "across turns; 0: none)"),
+    min_quality: str = typer.Option(DEFAULT_QUALITY_FLOOR, "--min-quality",
+                                    help="the recommendation is the fastest scheme that fits at this quality or "
+                                    "above (order: bf16, fp16, int8, quality, int4, nf4, mxfp4, fp4)"),
     as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     out: Path = typer.Option(None, "--out", "-o", help="save the chosen plan for the runtime"),
     export: str = typer.Option(None, "--export", help="print launch flags: llama.cpp or vllm"),
@@ -218,6 +222,7 @@ def plan_cmd(
     if export and export.lower() not in ENGINES:
         raise QuantkitError(f"--export {export!r}: use llama.cpp or vllm")
     schemes = parse_recipe_names(scheme)
+    min_quality = (parse_recipe_names([min_quality]) or [DEFAULT_QUALITY_FLOOR])[0]
     contexts = parse_contexts(context, spec.config.max_position_embeddings)
     this_host = not (gpu or ram or cpu_bandwidth or nodes > 1)
     prof, prof_src, prof_note = profile_for_plan(profile, spec.config, this_host)
@@ -229,7 +234,7 @@ def plan_cmd(
             for r in plan_schemes(spec, hw, _settings(ctx, batch, cache, prefill_chunk, mtp, spec, prompt_cache),
                                   schemes or None, **kw)]
     try:
-        chosen = choose(rows, contexts[0], schemes, spec, hw, **kw)
+        chosen = choose(rows, contexts[0], schemes, spec, hw, floor=min_quality, **kw)
     except QuantkitError:
         if not as_json:
             _print_notes(hw.notes)
@@ -285,7 +290,8 @@ def _print_plan(spec: ModelSpec, hw: Hardware, contexts: list[int], rows: list[S
     console.print(_results_table(rows, len(contexts) > 1, plan.scheme, runtime=runtime))
     console.print("[dim]card = the model card's formula (1.05 x weights + KV); exact = tensor by tensor, with "
                   "caches, buffers and GPU reserve; max ctx = longest context that still fits; tok/s = "
-                  "estimated decode (llama.cpp-grade), pp/s = estimated prefill tok/s; * = recommended"
+                  "estimated decode (llama.cpp-grade), pp/s = estimated prefill tok/s; * = recommended: the fastest "
+                  "that fits at --min-quality or better (default: the quality scheme)"
                   + ("; qk tok/s = quantkit's own runtime here, composed from `quantkit calibrate`'s "
                      f"measured parts ({prof_src})" if runtime else "") + "[/]")
     console.print(_budget_table(spec, plan))

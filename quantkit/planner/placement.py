@@ -606,22 +606,29 @@ def plan_schemes(spec: ModelSpec, hw: Hardware, settings: RunSettings, schemes: 
     return out
 
 
-def recommend(results: list[SchemeResult]) -> SchemeResult | None:
-    """The closest-to-bf16 scheme that fits and runs at least half as fast as the fastest fitting one."""
+# The quality floor of a recommendation: routed experts at 4 bits with attention, linear attention and the
+# shared expert at 8 (the `quality` recipe; REFERENCE section 3: such a Q4_K_M is at KL 0.010 against bf16,
+# a uniform 4-bit file at 0.052). Schemes ranked below it are recommended only when nothing above fits.
+DEFAULT_QUALITY_FLOOR = "quality"
+
+
+def recommend(results: list[SchemeResult], floor: str = DEFAULT_QUALITY_FLOOR) -> SchemeResult | None:
+    """The fastest scheme (by the plan's own decode estimate) that fits with quality at or above `floor`
+    (QUALITY_RANK); ties go to the higher quality. Below the floor only when nothing at or above it fits."""
     ok = [r for r in results if r.plan.fits and r.plan.speed]
     if not ok:
         return None
-    fastest = max(r.plan.speed.decode_tok_s for r in ok)
-    eligible = [r for r in ok if r.plan.speed.decode_tok_s >= 0.5 * fastest]
-    return max(eligible, key=lambda r: (QUALITY_RANK.get(r.plan.scheme, 0), r.plan.speed.decode_tok_s))
+    least = QUALITY_RANK.get(floor, 0)
+    pool = [r for r in ok if QUALITY_RANK.get(r.plan.scheme, 0) >= least] or ok
+    return max(pool, key=lambda r: (round(r.plan.speed.decode_tok_s, 1), QUALITY_RANK.get(r.plan.scheme, 0)))
 
 
 def choose(rows: list[SchemeResult], context: int, schemes: list[str], spec: ModelSpec, hw: Hardware,
-           **kw: Any) -> SchemeResult:
-    """The plan to recommend at `context`: the one scheme asked for when it fits, else the best that fits.
+           floor: str = DEFAULT_QUALITY_FLOOR, **kw: Any) -> SchemeResult:
+    """The plan to recommend at `context`: the one scheme asked for when it fits, else `recommend`'s.
     When none does, one error line says why and what would fit."""
     first = [r for r in rows if r.plan.settings.context == context]
-    chosen = recommend(first)
+    chosen = recommend(first, floor)
     if schemes and len(schemes) == 1:
         chosen = first[0] if first[0].plan.fits else None
     if chosen is not None:
