@@ -1,6 +1,10 @@
-"""The rich progress bar of the long jobs (quantize, export): tensors done, bytes/s, elapsed and ETA."""
+"""The progress of the long jobs (quantize, export, stats): a rich bar on a terminal (tensors done, bytes/s,
+elapsed and ETA); where the output is not a terminal (`quantize ... > log 2>&1`, CI), a plain line every few
+seconds with the same figures, and one at the end, so a log shows the job moving."""
 
 from __future__ import annotations
+
+import time
 
 from rich.console import Console
 from rich.progress import (
@@ -12,27 +16,55 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
+PLAIN_EVERY_S = 5.0
+
+
+def _clock(s: float) -> str:
+    s = int(s)
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
 
 class RichProgress:
-    """quantkit.progress.Progress onto one rich task."""
+    """quantkit.progress.Progress onto one rich task (or plain lines, see the module docstring)."""
 
-    def __init__(self, progress: Progress, what: str):
+    def __init__(self, progress: Progress, what: str, every_s: float = PLAIN_EVERY_S):
         self.p = progress
         self.what = what
         self.task = None
         self.total = 0
         self.done = 0
+        self.plain = not progress.console.is_terminal
+        self.every_s = every_s
+        self.nbytes = self.bytes_done = 0
+        self.t0 = self.last = 0.0
 
     def start(self, tensors: int, nbytes: int) -> None:
         self.total = tensors
         self.done = 0
+        self.nbytes, self.bytes_done = nbytes, 0
+        self.t0 = time.monotonic()
+        self.last = float("-inf")
         self.task = self.p.add_task(self.what, total=nbytes, tensors=f"0/{tensors}", name="")
 
     def advance(self, name: str, nbytes: int, tensor_done: bool) -> None:
         if tensor_done:
             self.done += 1
-        self.p.update(self.task, advance=nbytes, tensors=f"{self.done}/{self.total}",
-                      name=name.removeprefix("model.language_model."))
+        self.bytes_done += nbytes
+        short = name.removeprefix("model.language_model.")
+        self.p.update(self.task, advance=nbytes, tensors=f"{self.done}/{self.total}", name=short)
+        if self.plain:
+            now = time.monotonic()
+            if now - self.last >= self.every_s or (self.done == self.total and tensor_done):
+                self.last = now
+                self._line(short, now)
+
+    def _line(self, name: str, now: float) -> None:
+        el = now - self.t0
+        frac = self.bytes_done / self.nbytes if self.nbytes else self.done / max(self.total, 1)
+        rate = self.bytes_done / el / 1e6 if el > 0 else 0.0
+        eta = f", ETA {_clock(el * (1 - frac) / frac)}" if 0 < frac < 1 else ""
+        self.p.console.print(f"{self.what}: {self.done}/{self.total} tensors, {frac:.1%}, {rate:.0f} MB/s, "
+                             f"{_clock(el)} elapsed{eta} ({name})", highlight=False, soft_wrap=True)
 
 
 def tensor_progress(console: Console) -> Progress:
