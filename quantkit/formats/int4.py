@@ -36,7 +36,16 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import Part, QuantSpec, ceil_div, register
-from quantkit.formats._common import check_matrix, pack_nibbles, run_chunks, to_codes, unpack_nibbles
+from quantkit.formats._common import (
+    ErrorSums,
+    check_matrix,
+    out_buffer,
+    pack_nibbles,
+    row_sq,
+    run_chunks,
+    to_codes,
+    unpack_nibbles,
+)
 
 DEFAULT_GROUP = 128
 GROUPS = (32, 64, 128)
@@ -58,8 +67,8 @@ def _inv(s: torch.Tensor) -> torch.Tensor:
 
 
 def _pick(x: torch.Tensor, inv: torch.Tensor, off: torch.Tensor | None, scale: torch.Tensor,
-          lo: float, hi: float) -> torch.Tensor:
-    """Index of the candidate with the least squared error per group.
+          lo: float, hi: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(index of the candidate with the least squared error per group, that error) [R, G].
 
     x [R, G, g]; inv, scale (and off) [C, R, G]: candidate c codes x as clamp(round(x * inv + off)),
     whose squared error is scale^2 * sum (code - (x * inv + off))^2. Ties keep the first candidate."""
@@ -84,7 +93,7 @@ def _pick(x: torch.Tensor, inv: torch.Tensor, off: torch.Tensor | None, scale: t
         better = err[c] < best_err
         best = torch.where(better, c, best)
         best_err = torch.where(better, err[c], best_err)
-    return best
+    return best, best_err
 
 
 def _select(cand: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
@@ -95,8 +104,9 @@ def _select(cand: torch.Tensor, best: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _sym(x: torch.Tensor, grid: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """x fp32 [R, G, g] -> (codes 0..15 int8 [R, G, g], bf16 scales [R, G]), w = (q - 8) * s."""
+def _sym(x: torch.Tensor, grid: tuple[float, ...], want_err: bool = False) -> tuple[torch.Tensor, ...]:
+    """x fp32 [R, G, g] -> (codes 0..15 int8 [R, G, g], bf16 scales [R, G], fp32 squared error [R, G] or
+    None when neither the search nor the caller needs it), w = (q - 8) * s."""
     mn, mx = x.amin(dim=-1), x.amax(dim=-1)  # two reductions: torch.aminmax measured 8x slower
     base = torch.where(mx >= -mn, mx, mn).mul_(-1.0 / 8)
     if grid:
@@ -104,17 +114,20 @@ def _sym(x: torch.Tensor, grid: tuple[float, ...]) -> tuple[torch.Tensor, torch.
         cand = (base * f).to(torch.bfloat16)  # [C, R, G]
         candf = cand.float()
         inv = _inv(candf)
-        best = _pick(x, inv, None, candf, -8, 7)
+        best, err = _pick(x, inv, None, candf, -8, 7)
         s, inv_s = _select(cand, best), _select(inv, best)
     else:
         s = base.to(torch.bfloat16)
-        inv_s = _inv(s.float())
+        sf = s.float()
+        inv_s = _inv(sf)
+        err = _pick(x, inv_s[None], None, sf[None], -8, 7)[1] if want_err else None
     q = (x * inv_s[..., None]).clamp_(-8, 7).round_().add_(8)
-    return to_codes(q), s
+    return to_codes(q), s, err
 
 
-def _asym(x: torch.Tensor, grid: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x fp32 [R, G, g] -> (codes 0..15 int8, bf16 scales, bf16 zeros), w = (q - 8) * s + z.
+def _asym(x: torch.Tensor, grid: tuple[float, ...], want_err: bool = False) -> tuple[torch.Tensor, ...]:
+    """x fp32 [R, G, g] -> (codes 0..15 int8, bf16 scales, bf16 zeros, fp32 squared error [R, G]),
+    w = (q - 8) * s + z.
 
     Candidate ranges shrink [min, max] toward zero by the grid's factors (only the side that lies
     beyond zero, so an all-positive group keeps its minimum); code 0 maps to the range's low end."""
@@ -127,17 +140,18 @@ def _asym(x: torch.Tensor, grid: tuple[float, ...]) -> tuple[torch.Tensor, torch
     sf, zf = cand_s.float(), cand_z.float()
     inv = _inv(sf)
     off = 8.0 - zf * inv  # code = (x - (z - 8 s)) / s = x * inv + off
+    best, err = _pick(x, inv, off, sf, 0, 15) if grid or want_err else (None, None)
     if grid:
-        best = _pick(x, inv, off, sf, 0, 15)
         s, z, inv_b, off_b = (_select(t, best) for t in (cand_s, cand_z, inv, off))
     else:
         s, z, inv_b, off_b = cand_s[0], cand_z[0], inv[0], off[0]
     q = (x * inv_b[..., None]).add_(off_b[..., None]).clamp_(0, 15).round_()
-    return to_codes(q), s, z
+    return to_codes(q), s, z, err
 
 
 class Int4:
     name = "int4"
+    fills_buffers = True  # quantize takes out= and sums= (the streaming quantizer's fast path)
 
     default_group = DEFAULT_GROUP
 
@@ -150,26 +164,33 @@ class Int4:
             out["zeros"] = Part(groups, "bfloat16", "zeros")
         return out
 
-    def quantize(self, w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
+    def quantize(self, w: torch.Tensor, spec: QuantSpec, out: dict[str, torch.Tensor] | None = None,
+                 sums: ErrorSums | None = None) -> dict[str, torch.Tensor]:
+        """`out`: preallocated parts to fill (the streaming quantizer reuses them); `sums`: gathers the
+        squared error of the stored weights, as each group's chosen candidate measured it (scale^2 x the
+        squared code residual: the error of (q - 8) * s + z against w up to fp32 rounding of w * (1/s))."""
         g = _group(spec)
         check_matrix(w, g, self.name)
         grid = CLIP_GRID if spec.clip_search else ()
         cols = w.shape[-1]
         flat = w.reshape(-1, cols)
         rows = flat.shape[0]
-        packed = torch.empty(rows, cols // 2, dtype=torch.uint8)
-        scales = torch.empty(rows, cols // g, dtype=torch.bfloat16)
-        zeros = None if spec.symmetric else torch.empty(rows, cols // g, dtype=torch.bfloat16)
+        packed = out_buffer(out, "qweight", (rows, cols // 2), torch.uint8)
+        scales = out_buffer(out, "scales", (rows, cols // g), torch.bfloat16)
+        zeros = None if spec.symmetric else out_buffer(out, "zeros", (rows, cols // g), torch.bfloat16)
 
         def work(sl: slice) -> None:
-            x = flat[sl].float().reshape(-1, cols // g, g)
+            xb = flat[sl]
+            x = xb.float().reshape(-1, cols // g, g)
             if spec.symmetric:
-                q, s = _sym(x, grid)
+                q, s, err = _sym(x, grid, sums is not None)
             else:
-                q, s, z = _asym(x, grid)
+                q, s, z, err = _asym(x, grid, sums is not None)
                 zeros[sl] = z
             scales[sl] = s
             packed[sl] = pack_nibbles(q.reshape(-1, cols))
+            if sums is not None:
+                sums.add(sl, float(err.sum(dtype=torch.float64)), row_sq(x.view(-1, cols)))
 
         run_chunks(rows, cols, work)
         lead = w.shape[:-1]

@@ -10,31 +10,42 @@ from __future__ import annotations
 import torch
 
 from quantkit.formats import Part, QuantSpec, register
-from quantkit.formats._common import check_matrix, run_chunks
+from quantkit.formats._common import ErrorSums, check_matrix, out_buffer, row_sq, run_chunks
 
 
 class Int8:
     name = "int8"
+    fills_buffers = True  # quantize takes out= and sums= (the streaming quantizer's fast path)
 
     default_group = None  # one scale per output row
 
     def parts(self, spec: QuantSpec, shape: tuple[int, ...]) -> dict[str, Part]:
         return {"qweight": Part(tuple(shape), "int8", "weight"), "scales": Part(tuple(shape[:-1]), "bfloat16", "scales")}
 
-    def quantize(self, w: torch.Tensor, spec: QuantSpec) -> dict[str, torch.Tensor]:
+    def quantize(self, w: torch.Tensor, spec: QuantSpec, out: dict[str, torch.Tensor] | None = None,
+                 sums: ErrorSums | None = None) -> dict[str, torch.Tensor]:
+        """`out`: preallocated parts to fill; `sums`: gathers the squared error of the stored weights
+        (scale^2 x the squared code residual, as int4 measures it)."""
         check_matrix(w, None, self.name)
         cols = w.shape[-1]
         flat = w.reshape(-1, cols)
-        q = torch.empty(flat.shape, dtype=torch.int8)
-        scales = torch.empty(flat.shape[0], dtype=torch.bfloat16)
+        q = out_buffer(out, "qweight", tuple(flat.shape), torch.int8)
+        scales = out_buffer(out, "scales", (flat.shape[0],), torch.bfloat16)
 
         def work(sl: slice) -> None:
             x = flat[sl].float()
             s = (x.abs().amax(dim=1) / 127.0).to(torch.bfloat16)
             sf = s.float()
             inv = torch.where(sf > 0, 1.0 / sf, torch.zeros_like(sf))
-            q[sl] = (x * inv[:, None]).clamp_(-127, 127).round_().to(torch.int8)
+            t = x * inv[:, None]
+            r = t.clamp(-127, 127).round_()
+            q[sl] = r.to(torch.int8)
             scales[sl] = s
+            if sums is not None:
+                r.sub_(t)
+                per_row = torch.linalg.vector_norm(r, dim=1, dtype=torch.float32).double().pow_(2)
+                err = float(per_row.mul_(sf.double().pow(2)).sum())
+                sums.add(sl, err, row_sq(x))
 
         run_chunks(flat.shape[0], cols, work)
         return {"qweight": q.reshape(w.shape), "scales": scales.reshape(w.shape[:-1])}
