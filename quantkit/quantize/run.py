@@ -25,7 +25,7 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -36,6 +36,7 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json, fsync_dir, temp_name
 from quantkit.formats import QuantSpec, get_format, stored_parts
+from quantkit.formats._common import ErrorSums
 from quantkit.model.checkpoint import Checkpoint, check_finite
 from quantkit.model.contract import INDEX_NAME, QUANT_METHOD, QUANT_VERSION, holds_quantize_run
 from quantkit.model.spec import Role, TensorSpec, role_of
@@ -53,13 +54,22 @@ from quantkit.quantize.manifest import (
     fingerprint,
 )
 from quantkit.quantize.shards import ShardLayout, ShardWriter, TensorLayout, dtype_name, read_header
+from quantkit.quantize.stream import (
+    CHUNK_TEMP_BYTES,
+    Block,
+    BufferPool,
+    Reader,
+    Writer,
+    align,
+    keep_small_allocations,
+    view_as,
+)
 from quantkit.recipe import Recipe, decide
 
 REPORT_STEM = "quantkit-report"
-# Input bytes per slab of experts / block of rows. Measured on a 256 MB bf16 slab of experts: int4's
-# dequantize for the error figures peaks at 6x the input (fp32 result plus its temporaries), int8's at 4.5x;
-# a 64 MB slab keeps that under 0.5 GB whatever the tensor size, and is still large enough to run at full speed.
-DEFAULT_SLAB_BYTES = 64 << 20
+# Input bytes per slab of experts / block of rows. Two are in flight (one read ahead), with two output arenas
+# (quantize/stream.py); 32 MB runs as fast as 64 MB file to file (reports/bench-quantize.md) at half the memory.
+DEFAULT_SLAB_BYTES = 32 << 20
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle", ".gguf", ".h5",
                    ".msgpack", ".onnx", ".npz", ".npy")
 NOT_COPIED = {"config.json", INDEX_NAME, MANIFEST_NAME, JOURNAL_NAME, "pytorch_model.bin.index.json"}
@@ -275,9 +285,10 @@ class QuantizeOptions:
     slab_bytes: int = DEFAULT_SLAB_BYTES
     check_finite: bool = True
     calibration: Calibration | None = None  # --method/--stats (quantize/calibrated.py); None: plain RTN
+    threads: int | None = None  # --threads: quantizing workers (None: every physical core); bytes do not depend on it
 
     def fingerprint_data(self) -> dict[str, Any]:
-        """What the output bytes depend on (not mode/report/slab size: those do not change them)."""
+        """What the output bytes depend on (not mode/report/slab size/threads: those do not change them)."""
         d = {"recipe": self.recipe.to_dict(), "keep_mtp": self.keep_mtp, "max_shard_size": self.max_shard_size}
         if self.calibration is not None and self.calibration.method != "rtn":
             d["calibration"] = self.calibration.fingerprint_data()
@@ -381,8 +392,11 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 
 def _chunks(tp: TensorPlan, slab_bytes: int) -> tuple[str, int]:
-    """How to stream a tensor: ("experts", n) for fused stacks, ("rows", n) for big matrices, ("whole", 0)."""
+    """How to stream a tensor: ("experts", n) for fused stacks, ("rows", n) for big matrices (kept ones
+    too: they are copied block by block), ("whole", 0)."""
     if tp.spec is None:
+        if tp.shape and tp.in_bytes > slab_bytes and tp.shape[0] > 1:
+            return ("rows", max(1, slab_bytes // max(tp.in_bytes // tp.shape[0], 1)))
         return ("whole", 0)
     if len(tp.shape) == 3:
         per = tp.in_bytes // tp.shape[0]
@@ -393,39 +407,61 @@ def _chunks(tp: TensorPlan, slab_bytes: int) -> tuple[str, int]:
     return ("whole", 0)
 
 
-def _quantize_tensor(ckpt: Checkpoint, tp: TensorPlan, writer: ShardWriter, opts: QuantizeOptions,
+def _blocks(tp: TensorPlan, slab_bytes: int) -> list[Block]:
+    """The blocks along dim 0 a tensor is read, quantized and written in."""
+    mode, n = _chunks(tp, slab_bytes)
+    if mode == "whole":
+        return [Block(tp.name, 0, tp.shape[0] if tp.shape else 0, True)]
+    return [Block(tp.name, s, min(s + n, tp.shape[0]), False) for s in range(0, tp.shape[0], n)]
+
+
+def _part_rows(tp: TensorPlan, lay: TensorLayout) -> int:
+    """Rows of a stored part per row of the input along dim 0 (1 for stacks; more for flattened layouts)."""
+    return lay.shape[0] // tp.shape[0] if lay.shape and tp.shape and lay.shape[0] % tp.shape[0] == 0 else 1
+
+
+def _out_layout(tp: TensorPlan, blk: Block) -> list[tuple[str, tuple[int, ...], torch.dtype, int]]:
+    """(suffix, shape, dtype, arena offset) of every part of one block, 64-byte aligned in one arena."""
+    out, off = [], 0
+    for lay in tp.outputs:
+        shape = lay.shape if blk.whole else (blk.rows * _part_rows(tp, lay), *lay.shape[1:])
+        out.append((lay.name[len(tp.name) + 1:], shape, lay.dtype, off))
+        off = align(off + math.prod(shape) * lay.dtype.itemsize)
+    return out
+
+
+def _arena_bytes(tp: TensorPlan, blk: Block) -> int:
+    lay = _out_layout(tp, blk)
+    return max((o + math.prod(sh) * dt.itemsize for _, sh, dt, o in lay), default=0)
+
+
+@dataclass
+class _Pipe:
+    """The running stages of one run: the reader, the writer and the output arenas."""
+
+    reader: Reader
+    writer: Writer
+    arenas: BufferPool
+    in_pool: BufferPool
+
+
+def _quantize_tensor(pipe: _Pipe, tp: TensorPlan, shard: ShardWriter, opts: QuantizeOptions,
                      progress: Progress) -> TensorStats:
-    t0 = time.perf_counter()
+    """Quantize (or copy) one tensor, block by block, as the reader hands its blocks over."""
     st = TensorStats(tp.name, tp.role.value, tp.spec.format if tp.spec else tp.dtype, tp.numel, tp.in_bytes,
                      tp.out_bytes, note=tp.note)
-    mode, n = _chunks(tp, opts.slab_bytes)
-    if mode == "whole":
-        w = ckpt.load(tp.name)
-        _check_shape(tp, w)
+    for blk in _blocks(tp, opts.slab_bytes):
+        got, w, buf = pipe.reader.get()
+        if got != blk:
+            raise QuantkitError(f"internal: the reader gave {got}, the quantizer expected {blk}")
+        t0 = time.perf_counter()
+        _check_shape(tp, w, None if blk.whole else (blk.rows,))
         if opts.check_finite:
             check_finite(tp.name, w)
-        _emit(tp, w, 0, writer, st, opts.calibration)
-        progress.advance(tp.name, tp.in_bytes, False)
-    elif mode == "experts":
-        for e0 in range(0, tp.shape[0], n):
-            w = ckpt.load(tp.name, experts=slice(e0, min(e0 + n, tp.shape[0])))
-            _check_shape(tp, w, lead=(min(n, tp.shape[0] - e0),))
-            if opts.check_finite:
-                check_finite(tp.name, w)
-            _emit(tp, w, e0, writer, st, opts.calibration)
-            progress.advance(tp.name, w.numel() * w.element_size(), False)
-            del w
-    else:
-        full = ckpt.load(tp.name)
-        _check_shape(tp, full)
-        if opts.check_finite:
-            check_finite(tp.name, full)
-        for r0 in range(0, tp.shape[0], n):
-            w = full[r0:r0 + n]
-            _emit(tp, w, r0, writer, st, opts.calibration)
-            progress.advance(tp.name, w.numel() * w.element_size(), False)
-        del full
-    st.seconds = time.perf_counter() - t0
+        _emit(pipe, tp, blk, w, buf, shard, st, opts.calibration)
+        st.seconds += time.perf_counter() - t0
+        progress.advance(tp.name, w.numel() * w.element_size(), False)
+        del w
     progress.advance(tp.name, 0, True)
     return st
 
@@ -436,38 +472,126 @@ def _check_shape(tp: TensorPlan, w: torch.Tensor, lead: tuple[int, ...] | None =
         raise QuantkitError(f"{tp.name}: the checkpoint gives shape {tuple(w.shape)}, its header says {want}")
 
 
-def _emit(tp: TensorPlan, w: torch.Tensor, start: int, writer: ShardWriter, st: TensorStats,
-          cal: Calibration | None = None) -> None:
-    """Quantize (or keep) one block along dim 0 and write it at row `start` of each part."""
+def _emit(pipe: _Pipe, tp: TensorPlan, blk: Block, w: torch.Tensor, buf: torch.Tensor | None,
+          shard: ShardWriter, st: TensorStats, cal: Calibration | None = None) -> None:
+    """Quantize (or keep) one block and hand its parts to the writer, which writes them at row
+    `blk.start` of each part and frees the buffers after."""
     if tp.spec is None:
-        writer.write(tp.name, w.to(_torch_dtype(tp.dtype)), start)
+        part = w if w.dtype == _torch_dtype(tp.dtype) else w.to(_torch_dtype(tp.dtype))
+        pipe.writer.submit(_write_job(shard, [(tp.name, part, blk.start)], [(pipe.in_pool, buf)]))
         return
     fmt = get_format(tp.spec.format)
-    if cal is None:
-        parts = fmt.quantize(w, tp.spec)
+    arena = None
+    if cal is None and getattr(fmt, "fills_buffers", False):
+        arena = pipe.arenas.acquire()
+        outs = {k: view_as(arena, sh, dt, off) for k, sh, dt, off in _out_layout(tp, blk)}
+        sums = ErrorSums()
+        parts = fmt.quantize(w, tp.spec, out=outs, sums=sums)
+        e, r = sums.total()
     else:
-        parts, fallbacks, why = cal.quantize(tp.name, w, start, tp.spec)
-        st.fallbacks += fallbacks
-        if fallbacks and why:
-            st.note = "; ".join(dict.fromkeys(filter(None, [*st.note.split("; "), f"round-to-nearest: {why}"])))
-    deq = fmt.dequantize(parts, tp.spec, tuple(w.shape), torch.float32)
-    e, r = _error_sums(w, deq)
+        if cal is None:
+            parts = fmt.quantize(w, tp.spec)
+        else:
+            parts, fallbacks, why = cal.quantize(tp.name, w, blk.start, tp.spec)
+            st.fallbacks += fallbacks
+            if fallbacks and why:
+                st.note = "; ".join(dict.fromkeys(filter(None, [*st.note.split("; "), f"round-to-nearest: {why}"])))
+        deq = fmt.dequantize(parts, tp.spec, tuple(w.shape), torch.float32)
+        e, r = _error_sums(w, deq)
+        if cal is not None and len(tp.shape) >= 2:
+            oe, orf = cal.output_error(tp.name, deq, w, blk.start)  # deq now holds the error
+            st.out_err += oe
+            st.out_ref += orf
+        del deq
     st.sq_err += e
     st.sq_ref += r
-    if cal is not None and len(tp.shape) >= 2:
-        oe, orf = cal.output_error(tp.name, deq, w, start)  # deq now holds the error
-        st.out_err += oe
-        st.out_ref += orf
-    del deq
+    pipe.in_pool.release(buf)  # the source block is no longer needed
     a_of = {o.name: o for o in tp.outputs}
+    writes = []
     for suffix, p in parts.items():
         name = f"{tp.name}.{suffix}"
         if name not in a_of:
             raise QuantkitError(f"internal: format {tp.spec.format} made an unplanned part {suffix}")
-        # rows of a part per row of input along dim 0 (1 for expert stacks; a for flattened layouts)
-        full0 = a_of[name].shape[0]
-        scale = full0 // tp.shape[0] if full0 % tp.shape[0] == 0 else 1
-        writer.write(name, p, start * scale)
+        writes.append((name, p, blk.start * _part_rows(tp, a_of[name])))
+    pipe.writer.submit(_write_job(shard, writes, [(pipe.arenas, arena)]))
+
+
+def _write_job(shard: ShardWriter, writes: list[tuple[str, torch.Tensor, int]],
+               frees: list[tuple[BufferPool, torch.Tensor | None]]) -> Callable[[], None]:
+    def job() -> None:
+        for name, t, start in writes:
+            shard.write(name, t, start)
+        for pool, b in frees:
+            pool.release(b)
+    return job
+
+
+def _pipe_sizes(plan: QuantPlan, names: list[str], reused: list[str], slab_bytes: int) -> tuple[int, int]:
+    """(largest block read, largest block's quantized parts) over the shards still to write."""
+    b_in = b_out = 0
+    for sn, shard in zip(names, plan.shards, strict=True):
+        if sn in reused:
+            continue
+        for tp in shard:
+            for blk in _blocks(tp, slab_bytes)[:1]:  # the first block is the largest
+                rows = (blk.rows if not blk.whole else (tp.shape[0] if tp.shape else 1)) or 1
+                b_in = max(b_in, tp.in_bytes // max(tp.shape[0], 1) * rows if tp.shape else tp.in_bytes)
+                if tp.spec is not None:
+                    b_out = max(b_out, _arena_bytes(tp, blk))
+    return align(b_in), align(b_out)
+
+
+def peak_bound(b_in: int, b_out: int, threads: int) -> int:
+    """Bytes the streaming stages may hold at once (module docstring of quantize/stream.py)."""
+    return 2 * b_in + 2 * b_out + threads * CHUNK_TEMP_BYTES
+
+
+def _run_shards(ckpt: Checkpoint, out: Path, plan: QuantPlan, names: list[str], layouts: list[ShardLayout],
+                reused: list[str], opts: QuantizeOptions, progress: Progress, journal: Journal,
+                stats_by_shard: dict[str, list[TensorStats]]) -> None:
+    """Read, quantize and write every shard not reused (quantize/stream.py); the writer thread commits
+    each shard, hashes it and records it in the journal while the next one is quantized."""
+    todo = [(sn, shard, lay) for sn, shard, lay in zip(names, plan.shards, layouts, strict=True) if sn not in reused]
+    keep_small_allocations()
+    b_in, b_out = _pipe_sizes(plan, names, reused, opts.slab_bytes)
+    items = [(blk, tp.shape, tp.dtype) for _, shard, _ in todo for tp in shard for blk in _blocks(tp, opts.slab_bytes)]
+    writer = Writer()
+    state: dict[str, Any] = {}
+
+    def failed() -> BaseException | None:
+        return writer.error or (state["reader"].error if "reader" in state else None)
+
+    in_pool = BufferPool(2, b_in, failed)
+    reader = state["reader"] = Reader(ckpt, items, in_pool, lambda n, w, shape: _check_shape(
+        next(tp for _, sh, _ in todo for tp in sh if tp.name == n), w))
+    pipe = _Pipe(reader, writer, BufferPool(2, b_out, failed), in_pool)
+    open_shards: list[ShardWriter] = []
+    try:
+        for sn, shard, lay in todo:
+            w = ShardWriter(out / sn, lay)
+            open_shards.append(w)
+            shard_stats = [_quantize_tensor(pipe, tp, w, opts, progress) for tp in shard]
+            writer.submit(_commit_job(out, sn, w, shard_stats, journal, stats_by_shard))
+        writer.finish()
+    except BaseException:
+        reader.close()
+        pipe.arenas.closed.set()
+        writer.abandon()
+        for w in open_shards:
+            w.abort()
+        raise
+    reader.close()
+
+
+def _commit_job(out: Path, sn: str, w: ShardWriter, shard_stats: list[TensorStats], journal: Journal,
+                stats_by_shard: dict[str, list[TensorStats]]) -> Callable[[], None]:
+    def job() -> None:
+        w.commit()
+        journal.done[sn] = file_entry(out / sn)
+        journal.stats[sn] = [s.to_dict() for s in shard_stats]
+        stats_by_shard[sn] = shard_stats
+        journal.save(out)
+    return job
 
 
 def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: Progress | None = None) -> QuantizeResult:
@@ -520,23 +644,15 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
 
     todo_bytes = sum(t.in_bytes for sn, s in zip(names, plan.shards, strict=True) if sn not in reused for t in s)
     progress.start(sum(len(s) for sn, s in zip(names, plan.shards, strict=True) if sn not in reused), todo_bytes)
+    # lazy: quantkit.runtime's package imports this module
+    from quantkit.runtime.threads import resolve_threads
+
+    threads = resolve_threads(opts.threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     try:
         with _sigterm_as_interrupt():
-            for sn, shard, lay in zip(names, plan.shards, layouts, strict=True):
-                if sn in reused:
-                    continue
-                with ShardWriter(out / sn, lay) as w:
-                    shard_stats = []
-                    for tp in shard:
-                        shard_stats.append(_quantize_tensor(ckpt, tp, w, opts, progress))
-                        # unmap the source files: pages read through safetensors' mmap would otherwise
-                        # stay resident until the end, and RSS would grow to the size of the checkpoint
-                        ckpt.close()
-                    w.commit()
-                journal.done[sn] = file_entry(out / sn)
-                journal.stats[sn] = [s.to_dict() for s in shard_stats]
-                stats_by_shard[sn] = shard_stats
-                journal.save(out)
+            _run_shards(ckpt, out, plan, names, layouts, reused, opts, progress, journal, stats_by_shard)
     except KeyboardInterrupt:
         for p in out.glob(".*.tmp"):
             p.unlink(missing_ok=True)
@@ -544,6 +660,8 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
             f"interrupted: {len(journal.done)} of {len(names)} shards are finished in {out}; "
             "run the same command with --resume to continue"
         ) from None
+    finally:
+        torch.set_num_threads(before)
 
     # Everything below is small; the manifest goes last.
     files: dict[str, FileEntry] = {}

@@ -91,7 +91,7 @@ class ShardWriter:
         self.layout = layout
         self.tmp = temp_name(path)
         self._written: dict[str, int] = {t.name: 0 for t in layout.tensors}
-        self._f = open(self.tmp, "wb")
+        self._f = open(self.tmp, "wb", buffering=0)
         self._f.write(layout.header)
         self._f.truncate(layout.size)
 
@@ -112,8 +112,10 @@ class ShardWriter:
         n = len(data) if isinstance(data, bytes) else data.nbytes
         if start * row_bytes + n > lay.nbytes:
             raise QuantkitError(f"internal: write past the end of {name}")
-        self._f.seek(off)
-        self._f.write(data)
+        view = memoryview(data) if n else b""
+        done = 0
+        while done < n:  # pwrite: no shared file position, so writes to other offsets may interleave
+            done += os.pwrite(self._f.fileno(), view[done:], off + done)
         self._written[name] += n
 
     def commit(self) -> None:
