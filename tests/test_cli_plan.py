@@ -184,3 +184,25 @@ def test_the_recommendation_is_the_fastest_at_or_above_the_quality_floor(capsys,
                                                 if QUALITY_RANK[s] >= QUALITY_RANK["int4"])
     code, _, err = run_cli(["plan", "--gpu", "rtx3060", "--min-quality", "int3"], capsys, monkeypatch)
     assert code == 2 and "unknown scheme 'int3'" in err
+
+
+def test_inspect_a_quantized_folder_shows_the_bytes_on_disk(tiny_model: Path, tmp_path: Path, capsys, monkeypatch):
+    import struct
+
+    q = tmp_path / "q4"
+    assert run_main("quantize", tiny_model, "--bits", "4", "--out", q, timeout=600).returncode == 0
+    code, out, err = run_cli(["inspect", str(q), "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    d = json.loads(out)
+    data = 0  # every shard's tensor bytes: file size minus the 8-byte length and the JSON header
+    for f in q.glob("*.safetensors"):
+        with f.open("rb") as fh:
+            data += f.stat().st_size - 8 - struct.unpack("<Q", fh.read(8))[0]
+    assert d["stored_bytes"] == data
+    bf16 = sum(r["bytes"] for r in d["roles"].values())
+    assert d["stored_bytes"] < 0.6 * bf16  # 4-bit experts: far below the bf16 original
+    assert d["roles"]["routed_expert"]["stored_bytes"] < 0.35 * d["roles"]["routed_expert"]["bytes"]
+    code, out, _ = run_cli(["inspect", str(tiny_model), "--json"], capsys, monkeypatch)
+    assert "stored_bytes" not in json.loads(out)  # a source checkpoint: as published
+    code, out, _ = run_cli(["inspect", str(q)], capsys, monkeypatch)
+    assert "stored GB" in out and "bytes on disk" in " ".join(out.split())

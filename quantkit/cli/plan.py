@@ -436,36 +436,67 @@ def gpus_cmd(
                   "the OS included); --json adds estimated decode tok/s; `quantkit plan --gpu X` for details[/]")
 
 
+def _stored_by_role(model: str | None) -> dict[Role, int] | None:
+    """Bytes on disk per role when `model` is a quantkit output folder (None otherwise)."""
+    if not model or not Path(model).is_dir():
+        return None
+    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.model.quantized import QuantizedFolder
+
+    ckpt = Checkpoint.open(model)
+    try:
+        q = QuantizedFolder.from_checkpoint(ckpt)
+        if q is None:
+            return None
+        out: dict[Role, int] = {}
+        for t in q.tensors():
+            out[t.role] = out.get(t.role, 0) + q.stored_bytes(t.name)
+        return out
+    finally:
+        ckpt.close()
+
+
 @app.command("inspect")
 def inspect_cmd(
     model: str = typer.Argument(None, help="config.json, checkpoint folder or cached HF id (default: embedded)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """The tensor breakdown by role: count, parameters, bytes."""
+    """The tensor breakdown by role: count, parameters, bytes (a quantized folder: also as stored)."""
     spec = spec_from_path(model)
     counts: dict[Role, int] = {}
     for t in spec.tensors:
         counts[t.role] = counts.get(t.role, 0) + 1
     params, nbytes = spec.params_by_role(), spec.bytes_by_role()
+    stored = _stored_by_role(model)
     roles = sorted(counts, key=lambda r: -params.get(r, 0))
     if as_json:
-        print(json.dumps({
+        obj = {
             "model": spec.name, "exact": spec.exact, "total_params": spec.total_params,
             "text_params": spec.text_params, "active_params_per_token": spec.active_params_per_token,
-            "roles": {r.value: {"tensors": counts[r], "params": params.get(r, 0), "bytes": nbytes.get(r, 0)}
+            "roles": {r.value: {"tensors": counts[r], "params": params.get(r, 0), "bytes": nbytes.get(r, 0),
+                                **({"stored_bytes": stored.get(r, 0)} if stored is not None else {})}
                       for r in roles},
-        }, indent=1))
+        }
+        if stored is not None:
+            obj["stored_bytes"] = sum(stored.values())
+        print(json.dumps(obj, indent=1))
         return
     src = "safetensors headers" if spec.exact else "config.json"
-    t = Table(title=f"{spec.name} (from {src})", title_justify="left")
-    for col in ("role", "tensors", "params", "share", "bytes", "GB"):
+    title = f"{spec.name} (from {src}" + ("; quantized: stored = bytes on disk, bytes = the bf16 original)"
+                                          if stored is not None else ")")
+    t = Table(title=title, title_justify="left")
+    cols = ("role", "tensors", "params", "share", "bytes", "GB") + (("stored", "stored GB") if stored else ())
+    for col in cols:
         t.add_column(col, justify="left" if col == "role" else "right")
     total = spec.total_params
+
+    def extra(n: int | None) -> tuple[str, ...]:
+        return () if stored is None or n is None else (f"{n:,}", _gb(n))
     for r in roles:
         t.add_row(r.value, str(counts[r]), f"{params.get(r, 0):,}", f"{params.get(r, 0) / total:.1%}",
-                  f"{nbytes.get(r, 0):,}", _gb(nbytes.get(r, 0)))
+                  f"{nbytes.get(r, 0):,}", _gb(nbytes.get(r, 0)), *extra(stored.get(r, 0) if stored else None))
     t.add_row("[bold]total[/]", str(len(spec.tensors)), f"[bold]{total:,}[/]", "", f"{sum(nbytes.values()):,}",
-              _gb(sum(nbytes.values())))
+              _gb(sum(nbytes.values())), *extra(sum(stored.values()) if stored else None))
     console.print(t)
     console.print(f"text model {spec.text_params / 1e9:.3f}B params, about "
                   f"{spec.active_params_per_token / 1e9:.2f}B active per token")

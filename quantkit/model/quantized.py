@@ -9,6 +9,7 @@ tensor (or a contiguous slab of experts) from disk alone.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec
 from quantkit.model.checkpoint import Checkpoint
 from quantkit.model.contract import read_quant_config
-from quantkit.model.spec import Role, role_of
+from quantkit.model.spec import Role, dtype_bytes, role_of
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,11 @@ class QuantizedFolder:
 
     def has(self, name: str) -> bool:
         return name in self._tensors
+
+    def stored_bytes(self, name: str) -> int:
+        """Bytes of one tensor on disk: its parts (packed values, scales, zeros) or its dense data."""
+        names = list(self._parts[name].values()) if name in self._parts else [self.get(name).name]
+        return sum(math.prod(s) * dtype_bytes(d) for s, d in (self.ckpt.header(n) for n in names))
 
     # ---- reading ----
     def parts(self, name: str, experts: slice | None = None) -> dict[str, torch.Tensor]:
