@@ -10,6 +10,7 @@ import typer
 
 from quantkit import sizes
 from quantkit.cli import app, console, err_console, fail
+from quantkit.cli.chat_input import enable_bracketed_paste, multiline
 from quantkit.cli.options import CONTEXT, MAX_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P, renamed
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_text_bounded
@@ -162,7 +163,8 @@ def chat_cmd(
     verify: str = _VERIFY,
     threads: int = _THREADS,
 ) -> None:
-    """Talk to the model: streamed replies, thinking shown apart, /help for commands."""
+    '''Talk to the model: streamed replies, thinking shown apart, /help for commands; a message of several
+    lines between """ and """ (or pasted, where the terminal supports bracketed paste).'''
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
@@ -199,6 +201,7 @@ def chat_cmd(
 
             def autosave(s: ChatSession) -> None:
                 save_session(session_file, rt, s)
-        Chat(rt, session, sp, console, autosave=autosave).run()
+        enable_bracketed_paste()
+        Chat(rt, session, sp, console, read=multiline(input), autosave=autosave).run()
     except QuantkitError as e:
         fail(str(e))
