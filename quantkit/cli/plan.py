@@ -11,7 +11,7 @@ from rich import box
 from rich.table import Table
 
 from quantkit.cli import app, console
-from quantkit.cli.options import CONTEXT, COUNT, TFLOPS
+from quantkit.cli.options import CONTEXT, COUNT, COUNT0, TFLOPS
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf_types import check_type
 from quantkit.export.launch import ENGINES, LaunchPlan, launch_plan, llama_cache_type, llama_launch
@@ -187,6 +187,9 @@ def plan_cmd(
     prompt_cache: int = typer.Option(SNAPSHOTS_PER_PROMPT, "--prompt-cache",
                                      help="conversation-state snapshots to budget for (2 per conversation kept "
                                      "across turns; 0: none)"),
+    n_cpu_moe: int = typer.Option(None, "--n-cpu-moe", parser=COUNT0,
+                                  help="keep the routed experts of the first N layers on the CPU (llama.cpp's "
+                                  "flag), in the plan and the llama.cpp line, instead of the fewest that fit"),
     min_quality: str = typer.Option(DEFAULT_QUALITY_FLOOR, "--min-quality",
                                     help="the recommendation is the fastest scheme that fits at this quality or "
                                     "above (order: bf16, fp16, int8, quality, int4, nf4, mxfp4, fp4)"),
@@ -216,7 +219,7 @@ def plan_cmd(
             raise QuantkitError("--routing applies to a safetensors model or config.json, not a GGUF file "
                                 "(llama.cpp places whole expert tensors per layer)")
         return plan_gguf(Path(model), build_hardware(gpu, ram, cpu_bandwidth, nodes, cpu_tflops), context, batch,
-                         cache, gpu_reserve, as_json)
+                         cache, gpu_reserve, as_json, n_cpu_moe)
     spec = spec_from_path(model)
     hw = build_hardware(gpu, ram, cpu_bandwidth, nodes, cpu_tflops)
     if export and export.lower() not in ENGINES:
@@ -228,6 +231,8 @@ def plan_cmd(
     prof, prof_src, prof_note = profile_for_plan(profile, spec.config, this_host)
     kw = {"gpu_reserve": parse_size(gpu_reserve, "--gpu-reserve") if gpu_reserve else DEFAULT_GPU_RESERVE,
           "profile": prof, "profile_source": prof_src}
+    if n_cpu_moe is not None:
+        kw["cpu_expert_layers"] = min(n_cpu_moe, spec.config.num_hidden_layers)
     if routing:
         kw["routing"] = read_profile(routing, spec.config.num_hidden_layers, spec.config.num_experts, routing_heldout)
     rows = [r for ctx in contexts
@@ -243,7 +248,7 @@ def plan_cmd(
     if out:
         plan.save(out)
     launch = launch_plan(export, plan, hw, spec.name, model or f"<path to {DEFAULT_MODEL}>", spec,
-                         gguf_type) if export else None
+                         gguf_type, n_cpu_moe) if export else None
     if as_json:
         obj = _plan_json(spec, hw, contexts, rows, plan, prof_src, prof_note, out, launch)
         print(json.dumps(obj, indent=1))
@@ -334,7 +339,7 @@ def _print_launch(launch: LaunchPlan) -> None:
     if launch.command:
         console.print(launch.command, highlight=False, soft_wrap=True)
     if launch.placement:
-        _print_llama(launch.placement)
+        _print_llama(launch.placement, launch.decode_tok_s)
     if launch.vllm:
         v = launch.vllm
         parts = ", ".join(f"{k} {b / GIB:.2f}" for k, b in v.per_gpu.items())
@@ -344,8 +349,11 @@ def _print_launch(launch: LaunchPlan) -> None:
             console.print(f"[dim]  - {a}[/]")
 
 
-def _print_llama(pl: LlamaPlacement) -> None:
-    """What a llama.cpp line puts on each card and in RAM, by the GGUF's bytes."""
+def _print_llama(pl: LlamaPlacement, tok_s: float | None = None) -> None:
+    """What a llama.cpp line puts on each card and in RAM, by the GGUF's bytes, and its estimated decode."""
+    if tok_s is not None:
+        console.print(f"llama.cpp decode: ~{tok_s:.0f} tok/s estimated for this line (batch 1, empty cache; "
+                      f"{len(pl.cpu_expert_layers)} layers' experts on the CPU)", highlight=False)
     for i, (use, budget) in enumerate(zip(pl.gpu_bytes, pl.budgets, strict=True)):
         parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in use.items() if v)
         console.print(f"llama.cpp on GPU {i}: {sum(use.values()) / GIB:.2f} GiB of {budget / GIB:.2f} GiB "
@@ -357,7 +365,7 @@ def _print_llama(pl: LlamaPlacement) -> None:
 
 
 def plan_gguf(path: Path, hw: Hardware, context: str, batch: int, cache: str, gpu_reserve: str | None,
-              as_json: bool) -> None:
+              as_json: bool, n_cpu_moe: int | None = None) -> None:
     """`quantkit plan --model FILE.gguf`: llama.cpp's budget and placement for an existing GGUF, from its
     header (no weights loaded)."""
 
@@ -365,7 +373,7 @@ def plan_gguf(path: Path, hw: Hardware, context: str, batch: int, cache: str, gp
     ctx = parse_contexts(context, 1 << 30)[0]
     st = LlamaSettings(context=ctx, parallel=batch, cache_type=llama_cache_type(cache_dtype(cache)))
     reserve = parse_size(gpu_reserve, "GPU reserve") if gpu_reserve else DEFAULT_GPU_RESERVE
-    launch = llama_launch(gm, st, hw, str(path), reserve)
+    launch = llama_launch(gm, st, hw, str(path), reserve, n_cpu_moe=n_cpu_moe)
     if as_json:
         print(json.dumps({"model": str(path), "file_bytes": gm.total, "hardware": _hardware_dict(hw),
                           "export": launch.to_dict()}, indent=1))
@@ -378,7 +386,7 @@ def plan_gguf(path: Path, hw: Hardware, context: str, batch: int, cache: str, gp
         console.print(f"[yellow]warning:[/] {w}")
     console.print(launch.command, highlight=False, soft_wrap=True)
     assert launch.placement is not None
-    _print_llama(launch.placement)
+    _print_llama(launch.placement, launch.decode_tok_s)
 
 
 @app.command("gpus")

@@ -45,12 +45,15 @@ class LaunchPlan:
     warnings: list[str] = field(default_factory=list)
     placement: LlamaPlacement | None = None  # llama.cpp: what the line puts on each card
     vllm: VllmFit | None = None  # vLLM: what the line asks of each GPU
+    decode_tok_s: float | None = None  # llama.cpp: the line's own estimated decode (quantkit.planner.llama_speed)
 
     def to_dict(self) -> dict[str, object]:
         d: dict[str, Any] = {"target": self.engine, "command": self.command, "export_command": self.export_command,
                              "warnings": self.warnings}
         if self.placement is not None:
             d["llama_cpp"] = self.placement.to_dict()
+        if self.decode_tok_s is not None:
+            d["est_decode_tok_s"] = round(self.decode_tok_s, 1)
         if self.vllm is not None:
             d["vllm"] = self.vllm.to_dict()
         return d
@@ -71,19 +74,24 @@ def llama_settings(plan: Plan) -> LlamaSettings:
 
 
 def llama_launch(gm: LlamaModel, st: LlamaSettings, hw: Hardware, path: str, reserve: int,
-                 export: str | None = None, warns: list[str] | None = None) -> LaunchPlan:
-    """The llama-server line for GGUF `gm` (at `path`) on `hw`'s GPUs, solved on the file's bytes."""
-    pl = solve_llama(gm, st, [g.usable_bytes for g in hw.gpus], reserve)
+                 export: str | None = None, warns: list[str] | None = None,
+                 n_cpu_moe: int | None = None) -> LaunchPlan:
+    """The llama-server line for GGUF `gm` (at `path`) on `hw`'s GPUs, solved on the file's bytes
+    (`n_cpu_moe`: the user's --n-cpu-moe instead of the fewest that fit)."""
+    pl = solve_llama(gm, st, [g.usable_bytes for g in hw.gpus], reserve, n_cpu_moe)
     warns = list(warns or [])
     if not pl.fits:
         need = max(t - b for t, b in zip(pl.gpu_totals(), pl.budgets, strict=True))
         warns.append(f"{path} does not fit these GPUs even with every expert on the CPU ({need / 2**30:.2f} GiB "
                      "over): shorten the context, use a smaller type or a q8_0 KV cache")
-    return LaunchPlan("llama.cpp", llama_cpp_command(pl, path), export, warns, pl)
+    from quantkit.planner.llama_speed import llama_decode_tok_s
+
+    speed = llama_decode_tok_s(pl, gm, hw) if pl.fits else None
+    return LaunchPlan("llama.cpp", llama_cpp_command(pl, path), export, warns, pl, decode_tok_s=speed)
 
 
 def launch_plan(engine: str, plan: Plan, hw: Hardware, model: str, source: str, spec: ModelSpec | None = None,
-                gguf_type: str | None = None) -> LaunchPlan:
+                gguf_type: str | None = None, n_cpu_moe: int | None = None) -> LaunchPlan:
     """`engine` (llama.cpp or vllm) launch for `plan`; `source` is the checkpoint the export reads, `spec`
     the model (the embedded default when None), `gguf_type` the GGUF --type (default: the scheme's)."""
     engine = ENGINES[engine.lower()]
@@ -95,7 +103,7 @@ def launch_plan(engine: str, plan: Plan, hw: Hardware, model: str, source: str, 
             warns.append(f"GGUF has no {plan.scheme}: the export uses Q4_0 (same 4.5 bits per weight)")
         gm = model_from_spec(spec or default_spec(), ty)
         return llama_launch(gm, llama_settings(plan), hw, path, plan.gpus[0].reserve if plan.gpus else 0,
-                            f"quantkit export gguf {source} {path} --type {ty}", warns)
+                            f"quantkit export gguf {source} {path} --type {ty}", warns, n_cpu_moe)
     if plan.scheme in FOUR_BIT:
         folder = vllm_folder_name(model)
         rest = "int8" if plan.scheme == "quality" else "bf16"

@@ -60,6 +60,8 @@ class LlamaModel:
     ssm_state: int
     ssm_groups: int
     ssm_conv: int
+    n_expert: int = 256  # routed experts per layer
+    n_expert_used: int = 8  # routed per token (top-k): the share of a layer's experts a decode step reads
 
     def layer_bytes(self, layer: int, experts: bool) -> int:
         p = f"blk.{layer}."
@@ -85,7 +87,7 @@ def model_from_spec(spec: ModelSpec, ftype: str) -> LlamaModel:
     return LlamaModel(ftype, tensors, c.num_hidden_layers, tuple(t == "full_attention" for t in c.layer_types),
                       c.num_key_value_heads, c.head_dim, c.vocab_size, c.hidden_size,
                       c.linear_value_head_dim * c.linear_num_value_heads, c.linear_key_head_dim,
-                      c.linear_num_key_heads, c.linear_conv_kernel_dim)
+                      c.linear_num_key_heads, c.linear_conv_kernel_dim, c.num_experts, c.num_experts_per_tok)
 
 
 def model_from_gguf(info: Any) -> LlamaModel:
@@ -119,7 +121,8 @@ def model_from_gguf(info: Any) -> LlamaModel:
                       num("attention.head_count_kv", MAX_DIM), num("attention.key_length", MAX_DIM), vocab,
                       num("embedding_length", MAX_DIM), num("ssm.inner_size", MAX_DIM),
                       num("ssm.state_size", MAX_DIM), num("ssm.group_count", MAX_DIM),
-                      num("ssm.conv_kernel", 64))
+                      num("ssm.conv_kernel", 64), num("expert_count", 1 << 16, 256),
+                      num("expert_used_count", 1 << 16, 8))
 
 
 @dataclass(frozen=True)
@@ -222,8 +225,11 @@ def _split(layers: list[int], budgets: list[int]) -> list[list[int]]:
     return out
 
 
-def solve_llama(m: LlamaModel, s: LlamaSettings, gpu_memory: list[int], reserve: int) -> LlamaPlacement:
-    """Place `m` on GPUs of `gpu_memory` bytes each (empty: CPU only)."""
+def solve_llama(m: LlamaModel, s: LlamaSettings, gpu_memory: list[int], reserve: int,
+                n_cpu_moe: int | None = None) -> LlamaPlacement:
+    """Place `m` on GPUs of `gpu_memory` bytes each (empty: CPU only). `n_cpu_moe` fixes llama.cpp's
+    --n-cpu-moe (the experts of the first N layers on the CPU, every layer's rest on the GPUs) instead of
+    searching for the fewest."""
     if s.cache_type not in CACHE_BLOCKS:
         raise QuantkitError(f"llama.cpp has no {s.cache_type} KV cache; use one of {', '.join(CACHE_BLOCKS)}")
     n = m.n_layer
@@ -238,14 +244,17 @@ def solve_llama(m: LlamaModel, s: LlamaSettings, gpu_memory: list[int], reserve:
         "token_embd stays in CPU RAM (llama.cpp never offloads the input layer)",
     ]
     best: LlamaPlacement | None = None
-    for ngl in range(n + 1, -1, -1) if budgets else [0]:
+    if n_cpu_moe is not None:
+        assumptions.append(f"--n-cpu-moe {n_cpu_moe} as given: the experts of the first {min(n_cpu_moe, n)} "
+                           "layers on the CPU")
+    for ngl in (range(n + 1, -1, -1) if n_cpu_moe is None else [n + 1]) if budgets else [0]:
         first = min(n, n + 1 - ngl)
         layers = list(range(first, n))
         split = _split(layers, budgets) if budgets else []
-        cpu_exp: set[int] = set(range(first))
+        cpu_exp: set[int] = set(range(first)) | set(range(min(n_cpu_moe or 0, n)))
         outs = [gi == len(split) - 1 and ngl > 0 for gi in range(len(split))]
         for gi, mine in enumerate(split):
-            for L in [None, *mine]:
+            for L in [None, *mine] if n_cpu_moe is None else [None]:
                 if L is not None:
                     cpu_exp.add(L)
                 if sum(lb.use(mine, cpu_exp, outs[gi]).values()) <= budgets[gi]:

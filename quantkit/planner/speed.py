@@ -27,7 +27,9 @@ from quantkit.planner.host_costs import RuntimeCosts
 class SpeedModel:
     gpu_bw_efficiency: float = 0.8  # batch-1 GEMV kernels reach ~80% of peak DRAM bandwidth
     cpu_bw_efficiency: float = 0.6  # llama.cpp CPU matvec: ~60% of peak (STREAM-like) DDR bandwidth
-    gpu_layer_overhead_s: float = 150e-6  # launches of ~30 small kernels per Gated DeltaNet/MoE layer
+    # launches of ~30 small kernels per Gated DeltaNet/MoE layer: fitted to public llama.cpp decode figures by
+    # quantkit.planner.llama_speed.fit_gpu_layer_cost (84 us; the figures and each one's error are there)
+    gpu_layer_overhead_s: float = 84e-6
     cpu_layer_overhead_s: float = 50e-6  # thread-pool sync per layer that computes on the CPU
     transfer_latency_s: float = 10e-6  # one small PCIe copy + stream sync
     # prefill: MoE GEMMs with ~16 tokens per expert per 512-token chunk run far below tensor peak; no GPU
