@@ -25,6 +25,7 @@ from quantkit.quantize.run import (
 from quantkit.quantize.stats import Stats
 from quantkit.quantize.verify import verify_folder
 from quantkit.recipe import build_recipe
+from quantkit.runtime.threads import resolve_threads
 from quantkit.sizes import parse_size
 
 
@@ -84,6 +85,8 @@ def quantize(
                                     "with rtn: only the report's output error)"),
     min_fraction: float = typer.Option(0.005, "--min-expert-tokens",
                                        help="experts routed fewer than this fraction of the tokens get RTN"),
+    threads: int = typer.Option(None, "--threads",
+                                help="quantizing threads [default: every physical core]; the bytes do not depend on it"),
 ) -> None:
     """Quantize a checkpoint, streaming, into an HF-style folder with a manifest."""
 
@@ -94,6 +97,7 @@ def quantize(
 
     if scheme and (bits is not None or fmt is not None or uniform):
         fail("--scheme names the whole recipe: drop --bits/--format/--uniform (or --scheme)")
+    threads = resolve_threads(threads)  # a bad count is refused before anything is read
     recipe = build_recipe(4 if bits is None else bits, (fmt or "int").lower(), group_size, uniform, override,
                           recipe_file, scheme)
     calibration = Calibration(method.lower(), Stats.open(stats_file) if stats_file else None, min_fraction)
@@ -121,7 +125,8 @@ def quantize(
         return
     opts = QuantizeOptions(recipe=recipe, keep_mtp=keep_mtp, max_shard_size=shard,
                            mode="resume" if resume else "overwrite" if overwrite else "new", report=report,
-                           calibration=calibration if (stats_file or method.lower() != "rtn") else None)
+                           calibration=calibration if (stats_file or method.lower() != "rtn") else None,
+                           threads=threads)
     try:
         with tensor_progress(err_console) as p:
             res = run_quantize(ckpt, out, opts, RichProgress(p, "quantizing"))

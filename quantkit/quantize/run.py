@@ -56,6 +56,7 @@ from quantkit.quantize.manifest import (
 from quantkit.quantize.shards import ShardLayout, ShardWriter, TensorLayout, dtype_name, read_header
 from quantkit.quantize.stream import (
     CHUNK_TEMP_BYTES,
+    STAGE_OVERHEAD_BYTES,
     Block,
     BufferPool,
     Reader,
@@ -519,8 +520,12 @@ def _emit(pipe: _Pipe, tp: TensorPlan, blk: Block, w: torch.Tensor, buf: torch.T
 def _write_job(shard: ShardWriter, writes: list[tuple[str, torch.Tensor, int]],
                frees: list[tuple[BufferPool, torch.Tensor | None]]) -> Callable[[], None]:
     def job() -> None:
-        for name, t, start in writes:
-            shard.write(name, t, start)
+        try:
+            for name, t, start in writes:
+                shard.write(name, t, start)
+        except OSError as e:  # a full or failing disk: one line, the finished shards stay for --resume
+            raise QuantkitError(f"cannot write {shard.path.parent} ({e.strerror or e}); the finished shards are "
+                                "kept: free space or fix the disk, then run the same command with --resume") from None
         for pool, b in frees:
             pool.release(b)
     return job
@@ -542,8 +547,8 @@ def _pipe_sizes(plan: QuantPlan, names: list[str], reused: list[str], slab_bytes
 
 
 def peak_bound(b_in: int, b_out: int, threads: int) -> int:
-    """Bytes the streaming stages may hold at once (module docstring of quantize/stream.py)."""
-    return 2 * b_in + 2 * b_out + threads * CHUNK_TEMP_BYTES
+    """Bytes a run may add to the process's RSS (module docstring of quantize/stream.py)."""
+    return 2 * b_in + 2 * b_out + threads * CHUNK_TEMP_BYTES + STAGE_OVERHEAD_BYTES
 
 
 def _run_shards(ckpt: Checkpoint, out: Path, plan: QuantPlan, names: list[str], layouts: list[ShardLayout],
@@ -586,11 +591,14 @@ def _run_shards(ckpt: Checkpoint, out: Path, plan: QuantPlan, names: list[str], 
 def _commit_job(out: Path, sn: str, w: ShardWriter, shard_stats: list[TensorStats], journal: Journal,
                 stats_by_shard: dict[str, list[TensorStats]]) -> Callable[[], None]:
     def job() -> None:
-        w.commit()
-        journal.done[sn] = file_entry(out / sn)
+        # journal first, rename second: a kill between leaves a journaled name with no file (resume redoes
+        # it), never a finished-looking shard that no record lists
+        w.finish()
+        journal.done[sn] = file_entry(w.tmp)
         journal.stats[sn] = [s.to_dict() for s in shard_stats]
         stats_by_shard[sn] = shard_stats
         journal.save(out)
+        w.publish()
     return job
 
 

@@ -119,6 +119,11 @@ class ShardWriter:
         self._written[name] += n
 
     def commit(self) -> None:
+        self.finish()
+        self.publish()
+
+    def finish(self) -> None:
+        """Check every byte was written, fsync and close the temporary (still under its hidden name)."""
         for t in self.layout.tensors:
             if self._written[t.name] != t.nbytes:
                 raise QuantkitError(
@@ -127,6 +132,9 @@ class ShardWriter:
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
+
+    def publish(self) -> None:
+        """Rename the finished temporary into place (a journal can record it first: see quantize/run.py)."""
         os.replace(self.tmp, self.path)
         fsync_dir(self.path.parent)
 

@@ -11,11 +11,12 @@ sha256 read-back. Here:
 - a writer thread writes each block at its planned offset, then commits the shard (fsync, rename) and
   hashes it for the journal while the next shard is being quantized.
 
-Memory, beside the interpreter and torch (about 0.3 GB): 2 x B_in + 2 x B_out + threads x C, where B_in is
+Memory, beside the interpreter and torch (about 0.3 GB): 2 x B_in + 2 x B_out + threads x C + 16 MiB, where B_in is
 the largest block read (max(slab size, one expert matrix, one row block), or a whole tensor that cannot be
 split: a 1D tensor, or a format whose parts do not split by rows), B_out its quantized size (at most
-B_in for every format) and C the fp32 temporaries of one row chunk (about 16 x 2^18 x 4 bytes = 16 MiB).
-`peak_bound` computes it; tests hold a run under it.
+B_in for every format), C the fp32 temporaries of one row chunk (16 x 2^18 x 4 bytes = 16 MiB) and 16 MiB
+for the stages' own objects. With the default 32 MB slab and 2 threads: about 0.15 GB whatever the model.
+`peak_bound` in quantize/run.py computes it; tests/test_quantize_stream.py holds a run under it.
 
 Output bytes do not depend on the thread count or the timing: every block lands at an offset fixed by
 the plan, and the error sums are added in chunk order.
@@ -39,6 +40,9 @@ from quantkit.formats._common import CHUNK_ELEMENTS
 
 # fp32 temporaries of one row chunk (x, t, r, candidates, codes...): measured under 16 per element
 CHUNK_TEMP_BYTES = 16 * CHUNK_ELEMENTS * 4
+# the stage threads' stacks and malloc arenas, the error sums and the plan's Python objects (measured 9 MiB
+# over the buffers on a 1-layer model with 1 MiB slabs)
+STAGE_OVERHEAD_BYTES = 16 << 20
 
 
 def keep_small_allocations() -> None:
