@@ -60,6 +60,7 @@ from quantkit.quantize.stream import (
     Block,
     BufferPool,
     Reader,
+    StageTimes,
     Writer,
     align,
     keep_small_allocations,
@@ -306,6 +307,7 @@ class QuantizeResult:
     report_md: Path | None
     report_json: Path | None
     copied: list[str] = field(default_factory=list)
+    stages: dict[str, float] = field(default_factory=dict)  # seconds per stage (quantize/stream.StageTimes)
 
 
 class Interrupted(QuantkitError):
@@ -444,6 +446,7 @@ class _Pipe:
     writer: Writer
     arenas: BufferPool
     in_pool: BufferPool
+    times: StageTimes
 
 
 def _quantize_tensor(pipe: _Pipe, tp: TensorPlan, shard: ShardWriter, opts: QuantizeOptions,
@@ -457,9 +460,10 @@ def _quantize_tensor(pipe: _Pipe, tp: TensorPlan, shard: ShardWriter, opts: Quan
             raise QuantkitError(f"internal: the reader gave {got}, the quantizer expected {blk}")
         t0 = time.perf_counter()
         _check_shape(tp, w, None if blk.whole else (blk.rows,))
-        if opts.check_finite:
-            check_finite(tp.name, w)
-        _emit(pipe, tp, blk, w, buf, shard, st, opts.calibration)
+        if opts.check_finite and not _fused(tp, opts.calibration):  # fused: checked from the error sums
+            with pipe.times.stage("check finite"):
+                check_finite(tp.name, w)
+        _emit(pipe, tp, blk, w, buf, shard, st, opts.calibration, opts.check_finite)
         st.seconds += time.perf_counter() - t0
         progress.advance(tp.name, w.numel() * w.element_size(), False)
         del w
@@ -473,37 +477,35 @@ def _check_shape(tp: TensorPlan, w: torch.Tensor, lead: tuple[int, ...] | None =
         raise QuantkitError(f"{tp.name}: the checkpoint gives shape {tuple(w.shape)}, its header says {want}")
 
 
+def _fused(tp: TensorPlan, cal: Calibration | None) -> bool:
+    """Whether the block goes through the fast path: the format fills buffers and sums its error."""
+    return cal is None and tp.spec is not None and getattr(get_format(tp.spec.format), "fills_buffers", False)
+
+
 def _emit(pipe: _Pipe, tp: TensorPlan, blk: Block, w: torch.Tensor, buf: torch.Tensor | None,
-          shard: ShardWriter, st: TensorStats, cal: Calibration | None = None) -> None:
+          shard: ShardWriter, st: TensorStats, cal: Calibration | None = None, finite: bool = True) -> None:
     """Quantize (or keep) one block and hand its parts to the writer, which writes them at row
     `blk.start` of each part and frees the buffers after."""
     if tp.spec is None:
         part = w if w.dtype == _torch_dtype(tp.dtype) else w.to(_torch_dtype(tp.dtype))
-        pipe.writer.submit(_write_job(shard, [(tp.name, part, blk.start)], [(pipe.in_pool, buf)]))
+        with pipe.times.stage("wait for writes"):
+            pipe.writer.submit(_write_job(shard, [(tp.name, part, blk.start)], [(pipe.in_pool, buf)], pipe.times))
         return
     fmt = get_format(tp.spec.format)
     arena = None
-    if cal is None and getattr(fmt, "fills_buffers", False):
-        arena = pipe.arenas.acquire()
+    if _fused(tp, cal):
+        with pipe.times.stage("wait for writes"):
+            arena = pipe.arenas.acquire()
         outs = {k: view_as(arena, sh, dt, off) for k, sh, dt, off in _out_layout(tp, blk)}
         sums = ErrorSums()
-        parts = fmt.quantize(w, tp.spec, out=outs, sums=sums)
+        with pipe.times.stage("quantize"):
+            parts = fmt.quantize(w, tp.spec, out=outs, sums=sums)
         e, r = sums.total()
+        if finite and not (math.isfinite(e) and math.isfinite(r)):  # NaN/Inf in w make the sums non-finite
+            check_finite(tp.name, w)  # names the tensor and counts them (passes on overflow alone)
     else:
-        if cal is None:
-            parts = fmt.quantize(w, tp.spec)
-        else:
-            parts, fallbacks, why = cal.quantize(tp.name, w, blk.start, tp.spec)
-            st.fallbacks += fallbacks
-            if fallbacks and why:
-                st.note = "; ".join(dict.fromkeys(filter(None, [*st.note.split("; "), f"round-to-nearest: {why}"])))
-        deq = fmt.dequantize(parts, tp.spec, tuple(w.shape), torch.float32)
-        e, r = _error_sums(w, deq)
-        if cal is not None and len(tp.shape) >= 2:
-            oe, orf = cal.output_error(tp.name, deq, w, blk.start)  # deq now holds the error
-            st.out_err += oe
-            st.out_ref += orf
-        del deq
+        with pipe.times.stage("quantize"):
+            parts, e, r = _quantize_slow(tp, blk, w, st, fmt, cal)
     st.sq_err += e
     st.sq_ref += r
     pipe.in_pool.release(buf)  # the source block is no longer needed
@@ -514,15 +516,37 @@ def _emit(pipe: _Pipe, tp: TensorPlan, blk: Block, w: torch.Tensor, buf: torch.T
         if name not in a_of:
             raise QuantkitError(f"internal: format {tp.spec.format} made an unplanned part {suffix}")
         writes.append((name, p, blk.start * _part_rows(tp, a_of[name])))
-    pipe.writer.submit(_write_job(shard, writes, [(pipe.arenas, arena)]))
+    with pipe.times.stage("wait for writes"):
+        pipe.writer.submit(_write_job(shard, writes, [(pipe.arenas, arena)], pipe.times))
+
+
+def _quantize_slow(tp: TensorPlan, blk: Block, w: torch.Tensor, st: TensorStats, fmt: Any,
+                   cal: Calibration | None) -> tuple[dict[str, torch.Tensor], float, float]:
+    """Formats without buffers and error sums, and calibrated methods: fresh parts, errors from a dense
+    dequantized copy (which the calibrated output error needs anyway)."""
+    if cal is None:
+        parts = fmt.quantize(w, tp.spec)
+    else:
+        parts, fallbacks, why = cal.quantize(tp.name, w, blk.start, tp.spec)
+        st.fallbacks += fallbacks
+        if fallbacks and why:
+            st.note = "; ".join(dict.fromkeys(filter(None, [*st.note.split("; "), f"round-to-nearest: {why}"])))
+    deq = fmt.dequantize(parts, tp.spec, tuple(w.shape), torch.float32)
+    e, r = _error_sums(w, deq)
+    if cal is not None and len(tp.shape) >= 2:
+        oe, orf = cal.output_error(tp.name, deq, w, blk.start)  # deq now holds the error
+        st.out_err += oe
+        st.out_ref += orf
+    return parts, e, r
 
 
 def _write_job(shard: ShardWriter, writes: list[tuple[str, torch.Tensor, int]],
-               frees: list[tuple[BufferPool, torch.Tensor | None]]) -> Callable[[], None]:
+               frees: list[tuple[BufferPool, torch.Tensor | None]], times: StageTimes) -> Callable[[], None]:
     def job() -> None:
         try:
-            for name, t, start in writes:
-                shard.write(name, t, start)
+            with times.stage("write"):
+                for name, t, start in writes:
+                    shard.write(name, t, start)
         except OSError as e:  # a full or failing disk: one line, the finished shards stay for --resume
             raise QuantkitError(f"cannot write {shard.path.parent} ({e.strerror or e}); the finished shards are "
                                 "kept: free space or fix the disk, then run the same command with --resume") from None
@@ -553,7 +577,7 @@ def peak_bound(b_in: int, b_out: int, threads: int) -> int:
 
 def _run_shards(ckpt: Checkpoint, out: Path, plan: QuantPlan, names: list[str], layouts: list[ShardLayout],
                 reused: list[str], opts: QuantizeOptions, progress: Progress, journal: Journal,
-                stats_by_shard: dict[str, list[TensorStats]]) -> None:
+                stats_by_shard: dict[str, list[TensorStats]], times: StageTimes) -> None:
     """Read, quantize and write every shard not reused (quantize/stream.py); the writer thread commits
     each shard, hashes it and records it in the journal while the next one is quantized."""
     todo = [(sn, shard, lay) for sn, shard, lay in zip(names, plan.shards, layouts, strict=True) if sn not in reused]
@@ -568,16 +592,17 @@ def _run_shards(ckpt: Checkpoint, out: Path, plan: QuantPlan, names: list[str], 
 
     in_pool = BufferPool(2, b_in, failed)
     reader = state["reader"] = Reader(ckpt, items, in_pool, lambda n, w, shape: _check_shape(
-        next(tp for _, sh, _ in todo for tp in sh if tp.name == n), w))
-    pipe = _Pipe(reader, writer, BufferPool(2, b_out, failed), in_pool)
+        next(tp for _, sh, _ in todo for tp in sh if tp.name == n), w), times)
+    pipe = _Pipe(reader, writer, BufferPool(2, b_out, failed), in_pool, times)
     open_shards: list[ShardWriter] = []
     try:
         for sn, shard, lay in todo:
             w = ShardWriter(out / sn, lay)
             open_shards.append(w)
             shard_stats = [_quantize_tensor(pipe, tp, w, opts, progress) for tp in shard]
-            writer.submit(_commit_job(out, sn, w, shard_stats, journal, stats_by_shard))
-        writer.finish()
+            writer.submit(_commit_job(out, sn, w, shard_stats, journal, stats_by_shard, times))
+        with times.stage("wait for writes"):
+            writer.finish()
     except BaseException:
         reader.close()
         pipe.arenas.closed.set()
@@ -589,12 +614,15 @@ def _run_shards(ckpt: Checkpoint, out: Path, plan: QuantPlan, names: list[str], 
 
 
 def _commit_job(out: Path, sn: str, w: ShardWriter, shard_stats: list[TensorStats], journal: Journal,
-                stats_by_shard: dict[str, list[TensorStats]]) -> Callable[[], None]:
+                stats_by_shard: dict[str, list[TensorStats]], times: StageTimes) -> Callable[[], None]:
     def job() -> None:
         # journal first, rename second: a kill between leaves a journaled name with no file (resume redoes
         # it), never a finished-looking shard that no record lists
-        w.finish()
-        journal.done[sn] = file_entry(w.tmp)
+        with times.stage("fsync"):
+            w.finish()
+        with times.stage("sha256"):
+            entry = file_entry(w.tmp)
+        journal.done[sn] = entry
         journal.stats[sn] = [s.to_dict() for s in shard_stats]
         stats_by_shard[sn] = shard_stats
         journal.save(out)
@@ -656,11 +684,12 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
     from quantkit.runtime.threads import resolve_threads
 
     threads = resolve_threads(opts.threads)
+    times = StageTimes()
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         with _sigterm_as_interrupt():
-            _run_shards(ckpt, out, plan, names, layouts, reused, opts, progress, journal, stats_by_shard)
+            _run_shards(ckpt, out, plan, names, layouts, reused, opts, progress, journal, stats_by_shard, times)
     except KeyboardInterrupt:
         for p in out.glob(".*.tmp"):
             p.unlink(missing_ok=True)
@@ -704,7 +733,7 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
     ).write(out)
     (out / JOURNAL_NAME).unlink(missing_ok=True)
     fsync_dir(out)
-    return QuantizeResult(out, plan, stats, seconds, reused, md, js, copied)
+    return QuantizeResult(out, plan, stats, seconds, reused, md, js, copied, times.seconds)
 
 
 def check_output_shards(out: Path, plan: QuantPlan) -> list[str]:

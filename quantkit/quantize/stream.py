@@ -24,11 +24,13 @@ the plan, and the error sums are added in chunk order.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import math
 import queue
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -60,6 +62,23 @@ def keep_small_allocations() -> None:
         return
     mallopt(-3, 8 << 20)  # M_MMAP_THRESHOLD
     mallopt(-1, 64 << 20)  # M_TRIM_THRESHOLD
+
+
+class StageTimes:
+    """Seconds each stage spent, summed over the run (the profile bench quantize reports): reading, checking,
+    quantizing (with the error sums), writing, fsync, sha256, and the main thread's waits on the reader and
+    the writer. Each key is added to by one thread."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def stage(self, key: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - t0
 
 
 @dataclass(frozen=True)
@@ -138,7 +157,8 @@ class Reader:
     """A thread that reads blocks in order into pool buffers; `get()` returns (block, tensor, buffer)."""
 
     def __init__(self, ckpt: Any, blocks: list[tuple[Block, tuple[int, ...], str]], pool: BufferPool,
-                 check_shape: Callable[[str, torch.Tensor, tuple[int, ...]], None]):
+                 check_shape: Callable[[str, torch.Tensor, tuple[int, ...]], None], times: StageTimes):
+        self.times = times
         self.ckpt = ckpt
         self.blocks = blocks
         self.pool = pool
@@ -176,7 +196,8 @@ class Reader:
             file, start, end = rng
             row = (end - start) // shape[0] if shape and shape[0] else end - start
             n = (blk.rows * row) if shape else end - start
-            buf = self.pool.acquire() if n <= self.pool.nbytes else torch.empty(n, dtype=torch.uint8)
+            with self.times.stage("read: wait for a buffer"):
+                buf = self.pool.acquire() if n <= self.pool.nbytes else torch.empty(n, dtype=torch.uint8)
             self._read_into(file, start + blk.start * row, n, buf)
             return view_as(buf, lead if shape else (), tdt), buf if n <= self.pool.nbytes else None
         last = blk.stop >= (shape[0] if shape else 0)
@@ -198,7 +219,8 @@ class Reader:
             for blk, shape, dtype in self.blocks:
                 if self.stop.is_set():
                     return
-                item = (blk, *self._load(blk, shape, dtype))
+                with self.times.stage("read (and wait for a buffer)"):
+                    item = (blk, *self._load(blk, shape, dtype))
                 while not self.stop.is_set():
                     try:
                         self.q.put(item, timeout=0.2)
@@ -215,6 +237,10 @@ class Reader:
                 f.close()
 
     def get(self) -> tuple[Block, torch.Tensor, torch.Tensor | None]:
+        with self.times.stage("wait for reads"):
+            return self._get()
+
+    def _get(self) -> tuple[Block, torch.Tensor, torch.Tensor | None]:
         while True:
             try:
                 item = self.q.get(timeout=0.2)
