@@ -4,8 +4,9 @@ exporters). `guard_output` is called before any work and refuses, in one line na
 - a location equal to, inside, or holding a source (resolved through symlinks): a source is never written;
 - a symbolic link (writing would replace the link), a FIFO, socket or device;
 - an existing output without the command's `--overwrite`; with it, a folder (or file) that quantkit did not
-  write (`owned` says how to recognise its own: a manifest, a marker file, a GGUF magic) is still refused:
-  quantkit deletes only what it wrote;
+  write (`owned` says how to recognise its own: a manifest, a marker file, a GGUF magic) is still refused,
+  and so is a folder of its own holding files its records (marker, manifest, journal, tiny sidecar) do not
+  list: quantkit deletes only what it wrote;
 - a location that cannot be written (read-only file system, permissions), found by creating and removing a
   probe file there, so that a long run does not fail at its end;
 - less free space than the output needs.
@@ -16,6 +17,7 @@ Folders quantkit writes carry `MARKER` (or their own manifest), so a later `--ov
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -29,13 +31,50 @@ MARKER = ".quantkit-output.json"
 OWN_FOLDER_FILES = (MARKER, "quantkit-manifest.json", ".quantkit-progress.json", "quantkit-tiny.json")
 
 
+# what each record lists of the files quantkit wrote beside it (the default report is the quantizer's too)
+_RECORDS = ((MARKER, ("files",)), ("quantkit-manifest.json", ("shards", "files")),
+            (".quantkit-progress.json", ("done",)), ("quantkit-tiny.json", ("files",)))
+_OWN_EXTRA = ("quantkit-report.md", "quantkit-report.json")
+_TEMPORARY = re.compile(r"^\..+\.(?:tmp|(?:tmp|old|mid)-\d+)\w*$")
+
+
 def write_marker(folder: Path, writer: str) -> None:
-    """Mark `folder` (being written) as quantkit's own output of `writer` (e.g. "export vllm")."""
-    atomic_write_json(folder / MARKER, {"writer": f"quantkit {writer}"})
+    """Mark `folder` (written, about to be renamed into place) as quantkit's own output of `writer` (e.g.
+    "export vllm"), listing the files in it, so a later `--overwrite` deletes nothing else."""
+    files = sorted({p.name for p in folder.iterdir()} | {MARKER})
+    atomic_write_json(folder / MARKER, {"writer": f"quantkit {writer}", "files": files})
 
 
 def is_own_folder(folder: Path) -> bool:
     return any((folder / n).is_file() for n in OWN_FOLDER_FILES)
+
+
+def written_files(folder: Path) -> set[str] | None:
+    """The names quantkit's records in `folder` say it wrote there (None: no record lists any)."""
+    names: set[str] = set()
+    listed = False
+    for record, keys in _RECORDS:
+        if not (folder / record).is_file():
+            continue
+        try:
+            d = read_json_bounded(folder / record, "quantkit record")
+        except QuantkitError:
+            continue
+        for key in keys:
+            v = d.get(key) if isinstance(d, dict) else None
+            if isinstance(v, (dict, list)):
+                names |= {str(n) for n in v} | {record}
+                listed = True
+    return names | set(_OWN_EXTRA) if listed else None
+
+
+def foreign_entries(folder: Path) -> list[str]:
+    """Entries of quantkit's own output `folder` that its records do not list (files the user added there)."""
+    own = written_files(folder)
+    entries = sorted(p.name for p in folder.iterdir())
+    if own is None:
+        return entries
+    return [n for n in entries if n not in own and not _TEMPORARY.match(n)]
 
 
 def has_magic(magic: bytes) -> Callable[[Path], bool]:
@@ -148,6 +187,11 @@ def _guard(out: Path, sources: Sequence[Path], kind: str, overwrite: bool, owned
         if occupied and owned is not None and not owned(out):
             raise QuantkitError(f"{flag}{out}: exists and is not a quantkit output; refusing to replace it: "
                                 "remove it yourself or pick another location")
+        foreign = foreign_entries(out) if occupied and kind == "folder" else []
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            raise QuantkitError(f"{flag}{out}: holds files quantkit did not write ({shown}); refusing to replace "
+                                "it: move them out or pick another location")
     parent = out.parent
     if not parent.is_dir():
         if parent.exists():

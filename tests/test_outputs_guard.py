@@ -150,3 +150,35 @@ def test_a_second_stats_run_to_the_same_out_is_refused_and_the_first_keeps_its_w
     count()
     assert code == 0, err
     assert out.is_file() and not work.exists()
+
+
+# --- --overwrite deletes only what quantkit wrote -----------------------------------------------------------
+
+@pytest.mark.parametrize("writer", ["quantize", "export-vllm", "tiny-model"])
+def test_overwrite_refuses_an_own_folder_holding_a_file_the_user_added(writer, src, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "out"
+    make = {"quantize": ["quantize", src, "--out", out, "--bits", "8"],
+            "export-vllm": ["export", "vllm", src, out],
+            "tiny-model": ["tiny-model", out, "--layers", "2", "--hidden", "32"]}[writer]
+    code, _, err = run_cli(make, capsys, monkeypatch)
+    assert code == 0, err
+    (out / "my-notes.txt").write_text("added by hand")
+    before = tree_digest(out)
+    code, so, err = run_cli([*make, "--overwrite"], capsys, monkeypatch)
+    expect_one_line(code, so, err, "holds files quantkit did not write (my-notes.txt)")
+    assert tree_digest(out) == before
+    (out / "my-notes.txt").unlink()
+    code, _, err = run_cli([*make, "--overwrite"], capsys, monkeypatch)  # its own files alone: replaced
+    count()
+    assert code == 0, err
+
+
+def test_a_folder_with_a_stray_tiny_sidecar_is_not_quantkits(tmp_path, capsys, monkeypatch):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "quantkit-tiny.json").write_text('{"generator": "quantkit tiny-model"}')
+    (mine / "thesis.tex").write_text("years of work")
+    code, out, err = run_cli(["tiny-model", mine, "--overwrite", "--layers", "2", "--hidden", "32"], capsys,
+                             monkeypatch)
+    expect_one_line(code, out, err, "thesis.tex")
+    assert (mine / "thesis.tex").read_text() == "years of work"

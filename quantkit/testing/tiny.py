@@ -550,6 +550,7 @@ def make_tiny_model(out_dir: str | Path, *, layers: int = 4, experts: int = 8, t
                 model.save_pretrained(str(tmp), max_shard_size=shard)
         write_tokenizer(tmp)
         (tmp / "generation_config.json").write_text(json.dumps(generation_config(), indent=2) + "\n")
+        info["files"] = sorted({f.name for f in tmp.iterdir()} | {SIDECAR})  # what --overwrite may delete
         (tmp / SIDECAR).write_text(json.dumps(info, indent=2) + "\n")
         _normal_permissions(tmp)  # mkdtemp makes 0700; the result should look like any written folder
         replace_folder(tmp, out)
