@@ -3,7 +3,9 @@ the commands only parse arguments and render results."""
 
 from __future__ import annotations
 
+import os
 import sys
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -47,10 +49,57 @@ def _one_line(message: str) -> None:
                       markup=True)
 
 
+def _help_cache() -> Path | None:
+    """Where `quantkit --help`'s text is kept for this CLI's sources and this terminal width (None: no cache)."""
+    import hashlib
+    import shutil
+
+    here = Path(__file__).parent
+    h = hashlib.sha256(str(shutil.get_terminal_size().columns).encode())
+    try:
+        for f in sorted([*here.glob("*.py"), here.parent / "__init__.py"]):
+            st = f.stat()
+            h.update(f"{f.name}:{st.st_mtime_ns}:{st.st_size};".encode())
+    except OSError:
+        return None
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "quantkit" / "help"
+    return root / f"root-{h.hexdigest()[:16]}.txt"
+
+
+def _root_help(args: list[str]) -> None:
+    """`quantkit` and `quantkit --help`: the command list without importing the commands' modules (torch, about
+    2 s) when it was rendered before for the same sources and terminal width; rendered and kept otherwise."""
+    cache = _help_cache()
+    try:
+        text = cache.read_text() if cache is not None else None
+    except OSError:
+        text = None
+    if text is None:
+        import contextlib
+        import io
+
+        import typer.main
+
+        _register()
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            typer.main.get_command(app).main(["--help"], prog_name="quantkit", standalone_mode=False)
+        text = buf.getvalue()
+        if cache is not None:
+            with contextlib.suppress(OSError):
+                from quantkit.fileio import write_atomic
+
+                write_atomic(cache, text)
+    sys.stdout.write(text)
+    sys.exit(0 if args else 2)  # bare `quantkit` is a usage error, as before
+
+
 def main() -> None:
     """Run the CLI. Every failure a user can cause ends in ONE `error:` line and a non-zero exit: a
     QuantkitError (exit 2), a bad option or argument (click's usage error, exit 2), an OSError that escaped
     a command (the file and the system's reason, exit 1). Tracebacks are for quantkit's own bugs only."""
+    if sys.argv[1:] in ([], ["--help"]):
+        _root_help(sys.argv[1:])
     _register()
     try:
         rc = app(standalone_mode=False)

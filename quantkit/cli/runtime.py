@@ -163,8 +163,10 @@ def chat_cmd(
     verify: str = _VERIFY,
     threads: int = _THREADS,
 ) -> None:
-    '''Talk to the model: streamed replies, thinking shown apart, /help for commands; a message of several
-    lines between """ and """ (or pasted, where the terminal supports bracketed paste).'''
+    '''Talk to the model: streamed replies, thinking shown apart, /help for commands.
+
+    A message of several lines goes between """ and """ (or is pasted, where the terminal supports
+    bracketed paste).'''
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:
