@@ -128,3 +128,25 @@ def test_the_real_header_passes(good):
     count()
     m = model_from_gguf(read_gguf(good))
     assert m.n_layer == 4 and sum(m.full_attention) == 1
+
+
+def test_an_imatrix_with_a_chunk_count_of_the_wrong_type_is_refused(tmp_path):
+    import gguf
+    import numpy as np
+
+    from quantkit.export.gguf_imatrix import load_imatrix
+
+    count()
+    p = tmp_path / "im.gguf"
+    w = gguf.GGUFWriter(str(p), arch="imatrix")
+    w.add_type("imatrix")
+    w.add_string("imatrix.chunk_count", "many")
+    w.add_tensor("blk.0.attn_q.weight.in_sum2", np.ones((1, 8), dtype=np.float32))
+    w.add_tensor("blk.0.attn_q.weight.counts", np.ones((1, 1), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(QuantkitError, match="chunk_count") as e:
+        load_imatrix(p, {"blk.0.attn_q.weight": (4, 8)}, [])
+    assert "\n" not in str(e.value) and "im.gguf" in str(e.value)

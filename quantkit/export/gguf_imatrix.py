@@ -77,4 +77,6 @@ def load_imatrix(path: str | Path, model: dict[str, tuple[int, ...]], quantized:
         mean = np.where(c > 0, s2 / np.maximum(c, 1e-30), 1.0).astype(np.float32)
         out[name] = np.ascontiguousarray(mean.reshape(-1))
     chunks = info.metadata.get("imatrix.chunk_count", 0)
-    return Imatrix(p, out, [n for n in quantized if n not in out], int(chunks or 0))
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 0:
+        raise QuantkitError(f"{p}: imatrix.chunk_count is {chunks!r}, not a count; pass llama.cpp's imatrix file")
+    return Imatrix(p, out, [n for n in quantized if n not in out], chunks)
