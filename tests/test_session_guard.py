@@ -219,3 +219,14 @@ def test_a_chat_line_of_binary_bytes_is_refused_and_the_chat_goes_on():
                 Console(file=buf, width=300), read)
     chat.run()  # the surrogate line never reaches the tokenizer (it would raise TypeError there)
     assert "not UTF-8 text" in buf.getvalue() and "usage: /save FILE" in buf.getvalue() and chat.s.messages == []
+
+
+def test_a_session_header_nested_thousands_deep_is_refused(tiny_model, tmp_path):
+    import struct
+
+    count()
+    p = tmp_path / "deep.qks"
+    header = "[" * 5000 + "]" * 5000
+    p.write_bytes(struct.pack("<Q", len(header)) + header.encode())
+    with pytest.raises(QuantkitError, match="not a quantkit chat session file"):
+        load_session(p, _rt(tiny_model))

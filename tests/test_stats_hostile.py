@@ -50,6 +50,12 @@ def _raw(header: object) -> Callable[[Path, Path], None]:
     return make
 
 
+def _raw_text(header: str) -> Callable[[Path, Path], None]:
+    def make(_src: Path, dst: Path) -> None:
+        dst.write_bytes(struct.pack("<Q", len(header)) + header.encode())
+    return make
+
+
 def _truncated(src: Path, dst: Path) -> None:
     data = src.read_bytes()
     dst.write_bytes(data[: len(data) // 2])
@@ -99,6 +105,7 @@ ALL = ("gptq", "imatrix", "plan", "export")
 # id: (how the file is made, what the one line names, the commands that must refuse it)
 CASES = {
     "header-a-list": (_raw([1, 2]), "not a JSON object", ALL),
+    "header-nested-5000-deep": (_raw_text("[" * 5000 + "]" * 5000), "not valid JSON", ALL),
     "metadata-a-list": (_raw({"__metadata__": ["quantkit-stats"]}), "__metadata__", ALL),
     "metadata-a-number": (_raw({"__metadata__": {"format": "quantkit-stats", "version": 1}}), "__metadata__", ALL),
     "dtype-a-list": (_raw({"x": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}), "dtype", ALL),

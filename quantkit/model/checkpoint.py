@@ -98,7 +98,7 @@ def read_safetensors(path: Path) -> tuple[dict[str, str], dict[str, HeaderEntry]
         raise QuantkitError(f"{path}: cannot read ({e.strerror})") from None
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):  # RecursionError: nested thousands deep
         raise QuantkitError(f"{path}: corrupt safetensors header (not valid JSON); re-download it") from None
     if not isinstance(header, dict):
         raise QuantkitError(f"{path}: corrupt safetensors header (not a JSON object); re-download it")

@@ -139,7 +139,7 @@ def _metadata(path: Path, size: int) -> dict[str, str]:
             raise ValueError("no safetensors header")
         try:
             header = json.loads(f.read(n))
-        except ValueError:
+        except (ValueError, RecursionError):
             raise ValueError("unreadable safetensors header") from None
     if not isinstance(header, dict):
         raise ValueError("unreadable safetensors header")
@@ -207,7 +207,7 @@ def load_session(path: Path, rt: Any) -> Resumed:
                             "--session path")
     try:
         theirs = json.loads(meta.get("identity", ""))
-    except ValueError:
+    except (ValueError, RecursionError):
         theirs = {}
     mine = identity(rt)
     for key in ("model", "recipe", "placement", "weights"):
