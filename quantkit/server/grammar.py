@@ -123,10 +123,6 @@ class _LLConstraint:
         if not self.matcher.is_error():
             self.matcher.consume_token(token)
 
-    @property
-    def done(self) -> bool:
-        return self.matcher.is_stopped() or self.matcher.is_accepting()
-
 
 class Grammars:
     """Grammars for one model's tokenizer (the token table is built once)."""

@@ -61,8 +61,6 @@ class GenOptions:
     n: int
     penalties: Penalties
     top_logprobs: int | None  # None: no logprobs
-    temperature: float | None
-    grammar: str | None = None  # an llguidance grammar for the answer
 
     @classmethod
     def from_request(cls, req: Any, *, vocab: int, max_n: int = MAX_N, top_logprobs: int | None = None) -> GenOptions:
@@ -73,7 +71,7 @@ class GenOptions:
         pen = Penalties(presence=req.presence_penalty or 0.0, frequency=req.frequency_penalty or 0.0,
                         repetition=req.repetition_penalty or 1.0, min_p=req.min_p or 0.0,
                         logit_bias=_bias(req.logit_bias, vocab))
-        return cls(n=n, penalties=pen, top_logprobs=top_logprobs, temperature=req.temperature)
+        return cls(n=n, penalties=pen, top_logprobs=top_logprobs)
 
     def hook(self, prompt_ids: list[int], temperature: float, constraint: Any = None) -> LogitsHook | None:
         if self.penalties.neutral and self.top_logprobs is None and constraint is None:
