@@ -28,6 +28,9 @@ Contract:
   safetensors file of statistics per finished layer and the hidden states after the last finished layer.
   A rerun with the same model, data and options resumes after the last finished layer; the final file is
   assembled tensor by tensor (quantize/shards.py's writer) and renamed into place, then the folder goes.
+  `--out` goes through the output guard (quantkit/outputs.py); the work folder is locked (a second run to
+  the same `--out` is refused) and removed when a write fails (a full disk leaves nothing behind).
+- Reading (`Stats.open`): the file is validated before use by quantize/stats_check.py.
 """
 
 from __future__ import annotations

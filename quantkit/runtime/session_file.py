@@ -4,17 +4,18 @@ restart without prefilling the history again (llama.cpp's --prompt-cache plays t
 Format: safetensors (never a pickle). The tensors are one prompt-cache snapshot (quantkit.runtime.state_cache:
 `L.conv`, `L.recurrent` for each Gated DeltaNet layer, `L.keys`, `L.values` for each attention layer); the
 string metadata holds `quantkit_session` (format version), `identity` (JSON: hashes of the model's config,
-the recipe and the placement), `conversation` (the /save JSON), `ids` and `kinds` (the snapshot's tokens and
+its weights (`weights_fingerprint`), the recipe and the placement), `conversation` (the /save JSON), `ids` and `kinds` (the snapshot's tokens and
 layer kinds) and `sha256` (of every tensor's bytes, in name order). The snapshot saved is the longest cached
 prefix of the conversation as the next turn will render it (up to the start of the last answer).
 
 Reading, in order: a file larger than the model's largest possible snapshot is refused (a size bound); a file
-that is not a safetensors header with `quantkit_session` is refused, one line; an identity that differs (another
-model, recipe or placement: the state would be meaningless there) is refused, one line naming the field;
-a damaged header gives a notice and a new conversation; a conversation with damaged tensors (truncated,
-checksum mismatch, missing layers) is kept and its state ignored with a notice, so the next turn prefills
-normally. A state is never loaded half-way: it reaches the prompt cache only after every check passed.
-Writes are atomic (quantkit.fileio).
+that is not a safetensors header with `quantkit_session` is refused, one line (never "ignored and
+overwritten": it may be the user's); an identity that differs (another model, weights, recipe or placement:
+the state would be meaningless there) is refused, one line naming the field; a conversation whose state is
+damaged (truncated, checksum mismatch) or forged under a matching checksum (`check_state`: tokens that are
+not the conversation's, shapes not the model's, NaN) is kept and its state ignored with a notice, so the next
+turn prefills normally. A state is never loaded half-way: it reaches the prompt cache only after every check
+passed. The path goes through the output guard (quantkit/outputs.py); writes are atomic (quantkit.fileio).
 """
 
 from __future__ import annotations
