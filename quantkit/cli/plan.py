@@ -181,7 +181,9 @@ def plan_cmd(
     context: str = typer.Option("4096", "--context", "-c", help="tokens; a sweep like 4k,32k,128k,262k"),
     batch: int = typer.Option(1, "--batch", "-b", parser=COUNT, help="concurrent sequences"),
     cache: str = typer.Option("fp16", "--cache-dtype", help="KV cache: fp16, bf16, fp8, q8_0, q4_0"),
-    prefill_chunk: int = typer.Option(512, "--prefill-chunk", parser=COUNT, help="tokens per prefill step"),
+    prefill_chunk: int = typer.Option(512, "--prefill-chunk", parser=COUNT,
+                                      help="tokens per prefill step (llama.cpp's -ub): RAM-resident experts "
+                                      "cross PCIe once per step, so a larger step prefills faster"),
     gpu_reserve: str = typer.Option(None, "--gpu-reserve", help="runtime reserve per GPU (default 1GiB)"),
     mtp: bool = typer.Option(False, "--mtp", help="also load the MTP layer (speculative decoding)"),
     prompt_cache: int = typer.Option(SNAPSHOTS_PER_PROMPT, "--prompt-cache",
