@@ -134,14 +134,14 @@ def test_memory_stays_under_the_bound(tmp_path):
         import json, torch
         from pathlib import Path
         from quantkit.model.checkpoint import Checkpoint
-        from quantkit.quantize.run import QuantizeOptions, run_quantize, _pipe_sizes, make_plan, peak_bound
+        from quantkit.quantize.run import QuantizeOptions, run_quantize, block_sizes, make_plan, peak_bound
         from quantkit.recipe import build_recipe
         from quantkit.formats import QuantSpec, get_format
         get_format("int4").quantize(torch.randn(64, 1024).bfloat16(), QuantSpec("int4", 32))  # warm the pools
         ck = Checkpoint.open({str(src)!r})
         opts = QuantizeOptions(build_recipe(4, "int", 32, True, [], None), slab_bytes=1 << 20, threads=2)
         plan = make_plan(list(ck.canonical()), opts.recipe)
-        b_in, b_out = _pipe_sizes(plan, plan.shard_names, [], opts.slab_bytes)
+        b_in, b_out = block_sizes(plan, plan.shard_names, [], opts.slab_bytes)
         rss0 = int(open("/proc/self/statm").read().split()[1]) * 4096
         run_quantize(ck, Path({str(tmp_path / "q")!r}), opts)
         # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the (larger) pytest process across exec

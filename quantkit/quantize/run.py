@@ -555,7 +555,7 @@ def _write_job(shard: ShardWriter, writes: list[tuple[str, torch.Tensor, int]],
     return job
 
 
-def _pipe_sizes(plan: QuantPlan, names: list[str], reused: list[str], slab_bytes: int) -> tuple[int, int]:
+def block_sizes(plan: QuantPlan, names: list[str], reused: list[str], slab_bytes: int) -> tuple[int, int]:
     """(largest block read, largest block's quantized parts) over the shards still to write."""
     b_in = b_out = 0
     for sn, shard in zip(names, plan.shards, strict=True):
@@ -582,7 +582,7 @@ def _run_shards(ckpt: Checkpoint, out: Path, plan: QuantPlan, names: list[str], 
     each shard, hashes it and records it in the journal while the next one is quantized."""
     todo = [(sn, shard, lay) for sn, shard, lay in zip(names, plan.shards, layouts, strict=True) if sn not in reused]
     keep_small_allocations()
-    b_in, b_out = _pipe_sizes(plan, names, reused, opts.slab_bytes)
+    b_in, b_out = block_sizes(plan, names, reused, opts.slab_bytes)
     items = [(blk, tp.shape, tp.dtype) for _, shard, _ in todo for tp in shard for blk in _blocks(tp, opts.slab_bytes)]
     writer = Writer()
     state: dict[str, Any] = {}

@@ -189,6 +189,7 @@ class Reader:
             got += k
 
     def _load(self, blk: Block, shape: tuple[int, ...], dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block as a tensor, and the pool buffer holding it (None when Checkpoint.load made it)."""
         lead = (blk.rows,) + tuple(shape[1:]) if shape else ()
         rng = self.ranges.get(blk.name)
         tdt = getattr(torch, dtype)
@@ -196,10 +197,16 @@ class Reader:
             file, start, end = rng
             row = (end - start) // shape[0] if shape and shape[0] else end - start
             n = (blk.rows * row) if shape else end - start
-            with self.times.stage("read: wait for a buffer"):
+            with self.times.stage("reader idle (buffers in use)"):
                 buf = self.pool.acquire() if n <= self.pool.nbytes else torch.empty(n, dtype=torch.uint8)
-            self._read_into(file, start + blk.start * row, n, buf)
+            with self.times.stage("read"):
+                self._read_into(file, start + blk.start * row, n, buf)
             return view_as(buf, lead if shape else (), tdt), buf if n <= self.pool.nbytes else None
+        with self.times.stage("read"):
+            return self._load_fallback(blk, shape)
+
+    def _load_fallback(self, blk: Block, shape: tuple[int, ...]) -> tuple[torch.Tensor, None]:
+        """Fused per-expert sources and FP8: through Checkpoint.load (a slab of experts, or the whole tensor)."""
         last = blk.stop >= (shape[0] if shape else 0)
         if len(shape) == 3 and not blk.whole:
             w = self.ckpt.load(blk.name, experts=slice(blk.start, blk.stop))
@@ -219,8 +226,7 @@ class Reader:
             for blk, shape, dtype in self.blocks:
                 if self.stop.is_set():
                     return
-                with self.times.stage("read (and wait for a buffer)"):
-                    item = (blk, *self._load(blk, shape, dtype))
+                item = (blk, *self._load(blk, shape, dtype))
                 while not self.stop.is_set():
                     try:
                         self.q.put(item, timeout=0.2)
