@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import math
 import os
 import shutil
@@ -613,15 +614,47 @@ def _run_shards(ckpt: Checkpoint, out: Path, plan: QuantPlan, names: list[str], 
     reader.close()
 
 
+def _finish_and_hash(w: ShardWriter, times: StageTimes) -> FileEntry:
+    """fsync the finished temporary on one thread while hashing it (from the page cache) on this one: the
+    last shard's fsync and sha256 are the run's tail, and they wait on different things (disk, CPU)."""
+    err: list[BaseException] = []
+
+    def sync() -> None:
+        try:
+            with times.stage("fsync"):
+                w.finish()
+        except BaseException as e:  # raised below, on the writer thread
+            err.append(e)
+
+    t = threading.Thread(target=sync, name="quantkit-fsync", daemon=True)
+    t.start()
+    try:
+        with times.stage("sha256"):
+            digest = _sha256(w.tmp)
+    finally:
+        t.join()
+    if err:
+        raise err[0]
+    return FileEntry(w.tmp.stat().st_size, digest)
+
+
+def _sha256(path: Path, chunk: int = 4 << 20) -> str:
+    """sha256 of a file, read into one reused buffer (a fresh 8 MiB bytes object per read was a fresh mapping)."""
+    h = hashlib.sha256()
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(view):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
 def _commit_job(out: Path, sn: str, w: ShardWriter, shard_stats: list[TensorStats], journal: Journal,
                 stats_by_shard: dict[str, list[TensorStats]], times: StageTimes) -> Callable[[], None]:
     def job() -> None:
         # journal first, rename second: a kill between leaves a journaled name with no file (resume redoes
         # it), never a finished-looking shard that no record lists
-        with times.stage("fsync"):
-            w.finish()
-        with times.stage("sha256"):
-            entry = file_entry(w.tmp)
+        entry = _finish_and_hash(w, times)
         journal.done[sn] = entry
         journal.stats[sn] = [s.to_dict() for s in shard_stats]
         stats_by_shard[sn] = shard_stats
