@@ -182,3 +182,26 @@ def test_a_folder_with_a_stray_tiny_sidecar_is_not_quantkits(tmp_path, capsys, m
                              monkeypatch)
     expect_one_line(code, out, err, "thesis.tex")
     assert (mine / "thesis.tex").read_text() == "years of work"
+
+
+def test_bench_reports_never_replace_a_file_no_bench_wrote(tmp_path, capsys, monkeypatch):
+    mine = tmp_path / "bench-quantize.md"
+    mine.write_text("my own notes on quantizing")
+    code, out, err = run_cli(["bench", "quantize", "--reports", tmp_path, "--workdir", tmp_path / "w"], capsys,
+                             monkeypatch)
+    expect_one_line(code, out, err, "not a quantkit output")
+    assert mine.read_text() == "my own notes on quantizing" and not (tmp_path / "w").exists()
+
+
+def test_the_repositorys_own_bench_reports_may_be_replaced():
+    """Every report a bench wrote (reports/ in this repository) passes the same guard."""
+    from types import SimpleNamespace
+
+    from quantkit.cli.bench import _guard_reports
+
+    count()
+    reports = Path(__file__).resolve().parent.parent / "reports"
+    stems = {p.name.split(".")[0] for p in reports.glob("bench-*.md")}
+    assert stems
+    for stem in sorted(stems):
+        _guard_reports(SimpleNamespace(info_name=stem.removeprefix("bench-")), reports)

@@ -20,7 +20,24 @@ from quantkit.bench import soak as soak_bench
 from quantkit.cli import app, console, fail
 from quantkit.cli.options import CONTEXT, COUNT, COUNT0, FRACTION, MAX_TOKENS, SECONDS, renamed
 from quantkit.errors import QuantkitError
+from quantkit.outputs import guard_output, json_with_keys
 from quantkit.runtime.threads import resolve_threads
+
+
+def _is_bench_report(p: Path) -> bool:
+    """An `owned` test: a report a bench wrote: its JSON (it records the command), or a markdown or PNG file
+    beside such a JSON."""
+    return json_with_keys("command")(p if p.suffix == ".json" else p.with_suffix(".json"))
+
+
+def _guard_reports(ctx: typer.Context, reports: Path) -> Path:
+    """--reports: the files this bench writes there go through the output guard before it runs (a file of the
+    same name that a bench did not write is never replaced)."""
+    for ext in (".md", ".json", ".png"):
+        guard_output(reports / f"bench-{ctx.info_name}{ext}", overwrite=True, owned=_is_bench_report,
+                     create_parents=True, flag="--reports ")
+    return reports
+
 
 bench_app = typer.Typer(help="Benchmarks that write reports/ (markdown + json).", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
@@ -28,7 +45,8 @@ app.add_typer(bench_app, name="bench")
 
 @bench_app.command("quantize")
 def bench_quantize(
-    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-quantize.{md,json,png} go"),
+    reports: Path = typer.Option(Path("reports"), "--reports", callback=_guard_reports,
+                                 help="where bench-quantize.{md,json,png} go"),
     workdir: Path = typer.Option(Path("/tmp/quantkit-bench"), "--workdir",
                                  help="generated checkpoints go here"),
     experts: int = typer.Option(128, "--experts", parser=COUNT,
@@ -45,7 +63,8 @@ def bench_quantize(
 
 @bench_app.command("serve")
 def bench_serve(
-    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-serve.{md,json} go"),
+    reports: Path = typer.Option(Path("reports"), "--reports", callback=_guard_reports,
+                                 help="where bench-serve.{md,json} go"),
     model: Path = typer.Option(None, "--model",
                                help="checkpoint to serve (default: a tiny int4 one made in --workdir)"),
     workdir: Path = typer.Option(Path("/tmp/quantkit-bench-serve"), "--workdir",
@@ -97,7 +116,7 @@ def _isas(value: str | None) -> list[str] | None:
 
 @bench_app.command("soak")
 def bench_soak(
-    reports: Path = typer.Option(Path("reports"), "--reports",
+    reports: Path = typer.Option(Path("reports"), "--reports", callback=_guard_reports,
                                  help="where bench-soak.json and bench-serve.md go"),
     model: Path = typer.Option(None, "--model",
                                help="checkpoint to serve (default: a tiny int4 one made in --workdir)"),
@@ -121,7 +140,8 @@ def bench_soak(
 
 @bench_app.command("engines")
 def bench_engines(
-    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-engines.{md,json} go"),
+    reports: Path = typer.Option(Path("reports"), "--reports", callback=_guard_reports,
+                                 help="where bench-engines.{md,json} go"),
     workdir: Path = typer.Option(Path("/tmp/quantkit-bench"), "--workdir", help="generated files go here"),
     layers: int = typer.Option(4, "--layers", parser=COUNT,
                                help="layers of the generated realistic-shape checkpoint"),
@@ -147,7 +167,8 @@ def bench_engines(
 
 @bench_app.command("gguf")
 def bench_gguf(
-    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-gguf.{md,json,png} go"),
+    reports: Path = typer.Option(Path("reports"), "--reports", callback=_guard_reports,
+                                 help="where bench-gguf.{md,json,png} go"),
     workdir: Path = typer.Option(Path("/tmp/quantkit-bench-gguf"), "--workdir", help="generated files go here"),
     threads: int = typer.Option(None, "--threads", help="llama.cpp threads [default: every physical core]"),
     reps: int = typer.Option(2, "--reps", help="decode repetitions per type (best is reported); 0: KL only"),
@@ -159,7 +180,8 @@ def bench_gguf(
 
 @bench_app.command("kernel")
 def bench_kernel(
-    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-kernel.{md,json} go"),
+    reports: Path = typer.Option(Path("reports"), "--reports", callback=_guard_reports,
+                                 help="where bench-kernel.{md,json} go"),
     threads: int = typer.Option(None, "--threads", help="threads for every route [default: every physical core]"),
     layers: int = typer.Option(4, "--layers", help="MoE layers with their own weights (tokens read them from DRAM)"),
     tokens: int = typer.Option(24, "--tokens", help="tokens per timed pass"),
@@ -172,7 +194,8 @@ def bench_kernel(
 
 @bench_app.command("decode")
 def bench_decode(
-    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-decode.{md,json,png} go"),
+    reports: Path = typer.Option(Path("reports"), "--reports", callback=_guard_reports,
+                                 help="where bench-decode.{md,json,png} go"),
     workdir: Path = typer.Option(Path("/tmp/quantkit-bench"), "--workdir",
                                  help="generated checkpoints go here"),
     layers: int = typer.Option(4, "--layers", parser=COUNT,
@@ -206,7 +229,8 @@ def bench_decode(
 
 @bench_app.command("session")
 def bench_session(
-    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-session.{md,json,png} go"),
+    reports: Path = typer.Option(Path("reports"), "--reports", callback=_guard_reports,
+                                 help="where bench-session.{md,json,png} go"),
     workdir: Path = typer.Option(Path("/tmp/quantkit-bench"), "--workdir", help="generated files go here"),
     turns: int = typer.Option(12, "--turns", help="agent turns (action + observation) in the session"),
     obs_tokens: int = typer.Option(250, "--obs-tokens", help="tokens of each recorded observation"),
@@ -231,7 +255,8 @@ def bench_session(
 
 @bench_app.command("calibrated")
 def bench_calibrated(
-    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-calibrated.{md,json,png} go"),
+    reports: Path = typer.Option(Path("reports"), "--reports", callback=_guard_reports,
+                                 help="where bench-calibrated.{md,json,png} go"),
     calib_tokens: int = typer.Option(8192, "--calib-tokens", help="calibration tokens (default corpus)"),
     eval_tokens: int = typer.Option(4096, "--eval-tokens", help="held-out tokens for perplexity and KLD"),
     realistic_dir: Path = typer.Option(None, "--realistic-dir", help="also time stats + GPTQ per layer on a "
@@ -245,7 +270,8 @@ def bench_calibrated(
 
 @bench_app.command("gpu")
 def bench_gpu(
-    reports: Path = typer.Option(Path("reports"), "--reports", help="where bench-gpu.{md,json} go"),
+    reports: Path = typer.Option(Path("reports"), "--reports", callback=_guard_reports,
+                                 help="where bench-gpu.{md,json} go"),
     workdir: Path = typer.Option(Path("/tmp/quantkit-bench-gpu"), "--workdir",
                                  help="the generated checkpoint and the plans go here"),
     layers: int = typer.Option(4, "--layers", parser=COUNT, help="layers of the generated realistic-shape checkpoint"),
