@@ -47,6 +47,13 @@ def test_stats_imatrix_inside_the_source_is_refused_before_the_run(src, tmp_path
     assert not (tmp_path / "s").exists()  # refused before the statistics were collected
 
 
+def test_stats_imatrix_never_replaces_an_unrelated_file(src, notes, tmp_path, capsys, monkeypatch):
+    code, out, err = run_cli(["stats", src, "--out", tmp_path / "s", "--imatrix", notes, "--overwrite",
+                              *STATS_ARGS], capsys, monkeypatch)
+    expect_one_line(code, out, err, "--imatrix")
+    assert notes.read_text() == "not quantkit's" and not (tmp_path / "s").exists()
+
+
 def test_export_imatrix_never_replaces_a_shard_or_an_unrelated_file(tiny_stats, quantized_folder, notes, capsys,
                                                                     monkeypatch):
     shard = sorted(quantized_folder.glob("*.safetensors"))[0]
