@@ -73,6 +73,15 @@ def test_bad_thread_count_is_one_line(tiny_model, tmp_path, n):
     assert not out.exists()
 
 
+@pytest.mark.parametrize("cmd", [["stats"], ["export", "gguf"], ["export", "vllm"]])
+def test_stats_and_exporters_check_threads_first(tiny_model, tmp_path, cmd):
+    out = tmp_path / "o"
+    args = [*cmd, tiny_model, *(["--out"] if cmd == ["stats"] else []), out, "--threads", "0"]
+    r = run_main(*args)
+    one_line_error(r.returncode, r.stdout, r.stderr, "--threads 0")
+    assert not out.exists()
+
+
 def test_full_disk_mid_run_is_one_line_and_resumes(tiny_model, tmp_path, monkeypatch):
     recipe = build_recipe(4, uniform=True)
     ref = tmp_path / "ref"

@@ -14,6 +14,7 @@ from quantkit.cli.progress import RichProgress, tensor_progress
 from quantkit.export.compressed_tensors import export_vllm
 from quantkit.export.gguf import export_gguf
 from quantkit.export.gguf_types import default_type
+from quantkit.runtime.threads import set_threads
 
 export_app = typer.Typer(help="Export for other engines: GGUF (llama.cpp, Ollama, LM Studio), "
                               "compressed-tensors (vLLM, SGLang).", no_args_is_help=True)
@@ -36,8 +37,10 @@ def export_gguf_cmd(
                                 "when the source experts are MXFP4), mxfp4 or q8_0"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing output file"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="list every tensor"),
+    threads: int = typer.Option(None, "--threads", help="CPU threads [default: every physical core]"),
 ) -> None:
     """Write a GGUF file for llama.cpp / Ollama / LM Studio (architecture qwen35moe)."""
+    set_threads(threads)  # torch's pool and llama.cpp's quantizer; a bad count is one line
 
     note = ""
     if type is None:
@@ -75,8 +78,10 @@ def export_vllm_cmd(
     rest: str = typer.Option("bf16", "--rest", help="bf16 (every non-expert tensor) or int8 (attention, linear "
                              "attention and shared expert int8 per channel)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing output folder"),
+    threads: int = typer.Option(None, "--threads", help="CPU threads [default: every physical core]"),
 ) -> None:
     """Write a compressed-tensors pack-quantized folder for vLLM / SGLang (experts int4, unfused)."""
+    set_threads(threads)  # a bad count is one line
 
     with tensor_progress(err_console) as p:
         res = export_vllm(src, out, group_size=group_size, rest=rest, overwrite=overwrite,

@@ -15,6 +15,7 @@ from quantkit.quantize.calib_data import load_tokens
 from quantkit.quantize.imatrix import write_imatrix_gguf
 from quantkit.quantize.stats import Stats, collect_stats, routing_coverage
 from quantkit.runtime.engine import load_tokenizer
+from quantkit.runtime.threads import set_threads
 
 
 @app.command()
@@ -27,10 +28,12 @@ def stats(
     heldout: float = typer.Option(0.125, "--heldout", help="fraction of chunks held out for measuring"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out file"),
     imatrix: Path = typer.Option(None, "--imatrix", help="also write a llama.cpp imatrix GGUF here"),
+    threads: int = typer.Option(None, "--threads", help="CPU threads [default: every physical core]"),
 ) -> None:
     """Collect activation statistics (Hessians, imatrix, routing counts), one decoder layer at a time;
     an interrupted run resumes when run again with the same arguments."""
 
+    set_threads(threads)  # a bad count is one line, before anything is read
     folder = resolve_model(src)
     if imatrix is not None:  # refused before the long run, not after it
         guard_output(imatrix, sources=[folder, out], overwrite=overwrite, owned=has_magic(b"GGUF"),

@@ -448,7 +448,8 @@ def _export_llama(src_path: Path, out: Path, ftype: str, imatrix: str | Path | N
         sizes = {t.name: tensor_bytes(t.piece.shape, want[t.name][0]) for t in planned}
         progress.start(len(planned), out_bytes)
         quantize_gguf(mid, tmp, ftype, im.data if im else None,
-                      on_tensor=lambda n: progress.advance(n, sizes.get(n, 0), True))
+                      on_tensor=lambda n: progress.advance(n, sizes.get(n, 0), True),
+                      threads=torch.get_num_threads())  # --threads (set on torch's pool by the CLI)
         got = {t.name: t.type for t in read_gguf(tmp).tensors}
         with tmp.open("rb+") as f:
             os.fsync(f.fileno())
