@@ -7,7 +7,7 @@ They are shared by many test files: treat them as read-only (copy a folder befor
 - `tiny_model_transformers_layout`: the SAME weights written by transformers' save_pretrained
   (`model.layers.*`, per-expert experts): its canonical tensors equal `tiny_model`'s.
 - `tiny_model_mtp`: published layout with the MTP layer (`mtp.*`, per-expert), not decisive.
-- `kernel_table`: each op table of quantkit's CPU kernel (avx512bf16, avx512, avx2, generic) at or below the
+- `kernel_table`: each op table of quantkit's CPU kernel (avx512bf16, avx512, avx2vnni, avx2, generic) at or below the
   level this run uses (QUANTKIT_CPU_ISA lowers it), forced in turn and restored; a table the CPU or the
   build lacks is skipped with that reason.
 
@@ -95,7 +95,7 @@ def tiny_stats(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Pa
     return out
 
 
-KERNEL_TABLES = ("avx512bf16", "avx512", "avx2", "generic")
+KERNEL_TABLES = ("avx512bf16", "avx512", "avx2vnni", "avx2", "generic")
 
 
 @pytest.fixture(params=KERNEL_TABLES)
@@ -106,23 +106,19 @@ def kernel_table(request: pytest.FixtureRequest):
     if mod is None:
         pytest.skip("the CPU kernel is not built on this machine")
     name = request.param
-    level = cpu_kernel.ISA_LEVELS[name.removesuffix("bf16")]
-    in_use = cpu_kernel.chosen_level(mod.detect_isa())
-    if level > in_use:
-        pytest.skip(f"{name}: above the level this run uses ({cpu_kernel.ISA_NAMES[in_use]})")
+    level = cpu_kernel.ISA_LEVELS[cpu_kernel.table_level(name)]
     if name not in mod.units():
         pytest.skip(f"{name}: this build has no such unit (the compiler could not build it)")
-    if name.startswith("avx512") and name not in mod.cpu_features():
+    if name not in mod.tables():
         pytest.skip(f"{name}: this CPU lacks it")
-    before = (mod.isa(), mod.has_bf16())
-    mod.set_isa(level)
-    if level == 2:
-        mod.set_bf16(name == "avx512bf16")
-    assert mod.table() == name
+    order = mod.tables()
+    if order.index(name) < order.index(cpu_kernel.loaded_table):
+        pytest.skip(f"{name}: above the table this run uses ({cpu_kernel.loaded_table}; QUANTKIT_CPU_ISA)")
+    before = mod.table()
+    mod.set_table(name)
+    assert mod.table() == name and mod.isa() == level
     yield name
-    mod.set_isa(before[0])
-    if before[0] == 2:
-        mod.set_bf16(before[1])
+    mod.set_table(before)
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

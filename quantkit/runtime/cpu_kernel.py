@@ -6,8 +6,8 @@ dots them against the stored 4-bit / 8-bit codes, runs the k routed experts of a
 fuses the rest of a decode step (norms, routing, the Gated DeltaNet and attention cores, the whole stack of
 layers in one call).
 
-Instruction sets: every op has a generic C++ version and AVX2+FMA, AVX512 (F/BW/VL/VNNI) and AVX512-BF16
-versions (csrc/qk_ops_impl.h), each compiled as its own unit with its own -m flags (`UNITS`) and linked
+Instruction sets: every op has a generic C++ version and AVX2+FMA, AVX2 with AVX-VNNI (Intel Core 12th gen
+on), AVX512 (F/BW/VL/VNNI) and AVX512-BF16 versions (csrc/qk_ops_impl.h), each compiled as its own unit with its own -m flags (`UNITS`) and linked
 into one module, which picks one table once at load from cpuid and the OS's XSAVE state
 (csrc/qk_cpu.cpp). No CPU runs an instruction it lacks, whatever the compiler hoists. A unit the compiler
 cannot build is left out with one line; the others still load. `QUANTKIT_CPU_ISA=generic|avx2|avx512`
@@ -50,8 +50,8 @@ HEADERS = (CSRC / "qk_common.h", CSRC / "qk_cpu.h", CSRC / "qk_layers.h", CSRC /
 _AVX2 = ("-mavx2", "-mfma")
 _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
 # the ISA units (csrc/qk_ops_<name>.cpp) and their own flags; generic is required, the others optional
-UNITS: dict[str, tuple[str, ...]] = {"generic": (), "avx2": _AVX2, "avx512": _AVX512,
-                                     "avx512bf16": (*_AVX512, "-mavx512bf16")}
+UNITS: dict[str, tuple[str, ...]] = {"generic": (), "avx2": _AVX2, "avx2vnni": (*_AVX2, "-mavxvnni"),
+                                     "avx512": _AVX512, "avx512bf16": (*_AVX512, "-mavx512bf16")}
 UNIT_CFLAGS = ("-O3", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fno-math-errno")
 ISA_LEVELS = {"generic": 0, "avx2": 1, "avx512": 2}
 ISA_NAMES = {v: k for k, v in ISA_LEVELS.items()}
@@ -250,13 +250,26 @@ def module() -> ModuleType | None:
     if mod is None:
         return None
     mod.set_isa(chosen_level(mod.detect_isa()))
+    if _plain_asked() and mod.table() != mod.isa_plain_name():
+        mod.set_table(mod.isa_plain_name())
+    global loaded_table
+    loaded_table = mod.table()
     return mod
 
 
+loaded_table = "none"  # the table module() chose at load (tests and benches may switch it for a while)
+
+
+def _plain_asked() -> bool:
+    """QUANTKIT_CPU_ISA=LEVEL-plain: the level without its extension (AVX-VNNI, AVX512-BF16)."""
+    return os.environ.get("QUANTKIT_CPU_ISA", "").strip().lower().endswith("-plain")
+
+
 def chosen_level(best: int) -> int:
-    """The level to run: the best this CPU and build have, lowered by QUANTKIT_CPU_ISA (one line when the
-    value is unknown or above what there is)."""
-    want = os.environ.get("QUANTKIT_CPU_ISA", "").strip().lower()
+    """The level to run: the best this CPU and build have, lowered by QUANTKIT_CPU_ISA (generic, avx2, avx512,
+    or LEVEL-plain for that level without its extension; one line when the value is unknown or above what
+    there is)."""
+    want = os.environ.get("QUANTKIT_CPU_ISA", "").strip().lower().removesuffix("-plain")
     if not want and os.environ.get("QUANTKIT_NO_AVX512", "").strip() not in ("", "0"):
         notice("QUANTKIT_NO_AVX512 is replaced by QUANTKIT_CPU_ISA=avx2 (honoured for now)")
         want = "avx2"
@@ -284,15 +297,33 @@ def isa() -> str:
 
 
 def isa_name() -> str:
-    """The op table in use, as routes name it: generic, avx2, avx512 or avx512bf16 ("none" without one)."""
+    """The op table in use, as routes name it: generic, avx2, avx2vnni, avx512 or avx512bf16 ("none")."""
     mod = module()
     return mod.table() if mod else "none"
 
 
-def lower_isas() -> list[str]:
-    """The levels below the one in use that this CPU can run (what CI proves a second time)."""
+def table_level(table: str) -> str:
+    """The level a table belongs to: avx2vnni -> avx2, avx512bf16 -> avx512."""
+    return table.removesuffix("bf16").removesuffix("vnni")
+
+
+def best_table(level: str) -> str | None:
+    """The table QUANTKIT_CPU_ISA=level runs on this CPU (its best at that level), or None."""
     mod = module()
-    return [ISA_NAMES[i] for i in range(mod.isa())] if mod else []
+    return next((t for t in mod.tables() if table_level(t) == level), None) if mod else None
+
+
+def lower_isas() -> list[str]:
+    """The QUANTKIT_CPU_ISA values below the table in use that this CPU can run, each a table of its own
+    (what CI proves a second time): the lower levels, and LEVEL-plain where a level has an extension."""
+    mod = module()
+    if mod is None:
+        return []
+    out = []
+    for t in mod.tables()[mod.tables().index(mod.table()) + 1:]:
+        level = table_level(t)
+        out.append(level if t == best_table(level) else f"{level}-plain")
+    return out
 
 
 def available() -> bool:

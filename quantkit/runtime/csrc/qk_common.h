@@ -12,7 +12,7 @@
 
 namespace qk {
 
-// The op table in use (set once at load; lowered by set_isa / set_bf16 in tests).
+// The op table in use (set once at load; lowered by set_isa / set_table in tests and benches).
 const Ops& ops();
 
 // fp32 -> bf16, round to nearest even (NaN kept a NaN), as torch's .to(torch.bfloat16)

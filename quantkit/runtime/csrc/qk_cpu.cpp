@@ -49,7 +49,7 @@ namespace {
 
 // ---------------------------------------------------------------- what the CPU (and its OS) can run
 struct Cpu {
-  bool avx2 = false, avx512 = false, bf16 = false;
+  bool avx2 = false, avxvnni = false, avx512 = false, bf16 = false;
 };
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -73,7 +73,10 @@ Cpu detect_cpu() {
   c.avx2 = fma && (b & (1u << 5));
   const bool f = b & (1u << 16), bw = b & (1u << 30), vl = b & (1u << 31), vnni = cx & (1u << 11);
   c.avx512 = c.avx2 && f && bw && vl && vnni && (xcr0 & 0xE6) == 0xE6;
-  if (c.avx512 && __get_cpuid_count(7, 1, &a, &b, &cx, &d)) c.bf16 = a & (1u << 5);
+  if (__get_cpuid_count(7, 1, &a, &b, &cx, &d)) {
+    c.avxvnni = c.avx2 && (a & (1u << 4));
+    c.bf16 = c.avx512 && (a & (1u << 5));
+  }
   return c;
 }
 #else
@@ -85,13 +88,15 @@ const Cpu& cpu() {
   return c;
 }
 
-// The table of a level (0 generic, 1 AVX2, 2 AVX512) with or without AVX512-BF16, where this CPU can run it
-// and the compiler built it; null otherwise. An ISA unit's entry is called only after the CPU check.
-const Ops* table(int level, bool bf16) {
-  if (level == 2 && bf16) return cpu().bf16 && qk_ops_avx512bf16 ? qk_ops_avx512bf16() : nullptr;
+// The table of a level (0 generic, 1 AVX2, 2 AVX512), with its extension (AVX-VNNI at level 1, AVX512-BF16
+// at level 2) or without, where this CPU can run it and the compiler built it; null otherwise. An ISA
+// unit's entry is called only after the CPU check.
+const Ops* table(int level, bool extra) {
+  if (level == 2 && extra) return cpu().bf16 && qk_ops_avx512bf16 ? qk_ops_avx512bf16() : nullptr;
   if (level == 2) return cpu().avx512 && qk_ops_avx512 ? qk_ops_avx512() : nullptr;
+  if (level == 1 && extra) return cpu().avxvnni && qk_ops_avx2vnni ? qk_ops_avx2vnni() : nullptr;
   if (level == 1) return cpu().avx2 && qk_ops_avx2 ? qk_ops_avx2() : nullptr;
-  return level == 0 ? qk_ops_generic() : nullptr;
+  return level == 0 && !extra ? qk_ops_generic() : nullptr;
 }
 
 int best_level() {
@@ -100,7 +105,7 @@ int best_level() {
   return 0;
 }
 
-// the best table at a level: with AVX512-BF16 where there is one
+// the best table at a level: with its extension where there is one
 const Ops* best_table(int level) {
   const Ops* t = table(level, true);
   return t ? t : table(level, false);
@@ -239,16 +244,30 @@ void qk_set_isa(int64_t level) {
   TORCH_CHECK(level >= 0 && level <= best_level(), "qk: this CPU (or this build) has no instruction set level ", level);
   g_ops = best_table(static_cast<int>(level));
 }
-bool qk_has_bf16() { return std::strcmp(ops().name, "avx512bf16") == 0; }
-void qk_set_bf16(bool on) {
-  const Ops* t = table(ops().level, on);
-  TORCH_CHECK(t != nullptr, "qk: no ", on ? "AVX512-BF16" : "plain AVX512", " table at this level on this CPU");
-  g_ops = t;
+// the tables this CPU can run and this build holds, best first
+std::vector<std::string> qk_tables() {
+  std::vector<std::string> names;
+  for (int level = 2; level >= 0; --level)
+    for (bool extra : {true, false})
+      if (const Ops* t = table(level, extra)) names.push_back(t->name);
+  return names;
+}
+// the name of the table at the level in use without its extension ("avx2", "avx512", "generic")
+std::string qk_isa_plain_name() { return table(ops().level, false) ? table(ops().level, false)->name : ops().name; }
+void qk_set_table(const std::string& name) {
+  for (int level = 2; level >= 0; --level)
+    for (bool extra : {true, false})
+      if (const Ops* t = table(level, extra); t && name == t->name) {
+        g_ops = t;
+        return;
+      }
+  TORCH_CHECK(false, "qk: no table ", name, " that this CPU can run in this build");
 }
 // the units this module holds ("generic", "avx2", ...), whether or not this CPU can run them
 std::vector<std::string> qk_units() {
   std::vector<std::string> u{"generic"};
   if (qk_ops_avx2) u.push_back("avx2");
+  if (qk_ops_avx2vnni) u.push_back("avx2vnni");
   if (qk_ops_avx512) u.push_back("avx512");
   if (qk_ops_avx512bf16) u.push_back("avx512bf16");
   return u;
@@ -257,6 +276,7 @@ std::vector<std::string> qk_units() {
 std::vector<std::string> qk_cpu_features() {
   std::vector<std::string> f;
   if (cpu().avx2) f.push_back("avx2");
+  if (cpu().avxvnni) f.push_back("avxvnni");
   if (cpu().avx512) f.push_back("avx512");
   if (cpu().bf16) f.push_back("avx512bf16");
   return f;
@@ -496,14 +516,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("isa", &qk_isa, "the instruction set level in use: 2 AVX512, 1 AVX2, 0 generic");
   mod.def("detect_isa", &qk_detect_isa, "the best level this CPU and this build can run");
   mod.def("set_isa", &qk_set_isa, "use a lower level (QUANTKIT_CPU_ISA, tests)");
-  mod.def("table", &qk_table, "the op table in use: generic, avx2, avx512 or avx512bf16");
+  mod.def("table", &qk_table, "the op table in use: generic, avx2, avx2vnni, avx512 or avx512bf16");
+  mod.def("tables", &qk_tables, "the tables this CPU can run in this build, best first");
+  mod.def("set_table", &qk_set_table, "use this table (tests, benches)");
+  mod.def("isa_plain_name", &qk_isa_plain_name, "the table of the level in use without its extension");
   mod.def("units", &qk_units, "the ISA units this module was built with");
-  mod.def("cpu_features", &qk_cpu_features, "what this CPU and its OS can run: avx2, avx512, avx512bf16");
+  mod.def("cpu_features", &qk_cpu_features, "what this CPU and its OS can run: avx2, avxvnni, avx512, avx512bf16");
   mod.def("linear", &qk_linear, "y [M, N] fp32 = x [M, K] @ W^T from repacked int4/int8 tiles");
   mod.def("linear_many", &qk_linear_many, "several matrices on one input: one quantization, one parallel region");
   mod.def("moe", &qk_moe, "one token through k routed experts in one call");
-  mod.def("has_bf16", &qk_has_bf16, "whether the AVX512-BF16 table is in use");
-  mod.def("set_bf16", &qk_set_bf16, "at the AVX512 level: the AVX512-BF16 table on or off (tests)");
   mod.def("linear_bf16", &qk_linear_bf16, "y [M, N] fp32 = x [M, K] @ W^T, W row-major bf16");
   qk_bind_layers(mod);
 }

@@ -1,7 +1,7 @@
 // The kernel's op table: every op the decode path runs, on raw pointers, once per instruction set.
 //
-// Each ISA's ops are one translation unit (qk_ops_generic.cpp, qk_ops_avx2.cpp, qk_ops_avx512.cpp,
-// qk_ops_avx512bf16.cpp), all made from qk_ops_impl.h and compiled with their own -m flags by
+// Each ISA's ops are one translation unit (qk_ops_generic.cpp, qk_ops_avx2.cpp, qk_ops_avx2vnni.cpp,
+// qk_ops_avx512.cpp, qk_ops_avx512bf16.cpp), all made from qk_ops_impl.h and compiled with their own -m flags by
 // runtime/cpu_kernel.py; the torch-facing sources (qk_cpu.cpp, qk_step.cpp, qk_layers.cpp) are compiled
 // for the baseline CPU and reach an ISA's code only through the table chosen once at load (qk_dispatch),
 // so no CPU runs an instruction it lacks, whatever a compiler hoists. This header is plain C++ (no torch,
@@ -49,8 +49,8 @@ struct GdnArgs {
 };
 
 struct Ops {
-  const char* name;  // "generic", "avx2", "avx512", "avx512bf16"
-  int level;         // 0 generic, 1 avx2, 2 avx512 (either AVX512 table)
+  const char* name;  // "generic", "avx2", "avx2vnni", "avx512", "avx512bf16"
+  int level;         // 0 generic, 1 avx2 (either AVX2 table), 2 avx512 (either AVX512 table)
   // matrices: x ~ q * d per block of 32 (k % 32 == 0); one 16-row tile against `rows` activation rows,
   // out [rows][16] (rows past m.n give 0)
   void (*quantize_row)(const float* x, int64_t k, int8_t* q, float* d, int32_t* s, float* ds);
@@ -88,5 +88,6 @@ struct Ops {
 // One table per ISA unit; a unit the compiler could not build is absent (a weak symbol left null).
 extern "C" const qk::Ops* qk_ops_generic();
 extern "C" const qk::Ops* qk_ops_avx2() __attribute__((weak));
+extern "C" const qk::Ops* qk_ops_avx2vnni() __attribute__((weak));
 extern "C" const qk::Ops* qk_ops_avx512() __attribute__((weak));
 extern "C" const qk::Ops* qk_ops_avx512bf16() __attribute__((weak));

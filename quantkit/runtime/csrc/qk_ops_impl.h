@@ -1,6 +1,6 @@
 // One ISA unit's ops (qk_ops.h's table), compiled once per instruction set: the unit's source defines
-// QK_TARGET (0 generic, 1 AVX2+FMA, 2 AVX512 F/BW/VL/VNNI, 3 the same with AVX512-BF16) and includes this
-// file, and runtime/cpu_kernel.py compiles it with that ISA's -m flags.
+// QK_TARGET (0 generic, 1 AVX2+FMA, 2 AVX512 F/BW/VL/VNNI, 3 the same with AVX512-BF16, 4 AVX2+FMA with
+// AVX-VNNI) and includes this file, and runtime/cpu_kernel.py compiles it with that ISA's -m flags.
 //
 // The fused ops are written once over `vf`, a vector of W fp32 lanes: 16 on AVX512, 8 on AVX2, and 8 in
 // plain C++ arrays for the generic unit (which the compiler vectorises for whatever baseline it targets).
@@ -14,6 +14,11 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#define QK_AVX512 (QK_TARGET == 2 || QK_TARGET == 3)
+#define QK_NATIVE_BF16 (QK_TARGET == 3)
+#define QK_AVX2 (QK_TARGET == 1 || QK_TARGET == 4)  // 8-lane vectors
+#define QK_AVXVNNI (QK_TARGET == 4)                 // vpdpbusd on 256 bits (Intel Core 12th gen on, Zen 5)
 
 #if QK_TARGET >= 1
 #include <immintrin.h>
@@ -57,7 +62,7 @@ inline int32_t load_i32(const int8_t* p) {
 inline float sigmoid1(float x) { return 1.f / (1.f + expf(-x)); }
 
 // ---------------------------------------------------------------- the vector of W fp32 lanes
-#if QK_TARGET >= 2
+#if QK_AVX512
 constexpr int W = 16;
 using vf = __m512;
 inline vf vzero() { return _mm512_setzero_ps(); }
@@ -122,7 +127,7 @@ inline vf vexp(vf x) {
 }
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
-#elif QK_TARGET == 1
+#elif QK_AVX2
 constexpr int W = 8;
 using vf = __m256;
 inline vf vzero() { return _mm256_setzero_ps(); }
@@ -231,7 +236,7 @@ inline float vmaxr(vf a) {
 inline void prefetch(const void* p) { __builtin_prefetch(p); }
 #endif
 
-#if QK_TARGET < 2  // tails through a zeroed buffer (AVX512 masks its loads and stores)
+#if !QK_AVX512  // tails through a zeroed buffer (AVX512 masks its loads and stores)
 inline vf vld_n(const float* p, int64_t n) {
   float t[W] = {};
   memcpy(t, p, n * sizeof(float));
@@ -279,13 +284,13 @@ void quantize_row(const float* x, int64_t k, int8_t* q, float* d, int32_t* s, fl
     const float dd = amax / 127.f;
     const float id = dd > 0.f ? 1.f / dd : 0.f;
     int32_t sum = 0;
-#if QK_TARGET >= 2
+#if QK_AVX512
     const __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(vld(xb), vset(id)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(vld(xb + 16), vset(id)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtsepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtsepi32_epi8(q1));
     sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-#elif QK_TARGET == 1
+#elif QK_AVX2
     __m256i qi[4];  // vcvtps2dq rounds to nearest even under the default MXCSR
     for (int j = 0; j < 4; ++j) qi[j] = _mm256_cvtps_epi32(_mm256_mul_ps(vld(xb + 8 * j), vset(id)));
     const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
@@ -334,7 +339,7 @@ constexpr int64_t kPrefetch = 8192;
 // out[r] = row r of w (row-major, k % 32 == 0) . x, for R rows
 template <int R>
 void rows_bf16(const uint16_t* w, int64_t k, const uint16_t* x, float* out) {
-#if QK_TARGET == 3
+#if QK_NATIVE_BF16
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t j = 0; j < k; j += 32) {
@@ -346,9 +351,10 @@ void rows_bf16(const uint16_t* w, int64_t k, const uint16_t* x, float* out) {
   }
   for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
 #else
-  // bf16 widened to fp32 in registers: even and odd elements as two halves (a shift and a mask)
-  vf acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = vzero();
+  // bf16 widened to fp32 in registers: even and odd elements as two halves (a shift and a mask), each with
+  // its own accumulator so that no FMA waits on another
+  vf ae[R], ao[R];
+  for (int r = 0; r < R; ++r) ae[r] = ao[r] = vzero();
   for (int64_t j = 0; j < k; j += 2 * W) {
     vf xe, xo;
     vld16x2(x + j, xe, xo);
@@ -356,10 +362,11 @@ void rows_bf16(const uint16_t* w, int64_t k, const uint16_t* x, float* out) {
       prefetch(reinterpret_cast<const char*>(w + r * k + j) + kPrefetch);
       vf we, wo;
       vld16x2(w + r * k + j, we, wo);
-      acc[r] = vfma(wo, xo, vfma(we, xe, acc[r]));
+      ae[r] = vfma(we, xe, ae[r]);
+      ao[r] = vfma(wo, xo, ao[r]);
     }
   }
-  for (int r = 0; r < R; ++r) out[r] = vsum(acc[r]);
+  for (int r = 0; r < R; ++r) out[r] = vsum(vadd(ae[r], ao[r]));
 #endif
 }
 
@@ -368,7 +375,7 @@ void tile_bf16(const QMat& m, int64_t t, const QAct& a, float* out) {
   int64_t r = t * kTile;
   const int64_t end = imin(r + kTile, m.n);
   float* o = out;
-#if QK_TARGET >= 2
+#if QK_AVX512
   for (; r + 8 <= end; r += 8, o += 8) rows_bf16<8>(w + r * m.k, m.k, a.xb, o);
 #else
   for (; r + 4 <= end; r += 4, o += 4) rows_bf16<4>(w + r * m.k, m.k, a.xb, o);
@@ -378,7 +385,7 @@ void tile_bf16(const QMat& m, int64_t t, const QAct& a, float* out) {
 }
 
 // ---------------------------------------------------------------- int4 / int8 tiles
-#if QK_TARGET >= 2
+#if QK_AVX512
 constexpr int kRowsPerCall = 4;  // activation rows per pass over a tile (zmm registers: 32)
 
 // One 32-block of a tile against MR activation rows: ga[r] += d_b * (codes . xq) as int32 -> fp32. The
@@ -463,7 +470,115 @@ void tile_int8(const QMat& m, int64_t t, const QAct* a, float* out) {
   for (int r = 0; r < MR; ++r) _mm512_storeu_ps(out + r * kTile, _mm512_mul_ps(s, fs[r]));
 }
 
-#elif QK_TARGET == 1
+#elif QK_AVXVNNI
+constexpr int kRowsPerCall = 4;  // ymm registers: 16
+
+// As the AVX512 tiles, on 256 bits: each 64-byte row of codes is two ymm (the tile's rows 0-7 and 8-15).
+// The high nibbles are shifted down (one more op per 32 bytes, shared by the rows) so that each row keeps
+// one accumulator, not two. One activation row takes both halves in one pass; several take one half at a
+// time so that their accumulators fit the registers.
+template <int MR, int H>
+__attribute__((always_inline)) inline void int4_half_block(const uint8_t* p, const QAct* a, int64_t b, __m256* ga) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  __m256i is[MR * H];
+  for (int i = 0; i < MR * H; ++i) is[i] = _mm256_setzero_si256();
+  for (int c = 0; c < 4; ++c)
+    for (int h = 0; h < H; ++h) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c + 32 * h));
+      const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+      for (int r = 0; r < MR; ++r) {
+        const int8_t* xq = a[r].q + b * kBlock + 8 * c;
+        is[r * H + h] = _mm256_dpbusd_avx_epi32(is[r * H + h], lo, _mm256_set1_epi32(load_i32(xq)));
+        is[r * H + h] = _mm256_dpbusd_avx_epi32(is[r * H + h], hi, _mm256_set1_epi32(load_i32(xq + 4)));
+      }
+    }
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < H; ++h)
+      ga[r * H + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r * H + h]), _mm256_set1_ps(a[r].d[b]), ga[r * H + h]);
+}
+
+// rows h0 .. h0 + 8H of a tile (H = 1: one half, 2: both)
+template <int MR, int H>
+void tile_int4_part(const QMat& m, int64_t t, const QAct* a, int h0, float* out) {
+  const int64_t nb = m.k / kBlock, ng = m.k / m.group, bpg = m.group / kBlock;
+  const uint8_t* qw = m.qw + t * nb * 256 + 32 * h0;
+  const uint16_t* sc = static_cast<const uint16_t*>(m.scales) + t * ng * kTile + 8 * h0;
+  const uint16_t* zp = m.zeros ? m.zeros + t * ng * kTile + 8 * h0 : nullptr;
+  __m256 acc[MR * H];
+  for (int i = 0; i < MR * H; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m256 ga[MR * H];
+    float dss[MR];
+    for (int i = 0; i < MR * H; ++i) ga[i] = _mm256_setzero_ps();
+    for (int r = 0; r < MR; ++r) dss[r] = 0.f;
+    for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+      int4_half_block<MR, H>(qw + b * 256, a, b, ga);
+      for (int r = 0; r < MR; ++r) dss[r] += a[r].ds[b];
+    }
+    for (int h = 0; h < H; ++h) {
+      const __m256 s = vld16(sc + g * kTile + 8 * h);
+      for (int r = 0; r < MR; ++r)
+        acc[r * H + h] = _mm256_fmadd_ps(_mm256_sub_ps(ga[r * H + h], _mm256_set1_ps(8.f * dss[r])), s, acc[r * H + h]);
+      if (zp) {
+        const __m256 z = vld16(zp + g * kTile + 8 * h);
+        for (int r = 0; r < MR; ++r) acc[r * H + h] = _mm256_fmadd_ps(z, _mm256_set1_ps(dss[r]), acc[r * H + h]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < H; ++h) _mm256_storeu_ps(out + r * kTile + 8 * (h0 + h), acc[r * H + h]);
+}
+
+template <int MR>
+void tile_int4(const QMat& m, int64_t t, const QAct* a, float* out) {
+  if (MR == 1) {
+    tile_int4_part<1, 2>(m, t, a, 0, out);
+  } else {
+    tile_int4_part<MR, 1>(m, t, a, 0, out);
+    tile_int4_part<MR, 1>(m, t, a, 1, out);
+  }
+}
+
+template <int MR, int H>
+void tile_int8_part(const QMat& m, int64_t t, const QAct* a, int h0, float* out) {
+  const int64_t nb = m.k / kBlock;
+  const uint8_t* qw = m.qw + t * nb * 512 + 32 * h0;
+  __m256 fs[MR * H];
+  for (int i = 0; i < MR * H; ++i) fs[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = qw + b * 512;
+    __m256i is[MR * H];
+    for (int i = 0; i < MR * H; ++i) is[i] = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c)
+      for (int h = 0; h < H; ++h) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c + 32 * h));
+        for (int r = 0; r < MR; ++r)
+          is[r * H + h] = _mm256_dpbusd_avx_epi32(is[r * H + h], w, _mm256_set1_epi32(load_i32(a[r].q + b * kBlock + 4 * c)));
+      }
+    for (int r = 0; r < MR; ++r) {
+      const __m256i off = _mm256_set1_epi32(128 * a[r].s[b]);
+      const __m256 d = _mm256_set1_ps(a[r].d[b]);
+      for (int h = 0; h < H; ++h)
+        fs[r * H + h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(is[r * H + h], off)), d, fs[r * H + h]);
+    }
+  }
+  const float* sc = static_cast<const float*>(m.scales) + t * kTile + 8 * h0;
+  for (int r = 0; r < MR; ++r)
+    for (int h = 0; h < H; ++h)
+      _mm256_storeu_ps(out + r * kTile + 8 * (h0 + h), _mm256_mul_ps(_mm256_loadu_ps(sc + 8 * h), fs[r * H + h]));
+}
+
+template <int MR>
+void tile_int8(const QMat& m, int64_t t, const QAct* a, float* out) {
+  if (MR == 1) {
+    tile_int8_part<1, 2>(m, t, a, 0, out);
+  } else {
+    tile_int8_part<MR, 1>(m, t, a, 0, out);
+    tile_int8_part<MR, 1>(m, t, a, 1, out);
+  }
+}
+
+#elif QK_AVX2
 constexpr int kRowsPerCall = 2;  // activation rows per pass over a tile (ymm registers: 16)
 
 // The 16-row tile as two 8-row halves (the low and high 32 bytes of each 64-byte row of codes).
@@ -545,6 +660,80 @@ void tile_int8(const QMat& m, int64_t t, const QAct* a, float* out) {
   }
 }
 
+// One activation row (decode): both 8-row halves in one pass, so each 64-byte line of codes is used whole
+// when it arrives and the activation broadcasts serve both halves.
+template <>
+void tile_int4<1>(const QMat& m, int64_t t, const QAct* a, float* out) {
+  const int64_t nb = m.k / kBlock, bpg = m.group / kBlock, ng = m.k / m.group;
+  const uint8_t* qw = m.qw + t * nb * 256;
+  const uint16_t* sc = static_cast<const uint16_t*>(m.scales) + t * ng * kTile;
+  const uint16_t* zp = m.zeros ? m.zeros + t * ng * kTile : nullptr;
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
+  for (int64_t g = 0; g < ng; ++g) {
+    __m256 fs0 = _mm256_setzero_ps(), fs1 = fs0;
+    float zs = 0.f;
+    for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+      const uint8_t* p = qw + b * 256;
+      const int8_t* xq = a->q + b * kBlock;
+      __m256i s0 = _mm256_setzero_si256(), s1 = s0;
+      for (int c = 0; c < 4; ++c) {
+        const __m256i xl = _mm256_set1_epi32(load_i32(xq + 8 * c)), xh = _mm256_set1_epi32(load_i32(xq + 8 * c + 4));
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c));
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c + 32));
+        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(v0, mask), xl));
+        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(v1, mask), xl));
+        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v0, 4), mask), xh));
+        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v1, 4), mask), xh));
+      }
+      const __m256i off = _mm256_set1_epi32(8 * a->s[b]);
+      const __m256 d = _mm256_set1_ps(a->d[b]);
+      fs0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(s0, ones), off)), d, fs0);
+      fs1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(s1, ones), off)), d, fs1);
+      zs += a->ds[b];
+    }
+    acc0 = _mm256_fmadd_ps(vld16(sc + g * kTile), fs0, acc0);
+    acc1 = _mm256_fmadd_ps(vld16(sc + g * kTile + 8), fs1, acc1);
+    if (zp) {
+      acc0 = _mm256_fmadd_ps(vld16(zp + g * kTile), _mm256_set1_ps(zs), acc0);
+      acc1 = _mm256_fmadd_ps(vld16(zp + g * kTile + 8), _mm256_set1_ps(zs), acc1);
+    }
+  }
+  _mm256_storeu_ps(out, acc0);
+  _mm256_storeu_ps(out + 8, acc1);
+}
+
+// One activation row: both halves in one pass, |x| made once per 4 codes for both (vpmaddubsw takes
+// |x| unsigned against sign(w, x) signed, which cannot overflow)
+template <>
+void tile_int8<1>(const QMat& m, int64_t t, const QAct* a, float* out) {
+  const int64_t nb = m.k / kBlock;
+  const uint8_t* qw = m.qw + t * nb * 512;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 fs0 = _mm256_setzero_ps(), fs1 = fs0;
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = qw + b * 512;
+    const int8_t* xq = a->q + b * kBlock;
+    __m256i i0 = _mm256_setzero_si256(), i1 = i0;
+    for (int c = 0; c < 8; ++c) {
+      const __m256i x = _mm256_set1_epi32(load_i32(xq + 4 * c));
+      const __m256i ax = _mm256_sign_epi8(x, x);
+      const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c)), flip);
+      const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c + 32)), flip);
+      i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, x)), ones));
+      i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, x)), ones));
+    }
+    const __m256 d = _mm256_set1_ps(a->d[b]);
+    fs0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), d, fs0);
+    fs1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), d, fs1);
+  }
+  const float* s = static_cast<const float*>(m.scales) + t * kTile;
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_loadu_ps(s), fs0));
+  _mm256_storeu_ps(out + 8, _mm256_mul_ps(_mm256_loadu_ps(s + 8), fs1));
+}
+
 #else
 constexpr int kRowsPerCall = 1;
 
@@ -617,7 +806,7 @@ void tile(const QMat& m, int64_t t, const QAct* a, int64_t rows, float* out) {
 #if QK_TARGET >= 1
       case 2: tile_mr<2>(m, t, a + r, out + r * kTile); break;
 #endif
-#if QK_TARGET >= 2
+#if QK_AVX512 || QK_AVXVNNI
       case 3: tile_mr<3>(m, t, a + r, out + r * kTile); break;
       case 4: tile_mr<4>(m, t, a + r, out + r * kTile); break;
 #endif
@@ -678,7 +867,7 @@ void delta_head(float* S, int64_t K, int64_t V, const float* q, const float* k, 
 
 // ---------------------------------------------------------------- attention over bf16 K/V
 // scores s [G, n] of G query heads against key rows 0..n-1: bf16(bf16(q . k) * scaling)
-#if QK_TARGET == 3
+#if QK_NATIVE_BF16
 // lane i = the sum of v[i]'s 16 lanes: a transpose-and-add tree (15 adds for 16 sums instead of 16 reductions)
 inline __m512 reduce16(const __m512* v) {
   __m512 t[8], u[4];
@@ -807,7 +996,7 @@ void attend_group(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64
 void attend_head(int G, const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t n, int64_t hd,
                  float scaling, float* s, float* acc, uint16_t* out) {
   switch (G) {
-#if QK_TARGET == 3
+#if QK_NATIVE_BF16
     case 16: attend_group<16>(q, k, v, n, hd, scaling, s, acc, out); break;
 #else
     case 16:  // sixteen accumulators do not fit the registers of the widening scores: two groups of 8
@@ -962,6 +1151,10 @@ void norm_rotate(const uint16_t* x, int64_t stride, int64_t rows, int64_t hd, co
 #define QK_NAME "avx512"
 #define QK_LEVEL 2
 #define QK_ENTRY qk_ops_avx512
+#elif QK_TARGET == 4
+#define QK_NAME "avx2vnni"
+#define QK_LEVEL 1
+#define QK_ENTRY qk_ops_avx2vnni
 #else
 #define QK_NAME "avx512bf16"
 #define QK_LEVEL 2
