@@ -275,3 +275,6 @@ def test_forced_avx2_row_is_judged_against_the_bound_too(monkeypatch):
     for isa, has in (("avx512", True), ("avx2", False), ("generic", False), ("none", False)):
         monkeypatch.setattr(cpu_kernel, "isa", lambda isa=isa: isa)
         assert ("int4-avx2" in bd.default_configs()) is has, isa
+        for avx2_table in ("avx2vnni", "avx2"):
+            monkeypatch.setattr(cpu_kernel, "best_table", lambda level, t=avx2_table: t)
+            assert ("int4-avx2-plain" in bd.default_configs()) is (has and avx2_table == "avx2vnni")

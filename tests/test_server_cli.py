@@ -70,6 +70,7 @@ def test_quantkit_serve_answers_the_openai_client(q4: Path, tmp_path: Path):
         stop_server(proc)
     out = Path(log.name).read_text()
     assert f"serving q4 on http://127.0.0.1:{port}/v1" in out and "server stopped" in out
+    assert "CPU route: " in out  # the start line names the kernel's instruction set and decode route
     assert proc.returncode == 0, out
 
 

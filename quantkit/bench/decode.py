@@ -65,17 +65,21 @@ CONFIGS: dict[str, tuple[str, str | None]] = {
     "fp4": ("quantkit", "fp4"),
     "mxfp4": ("quantkit", "mxfp4"),
     "int4-avx2": ("quantkit", "int4"),
+    "int4-avx2-plain": ("quantkit", "int4"),
 }
 # configurations run with the kernel forced to a lower instruction set (QUANTKIT_CPU_ISA in their process)
-FORCED_ISA = {"int4-avx2": "avx2"}
+FORCED_ISA = {"int4-avx2": "avx2", "int4-avx2-plain": "avx2-plain"}
 
 
 def default_configs() -> list[str]:
-    """Every configuration; the forced-ISA ones only where they are a lower level than this CPU's."""
+    """Every configuration; the forced-ISA ones only where they run a table below this CPU's: int4-avx2 on
+    AVX512 CPUs, int4-avx2-plain (no AVX-VNNI, as AMD Zen 2/3) where AVX2 has AVX-VNNI."""
     from quantkit.runtime import cpu_kernel
 
     level = cpu_kernel.ISA_LEVELS.get(cpu_kernel.isa(), -1)
-    return [n for n in CONFIGS if n not in FORCED_ISA or cpu_kernel.ISA_LEVELS[FORCED_ISA[n]] < level]
+    plain = cpu_kernel.best_table("avx2") == "avx2vnni"
+    return [n for n in CONFIGS if n not in FORCED_ISA
+            or (cpu_kernel.ISA_LEVELS["avx2"] < level and (n == "int4-avx2" or plain))]
 
 
 def _timed(model: Any, prompt: list[int], decode: int, lean: bool = False) -> tuple[float, list[float], list[int]]:
@@ -203,7 +207,8 @@ def run_one(mode: str, folder: Path, prompt_len: int, decode: int, reps: int,
     wbytes, cbytes = decode_bytes(model, prompt_len, decode)
     return {"mode": mode, "prefill_tok_s": best_p, "decode_tok_s": best_d, "decode_median_step_tok_s": median_d,
             "peak_rss": rss, "rss_after": rss_after, "load_s": load_s, "weight_bytes_per_step": wbytes, "cache_bytes_per_step": cbytes,
-            "step_bytes": wbytes + cbytes, "probe_gbs": round(probe, 2), "routes": routes, "threads": torch.get_num_threads(), "tokens": toks}
+            "step_bytes": wbytes + cbytes, "probe_gbs": round(probe, 2), "routes": routes, "threads": torch.get_num_threads(), "tokens": toks,
+            "table": _table()}
 
 
 def decode_bytes(model: Any, prompt_len: int, decode: int) -> tuple[int, int]:
@@ -450,9 +455,10 @@ def targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
         "planner_met": bool(errs) and all(abs(e) <= PLANNER_TOLERANCE for e in errs.values()),
         "int4_of_bound": i4.get("of_bound"), "int4_of_own_probe": i4.get("of_own_probe"),
         "bound_met": None if i4.get("of_bound") is None else i4["of_bound"] >= BOUND_TARGET,
-        "int4_avx2_of_bound": rows.get("int4-avx2", {}).get("of_bound"),
-        "bound_avx2_met": (None if rows.get("int4-avx2", {}).get("of_bound") is None
-                           else rows["int4-avx2"]["of_bound"] >= BOUND_TARGET),
+        **{f"{name.replace('-', '_')}_of_bound": rows.get(name, {}).get("of_bound") for name in FORCED_ISA},
+        **{f"bound_{name.removeprefix('int4-').replace('-', '_')}_met": (
+            None if rows.get(name, {}).get("of_bound") is None else rows[name]["of_bound"] >= BOUND_TARGET)
+           for name in FORCED_ISA},
     }
 
 
@@ -498,6 +504,13 @@ def plot(d: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _table() -> str:
+    """The kernel table this process runs (QUANTKIT_CPU_ISA lowers it)."""
+    from quantkit.runtime import cpu_kernel
+
+    return cpu_kernel.isa_name()
 
 
 def _isa_line() -> str:
@@ -592,11 +605,14 @@ def render_md(d: dict[str, Any]) -> str:
                       + ", ".join(f"{n} {v['share_of_read']:.0%} ({v['read_gbs']:.1f} GB/s)"
                                   for n, v in d["spells"]["spells"].items()) + " (section below)."
                       if d.get("spells") and d["spells"]["spells"] else ""))
-    share2 = t.get("int4_avx2_of_bound")
-    if share2 is not None:
-        out.append(f"- the same with the kernel forced to AVX2 (`int4-avx2`, what CPUs without AVX512 run): "
-                   f"**{'met' if t['bound_avx2_met'] else 'MISSED'}**, {share2:.0%} of the bound "
-                   f"({rows['int4-avx2']['decode_tok_s']:.2f} tok/s).")
+    for name, what in (("int4-avx2", "AVX2 (with AVX-VNNI where the CPU has it, as Intel Core 12th gen on)"),
+                       ("int4-avx2-plain", "plain AVX2 (no AVX-VNNI, as AMD Zen 2/3)")):
+        share2 = t.get(f"{name.replace('-', '_')}_of_bound")
+        if share2 is not None:
+            met = t[f"bound_{name.removeprefix('int4-').replace('-', '_')}_met"]
+            out.append(f"- the same with the kernel forced to {what} (`{name}`): **{'met' if met else 'MISSED'}**, "
+                       f"{share2:.0%} of the bound ({rows[name]['decode_tok_s']:.2f} tok/s, table "
+                       f"{rows[name].get('table', '?')}).")
     errs = t.get("planner_errors", {})
     if errs:
         bad = {n: e for n, e in errs.items() if abs(e) > PLANNER_TOLERANCE}

@@ -70,15 +70,20 @@ def _machine() -> dict[str, Any]:
 
 
 def default_isas() -> list[str]:
-    """The instruction sets quantkit runs at: the level in use, and AVX2 too where that is AVX512."""
+    """The instruction sets quantkit runs at: the level in use; where that is AVX512, AVX2 too; and where the
+    AVX2 level has AVX-VNNI, the plain AVX2 table as well (what CPUs without AVX-VNNI run)."""
     level = cpu_kernel.isa()
     if level == "none":
         return ["none"]
-    return [level, "avx2"] if level == "avx512" else [level]
+    isas = [level, "avx2"] if level == "avx512" else [level]
+    if "avx2" in isas and "avx2vnni" in cpu_kernel.module().tables():
+        isas.append("avx2-plain")
+    return isas
 
 
 class forced_isa:
-    """Run the kernel at `name` (generic, avx2, avx512) inside the block, as QUANTKIT_CPU_ISA would."""
+    """Run the kernel at `name` inside the block: a level (generic, avx2, avx512: its best table, as
+    QUANTKIT_CPU_ISA picks it) or a table by its own name (avx2vnni, avx512bf16, ...)."""
 
     def __init__(self, name: str):
         self.mod, self.name = cpu_kernel.module(), name
@@ -86,15 +91,18 @@ class forced_isa:
     def __enter__(self) -> str:
         if self.mod is None:
             return "none"
-        self.before = (self.mod.isa(), self.mod.has_bf16())
-        self.mod.set_isa(cpu_kernel.ISA_LEVELS[self.name])
+        self.before = self.mod.table()
+        if self.name in cpu_kernel.ISA_LEVELS:
+            self.mod.set_isa(cpu_kernel.ISA_LEVELS[self.name])
+        elif self.name == "avx2-plain":
+            self.mod.set_table("avx2")
+        else:
+            self.mod.set_table(self.name)
         return self.mod.table()
 
     def __exit__(self, *exc: Any) -> None:
         if self.mod is not None:
-            self.mod.set_isa(self.before[0])
-            if self.before[0] == 2:
-                self.mod.set_bf16(self.before[1])
+            self.mod.set_table(self.before)
 
 
 def gguf_step_bytes(path: Path, top_k: int) -> int:
