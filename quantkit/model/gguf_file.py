@@ -80,35 +80,51 @@ def _value(field_: Any) -> Any:
     return field_.parts[-1].tolist()[0]
 
 
-def _bounded(f: mmap.mmap, pos: int, n: int, p: Path, what: str) -> int:
-    if n < 0 or pos + n > len(f):
-        raise QuantkitError(f"{p}: the GGUF header's {what} runs past the end of the file; re-download or "
-                            "re-export it")
-    return pos + n
+class _Walk:
+    """A cursor over a mapped GGUF header: every read is checked to lie inside the file."""
 
+    def __init__(self, buf: mmap.mmap, p: Path):
+        self.buf, self.p, self.pos = buf, p, 0
 
-def _skip_value(f: mmap.mmap, pos: int, vtype: int, p: Path, key: str, depth: int = 0) -> int:
-    """The position after one metadata value of type `vtype`, every declared length checked."""
-    if vtype in _SCALAR:
-        return _bounded(f, pos, _SCALAR[vtype], p, key)
-    if vtype == _STRING:
-        (n,) = struct.unpack_from("<Q", f, _bounded(f, pos, 8, p, key) - 8)
-        if n > MAX_STRING:
-            raise QuantkitError(f"{p}: GGUF key {key[:80]} holds a string of {n:,} bytes (at most {MAX_STRING:,}); "
-                                "not a model file quantkit reads")
-        return _bounded(f, pos + 8, n, p, key)
-    if vtype == _ARRAY and depth < 2:
-        sub, n = struct.unpack_from("<IQ", f, _bounded(f, pos, 12, p, key) - 12)
-        pos += 12
-        if n > MAX_ITEMS:
-            raise QuantkitError(f"{p}: GGUF key {key[:80]} holds an array of {n:,} items (at most {MAX_ITEMS:,}); "
-                                "not a model file quantkit reads")
-        if sub in _SCALAR:
-            return _bounded(f, pos, n * _SCALAR[sub], p, key)
-        for _ in range(n):
-            pos = _skip_value(f, pos, sub, p, key, depth + 1)
-        return pos
-    raise QuantkitError(f"{p}: GGUF key {key[:80]} has value type {vtype}, which GGUF does not define; re-export it")
+    def take(self, n: int, what: str) -> int:
+        """Advance by `n` bytes; returns where they start."""
+        if self.pos + n > len(self.buf):
+            raise QuantkitError(f"{self.p}: the GGUF header's {what} runs past the end of the file; "
+                                "re-download or re-export it")
+        self.pos += n
+        return self.pos - n
+
+    def read(self, fmt: str, what: str) -> tuple[int, ...]:
+        return struct.unpack_from(fmt, self.buf, self.take(struct.calcsize(fmt), what))
+
+    def too_many(self, n: int, limit: int, what: str) -> None:
+        if n > limit:
+            raise QuantkitError(f"{self.p}: the GGUF header declares {what} of {n:,} (at most {limit:,}); not a "
+                                "model file quantkit reads")
+
+    def string(self, what: str) -> str:
+        (n,) = self.read("<Q", what)
+        self.too_many(n, MAX_STRING, f"{what[:80]}: a string")
+        at = self.take(n, what)
+        return bytes(self.buf[at:at + min(n, 200)]).decode("utf-8", "replace")
+
+    def value(self, vtype: int, key: str, depth: int = 0) -> None:
+        """Skip one metadata value of type `vtype`, every declared length checked."""
+        if vtype in _SCALAR:
+            self.take(_SCALAR[vtype], key)
+        elif vtype == _STRING:
+            self.string(key)
+        elif vtype == _ARRAY and depth < 2:
+            sub, n = self.read("<IQ", key)
+            self.too_many(n, MAX_ITEMS, f"{key[:80]}: an array")
+            if sub in _SCALAR:
+                self.take(n * _SCALAR[sub], key)
+            else:
+                for _ in range(n):
+                    self.value(sub, key, depth + 1)
+        else:
+            raise QuantkitError(f"{self.p}: GGUF key {key[:80]} has value type {vtype}, which GGUF does not "
+                                "define; re-export it")
 
 
 def check_header_bounds(p: Path, size: int) -> None:
@@ -116,32 +132,28 @@ def check_header_bounds(p: Path, size: int) -> None:
     BEFORE the `gguf` reader trusts them (a 2^62-item array or tensor count would hang it)."""
     if size < 24:
         raise QuantkitError(f"{p}: the GGUF header is truncated ({size} bytes); re-download or re-export it")
-    with p.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as f:
-        version, n_tensors, n_kv = struct.unpack_from("<IQQ", f, 4)
+    with p.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        w = _Walk(buf, p)
+        _magic, version, n_tensors, n_kv = w.read("<4sIQQ", "start")
         if version not in (2, 3):
             raise QuantkitError(f"{p}: GGUF version {version}; quantkit reads versions 2 and 3")
-        for n, what in ((n_tensors, "tensors"), (n_kv, "metadata keys")):
-            if n > MAX_ENTRIES:
-                raise QuantkitError(f"{p}: the GGUF header declares {n:,} {what} (at most {MAX_ENTRIES:,}); "
-                                    "not a model file quantkit reads")
-        pos = 24
+        w.too_many(n_tensors, MAX_ENTRIES, "a tensor count")
+        w.too_many(n_kv, MAX_ENTRIES, "a metadata key count")
         for _ in range(n_kv):
-            end = _skip_value(f, pos, _STRING, p, "name")
-            key = bytes(f[pos + 8:end]).decode("utf-8", "replace")
-            (vtype,) = struct.unpack_from("<I", f, _bounded(f, end, 4, p, key) - 4)
-            pos = _skip_value(f, end + 4, vtype, p, key)
+            key = w.string("key name")
+            (vtype,) = w.read("<I", key)
+            w.value(vtype, key)
         for _ in range(n_tensors):
-            pos = _skip_value(f, pos, _STRING, p, "tensor name")
-            (n_dims,) = struct.unpack_from("<I", f, _bounded(f, pos, 4, p, "tensor table") - 4)
+            name = w.string("tensor name")
+            (n_dims,) = w.read("<I", "tensor table")
             if not 0 < n_dims <= 4:
-                raise QuantkitError(f"{p}: a tensor of {n_dims} dimensions in the GGUF tensor table (1 to 4); "
-                                    "re-export it")
-            dims = struct.unpack_from(f"<{n_dims}Q", f, _bounded(f, pos + 4, 8 * n_dims + 12, p, "tensor table")
-                                      - 8 * n_dims - 12)
+                raise QuantkitError(f"{p}: tensor {name[:80]} has {n_dims} dimensions in the GGUF tensor table "
+                                    "(1 to 4); re-export it")
+            dims = w.read(f"<{n_dims}Q", "tensor table")
             if not all(1 <= d <= MAX_DIM for d in dims):
-                raise QuantkitError(f"{p}: a tensor of shape {list(dims)} in the GGUF tensor table (dimensions "
-                                    "1..2^40); re-export it")
-            pos += 4 + 8 * n_dims + 12
+                raise QuantkitError(f"{p}: tensor {name[:80]} has shape {list(dims)} in the GGUF tensor table "
+                                    "(dimensions 1..2^40); re-export it")
+            w.read("<IQ", "tensor table")  # type, offset: checked once the reader has parsed them
 
 
 def read_gguf(path: str | Path, what: str = "GGUF file") -> GgufInfo:
