@@ -150,3 +150,13 @@ def test_an_imatrix_with_a_chunk_count_of_the_wrong_type_is_refused(tmp_path):
     with pytest.raises(QuantkitError, match="chunk_count") as e:
         load_imatrix(p, {"blk.0.attn_q.weight": (4, 8)}, [])
     assert "\n" not in str(e.value) and "im.gguf" in str(e.value)
+
+
+def test_reading_an_imatrix_walks_its_header_with_bounds_first(tmp_path):
+    from quantkit.quantize.imatrix import read_imatrix_gguf
+
+    count()
+    p = tmp_path / "im.gguf"
+    p.write_bytes(RAW["array-of-2^40-bytes"][0])
+    with pytest.raises(QuantkitError, match="an array of"):
+        read_imatrix_gguf(p)

@@ -134,7 +134,9 @@ def check_header_bounds(p: Path, size: int) -> None:
         raise QuantkitError(f"{p}: the GGUF header is truncated ({size} bytes); re-download or re-export it")
     with p.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         w = _Walk(buf, p)
-        _magic, version, n_tensors, n_kv = w.read("<4sIQQ", "start")
+        magic, version, n_tensors, n_kv = w.read("<4sIQQ", "start")
+        if magic != MAGIC:
+            raise QuantkitError(f"{p}: not a GGUF file (it does not start with 'GGUF'); name a .gguf file")
         if version not in (2, 3):
             raise QuantkitError(f"{p}: GGUF version {version}; quantkit reads versions 2 and 3")
         w.too_many(n_tensors, MAX_ENTRIES, "a tensor count")

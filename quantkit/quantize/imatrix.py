@@ -34,6 +34,7 @@ from quantkit.export.gguf_layout import pieces_for
 from quantkit.fileio import fsync_dir, temp_name
 from quantkit.formats import QuantSpec, get_format
 from quantkit.formats.int4 import DEFAULT_GROUP
+from quantkit.model.gguf_file import check_header_bounds
 from quantkit.model.spec import parse_text_config, spec_from_config
 from quantkit.outputs import guard_output, has_magic
 from quantkit.quantize.grid import Grid
@@ -185,6 +186,7 @@ def read_imatrix_gguf(path: str | Path) -> dict[str, np.ndarray]:
         raise QuantkitError(f"imatrix file {p} does not exist")
     if p.stat().st_size > MAX_IMATRIX_BYTES:
         raise QuantkitError(f"imatrix file {p} is larger than {MAX_IMATRIX_BYTES >> 30} GiB; refusing to read it")
+    check_header_bounds(p, p.stat().st_size)  # before the reader trusts what the header declares
     try:
         r = gguf.GGUFReader(str(p))
     except (ValueError, OSError) as e:
