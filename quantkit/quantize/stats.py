@@ -270,7 +270,7 @@ def collect_stats(ckpt: Checkpoint, tokens: TokenData, out: Path, heldout_fracti
         ckpt.config, str(ckpt.path), DENSE_LINEARS, GATE_UP, DOWN).values()) + tokens.chunks.numel() * 4 * int(
         text_config_dict(ckpt.config).get("hidden_size", 0))  # the file + its work copy, the hidden states
     guard_output(out, sources=[Path(ckpt.path)], overwrite=overwrite, owned=is_stats_file, need_bytes=need,
-                 flag="--out ")
+                 flag="--out ", create_parents=True)
     for t in ckpt.canonical():
         if t.is_matrix and t.dtype not in ("bfloat16", "float16", "float32"):
             raise QuantkitError(f"{ckpt.path}: {t.name} is {t.dtype}; statistics need a bf16/fp16/fp32 source")
@@ -299,7 +299,7 @@ def collect_stats(ckpt: Checkpoint, tokens: TokenData, out: Path, heldout_fracti
 def _locked_work(work: Path, out: Path) -> Iterator[None]:
     """Hold an exclusive lock on the work folder: a second `stats` to the same --out is refused, not raced."""
     try:
-        work.mkdir(exist_ok=True)
+        work.mkdir(parents=True, exist_ok=True)
         fd = os.open(work, os.O_RDONLY)
     except OSError as e:
         raise QuantkitError(f"--out {out}: cannot create {work.name} ({e.strerror}); pick another location"
