@@ -93,6 +93,12 @@ def _extra(t: dict[str, torch.Tensor], _m: dict[str, str]) -> None:
     t["evil.hessian"] = torch.zeros(2, 2)
 
 
+def _bad_layer(t: dict[str, torch.Tensor], m: dict[str, str]) -> None:
+    """No config to check shapes against (as hand-made routing files), and a layer index that is no number."""
+    del m["config"]
+    t[f"{LM}layers.x.mlp.routing"] = t.pop(ROUTING)
+
+
 def _nan_at(flat_index: int, value: float) -> Callable[[torch.Tensor], torch.Tensor]:
     def fn(x: torch.Tensor) -> torch.Tensor:
         x = x.clone()
@@ -122,6 +128,7 @@ CASES = {
     "routing-cut-short": (_set(ROUTING, lambda x: x[:-2]), ROUTING, ALL),
     "another-models-config": (_forge(_other_model), "the model needs", ALL),
     "a-foreign-tensor": (_forge(_extra), "evil.hessian", ALL),
+    "a-layer-index-of-letters": (_forge(_bad_layer), "layers.x.mlp.routing", ALL),
     "nan-hessian": (_set(f"{Q}.hessian", _nan_at(5, math.nan)), "NaN", ("gptq", "imatrix")),
     "inf-in-sum2": (_set(f"{GU}.in_sum2", _nan_at(3, math.inf)), "NaN or infinite", ("gptq", "imatrix", "export")),
     "nan-heldout": (_set(f"{DN}.heldout_hessian", _nan_at(7, math.nan)), "NaN", ("gptq", "imatrix")),

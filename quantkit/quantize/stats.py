@@ -443,6 +443,7 @@ class Stats:
             raise QuantkitError(f"{p} is statistics format {meta.get('version')}, this quantkit reads "
                                 f"{STATS_VERSION}; rerun `quantkit stats`")
         config = stats_check.check_meta(p, meta)
+        stats_check.check_names(p, set(entries))
         if config is not None:  # else shapes are checked against the model it is used with (check_model)
             found = {k: (e.shape, e.dtype) for k, e in entries.items()}
             stats_check.check_tensors(p, found, stats_check.expected_shapes(config, f"{p} (its config)",

@@ -14,6 +14,7 @@ Each refusal is one QuantkitError naming the file and the field."""
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -84,6 +85,18 @@ def check_tensors(path: Path, found: dict[str, tuple[tuple[int, ...], str]],
         if tuple(shape) != want[0] or dtype != want[1]:
             raise QuantkitError(f"{path}: {name} is {dtype} {list(shape)}, the model needs {want[1]} "
                                 f"{list(want[0])}; rerun `quantkit stats` on this model")
+
+
+_NAME = re.compile(r"^(?:lm_head\.weight|model\.language_model\.layers\.\d{1,4}\.[a-z_.0-9]+)"
+                   r"\.(?:hessian|heldout_hessian|in_sum2|count|routing|heldout_routing)$")
+
+
+def check_names(path: Path, names: set[str]) -> None:
+    """Every tensor name is one `quantkit stats` writes (a layer index of digits, a known statistic): what
+    holds when the file carries no config to check shapes against."""
+    for name in sorted(names):
+        if not _NAME.match(name):
+            raise QuantkitError(f"{path}: {name[:120]} is not a statistic `quantkit stats` writes; rerun it")
 
 
 def check_values(path: Path, name: str, t: torch.Tensor) -> torch.Tensor:
