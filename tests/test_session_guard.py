@@ -25,6 +25,7 @@ from quantkit.runtime.session_file import _digest, load_session, save_session
 from conftest import TINY_KW, run_cli
 from test_runtime_common import one_thread  # noqa: F401
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 SP = SamplingParams(temperature=0, max_new_tokens=4)
 
 
@@ -37,7 +38,6 @@ def _rt(folder: Path):
 @pytest.fixture(scope="module")
 def session(tiny_model, tmp_path_factory) -> tuple[Path, ChatSession]:
     """A one-turn chat on `tiny_model` saved with its state."""
-    torch.set_num_threads(1)
     path = tmp_path_factory.mktemp("sess") / "s.qks"
     rt = _rt(tiny_model)
     lines = iter(["ls -la"])
