@@ -110,9 +110,9 @@ def _unit_source(name: str) -> Path:
     return CSRC / f"qk_ops_{name}.cpp"
 
 
-def _compile_units(d: Path) -> list[str]:
-    """Compile each ISA unit with its own flags into d; the objects that built. A unit that fails costs one
-    line and is left out (its table is then absent); the generic unit must build."""
+def _compile_units(d: Path, left_out: list[str]) -> list[str]:
+    """Compile each ISA unit with its own flags into d; the objects that built. A unit that fails is left out
+    (its table is then absent), with one line for it in `left_out`; the generic unit must build."""
     objs = []
     for name, flags in _units().items():
         obj = d / f"qk_ops_{name}.o"
@@ -128,7 +128,7 @@ def _compile_units(d: Path) -> list[str]:
         elif name == "generic":
             raise RuntimeError(f"error: the generic unit did not build: {why.strip()[:200]}")
         else:
-            notice(f"CPU kernel: the {name} unit did not build ({why.strip()[:160]}); left out, the others load")
+            left_out.append(f"CPU kernel: the {name} unit did not build ({why.strip()[:160]}); left out, the others load")
     return objs
 
 
@@ -168,7 +168,7 @@ def _import(d: Path) -> ModuleType:
     return mod
 
 
-def _build(d: Path) -> ModuleType:
+def _build(d: Path, left_out: list[str]) -> ModuleType:
     from torch.utils import cpp_extension
 
     # the ninja that `pip install ninja` puts next to this Python, when the venv is not activated
@@ -176,7 +176,7 @@ def _build(d: Path) -> ModuleType:
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     d.mkdir(parents=True, exist_ok=True)
-    objs = _compile_units(d)
+    objs = _compile_units(d, left_out)
     mod = cpp_extension.load(name=_module_name(d), sources=[str(p) for p in SOURCES], build_directory=str(d),
                              extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp", *objs], verbose=False)
     so, stamp = _paths(d)
@@ -207,8 +207,13 @@ def build(quiet: bool = False) -> ModuleType | None:
             if d.exists():
                 shutil.rmtree(d, ignore_errors=True)  # our own cache folder (named for the source's hash)
             notice(f"building the CPU kernel once into {d} (about a minute)")
-            with _quiet_fds(quiet):
-                return _build(d)
+            left_out: list[str] = []
+            try:
+                with _quiet_fds(quiet):
+                    return _build(d, left_out)
+            finally:
+                for line in left_out:  # after the compiler's output is let through again
+                    notice(line)
     except Exception as err:  # a compiler error, a missing ninja, an unwritable cache
         lines = str(err).strip().splitlines() or ["?"]
         reason = next((ln.strip() for ln in lines if "error:" in ln), lines[-1].strip())  # the compiler's first
