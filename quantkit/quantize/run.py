@@ -2,12 +2,13 @@
 
 Flow: `make_plan` decides every tensor (recipe + eligibility), works out the exact shape and dtype of
 every output part and assigns tensors to shards of bounded size, so shard names, headers and the total
-output size are known before any weight is read. `run_quantize` then streams: one tensor (fused expert
-stacks: one slab of experts; big matrices: one block of rows) is read, quantized, measured and written
-to its offset in the shard being written, then freed. Shards are written under temporary names and
-renamed; a journal records each finished shard (size, sha256) so `--resume` reuses them; the manifest
-is written last. Output bytes depend only on the source and the options (no timestamps), so a resumed
-run is byte-identical to an uninterrupted one.
+output size are known before any weight is read. `run_quantize` then streams each tensor in blocks along
+dim 0 (fused expert stacks: a slab of experts; big matrices, kept ones too: a block of rows), with reading,
+quantizing (and measuring) and writing on their own threads over reused buffers (quantize/stream.py,
+where the memory bound is stated). Shards are written under temporary names; a journal records each
+finished shard (size, sha256) before it is renamed into place, so `--resume` reuses it; the manifest is
+written last. Output bytes depend only on the source and the options (no timestamps, not the thread
+count), so a resumed run is byte-identical to an uninterrupted one.
 
 The default 4-bit recipe (`quality` in quantkit/recipe.py) keeps lm_head at int8: measured on the
 realistic-shape checkpoint (reports/bench-quantize.md), int4 g128 on lm_head has ~20x the weight error
