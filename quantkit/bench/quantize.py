@@ -88,6 +88,7 @@ def machine_info() -> dict[str, Any]:
         pass
     info: dict[str, Any] = {
         "cpu": cpu,
+        "isa": cpu_isa(),
         "logical_cores": os.cpu_count(),
         "physical_cores": psutil.cpu_count(logical=False),
         "ram_gb": round(psutil.virtual_memory().total / 1e9, 1),
@@ -104,6 +105,17 @@ def machine_info() -> dict[str, Any]:
         except PackageNotFoundError:
             info[mod] = None
     return info
+
+
+def cpu_isa() -> str:
+    """The vector extensions that decide kernel speed, from /proc/cpuinfo ("" where it is not there)."""
+    try:
+        flags = next((ln.split(":", 1)[1].split() for ln in Path("/proc/cpuinfo").read_text().splitlines()
+                      if ln.startswith("flags")), [])
+    except OSError:
+        return ""
+    return " ".join(f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "avx_vnni", "sha_ni")
+                    if f in flags)
 
 
 def _best_time(fn, reps: int) -> tuple[float, Any]:
@@ -406,6 +418,15 @@ def render_file_to_file(f: dict[str, Any], before: dict[str, Any] | None) -> lis
         L.append(f"| {c['case']} | {p['wall'] - p['run']:.2f} | {p['run']:.2f} | "
                  + " | ".join(f"{p['stages'].get(k, 0):.2f}" for k in _STAGE_ORDER) + " |")
     for c in f["cases"]:
+        p = c["profile"]
+        if "stages" in p:
+            L += ["", f"{c['case']}: start-up {p['wall'] - p['run']:.2f} s and the quantize stage "
+                  f"{p['stages'].get('quantize', 0):.2f} s of quantkit's {p['wall']:.2f} s; llama.cpp's whole run "
+                  f"{c['best']['llama.cpp']['wall']:.2f} s."]
+    L += ["", "The int4 quantize stage is the clip search of formats/int4.py (three candidate scales per group, each "
+          "scored on the group's rounding error: about 30 torch passes per weight), where ggml's Q4_0 takes the one "
+          "scale of the block's largest magnitude; the start-up is torch's import and the CLI's."]
+    for c in f["cases"]:
         spy = c["profile"].get("py_spy")
         if spy:
             L += ["", f"py-spy, {c['case']} (share of samples over every thread, innermost Python function; native "
@@ -429,12 +450,14 @@ def render_markdown(d: dict[str, Any]) -> str:
     m = d["machine"]
     L = ["# bench: quantize", "",
          f"Command: `{d['command']}` ({d['seconds']:.0f} s in all)", "",
-         f"Machine: {m['cpu']}, {m['logical_cores']} logical / {m['physical_cores']} physical cores, "
+         f"Machine: {m['cpu']} ({m.get('isa') or 'flags unknown'}), {m['logical_cores']} logical / "
+         f"{m['physical_cores']} physical cores, "
          f"{m['ram_gb']} GB RAM; torch {m['torch']} ({m['torch_threads']} threads), bitsandbytes "
          f"{m['bitsandbytes']}, gguf {m['gguf']}, numpy {m['numpy']}; load average at start "
          f"{m['load_avg_at_start']} (the machine is shared with other work: absolute MB/s vary between runs, "
          "the ratios measured in the same run are the figures to read).", "",
-         f"Checkpoint: generated realistic-shape qwen3_5_moe at `{d['checkpoint']['path']}`. Tensors timed: "
+         f"Checkpoint: realistic-shape qwen3_5_moe at `{d['checkpoint']['path']}` (`quantkit tiny-model --realistic "
+         f"--layers {d['checkpoint']['layers']} --experts {d['checkpoint']['experts']}`). Tensors timed: "
          f"{d['tensors']}; every method gets the same tensors; best of the repetitions.", "",
          "## Throughput and error", "",
          "| method | by | bits/weight | MB/s (bf16 input) | x memory copy | rel. error | SQNR dB | note |",
