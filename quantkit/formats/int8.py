@@ -34,12 +34,12 @@ class Int8:
 
         def work(sl: slice) -> None:
             x = flat[sl].float()
-            s = (x.abs().amax(dim=1) / 127.0).to(torch.bfloat16)
+            s = (x.abs().amax(dim=1) / 127.0).to(torch.bfloat16)  # the inf-norm gives the same, 20x slower
             sf = s.float()
             inv = torch.where(sf > 0, 1.0 / sf, torch.zeros_like(sf))
             t = x * inv[:, None]
-            r = t.clamp(-127, 127).round_()
-            q[sl] = r.to(torch.int8)
+            r = torch.clamp(t, -127, 127).round_()
+            q[sl].copy_(r)  # cast while copying (r holds integers in range): no int8 temporary
             scales[sl] = s
             if sums is not None:
                 r.sub_(t)
