@@ -342,16 +342,16 @@ def copyable_files(src: Path) -> list[Path]:
     return out
 
 
-def _prepare_out(src: Path, out: Path, mode: str) -> None:
-    """The guarded output location (quantkit/outputs.py); --resume continues quantkit's own run in place."""
-    check_not_source(out, [src], "--out ")
+def prepare_out(out: Path, mode: str, sources: list[Path], flag: str = "--out ") -> None:
+    """The guarded output location (quantkit/outputs.py); "resume" continues quantkit's own run in place."""
+    check_not_source(out, sources, flag)
     resuming = mode == "resume" and out.is_dir() and any(out.iterdir())
     if resuming and not holds_quantize_run(out):
-        raise QuantkitError(f"{out} holds no quantkit run to resume (no {JOURNAL_NAME}); pick an empty --out")
+        raise QuantkitError(f"{out} holds no quantkit run to resume (no {JOURNAL_NAME}); pick an empty {flag.strip()}")
     if mode == "new" and out.is_dir() and any(out.iterdir()):
         raise QuantkitError(f"{out} already exists; pass --resume to continue a run or --overwrite to replace it")
-    guard_output(out, sources=[src], kind="folder", overwrite=mode != "new", owned=holds_quantize_run,
-                 flag="--out ", create_parents=True)
+    guard_output(out, sources=sources, kind="folder", overwrite=mode != "new", owned=holds_quantize_run,
+                 flag=flag, create_parents=True)
     if mode == "overwrite" and out.is_dir() and any(out.iterdir()):
         shutil.rmtree(out)
 
@@ -380,7 +380,7 @@ def _guard_report(report: Path, src: Path) -> None:
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
+def sigterm_as_interrupt() -> Iterator[None]:
     """SIGTERM stops a run like Ctrl-C does (shards in place, temporaries removed, journal saved)."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -412,7 +412,7 @@ def _chunks(tp: TensorPlan, slab_bytes: int) -> tuple[str, int]:
     return ("whole", 0)
 
 
-def _blocks(tp: TensorPlan, slab_bytes: int) -> list[Block]:
+def tensor_blocks(tp: TensorPlan, slab_bytes: int) -> list[Block]:
     """The blocks along dim 0 a tensor is read, quantized and written in."""
     mode, n = _chunks(tp, slab_bytes)
     if mode == "whole":
@@ -425,7 +425,7 @@ def _part_rows(tp: TensorPlan, lay: TensorLayout) -> int:
     return lay.shape[0] // tp.shape[0] if lay.shape and tp.shape and lay.shape[0] % tp.shape[0] == 0 else 1
 
 
-def _out_layout(tp: TensorPlan, blk: Block) -> list[tuple[str, tuple[int, ...], torch.dtype, int]]:
+def block_layout(tp: TensorPlan, blk: Block) -> list[tuple[str, tuple[int, ...], torch.dtype, int]]:
     """(suffix, shape, dtype, arena offset) of every part of one block, 64-byte aligned in one arena."""
     out, off = [], 0
     for lay in tp.outputs:
@@ -436,7 +436,7 @@ def _out_layout(tp: TensorPlan, blk: Block) -> list[tuple[str, tuple[int, ...], 
 
 
 def _arena_bytes(tp: TensorPlan, blk: Block) -> int:
-    lay = _out_layout(tp, blk)
+    lay = block_layout(tp, blk)
     return max((o + math.prod(sh) * dt.itemsize for _, sh, dt, o in lay), default=0)
 
 
@@ -456,7 +456,7 @@ def _quantize_tensor(pipe: _Pipe, tp: TensorPlan, shard: ShardWriter, opts: Quan
     """Quantize (or copy) one tensor, block by block, as the reader hands its blocks over."""
     st = TensorStats(tp.name, tp.role.value, tp.spec.format if tp.spec else tp.dtype, tp.numel, tp.in_bytes,
                      tp.out_bytes, note=tp.note)
-    for blk in _blocks(tp, opts.slab_bytes):
+    for blk in tensor_blocks(tp, opts.slab_bytes):
         got, w, buf = pipe.reader.get()
         if got != blk:
             raise QuantkitError(f"internal: the reader gave {got}, the quantizer expected {blk}")
@@ -498,7 +498,7 @@ def _emit(pipe: _Pipe, tp: TensorPlan, blk: Block, w: torch.Tensor, buf: torch.T
     if _fused(tp, cal):
         with pipe.times.stage("wait for writes"):
             arena = pipe.arenas.acquire()
-        outs = {k: view_as(arena, sh, dt, off) for k, sh, dt, off in _out_layout(tp, blk)}
+        outs = {k: view_as(arena, sh, dt, off) for k, sh, dt, off in block_layout(tp, blk)}
         sums = ErrorSums()
         with pipe.times.stage("quantize"):
             parts = fmt.quantize(w, tp.spec, out=outs, sums=sums)
@@ -564,7 +564,7 @@ def block_sizes(plan: QuantPlan, names: list[str], reused: list[str], slab_bytes
         if sn in reused:
             continue
         for tp in shard:
-            for blk in _blocks(tp, slab_bytes)[:1]:  # the first block is the largest
+            for blk in tensor_blocks(tp, slab_bytes)[:1]:  # the first block is the largest
                 rows = (blk.rows if not blk.whole else (tp.shape[0] if tp.shape else 1)) or 1
                 b_in = max(b_in, tp.in_bytes // max(tp.shape[0], 1) * rows if tp.shape else tp.in_bytes)
                 if tp.spec is not None:
@@ -585,7 +585,7 @@ def _run_shards(ckpt: Checkpoint, out: Path, plan: QuantPlan, names: list[str], 
     todo = [(sn, shard, lay) for sn, shard, lay in zip(names, plan.shards, layouts, strict=True) if sn not in reused]
     keep_small_allocations()
     b_in, b_out = block_sizes(plan, names, reused, opts.slab_bytes)
-    items = [(blk, tp.shape, tp.dtype) for _, shard, _ in todo for tp in shard for blk in _blocks(tp, opts.slab_bytes)]
+    items = [(blk, tp.shape, tp.dtype) for _, shard, _ in todo for tp in shard for blk in tensor_blocks(tp, opts.slab_bytes)]
     writer = Writer()
     state: dict[str, Any] = {}
 
@@ -602,7 +602,7 @@ def _run_shards(ckpt: Checkpoint, out: Path, plan: QuantPlan, names: list[str], 
             w = ShardWriter(out / sn, lay)
             open_shards.append(w)
             shard_stats = [_quantize_tensor(pipe, tp, w, opts, progress) for tp in shard]
-            writer.submit(_commit_job(out, sn, w, shard_stats, journal, stats_by_shard, times))
+            writer.submit(commit_job(out, sn, w, shard_stats, journal, stats_by_shard, times))
         with times.stage("wait for writes"):
             writer.finish()
     except BaseException:
@@ -650,7 +650,7 @@ def _sha256(path: Path, chunk: int = 4 << 20) -> str:
     return h.hexdigest()
 
 
-def _commit_job(out: Path, sn: str, w: ShardWriter, shard_stats: list[TensorStats], journal: Journal,
+def commit_job(out: Path, sn: str, w: ShardWriter, shard_stats: list[TensorStats], journal: Journal,
                 stats_by_shard: dict[str, list[TensorStats]], times: StageTimes) -> Callable[[], None]:
     def job() -> None:
         # journal first, rename second: a kill between leaves a journaled name with no file (resume redoes
@@ -664,6 +664,65 @@ def _commit_job(out: Path, sn: str, w: ShardWriter, shard_stats: list[TensorStat
     return job
 
 
+def open_journal(out: Path, mode: str, key: str, names: list[str], layouts: list[ShardLayout],
+                 extra_bytes: int, need_stats: bool = True) -> tuple[Journal, list[str]]:
+    """The run's journal in `out` (a fresh one, or the interrupted run's when `key` matches) and the finished
+    shards it lists that still check out (size and sha256); free disk for the rest is checked, leftover
+    temporaries are removed. Refuses a finished folder under "resume" and another run's journal. `need_stats`:
+    a shard is reused only with its recorded statistics (the quantizer's report needs them)."""
+    journal = Journal.load(out) if out.is_dir() else None
+    if mode == "resume" and (out / MANIFEST_NAME).is_file() and journal is None:
+        raise QuantkitError(f"{out} is already complete; check it with `quantkit verify {out}`")
+    if journal is not None and journal.key != key:
+        raise QuantkitError(
+            f"{out} holds an interrupted run of a different source or different options; "
+            "rerun with the same options, or pass --overwrite"
+        )
+    journal = journal or Journal(key)
+    # Reuse finished shards only after checking them; anything else is rewritten.
+    reused: list[str] = []
+    for sn in list(journal.done):
+        if sn in names and (sn in journal.stats or not need_stats) and check_file(out, sn, journal.done[sn]) is None:
+            reused.append(sn)
+        else:
+            journal.done.pop(sn, None)
+            journal.stats.pop(sn, None)
+    need = sum(lay.size for sn, lay in zip(names, layouts, strict=True) if sn not in reused) + extra_bytes
+    check_free(out, need, "--out ")
+    out.mkdir(parents=True, exist_ok=True)
+    for p in out.glob(".*.tmp"):
+        p.unlink()
+    journal.save(out)
+    return journal, reused
+
+
+def write_folder_files(out: Path, plan: QuantPlan, layouts: list[ShardLayout], config: dict[str, Any],
+                       copies: list[Path]) -> dict[str, FileEntry]:
+    """Copy `copies` (tokenizer, ...) in, write the index and config.json, each atomically; their entries."""
+    files: dict[str, FileEntry] = {}
+    for p in copies:
+        dst = out / p.name
+        tmp = temp_name(dst)
+        shutil.copyfile(p, tmp)
+        os.replace(tmp, dst)
+        files[p.name] = file_entry(dst)
+    index = {"metadata": {"total_size": sum(lay.data_bytes for lay in layouts), "format": "quantkit"},
+             "weight_map": dict(sorted(plan.weight_map().items()))}
+    atomic_write_json(out / INDEX_NAME, index)
+    atomic_write_json(out / "config.json", config)
+    for n in (INDEX_NAME, "config.json"):
+        files[n] = file_entry(out / n)
+    return files
+
+
+def seal_folder(out: Path, names: list[str], journal: Journal, files: dict[str, FileEntry], source: dict[str, Any],
+                options: dict[str, Any]) -> None:
+    """The manifest, written last (a folder without it is not finished); the journal goes after it."""
+    Manifest(shards={sn: journal.done[sn] for sn in names}, files=files, source=source, options=options).write(out)
+    (out / JOURNAL_NAME).unlink(missing_ok=True)
+    fsync_dir(out)
+
+
 def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: Progress | None = None) -> QuantizeResult:
     """Quantize an opened Checkpoint into `out` (see the module docstring for the guarantees)."""
     progress = progress or NoProgress()
@@ -674,43 +733,19 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
         opts.calibration.stats.check_model(ckpt)
     if opts.report is not None:
         _guard_report(Path(opts.report), src)
-    _prepare_out(src, out, opts.mode)
+    prepare_out(out, opts.mode, [src])
     layouts = plan.layouts()
     names = plan.shard_names
     src_fp = source_fingerprint(ckpt)
     key = fingerprint({"source": src_fp, "options": opts.fingerprint_data(),
                        "shards": [lay.header.hex() for lay in layouts]})
 
-    journal = Journal.load(out) if out.is_dir() else None
-    if opts.mode == "resume" and (out / MANIFEST_NAME).is_file() and journal is None:
-        raise QuantkitError(f"{out} is already complete; check it with `quantkit verify {out}`")
-    if journal is not None and journal.key != key:
-        raise QuantkitError(
-            f"{out} holds an interrupted run of a different source or different options; "
-            "rerun with the same options, or pass --overwrite"
-        )
-    journal = journal or Journal(key)
-    stats_by_shard: dict[str, list[TensorStats]] = {
-        k: [TensorStats.from_dict(d) for d in v] for k, v in journal.stats.items()
-    }
-
-    # Reuse finished shards only after checking them; anything else is rewritten.
-    reused: list[str] = []
-    for sn in list(journal.done):
-        if sn in names and check_file(out, sn, journal.done[sn]) is None and sn in stats_by_shard:
-            reused.append(sn)
-        else:
-            journal.done.pop(sn, None)
-            stats_by_shard.pop(sn, None)
     copies = copyable_files(src)
-    need = sum(lay.size for sn, lay in zip(names, layouts, strict=True) if sn not in reused)
-    need += sum(p.stat().st_size for p in copies) + (1 << 20)
-    check_free(out, need, "--out ")
-    out.mkdir(parents=True, exist_ok=True)
-    for p in out.glob(".*.tmp"):
-        p.unlink()
-    journal.stats = {k: [s.to_dict() for s in v] for k, v in stats_by_shard.items()}
-    journal.save(out)
+    journal, reused = open_journal(out, opts.mode, key, names, layouts,
+                                   sum(p.stat().st_size for p in copies) + (1 << 20))
+    stats_by_shard: dict[str, list[TensorStats]] = {
+        k: [TensorStats.from_dict(d) for d in v] for k, v in journal.stats.items() if k in reused
+    }
 
     todo_bytes = sum(t.in_bytes for sn, s in zip(names, plan.shards, strict=True) if sn not in reused for t in s)
     progress.start(sum(len(s) for sn, s in zip(names, plan.shards, strict=True) if sn not in reused), todo_bytes)
@@ -722,7 +757,7 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        with _sigterm_as_interrupt():
+        with sigterm_as_interrupt():
             _run_shards(ckpt, out, plan, names, layouts, reused, opts, progress, journal, stats_by_shard, times)
     except KeyboardInterrupt:
         for p in out.glob(".*.tmp"):
@@ -735,38 +770,18 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
         torch.set_num_threads(before)
 
     # Everything below is small; the manifest goes last.
-    files: dict[str, FileEntry] = {}
-    copied = []
-    for p in copies:
-        dst = out / p.name
-        tmp = temp_name(dst)
-        shutil.copyfile(p, tmp)
-        os.replace(tmp, dst)
-        files[p.name] = file_entry(dst)
-        copied.append(p.name)
-    index = {"metadata": {"total_size": sum(lay.data_bytes for lay in layouts), "format": "quantkit"},
-             "weight_map": dict(sorted(plan.weight_map().items()))}
-    atomic_write_json(out / INDEX_NAME, index)
     stats = [s for sn in names for s in stats_by_shard[sn]]
     cal = None
     if opts.calibration is not None:
         cal = {**opts.calibration.config(),
                "rtn_fallbacks": {s.name: {"matrices": s.fallbacks, "why": s.note} for s in stats if s.fallbacks}}
-    atomic_write_json(out / "config.json", output_config(ckpt.config, plan, cal))
-    for n in (INDEX_NAME, "config.json"):
-        files[n] = file_entry(out / n)
+    files = write_folder_files(out, plan, layouts, output_config(ckpt.config, plan, cal), copies)
+    copied = [p.name for p in copies]
     seconds = time.perf_counter() - t_start
     from quantkit.quantize.report import write_report  # lazy: report imports this module
 
     md, js = write_report(opts.report or (out / f"{REPORT_STEM}.md"), plan, stats, seconds, src, out, reused, cal)
-    Manifest(
-        shards={sn: journal.done[sn] for sn in names},
-        files=files,
-        source={"path": str(src), **src_fp},
-        options=opts.fingerprint_data(),
-    ).write(out)
-    (out / JOURNAL_NAME).unlink(missing_ok=True)
-    fsync_dir(out)
+    seal_folder(out, names, journal, files, {"path": str(src), **src_fp}, opts.fingerprint_data())
     return QuantizeResult(out, plan, stats, seconds, reused, md, js, copied, times.seconds)
 
 
