@@ -79,3 +79,61 @@ def test_targets_per_instruction_set_each_against_the_same_llama_cpp():
 def test_bench_engines_isa_option_refuses_unknown_names(value, why, capsys, monkeypatch):
     code, _, err = run_cli(["bench", "engines", "--isa", value], capsys, monkeypatch)
     assert code == 2 and "error:" in err and why in err and "Traceback" not in err
+
+
+def test_targets_pair_a_named_llama_build_with_quantkit_table_of_that_name():
+    """--llama-build avx2=...: quantkit's avx2 table is judged against llama.cpp's own build and, apart, against
+    llama.cpp's AVX2 build; the native table only against llama.cpp's own build."""
+    rows = _rows(50.0, 40.0, 40.0, 30.0, ([1.0], [1.0], [1.0], [1.0]))
+    rows[2]["isa"] = rows[3]["isa"] = "avx512bf16"
+    rows += [{**rows[2], "isa": "avx2", "decode_tps": 44.0}, {**rows[3], "isa": "avx2", "decode_tps": 28.0},
+             {**rows[0], "isa": "avx2", "decode_tps": 30.0, "prefill_tps": 100.0},
+             {**rows[1], "isa": "avx2", "decode_tps": 20.0}]
+    got = {t["target"]: t for t in targets(rows)}
+    mine = "(avx2, against llama.cpp's avx2 build)"
+    assert got["4-bit decode (avx2)"]["ratio"] == 44.0 / 40.0  # llama.cpp's own build still the first pairing
+    assert got[f"4-bit decode {mine}"]["ratio"] == 44.0 / 30.0 and got[f"4-bit decode {mine}"]["met"]
+    assert got[f"bf16 decode {mine}"]["ratio"] == 28.0 / 20.0
+    assert got[f"4-bit prefill {mine}"]["ratio"] == 4.0
+    assert not any("avx512bf16, against" in t for t in got) and len(got) == 9
+    assert f"4-bit decode {mine} at least 1.2x llama.cpp's: **met**, 1.47x" in render_targets(rows)
+
+
+@pytest.mark.parametrize("value,why", [("avx2", "give NAME=FOLDER"), ("sse9=/tmp", "'sse9' is not a kernel table"),
+                                       ("generic=/nonexistent", "no libllama.so")])
+def test_bench_engines_llama_build_option_refuses_bad_values(value, why, capsys, monkeypatch):
+    code, _, err = run_cli(["bench", "engines", "--llama-build", value], capsys, monkeypatch)
+    assert code == 2 and "error:" in err and why in err and "Traceback" not in err
+
+
+def test_llama_build_runs_in_its_own_process_as_the_in_process_rows(tiny_model, tmp_path):
+    """The worker with the installed library (a build like any other) gives the in-process greedy tokens and
+    logits: the subprocess path loses nothing on the way."""
+    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (CI builds it)")
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+
+    from quantkit.bench.engines import llama_decode, llama_logits
+    from quantkit.bench.llama_worker import run_build
+
+    gguf = export_gguf(tiny_model, tmp_path / "t.gguf", "bf16").path
+    lib = Path(llama_cpp.__file__).parent / "lib"
+    probe = torch.arange(2 * 12).reshape(2, 12) % 50
+    prompt = list(range(3, 11))
+    d, logits = run_build(lib, gguf, prompt, 6, 1, 1, probe)
+    assert d["tokens"] == llama_decode(gguf, prompt, 6, 1, 1)["tokens"] and d["decode_tps"] > 0
+    np.testing.assert_array_equal(logits, llama_logits(gguf, probe, 1))
+    assert run_build(lib, gguf, prompt, 2, 1, 1, None)[1] is None
+
+
+def test_a_llama_build_that_cannot_load_is_one_error_naming_it(tiny_model, tmp_path):
+    from quantkit.bench.llama_worker import run_build
+    from quantkit.errors import QuantkitError
+
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python not installed (CI builds it)")
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "libllama.so").write_bytes(b"not a library")
+    with pytest.raises(QuantkitError, match=f"llama.cpp build in {tmp_path / 'lib'} failed: "):
+        run_build(tmp_path / "lib", tmp_path / "none.gguf", [1, 2], 1, 1, 1, None)

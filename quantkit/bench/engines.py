@@ -41,6 +41,7 @@ import torch
 
 from quantkit.bench import read_bandwidth_gbs, write_reports
 from quantkit.bench.decode import step_bytes
+from quantkit.bench.llama_worker import run_build
 from quantkit.export.gguf import export_gguf
 from quantkit.formats import QuantSpec
 from quantkit.model.checkpoint import Checkpoint
@@ -225,7 +226,10 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
         top_k: int = DEFAULTS["top_k"], vocab: int = DEFAULTS["vocab"], checkpoint: Path | None = None,
         threads: int | None = None, reps: int = DEFAULTS["reps"], new_tokens: int = DEFAULTS["new_tokens"],
         rounds: int = DEFAULTS["rounds"], isas: list[str] | None = None,
-        log: Any = print) -> dict[str, Any]:
+        llama_builds: dict[str, Path] | None = None, log: Any = print) -> dict[str, Any]:
+    """Both engines side by side; `llama_builds` adds llama.cpp rows from other builds of its library
+    (name -> folder, each run in a process of its own), paired in the targets with quantkit's table of the
+    same name (an AVX2 build beside quantkit's AVX2 table: what a CPU without AVX512 runs of each)."""
 
     t_start = time.perf_counter()
     isas = isas or default_isas()
@@ -256,8 +260,10 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
 
     rows: list[dict[str, Any]] = []
     bws: list[float] = []  # the read bandwidth after each engine: it moves on a shared VM, the best is the bound
-    engines = [("llama.cpp", files["mixed"], "4-bit mixed (GGUF mixed: Q4_0 experts reused, Q8_0 rest)", ""),
-               ("llama.cpp", files["bf16"], "bf16", "")]
+    llama_builds = llama_builds or {}
+    engines = [("llama.cpp", files["mixed"], "4-bit mixed (GGUF mixed: Q4_0 experts reused, Q8_0 rest)", b)
+               for b in ["", *llama_builds]]
+    engines += [("llama.cpp", files["bf16"], "bf16", b) for b in ["", *llama_builds]]
     for isa in isas:
         engines += [("quantkit", qdir, "4-bit (experts int4 g32, int8 rest)", isa), ("quantkit", checkpoint, "bf16", isa)]
     # engines interleaved round by round, each keeping its best: on a shared VM a slow spell then lands on
@@ -265,12 +271,17 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
     for rnd in range(rounds):
         for i, (label, path, bits, isa) in enumerate(engines):
             log(f"round {rnd + 1}/{rounds}: {label} {bits}" + (f" on {isa}" if isa else ""))
-            if label == "llama.cpp":
+            if label == "llama.cpp" and isa:
+                d, logits = run_build(llama_builds[isa], path, prompt, new_tokens, threads, reps,
+                                      None if rnd else probe)
+            elif label == "llama.cpp":
                 d = llama_decode(path, prompt, new_tokens, threads, reps)
+                logits = None if rnd else llama_logits(path, probe, threads)
+            if label == "llama.cpp":
                 if not rnd:
-                    rows.append({"engine": label, "bits": bits, "file_mb": path.stat().st_size / 1e6,
+                    rows.append({"engine": label, "bits": bits, "isa": isa, "file_mb": path.stat().st_size / 1e6,
                                  "step_bytes": gguf_step_bytes(path, tc["num_experts_per_tok"]),
-                                 **_errors(ref, llama_logits(path, probe, threads))})
+                                 **_errors(ref, logits)})
             else:
                 with forced_isa(isa) as table:
                     rt = load_model(path, context=max(512, DEFAULTS["prompt"] + new_tokens + 8))
@@ -301,8 +312,9 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
                                                f" --layers {layers} --experts {experts} --top-k {top_k} --vocab {vocab}")
         + (f" --reps {reps}" if reps != DEFAULTS["reps"] else "")
         + (f" --rounds {rounds}" if rounds != DEFAULTS["rounds"] else "")
-        + (f" --isa {','.join(isas)}" if isas != default_isas() else ""),
-        "machine": machine, "threads": threads, "checkpoint": str(checkpoint), "read_bandwidth_gbs": round(bw, 2),
+        + (f" --isa {','.join(isas)}" if isas != default_isas() else "")
+        + "".join(f" --llama-build {k}={v}" for k, v in llama_builds.items()),
+        "llama_builds": {k: str(v) for k, v in llama_builds.items()}, "machine": machine, "threads": threads, "checkpoint": str(checkpoint), "read_bandwidth_gbs": round(bw, 2),
         "read_bandwidth_probes_gbs": [round(b, 2) for b in bws],
         "shape": {"layers": tc["num_hidden_layers"], "experts": tc["num_experts"], "top_k": tc["num_experts_per_tok"],
                   "hidden": tc["hidden_size"], "vocab": tc["vocab_size"]},
@@ -331,13 +343,16 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each bar, per instruction set quantkit ran at (named where there are several): quantkit's best over
     llama.cpp's best, whether it clears the bar, and (decode) the median of the round-by-round ratios, which a
     single lucky round of either engine moves less."""
-    theirs_rows = [r for r in rows if r["engine"] != "quantkit"]
+    native = [r for r in rows if r["engine"] != "quantkit" and not r.get("isa")]
     isas = list(dict.fromkeys(r.get("isa", "") for r in rows if r["engine"] == "quantkit"))
     out = []
     for isa in isas:
-        group = theirs_rows + [r for r in rows if r["engine"] == "quantkit" and r.get("isa", "") == isa]
+        ours = [r for r in rows if r["engine"] == "quantkit" and r.get("isa", "") == isa]
         out += [{**t, "target": f"{t['target']} ({isa})" if len(isas) > 1 else t["target"], "isa": isa}
-                for t in _targets(group)]
+                for t in _targets(native + ours)]
+        build = [r for r in rows if r["engine"] != "quantkit" and isa and r.get("isa") == isa]
+        out += [{**t, "target": f"{t['target']} ({isa}, against llama.cpp's {isa} build)", "isa": isa,
+                 "build": isa} for t in _targets(build + ours)] if build else []
     return out
 
 
@@ -378,7 +393,9 @@ def render(d: dict[str, Any]) -> str:
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in d["rows"]:
-        lines.append(f"| {r['engine']} | {r['bits']} | {r.get('isa') or 'its own build'} | {r['decode_tps']:.2f} | "
+        kernel = r.get("isa") or "its own build"
+        kernel = f"{kernel} build" if r["engine"] != "quantkit" and r.get("isa") else kernel
+        lines.append(f"| {r['engine']} | {r['bits']} | {kernel} | {r['decode_tps']:.2f} | "
                      f"{r['decode_vs_llama_4bit']:.2f}x | "
                      f"{r['step_bytes'] / 1e6:,.0f} | {r['bound_tps']:.1f} | {r['of_bound']:.0%} | "
                      f"{r['prefill_tps']:.1f} | {r['top1']:.3f} | {r['kl']:.2e} | {r['max_abs']:.3f} | "
@@ -399,8 +416,9 @@ def render(d: dict[str, Any]) -> str:
     tl = targets(d["rows"])
     if tl:
         lines += ["## Targets", "",
-                  "quantkit's best against llama.cpp's best at the same bits; the median of the round-by-round ratios "
-                  "beside it (each round runs all four engines in turn).", ""]
+                  "quantkit's best against llama.cpp's best at the same bits (its own build, and where named a "
+                  "build of its library for that instruction set); the median of the round-by-round ratios "
+                  "beside it (each round runs every engine in turn).", ""]
         for t in tl:
             med = f"; round by round, median {t['median_round_ratio']:.2f}x" if "median_round_ratio" in t else ""
             lines.append(f"- {t['target']} at least {t['at_least']:.1f}x llama.cpp's: "

@@ -97,6 +97,28 @@ def _threads(n: int | None) -> int:
         raise
 
 
+def _llama_builds(values: list[str]) -> dict[str, Path]:
+    """--llama-build NAME=FOLDER checked: NAME a kernel table quantkit runs here, FOLDER a llama.cpp build."""
+    from quantkit.bench.llama_worker import library_dir
+    from quantkit.runtime import cpu_kernel
+
+    mod = cpu_kernel.module()
+    tables = list(mod.tables()) if mod else []
+    out: dict[str, Path] = {}
+    for v in values:
+        name, sep, folder = v.partition("=")
+        if not sep or not name or not folder:
+            fail(f"--llama-build {v!r}: give NAME=FOLDER, e.g. avx2=.cache/llama-cpp-avx2")
+        if name not in tables:
+            fail(f"--llama-build {v!r}: {name!r} is not a kernel table this CPU runs ({', '.join(tables) or 'none'})")
+        try:
+            library_dir(Path(folder))
+        except QuantkitError as e:
+            fail(str(e))
+        out[name] = Path(folder)
+    return out
+
+
 def _isas(value: str | None) -> list[str] | None:
     """--isa checked: known names this CPU (and build) can run, else one line and exit 2."""
     if value is None:
@@ -157,11 +179,15 @@ def bench_engines(
     checkpoint: Path = typer.Option(None, "--checkpoint", help="use this bf16 checkpoint instead"),
     isa: str = typer.Option(None, "--isa", help="quantkit's kernel at these instruction sets, side by side (comma "
                             "list of generic, avx2, avx512) [default: this CPU's best, and avx2 too on AVX512]"),
+    llama_build: list[str] = typer.Option([], "--llama-build", help="NAME=FOLDER: llama.cpp rows from another "
+                                          "build of its library too (scripts/build-llama-cpp.sh prints one), "
+                                          "paired with quantkit's table NAME"),
 ) -> None:
     """llama.cpp on our GGUF export beside quantkit's runtime: decode tok/s and error vs bf16, same bits."""
     threads = _threads(threads)
     d = engines_bench.run(reports, workdir, layers, experts, top_k, vocab, checkpoint, threads, reps,
-                          rounds=rounds, isas=_isas(isa), log=console.print)
+                          rounds=rounds, isas=_isas(isa), llama_builds=_llama_builds(llama_build),
+                          log=console.print)
     console.print(f"wrote {reports / 'bench-engines.md'} ({d['seconds']:.0f} s)")
 
 
