@@ -1,4 +1,5 @@
-"""`quantkit tiny-model OUT_DIR`: parse, call quantkit.testing.tiny.make_tiny_model, render."""
+"""`quantkit tiny-model OUT_DIR`: parse, call quantkit.testing.tiny.make_tiny_model, render. `--full-size` is the
+published 35B shape; `--quantized RECIPE` writes the quantized folder directly (quantkit.testing.generated)."""
 
 from __future__ import annotations
 
@@ -15,18 +16,21 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from quantkit.cli import app, console
+from quantkit.cli import app, console, err_console, fail
 from quantkit.cli.options import COUNT, SEED
-from quantkit.testing.tiny import SIDECAR, TinyOptions, estimate_bytes, make_tiny_model
+from quantkit.cli.progress import RichProgress, tensor_progress
+from quantkit.quantize.run import Interrupted
+from quantkit.recipe import build_recipe
+from quantkit.testing.tiny import FULL_SIZE, SIDECAR, TinyOptions, estimate_bytes, make_tiny_model
 
 
 @app.command("tiny-model")
 def tiny_model(
     out_dir: Path = typer.Argument(..., help="folder to write (refused if it exists and is not empty)"),
-    layers: int = typer.Option(4, "--layers", parser=COUNT,
-                               help="decoder layers (3 linear-attention + 1 full, repeated)"),
+    layers: int = typer.Option(None, "--layers", parser=COUNT,
+                               help="decoder layers (3 linear-attention + 1 full, repeated) [default: 4; 40 full size]"),
     experts: int = typer.Option(None, "--experts", parser=COUNT,
-                                help="routed experts per layer [default: 8; 32 realistic]"),
+                                help="routed experts per layer [default: 8; 32 realistic; 256 full size]"),
     top_k: int = typer.Option(None, "--top-k", parser=COUNT,
                               help="experts per token [default: 2; 8 realistic]"),
     hidden: int = typer.Option(64, "--hidden", parser=COUNT, help="hidden size (tiny mode; multiple of 16)"),
@@ -36,6 +40,15 @@ def tiny_model(
     mtp: bool = typer.Option(False, "--mtp/--no-mtp", help="include the MTP layer (published layout)"),
     decisive: bool = typer.Option(False, "--decisive", help="routing and top-1 robust to quantization"),
     realistic: bool = typer.Option(False, "--realistic", help="real hidden/expert/head sizes, for benchmarks"),
+    full_size: bool = typer.Option(False, "--full-size",
+                                   help="the published 35B shape (40 layers, 256 experts, vocab 248,320); "
+                                   "--layers/--experts/--vocab shrink it (tests)"),
+    vocab: int = typer.Option(None, "--vocab", parser=COUNT,
+                              help="vocabulary rows [default: the tokenizer's; 248,320 full size]"),
+    quantized: str = typer.Option(None, "--quantized", help="write the folder `quantkit quantize --scheme RECIPE` "
+                                  "would make, generated directly in the stored format (a recipe name, or a "
+                                  "JSON recipe file)"),
+    resume: bool = typer.Option(False, "--resume", help="continue an interrupted --quantized generation"),
     seed: int = typer.Option(0, "--seed", parser=SEED),
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16, float16 or float32"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a non-empty OUT_DIR"),
@@ -43,13 +56,35 @@ def tiny_model(
     """Write a small random checkpoint of the real qwen3_5_moe architecture, with a working tokenizer."""
     import transformers
 
-
     transformers.logging.set_verbosity_error()  # its missing-fast-kernel notices are noise here
+    if full_size:
+        if decisive or layout != "published" or hidden != 64 or intermediate != 32:
+            fail("--full-size is the published shape: drop --decisive/--layout/--hidden/--intermediate")
+        realistic = True
+        layers = layers if layers is not None else FULL_SIZE["layers"]
+        experts = experts if experts is not None else FULL_SIZE["experts"]
+        vocab = vocab if vocab is not None else FULL_SIZE["vocab"]
+        top_k = top_k if top_k is not None else min(FULL_SIZE["top_k"], experts)
+        mtp = True
+    layers = layers if layers is not None else 4
     experts = experts if experts is not None else (32 if realistic else 8)
     top_k = top_k if top_k is not None else (min(8, experts) if realistic else min(2, experts))
+    recipe = None
+    if quantized is not None:
+        recipe = build_recipe(recipe_file=quantized) if quantized.lower().endswith(".json") else \
+            build_recipe(scheme=quantized)
+    elif resume:
+        fail("--resume continues a --quantized generation")
     kw = dict(layers=layers, experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate, layout=layout,
-              mtp=mtp, decisive=decisive, realistic=realistic, seed=seed, dtype=dtype, overwrite=overwrite)
-    if realistic:
+              mtp=mtp, decisive=decisive, realistic=realistic, seed=seed, dtype=dtype, overwrite=overwrite, vocab=vocab)
+    if recipe is not None:
+        try:
+            with tensor_progress(err_console) as p:
+                out = make_tiny_model(out_dir, **kw, quantized=recipe, resume=resume,
+                                      progress=RichProgress(p, "generating"))
+        except Interrupted as e:
+            fail(str(e), 130)
+    elif realistic:
         with Progress(TextColumn("{task.description}"), BarColumn(), TransferSpeedColumn(), TimeElapsedColumn(),
                       TimeRemainingColumn(),
                       console=console, transient=True) as prog:
@@ -59,8 +94,12 @@ def tiny_model(
     else:
         out = make_tiny_model(out_dir, **kw)
     size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
-    console.print(f"wrote {out} ({layout} layout, {layers} layers, {experts} experts, "
+    what = f"quantized {recipe.name}" if recipe is not None else f"{layout} layout"
+    console.print(f"wrote {out} ({what}, {layers} layers, {experts} experts, "
                   f"{size / 1e6:.1f} MB of safetensors)")
+    if recipe is not None:
+        console.print(f"random weights (a test fixture); check with `quantkit verify {out}`")
+        return
     info = json.loads((out / SIDECAR).read_text())
     if "decisive" in info:
         d = info["decisive"]

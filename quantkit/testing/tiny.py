@@ -17,7 +17,10 @@ they get small random values around 0 (resp. 1) so a converter that forgets the 
 
 decisive=True makes routing and the top-1 token robust to quantization rounding (see `make_decisive`).
 realistic=True writes real hidden/expert/head sizes with fewer layers and experts, streamed tensor by
-tensor (never the whole model in memory), for benchmarks.
+tensor (never the whole model in memory), for benchmarks; `FULL_SIZE` (realistic with 40 layers, 256 experts,
+top-8, vocab 248,320, MTP) is the published shape itself (tests compare it with profiles/models/).
+quantized=RECIPE writes the quantized folder `quantkit quantize` would make of that checkpoint, generated
+directly in the stored format (quantkit.testing.generated), never through bf16.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,7 +43,17 @@ from quantkit.errors import QuantkitError
 from quantkit.fileio import pid_temp_name, replace_folder
 from quantkit.model.contract import INDEX_NAME
 from quantkit.model.spec import dtype_bytes, spec_from_config
-from quantkit.outputs import guard_output
+from quantkit.outputs import check_free, guard_output
+from quantkit.progress import Progress
+from quantkit.recipe import Recipe
+from quantkit.testing.generated import (
+    BASE_BYTES,
+    check_ram,
+    disk_bytes,
+    peak_bytes,
+    plan_for,
+    write_quantized,
+)
 from quantkit.testing.tokenizer import (
     BPE_VOCAB,
     N_TOKENS,
@@ -67,6 +81,10 @@ class TinyOptions:
     seed: int = 0
     dtype: str = "bfloat16"
     max_shard_size: int | None = None
+
+
+# the published Qwen-AgentWorld-35B-A3B shape (only the token ids differ: they are the test tokenizer's)
+FULL_SIZE = {"realistic": True, "layers": 40, "experts": 256, "top_k": 8, "vocab": 248320, "mtp": True}
 
 
 def layer_types(n: int) -> list[str]:
@@ -510,8 +528,10 @@ def make_tiny_model(out_dir: str | Path, *, layers: int = 4, experts: int = 8, t
                     intermediate: int = 32, vocab: int | None = None, layout: str = "published", mtp: bool = False,
                     decisive: bool = False, realistic: bool = False, seed: int = 0, dtype: str = "bfloat16",
                     max_shard_size: int | None = None, overwrite: bool = False,
-                    on_tensor: Callable[[str, int], None] | None = None) -> Path:
-    """Write a random checkpoint of the real architecture to `out_dir` (atomically) and return it."""
+                    on_tensor: Callable[[str, int], None] | None = None, quantized: Recipe | None = None,
+                    resume: bool = False, progress: Progress | None = None) -> Path:
+    """Write a random checkpoint of the real architecture to `out_dir` (atomically) and return it; with
+    `quantized`, the quantized folder of it (`write_quantized`; `resume` continues an interrupted one)."""
     o = TinyOptions(layers, experts, top_k, hidden, intermediate, vocab, layout, mtp, decisive, realistic, seed,
                     dtype, max_shard_size)
     if layout not in ("published", "transformers"):
@@ -523,8 +543,14 @@ def make_tiny_model(out_dir: str | Path, *, layers: int = 4, experts: int = 8, t
     if realistic and (decisive or layout != "published"):
         raise QuantkitError("--realistic writes the published layout only, without --decisive")
     out = Path(out_dir)
+    if quantized is not None:
+        return _make_quantized(out, o, quantized, overwrite, resume, progress)
+    if resume:
+        raise QuantkitError("--resume continues a --quantized generation; a bf16 one is written whole again")
+    shard_bound = max_shard_size or (1_000_000_000 if realistic else 256 * 1024)
     guard_output(out, kind="folder", overwrite=overwrite, create_parents=True,
                  need_bytes=estimate_bytes(o) + (16 << 20))
+    check_ram(2 * shard_bound + BASE_BYTES, f"writing {out}")
     tc = text_config(o)
     tdt = getattr(torch, dtype)
     shard = max_shard_size or (1_000_000_000 if realistic else 256 * 1024)
@@ -557,6 +583,32 @@ def make_tiny_model(out_dir: str | Path, *, layers: int = 4, experts: int = 8, t
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return out
+
+
+def _make_quantized(out: Path, o: TinyOptions, recipe: Recipe, overwrite: bool, resume: bool,
+                    progress: Progress | None) -> Path:
+    if o.decisive or o.layout != "published":
+        raise QuantkitError("--quantized writes the published layout without --decisive")
+    if resume and overwrite:
+        raise QuantkitError("--resume and --overwrite exclude each other")
+    cfg = full_config(text_config(o))
+    plan = plan_for(cfg, recipe, o.max_shard_size or 2_000_000_000)
+    if not (resume and out.is_dir()):  # a resumed run checks the disk for what is left to write
+        check_free(out, disk_bytes(plan), "")
+    check_ram(peak_bytes(plan), f"generating {out}")
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        write_tokenizer(d)
+        (d / "generation_config.json").write_text(json.dumps(generation_config(), indent=2) + "\n")
+        names = sorted({f.name for f in d.iterdir()} | {SIDECAR})
+        info = {"generator": "quantkit tiny-model", "options": asdict(o), "quantized": recipe.to_dict(),
+                "note": "random weights, a test fixture: shapes, bytes and speed are the model's, outputs mean nothing",
+                "files": names}
+        (d / SIDECAR).write_text(json.dumps(info, indent=2) + "\n")
+        write_quantized(out, cfg, recipe, sorted(d.iterdir()), seed=o.seed,
+                        mode="resume" if resume else "overwrite" if overwrite else "new",
+                        max_shard_size=o.max_shard_size or 2_000_000_000, progress=progress)
     return out
 
 
