@@ -160,3 +160,32 @@ def test_cli_bad_inputs_one_line(tmp_path, capsys, monkeypatch, args, patch, nee
     code, stdout, err = run_cli(["tiny-model", out, *args], capsys, monkeypatch)
     one_line_error(code, stdout, err, *needles)
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_plan_of_a_generated_folder_is_its_own_recipe_with_its_stored_bytes(tmp_path, capsys, monkeypatch):
+    out = make_tiny_model(tmp_path / "q", **SMALL, quantized=get_recipe("quality"))
+    code, stdout, err = run_cli(["plan", "--model", out, "--gpu", "none", "--ram", "24GB", "--json"], capsys, monkeypatch)
+    assert code == 0, err
+    d = json.loads(stdout)
+    assert [s["scheme"] for s in d["schemes"]] == ["quality"] and d["schemes"][0]["fits"]
+    comp = d["schemes"][0]["components_bytes"]
+    weights = sum(v for k, v in comp.items() if k.startswith("weights."))  # scales are inside, broken out apart
+    stored = json.loads((out / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
+    assert weights == stored
+    code, stdout, err = run_cli(["plan", "--model", out, "--gpu", "none", "--ram", "1GB"], capsys, monkeypatch)
+    one_line_error(code, stdout, err, "quality does not fit", "--ram")
+
+
+def test_loader_refuses_a_plan_that_does_not_fit_before_reading_a_weight(tmp_path, monkeypatch):
+    import quantkit.runtime.loader as loader
+
+    out = make_tiny_model(tmp_path / "q", **SMALL, quantized=get_recipe("quality"))
+    monkeypatch.setattr(loader, "available_bytes", lambda dev: 1 << 30)
+
+    def no_read(*a, **k):
+        raise AssertionError("a weight was read before the plan was checked")
+
+    monkeypatch.setattr(loader.QuantizedFolder, "open", no_read)
+    with pytest.raises(QuantkitError, match="does not fit this machine") as e:
+        loader.load_model(out)
+    assert "\n" not in str(e.value)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich import box
@@ -17,8 +19,9 @@ from quantkit.export.gguf_types import check_type
 from quantkit.export.launch import ENGINES, LaunchPlan, launch_plan, llama_cache_type, llama_launch
 from quantkit.export.llama_placement import LlamaPlacement, LlamaSettings, model_from_gguf
 from quantkit.model.checkpoint import spec_from_path
+from quantkit.model.contract import read_quant_config
 from quantkit.model.gguf_file import read_gguf
-from quantkit.model.spec import DEFAULT_MODEL, ModelSpec, Role
+from quantkit.model.spec import DEFAULT_MODEL, ModelSpec, Role, load_config
 from quantkit.outputs import guard_output
 from quantkit.planner.budget import GB, GIB, SNAPSHOTS_PER_PROMPT, RunSettings, cache_dtype, compute_budget
 from quantkit.planner.hardware import DEFAULT_GPU_RESERVE, Hardware, build_hardware, load_catalog, parse_size
@@ -35,7 +38,7 @@ from quantkit.planner.placement import (
     solve,
 )
 from quantkit.planner.routing import RoutingReport, read_profile
-from quantkit.recipe import parse_recipe_names
+from quantkit.recipe import Recipe, parse_recipe_names
 
 
 def parse_contexts(text: str, max_ctx: int) -> list[int]:
@@ -226,7 +229,12 @@ def plan_cmd(
     hw = build_hardware(gpu, ram, cpu_bandwidth, nodes, cpu_tflops)
     if export and export.lower() not in ENGINES:
         raise QuantkitError(f"--export {export!r}: use llama.cpp or vllm")
-    schemes = parse_recipe_names(scheme)
+    schemes: list[Any] = list(parse_recipe_names(scheme))
+    own = _own_recipe(model)
+    if own is not None and not schemes:  # a quantized folder runs as it is stored: plan that, not the others
+        schemes = [own]
+        hw = replace(hw, notes=(*hw.notes, f"{model} is quantized ({own.name}): planning its own recipe "
+                                "(--scheme compares others)"))
     min_quality = (parse_recipe_names([min_quality]) or [DEFAULT_QUALITY_FLOOR])[0]
     contexts = parse_contexts(context, spec.config.max_position_embeddings)
     this_host = not (gpu or ram or cpu_bandwidth or nodes > 1)
@@ -444,6 +452,14 @@ def gpus_cmd(
     console.print(table)
     console.print("[dim]GPU = fits on the GPU alone; +NG = with experts in RAM, needing N GiB of RAM (3 GiB for "
                   "the OS included); --json adds estimated decode tok/s; `quantkit plan --gpu X` for details[/]")
+
+
+def _own_recipe(model: str | None) -> Recipe | None:
+    """The recipe a quantkit output folder was written with (None for any other --model)."""
+    if not model or not (Path(model) / "config.json").is_file():
+        return None
+    qc = read_quant_config(Path(model), load_config(Path(model) / "config.json"))
+    return Recipe.from_dict(qc["recipe"]) if qc else None
 
 
 def _stored_by_role(model: str | None) -> dict[Role, int] | None:

@@ -595,11 +595,12 @@ class SchemeResult:
         }
 
 
-def plan_schemes(spec: ModelSpec, hw: Hardware, settings: RunSettings, schemes: list[str] | None = None,
+def plan_schemes(spec: ModelSpec, hw: Hardware, settings: RunSettings, schemes: list[str | Recipe] | None = None,
                  **kw: Any) -> list[SchemeResult]:
+    """One result per scheme (a name in RECIPES, or a Recipe: a quantized folder's own)."""
     out = []
     for name in schemes or list(RECIPES):
-        r = RECIPES[name]
+        r = name if isinstance(name, Recipe) else RECIPES[name]
         p = solve(spec, r, settings, hw, **kw)
         on_gpu = max_context(spec, r, settings, hw, on_gpu=True, **kw) if hw.gpus else 0
         out.append(SchemeResult(p, max_context(spec, r, settings, hw, **kw), on_gpu))
