@@ -10,6 +10,7 @@ import typer
 from quantkit.bench import calibrated as calibrated_bench
 from quantkit.bench import decode as decode_bench
 from quantkit.bench import engines as engines_bench
+from quantkit.bench import full_size as full_size_bench
 from quantkit.bench import gguf as gguf_bench
 from quantkit.bench import gpu as gpu_bench
 from quantkit.bench import kernel as kernel_bench
@@ -189,6 +190,38 @@ def bench_engines(
                           rounds=rounds, isas=_isas(isa), llama_builds=_llama_builds(llama_build),
                           log=console.print)
     console.print(f"wrote {reports / 'bench-engines.md'} ({d['seconds']:.0f} s)")
+
+
+@bench_app.command("full-size")
+def bench_full_size(
+    reports: Path = typer.Option(Path("reports"), "--reports", callback=_guard_reports,
+                                 help="where bench-full-size.{md,json} go"),
+    workdir: Path = typer.Option(Path("/tmp/quantkit-bench-full-size"), "--workdir",
+                                 help="the generated folder (about 20 GB at full size), its GGUF (21 GB) and the "
+                                 "children's files go here"),
+    folder: Path = typer.Option(None, "--folder", help="a quantized folder to run instead of generating one"),
+    threads: int = typer.Option(None, "--threads", help="threads for both engines [default: every CPU]"),
+    layers: int = typer.Option(None, "--layers", parser=COUNT, help="shrink the generated model (a trial run)"),
+    experts: int = typer.Option(None, "--experts", parser=COUNT, help="shrink the generated model (a trial run)"),
+    vocab: int = typer.Option(None, "--vocab", parser=COUNT, help="shrink the generated model (a trial run)"),
+    prompt_tokens: int = typer.Option(full_size_bench.DEFAULTS["prompt_tokens"], "--prompt-tokens", parser=COUNT,
+                                      help="the chat prompt whose TTFT is measured"),
+    new_tokens: int = typer.Option(full_size_bench.DEFAULTS["new_tokens"], "--new-tokens", parser=COUNT,
+                                   help="greedy tokens per generation"),
+    reps: int = typer.Option(full_size_bench.DEFAULTS["reps"], "--reps", parser=COUNT, help="short-prompt decode runs"),
+    llama: bool = typer.Option(True, "--llama/--no-llama", help="export the GGUF and run llama.cpp beside"),
+    drop_gguf: bool = typer.Option(False, "--drop-gguf", help="delete the GGUF afterwards (disk)"),
+) -> None:
+    """The whole 35B shape on this CPU: generated, verified, planned, loaded and measured against the plan and
+    llama.cpp, one engine process after the other."""
+    threads = _threads(threads)
+    if folder is not None and (layers or experts or vocab):
+        fail("--folder runs that folder: drop --layers/--experts/--vocab")
+    d = full_size_bench.run(reports, workdir, folder, threads, layers, experts, vocab, prompt_tokens, new_tokens,
+                            reps, llama, not drop_gguf, log=console.print)
+    for t in d["targets"]:
+        console.print(f"{'met' if t['met'] else 'MISSED'}: {t['target']} ({t['ratio']:.2f}x)")
+    console.print(f"wrote {reports / 'bench-full-size.md'}")
 
 
 @bench_app.command("gguf")
