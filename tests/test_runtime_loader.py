@@ -174,3 +174,30 @@ def test_quantized_embedding_and_lm_head(tiny_model):
         ids = torch.tensor([[1, 5, 700]])
         e = rt.model.model.embed_tokens(ids)
         assert e.shape == (1, 3, 64) and torch.isfinite(e).all()
+
+
+def test_loaded_model_keeps_no_shard_mapped_and_reads_match_safetensors(tmp_path, monkeypatch):
+    """The loader reads shards with plain reads (Checkpoint.read): once loaded, no page of a shard is mapped into
+    the process (a memory map left behind counted the folder a second time in RSS), and slabs equal
+    safetensors' own reads. Experts are prepared a few at a time (SLAB_EXPERTS) with the same logits."""
+    import quantkit.runtime.loader as loader
+    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.recipe import get_recipe
+    from quantkit.testing.tiny import make_tiny_model
+
+    out = make_tiny_model(tmp_path / "q", layers=4, experts=8, top_k=2, hidden=128, intermediate=64,
+                          quantized=get_recipe("quality"))
+    ck = Checkpoint.open(out)
+    for n in ck.names():
+        assert torch.equal(ck.read(n), ck.get(n)), n
+        if "experts" in n:
+            assert torch.equal(ck.read(n, slice(3, 7), drop_cache=True), ck.get(n, slice(3, 7))), n
+    ck.close()
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    whole = load_model(out).logits(ids)
+    shards = [str(p.resolve()) for p in out.glob("*.safetensors")]
+    maps = Path("/proc/self/maps")
+    if maps.exists():
+        assert not any(s in maps.read_text() for s in shards)
+    monkeypatch.setattr(loader, "SLAB_EXPERTS", 3)  # runs of 3, 3, 2 experts
+    assert torch.equal(load_model(out).logits(ids), whole)

@@ -312,6 +312,40 @@ class Checkpoint:
             self._handles[file] = h
         return h
 
+    def read(self, name: str, rows: slice | None = None, drop_cache: bool = False) -> torch.Tensor:
+        """A source tensor as stored, read with plain file reads into fresh memory (a slab of dim 0 with `rows`).
+        Unlike `get` (safetensors' memory map), no page of the file stays mapped into this process, so its RSS
+        counts each weight once; `drop_cache` also tells the kernel the file's pages are not needed again
+        (POSIX_FADV_DONTNEED): a loader that copies a folder the size of RAM does not hold it twice."""
+        st = self._source(name)
+        dtype = getattr(torch, st.dtype)
+        shape = tuple(st.shape)
+        start, n = st.start, st.end - st.start
+        if rows is not None:
+            lo, hi, _ = rows.indices(shape[0])
+            row = n // shape[0] if shape and shape[0] else 0
+            start, n, shape = start + lo * row, max(hi - lo, 0) * row, (max(hi - lo, 0), *shape[1:])
+        out = torch.empty(shape, dtype=dtype)
+        if not n:
+            return out
+        buf = memoryview(out.view(-1).view(torch.uint8).numpy())
+        try:
+            fd = os.open(st.file, os.O_RDONLY)
+        except OSError as e:
+            raise QuantkitError(f"{st.file}: cannot read ({e.strerror})") from None
+        try:
+            got = 0
+            while got < n:
+                k = os.preadv(fd, [buf[got:]], start + got)
+                if not k:
+                    raise QuantkitError(f"{st.file}: truncated while reading {name} (the file changed)")
+                got += k
+            if drop_cache and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, start, n, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        return out
+
     def get(self, name: str, rows: slice | None = None) -> torch.Tensor:
         """A source tensor as stored (no conversion); `rows` reads only that slab of dim 0 from disk."""
         st = self._source(name)

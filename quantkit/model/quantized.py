@@ -4,7 +4,8 @@
 shard headers through `Checkpoint` (index paths validated, never unpickled) and lists every tensor under its
 canonical name as a `StoredTensor`: quantized ones with their `QuantSpec` and original shape (their parts
 `N.<suffix>` grouped), dense ones as stored. `parts(name, experts)` and `dense(name, experts)` read one
-tensor (or a contiguous slab of experts) from disk alone.
+tensor (or a contiguous slab of experts) from disk alone, with plain reads into fresh memory (Checkpoint.read:
+no memory map stays behind, so a reader's RSS counts each weight once).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class QuantizedFolder:
         self.ckpt = ckpt
         self.config: dict[str, Any] = ckpt.config
         self.quant = qc
+        self.drop_cache = False  # set by a reader that copies the whole folder (Checkpoint.read)
         self._parts: dict[str, dict[str, str]] = {}  # canonical name -> suffix -> stored name
         self._tensors: dict[str, StoredTensor] = {}
         tq = qc["tensors"]
@@ -103,13 +105,13 @@ class QuantizedFolder:
         """The stored parts of a quantized tensor (all experts, or a contiguous slab read from disk alone)."""
         if self.get(name).spec is None:
             raise QuantkitError(f"{name}: stored dense, it has no quantized parts")
-        return {suffix: self.ckpt.get(n, experts) for suffix, n in self._parts[name].items()}
+        return {suffix: self.ckpt.read(n, experts, self.drop_cache) for suffix, n in self._parts[name].items()}
 
     def stored(self, name: str, experts: slice | None = None) -> torch.Tensor:
         """A dense tensor as stored (its own dtype)."""
         if self.get(name).spec is not None:
             raise QuantkitError(f"{name}: stored quantized; read its parts")
-        return self.ckpt.get(name, experts)
+        return self.ckpt.read(name, experts, self.drop_cache)
 
     def close(self) -> None:
         self.ckpt.close()
