@@ -9,7 +9,7 @@ and llama.cpp do not both fit in 24 GB at once):
    fits and up to what context, its llama.cpp-grade decode/prefill and quantkit's calibrated decode estimate;
 3. quantkit (a child process): load time, RSS after load and at the end (VmRSS) and peak (VmHWM), greedy decode
    from a short prompt, then a 2k-token chat prompt (TTFT, prefill tok/s, decode at 2k context) and the next
-   turn through the prompt cache (TTFT, tokens prefilled vs restored);
+   turn through the prompt cache (TTFT, tokens prefilled vs restored); then `quantkit generate` as a user runs it;
 4. the folder exported to GGUF `mixed` (a child process; routed experts Q4_0, the rest Q8_0: int4 g32 codes
    are copied, other groups are requantized, and the report says which), then llama.cpp (a child process) on
    the same prompts and threads: load, decode, TTFT of the 2k prompt and of the next turn (a full re-prefill:
@@ -271,6 +271,12 @@ def run(reports: Path, workdir: Path, folder: Path | None = None, threads: int |
     args = {"folder": str(folder), "threads": threads, "context": context, "new_tokens": new_tokens,
             "reps": reps, **ids}
     rows: dict[str, Any] = {"quantkit": _child("quantkit", args, workdir, log)}
+    g = _run(_quantkit_cli("generate", str(folder), "--prompt", "$ ls -la", "--max-tokens", "8", "--json"), log,
+             "generate")
+    cli = {"command": f"quantkit generate {folder} --prompt '$ ls -la' --max-tokens 8 --json", "wall_s": g["seconds"],
+           "peak_rss_sampled": g["peak_rss_sampled"], **{k: v for k, v in json.loads(g["stdout"]).items()
+                                                          if k in ("generation_tokens", "generation_tps",
+                                                                   "prompt_tps", "finish_reason")}}
     gguf_info: dict[str, Any] | None = None
     if llama:
         gguf = workdir / (folder.name + "-mixed.gguf")
@@ -296,7 +302,7 @@ def run(reports: Path, workdir: Path, folder: Path | None = None, threads: int |
                   "hidden": tc["hidden_size"], "vocab": tc["vocab_size"]},
         "verify_s": ver["seconds"], "calibrate_s": cal["seconds"], "plan": plan, "context": context,
         "prompt_tokens": {k: len(v) for k, v in ids.items()}, "new_tokens": new_tokens, "reps": reps,
-        "gguf": gguf_info, "rows": {k: {kk: vv for kk, vv in v.items()} for k, v in rows.items()},
+        "gguf": gguf_info, "generate_cli": cli, "rows": {k: {kk: vv for kk, vv in v.items()} for k, v in rows.items()},
         "seconds": time.perf_counter() - t_start,
     }
     data["targets"] = targets(data)
@@ -373,6 +379,11 @@ def render(d: dict[str, Any]) -> str:
               f"turn {d['prompt_tokens']['turn2']} tokens; {d['new_tokens']} greedy tokens each; decode best of "
               f"{d['reps']}. quantkit's resident weights (loader): {_gb(q['weights_bytes'])} GB; interpreter "
               f"baseline before load {_gb(q['baseline']['rss'])} GB; route {q['route']}."]
+    c = d.get("generate_cli")
+    if c:
+        lines += ["", f"The command line: `{c['command']}` loaded and decoded {c['generation_tokens']} tokens "
+                  f"({c['generation_tps']:.2f} tok/s, finish {c['finish_reason']}) in {c['wall_s']:.0f} s wall, peak "
+                  f"RSS {_gb(c['peak_rss_sampled'])} GB."]
     g = d.get("gguf")
     if g:
         made_g = "reused from an earlier run" if g.get("reused_file") else (
