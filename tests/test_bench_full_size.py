@@ -43,8 +43,10 @@ def test_quantkit_child_measures_load_decode_and_the_cached_next_turn(folder, tm
     stored = json.loads((folder / "model.safetensors.index.json").read_text())["metadata"]["total_size"]
     assert r["weights_bytes"] >= stored * 0.9
 
+    assert r["prompt_cache"]["entries"] >= 1 and r["prompt_cache"]["bytes"] > 0
     plan = {"scheme": "quality", "fits": True, "total_bytes": stored, "max_context": 1024, "est_decode_tok_s": 10.0,
-            "est_prefill_tok_s": 100.0, "runtime_decode_tok_s": r["short"]["decode_tps"], "hardware": {}}
+            "est_prefill_tok_s": 100.0, "runtime_decode_tok_s": r["short"]["decode_tps"], "hardware": {},
+            "components_bytes": {"prompt_cache": 1000}}
     data = {"command": "quantkit bench full-size", "machine": fs._machine(), "threads": 1, "read_bandwidth_gbs": 1.0,
             "folder": str(folder), "folder_bytes": stored, "made": {"given": True}, "shape": {
                 "layers": 4, "experts": 8, "top_k": 2, "hidden": 128, "vocab": 1024}, "verify_s": 0.0,
@@ -56,7 +58,7 @@ def test_quantkit_child_measures_load_decode_and_the_cached_next_turn(folder, tm
     rss = data["targets"][0]
     assert rss["ratio"] == pytest.approx(r["end"]["rss"] / stored) and not rss["met"]  # the interpreter dominates
     md = fs.render(data)
-    assert "| quantkit |" in md and "MISSED" in md and f"{r['load_s']:.1f}" in md
+    assert "| quantkit |" in md and "MISSED" in md and f"{r['load_s']:.1f}" in md and "snapshots" in md
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")

@@ -91,6 +91,7 @@ def quantkit_worker(a: dict[str, Any]) -> dict[str, Any]:
     rt.set_prompt_cache(None)
     out["turn1"] = _timed_turn(gen, a["turn1"], a["new_tokens"])
     out["turn2"] = _timed_turn(gen, a["turn2"], a["new_tokens"])
+    out["prompt_cache"] = rt.prompt_cache.summary()
     out["end"] = _memory()
     return out
 
@@ -379,6 +380,11 @@ def render(d: dict[str, Any]) -> str:
               f"turn {d['prompt_tokens']['turn2']} tokens; {d['new_tokens']} greedy tokens each; decode best of "
               f"{d['reps']}. quantkit's resident weights (loader): {_gb(q['weights_bytes'])} GB; interpreter "
               f"baseline before load {_gb(q['baseline']['rss'])} GB; route {q['route']}."]
+    pc = q.get("prompt_cache")
+    if pc:
+        lines += ["", f"quantkit's prompt cache after the two turns: {pc['entries']} snapshots, {_gb(pc['bytes'])} GB "
+                  f"(limit {_gb(pc['max_bytes'])} GB, a quarter of the RAM free after load; the plan budgets "
+                  f"{_gb(d['plan']['components_bytes'].get('prompt_cache', 0))} GB for 2 snapshots)."]
     c = d.get("generate_cli")
     if c:
         lines += ["", f"The command line: `{c['command']}` loaded and decoded {c['generation_tokens']} tokens "
