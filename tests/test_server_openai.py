@@ -1,6 +1,6 @@
 """The server as standard clients use it (issue 29): the openai client's completions, logprobs, n, penalties,
 structured output and forced tool calls; langchain-openai's chat model and `with_structured_output` in both
-modes; /metrics, CORS, any model name; slow and vanishing request bodies (issue 26). The real server (uvicorn
+modes; litellm's OpenAI-compatible provider; /metrics, CORS, any model name; slow and vanishing request bodies (issue 26). The real server (uvicorn
 on a loopback port) on a tiny int4 checkpoint of the real architecture.
 
 Answers are checked against the runtime itself: a greedy request must equal the runtime's own greedy
@@ -218,6 +218,27 @@ def test_langchain_chat_model_and_structured_output(server):
     assert isinstance(text, str)
     for method in ("json_schema", "function_calling"):
         _valid(llm.with_structured_output(Weather, method=method).invoke("weather in Paris?"))
+
+
+def test_litellm_completion_stream_structured_output_and_text_completion(client, server, monkeypatch):
+    """litellm's OpenAI-compatible provider, as people point it at a local server: a chat completion equal to the
+    openai client's (greedy), its stream, a json_schema answer that validates, and a text completion."""
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # offline: no fetch of its price list
+    litellm = pytest.importorskip("litellm")
+    kw = {"model": "openai/gpt-4o-mini", "api_base": server.url + "/v1", "api_key": "unused", "max_retries": 0}
+    want = client.chat.completions.create(model="m", messages=CHAT, max_tokens=8, temperature=0, extra_body=NOTHINK)
+    r = litellm.completion(messages=CHAT, max_tokens=8, temperature=0, extra_body=NOTHINK, **kw)
+    assert r.choices[0].message.content == want.choices[0].message.content
+    assert r.usage.completion_tokens == want.usage.completion_tokens
+    stream = litellm.completion(messages=CHAT, max_tokens=8, temperature=0, extra_body=NOTHINK, stream=True, **kw)
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == want.choices[0].message.content
+    r = litellm.completion(messages=CHAT, response_format=Weather, max_tokens=120, temperature=0.8, seed=1,
+                           extra_body=NOTHINK, **kw)
+    _valid(Weather.model_validate_json(r.choices[0].message.content))
+    direct = client.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0)
+    t = litellm.text_completion(prompt=PROMPT, max_tokens=8, temperature=0,
+                                **{**kw, "model": "text-completion-openai/davinci-002"})  # its /v1/completions route
+    assert t.choices[0].text == direct.choices[0].text
 
 
 # --- /metrics, CORS, models -----------------------------------------------------------------------------
