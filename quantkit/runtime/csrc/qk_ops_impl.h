@@ -336,52 +336,50 @@ double sum_f32(const float* p, int64_t n) {
 // nothing. The int4 / int8 tiles leave their streams to the hardware prefetcher (faster without hints).
 constexpr int64_t kPrefetch = 8192;
 
-// out[r] = row r of w (row-major, k % 32 == 0) . x, for R rows
-template <int R>
-void rows_bf16(const uint16_t* w, int64_t k, const uint16_t* x, float* out) {
+// w . x for one row (k % 32 == 0), with accumulators enough that no FMA waits on another. A tile's rows go
+// one after another, so the weights are one sequential stream: measured against 8 (AVX512) and 4 (AVX2)
+// rows side by side, whose streams lie k apart, on a 248k x 2048 head, A/B in alternating processes
+// (reports/bench-engines.md has the end-to-end effect).
+inline float row_bf16(const uint16_t* w, int64_t k, const uint16_t* x) {
+  int64_t j = 0;
 #if QK_NATIVE_BF16
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < k; j += 32) {
-    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + j);
-    for (int r = 0; r < R; ++r) {
-      prefetch(reinterpret_cast<const char*>(w + r * k + j) + kPrefetch);
-      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(w + r * k + j), xv);
-    }
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  for (; j + 64 <= k; j += 64) {
+    prefetch(reinterpret_cast<const char*>(w + j) + kPrefetch);
+    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + j), (__m512bh)_mm512_loadu_si512(x + j));
+    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + j + 32), (__m512bh)_mm512_loadu_si512(x + j + 32));
   }
-  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
+  if (j < k) a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + j), (__m512bh)_mm512_loadu_si512(x + j));
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 #else
-  // bf16 widened to fp32 in registers: even and odd elements as two halves (a shift and a mask), each with
-  // its own accumulator so that no FMA waits on another
-  vf ae[R], ao[R];
-  for (int r = 0; r < R; ++r) ae[r] = ao[r] = vzero();
-  for (int64_t j = 0; j < k; j += 2 * W) {
-    vf xe, xo;
+  // bf16 widened to fp32 in registers: even and odd elements as two halves (a shift and a mask)
+  vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+  vf we, wo, xe, xo;
+  for (; j + 4 * W <= k; j += 4 * W) {
+    prefetch(reinterpret_cast<const char*>(w + j) + kPrefetch);
+    vld16x2(w + j, we, wo);
     vld16x2(x + j, xe, xo);
-    for (int r = 0; r < R; ++r) {
-      prefetch(reinterpret_cast<const char*>(w + r * k + j) + kPrefetch);
-      vf we, wo;
-      vld16x2(w + r * k + j, we, wo);
-      ae[r] = vfma(we, xe, ae[r]);
-      ao[r] = vfma(wo, xo, ao[r]);
-    }
+    a0 = vfma(we, xe, a0);
+    a1 = vfma(wo, xo, a1);
+    vld16x2(w + j + 2 * W, we, wo);
+    vld16x2(x + j + 2 * W, xe, xo);
+    a2 = vfma(we, xe, a2);
+    a3 = vfma(wo, xo, a3);
   }
-  for (int r = 0; r < R; ++r) out[r] = vsum(vadd(ae[r], ao[r]));
+  for (; j < k; j += 2 * W) {
+    vld16x2(w + j, we, wo);
+    vld16x2(x + j, xe, xo);
+    a0 = vfma(we, xe, a0);
+    a1 = vfma(wo, xo, a1);
+  }
+  return vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
 #endif
 }
 
 void tile_bf16(const QMat& m, int64_t t, const QAct& a, float* out) {
   const uint16_t* w = reinterpret_cast<const uint16_t*>(m.qw);
-  int64_t r = t * kTile;
-  const int64_t end = imin(r + kTile, m.n);
-  float* o = out;
-#if QK_AVX512
-  for (; r + 8 <= end; r += 8, o += 8) rows_bf16<8>(w + r * m.k, m.k, a.xb, o);
-#else
-  for (; r + 4 <= end; r += 4, o += 4) rows_bf16<4>(w + r * m.k, m.k, a.xb, o);
-#endif
-  for (; r < end; ++r, ++o) rows_bf16<1>(w + r * m.k, m.k, a.xb, o);
-  for (; o < out + kTile; ++o) *o = 0.f;
+  const int64_t r0 = t * kTile, n = imin(kTile, m.n - r0);
+  for (int64_t r = 0; r < kTile; ++r) out[r] = r < n ? row_bf16(w + (r0 + r) * m.k, m.k, a.xb) : 0.f;
 }
 
 // ---------------------------------------------------------------- int4 / int8 tiles
