@@ -1,5 +1,5 @@
-"""The llama.cpp line's own decode estimate (quantkit.planner.llama_speed): the per-GPU-layer cost fitted to the
-public data points, each point's error stated and held; `plan --n-cpu-moe N` fixes the line and the plan; a GGUF
+"""The llama.cpp line's own decode and prefill estimates (quantkit.planner.llama_speed): the per-GPU-layer cost and
+the PCIe efficiency fitted to the public data points, each point's error stated and held; `plan --n-cpu-moe N` fixes the line and the plan; a GGUF
 given with --model gets its speed too."""
 
 from __future__ import annotations
@@ -68,3 +68,46 @@ def test_a_gguf_plan_has_a_speed(tiny_model: Path, tmp_path: Path, capsys, monke
     code, out, err = run_cli(["plan", "--model", str(path), "--gpu", "rtx4090", "--n-cpu-moe", "1", "--json"],
                              capsys, monkeypatch)
     assert code == 0, err and json.loads(out)["export"]["llama_cpp"]["cpu_expert_layers"] == [0]
+
+
+# each prefill point's error at the fit (predicted / reported - 1), as stated in llama_speed's docstring
+PREFILL_STATED = {"RTX 3060": -0.04, "RTX 3090, Q8_0": -0.32, "RTX 5080": 0.40}
+
+
+def test_the_pcie_efficiency_is_the_prefill_fit_and_each_point_within_its_stated_error():
+    from quantkit.planner.llama_speed import fit_pcie_efficiency
+
+    eff, rows = fit_pcie_efficiency()
+    assert eff == pytest.approx(SpeedModel().pcie_efficiency)  # the default is the fit
+    for p, tok_s in rows:
+        err = tok_s / p.tok_s - 1
+        want = next(v for k, v in PREFILL_STATED.items() if p.point.what.startswith(k))
+        print(f"{p.point.what}, -ub {p.ubatch}: predicted {tok_s:.0f}, reported {p.tok_s}, error {err:+.0%}")
+        assert abs(err - want) < 0.03, (p.point.what, err)
+
+
+def test_prefill_gains_from_larger_steps_and_loses_from_experts_in_ram():
+    from dataclasses import replace
+
+    from quantkit.planner.llama_speed import PREFILL_POINTS, predict_prefill
+
+    p = PREFILL_POINTS[0]  # every expert in RAM: each step streams them over PCIe once
+    assert predict_prefill(replace(p, ubatch=2048)) > predict_prefill(p)
+    assert predict_prefill(p, SpeedModel(pcie_efficiency=0.3)) < predict_prefill(p)
+    fewer = replace(p, point=replace(p.point, cpu_expert_layers=10))
+    assert predict_prefill(fewer) > predict_prefill(p)
+
+
+def test_plan_prints_the_line_prefill_at_its_ub(capsys, monkeypatch):
+    def plan(*extra):
+        code, out, err = run_cli(["plan", "--gpu", "rtx3060", "--ram", "64", "-s", "int4", "--export", "llama.cpp",
+                                  "--json", *extra], capsys, monkeypatch)
+        assert code == 0, err
+        return json.loads(out)["export"]
+
+    small, big = plan(), plan("--prefill-chunk", "2048")
+    assert "-ub" not in small["command"].split() and big["command"].split()[-2:] == ["-ub", "2048"]
+    assert 0 < small["est_prefill_tok_s"] < big["est_prefill_tok_s"]
+    code, out, _ = run_cli(["plan", "--gpu", "rtx3060", "--ram", "64", "-s", "int4", "--export", "llama.cpp"],
+                           capsys, monkeypatch)
+    assert "tok/s in steps of -ub 512" in " ".join(out.split())

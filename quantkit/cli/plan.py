@@ -349,7 +349,7 @@ def _print_launch(launch: LaunchPlan) -> None:
     if launch.command:
         console.print(launch.command, highlight=False, soft_wrap=True)
     if launch.placement:
-        _print_llama(launch.placement, launch.decode_tok_s)
+        _print_llama(launch.placement, launch.decode_tok_s, launch.prefill_tok_s)
     if launch.vllm:
         v = launch.vllm
         parts = ", ".join(f"{k} {b / GIB:.2f}" for k, b in v.per_gpu.items())
@@ -359,11 +359,12 @@ def _print_launch(launch: LaunchPlan) -> None:
             console.print(f"[dim]  - {a}[/]")
 
 
-def _print_llama(pl: LlamaPlacement, tok_s: float | None = None) -> None:
-    """What a llama.cpp line puts on each card and in RAM, by the GGUF's bytes, and its estimated decode."""
+def _print_llama(pl: LlamaPlacement, tok_s: float | None = None, prefill: float | None = None) -> None:
+    """What a llama.cpp line puts on each card and in RAM, by the GGUF's bytes, and its estimated speed."""
     if tok_s is not None:
+        pp = f"; prefill ~{prefill:.0f} tok/s in steps of -ub {pl.settings.ubatch}" if prefill else ""
         console.print(f"llama.cpp decode: ~{tok_s:.0f} tok/s estimated for this line (batch 1, empty cache; "
-                      f"{len(pl.cpu_expert_layers)} layers' experts on the CPU)", highlight=False)
+                      f"{len(pl.cpu_expert_layers)} layers' experts on the CPU){pp}", highlight=False)
     for i, (use, budget) in enumerate(zip(pl.gpu_bytes, pl.budgets, strict=True)):
         parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in use.items() if v)
         console.print(f"llama.cpp on GPU {i}: {sum(use.values()) / GIB:.2f} GiB of {budget / GIB:.2f} GiB "
@@ -396,7 +397,7 @@ def plan_gguf(path: Path, hw: Hardware, context: str, batch: int, cache: str, gp
         console.print(f"[yellow]warning:[/] {w}")
     console.print(launch.command, highlight=False, soft_wrap=True)
     assert launch.placement is not None
-    _print_llama(launch.placement, launch.decode_tok_s)
+    _print_llama(launch.placement, launch.decode_tok_s, launch.prefill_tok_s)
 
 
 @app.command("gpus")

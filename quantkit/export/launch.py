@@ -46,6 +46,7 @@ class LaunchPlan:
     placement: LlamaPlacement | None = None  # llama.cpp: what the line puts on each card
     vllm: VllmFit | None = None  # vLLM: what the line asks of each GPU
     decode_tok_s: float | None = None  # llama.cpp: the line's own estimated decode (quantkit.planner.llama_speed)
+    prefill_tok_s: float | None = None  # llama.cpp: and its prefill, in steps of the line's -ub
 
     def to_dict(self) -> dict[str, object]:
         d: dict[str, Any] = {"target": self.engine, "command": self.command, "export_command": self.export_command,
@@ -54,6 +55,8 @@ class LaunchPlan:
             d["llama_cpp"] = self.placement.to_dict()
         if self.decode_tok_s is not None:
             d["est_decode_tok_s"] = round(self.decode_tok_s, 1)
+        if self.prefill_tok_s is not None:
+            d["est_prefill_tok_s"] = round(self.prefill_tok_s, 1)
         if self.vllm is not None:
             d["vllm"] = self.vllm.to_dict()
         return d
@@ -70,7 +73,7 @@ def llama_cache_type(cache_dtype: str) -> str:
 
 def llama_settings(plan: Plan) -> LlamaSettings:
     return LlamaSettings(context=plan.settings.context, parallel=plan.settings.batch,
-                         cache_type=llama_cache_type(plan.settings.cache_dtype))
+                         cache_type=llama_cache_type(plan.settings.cache_dtype), ubatch=plan.settings.prefill_chunk)
 
 
 def llama_launch(gm: LlamaModel, st: LlamaSettings, hw: Hardware, path: str, reserve: int,
@@ -84,10 +87,12 @@ def llama_launch(gm: LlamaModel, st: LlamaSettings, hw: Hardware, path: str, res
         need = max(t - b for t, b in zip(pl.gpu_totals(), pl.budgets, strict=True))
         warns.append(f"{path} does not fit these GPUs even with every expert on the CPU ({need / 2**30:.2f} GiB "
                      "over): shorten the context, use a smaller type or a q8_0 KV cache")
-    from quantkit.planner.llama_speed import llama_decode_tok_s
+    from quantkit.planner.llama_speed import llama_decode_tok_s, llama_prefill_tok_s
 
     speed = llama_decode_tok_s(pl, gm, hw) if pl.fits else None
-    return LaunchPlan("llama.cpp", llama_cpp_command(pl, path), export, warns, pl, decode_tok_s=speed)
+    prefill = llama_prefill_tok_s(pl, gm, hw) if pl.fits else None
+    return LaunchPlan("llama.cpp", llama_cpp_command(pl, path), export, warns, pl, decode_tok_s=speed,
+                      prefill_tok_s=prefill)
 
 
 def launch_plan(engine: str, plan: Plan, hw: Hardware, model: str, source: str, spec: ModelSpec | None = None,

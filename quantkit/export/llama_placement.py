@@ -62,10 +62,16 @@ class LlamaModel:
     ssm_conv: int
     n_expert: int = 256  # routed experts per layer
     n_expert_used: int = 8  # routed per token (top-k): the share of a layer's experts a decode step reads
+    elements: dict[str, int] = field(default_factory=dict)  # GGUF tensor name -> weights in it (prefill FLOPs)
 
     def layer_bytes(self, layer: int, experts: bool) -> int:
         p = f"blk.{layer}."
         return sum(b for n, b in self.tensors.items() if n.startswith(p) and ("_exps." in n) == experts)
+
+    def active_params(self, layer: int) -> float:
+        """Weights one token multiplies in `layer`: every dense tensor, top-k / E of the routed experts."""
+        p, share = f"blk.{layer}.", self.n_expert_used / self.n_expert
+        return sum(e * (share if "_exps." in n else 1.0) for n, e in self.elements.items() if n.startswith(p))
 
     @property
     def output_bytes(self) -> int:
@@ -80,14 +86,16 @@ def model_from_spec(spec: ModelSpec, ftype: str) -> LlamaModel:
     """The GGUF `quantkit export gguf --type ftype` writes for `spec`, sized without writing it."""
 
     c = spec.config
-    tensors = {}
+    tensors, elements = {}, {}
     for t in spec.tensors:
         for pc in pieces_for(t.name, t.shape, c):
             tensors[pc.gguf_name] = tensor_bytes(pc.shape, tensor_type(pc.gguf_name, pc.shape, ftype)[0])
+            elements[pc.gguf_name] = math.prod(pc.shape)
     return LlamaModel(ftype, tensors, c.num_hidden_layers, tuple(t == "full_attention" for t in c.layer_types),
                       c.num_key_value_heads, c.head_dim, c.vocab_size, c.hidden_size,
                       c.linear_value_head_dim * c.linear_num_value_heads, c.linear_key_head_dim,
-                      c.linear_num_key_heads, c.linear_conv_kernel_dim, c.num_experts, c.num_experts_per_tok)
+                      c.linear_num_key_heads, c.linear_conv_kernel_dim, c.num_experts, c.num_experts_per_tok,
+                      elements)
 
 
 def model_from_gguf(info: Any) -> LlamaModel:
@@ -122,7 +130,7 @@ def model_from_gguf(info: Any) -> LlamaModel:
                       num("embedding_length", MAX_DIM), num("ssm.inner_size", MAX_DIM),
                       num("ssm.state_size", MAX_DIM), num("ssm.group_count", MAX_DIM),
                       num("ssm.conv_kernel", 64), num("expert_count", 1 << 16, 256),
-                      num("expert_used_count", 1 << 16, 8))
+                      num("expert_used_count", 1 << 16, 8), {t.name: math.prod(t.shape) for t in info.tensors})
 
 
 @dataclass(frozen=True)

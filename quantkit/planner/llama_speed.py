@@ -8,6 +8,11 @@ to the filled length, and the output layer; it pays a fixed cost per layer it co
 of the hidden row between GPU and CPU costs a latency plus the bytes over PCIe. Devices run one after
 another, so their times add.
 
+Prefill (`llama_prefill_tok_s`): per -ub step, the weights kept in RAM cross PCIe and the GPU computes;
+`fit_pcie_efficiency()` fits the share of the link's nominal rate the stream reaches to the public prefill
+points: 0.68, with errors RTX 3060 pp512 -4%, RTX 3090 Q8_0 --n-cpu-moe 22 (ik_llama.cpp, -ub 2048 assumed)
+-32%, RTX 5080 --cpu-moe +40% (a PCIe 5.0 card gains less than its link's nominal rate suggests).
+
 `fit_gpu_layer_cost()` fits SpeedModel's per-GPU-layer cost to the public data points below (REFERENCE
 sections 3 and 8) by least squares on log tok/s over a 1 us grid: 84 us (it was 150, which capped an RTX 3090
 at 71 tok/s with any CPU). The hosts' RAM bandwidth is not reported; at an assumed 96 GB/s the errors are
@@ -82,6 +87,34 @@ def llama_decode_tok_s(pl: LlamaPlacement, m: LlamaModel, hw: Hardware, sm: Spee
     return 1.0 / t
 
 
+def llama_prefill_tok_s(pl: LlamaPlacement, m: LlamaModel, hw: Hardware, sm: SpeedModel | None = None) -> float:
+    """Prefill tok/s of placement `pl` of GGUF `m` on `hw`, in steps of `-ub` tokens. llama.cpp runs the
+    matrix products of a batch of 32 or more on the GPU, so every weight kept in RAM (routed experts of
+    --n-cpu-moe layers, layers not offloaded) crosses PCIe once per step, before the GPU computes with it; each
+    step costs that transfer plus 2 FLOPs per active weight per token at a share of the GPU's FP16 peak.
+    Without a GPU, the CPU's FLOP rate (`--cpu-tflops`)."""
+    sm = sm or SpeedModel()
+    ub = pl.settings.ubatch
+    dev = _device_of(pl)
+    cpu_exp = set(pl.cpu_expert_layers)
+    flops: dict[str, float] = {}
+    streamed = 0
+    for L in range(pl.n_layer):
+        d = dev[L] if dev[L] != CPU or not hw.gpus else "gpu0"
+        flops[d] = flops.get(d, 0.0) + 2.0 * ub * m.active_params(L)
+        if hw.gpus:
+            streamed += m.layer_bytes(L, True) if L in cpu_exp or dev[L] == CPU else 0
+            streamed += m.layer_bytes(L, False) if dev[L] == CPU else 0
+    t = 0.0
+    for d, f in flops.items():
+        rate = hw.host.cpu_tflops * 1e12 if d == CPU else \
+            hw.gpus[int(d[3:])].fp16_tflops * 1e12 * sm.gpu_compute_efficiency
+        t += f / rate
+    if streamed:
+        t += streamed / (min(g.pcie_gbs for g in hw.gpus) * 1e9 * sm.pcie_efficiency)
+    return ub / t if t else 0.0
+
+
 # --- the public data points the per-GPU-layer cost is fitted to --------------------------------------------
 
 @dataclass(frozen=True)
@@ -148,3 +181,40 @@ def fit_gpu_layer_cost(points: tuple[DataPoint, ...] = DATA_POINTS) -> tuple[flo
     assert best is not None
     sm = SpeedModel(gpu_layer_overhead_s=best[1])
     return best[1], [(p, predict(p, sm)) for p in points]
+
+
+# --- the public prefill points the PCIe efficiency is fitted to (REFERENCE section 8) ---
+
+@dataclass(frozen=True)
+class PrefillPoint:
+    point: DataPoint  # the same report's placement
+    ubatch: int  # -ub: llama-bench's pp512 runs at 512
+    tok_s: float
+
+
+PREFILL_POINTS = (
+    PrefillPoint(DATA_POINTS[1], 512, 431.0),  # RTX 3060, pp512
+    # pp2048 with ik_llama.cpp: 18 GB of Q8_0 experts per 512-token step over PCIe 4.0 would cap it near 700
+    # tok/s, so the report ran larger steps; assumed -ub 2048
+    PrefillPoint(DATA_POINTS[2], 2048, 2234.0),
+    PrefillPoint(DATA_POINTS[4], 512, 692.0),  # RTX 5080 --cpu-moe
+)
+
+
+def predict_prefill(p: PrefillPoint, sm: SpeedModel | None = None) -> float:
+    """The model's prefill tok/s for a prefill point."""
+    from quantkit.planner.hardware import build_hardware
+
+    hw = build_hardware([p.point.gpu], "128GB", str(p.point.cpu_bandwidth_gbs))
+    pl, m = _setup(p.point)
+    pl = replace(pl, settings=replace(pl.settings, ubatch=p.ubatch))
+    return llama_prefill_tok_s(pl, m, hw, sm)
+
+
+def fit_pcie_efficiency(points: tuple[PrefillPoint, ...] = PREFILL_POINTS) -> tuple[float, list[tuple[PrefillPoint, float]]]:
+    """(the share of nominal PCIe rate minimising the squared log error of the prefill points on a 0.01 grid,
+    each point's predicted tok/s); the GPU's compute share stays SpeedModel's."""
+    err, eff = min((sum(math.log(predict_prefill(p, SpeedModel(pcie_efficiency=e / 100)) / p.tok_s) ** 2
+                        for p in points), e / 100) for e in range(10, 101))
+    sm = SpeedModel(pcie_efficiency=eff)
+    return eff, [(p, predict_prefill(p, sm)) for p in points]

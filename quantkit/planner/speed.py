@@ -35,6 +35,9 @@ class SpeedModel:
     # prefill: MoE GEMMs with ~16 tokens per expert per 512-token chunk run far below tensor peak; no GPU
     # prefill data point calibrates this, so treat GPU prefill figures as rough
     gpu_compute_efficiency: float = 0.15
+    # share of the link's nominal rate a stream of weights from host RAM reaches: fitted to public llama.cpp
+    # prefill figures by quantkit.planner.llama_speed.fit_pcie_efficiency (the figures and errors are there)
+    pcie_efficiency: float = 0.68
     routing: str = "uniform"  # each expert equally likely; "measured (FILE)" with a routing profile
 
     def assumptions(self) -> list[str]:
@@ -49,7 +52,8 @@ class SpeedModel:
             f"each GPU<->CPU hand-off of a hidden row costs {self.transfer_latency_s * 1e6:.0f} us + bytes/PCIe",
             "decode tok/s at an empty cache (as llama-bench tg128); *_full_context with the cache full",
             f"prefill: max(2 FLOPs/param/token at {self.gpu_compute_efficiency:.0%} of FP16 tensor peak, one "
-            "weight pass per chunk); CPU experts computed on CPU or streamed over PCIe, whichever is faster",
+            "weight pass per chunk); CPU experts computed on CPU or streamed over PCIe (at "
+            f"{self.pcie_efficiency:.0%} of its nominal rate), whichever is faster",
             "these rates are llama.cpp-grade (its reported speeds set them); quantkit's own CPU runtime is "
             "slower: on this machine `quantkit calibrate` measures it and plan shows it as qk tok/s",
         ]
@@ -304,6 +308,6 @@ def _prefill_tok_s(b: Budget, layout: Layout, rates: dict[str, DeviceRates], top
         on_cpu = max(cpu_exp_flops / (cpu.tflops * 1e12),
                      cpu_exp_bytes / (cpu.bandwidth_gbs * 1e9 * m.cpu_bw_efficiency))
         g = rates[gpus[0]]
-        streamed = cpu_exp_bytes / (g.pcie_gbs * 1e9) + cpu_exp_flops / (g.tflops * 1e12 * m.gpu_compute_efficiency)
+        streamed = cpu_exp_bytes / (g.pcie_gbs * 1e9 * m.pcie_efficiency) + cpu_exp_flops / (g.tflops * 1e12 * m.gpu_compute_efficiency)
         total += min(on_cpu, streamed)
     return chunk / total if total else 0.0
