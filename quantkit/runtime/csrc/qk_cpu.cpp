@@ -502,6 +502,45 @@ double qk_stream_sum(torch::Tensor x) {
   }, std::plus<double>());
 }
 
+// The quantizer's symmetric int4 (formats/int4.py): rows of x (bf16 or fp32 [R, K]) into packed [R, K/2],
+// scales [R, K/g] bf16 and, when given, err [R, K/g] fp32. One thread, the GIL released: the quantizer runs
+// row chunks on its own threads.
+void qk_quant_int4_sym(torch::Tensor x, int64_t group, std::vector<double> grid, torch::Tensor packed,
+                       torch::Tensor scales, c10::optional<torch::Tensor> err) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat),
+              "quant_int4_sym: x must be a contiguous bf16 or fp32 matrix");
+  const int64_t R = x.size(0), K = x.size(1);
+  TORCH_CHECK(group >= 8 && group % 8 == 0 && K % group == 0, "quant_int4_sym: group must divide K (multiple of 8)");
+  TORCH_CHECK(grid.size() <= 8, "quant_int4_sym: at most 8 clip factors");
+  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.numel() == R * K / 2,
+              "quant_int4_sym: packed must be contiguous uint8 [R, K/2]");
+  TORCH_CHECK(scales.scalar_type() == torch::kBFloat16 && scales.is_contiguous() && scales.numel() == R * K / group,
+              "quant_int4_sym: scales must be contiguous bf16 [R, K/group]");
+  float* e = nullptr;
+  if (err) {
+    TORCH_CHECK(err->scalar_type() == torch::kFloat && err->is_contiguous() && err->numel() == R * K / group,
+                "quant_int4_sym: err must be contiguous fp32 [R, K/group]");
+    e = err->data_ptr<float>();
+  }
+  float f[8];
+  for (size_t i = 0; i < grid.size(); ++i) f[i] = static_cast<float>(grid[i]);
+  const bool wide = x.scalar_type() == torch::kFloat;
+  const float* xf = wide ? x.data_ptr<float>() : nullptr;
+  const uint16_t* xb = wide ? nullptr : reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  uint8_t* pk = packed.data_ptr<uint8_t>();
+  uint16_t* sc = reinterpret_cast<uint16_t*>(scales.data_ptr<at::BFloat16>());
+  const qk::Ops& t = ops();
+  pybind11::gil_scoped_release no_gil;
+  std::vector<float> row(wide ? 0 : K);
+  for (int64_t r = 0; r < R; ++r) {
+    const float* xr = xf ? xf + r * K : row.data();
+    if (!xf)
+      for (int64_t i = 0; i < K; ++i) row[i] = bf16_value(xb[r * K + i]);
+    t.quant_int4_sym(xr, K, group, f, static_cast<int>(grid.size()), pk + r * K / 2, sc + r * K / group,
+                     e ? e + r * K / group : nullptr);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("attend", &qk_attend, "one decode token's attention over a layer's K/V buffers (bf16)");
   mod.def("rms", &qk_rms, "RMSNorm of bf16 rows with the (1 + w) multiplier precomputed");
@@ -526,5 +565,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("linear_many", &qk_linear_many, "several matrices on one input: one quantization, one parallel region");
   mod.def("moe", &qk_moe, "one token through k routed experts in one call");
   mod.def("linear_bf16", &qk_linear_bf16, "y [M, N] fp32 = x [M, K] @ W^T, W row-major bf16");
+  mod.def("quant_int4_sym", &qk_quant_int4_sym, "rows to symmetric int4 per group with the clip search (quantize)");
   qk_bind_layers(mod);
 }

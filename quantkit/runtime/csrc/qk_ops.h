@@ -81,6 +81,10 @@ struct Ops {
   // RMSNorm of `rows` rows then the rotary on the first `rot` dims (nrm scratch of hd)
   void (*norm_rotate)(const uint16_t* x, int64_t stride, int64_t rows, int64_t hd, const float* scale,
                       const uint16_t* cos, const uint16_t* sin, int64_t rot, float eps, uint16_t* nrm, uint16_t* y);
+  // the quantizer: one row of k values to symmetric int4 per group of g with formats/int4.py's clip search
+  // (codes packed two per byte, bf16 scales, each group's squared error when err is not null)
+  void (*quant_int4_sym)(const float* x, int64_t k, int64_t g, const float* grid, int ngrid, uint8_t* packed,
+                         uint16_t* scales, float* err);
 };
 
 }  // namespace qk
