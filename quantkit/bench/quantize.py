@@ -424,8 +424,9 @@ def render_file_to_file(f: dict[str, Any], before: dict[str, Any] | None) -> lis
                   f"{p['stages'].get('quantize', 0):.2f} s of quantkit's {p['wall']:.2f} s; llama.cpp's whole run "
                   f"{c['best']['llama.cpp']['wall']:.2f} s."]
     L += ["", "The int4 quantize stage is the clip search of formats/int4.py (three candidate scales per group, each "
-          "scored on the group's rounding error: about 30 torch passes per weight), where ggml's Q4_0 takes the one "
-          "scale of the block's largest magnitude; the start-up is torch's import and the CLI's."]
+          "scored on the group's rounding error; on quantkit's CPU kernel where it is built, in torch's ops "
+          "otherwise), where ggml's Q4_0 takes the one scale of the block's largest magnitude; the start-up is "
+          "torch's import and the CLI's."]
     for c in f["cases"]:
         spy = c["profile"].get("py_spy")
         if spy:
