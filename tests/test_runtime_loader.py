@@ -200,4 +200,9 @@ def test_loaded_model_keeps_no_shard_mapped_and_reads_match_safetensors(tmp_path
     if maps.exists():
         assert not any(s in maps.read_text() for s in shards)
     monkeypatch.setattr(loader, "SLAB_EXPERTS", 3)  # runs of 3, 3, 2 experts
+    dropped: list[list[Path]] = []
+    monkeypatch.setattr(loader, "total_ram", lambda: 4)  # the folder is then "over a quarter of RAM"
+    real_drop = loader.drop_page_cache
+    monkeypatch.setattr(loader, "drop_page_cache", lambda files: (dropped.append(files), real_drop(files)))
     assert torch.equal(load_model(out).logits(ids), whole)
+    assert dropped == [sorted(out.glob("*.safetensors"))]

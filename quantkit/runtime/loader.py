@@ -14,14 +14,15 @@ Flow of `load_model(path, plan=None)`:
    `mlp.experts` a `QuantExperts` with one group per device. Each tensor is read alone (experts: one
    slab of the ids a device holds, via safetensors' `get_slice`), prepared once by
    `runtime.kernels.prepare` on its device and assigned; the whole model never sits in RAM twice: shards are
-   read with plain reads (no memory map left behind; a folder above a quarter of RAM also leaves no page-cache
-   copy) and the heap's freed temporaries go back to the system after the load.
+   read with plain reads (no memory map left behind; a folder above a quarter of RAM has its page cache dropped
+   first and leaves none behind) and the heap's freed temporaries go back to the system as the load goes.
    Published names `model.language_model.X` map onto the CausalLM's `model.X`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -363,6 +364,24 @@ def total_ram() -> int:
     return psutil.virtual_memory().total
 
 
+def drop_page_cache(files: list[Path]) -> None:
+    """Tell the kernel the files' cached pages are not needed (POSIX_FADV_DONTNEED), before a load that copies
+    them into memory. Measured at 35B on 24 GB: with the just-written folder filling the page cache, every
+    2 MiB page the weights fault in stalled in direct reclaim and compaction (free memory stayed near zero and
+    in 4 KiB scraps), and the load ran at 40 MB/s; the folder is then read from disk instead."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    for f in files:
+        try:
+            fd = os.open(f, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def release_free_heap() -> None:
     """Give the C heap's free pages back to the system (glibc `malloc_trim`; a no-op elsewhere): loading
     leaves the freed read slabs and repacking temporaries inside the heap, which counted against RSS as if they
@@ -446,8 +465,11 @@ def load_model(path: str | Path, plan: str | Path | Plan | None = None, *, recip
     src: TensorSource
     if qc is not None:
         qf = QuantizedFolder.open(folder)
+        shards = sorted(folder.glob("*.safetensors"))
         # a folder of a sizeable share of RAM: its page-cache copy would only compete with the loaded weights
-        qf.drop_cache = sum(p.stat().st_size for p in folder.glob("*.safetensors")) > total_ram() // 4
+        qf.drop_cache = sum(p.stat().st_size for p in shards) > total_ram() // 4
+        if qf.drop_cache:
+            drop_page_cache(shards)
         src = QuantizedSource(qf)
     else:
         src = OnTheFlySource(Checkpoint.open(folder), rec)
