@@ -154,7 +154,8 @@ def test_cli_bad_inputs_one_line(tmp_path, capsys, monkeypatch, args, patch, nee
 
     if patch == "disk":
         monkeypatch.setattr(outputs, "free_disk", lambda p: 5_000_000_000)
-    if patch == "ram":
+    if patch == "ram":  # with disk enough, whatever this machine has free
+        monkeypatch.setattr(outputs, "free_disk", lambda p: 10**15)
         monkeypatch.setattr(psutil, "virtual_memory", lambda: Usage(100_000_000))
     out = tmp_path / "x"
     code, stdout, err = run_cli(["tiny-model", out, *args], capsys, monkeypatch)
@@ -189,3 +190,17 @@ def test_loader_refuses_a_plan_that_does_not_fit_before_reading_a_weight(tmp_pat
     with pytest.raises(QuantkitError, match="does not fit this machine") as e:
         loader.load_model(out)
     assert "\n" not in str(e.value)
+
+
+def test_a_long_prefill_returns_its_temporaries_to_the_system(tmp_path, monkeypatch):
+    import quantkit.runtime.generate as generate
+    from quantkit.runtime import SamplingParams, load_model
+
+    rt = load_model(make_tiny_model(tmp_path / "q", **SMALL, quantized=get_recipe("quality")), context=1024)
+    calls = []
+    monkeypatch.setattr(generate, "release_free_heap", lambda: calls.append(1))
+    sp = SamplingParams(temperature=0.0, max_new_tokens=2)
+    for n, want in ((generate.TRIM_AFTER_PREFILL - 1, 0), (generate.TRIM_AFTER_PREFILL, 1)):
+        calls.clear()
+        list(rt.generate_ids([5] * n, sampling=sp, thinking=False, stop_ids=set()))
+        assert len(calls) == want, n

@@ -88,7 +88,7 @@ def quantkit_worker(a: dict[str, Any]) -> dict[str, Any]:
         return rt.generate_ids(ids, sampling=SamplingParams(temperature=0.0, max_new_tokens=n), thinking=True,
                                stop_ids=set())
 
-    rt.set_prompt_cache(None)
+    rt.set_prompt_cache(a.get("prompt_cache_bytes"))  # the plan's budget (2 snapshots), not the runtime's default
     out["turn1"] = _timed_turn(gen, a["turn1"], a["new_tokens"])
     out["turn2"] = _timed_turn(gen, a["turn2"], a["new_tokens"])
     out["prompt_cache"] = rt.prompt_cache.summary()
@@ -126,9 +126,9 @@ def llama_worker(a: dict[str, Any]) -> dict[str, Any]:
             out[key] = {"ttft_s": t1 - t0, "prompt_tokens": len(ids), "prefilled": len(ids), "reused": 0,
                         "prefill_tps": len(ids) / (t1 - t0), "decode_tps": (a["new_tokens"] - 1) / (t2 - t1),
                         "tokens": toks}
+        out["end"] = _memory()  # before close: the steady state with the model loaded
     finally:
         llm.close()
-    out["end"] = _memory()
     return out
 
 
@@ -270,7 +270,7 @@ def run(reports: Path, workdir: Path, folder: Path | None = None, threads: int |
     tc = cfg.get("text_config", cfg)
     ids = prompts(folder, prompt_tokens, DEFAULTS["short_prompt"])
     args = {"folder": str(folder), "threads": threads, "context": context, "new_tokens": new_tokens,
-            "reps": reps, **ids}
+            "reps": reps, "prompt_cache_bytes": plan["components_bytes"].get("prompt_cache"), **ids}
     rows: dict[str, Any] = {"quantkit": _child("quantkit", args, workdir, log)}
     g = _run(_quantkit_cli("generate", str(folder), "--prompt", "$ ls -la", "--max-tokens", "8", "--json"), log,
              "generate")
@@ -383,8 +383,9 @@ def render(d: dict[str, Any]) -> str:
     pc = q.get("prompt_cache")
     if pc:
         lines += ["", f"quantkit's prompt cache after the two turns: {pc['entries']} snapshots, {_gb(pc['bytes'])} GB "
-                  f"(limit {_gb(pc['max_bytes'])} GB, a quarter of the RAM free after load; the plan budgets "
-                  f"{_gb(d['plan']['components_bytes'].get('prompt_cache', 0))} GB for 2 snapshots)."]
+                  f"(limit {_gb(pc['max_bytes'])} GB: the plan's budget of 2 snapshots, "
+                  f"{_gb(d['plan']['components_bytes'].get('prompt_cache', 0))} GB; chat and serve default to a "
+                  "quarter of the RAM free after load)."]
     c = d.get("generate_cli")
     if c:
         lines += ["", f"The command line: `{c['command']}` loaded and decoded {c['generation_tokens']} tokens "

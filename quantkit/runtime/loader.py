@@ -45,7 +45,7 @@ from quantkit.planner.placement import Plan, contiguous_runs
 from quantkit.quantize.verify import verify_folder
 from quantkit.recipe import Recipe, decide, get_recipe
 from quantkit.runtime import linear_attn
-from quantkit.runtime.devices import available_bytes, check_device_exists
+from quantkit.runtime.devices import available_bytes, check_device_exists, release_free_heap
 from quantkit.runtime.engine import Runtime
 from quantkit.runtime.kernels import Kernel, prepare, slice_parts
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
@@ -380,18 +380,6 @@ def drop_page_cache(files: list[Path]) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-
-
-def release_free_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc `malloc_trim`; a no-op elsewhere): loading
-    leaves the freed read slabs and repacking temporaries inside the heap, which counted against RSS as if they
-    were weights (measured: half as much again as the weights on a 0.56 GB folder)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def verify_or_refuse(folder: Path, mode: str = "auto") -> None:
