@@ -281,17 +281,20 @@ def run(reports: Path, workdir: Path, folder: Path | None = None, threads: int |
     gguf_info: dict[str, Any] | None = None
     if llama:
         gguf = workdir / (folder.name + "-mixed.gguf")
+        record = gguf.with_suffix(".export.json")  # how the GGUF was made, for a later run that reuses it
         if not gguf.is_file():
             r = _run(_quantkit_cli("export", "gguf", str(folder), str(gguf), "--type", "mixed"), log, "export gguf")
             gguf_info = {"seconds": r["seconds"], "peak_rss_sampled": r["peak_rss_sampled"], "reused_file": False,
                          "summary": r["stdout"].strip().splitlines()[-3:]}
+            record.write_text(json.dumps(gguf_info))
         else:
-            gguf_info = {"reused_file": True}
+            gguf_info = {**(json.loads(record.read_text()) if record.is_file() else {}), "reused_file": True}
         gguf_info.update({"path": str(gguf), "bytes": gguf.stat().st_size,
                           "step_bytes": gguf_step_bytes(gguf, tc["num_experts_per_tok"])})
         rows["llama.cpp"] = _child("llama.cpp", {**args, "gguf": str(gguf)}, workdir, log)
         if not keep_gguf:
             gguf.unlink()
+            record.unlink(missing_ok=True)
     data = {
         "command": "quantkit bench full-size" + (f" --folder {folder}" if made.get("given") else "")
         + "".join(f" --{k} {v}" for k, v in (("layers", layers), ("experts", experts), ("vocab", vocab)) if v)
@@ -393,10 +396,13 @@ def render(d: dict[str, Any]) -> str:
                   f"RSS {_gb(c['peak_rss_sampled'])} GB."]
     g = d.get("gguf")
     if g:
-        made_g = "reused from an earlier run" if g.get("reused_file") else (
-            f"exported in {g['seconds']:.0f} s at peak RSS {_gb(g['peak_rss_sampled'])} GB")
+        made_g = (f"exported in {g['seconds']:.0f} s at peak RSS {_gb(g['peak_rss_sampled'])} GB" if "seconds" in g
+                  else "made before")
+        if g.get("reused_file"):
+            made_g += " (by an earlier run of this bench; this run reused the file)"
         lines += ["", f"GGUF `mixed` of the same folder: {_gb(g['bytes'])} GB, {made_g}; llama.cpp reads "
-                  f"{_gb(g['step_bytes'])} GB of weights per token. {' '.join(g.get('summary', []))}"]
+                  f"{_gb(g['step_bytes'])} GB of weights per token. Export: "
+                  + "; ".join(" ".join(x.split()) for x in g.get("summary", []) if x.strip())]
     if ll:
         lines += ["", "llama.cpp's next turn re-prefills the whole history (it cannot roll a recurrent state back); "
                   "its RSS counts the GGUF's memory-mapped pages it touched."]
