@@ -33,7 +33,7 @@ OWN_FOLDER_FILES = (MARKER, "quantkit-manifest.json", ".quantkit-progress.json",
 
 # what each record lists of the files quantkit wrote beside it (the default report is the quantizer's too)
 _RECORDS = ((MARKER, ("files",)), ("quantkit-manifest.json", ("shards", "files")),
-            (".quantkit-progress.json", ("done",)), ("quantkit-tiny.json", ("files",)))
+            (".quantkit-progress.json", ("done", "files")), ("quantkit-tiny.json", ("files",)))
 _OWN_EXTRA = ("quantkit-report.md", "quantkit-report.json")
 _TEMPORARY = re.compile(r"^\..+\.(?:tmp|(?:tmp|old|mid)-\d+)\w*$")
 

@@ -204,3 +204,33 @@ def test_a_long_prefill_returns_its_temporaries_to_the_system(tmp_path, monkeypa
         calls.clear()
         list(rt.generate_ids([5] * n, sampling=sp, thinking=False, stop_ids=set()))
         assert len(calls) == want, n
+
+
+@pytest.mark.parametrize("writer", ["quantize", "generate"])
+def test_a_run_killed_after_its_small_files_resumes(tiny_model, tmp_path, monkeypatch, writer):
+    """Killed between the tokenizer/index/config and the manifest: the journal already lists those files, so
+    --resume is not refused as a folder holding files quantkit did not write, and ends byte-identical."""
+    import quantkit.quantize.run as qz
+    import quantkit.testing.generated as gen
+
+    def run(out: Path, resume: bool = False) -> Path:
+        if writer == "quantize":
+            mode = "resume" if resume else "new"
+            run_quantize(Checkpoint.open(tiny_model), out, QuantizeOptions(get_recipe("quality"), mode=mode))
+            return out
+        return make_tiny_model(out, **SMALL, quantized=get_recipe("quality"), resume=resume)
+
+    ref = run(tmp_path / "ref")
+    real_seal = qz.seal_folder
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(qz if writer == "quantize" else gen, "seal_folder", killed)
+    out = tmp_path / "out"
+    with pytest.raises(KeyboardInterrupt):
+        run(out)
+    assert (out / "tokenizer.json").is_file() and not (out / "quantkit-manifest.json").exists()
+    monkeypatch.setattr(qz if writer == "quantize" else gen, "seal_folder", real_seal)
+    run(out, resume=True)
+    assert Manifest.read(out).shards == Manifest.read(ref).shards and verify_folder(out).ok

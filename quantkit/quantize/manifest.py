@@ -129,12 +129,13 @@ class Journal:
     key: str
     done: dict[str, FileEntry] = field(default_factory=dict)
     stats: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # per shard, for the final report
+    files: list[str] = field(default_factory=list)  # the other files the run writes, recorded before it writes them
 
     def save(self, folder: Path) -> None:
         atomic_write_json(
             folder / JOURNAL_NAME,
             {"key": self.key, "done": {k: asdict(v) for k, v in sorted(self.done.items())},
-             "stats": {k: v for k, v in sorted(self.stats.items())}},
+             "stats": {k: v for k, v in sorted(self.stats.items())}, "files": sorted(self.files)},
         )
 
     @classmethod
@@ -146,7 +147,7 @@ class Journal:
         try:
             done = {k: FileEntry(int(v["size"]), str(v["sha256"])) for k, v in d["done"].items()}
             stats = {str(k): list(v) for k, v in d.get("stats", {}).items()}
-            return cls(str(d["key"]), done, stats)
+            return cls(str(d["key"]), done, stats, [str(n) for n in d.get("files", [])])
         except (KeyError, TypeError, ValueError, AttributeError):
             raise QuantkitError(f"{path}: malformed progress journal; rerun with --overwrite") from None
 

@@ -697,8 +697,12 @@ def open_journal(out: Path, mode: str, key: str, names: list[str], layouts: list
 
 
 def write_folder_files(out: Path, plan: QuantPlan, layouts: list[ShardLayout], config: dict[str, Any],
-                       copies: list[Path]) -> dict[str, FileEntry]:
-    """Copy `copies` (tokenizer, ...) in, write the index and config.json, each atomically; their entries."""
+                       copies: list[Path], journal: Journal) -> dict[str, FileEntry]:
+    """Copy `copies` (tokenizer, ...) in, write the index and config.json, each atomically; their entries. The
+    journal lists them first, so a run killed among them is still resumable (the output guard refuses files no
+    record lists)."""
+    journal.files = sorted({p.name for p in copies} | {INDEX_NAME, "config.json"})
+    journal.save(out)
     files: dict[str, FileEntry] = {}
     for p in copies:
         dst = out / p.name
@@ -775,7 +779,7 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
     if opts.calibration is not None:
         cal = {**opts.calibration.config(),
                "rtn_fallbacks": {s.name: {"matrices": s.fallbacks, "why": s.note} for s in stats if s.fallbacks}}
-    files = write_folder_files(out, plan, layouts, output_config(ckpt.config, plan, cal), copies)
+    files = write_folder_files(out, plan, layouts, output_config(ckpt.config, plan, cal), copies, journal)
     copied = [p.name for p in copies]
     seconds = time.perf_counter() - t_start
     from quantkit.quantize.report import write_report  # lazy: report imports this module

@@ -192,7 +192,7 @@ def write_quantized(out: Path, cfg: dict[str, Any], recipe: Recipe, copies: list
             p.unlink(missing_ok=True)
         raise Interrupted(f"interrupted: {len(journal.done)} of {len(names)} shards are finished in {out}; "
                           "run the same command with --resume to continue") from None
-    files = write_folder_files(out, plan, layouts, output_config(cfg, plan), copies)
+    files = write_folder_files(out, plan, layouts, output_config(cfg, plan), copies, journal)
     seal_folder(out, names, journal, files, {"generated": GENERATOR, "seed": seed, "config_sha256": fingerprint(cfg)},
                 opts.fingerprint_data())
     return plan
