@@ -296,7 +296,7 @@ def run(reports: Path, workdir: Path, folder: Path | None = None, threads: int |
             gguf.unlink()
             record.unlink(missing_ok=True)
     data = {
-        "command": "quantkit bench full-size" + (f" --folder {folder}" if made.get("given") else "")
+        "command": f"quantkit bench full-size --workdir {workdir}" + (f" --folder {folder}" if made.get("given") else "")
         + "".join(f" --{k} {v}" for k, v in (("layers", layers), ("experts", experts), ("vocab", vocab)) if v)
         + (f" --threads {threads}" if threads != (os.cpu_count() or 1) else "")
         + ("" if llama else " --no-llama") + (" --drop-gguf" if not keep_gguf else ""),
