@@ -366,9 +366,9 @@ def total_ram() -> int:
 
 def drop_page_cache(files: list[Path]) -> None:
     """Tell the kernel the files' cached pages are not needed (POSIX_FADV_DONTNEED), before a load that copies
-    them into memory. Measured at 35B on 24 GB: with the just-written folder filling the page cache, every
-    2 MiB page the weights fault in stalled in direct reclaim and compaction (free memory stayed near zero and
-    in 4 KiB scraps), and the load ran at 40 MB/s; the folder is then read from disk instead."""
+    them into memory. With a just-written folder filling the page cache, every 2 MiB page the weights fault in
+    stalls in direct reclaim and compaction (free memory near zero and in 4 KiB scraps), which at full size
+    slowed the load many times over (reports/bench-full-size.md); the folder is then read from disk instead."""
     if not hasattr(os, "posix_fadvise"):
         return
     for f in files:

@@ -1144,9 +1144,9 @@ void norm_rotate(const uint16_t* x, int64_t stride, int64_t rows, int64_t hd, co
 // is built with -ffp-contract=off), so each table writes the same bytes: base = -m / 8 for the group's
 // value m of largest magnitude; candidate scales bf16(base * f) for f in 1 and the grid; each scored by
 // s^2 * sum (round(clamp(x / s)) - x / s)^2 (x / s as x * (1 / s)); the first least error wins. The sum runs
-// in 8 lanes where torch's matrix-vector product has its own order, so a group whose candidates tie to
-// the last bit may choose another (tests/test_quant_kernel.py bounds how often). torch runs 30-odd passes
-// over a chunk for this; here each group stays in registers.
+// in 8 lanes, each in turn, then pairwise, and int4.py's _lane_sum keeps that order, so both routes pick
+// the same candidate where two errors differ in the last bit (tests/test_quant_kernel.py). torch runs
+// 30-odd passes over a chunk for this; here each group stays in registers.
 inline float round_even(float t) { return (t + 12582912.f) - 12582912.f; }  // |t| <= 2^22: ties to even
 inline float clamp_code(float t) { return t < -8.f ? -8.f : (t > 7.f ? 7.f : t); }
 
