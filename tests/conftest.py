@@ -131,12 +131,10 @@ def pytest_terminal_summary(terminalreporter) -> None:
         terminalreporter.write_line(f"probe: {CASES['n']} bad inputs and faults checked")
 
 
-def interrupt_quantizer_after(monkeypatch: pytest.MonkeyPatch, calls: int):
-    """Make the quantizer raise KeyboardInterrupt (Ctrl-C) when it reaches its `calls`-th tensor; returns the
-    original per-tensor function, for a test that restores it."""
-    import quantkit.quantize.run as qz
-
-    orig = qz._quantize_tensor
+def interrupt_after(monkeypatch: pytest.MonkeyPatch, module: object, name: str, calls: int):
+    """Make `module.name` raise KeyboardInterrupt (Ctrl-C) at its `calls`-th call; returns the original
+    function, for a test that restores it."""
+    orig = getattr(module, name)
     n = {"calls": 0}
 
     def interrupt_later(*a, **k):
@@ -145,8 +143,40 @@ def interrupt_quantizer_after(monkeypatch: pytest.MonkeyPatch, calls: int):
             raise KeyboardInterrupt
         return orig(*a, **k)
 
-    monkeypatch.setattr(qz, "_quantize_tensor", interrupt_later)
+    monkeypatch.setattr(module, name, interrupt_later)
     return orig
+
+
+def interrupt_quantizer_after(monkeypatch: pytest.MonkeyPatch, calls: int):
+    """The quantizer interrupted at its `calls`-th tensor (interrupt_after on its per-tensor function)."""
+    import quantkit.quantize.run as qz
+
+    return interrupt_after(monkeypatch, qz, "_quantize_tensor", calls)
+
+
+def sigkill_mid_run(cmd: list, out: Path, first_file: str, attempts: int, jitter: float) -> bool:
+    """Start `cmd` (a run writing folder `out`) and SIGKILL it a random moment (up to `jitter` s) after the file
+    `first_file` (a glob) appears; again from scratch until a kill lands before the run's manifest is written
+    (True), at most `attempts` times (False: every run finished first)."""
+    import random
+    import signal
+    import time
+
+    from quantkit.quantize.manifest import MANIFEST_NAME
+
+    rnd = random.Random()
+    for _attempt in range(attempts):
+        shutil.rmtree(out, ignore_errors=True)
+        p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 60
+        while time.time() < deadline and p.poll() is None and not list(out.glob(first_file)):
+            time.sleep(0.002)
+        time.sleep(rnd.uniform(0, jitter))
+        p.send_signal(signal.SIGKILL)
+        p.wait()
+        if not (out / MANIFEST_NAME).exists():
+            return True
+    return False
 
 
 def one_line_error(code: int, out: str, err: str, *needles: str) -> None:

@@ -22,7 +22,7 @@ from quantkit.quantize.verify import verify_folder
 from quantkit.recipe import build_recipe, get_recipe
 from quantkit.testing.tiny import FULL_SIZE, TinyOptions, full_config, make_tiny_model, text_config
 
-from conftest import TINY_KW, one_line_error, run_cli
+from conftest import TINY_KW, interrupt_after, one_line_error, run_cli
 
 SMALL = {**TINY_KW, "hidden": 128, "intermediate": 64}  # int4 g128 applies (hidden 128), so both formats run
 
@@ -82,16 +82,7 @@ def test_interrupted_generation_resumes_to_the_same_bytes(tmp_path, monkeypatch)
     import quantkit.testing.generated as gen
 
     whole = make_tiny_model(tmp_path / "whole", **SMALL, quantized=get_recipe("quality"), max_shard_size=300_000)
-    orig = gen._write_tensor
-    n = {"calls": 0}
-
-    def interrupt_later(*a, **k):
-        n["calls"] += 1
-        if n["calls"] == 40:
-            raise KeyboardInterrupt
-        return orig(*a, **k)
-
-    monkeypatch.setattr(gen, "_write_tensor", interrupt_later)
+    orig = interrupt_after(monkeypatch, gen, "_write_tensor", 40)
     out = tmp_path / "cut"
     with pytest.raises(Interrupted, match="--resume"):
         make_tiny_model(out, **SMALL, quantized=get_recipe("quality"), max_shard_size=300_000)

@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import random
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +23,7 @@ from quantkit.model.checkpoint import Checkpoint
 from quantkit.model.contract import INDEX_NAME
 from quantkit.quantize.manifest import JOURNAL_NAME, MANIFEST_NAME
 
-from conftest import interrupt_quantizer_after, run_main
+from conftest import interrupt_quantizer_after, run_main, sigkill_mid_run
 
 quantkit.cli._register()
 runner = CliRunner()
@@ -261,19 +258,7 @@ def test_kill_at_a_random_point_then_resume_is_byte_identical(tiny_model, tmp_pa
     n_shards = len(list(ref.glob("model-*.safetensors")))
     assert n_shards >= 4
     out = tmp_path / "out"
-    rnd = random.Random()
-    for _attempt in range(5):
-        shutil.rmtree(out, ignore_errors=True)
-        p = subprocess.Popen(_quantize_cmd(tiny_model, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 60
-        while time.time() < deadline and p.poll() is None and not list(out.glob("model-00001-*.safetensors")):
-            time.sleep(0.002)
-        time.sleep(rnd.uniform(0, 0.05))
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-        if not (out / MANIFEST_NAME).exists():
-            break
-    else:
+    if not sigkill_mid_run(_quantize_cmd(tiny_model, out), out, "model-00001-*.safetensors", 5, 0.05):
         pytest.skip("the run finished before it could be killed")
     assert not (out / MANIFEST_NAME).exists()  # an interrupted folder never looks complete
     assert main_cli("verify", out).exit_code != 0
@@ -309,16 +294,7 @@ def test_ctrl_c_leaves_a_resumable_folder(tiny_model, tmp_path, monkeypatch):
 def test_resume_redoes_a_damaged_finished_shard(tiny_model, tmp_path, monkeypatch):
     out, ref = tmp_path / "q", tmp_path / "ref"
     assert cli("quantize", tiny_model, "--out", ref, "--max-shard-size", "60KB").exit_code == 0
-    orig = qz._quantize_tensor
-    n = {"calls": 0}
-
-    def interrupt_later(*a, **k):
-        n["calls"] += 1
-        if n["calls"] == 40:
-            raise KeyboardInterrupt
-        return orig(*a, **k)
-
-    monkeypatch.setattr(qz, "_quantize_tensor", interrupt_later)
+    orig = interrupt_quantizer_after(monkeypatch, 40)
     assert main_cli("quantize", tiny_model, "--out", out, "--max-shard-size", "60KB").exit_code == 130
     monkeypatch.setattr(qz, "_quantize_tensor", orig)
     first = out / sorted(json.loads((out / JOURNAL_NAME).read_text())["done"])[0]

@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import errno
 import json
-import random
-import shutil
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +22,7 @@ from quantkit.quantize.manifest import JOURNAL_NAME, MANIFEST_NAME
 from quantkit.quantize.run import QuantizeOptions, run_quantize
 from quantkit.recipe import build_recipe
 
-from conftest import one_line_error, run_main
+from conftest import one_line_error, run_main, sigkill_mid_run
 
 
 def _files(folder: Path) -> dict[str, bytes]:
@@ -45,20 +41,8 @@ def test_thread_counts_and_a_kill_give_the_same_bytes(tiny_model, tmp_path):
     two = tmp_path / "two"
     subprocess.run(_cmd(tiny_model, two, "--threads", "2"), check=True, capture_output=True)
     assert _files(two) == _files(ref)
-    out, rnd = tmp_path / "out", random.Random()
-    for _attempt in range(6):
-        shutil.rmtree(out, ignore_errors=True)
-        p = subprocess.Popen(_cmd(tiny_model, out, "--threads", "2"), stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-        deadline = time.time() + 60
-        while time.time() < deadline and p.poll() is None and not list(out.glob("model-00002-*.safetensors")):
-            time.sleep(0.002)
-        time.sleep(rnd.uniform(0, 0.03))
-        p.send_signal(signal.SIGKILL)
-        p.wait()
-        if not (out / MANIFEST_NAME).exists():
-            break
-    else:
+    out = tmp_path / "out"
+    if not sigkill_mid_run(_cmd(tiny_model, out, "--threads", "2"), out, "model-00002-*.safetensors", 6, 0.03):
         pytest.skip("the run finished before it could be killed")
     r = subprocess.run(_cmd(tiny_model, out, "--threads", "2", "--resume"), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
