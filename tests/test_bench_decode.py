@@ -40,27 +40,43 @@ def test_step_bytes_of_transformers_model_match_its_tensors(tiny_model):
     assert bd.step_bytes(model, cfg.num_experts_per_tok) == _expected_step_bytes(named, cfg, cfg.num_experts_per_tok)
 
 
-def test_step_bytes_of_quantkit_runtime(tiny_model):
+def _held_vectors(m) -> int:
+    """Bytes of the fp32 vectors quantkit's model holds where the checkpoint stores bf16 (norm scales as
+    (1 + w), conv taps, A, dt bias): the only bytes its step count may differ by from the stored tensors."""
+    from quantkit.runtime.model.layers import Attention
+
+    total = m.final.numel() * 4
+    for L in m.layers:
+        vs = [L.pre, L.post] + ([L.mixer.qk_scale] if isinstance(L.mixer, Attention) else
+                                [L.mixer.conv_taps, L.mixer.neg_a, L.mixer.dt_bias, L.mixer.norm_w])
+        total += sum(v.numel() * v.element_size() for v in vs)
+    return total
+
+
+def test_step_bytes_of_quantkit_model(tiny_model):
     from quantkit.runtime import load_model
-    from quantkit.runtime.qexperts import QuantExperts
+    from quantkit.runtime.model.model import Model
     from quantkit.testing.tiny import load_reference_model
 
     ref = load_reference_model(tiny_model, torch.bfloat16)
     k = ref.config.num_experts_per_tok
     bf16 = load_model(tiny_model, recipe="bf16").model
-    # the same bf16 weights: the same bytes per step, whichever runs them
-    assert bd.step_bytes(bf16, k) == bd.step_bytes(ref, k)
+    assert isinstance(bf16, Model)
+    # the same bf16 weights: the same bytes per step, whichever runs them, but for the small vectors
+    # quantkit's model holds in fp32
+    assert bd.step_bytes(bf16, k) >= bd.step_bytes(ref, k)
+    assert bd.step_bytes(bf16, k) - bd.step_bytes(ref, k) <= _held_vectors(bf16)
 
     rt = load_model(quantized(tiny_model, "int4"))
     m = rt.model
-    cfg = m.config
+    cfg = m.cfg.text
     resident = sum(rt.report.bytes_by_device.values())
-    experts = sum(mod.nbytes for mod in m.modules() if isinstance(mod, QuantExperts))
-    emb = m.model.embed_tokens
-    emb_bytes = emb.nbytes if hasattr(emb, "nbytes") else emb.weight.numel() * emb.weight.element_size()
+    experts = sum(L.moe.experts.nbytes for L in m.layers)
+    assert bd.step_bytes(m, cfg.num_experts) - bd.step_bytes(m, 0) == experts  # top_k of E of each layer's
+    emb_bytes = m.embed.nbytes if hasattr(m.embed, "nbytes") else m.embed.numel() * m.embed.element_size()
     # every weight the loader placed, minus the experts not routed to and all but one embedding row
     want = resident - experts + experts * k // cfg.num_experts - emb_bytes + emb_bytes // cfg.vocab_size
-    assert abs(bd.step_bytes(m, k) - want) <= 2 * cfg.num_hidden_layers  # integer division per layer
+    assert abs(bd.step_bytes(m, k) - want) <= _held_vectors(m) + 2 * cfg.num_hidden_layers  # + integer division
     assert bd.step_bytes(m, k) < bd.step_bytes(ref, k) / 2  # int4 reads well under half of bf16
 
 
@@ -87,6 +103,24 @@ def test_cache_bytes_match_transformers_cache(tiny_model):
     assert bd.cache_bytes_per_step(cfg, 2 * n) > bd.cache_bytes_per_step(cfg, n)
 
 
+def test_cache_bytes_match_quantkit_cache(tiny_model):
+    """quantkit's HybridCache holds the same: KV buffers of n + 1 positions (n read, one written), conv
+    windows and recurrent states (each read and written)."""
+    from quantkit.runtime import load_model
+
+    m = load_model(tiny_model, recipe="bf16").model
+    n = 7
+    cache = m.new_cache(n + 1)
+    with torch.inference_mode():
+        m.forward(list(range(1, n + 1)), cache)
+    states = sum(t.numel() * t.element_size() for t in [*cache.conv.values(), *cache.state.values()])
+    assert cache.capacity == n + 1 and states > 0
+    assert bd.cache_bytes_per_step(bd.text_config(m), n) == cache.nbytes() + states
+    wbytes, cbytes = bd.decode_bytes(m, n, 2)
+    assert wbytes == bd.step_bytes(m, m.cfg.text.num_experts_per_tok)
+    assert cbytes == bd.cache_bytes_per_step(m.cfg.text, n + 1)
+
+
 def _rows() -> dict:
     def row(dec, pre, planner=None, step=100e6):
         r = {"prefill_tok_s": pre, "decode_tok_s": dec, "peak_rss": 2.0e9, "peak_rss_rounds": [2.5e9, 2.0e9],
@@ -99,8 +133,7 @@ def _rows() -> dict:
         return r
 
     return {
-        "transformers-bf16": {**row(0.5, 10.0, step=500e6), "decode_steps": 2},
-        "transformers-bf16+conv": row(10.0, 100.0, step=500e6),
+        "transformers-bf16": row(10.0, 100.0, step=500e6),
         "int4": row(25.0, 150.0, planner=30.0, step=130e6),
         "int8": row(15.0, 120.0, planner=25.0, step=250e6),
         "nf4": {"error": "RuntimeError: boom"},
@@ -110,13 +143,13 @@ def _rows() -> dict:
 def test_ratios_and_targets():
     rows = _rows()
     bd.add_ratios(rows)
-    assert rows["int4"]["vs_transformers_conv"] == pytest.approx(2.5)
-    assert rows["int4"]["vs_transformers_plain"] == pytest.approx(50.0)
+    assert rows["int4"]["vs_transformers"] == pytest.approx(2.5)
+    assert rows["transformers-bf16"]["vs_transformers"] == pytest.approx(1.0)
     assert rows["int4"]["planner_error"] == pytest.approx(0.2)
     assert rows["int8"]["planner_error"] == pytest.approx(25 / 15 - 1)
     assert rows["int4"]["planner_prefill_error"] == pytest.approx(1.0)
     assert rows["int4"]["generic_planner_error"] == pytest.approx(90 / 25 - 1)
-    assert "vs_transformers_conv" not in rows["nf4"]
+    assert "vs_transformers" not in rows["nf4"]
     # int4: 25 tok/s x 130 MB = 3.25 GB/s of a 20 GB/s best probe, and of the 10 GB/s read after its decode
     assert rows["int4"]["of_bound"] == pytest.approx(25 / (20e9 / 130e6))
     assert rows["int4"]["of_own_probe"] == pytest.approx(25 * 130e6 / 10e9)
@@ -126,7 +159,7 @@ def test_ratios_and_targets():
     fast["int4"]["decode_tok_s"] = 100.0  # 13 GB/s: 65% of the 20 GB/s bound
     bd.add_ratios(fast)
     assert bd.targets(fast)["bound_met"] is True and bd.targets({})["bound_met"] is None
-    assert t["speedup_met"] is True
+    assert t["speedup_met"] is True and t["int4_vs_transformers_bf16"] == pytest.approx(2.5)
     assert t["planner_within_25pct"] == {"int4": True, "int8": False}
     assert t["planner_met"] is False
     slow = _rows()
@@ -173,9 +206,12 @@ def test_render_md_shows_every_row_of_the_result():
         assert f"{r['prefill_tok_s']:.1f}" in cells and f"{r['decode_tok_s']:.2f}" in cells, (name, cells)
         if "planner_decode_tok_s" in r:
             assert f"{r['planner_decode_tok_s']:.1f}" in cells and f"{r['planner_error']:+.0%}" in cells
-        assert cells[9:11] == [f"{r['of_bound']:.0%}", f"{r['of_own_probe']:.0%}"], (name, cells)
+        assert cells[2] == f"{r['vs_transformers']:.1f}x"
+        assert cells[8:10] == [f"{r['of_bound']:.0%}", f"{r['of_own_probe']:.0%}"], (name, cells)
     assert "- int4 decode at least 60% of the read-bandwidth bound: **MISSED**, 16% of the bound at the run's " \
            "best probe (20.0 GB/s); 32% of the 10.0 GB/s read right after its best round's decode." in md
+    assert "- int4 decode at least 2x transformers bf16: **met**, 2.50x (25.00 vs 10.00 tok/s)." in md
+    assert "+conv" not in md and "linear_attn" not in md and "lean" not in md
     assert d["command"] in md and "(bench-decode.png)" in md
     assert "## Notes on this run" not in md
     d["notes"] = ["one", "two"]
@@ -207,40 +243,44 @@ def test_plot_writes_png(tmp_path):
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
-def test_timed_decode_runs_the_lean_step_for_quantkit_models(tiny_model):
-    """quantkit configurations time the decode step generation runs (the lean step); the greedy tokens are
-    the transformers forward's; transformers' own model is never given the lean step."""
+def test_timed_decode_runs_quantkit_model_as_generation_does(tiny_model):
+    """quantkit configurations time their own model's forward over its HybridCache, one token per step on
+    the route chosen at load: the greedy tokens are the same on every route, and the transformers
+    reference's (its own forward over a DynamicCache)."""
     from quantkit.runtime import load_model
-    from quantkit.runtime.generate import lean_decoder
     from quantkit.testing.tiny import load_reference_model
 
-    m = load_model(quantized(tiny_model, "int8")).model
+    m = load_model(tiny_model, recipe="bf16").model
     prompt = list(range(5, 25))
-    _, steps, lean = bd._timed(m, prompt, 6, lean=True)
-    _, _, plain = bd._timed(m, prompt, 6, lean=False)
-    assert len(steps) == 6 and lean == plain and getattr(m, "_quantkit_lean", None) is not None
-    assert lean_decoder(load_reference_model(tiny_model, torch.bfloat16), True) is None
+    t_pre, steps, toks = bd._timed(m, prompt, 6)
+    assert t_pre > 0 and len(steps) == 6 and len(toks) == 7 and all(s > 0 for s in steps)
+    for route in ("torch", "fused", "stack"):
+        m.set_route(route)  # one this machine cannot run falls back to the best one
+        assert bd._timed(m, prompt, 6)[2] == toks, m.route.name
+    _, ref_steps, ref_toks = bd._timed(load_reference_model(tiny_model, torch.bfloat16), prompt, 6)
+    assert len(ref_steps) == 6 and ref_toks == toks
 
 
 def test_layer_overhead_times_every_path_and_the_report_shows_them(tiny_model):
     cfg = json.loads((tiny_model / "config.json").read_text())
     ov = bd.layer_overhead(cfg, rounds=1)
-    assert set(ov) == {"transformers", "lean-torch", "lean"}
+    assert set(ov) == {"torch", "fused"}
     for path in ov.values():
         assert set(path) == {"full_attention", "linear_attention", "shell"} and all(v > 0 for v in path.values())
     d = _result(_rows())
     assert "Per-layer decode overhead" not in bd.render_md(d)
     d["layer_overhead_ms"] = ov
-    table = _table_rows(bd.render_md(d))
-    assert table["transformers' forward"] == [f"{ov['transformers'][k]:.3f}" for k in
-                                              ("full_attention", "linear_attention", "shell")]
-    assert table["lean step, torch route"][1] == f"{ov['lean-torch']['linear_attention']:.3f}"
-    assert table["lean step, the kernel's fused ops (the default)"][0] == f"{ov['lean']['full_attention']:.3f}"
+    md = bd.render_md(d)
+    table = _table_rows(md)
+    assert table["quantkit's model, torch route"] == [f"{ov['torch'][k]:.3f}" for k in
+                                                      ("full_attention", "linear_attention", "shell")]
+    assert table["quantkit's model, the kernel's fused ops per layer"][0] == f"{ov['fused']['full_attention']:.3f}"
+    assert "transformers' forward" not in table and "lean" not in md
 
 
 def test_run_one_reads_the_bandwidth_right_after_its_decode(tiny_model):
     r = bd.run_one("quantkit", tiny_model, 8, 4, 1)
-    assert r["decode_tok_s"] > 0 and r["step_bytes"] > 0
+    assert r["decode_tok_s"] > 0 and r["step_bytes"] > 0 and r["step_route"]
     assert r["probe_gbs"] > 0  # the share `of its probe` is taken against this read
     rows = {"int4": {**r, "bound_tok_s": 1e9}}
     bd.add_ratios(rows)

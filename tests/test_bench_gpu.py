@@ -1,6 +1,6 @@
 """`quantkit bench gpu` (quantkit/bench/gpu.py) without a GPU: the one-line refusal, the plans onto a
-simulated GPU of given memory, the CUDA-graph switch adapter, the checks and the report from synthetic
-runs. The GPU runs themselves need a CUDA device (scripts/gpu-check.sh)."""
+simulated GPU of given memory, the graph run skipped while CUDA-graph decode is not ported, the checks and
+the report from synthetic runs. The GPU runs themselves need a CUDA device (scripts/gpu-check.sh)."""
 
 from __future__ import annotations
 
@@ -82,25 +82,46 @@ def test_a_share_of_one_leaves_every_expert_in_ram(tiny_model):
     assert all(d != "cpu" for d in split.plan.layer_device)  # the dense layers stay on the card
 
 
-def test_the_graph_switch_adapter_works_before_and_after_load_model_has_it(tmp_path):
+def test_load_runtime_never_passes_a_graph_switch_and_refuses_graphs_in_one_line(tmp_path):
     calls = []
 
-    def old_loader(path, plan=None, *, verify="auto"):
-        calls.append(("old", verify))
+    def loader(path, plan=None, *, verify="auto", **kw):
+        calls.append((verify, kw))
         return "rt"
 
-    def new_loader(path, plan=None, *, verify="auto", cuda_graphs=False):
-        calls.append(("new", cuda_graphs))
-        return "rt"
-
-    with pytest.raises(QuantkitError, match="^this build has no CUDA-graph decode") as e:
-        bg.load_runtime(tmp_path, tmp_path / "p.json", True, loader=old_loader)
+    with pytest.raises(QuantkitError, match="^CUDA-graph decode is not ported to the new model yet") as e:
+        bg.load_runtime(tmp_path, tmp_path / "p.json", True, loader=loader)
     assert "\n" not in str(e.value) and calls == []
-    assert bg.load_runtime(tmp_path, tmp_path / "p.json", False, loader=old_loader) == "rt"
-    assert bg.load_runtime(tmp_path, tmp_path / "p.json", True, loader=new_loader) == "rt"
-    assert bg.load_runtime(tmp_path, tmp_path / "p.json", False, loader=new_loader) == "rt"
-    assert bg.load_runtime(tmp_path, tmp_path / "p.json", None, loader=new_loader) == "rt"  # CPU: no switch
-    assert calls == [("old", "quick"), ("new", True), ("new", False), ("new", False)]
+    assert bg.load_runtime(tmp_path, tmp_path / "p.json", False, loader=loader) == "rt"
+    assert bg.load_runtime(tmp_path, tmp_path / "p.json", None, loader=loader) == "rt"  # CPU: the same load
+    assert calls == [("quick", {}), ("quick", {})]
+
+
+def test_run_skips_the_graph_run_and_says_so(tmp_path, monkeypatch, tiny_model):
+    """While CUDA-graph decode is not ported, `run` loads each placement once, never with graphs, and the
+    log and the report carry one line saying the graph run was skipped."""
+    assert bg.CUDA_GRAPHS_PORTED is False
+    spec = _spec(tiny_model)
+    placements = bg.plan_placements(spec, get_recipe("int4"), find_gpu("h200").with_memory(8.0), 64 * GIB,
+                                    context=256)
+    monkeypatch.setattr(bg, "detect_cuda", lambda: bg.CudaInfo("NVIDIA H200", 140 * GIB, 1, "2.x", "12.8"))
+    monkeypatch.setattr(bg, "ensure_checkpoint", lambda *a, **k: tiny_model)
+    monkeypatch.setattr(bg, "detected_gpu", lambda: find_gpu("h200"))
+    monkeypatch.setattr(bg, "plan_placements", lambda *a, **k: placements)
+    asked = []
+
+    def fake_run(folder, plan_file, p, graphs, prompt, decode):
+        asked.append((p.name, graphs))
+        return bg.DecodeRun(p.name, graphs, list(range(decode)), 10.0, 100.0, 1.0, planned_bytes=p.planned_bytes)
+
+    monkeypatch.setattr(bg, "run_placement", fake_run)
+    lines = []
+    res = bg.run(tmp_path / "reports", tmp_path / "work", prompt_len=4, decode=8, log=lines.append)
+    assert asked == [("cpu", False), ("gpu", False), ("gpu+cpu", False)]
+    assert res.skipped == [bg.GRAPHS_SKIPPED]
+    assert sum("skipped" in ln and "CUDA-graph decode is not ported" in ln for ln in lines) == 1
+    md = (tmp_path / "reports" / "bench-gpu.md").read_text()
+    assert f"- skipped: {bg.GRAPHS_SKIPPED}" in md and "graphs on and off" not in md
 
 
 def test_agreement_counts_the_shared_leading_tokens():
@@ -123,7 +144,8 @@ def _runs() -> list[bg.DecodeRun]:
         bg.DecodeRun("gpu+cpu", False, late, 90.0, 900.0, 4.0, {"cuda:0": 900_000_000}, {"cuda:0": 1_200_000_000},
                      {"cuda:0": 700_000_000, "cpu": 800_000_000}, plan_split),
         bg.DecodeRun("gpu+cpu", True, [], planned_bytes=plan_split,
-                     error="this build has no CUDA-graph decode (quantkit.runtime.load_model takes no cuda_graphs switch)"),
+                     error="CUDA-graph decode is not ported to the new model yet (quantkit.runtime.load_model has no "
+                           "graph route)"),
     ]
 
 
@@ -174,7 +196,7 @@ def test_report_from_synthetic_runs(tmp_path):
     assert "| 600.0 | 4000.0 | 5.0 | 32/32 |" in rows["gpu, graphs"]
     assert "cuda:0 load 2.30 / decode 1.60 GB peak, 2.00 GB planned (115%, 80%)" in rows["gpu, graphs"]
     assert "| 20/32 |" in rows["gpu+cpu"] and "cpu 0.80 GB weights / 0.90 GB planned" in rows["gpu+cpu"]
-    assert "failed: this build has no CUDA-graph decode" in rows["gpu+cpu, graphs"]
+    assert "failed: CUDA-graph decode is not ported" in rows["gpu+cpu, graphs"]
     assert "| gpu+cpu | GPU + 128/256 experts in RAM (0.8 GB) | cpu 0.90 GB, cuda:0 1.00 GB | 2.00 GiB (cut) |" in md
     assert "| gpu | GPU | cuda:0 2.00 GB | the card's own |" in md
     assert "- FAIL gpu+cpu, graphs: ran" in md and "- PASS gpu: graphs on and off give the same tokens" in md

@@ -45,18 +45,17 @@ from quantkit.planner.host_costs import fastest, load_profile
 from quantkit.planner.placement import solve
 from quantkit.quantize.run import QuantizeOptions, run_quantize
 from quantkit.recipe import get_recipe
-from quantkit.runtime import linear_attn, load_model
+from quantkit.runtime import load_model
 from quantkit.runtime.calibrate import time_layer_ops
-from quantkit.runtime.generate import lean_decoder
 from quantkit.runtime.loader import QuantEmbedding
+from quantkit.runtime.model.layers import Attention
+from quantkit.runtime.model.model import Model
 from quantkit.runtime.qexperts import QuantExperts
 from quantkit.testing.tiny import make_tiny_model
 
 # name -> (how it runs, recipe for the quantizer or None)
 CONFIGS: dict[str, tuple[str, str | None]] = {
     "transformers-bf16": ("transformers", None),
-    "transformers-bf16+conv": ("transformers+conv", None),
-    "transformers-bf16+linattn": ("transformers+linattn", None),
     "quantkit-bf16": ("quantkit", None),
     "int8": ("quantkit", "int8"),
     "quality": ("quantkit", "quality"),
@@ -82,10 +81,12 @@ def default_configs() -> list[str]:
             or (cpu_kernel.ISA_LEVELS["avx2"] < level and (n == "int4-avx2" or plain))]
 
 
-def _timed(model: Any, prompt: list[int], decode: int, lean: bool = False) -> tuple[float, list[float], list[int]]:
-    """Prefill seconds, each decode step's seconds, and the greedy tokens. `lean`: decode steps as
-    generation runs them (quantkit.runtime.generate.lean_decoder: the lean step unless
-    QUANTKIT_LEAN_DECODE=0)."""
+def _timed(model: Any, prompt: list[int], decode: int) -> tuple[float, list[float], list[int]]:
+    """Prefill seconds, each decode step's seconds, and the greedy tokens. A quantkit `Model` runs as
+    generation runs it: `forward` over its own `HybridCache`, the one-token steps on the route chosen at
+    load; a transformers model runs its own forward over a `DynamicCache`."""
+    if isinstance(model, Model):
+        return _timed_quantkit(model, prompt, decode)
     from transformers import DynamicCache
 
     steps: list[float] = []
@@ -95,16 +96,26 @@ def _timed(model: Any, prompt: list[int], decode: int, lean: bool = False) -> tu
         out = model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True, logits_to_keep=1)
         t_pre = time.perf_counter() - t0
         toks = [int(out.logits[0, -1].argmax())]
-        dec = lean_decoder(model, None) if lean else None
-        if dec is not None:
-            dec.begin(cache, len(prompt) + decode + 1)
         for _ in range(decode):
             t1 = time.perf_counter()
-            if dec is not None:
-                logits = dec.step(toks[-1])
-            else:
-                logits = model(input_ids=torch.tensor([[toks[-1]]]), cache=cache, use_cache=True,
-                               logits_to_keep=1).logits[0, -1]
+            logits = model(input_ids=torch.tensor([[toks[-1]]]), cache=cache, use_cache=True,
+                           logits_to_keep=1).logits[0, -1]
+            toks.append(int(logits.argmax()))
+            steps.append(time.perf_counter() - t1)
+    return t_pre, steps, toks
+
+
+def _timed_quantkit(model: Model, prompt: list[int], decode: int) -> tuple[float, list[float], list[int]]:
+    steps: list[float] = []
+    with torch.inference_mode():
+        cache = model.new_cache(len(prompt) + decode + 1)
+        t0 = time.perf_counter()
+        logits = model.forward(prompt, cache)
+        t_pre = time.perf_counter() - t0
+        toks = [int(logits.argmax())]
+        for _ in range(decode):
+            t1 = time.perf_counter()
+            logits = model.forward([toks[-1]], cache)
             toks.append(int(logits.argmax()))
             steps.append(time.perf_counter() - t1)
     return t_pre, steps, toks
@@ -113,8 +124,8 @@ def _timed(model: Any, prompt: list[int], decode: int, lean: bool = False) -> tu
 def cache_bytes_per_step(cfg: Any, filled: int) -> int:
     """Cache bytes one decode step reads and writes at `filled` cached positions, batch 1: per Gated
     DeltaNet layer the fp32 recurrent state [Hv, K, V] and the conv state [conv_dim, kernel] (model dtype;
-    transformers keeps `kernel` positions), each read and written; per full-attention layer K and V of `filled` positions read (model
-    dtype) and one position written."""
+    `kernel` positions, as both quantkit's HybridCache and transformers keep), each read and written; per
+    full-attention layer K and V of `filled` positions read (model dtype) and one position written."""
     ebytes = 2  # bf16 activations and caches
     total = 0
     for kind in cfg.layer_types:
@@ -127,37 +138,67 @@ def cache_bytes_per_step(cfg: Any, filled: int) -> int:
     return total
 
 
-def step_bytes(model: Any, top_k: int) -> int:
-    """Weight bytes one decode step reads in a loaded model (quantkit or transformers)."""
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
+
+def step_bytes(model: Any, top_k: int) -> int:
+    """Weight bytes one decode step reads in a loaded model: a quantkit `Model` or a transformers model."""
+    if isinstance(model, Model):
+        return model_step_bytes(model, top_k)
     total = 0
     seen: set[int] = set()
     for mod in model.modules():
-        if isinstance(mod, QuantExperts):
-            per = mod.nbytes / mod.num_experts
-            total += int(per * top_k)
-            seen.update(id(t) for g in mod.groups for k in g.gate_up + g.down for t in k.tensors())
-            continue
         if type(mod).__name__ == "Qwen3_5MoeExperts":
             b = sum(p.numel() * p.element_size() for p in mod.parameters(recurse=False))
             total += b * top_k // mod.num_experts
             seen.update(id(p) for p in mod.parameters(recurse=False))
-        if isinstance(mod, QuantEmbedding):
-            total += mod.nbytes // mod.num_embeddings
-            continue
         if isinstance(mod, torch.nn.Embedding):
-            total += mod.weight[0].numel() * mod.weight.element_size()
-            seen.add(id(mod.weight))
-            continue
-        kern = getattr(mod, "kernel", None)
-        if kern is not None:
-            total += kern.nbytes
+            total += _nbytes(mod.weight[0])  # one row; a head tied to it still reads all of it
             continue
         for p in mod.parameters(recurse=False):
             if id(p) not in seen:
                 seen.add(id(p))
-                total += p.numel() * p.element_size()
+                total += _nbytes(p)
     return total
+
+
+def model_step_bytes(model: Model, top_k: int) -> int:
+    """Weight bytes one decode step of quantkit's `Model` reads, as loaded: per layer its norms, its mixer's
+    kernels and vectors (attention q/k norm scales; Gated DeltaNet conv taps, A, dt bias, gated-norm
+    weight), the router, the shared expert's kernels and top_k / num_experts of the routed experts' bytes;
+    then one embedding row, the final norm and the whole head (read in full even where it is tied to the
+    embedding). A tensor held by two of these counts once."""
+    seen: set[int] = set()
+
+    def once(t: torch.Tensor) -> int:
+        if id(t) in seen:
+            return 0
+        seen.add(id(t))
+        return _nbytes(t)
+
+    def kernel(k: Any) -> int:  # a Kernel's nbytes is its tensors'
+        return sum(once(t) for t in k.tensors())
+
+    total = 0
+    for L in model.layers:
+        m, moe = L.mixer, L.moe
+        total += once(L.pre) + once(L.post)
+        if isinstance(m, Attention):
+            total += sum(kernel(k) for k in (m.q, m.k, m.v, m.o)) + once(m.qk_scale)
+        else:
+            total += sum(kernel(k) for k in (m.qkv, m.z, m.b, m.a, m.out))
+            total += sum(once(t) for t in (m.conv_taps, m.neg_a, m.dt_bias, m.norm_w))
+        total += once(moe.router_w)
+        total += sum(kernel(k) for k in (moe.shared_gate, moe.shared_up, moe.shared_down, moe.shared_sigmoid))
+        ex: QuantExperts = moe.experts
+        total += ex.nbytes * top_k // ex.num_experts
+    emb = model.embed
+    if isinstance(emb, QuantEmbedding):
+        total += emb.nbytes // emb.num_embeddings
+    else:
+        total += _nbytes(emb[0])
+    return total + once(model.final) + model.head.nbytes
 
 
 def run_one(mode: str, folder: Path, prompt_len: int, decode: int, reps: int,
@@ -170,29 +211,24 @@ def run_one(mode: str, folder: Path, prompt_len: int, decode: int, reps: int,
         torch.set_num_threads(threads)
 
     t0 = time.perf_counter()
-    if mode.startswith("transformers"):
+    if mode == "transformers":
         import transformers
         from transformers import Qwen3_5MoeForCausalLM
 
         transformers.logging.set_verbosity_error()
-        if mode == "transformers+conv":
-            linear_attn.install(recurrent=False)  # the conv fix alone: the fair reference
-        elif mode == "transformers+linattn":
-            linear_attn.install()  # every Gated DeltaNet replacement the quantkit runtime uses
         model = Qwen3_5MoeForCausalLM.from_pretrained(str(folder), dtype=torch.bfloat16, local_files_only=True).eval()
         routes = {"transformers": 1}
     else:
-
         rt = load_model(folder, verify="quick")
         model, routes = rt.model, rt.report.routes
     load_s = time.perf_counter() - t0
-    cfg = model.config
+    cfg = text_config(model)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, min(cfg.vocab_size, 768), (prompt_len,), generator=g).tolist()
     best_p = best_d = 0.0
     median_d, toks = 0.0, []
     for _ in range(reps):
-        t_pre, steps, toks = _timed(model, prompt, decode, lean=not mode.startswith("transformers"))
+        t_pre, steps, toks = _timed(model, prompt, decode)
         best_p = max(best_p, prompt_len / t_pre)
         if len(steps) / sum(steps) > best_d:
             best_d = len(steps) / sum(steps)
@@ -208,13 +244,20 @@ def run_one(mode: str, folder: Path, prompt_len: int, decode: int, reps: int,
     return {"mode": mode, "prefill_tok_s": best_p, "decode_tok_s": best_d, "decode_median_step_tok_s": median_d,
             "peak_rss": rss, "rss_after": rss_after, "load_s": load_s, "weight_bytes_per_step": wbytes, "cache_bytes_per_step": cbytes,
             "step_bytes": wbytes + cbytes, "probe_gbs": round(probe, 2), "routes": routes, "threads": torch.get_num_threads(), "tokens": toks,
-            "table": _table()}
+            "table": _table(), "step_route": model.route.name if isinstance(model, Model) else "transformers"}
+
+
+def text_config(model: Any) -> Any:
+    """The text config of a quantkit `Model` (the planner's TextConfig) or of a transformers model: the
+    fields the bytes and prompts read (vocab_size, num_experts_per_tok, layer_types, head sizes) are named
+    alike in both."""
+    return model.cfg.text if isinstance(model, Model) else model.config
 
 
 def decode_bytes(model: Any, prompt_len: int, decode: int) -> tuple[int, int]:
     """(weight bytes, cache bytes) one decode step of this run reads: top_k experts per layer, the caches at
     the mean filled length of `decode` steps after a `prompt_len` prompt."""
-    cfg = model.config
+    cfg = text_config(model)
     return step_bytes(model, cfg.num_experts_per_tok), cache_bytes_per_step(cfg, prompt_len + decode // 2)
 
 
@@ -256,14 +299,21 @@ def planner_estimate(folder: Path, recipe: Any, bandwidth: float, prompt_len: in
             "runtime_decode_tok_s": p.runtime_speed.decode_tok_s if p.runtime_speed else None}
 
 
+# the paths layer_overhead times: quantkit's model on its torch route and on the kernel's fused ops
+OVERHEAD_PATHS = (("torch", False), ("fused", True))
+OVERHEAD_LABELS = {"torch": "quantkit's model, torch route",
+                   "fused": "quantkit's model, the kernel's fused ops per layer"}
+
+
 def layer_overhead(config: dict[str, Any], rounds: int = 3) -> dict[str, dict[str, float]]:
-    """Per-layer decode cost besides the weight reads, ms, for transformers' forward, the lean step's torch
-    route and the lean step with the kernel's fused ops (`time_layer_ops`: kernels stubbed, routed experts
-    apart), in interleaved rounds, the best of each."""
+    """Per-layer decode cost besides the weight reads, ms, for quantkit's model on its torch route and on
+    the kernel's fused ops (`time_layer_ops`: kernels stubbed, routed experts apart), in interleaved rounds,
+    the best of each. transformers' forward is not timed: stubbing its kernels layer by layer took the
+    patches the runtime no longer has."""
     best: dict[str, dict[str, float]] = {}
     for _ in range(rounds):
-        for path, lean, fused in (("transformers", False, False), ("lean-torch", True, False), ("lean", True, True)):
-            lo = time_layer_ops(config, lean=lean, fused=fused)
+        for path, fused in OVERHEAD_PATHS:
+            lo = time_layer_ops(config, fused=fused)
             cur = {**lo.ops_s, "shell": lo.shell_s}
             prev = best.get(path)
             best[path] = cur if prev is None else {k: min(prev[k], v) for k, v in cur.items()}
@@ -298,7 +348,7 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
     recipes = sorted({CONFIGS[n][1] or "bf16" for n in names if CONFIGS[n][0] == "quantkit"})
     calibrations = []
     cal_s = 0.0  # not part of the timed runs
-    log("per-layer overhead: transformers' forward vs the lean step (kernels stubbed)")
+    log("per-layer overhead: quantkit's model, torch route vs the kernel's fused ops (kernels stubbed)")
     if threads:
         torch.set_num_threads(threads)
     overhead = layer_overhead(json.loads((src / "config.json").read_text()))
@@ -398,19 +448,17 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
     return d
 
 
-REFERENCE = "transformers-bf16+conv"  # plain transformers with only its broken-slow conv replaced
-PLAIN = "transformers-bf16"
+REFERENCE = "transformers-bf16"  # plain transformers from_pretrained in bf16, its own forward and cache
 PLANNER_TOLERANCE = 0.25
 SPEEDUP_TARGET = 2.0
 BOUND_TARGET = 0.6  # int4 decode as a share of the read-bandwidth bound (issue 12)
 
 
 def add_ratios(rows: dict[str, dict[str, Any]]) -> None:
-    """Each row's decode tok/s over the two transformers references and as a share of the bandwidth bound
+    """Each row's decode tok/s over the transformers reference and as a share of the bandwidth bound
     (the best probe of the run; and the probe read right after the row's kept decode), and the planner's
     error (estimate / measured - 1), in place."""
     base = rows.get(REFERENCE, {}).get("decode_tok_s")
-    plain = rows.get(PLAIN, {}).get("decode_tok_s")
     for r in rows.values():
         if "decode_tok_s" not in r:
             continue
@@ -418,8 +466,7 @@ def add_ratios(rows: dict[str, dict[str, Any]]) -> None:
             r["of_bound"] = r["decode_tok_s"] / r["bound_tok_s"]
         if r.get("probe_gbs") and r.get("step_bytes"):  # the probe read right after the kept round's decode
             r["of_own_probe"] = r["decode_tok_s"] * r["step_bytes"] / (r["probe_gbs"] * 1e9)
-        r["vs_transformers_conv"] = r["decode_tok_s"] / base if base else None
-        r["vs_transformers_plain"] = r["decode_tok_s"] / plain if plain else None
+        r["vs_transformers"] = r["decode_tok_s"] / base if base else None
         if r.get("planner_decode_tok_s"):
             r["planner_error"] = r["planner_decode_tok_s"] / r["decode_tok_s"] - 1
         if r.get("generic_planner_decode_tok_s"):
@@ -440,15 +487,14 @@ def profile_summary(p: Any) -> dict[str, Any]:
 
 
 def targets(rows: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The targets, judged on these rows: int4 decode >= 2x the transformers bf16 reference (the
-    conv-fixed one; plain transformers beside it), each planner estimate within 25%, and int4 decode at
-    least BOUND_TARGET of the bandwidth bound at the run's best probe (its own round's probe beside it)."""
+    """The targets, judged on these rows: int4 decode >= 2x the transformers bf16 reference, each planner
+    estimate within 25%, and int4 decode at least BOUND_TARGET of the bandwidth bound at the run's best
+    probe (its own round's probe beside it)."""
     i4 = rows.get("int4", {})
-    ratio = i4.get("vs_transformers_conv")
-    plain = i4.get("vs_transformers_plain")
+    ratio = i4.get("vs_transformers")
     errs = {n: r["planner_error"] for n, r in rows.items() if r.get("planner_error") is not None}
     return {
-        "int4_vs_transformers_bf16": ratio, "int4_vs_plain_transformers_bf16": plain,
+        "int4_vs_transformers_bf16": ratio,
         "speedup_met": None if ratio is None else ratio >= SPEEDUP_TARGET,
         "planner_errors": errs,
         "planner_within_25pct": {n: abs(e) <= PLANNER_TOLERANCE for n, e in errs.items()},
@@ -565,34 +611,33 @@ def render_md(d: dict[str, Any]) -> str:
         "",
         "![decode tok/s per configuration with planner estimate and bandwidth bound; peak RSS](bench-decode.png)",
         "",
-        "| config | prefill tok/s | decode tok/s | vs transformers bf16 (+conv fix) | vs plain transformers | "
+        "| config | prefill tok/s | decode tok/s | vs transformers bf16 | "
         "planner decode tok/s | planner error | llama.cpp-grade planner tok/s | its error | "
         "bandwidth bound tok/s | of bound | of its probe | bytes/step | peak RSS | RSS after |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, r in rows.items():
         if "error" in r:
-            out.append(f"| {name} | failed: {r['error']} | | | | | | | | | | | | | |")
+            out.append(f"| {name} | failed: {r['error']} | | | | | | | | | | | | |")
             continue
         out.append(
             f"| {name} | {_f(r['prefill_tok_s'], '{:.1f}')} | {_f(r['decode_tok_s'])} | "
-            f"{_f(r.get('vs_transformers_conv'))}x | {_f(r.get('vs_transformers_plain'), '{:.1f}')}x | "
+            f"{_f(r.get('vs_transformers'), '{:.1f}')}x | "
             f"{_f(r.get('planner_decode_tok_s'), '{:.1f}')} | {_f(r.get('planner_error'), '{:+.0%}')} | "
             f"{_f(r.get('generic_planner_decode_tok_s'), '{:.1f}')} | {_f(r.get('generic_planner_error'), '{:+.0%}')} | "
             f"{_f(r['bound_tok_s'], '{:.1f}')} | {_f(r.get('of_bound'), '{:.0%}')} | "
             f"{_f(r.get('of_own_probe'), '{:.0%}')} | "
             f"{r['step_bytes'] / 1e6:.1f} MB | {min(r.get('peak_rss_rounds') or [r['peak_rss']]) / 1e9:.2f} GB | "
             f"{_f(r['rss_after'] / 1e9) + ' GB' if r.get('rss_after') else '-'} |")
-    ratio, plain = t.get("int4_vs_transformers_bf16"), t.get("int4_vs_plain_transformers_bf16")
+    ratio = t.get("int4_vs_transformers_bf16")
     out += ["", "## Targets", ""]
     if ratio is None:
         out.append("- int4 decode vs transformers bf16: not measured in this run.")
     else:
         verdict = "met" if t["speedup_met"] else "MISSED"
         out.append(f"- int4 decode at least {SPEEDUP_TARGET:.0f}x transformers bf16: **{verdict}**, "
-                   f"{ratio:.2f}x the conv-fixed reference ({rows['int4']['decode_tok_s']:.2f} vs "
-                   f"{rows[REFERENCE]['decode_tok_s']:.2f} tok/s)"
-                   + (f"; {plain:.1f}x plain transformers ({rows[PLAIN]['decode_tok_s']:.2f} tok/s)." if plain else "."))
+                   f"{ratio:.2f}x ({rows['int4']['decode_tok_s']:.2f} vs "
+                   f"{rows[REFERENCE]['decode_tok_s']:.2f} tok/s).")
     share = t.get("int4_of_bound")
     if share is not None:
         verdict = "met" if t["bound_met"] else "MISSED"
@@ -630,14 +675,17 @@ def render_md(d: dict[str, Any]) -> str:
         out += spells.render(d["spells"]["config"], d["spells"], d["spells"]["seconds"])
     ov = d.get("layer_overhead_ms")
     if ov:
-        kinds = [k for k in ("full_attention", "linear_attention", "shell") if k in ov["lean"]]
-        out += ["", "## Per-layer decode overhead: transformers' forward vs the lean step", "",
+        first = next(iter(ov.values()))
+        kinds = [k for k in ("full_attention", "linear_attention", "shell") if k in first]
+        out += ["", "## Per-layer decode overhead: quantkit's model, torch route vs the kernel's fused ops", "",
                 "What a decode step costs besides reading the weights: `time_layer_ops` on one layer of each type "
                 "with every kernel stubbed and the routed experts timed apart (the shell: embedding, final norm, "
-                "head call and cache bookkeeping outside the layers), best of 3 interleaved rounds.", "",
+                "head call and cache bookkeeping outside the layers), best of 3 interleaved rounds. The default "
+                "route on a CPU with the kernel runs the whole stack in one call, which cannot be timed per layer; "
+                "the fused ops are what it computes layer by layer. transformers' forward is not in this table: "
+                "timing it with its kernels stubbed took patches the runtime no longer carries.", "",
                 "| path | " + " | ".join(f"{k} ms" for k in kinds) + " |", "|---|" + "---:|" * len(kinds)]
-        for path, label in (("transformers", "transformers' forward"), ("lean-torch", "lean step, torch route"),
-                            ("lean", "lean step, the kernel's fused ops (the default)")):
+        for path, label in OVERHEAD_LABELS.items():
             if path in ov:
                 out.append(f"| {label} | " + " | ".join(f"{ov[path][k]:.3f}" for k in kinds) + " |")
     cal = d.get("calibration")
@@ -672,16 +720,15 @@ def render_md(d: dict[str, Any]) -> str:
                 "kernels are compute-bound on this CPU, and each layer spends about a millisecond in small ops."]
     out += [
         "",
-        "Columns: `transformers-bf16` is plain `Qwen3_5MoeForCausalLM` in bf16 (its torch fallbacks; "
+        "Columns: `transformers-bf16` is plain `Qwen3_5MoeForCausalLM` from `from_pretrained` in bf16, its own "
+        "forward over its `DynamicCache` (its torch fallbacks; "
         + ("this CPU has AVX512-BF16, so its depthwise causal conv runs at full speed through oneDNN"
            if m.get("avx512_bf16") else
            "its depthwise causal conv goes through oneDNN's slow bf16 path on this CPU without AVX512-BF16, so it "
-           f"decodes only {rows.get(PLAIN, {}).get('decode_steps', '?')} steps in one round")
-        + "); `transformers-bf16+conv` is the same model with only that conv replaced "
-        "(quantkit/runtime/linear_attn.py; what makes transformers usable on CPUs without AVX512-BF16), the "
-        "reference the speed target is judged on; `transformers-bf16+linattn` also gets quantkit's one-token Gated DeltaNet step (the same "
-        "replacement the quantkit runtime uses), so the gap between it and a quantkit row is the runtime's own "
-        "work; `quantkit-bf16` is the quantkit runtime without quantization; the rest are uniform recipes "
+           f"decodes only {rows.get(REFERENCE, {}).get('decode_steps', '?')} steps in one round")
+        + "), the reference the speed target is judged on. The other rows are quantkit's own model "
+        "(quantkit/runtime/model/: `forward` over its `HybridCache`, one-token steps on the route chosen at load, "
+        "named per row below); `quantkit-bf16` is it without quantization; the rest are uniform recipes "
         "(every matrix in that format; router, norms and in_proj_a/b bf16) and `quality` is the default `--bits 4` recipe "
         "(experts int4, the rest int8). Bandwidth bound: bytes one decode step reads (weights as loaded, with "
         "top_k of the experts; caches read and written) over the measured read bandwidth; `of bound` is the "
@@ -697,7 +744,8 @@ def render_md(d: dict[str, Any]) -> str:
     ]
     for name, r in rows.items():
         if "routes" in r:
-            out.append(f"- {name}: " + "; ".join(f"{k} x{v}" for k, v in r["routes"].items()))
+            step = f" (one-token route {r['step_route']})" if r.get("step_route") not in (None, "transformers") else ""
+            out.append(f"- {name}{step}: " + "; ".join(f"{k} x{v}" for k, v in r["routes"].items()))
     out += ["", "Every round (decode tok/s):", ""]
     for name, r in rows.items():
         if "decode_tok_s_rounds" in r:

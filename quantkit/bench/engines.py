@@ -292,7 +292,7 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
                                      "step_bytes": step_bytes(rt.model, tc["num_experts_per_tok"]),
                                      **_errors(ref, rt.logits(probe).numpy())})
                     del rt
-                gc.collect()  # the lean decoder sits on its model (a cycle): free this engine before the next loads
+                gc.collect()  # free this engine's weights before the next one loads
             r = rows[i]
             r["decode_tps_rounds"] = r.get("decode_tps_rounds", []) + [round(d["decode_tps"], 2)]
             if d["decode_tps"] > r.get("decode_tps", 0.0):

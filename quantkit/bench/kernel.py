@@ -14,7 +14,7 @@ every route sees the same draws). Routes, one run, same threads:
 The bound: bytes of the k experts' codes and scales / read bandwidth, for the reference 37.6 GB/s (the
 best 2-thread streaming read measured on the build machine: 0.42 ms at int4 g32) and for the bandwidth measured in this run (a
 streaming read of 512 MB, same threads; other jobs on the machine lower it).
-Then one decode token's attention over 64-8192 cached tokens: the lean step's torch route against `qk.attend`.
+Then one decode token's attention over 64-8192 cached tokens: the model's torch route against `qk.attend`.
 """
 
 from __future__ import annotations
@@ -248,9 +248,10 @@ ATTENTION_TOKENS = (64, 512, 2048, 8192)
 
 def time_attention(reps: int, lengths: tuple[int, ...] = ATTENTION_TOKENS) -> list[dict[str, Any]]:
     """One decode token's attention over n cached tokens in the real model's shapes (16 query heads on 2 kv
-    heads of 256, bf16): the lean step's torch route (`decode_step.attend`) against quantkit's `qk.attend`,
-    best of `reps` interleaved passes each; [] where the kernel has no AVX512-BF16 route."""
-    from quantkit.runtime.decode_step import attend
+    heads of 256, bf16): the model's torch route (`quantkit.runtime.model.layers.attend`) against
+    quantkit's `qk.attend`, best of `reps` interleaved passes each; [] where the kernel has no AVX512-BF16
+    route."""
+    from quantkit.runtime.model.layers import attend
 
     mod = cpu_kernel.module()
     if mod is None or not cpu_kernel.bf16_available():
@@ -262,7 +263,7 @@ def time_attention(reps: int, lengths: tuple[int, ...] = ATTENTION_TOKENS) -> li
         keys = torch.randn(kv, n, hd, generator=g).to(torch.bfloat16)
         values = torch.randn(kv, n, hd, generator=g).to(torch.bfloat16)
         q = torch.randn(heads, hd, generator=g).to(torch.bfloat16)
-        routes = {"torch": lambda q=q, k=keys, v=values: attend(q.view(1, heads, 1, hd), k, v, hd ** -0.5),
+        routes = {"torch": lambda q=q, k=keys, v=values: attend(q, k, v, hd ** -0.5),
                   "qk": lambda q=q, k=keys, v=values, n=n: mod.attend(q, k, v, n, hd ** -0.5)}
         best = {name: float("inf") for name in routes}
         for _ in range(reps):
@@ -378,8 +379,9 @@ def render(d: dict[str, Any]) -> str:
             "## Attention over the cache at decode",
             "",
             "One token's attention in the real model's shapes (16 query heads on 2 kv heads of 256, bf16) over n "
-            "cached tokens: the lean step's torch route (`decode_step.attend`: transformers' eager roundings) "
-            "against quantkit's `qk.attend` (same roundings, fp32 sums in another order), best of the passes.",
+            "cached tokens: the model's torch route (`quantkit.runtime.model.layers.attend`: transformers' eager "
+            "roundings) against quantkit's `qk.attend` (same roundings, fp32 sums in another order), best of the "
+            "passes.",
             "",
             "| cached tokens | K+V MB | torch us | qk.attend us | speed-up | qk.attend GB/s |",
             "|---:|---:|---:|---:|---:|---:|",

@@ -26,25 +26,26 @@ SPLIT = 1.3  # reads spread wider than this ratio split into a slow and a fast s
 
 def poll(folder: Path, seconds: float, prompt_len: int, decode: int, threads: int | None = None) -> dict[str, Any]:
     """Samples (read before, read after, decode tok/s) from `seconds` of decoding the quantkit checkpoint
-    at `folder` through the lean step, and the bytes one step reads."""
+    at `folder` as generation decodes it (quantkit's model on the route chosen at load), and the bytes one
+    step reads."""
     import torch
 
     from quantkit.bench import read_bandwidth_gbs
-    from quantkit.bench.decode import _timed, decode_bytes
+    from quantkit.bench.decode import _timed, decode_bytes, text_config
     from quantkit.runtime import load_model
 
     if threads:
         torch.set_num_threads(threads)
     model = load_model(folder, verify="quick").model
-    cfg = model.config
+    cfg = text_config(model)
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, min(cfg.vocab_size, 768), (prompt_len,), generator=g).tolist()
-    _timed(model, prompt, decode, lean=True)  # warm-up
+    _timed(model, prompt, decode)  # warm-up
     samples = []
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         before = read_bandwidth_gbs(gib=READ_GIB, reps=3)
-        _, steps, _ = _timed(model, prompt, decode, lean=True)
+        _, steps, _ = _timed(model, prompt, decode)
         after = read_bandwidth_gbs(gib=READ_GIB, reps=3)
         samples.append({"read_before_gbs": round(before, 2), "read_after_gbs": round(after, 2),
                         "decode_tok_s": round(len(steps) / sum(steps), 2)})
