@@ -50,11 +50,28 @@ def test_linear_matches_fp32_reference(isa, spec, shape):
     parts = get_format(spec.format).quantize(w, spec)
     k = prepare(parts, spec, shape)
     assert isinstance(k, QKernel)
-    for m in (1, 3, 5, 70):  # 70 rows: chunks of 4 (2 on AVX2, 1 generic) and a remainder
+    for m in (1, 3, 5, 70):  # 70 rows: chunks of 4 (1 generic) and a remainder
         x = torch.randn(m, shape[1], generator=g)
         y = k(x)
         assert y.shape == (m, shape[0]) and y.dtype == torch.float32
         assert rel(y, reference_matmul(x, parts, spec, shape)) < TOL, (m, k.route)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+def test_a_row_gets_the_same_bits_in_any_batch(isa, spec):
+    """Rows go through a tile in chunks of up to 4 (one at a time on generic) and the remainder of 1-3 in a
+    smaller chunk; whichever chunk a row lands in, its sums are those of the one-row (decode) tile, bit for
+    bit. 40 outputs leave a partial second tile."""
+    shape = (40, 256)
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+    parts = get_format(spec.format).quantize(w, spec)
+    k = prepare(parts, spec, shape)
+    x = torch.randn(11, shape[1], generator=g)
+    alone = torch.cat([k(x[i:i + 1]) for i in range(len(x))])
+    for m in range(2, len(x) + 1):
+        assert torch.equal(k(x[:m]), alone[:m]), m
+    assert rel(alone, reference_matmul(x, parts, spec, shape)) < TOL
 
 
 @pytest.mark.parametrize("spec", [*SPECS, None], ids=[*SPEC_IDS, "bf16"])
@@ -104,9 +121,9 @@ def test_projections_on_one_input_equal_their_kernels(isa, dtype):
 @pytest.mark.parametrize("heads,kv,hd,n", [(16, 2, 256, 1), (16, 2, 256, 300), (16, 2, 256, 1500), (4, 2, 16, 9),
                                            (3, 3, 32, 17), (32, 2, 128, 64), (6, 1, 48, 5), (32, 1, 64, 40)])
 def test_decode_attention_matches_the_torch_route(isa, heads, kv, hd, n):
-    """`qk.attend` against the lean step's torch attention (transformers' eager roundings) over the first n
+    """`qk.attend` against the model's torch attention (transformers' eager roundings) over the first n
     rows of larger K/V buffers: equal but for the order of fp32 sums (1 bf16 ulp on a few outputs)."""
-    from quantkit.runtime.decode_step import attend
+    from quantkit.runtime.model.layers import attend
 
     g = torch.Generator().manual_seed(n + hd)
     cap = n + 7
@@ -114,7 +131,7 @@ def test_decode_attention_matches_the_torch_route(isa, heads, kv, hd, n):
     values = torch.randn(kv, cap, hd, generator=g).bfloat16()
     keys[:, n:], values[:, n:] = 1e4, 1e4  # rows past n must not count
     q = torch.randn(heads, hd, generator=g).bfloat16()
-    ref = attend(q.view(1, heads, 1, hd), keys[:, :n], values[:, :n], hd ** -0.5).reshape(heads, hd)
+    ref = attend(q, keys[:, :n], values[:, :n], hd ** -0.5).reshape(heads, hd)
     got = cpu_kernel.module().attend(q, keys, values, n, hd ** -0.5)
     assert got.dtype == torch.bfloat16 and got.shape == (heads, hd)
     # one bf16 ulp of the output, or of a probability that flipped times the head's largest output

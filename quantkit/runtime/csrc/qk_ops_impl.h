@@ -577,87 +577,143 @@ void tile_int8(const QMat& m, int64_t t, const QAct* a, float* out) {
 }
 
 #elif QK_AVX2
-// Activation rows per pass over a tile (ymm registers: 16): four rows spill, and measured slower for int4,
-// which dominates a prefill.
-constexpr int kRowsPerCall = 2;
+// Activation rows per pass over a tile. Without VNNI each product is a vpmaddubsw plus an add, so the
+// unpacked codes are worth sharing among as many rows as the 16 ymm registers hold: one 8-row half of the
+// tile at a time against four rows (four int16 block sums and four fp32 sums live, the codes and the
+// activation broadcasts transient). Both halves against two rows spilled under GCC and ran slower.
+constexpr int kRowsPerCall = 4;
 
-// The 16-row tile as two 8-row halves (the low and high 32 bytes of each 64-byte row of codes).
+// A running sum held in its register at this point: GCC otherwise reassociates a block's integer adds,
+// issues every vpmaddubsw first and spills their results to the stack (the tiles then ran no faster with
+// four rows than with two).
+__attribute__((always_inline)) inline void keep(__m256i& v) { asm("" : "+x"(v)); }
+
+// The MR activation rows' pointers, read once per call instead of through `a` in the inner loops.
 template <int MR>
-void tile_int4(const QMat& m, int64_t t, const QAct* a, float* out) {
-  const int64_t nb = m.k / kBlock, bpg = m.group / kBlock, ng = m.k / m.group;
-  const uint8_t* qw = m.qw + t * nb * 256;
-  const uint16_t* sc = static_cast<const uint16_t*>(m.scales) + t * ng * kTile;
-  const uint16_t* zp = m.zeros ? m.zeros + t * ng * kTile : nullptr;
+struct Rows {
+  const int8_t* q[MR];
+  const float* d[MR];
+  const int32_t* s[MR];
+  const float* ds[MR];
+};
+
+template <int MR>
+__attribute__((always_inline)) inline Rows<MR> rows_of(const QAct* a) {
+  Rows<MR> x;
+  for (int r = 0; r < MR; ++r) {
+    x.q[r] = a[r].q;
+    x.d[r] = a[r].d;
+    x.s[r] = a[r].s;
+    x.ds[r] = a[r].ds;
+  }
+  return x;
+}
+
+// One 32-block of an 8-row half against MR rows: the int32 dot of each row's codes with the block, less
+// the +8 offset (8 s_b), exact. vpmaddubsw pairs are at most 2 * 15 * 127 and a block adds 8 of them
+// (30480), so the sums stay in int16 until one vpmaddwd widens them.
+template <int MR>
+__attribute__((always_inline)) inline void int4_half_dots(const uint8_t* p, const Rows<MR>& x, int64_t b, __m256i* is) {
   const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[MR];
-    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < ng; ++g) {
-      __m256 fs[MR];
-      float zs[MR];
-      for (int r = 0; r < MR; ++r) { fs[r] = _mm256_setzero_ps(); zs[r] = 0.f; }
-      for (int64_t bb = 0; bb < bpg; ++bb) {
-        const int64_t b = g * bpg + bb;
-        const uint8_t* p = qw + b * 256 + 32 * h;
-        // 16-bit sums: each vpmaddubsw lane is at most 2 * 15 * 127 and a block adds 8 of them (30480)
-        __m256i s16[MR];
-        for (int r = 0; r < MR; ++r) s16[r] = _mm256_setzero_si256();
-        for (int c = 0; c < 4; ++c) {
-          __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c));
-          __m256i lo = _mm256_and_si256(v, mask);
-          __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-          for (int r = 0; r < MR; ++r) {
-            const int8_t* xq = a[r].q + b * kBlock + 8 * c;
-            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xq))));
-            s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xq + 4))));
-          }
-        }
-        for (int r = 0; r < MR; ++r) {
-          __m256i is = _mm256_sub_epi32(_mm256_madd_epi16(s16[r], ones), _mm256_set1_epi32(8 * a[r].s[b]));
-          fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(a[r].d[b]), fs[r]);
-          zs[r] += a[r].ds[b];
-        }
-      }
-      const __m256 s = vld16(sc + g * kTile + 8 * h);
-      for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(s, fs[r], acc[r]);
-      if (zp) {
-        const __m256 z = vld16(zp + g * kTile + 8 * h);
-        for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(z, _mm256_set1_ps(zs[r]), acc[r]);
+  __m256i s16[MR];
+  for (int c = 0; c < 4; ++c) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c));
+    const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    for (int r = 0; r < MR; ++r) {
+      const int8_t* xq = x.q[r] + b * kBlock + 8 * c;
+      const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xq)));
+      const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xq + 4)));
+      s16[r] = c ? _mm256_add_epi16(s16[r], _mm256_add_epi16(pl, ph)) : _mm256_add_epi16(pl, ph);
+      keep(s16[r]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    is[r] = _mm256_sub_epi32(_mm256_madd_epi16(s16[r], _mm256_set1_epi16(1)), _mm256_set1_epi32(8 * x.s[r][b]));
+}
+
+// Rows 8h .. 8h+7 of a 16-row int4 tile against MR activation rows, group by group: per row, the sum over
+// the group's blocks of d_b times the block's dot, times the group's scale, plus its zero times sum_b d_b s_b.
+// The fp32 operations and their order are tile_int4<1>'s, so a row gets the same bits in any batch.
+template <int MR, bool OneBlockGroups>
+__attribute__((always_inline)) inline void tile_int4_half(const QMat& m, int64_t t, const QAct* a, int h, float* out) {
+  const int64_t nb = m.k / kBlock, bpg = m.group / kBlock, ng = m.k / m.group;
+  const uint8_t* qw = m.qw + t * nb * 256 + 32 * h;
+  const uint16_t* sc = static_cast<const uint16_t*>(m.scales) + t * ng * kTile + 8 * h;
+  const uint16_t* zp = m.zeros ? m.zeros + t * ng * kTile + 8 * h : nullptr;
+  const Rows<MR> x = rows_of<MR>(a);
+  __m256 acc[MR];
+  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m256 fs[MR];
+    __m256i is[MR];
+    if (OneBlockGroups) {
+      int4_half_dots<MR>(qw + g * 256, x, g, is);
+      for (int r = 0; r < MR; ++r)
+        fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_set1_ps(x.d[r][g]), _mm256_setzero_ps());
+    } else {
+      for (int r = 0; r < MR; ++r) fs[r] = _mm256_setzero_ps();
+      for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+        int4_half_dots<MR>(qw + b * 256, x, b, is);
+        for (int r = 0; r < MR; ++r) fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_set1_ps(x.d[r][b]), fs[r]);
       }
     }
-    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * kTile + 8 * h, acc[r]);
+    const __m256 s = vld16(sc + g * kTile);
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_fmadd_ps(s, fs[r], acc[r]);
+    if (zp) {
+      const __m256 z = vld16(zp + g * kTile);
+      for (int r = 0; r < MR; ++r) {
+        float zs = 0.f;
+        for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) zs += x.ds[r][b];
+        acc[r] = _mm256_fmadd_ps(z, _mm256_set1_ps(zs), acc[r]);
+      }
+    }
   }
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * kTile + 8 * h, acc[r]);
+}
+
+template <int MR>
+void tile_int4(const QMat& m, int64_t t, const QAct* a, float* out) {
+  for (int h = 0; h < 2; ++h) {
+    if (m.group == kBlock) tile_int4_half<MR, true>(m, t, a, h, out);
+    else tile_int4_half<MR, false>(m, t, a, h, out);
+  }
+}
+
+// Rows 8h .. 8h+7 of an int8 tile against MR activation rows: back to the signed code, then
+// |w| x sign(x, w), which vpmaddubsw's u8 x s8 cannot overflow (2 * 128 * 127); the int32 dots are exact
+// and the fp32 operations tile_int8<1>'s.
+template <int MR>
+__attribute__((always_inline)) inline void tile_int8_half(const QMat& m, int64_t t, const QAct* a, int h, float* out) {
+  const int64_t nb = m.k / kBlock;
+  const uint8_t* qw = m.qw + t * nb * 512 + 32 * h;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  const Rows<MR> x = rows_of<MR>(a);
+  __m256 fs[MR];
+  for (int r = 0; r < MR; ++r) fs[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = qw + b * 512;
+    __m256i i32[MR];
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c)), flip);
+      const __m256i aw = _mm256_sign_epi8(w, w);
+      for (int r = 0; r < MR; ++r) {
+        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(x.q[r] + b * kBlock + 4 * c)), w);
+        const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
+        i32[r] = c ? _mm256_add_epi32(i32[r], d) : d;
+        keep(i32[r]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[r]), _mm256_set1_ps(x.d[r][b]), fs[r]);
+  }
+  const __m256 s = _mm256_loadu_ps(static_cast<const float*>(m.scales) + t * kTile + 8 * h);
+  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * kTile + 8 * h, _mm256_mul_ps(s, fs[r]));
 }
 
 template <int MR>
 void tile_int8(const QMat& m, int64_t t, const QAct* a, float* out) {
-  const int64_t nb = m.k / kBlock;
-  const uint8_t* qw = m.qw + t * nb * 512;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int h = 0; h < 2; ++h) {
-    __m256 fs[MR];
-    for (int r = 0; r < MR; ++r) fs[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* p = qw + b * 512 + 32 * h;
-      __m256i i32[MR];
-      for (int r = 0; r < MR; ++r) i32[r] = _mm256_setzero_si256();
-      for (int c = 0; c < 8; ++c) {
-        // back to the signed code, then |w| x sign(x, w): vpmaddubsw's u8 x s8 cannot overflow (2*128*127)
-        __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c)), flip);
-        __m256i aw = _mm256_sign_epi8(w, w);
-        for (int r = 0; r < MR; ++r) {
-          __m256i x = _mm256_set1_epi32(load_i32(a[r].q + b * kBlock + 4 * c));
-          i32[r] = _mm256_add_epi32(i32[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), ones));
-        }
-      }
-      for (int r = 0; r < MR; ++r)
-        fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[r]), _mm256_set1_ps(a[r].d[b]), fs[r]);
-    }
-    const __m256 s = _mm256_loadu_ps(static_cast<const float*>(m.scales) + t * kTile + 8 * h);
-    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * kTile + 8 * h, _mm256_mul_ps(s, fs[r]));
-  }
+  for (int h = 0; h < 2; ++h) tile_int8_half<MR>(m, t, a, h, out);
 }
 
 // One activation row (decode): both 8-row halves in one pass, so each 64-byte line of codes is used whole
@@ -805,8 +861,6 @@ void tile(const QMat& m, int64_t t, const QAct* a, int64_t rows, float* out) {
       case 1: tile_mr<1>(m, t, a + r, out + r * kTile); break;
 #if QK_TARGET >= 1
       case 2: tile_mr<2>(m, t, a + r, out + r * kTile); break;
-#endif
-#if QK_AVX512 || QK_AVXVNNI
       case 3: tile_mr<3>(m, t, a + r, out + r * kTile); break;
       case 4: tile_mr<4>(m, t, a + r, out + r * kTile); break;
 #endif
