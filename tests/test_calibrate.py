@@ -22,6 +22,7 @@ from quantkit.planner.host_costs import (
     spec_key,
 )
 from quantkit.recipe import get_recipe
+from quantkit.runtime import cpu_kernel
 from quantkit.runtime import kernels as K
 from quantkit.runtime.calibrate import (
     CAL_VOCAB,
@@ -55,8 +56,7 @@ def test_calibration_config_keeps_one_layer_of_each_type():
 def test_the_kernels_enumerated_are_the_kernels_the_loader_builds(tiny_model, recipe):
     """The composition counts, per layer, exactly the (format, shape) kernels the runtime runs."""
     from quantkit.runtime import load_model
-    from quantkit.runtime.qexperts import QuantExperts
-    from quantkit.runtime.qlinear import QuantLinear
+    from quantkit.runtime.model.layers import Attention
 
     rt = load_model(quantized(tiny_model, recipe))
     spec = spec_from_config(load_config(tiny_model / "config.json"))
@@ -64,15 +64,15 @@ def test_the_kernels_enumerated_are_the_kernels_the_loader_builds(tiny_model, re
     for t, q, shape in kernel_matrices(spec, get_recipe(recipe)):
         planned[(t.layer, (q.format if q else "bf16"), shape)] += 1
     built: Counter = Counter()
-    for L, layer in enumerate(rt.model.model.layers):
-        for m in layer.modules():
-            if isinstance(m, QuantLinear):
-                built[(L, m.format, (m.out_features, m.in_features))] += 1
-            elif isinstance(m, QuantExperts):  # one expert's pair
-                g = m.groups[0]
-                for k in (g.gate_up[0], g.down[0]):
-                    built[(L, m.format, (k.out_features, k.in_features))] += 1
-    head = rt.model.lm_head
+    for L, layer in enumerate(rt.model.layers):
+        m, moe = layer.mixer, layer.moe
+        ks = [m.q, m.k, m.v, m.o] if isinstance(m, Attention) else [m.qkv, m.z, m.b, m.a, m.out]
+        for k in [*ks, moe.shared_gate, moe.shared_up, moe.shared_down, moe.shared_sigmoid]:
+            built[(L, k.format, (k.out_features, k.in_features))] += 1
+        g = moe.experts.groups[0]  # one expert's pair
+        for k in (g.gate_up[0], g.down[0]):
+            built[(L, moe.experts.format, (k.out_features, k.in_features))] += 1
+    head = rt.model.head
     built[(None, head.format, (head.out_features, head.in_features))] += 1
     assert built == planned
 
@@ -130,20 +130,21 @@ def test_layer_ops_run_the_runtime_model_with_every_layer_type(tiny_model):
     d = lo.detail
     assert d["linear_attention"]["samples"] == 3 * 2 and d["full_attention"]["samples"] == 2
     assert d["expert_loop"]["samples"] == 4 * 2  # the experts module of every layer, timed apart
-    assert d["path"] == {"step": "lean"}  # the step generation runs
+    fused = cpu_kernel.available()
+    assert d["path"] == {"step": f"cpu-{cpu_kernel.isa_name()}-fused" if fused else "torch"}
 
 
-def test_layer_ops_can_time_transformers_forward(tiny_model):
+def test_layer_ops_can_time_the_torch_route(tiny_model):
     cfg = json.loads((tiny_model / "config.json").read_text())
-    lo = time_layer_ops(cfg, steps=2, prompt=4, lean=False)
+    lo = time_layer_ops(cfg, steps=2, prompt=4, fused=False)
     assert set(lo.ops_s) == {"linear_attention", "full_attention"} and lo.shell_s > 0 and lo.expert_loop_s > 0
-    assert lo.detail["path"] == {"step": "transformers"} and lo.detail["full_attention"]["samples"] == 2
+    assert lo.detail["path"] == {"step": "torch"} and lo.detail["full_attention"]["samples"] == 2
 
 
-@pytest.mark.parametrize("lean", [True, False])
-def test_layer_ops_exclude_the_routed_experts_module(tiny_model, monkeypatch, lean):
+@pytest.mark.parametrize("fused", [True, False])
+def test_layer_ops_exclude_the_routed_experts_module(tiny_model, monkeypatch, fused):
     """Slow routed experts (here: 20 ms of sleep per decode call) land in `expert_loop_s`, not in the layers'
-    ops, on the lean step and on transformers' forward alike."""
+    ops, on the fused and the torch routes alike."""
     import time as _time
 
     from quantkit.runtime.qexperts import QuantExperts
@@ -156,7 +157,7 @@ def test_layer_ops_exclude_the_routed_experts_module(tiny_model, monkeypatch, le
         return one(self, *a, **k)
 
     monkeypatch.setattr(QuantExperts, "_forward_one", slow)
-    lo = time_layer_ops(cfg, steps=2, prompt=4, lean=lean)
+    lo = time_layer_ops(cfg, steps=2, prompt=4, fused=fused)
     assert lo.expert_loop_s >= 0.02
     assert all(v < 0.02 for v in lo.ops_s.values())
 

@@ -1,4 +1,4 @@
-"""The decode route is visible: `generate --json` carries {"isa", "table", "fused_ops", "one_call"}, chat's
+"""The decode route is visible: `generate --json` carries {"name", "isa", "table", "fused_ops", "one_call"}, chat's
 /stats and the serve start line name it, and it follows QUANTKIT_CPU_ISA (forced in a fresh process, as a
 user sets it)."""
 
@@ -27,25 +27,26 @@ def test_generate_json_names_the_route(tiny_model, capsys, monkeypatch):
                              capsys, monkeypatch)
     assert code == 0, err
     route = json.loads(out)["route"]
-    assert set(route) == {"isa", "table", "fused_ops", "one_call"}
+    assert set(route) == {"name", "isa", "table", "fused_ops", "one_call"}
     if cpu_kernel.available():
-        assert route["isa"] == cpu_kernel.isa() and route["table"] == cpu_kernel.module().table()
+        table = cpu_kernel.module().table()
+        assert route["isa"] == cpu_kernel.isa() and route["table"] == table
         assert route["fused_ops"] is True and route["one_call"] is True  # the tiny model is all on the CPU
+        assert route["name"] == f"cpu-{table}-stack"
     else:
-        assert route == {"isa": "none", "table": "none", "fused_ops": False, "one_call": False}
+        assert route == {"name": "torch", "isa": "none", "table": "", "fused_ops": False, "one_call": False}
 
 
-def test_lean_decode_off_is_torch_ops(tiny_model):
-    rt = load_model(tiny_model, recipe="int4")
-    rt.lean_decode = False
+def test_the_torch_route_is_torch_ops(tiny_model):
+    rt = load_model(tiny_model, recipe="int4", forced_route="torch")
     assert rt.route()["fused_ops"] is False and rt.route()["one_call"] is False
-    assert rt.route_line().endswith("torch ops")
+    assert rt.route_line().endswith("torch ops") and rt.route_line().startswith("route torch:")
 
 
 def test_chat_stats_names_the_route(tiny_model):
     rt = load_model(tiny_model, recipe="int4")
     _chat, out = run_chat(rt, ["hello", "/stats"], SamplingParams(temperature=0, max_new_tokens=3))
-    assert rt.route_line() in out and "CPU route: " in out
+    assert rt.route_line() in out and "route " in out
 
 
 @pytest.mark.parametrize("level", ["avx2", "generic"])
@@ -59,5 +60,6 @@ def test_forced_isa_shows_in_the_route(tiny_model, level):
                         "--json", "--no-think"], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHONPATH": str(ROOT), "QUANTKIT_CPU_ISA": level})
     assert p.returncode == 0, p.stderr
-    want = {"isa": level, "table": cpu_kernel.best_table(level), "fused_ops": True, "one_call": True}
+    table = cpu_kernel.best_table(level)
+    want = {"name": f"cpu-{table}-stack", "isa": level, "table": table, "fused_ops": True, "one_call": True}
     assert json.loads(p.stdout)["route"] == want

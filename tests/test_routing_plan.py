@@ -267,8 +267,8 @@ def test_runtime_loads_non_contiguous_expert_sets(tiny_model):
     cpu = Placement(["cpu"] * 4, [[("cpu", ids) for _d, ids in groups] for groups in pl.experts])
     q = quantized(tiny_model, "quality")
     rt = load_model(q, placement=cpu)
-    for L, layer in enumerate(rt.model.model.layers):
-        groups = layer.mlp.experts.groups
+    for L, layer in enumerate(rt.model.layers):
+        groups = layer.moe.experts.groups
         assert [g.ids for g in groups] == [ON_GPU[L], [x for x in range(8) if x not in ON_GPU[L]]]
         assert [str(g.device) for g in groups] == ["cpu", "cpu"]
     whole = load_model(q, placement=Placement.single(4, 8))

@@ -7,7 +7,6 @@ import threading
 
 import pytest
 import torch
-from transformers import Qwen3_5MoeTextConfig
 
 from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.channels import StreamingDetokenizer
@@ -19,19 +18,31 @@ from test_runtime_common import one_thread, quantized, run_cli  # noqa: F401
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-class Scripted(torch.nn.Module):
+class _Count:
+    """A cache that only counts tokens (what the loop reads of one)."""
+
+    n = 0
+
+    def snapshots(self, _ids, taken):
+        assert not taken
+        return []
+
+
+class Scripted:
     """Stands in for the model in loop tests: its logits force a given token sequence."""
 
     def __init__(self, script: list[int], vocab: int):
-        super().__init__()
         self.script, self.vocab, self.step = script, vocab, 0
-        self.config = Qwen3_5MoeTextConfig(num_hidden_layers=1, layer_types=["full_attention"])
 
-    def forward(self, input_ids, cache=None, use_cache=True, logits_to_keep=1):
-        logits = torch.full((1, 1, self.vocab), -10.0)
-        logits[0, 0, self.script[min(self.step, len(self.script) - 1)]] = 10.0
+    def new_cache(self, capacity: int = 0) -> _Count:
+        return _Count()
+
+    def forward(self, ids, cache, all_logits=False, keep_positions=False):
+        logits = torch.full((self.vocab,), -10.0)
+        logits[self.script[min(self.step, len(self.script) - 1)]] = 10.0
         self.step += 1
-        return type("Out", (), {"logits": logits})()
+        cache.n += len(ids)
+        return logits
 
 
 def run_script(tok, text_think: str, text_answer: str, stop: bool = True, **kw):

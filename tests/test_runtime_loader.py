@@ -12,8 +12,8 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.runtime import Placement, load_model
+from quantkit.runtime.kernels import Kernel
 from quantkit.runtime.qexperts import QuantExperts
-from quantkit.runtime.qlinear import QuantLinear
 
 from conftest import one_line_error
 from test_runtime_common import one_thread, quantized, run_cli  # noqa: F401
@@ -21,17 +21,15 @@ from test_runtime_common import one_thread, quantized, run_cli  # noqa: F401
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_quantized_modules_replace_transformers_ones(tiny_model):
+def test_every_matrix_is_a_kernel_of_its_recipe_format(tiny_model):
     q = quantized(tiny_model, "quality")
     rt = load_model(q)
     m = rt.model
-    assert not [n for n, p in m.named_parameters() if p.device.type == "meta"]
-    layer0, layer3 = m.model.layers[0], m.model.layers[3]
-    for lin in (layer0.linear_attn.in_proj_qkv, layer0.linear_attn.out_proj, layer3.self_attn.q_proj,
-                layer3.self_attn.o_proj, layer0.mlp.shared_expert.down_proj, m.lm_head):
-        assert isinstance(lin, QuantLinear) and lin.format == "int8"
-    assert all(isinstance(layer.mlp.experts, QuantExperts) and layer.mlp.experts.format == "int4"
-               for layer in m.model.layers)
+    layer0, layer3 = m.layers[0], m.layers[3]
+    for k in (layer0.mixer.qkv, layer0.mixer.out, layer3.mixer.q, layer3.mixer.o, layer0.moe.shared_down, m.head):
+        assert isinstance(k, Kernel) and k.format == "int8"
+    assert all(isinstance(layer.moe.experts, QuantExperts) and layer.moe.experts.format == "int4"
+               for layer in m.layers)
     from quantkit.runtime import cpu_kernel
 
     # quantkit's CPU kernel where it is built (tests/test_cpu_kernel.py), else torch's packed ops
@@ -69,7 +67,7 @@ def test_expert_split_placement_gives_the_same_logits(tiny_model):
     whole = load_model(q, placement=Placement.single(4, 8)).logits(ids)
     split = Placement(["cpu"] * 4, [[("cpu", [0, 2, 4, 6]), ("cpu", [1, 3, 5, 7])] for _ in range(4)])
     rt = load_model(q, placement=split)
-    assert [len(g.groups) for g in (layer.mlp.experts for layer in rt.model.model.layers)] == [2, 2, 2, 2]
+    assert [len(layer.moe.experts.groups) for layer in rt.model.layers] == [2, 2, 2, 2]
     assert torch.equal(rt.logits(ids), whole)
 
 
@@ -120,7 +118,7 @@ def _refuse_loading(monkeypatch):
     def boom(*_a, **_k):
         raise AssertionError("loading started")
 
-    monkeypatch.setattr(loader, "build_skeleton", boom)
+    monkeypatch.setattr(loader, "build_model", boom)
 
 
 def test_plan_that_does_not_fit_is_refused_before_loading(tiny_model, tmp_path, capsys, monkeypatch):
@@ -170,9 +168,9 @@ def test_quantized_embedding_and_lm_head(tiny_model):
 
     for recipe in ("int4", "nf4", "mxfp4", "int8"):
         rt = load_model(quantized(tiny_model, recipe))
-        assert isinstance(rt.model.model.embed_tokens, QuantEmbedding)
+        assert isinstance(rt.model.embed, QuantEmbedding)
         ids = torch.tensor([[1, 5, 700]])
-        e = rt.model.model.embed_tokens(ids)
+        e = rt.model.embed(ids)
         assert e.shape == (1, 3, 64) and torch.isfinite(e).all()
 
 

@@ -32,10 +32,6 @@ def rt(request, tiny_model):
     return r
 
 
-def dev(rt) -> torch.device:
-    return torch.device(rt.placement.embedding)
-
-
 def conversation(turns: int, tools: bool) -> list[list[dict]]:
     """The message lists a client sends, turn by turn (each assistant reply canned so both runs agree)."""
     msgs: list[dict] = [{"role": "system", "content": "You are a terminal. Answer with the output."}]
@@ -61,8 +57,8 @@ def test_reuse_equals_full_prefill_over_turns(rt, thinking, tools):
     for t, msgs in enumerate(conversation(11, tools)):
         ids = rt.encode(rt.render(msgs, TOOLS if tools else None, thinking))
         with torch.inference_mode():
-            warm = prefill(rt.model, ids, dev(rt), prefix_cache=cache, boundary_ids=rt.boundary_ids)
-            cold = prefill(rt.model, ids, dev(rt), boundary_ids=rt.boundary_ids)
+            warm = prefill(rt.model, ids, prefix_cache=cache, boundary_ids=rt.boundary_ids)
+            cold = prefill(rt.model, ids, boundary_ids=rt.boundary_ids)
         assert torch.equal(warm.logits, cold.logits), f"turn {t}: logits differ"
         reused.append(warm.cached_tokens)
         if t:  # everything up to the start of the last answer comes from the cache
@@ -102,7 +98,7 @@ def test_greedy_output_with_reuse_eviction_and_edits(rt):
     one = PrefixCache(1 << 30)
     with torch.inference_mode():
         ids = rt.encode(rt.render([{"role": "user", "content": "x"}]))
-        prefill(rt.model, ids, dev(rt), prefix_cache=one, boundary_ids=rt.boundary_ids)
+        prefill(rt.model, ids, prefix_cache=one, boundary_ids=rt.boundary_ids)
     small = greedy_turns(rt, int(one.nbytes * 1.5) + 40_000)
     assert [r.token_ids for r in small] == [r.token_ids for r in ref]
     # an edited first message: a miss (answered as without reuse), then reuse resumes
@@ -143,8 +139,8 @@ def test_boundary_prefill_within_bound_of_one_shot(rt):
     ids = rt.encode(rt.render(msgs, TOOLS, True))
     assert len(prefill_plan(ids, 0, rt.boundary_ids, 512)) > 5
     with torch.inference_mode():
-        cut = prefill(rt.model, ids, dev(rt), boundary_ids=rt.boundary_ids).logits.float()
-        whole = prefill(rt.model, ids, dev(rt)).logits.float()
+        cut = prefill(rt.model, ids, boundary_ids=rt.boundary_ids).logits.float()
+        whole = prefill(rt.model, ids).logits.float()
     assert int(cut.argmax()) == int(whole.argmax())
     assert (cut - whole).abs().max() / whole.abs().max() < 2e-2
 
@@ -179,7 +175,8 @@ def test_prefix_cache_lru_bytes_and_proper_prefix():
 
 
 def test_planned_snapshot_bytes_match_the_cache(rt):
-    """The plan's prompt-cache budget (2 snapshots = one conversation) is what the runtime's cache holds."""
+    """The plan's prompt-cache budget (2 snapshots = one conversation, their KV shared, up to the context) is
+    what the runtime's cache holds when the longest snapshot fills the context."""
     from quantkit.model.spec import parse_text_config, spec_from_config
     from quantkit.planner.budget import RunSettings, compute_budget
     from quantkit.recipe import get_recipe
@@ -188,10 +185,11 @@ def test_planned_snapshot_bytes_match_the_cache(rt):
     msgs = conversation(3, False)[-1]
     ids = rt.encode(rt.render(msgs))
     with torch.inference_mode():
-        prefill(rt.model, ids, dev(rt), prefix_cache=cache, boundary_ids=rt.boundary_ids)
+        prefill(rt.model, ids, prefix_cache=cache, boundary_ids=rt.boundary_ids)
     assert len(cache) == 2
+    longest = max(s.length for s in cache.snapshots())
     spec = spec_from_config(rt.config)
-    b = compute_budget(spec, get_recipe("bf16"), RunSettings(context=len(ids), prompt_cache_snapshots=2))
+    b = compute_budget(spec, get_recipe("bf16"), RunSettings(context=longest, prompt_cache_snapshots=2))
     assert b.prompt_cache == cache.nbytes
     from quantkit.planner.budget import snapshot_bytes
-    assert snapshot_bytes(parse_text_config(rt.config), len(ids)) == cache.snapshots()[0].nbytes()
+    assert snapshot_bytes(parse_text_config(rt.config), longest) == max(s.nbytes() for s in cache.snapshots())

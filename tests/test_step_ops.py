@@ -1,6 +1,6 @@
-"""The lean decode step's fused ops (csrc/qk_step.cpp), on every op table the CPU can run (generic, AVX2,
+"""The model's fused one-token ops (csrc/qk_step.cpp), on every op table the CPU can run (generic, AVX2,
 AVX512, AVX512-BF16: conftest.kernel_table), against the torch ops they replace
-(runtime/decode_step.py), at the real model's sizes (hidden 2048, Gated DeltaNet 16 k-heads / 32 v-heads
+(runtime/model/layers.py), at the real model's sizes (hidden 2048, Gated DeltaNet 16 k-heads / 32 v-heads
 x 128 with a 4-tap conv, 16 q / 2 kv heads x 256 with a quarter of each head rotated, 256 experts, top 8).
 
 Bounds: the ops keep torch's dtypes and bf16 roundings; their fp32 sums run in another order and their
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.runtime import cpu_kernel
-from quantkit.runtime.decode_step import ConvWindow, _Linear, _rotate, attend, linear_core, rms
+from quantkit.runtime.model.layers import Attention, DeltaNet, rms
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernel is not built on this machine")
 
@@ -81,14 +81,14 @@ def test_route(qk, experts):
     _close(wts, want, 1 / 8)
 
 
-def _linear_layer(seed: int) -> tuple[_Linear, dict[str, torch.Tensor]]:
+def _linear_layer(seed: int) -> tuple[DeltaNet, dict[str, torch.Tensor]]:
     hk, hv, dk, dv, taps = 16, 32, 128, 128, 4
     g = torch.Generator().manual_seed(seed)
     c = 2 * hk * dk + hv * dv
     w = torch.randn(c, taps, generator=g) * 0.5
-    m = _Linear(None, None, None, None, None, [w[:, j].contiguous() for j in range(taps)],
-                -torch.rand(hv, generator=g) * 4 - 0.1, (torch.rand(hv, generator=g) + 0.5).to(torch.bfloat16),
-                (1 + torch.randn(dv, generator=g) * 0.1).to(torch.bfloat16), hk * dk, hv * dv, hk, hv, dk, dv)
+    m = DeltaNet(None, None, None, None, None, w.t().contiguous(), -torch.rand(hv, generator=g) * 4 - 0.1,
+                 (torch.rand(hv, generator=g) + 0.5).to(torch.bfloat16).float(),
+                 (1 + torch.randn(dv, generator=g) * 0.1).to(torch.bfloat16), hk, hv, dk, dv, 1e-6)
     inputs = {"qkv": _bf16(1, c, seed=seed + 1), "z": _bf16(1, hv * dv, seed=seed + 2),
               "b": _bf16(1, hv, seed=seed + 3), "a": _bf16(1, hv, seed=seed + 4),
               "conv": _bf16(1, c, taps, scale=0.5, seed=seed + 5),
@@ -98,14 +98,14 @@ def _linear_layer(seed: int) -> tuple[_Linear, dict[str, torch.Tensor]]:
 
 def test_gdn_step_matches_the_torch_route(qk):
     m, inp = _linear_layer(20)
-    state_t, state_k = inp["state"].clone(), inp["state"].clone()
-    conv_t, conv_k = ConvWindow(inp["conv"].clone()), ConvWindow(inp["conv"].clone())
+    state_t, state_k = inp["state"][0].clone(), inp["state"][0].clone()
+    conv_t, conv_k = inp["conv"][0].t().contiguous(), inp["conv"][0].t().contiguous()  # [K, C], as the cache holds it
     for step in range(3):  # the conv window and the state carry over between tokens
         qkv, z, b, a = (_bf16(*inp[k].shape, seed=100 * step + i) for i, k in enumerate(("qkv", "z", "b", "a")))
-        want = linear_core(m, 1e-6, qkv, z, b, a, conv_t, state_t)
-        got = qk.gdn_step(qkv, z, b, a, conv_k.rows, m.conv_taps, m.neg_a, m.dt_bias_f, m.norm_wf, True,
-                          state_k.view(m.hv, m.dk, m.dv), m.hk, 1e-6)
-        assert torch.equal(conv_k.rows, conv_t.rows)  # the window shift is exact
+        want, _ = m.core(qkv, z, b, a, conv_t, state_t)
+        got = qk.gdn_step(qkv, z, b, a, conv_k, m.conv_taps, m.neg_a, m.dt_bias, m.norm_wf, True, state_k, m.hk,
+                          1e-6)
+        assert torch.equal(conv_k, conv_t)  # the window shift is exact
         _close(got, want, SHARE)
         err = float((state_k - state_t).norm() / state_t.norm())
         assert err < 1e-5, err  # fp32 state: sums in another order only
@@ -120,13 +120,8 @@ def test_attn_step_matches_the_torch_route(qk):
     keys, values = _bf16(kv, cap, hd, seed=34), _bf16(kv, cap, hd, seed=35)
     kc, vc = keys.clone(), values.clone()
     got = qk.attn_step(qo, ko, vo, qk_scale, cos, sin, kc, vc, n, hd ** -0.5, 1e-6)
-    # the torch route (LeanDecoder._attention, dynamic KV)
-    qg = qo.view(heads, 2 * hd)
-    q, gate = qg[:, :hd], qg[:, hd:]
-    nq = _rotate(rms(torch.cat([q, ko.view(kv, hd)]), qk_scale, 1e-6), cos.view(1, -1), sin.view(1, -1), rot)
-    keys[:, n], values[:, n] = nq[heads:], vo.view(kv, hd)
-    out = attend(nq[:heads].view(1, heads, 1, hd), keys[:, :n + 1], values[:, :n + 1], hd ** -0.5)
-    want = out.reshape(1, -1) * torch.sigmoid(gate.reshape(1, -1))
+    m = Attention(None, None, None, None, qk_scale, heads, kv, hd, rot, 1e-6)
+    want = m.core(qo, ko, vo, keys, values, n, cos.view(1, -1), sin.view(1, -1))  # the torch route
     _close(kc[:, n], keys[:, n], SHARE)  # normalised and rotated k
     assert torch.equal(vc, values)
     _close(got, want, SHARE)
@@ -137,7 +132,7 @@ def test_bad_inputs_are_one_line_errors(qk):
     st = inp["state"].view(m.hv, m.dk, m.dv)
     with pytest.raises(RuntimeError, match="qk_gdn_step: shapes do not match the layer"):
         qk.gdn_step(inp["qkv"][:, :-16], inp["z"], inp["b"], inp["a"], inp["conv"][0].t().contiguous(), m.conv_taps,
-                    m.neg_a, m.dt_bias_f, m.norm_wf, True, st, m.hk, 1e-6)
+                    m.neg_a, m.dt_bias, m.norm_wf, True, st, m.hk, 1e-6)
     with pytest.raises(RuntimeError, match="qk_rms: scale must be contiguous fp32 with 2048 values"):
         qk.rms(_bf16(1, H), torch.ones(H - 1), 1e-6)
     with pytest.raises(RuntimeError, match="qk_add_rms: x must be a contiguous bf16 CPU tensor"):
@@ -152,7 +147,7 @@ def test_bad_inputs_are_one_line_errors(qk):
 
 def test_layer_stack_misuse_is_one_line_errors(qk):
     """qk.Layers (the one-call stack; its results are checked against the per-layer route in
-    tests/test_decode_step.py): wrong tables and a layer without its MoE block are errors, not crashes."""
+    tests/test_model_forward.py): wrong tables and a layer without its MoE block are errors, not crashes."""
     m, inp = _linear_layer(41)
     st = inp["state"].view(m.hv, m.dk, m.dv)
     one = torch.zeros(1, 8, dtype=torch.int64)
@@ -169,9 +164,9 @@ def test_layer_stack_misuse_is_one_line_errors(qk):
         stack.set_moe(torch.zeros(4, 8, dtype=torch.int64), one, torch.zeros(4, 2, 8, dtype=torch.int64), 2)
     with pytest.raises(RuntimeError, match=r"in_proj table must be an int64 \[4, 8\]"):
         stack.add_gdn(torch.ones(H), torch.ones(H), 1e-6, one, one, inp["conv"][0].t().contiguous(), m.conv_taps,
-                      m.neg_a, m.dt_bias_f, m.norm_wf, True, st, m.hk)
+                      m.neg_a, m.dt_bias, m.norm_wf, True, st, m.hk)
     stack.add_gdn(torch.ones(H), torch.ones(H), 1e-6, torch.zeros(4, 8, dtype=torch.int64), one,
-                  inp["conv"][0].t().contiguous(), m.conv_taps, m.neg_a, m.dt_bias_f, m.norm_wf, True, st, m.hk)
+                  inp["conv"][0].t().contiguous(), m.conv_taps, m.neg_a, m.dt_bias, m.norm_wf, True, st, m.hk)
     with pytest.raises(RuntimeError, match="a layer has no MoE block"):
         stack.run(_bf16(1, H), _bf16(64), _bf16(64), 0)
     with pytest.raises(RuntimeError, match="top_k must be in 1..4"):

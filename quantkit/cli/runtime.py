@@ -61,6 +61,8 @@ def _load(model: str, plan: Path | None, recipe: str | None, context: int | None
     with err_console.status(f"loading {model}") as st:
         rt = load_model(model, plan=plan, recipe=recipe, context=context, verify=verify,
                         progress=lambda m: st.update(f"loading {model}: {m}"))
+    for note in rt.report.notes:  # e.g. a forced route this machine cannot run, and the one used instead
+        err_console.print(note, highlight=False, markup=False)
     return rt
 
 

@@ -29,8 +29,9 @@ off) keeps snapshots of the hybrid cache at message boundaries, so a prompt that
 prefilled only past the longest cached prefix, bit-exact with a full prefill; `resp.cached_tokens` counts the
 reused tokens, `rt.prompt_cache.summary()` the cache.
 
-Modules: kernels (per-format matmuls and their dequantize-then-matmul reference), qlinear
-(QuantLinear), qexperts (QuantExperts), loader (load_model, Placement), generate (prefill and sampling loop,
+Modules: model (quantkit's own Qwen3.5-MoE: spec, hybrid cache, layers, the forward, its one-token route),
+kernels (per-format matmuls and their dequantize-then-matmul reference), qexperts (QuantExperts), loader
+(load_model, Placement), generate (prefill and sampling loop,
 GenerationResponse, TokenEvent), state_cache (snapshots of the hybrid cache, the prefix LRU), engine
 (Runtime), chat (the interactive loop), session_file (chat --session files), worlds (AgentWorld domain
 system prompts).

@@ -14,14 +14,13 @@ Two measurements, each in isolation, on random weights of the model's real dimen
   cycling over the copies (each call reads its experts from DRAM, as in a model); the best of `passes`
   passes, per call. Formats the runtime does not fuse (its `_fused_table` says) get no entry: the
   planner then composes their 2 x top_k kernel calls (host_costs).
-- layer ops: the runtime's own model (transformers' skeleton filled by quantkit's loader) with one
-  layer of each type, the real expert count and a small vocabulary, every kernel call replaced by a
-  stub that returns zeros and the experts' fused call switched off (else bf16 experts on an
-  AVX512-BF16 CPU would run a real `qk.moe` over the untouched weights); matrices are `torch.empty`
-  (never touched, so no memory). Decode steps run the path generation runs (the lean step of
-  quantkit.runtime.decode_step unless QUANTKIT_LEAN_DECODE=0, else transformers' forward) and are timed
-  per decoder layer and per routed-experts call: a layer's ops exclude its routed experts, whose time
-  (the unfused loop's small ops, kernels stubbed) is `expert_loop_s`; the rest of a step is the shell.
+- layer ops: the runtime's own model (runtime/model/, built by quantkit's loader) with one layer of each
+  type, the real expert count and a small vocabulary, every kernel call replaced by a stub that returns
+  zeros and the experts' fused call switched off (else bf16 experts on an AVX512-BF16 CPU would run a real
+  `qk.moe` over the untouched weights); matrices are `torch.empty` (never touched, so no memory). Decode
+  steps run layer by layer on the kernel's fused ops (the one-call stack cannot run stubbed kernels) and
+  are timed per decoder layer and per routed-experts call: a layer's ops exclude its routed experts, whose
+  time (the unfused loop's small ops, kernels stubbed) is `expert_loop_s`; the rest of a step is the shell.
   The greedy argmax
   over the real vocabulary is timed on its own.
 """
@@ -53,9 +52,9 @@ from quantkit.planner.host_costs import (
     shape_key,
 )
 from quantkit.recipe import Recipe
-from quantkit.runtime import decode_step, hugepages, linear_attn
+from quantkit.runtime import hugepages
 from quantkit.runtime import kernels as K
-from quantkit.runtime.loader import LoadReport, Placement, TensorSource, build_skeleton, populate
+from quantkit.runtime.loader import LoadReport, Placement, TensorSource, build_model
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 
 ROW_CAP = 16384
@@ -244,18 +243,6 @@ class LayerOps:
     detail: dict[str, Any]  # spreads and the path timed, for the report
 
 
-def _timing_hooks(mod: torch.nn.Module, i: int, start: list[float], took: list[float]) -> list[Any]:
-    """Forward hooks that store `mod`'s forward seconds in took[i]."""
-
-    def pre(*_a: Any, **_k: Any) -> None:
-        start[i] = time.perf_counter()
-
-    def post(*_a: Any, **_k: Any) -> None:
-        took[i] = time.perf_counter() - start[i]
-
-    return [mod.register_forward_pre_hook(pre, prepend=True), mod.register_forward_hook(post)]
-
-
 def _spread(v: list[float]) -> dict[str, Any]:
     return {"median_ms": round(median(v) * 1e3, 4), "min_ms": round(min(v) * 1e3, 4),
             "max_ms": round(max(v) * 1e3, 4), "samples": len(v)}
@@ -264,39 +251,23 @@ def _spread(v: list[float]) -> dict[str, Any]:
 Steps = Iterator[tuple[list[float], list[float], float]]  # per step: layer seconds, their experts', the step's
 
 
-def _transformers_steps(model: Any, cache: Any, steps: int, _prompt: int) -> Steps:
-    """Decode steps through transformers' forward."""
-    layers = model.model.layers
-    n = len(layers)
-    start, took = [0.0] * (2 * n), [0.0] * (2 * n)  # [layer i, experts of layer i at n + i]
-    handles = []
-    for i, layer in enumerate(layers):
-        handles += _timing_hooks(layer, i, start, took)
-        handles += _timing_hooks(layer.mlp.experts, n + i, start, took)
-    try:
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            model(input_ids=torch.zeros(1, 1, dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
-            yield took[:n], took[n:], time.perf_counter() - t0
-    finally:
-        for h in handles:
-            h.remove()
+class _TimedLayer:
+    """A layer that stores its seconds per call in took[index] (the model calls layers, nothing else)."""
 
+    def __init__(self, layer: Any, took: list[float]):
+        self.layer, self.took, self.device = layer, took, layer.device
 
-def _lean_steps(model: Any, cache: Any, steps: int, prompt: int, fused: bool = True) -> Steps:
-    """Decode steps through the lean step generation uses (quantkit.runtime.decode_step); `fused`: with
-    the kernel's fused ops where the CPU takes them (the default), else its torch route."""
-    dec = decode_step.LeanDecoder(model, fused_ops=fused)
-    dec.begin(cache, prompt + steps + 1)
-    n = len(dec.layers)
-    took, experts = [0.0] * n, [0.0] * n
-    layer = dec._layer
-
-    def timed(L: Any, *args: Any) -> torch.Tensor:
+    def __call__(self, *args: Any) -> torch.Tensor:
         t0 = time.perf_counter()
-        y = layer(L, *args)
-        took[L.index] = time.perf_counter() - t0
+        y = self.layer(*args)
+        self.took[self.layer.index] = time.perf_counter() - t0
         return y
+
+
+def _steps(model: Any, steps: int, prompt: int) -> Steps:
+    """Decode steps of `model` (its route already chosen), timed per layer and per routed-experts call."""
+    n = len(model.layers)
+    took, experts = [0.0] * n, [0.0] * n
 
     def timed_routed(i: int, routed: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def run(*args: Any) -> torch.Tensor:
@@ -306,46 +277,36 @@ def _lean_steps(model: Any, cache: Any, steps: int, prompt: int, fused: bool = T
             return y
         return run
 
-    for L in dec.layers:
+    cache = model.new_cache(prompt + steps + 1)
+    model.forward([0] * prompt, cache)
+    for L in model.layers:
         L.moe.routed = timed_routed(L.index, L.moe.routed)  # type: ignore[method-assign]
-    dec._layer = timed  # type: ignore[method-assign]
-    try:
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            dec.step(torch.zeros(1, 1, dtype=torch.long))
-            yield took, experts, time.perf_counter() - t0
-    finally:
-        dec.end()
+    model.layers = [_TimedLayer(L, took) for L in model.layers]
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        model.forward([0], cache)
+        yield took, experts, time.perf_counter() - t0
 
 
-def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8, lean: bool | None = None,
-                   fused: bool = True) -> LayerOps:
+def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8, fused: bool = True) -> LayerOps:
     """Per layer type, seconds of one decode step with kernels stubbed and the routed experts apart; the
-    experts' own (unfused) ops; and the shell's seconds. `lean`: time the step generation runs
-    (quantkit.runtime.decode_step, unless QUANTKIT_LEAN_DECODE=0 when None), else transformers' forward;
-    `fused=False` times the lean step's torch route instead of its fused ops."""
-    from transformers import DynamicCache
-
+    experts' own (unfused) ops; and the shell's seconds. The step runs per layer as generation's route does
+    where it cannot be one call (the kernel's fused ops on the CPU); `fused=False` times the torch route."""
     cal = calibration_config(config)
     spec = spec_from_config(cal, name="calibration")
     c = spec.config
-    linear_attn.install()
-    model = build_skeleton(cal)
     src = RandomSource(spec)
     with hugepages.off():  # its matrices stay untouched `torch.empty`: no copies that would fault them in
-        populate(model, src, Placement.single(c.num_hidden_layers, c.num_experts), LoadReport())
-    model.eval()
+        model = build_model(src, cal, Placement.single(c.num_hidden_layers, c.num_experts), LoadReport())
     n = c.num_hidden_layers
     per_layer: list[list[float]] = [[] for _ in range(n)]
     loop: list[float] = []
     shell: list[float] = []
-    use_lean = decode_step.enabled_by_env() if lean is None else lean
     with _StubbedKernels(), torch.inference_mode():
-        cache = DynamicCache(config=model.config)
-        model(input_ids=torch.zeros(1, prompt, dtype=torch.long), cache=cache, use_cache=True, logits_to_keep=1)
-        steps_run = (_lean_steps(model, cache, steps + 4, prompt, fused) if use_lean
-                     else _transformers_steps(model, cache, steps + 4, prompt))
-        for s, (took, experts, total) in enumerate(steps_run):
+        for L in model.layers:
+            L.moe.fused_all = False  # the fused call would read the untouched weights
+        route = model.set_route("fused" if fused else "torch")
+        for s, (took, experts, total) in enumerate(_steps(model, steps + 4, prompt)):
             if s < 4:
                 continue  # warm-up
             for i in range(n):
@@ -358,7 +319,7 @@ def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8, lea
     detail: dict[str, Any] = {t: _spread(v) for t, v in by_type.items()}
     detail["shell"] = {"median_ms": round(median(shell) * 1e3, 4), "samples": len(shell)}
     detail["expert_loop"] = _spread(loop)
-    detail["path"] = {"step": "lean" if use_lean else "transformers"}
+    detail["path"] = {"step": route.name}
     return LayerOps({t: median(v) for t, v in by_type.items()}, median(shell), median(loop), detail)
 
 

@@ -11,13 +11,11 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_json_bounded
-from quantkit.runtime import cpu_kernel, decode_step
 from quantkit.runtime.devices import available_bytes
 from quantkit.runtime.generate import (
     GenerationResponse,
     SamplingParams,
     TokenEvent,
-    lean_decoder,
     stream_tokens,
 )
 from quantkit.runtime.safe_prompt import render_ids
@@ -26,11 +24,10 @@ from quantkit.runtime.state_cache import PrefixCache
 AUTO_CACHE_FRACTION = 4  # the default prompt cache takes 1/4 of the free memory of the states' device
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from quantkit.planner.placement import Plan
     from quantkit.recipe import Recipe
     from quantkit.runtime.loader import LoadReport, Placement
+    from quantkit.runtime.model.model import Model
 
 
 def load_tokenizer(folder: Path) -> Any:
@@ -86,7 +83,7 @@ def generation_defaults(folder: Path) -> dict[str, Any]:
 class Runtime:
     """A model ready to generate. Built by `quantkit.runtime.load_model`."""
 
-    def __init__(self, model: nn.Module, folder: Path, config: dict[str, Any], placement: Placement, report: LoadReport,
+    def __init__(self, model: Model, folder: Path, config: dict[str, Any], placement: Placement, report: LoadReport,
                  recipe: Recipe | None = None, plan: Plan | None = None):
         self.model = model
         self.folder = folder
@@ -107,9 +104,6 @@ class Runtime:
         self._lock = threading.Lock()
         self.last: GenerationResponse | None = None
         self.last_prompt_ids: list[int] = []
-        # one-token decode steps through quantkit.runtime.decode_step (False: transformers' forward)
-        self.lean_decode = decode_step.enabled_by_env()
-        self.cuda_graphs: bool | None = None  # the lean step through a CUDA graph (None: QUANTKIT_CUDA_GRAPHS)
 
     # ---- facts ----
     @property
@@ -121,18 +115,15 @@ class Runtime:
         return self.placement.devices()
 
     def route(self) -> dict[str, Any]:
-        """The decode route of the CPU part of the model: {"isa": generic|avx2|avx512 (or none), "table",
-        "fused_ops", "one_call"} (`LeanDecoder.route`; both False where lean decode is off)."""
-        dec = lean_decoder(self.model, self.lean_decode, self.cuda_graphs)
-        if dec is None:
-            return {"isa": cpu_kernel.isa(), "table": cpu_kernel.isa_name(), "fused_ops": False, "one_call": False}
-        return dec.route()
+        """The one-token route chosen at load (runtime/model/route.py): {"name", "isa": generic|avx2|avx512
+        (or none), "table", "fused_ops", "one_call"}."""
+        return self.model.route.describe()
 
     def route_line(self) -> str:
         """The route in a few words, for logs and /stats."""
         r = self.route()
         how = "one call per token" if r["one_call"] else "fused ops per layer" if r["fused_ops"] else "torch ops"
-        return f"CPU route: {r['table']} kernel ({r['isa']}), {how}"
+        return f"route {r['name']}: {r['table'] or 'no'} CPU kernel ({r['isa']}), {how}"
 
     def memory(self) -> dict[str, int]:
         """Resident weight bytes per device (what the loader placed)."""
@@ -203,8 +194,7 @@ class Runtime:
             for e in stream_tokens(self.model, self.tokenizer, ids, sampling=sampling, stop_ids=stops,
                                    context=self.context, devices=self._io_devices(), thinking=thinking,
                                    think_ids=self.think_ids, cancel=ev, prefix_cache=self.prompt_cache,
-                                   boundary_ids=self.boundary_ids, lean=self.lean_decode,
-                                   graphs=self.cuda_graphs):
+                                   boundary_ids=self.boundary_ids):
                 if e.response is not None:
                     self.last = e.response
                 yield e
@@ -226,9 +216,10 @@ class Runtime:
 
     @torch.inference_mode()
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """Full-sequence logits [B, T, V] (no cache), for evaluation."""
-        dev = torch.device(self.placement.embedding)
-        return self.model(input_ids=ids.to(dev), use_cache=False).logits.float()
+        """Full-sequence logits [B, T, V] in fp32, each row from a fresh cache, for evaluation."""
+        rows = [self.model.forward(row.tolist(), self.model.new_cache(row.numel()), all_logits=True).float()
+                for row in ids]
+        return torch.stack(rows)
 
 
 class _AnyEvent:

@@ -41,39 +41,28 @@ def _capture_layers(ref: Any, ids: torch.Tensor) -> list[dict[str, Any]]:
     return rec
 
 
-def _cast(x: Any, dtype: torch.dtype) -> Any:
-    if isinstance(x, torch.Tensor) and x.is_floating_point():
-        return x.to(dtype)
-    if isinstance(x, tuple):
-        return tuple(_cast(v, dtype) for v in x)
-    if isinstance(x, dict):
-        return {k: _cast(v, dtype) for k, v in x.items()}
-    return x
-
-
-def layer_errors(runtime_model: Any, ref: Any, ids: torch.Tensor) -> list[float]:
-    """Relative error of each layer's update with the reference's expert choice held fixed."""
+def layer_errors(model: Any, ref: Any, ids: torch.Tensor) -> list[float]:
+    """Relative error of each layer of quantkit's `model` (runtime/model/) on the reference's input, with the
+    reference's expert choice held fixed; each sequence of `ids` [B, T] from a fresh cache."""
     rec = _capture_layers(ref, ids)
+    b, t = ids.shape
+    cos, sin = model._rope_rows(torch.arange(t), torch.bfloat16)
     errs = []
-    for i, layer in enumerate(runtime_model.model.layers):
+    for i, layer in enumerate(model.layers):
         r = rec[i]
-        logits, scores, idx = r["router"]
-
-        def force(_m, _a, _out, logits=logits, scores=scores, idx=idx):
-            return logits.to(torch.bfloat16), scores.to(torch.bfloat16), idx
-
-        h = layer.mlp.gate.register_forward_hook(force)
-        try:
-            with torch.inference_mode():
-                args = _cast(r["args"], torch.bfloat16)
-                kwargs = _cast({k: v for k, v in r["kwargs"].items() if k != "cache"}, torch.bfloat16)
-                out = layer(*args, **kwargs)
-        finally:
-            h.remove()
-        out = out[0] if isinstance(out, tuple) else out
+        _logits, scores, idx = r["router"]
         x_in = r["args"][0] if r["args"] else r["kwargs"]["hidden_states"]
+        outs = []
+        with torch.inference_mode():
+            for row in range(b):
+                rows = slice(row * t, (row + 1) * t)
+                layer.moe.route = lambda _h, _ops, s=scores[rows], d=idx[rows]: (s.to(torch.bfloat16).float(), d)
+                try:
+                    outs.append(layer(x_in[row].to(torch.bfloat16), model.new_cache(t), cos, sin, None))
+                finally:
+                    del layer.moe.route
         d_ref = (r["out"] - x_in).float()
-        d_q = out.float() - x_in.float()
+        d_q = torch.stack(outs).float() - x_in.float()
         errs.append(float((d_q - d_ref).norm() / d_ref.norm()))
     return errs
 

@@ -6,9 +6,8 @@ peak memory per device, finish reason). Prompt tok/s = prompt tokens / prefill s
 tok/s = tokens after the first / seconds of the decode steps that produced them (the first token comes
 from the prefill's logits, as mlx-lm and llama.cpp count it).
 
-Prefill is transformers' forward; the one-token decode steps after it run through
-quantkit.runtime.decode_step's `LeanDecoder` on the cache the prefill filled (same math, a fraction of
-the per-layer cost), unless QUANTKIT_LEAN_DECODE=0 or `Runtime.lean_decode` is False.
+Prefill and decode are one forward (quantkit.runtime.model): the prompt in chunks, then one token per step,
+over one `HybridCache` sized for the prompt and the tokens the generation may reach.
 
 Channels ("thinking" and "answer") are decided by token id in quantkit.runtime.channels, the one place
 a generation is split; the tags themselves are not part of either text.
@@ -26,17 +25,11 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK
-from quantkit.runtime import decode_step
 from quantkit.runtime.channels import ANSWER, THINKING, ChannelSplitter
 from quantkit.runtime.devices import release_free_heap
-from quantkit.runtime.state_cache import (
-    PrefixCache,
-    capture_linear,
-    prefill_plan,
-    restore,
-    snapshot_points,
-    take,
-)
+from quantkit.runtime.model.cache import HybridCache
+from quantkit.runtime.model.model import Model
+from quantkit.runtime.state_cache import PrefixCache, prefill_plan, snapshot_points
 
 PREFILL_CHUNK = DEFAULT_PREFILL_CHUNK  # the chunk the planner sizes the activation buffers for
 
@@ -166,71 +159,47 @@ def peak_memory(devices: list[str]) -> dict[str, int]:
     return out
 
 
-def _forward(model: Any, ids: torch.Tensor, cache: Any) -> torch.Tensor:
-    out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
-    return out.logits[0, -1]
-
-
-def lean_decoder(model: Any, lean: bool | None, graphs: bool | None = None) -> decode_step.LeanDecoder | None:
-    """The model's `LeanDecoder` (built once, kept on the model) when lean decode is on (`lean`, or
-    QUANTKIT_LEAN_DECODE when None) and the model is a loaded Qwen3.5-MoE; None means transformers' forward.
-    `graphs`: through a CUDA graph (None: QUANTKIT_CUDA_GRAPHS); a model not on one CUDA device is refused."""
-    if not (decode_step.enabled_by_env() if lean is None else lean) or not decode_step.supports(model):
-        return None
-    want = decode_step.graphs_by_env(model) if graphs is None else bool(graphs)
-    if graphs and not decode_step.on_cuda(model):
-        raise QuantkitError("CUDA-graph decode needs the model on a CUDA device; this placement puts its "
-                            "layers on the CPU (load it without cuda_graphs)")
-    dec = getattr(model, "_quantkit_lean", None)
-    if dec is None or dec.cuda_graphs != want:
-        dec = decode_step.LeanDecoder(model, cuda_graphs=want)
-        model._quantkit_lean = dec
-    return dec
-
-
 @dataclass
 class Prefill:
-    cache: Any
+    cache: HybridCache
     logits: torch.Tensor | None  # None when cancelled before the last chunk
     cached_tokens: int
 
 
-def prefill(model: Any, prompt_ids: list[int], dev: torch.device, *, prefix_cache: PrefixCache | None = None,
+def prefill(model: Model, prompt_ids: list[int], *, capacity: int = 0, prefix_cache: PrefixCache | None = None,
             boundary_ids: frozenset[int] = frozenset(), cancel: Any = None) -> Prefill:
     """Restore the longest cached prefix of `prompt_ids` (if any), prefill the rest chunk by chunk on the
     boundary-aligned plan (quantkit.runtime.state_cache), and store snapshots at the last boundaries
-    passed. A set `cancel` stops between chunks; the snapshots already passed are kept."""
-    from transformers import DynamicCache
-
+    passed. `capacity`: the positions the cache is made for (at least the prompt). A set `cancel` stops
+    between chunks; the snapshots already passed are kept."""
     snap = prefix_cache.lookup(prompt_ids) if prefix_cache is not None else None
-    cache = restore(snap, model.config) if snap is not None else DynamicCache(config=model.config)
+    room = max(capacity, len(prompt_ids))
+    cache = (HybridCache.from_snapshot(snap, model.cfg, model.layer_devices, model.dtype, room) if snap is not None
+             else model.new_cache(room))
     start = snap.length if snap is not None else 0
     points = set(snapshot_points(prompt_ids, start, boundary_ids, prefix_cache.keep)) \
         if prefix_cache is not None and prefix_cache.enabled else set()
-    ids = torch.tensor([prompt_ids], dtype=torch.long, device=dev)
-    logits, captured = None, []
+    logits, taken = None, []
     for a, b in prefill_plan(prompt_ids, start, boundary_ids, PREFILL_CHUNK):
         if cancel is not None and cancel.is_set():
             logits = None
             break
-        logits = _forward(model, ids[:, a:b], cache)
+        logits = model.forward(prompt_ids[a:b], cache)
         if b in points:
-            captured.append((b, capture_linear(cache)))
-    for b, lin in captured:
+            taken.append((b, cache.linear_copies()))
+    for snap in cache.snapshots(prompt_ids, taken):
         assert prefix_cache is not None
-        prefix_cache.put(take(cache, prompt_ids[:b], lin))
+        prefix_cache.put(snap)
     return Prefill(cache, logits, start)
 
 
-def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling: SamplingParams,
+def stream_tokens(model: Model, tokenizer: Any, prompt_ids: list[int], *, sampling: SamplingParams,
                   stop_ids: set[int], context: int, devices: list[str], thinking: bool,
                   think_ids: tuple[int | None, int | None] = (None, None),
                   cancel: threading.Event | None = None, prefix_cache: PrefixCache | None = None,
-                  boundary_ids: frozenset[int] = frozenset(), lean: bool | None = None,
-                  graphs: bool | None = None) -> Iterator[TokenEvent]:
+                  boundary_ids: frozenset[int] = frozenset()) -> Iterator[TokenEvent]:
     """Generate from `prompt_ids` (already rendered by the chat template). See the module docstring;
-    `prefix_cache` and `boundary_ids` as in `prefill`; `lean` as in `lean_decoder` (one-token steps
-    through quantkit.runtime.decode_step instead of transformers' forward)."""
+    `prefix_cache` and `boundary_ids` as in `prefill`."""
     sampling.validate()
     n_prompt = len(prompt_ids)
     if n_prompt == 0:
@@ -239,14 +208,14 @@ def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling
         raise QuantkitError(f"the prompt is {n_prompt} tokens; the context holds {context} "
                             "(shorten it, or run with a larger --context)")
     gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-    dev = torch.device(devices[0]) if devices else torch.device("cpu")
     split = ChannelSplitter(tokenizer, think_ids, thinking)
     generated: list[int] = []
     finish = "length"
     t_dec = 0.0
     with torch.inference_mode():
         t0 = time.perf_counter()
-        pre = prefill(model, prompt_ids, dev, prefix_cache=prefix_cache, boundary_ids=boundary_ids, cancel=cancel)
+        pre = prefill(model, prompt_ids, capacity=min(context, n_prompt + sampling.max_new_tokens),
+                      prefix_cache=prefix_cache, boundary_ids=boundary_ids, cancel=cancel)
         cache, logits = pre.cache, pre.logits
         t_pre = time.perf_counter() - t0
         if n_prompt - pre.cached_tokens >= TRIM_AFTER_PREFILL:
@@ -254,35 +223,25 @@ def stream_tokens(model: Any, tokenizer: Any, prompt_ids: list[int], *, sampling
         budget = min(sampling.max_new_tokens, context - n_prompt) if logits is not None else 0
         if logits is None:
             finish = "cancelled"
-        dec = lean_decoder(model, lean, graphs) if budget > 1 else None
-        if dec is not None:
-            dec.begin(cache, n_prompt + budget)
-        try:
-            for i in range(budget):
-                if cancel is not None and cancel.is_set():
-                    finish = "cancelled"
-                    break
-                hook = sampling.hook
-                tok = sample(logits if hook is None else hook.process(logits), sampling, gen)
-                info = None if hook is None else hook.accept(tok)
-                generated.append(tok)
-                if tok in stop_ids:
-                    finish = "stop"
-                    break
-                channel, delta = split.feed(tok)
-                yield TokenEvent(delta, tok, channel, i, cached_tokens=pre.cached_tokens, info=info)
-                if i == budget - 1:
-                    finish = "length" if budget == sampling.max_new_tokens else "context"
-                    break
-                t1 = time.perf_counter()
-                if dec is not None:
-                    logits = dec.step(tok)  # the id itself: a tensor made for it is a cold torch op per token
-                else:
-                    logits = _forward(model, torch.tensor([[tok]], dtype=torch.long, device=dev), cache)
-                t_dec += time.perf_counter() - t1
-        finally:
-            if dec is not None:
-                dec.end()  # conv states back into the cache, buffers released (also when the consumer stops)
+        for i in range(budget):
+            if cancel is not None and cancel.is_set():
+                finish = "cancelled"
+                break
+            hook = sampling.hook
+            tok = sample(logits if hook is None else hook.process(logits), sampling, gen)
+            info = None if hook is None else hook.accept(tok)
+            generated.append(tok)
+            if tok in stop_ids:
+                finish = "stop"
+                break
+            channel, delta = split.feed(tok)
+            yield TokenEvent(delta, tok, channel, i, cached_tokens=pre.cached_tokens, info=info)
+            if i == budget - 1:
+                finish = "length" if budget == sampling.max_new_tokens else "context"
+                break
+            t1 = time.perf_counter()
+            logits = model.forward([tok], cache)
+            t_dec += time.perf_counter() - t1
     n_gen = len(generated)
     steps = max(0, n_gen - 1) if finish != "cancelled" else n_gen
     resp = GenerationResponse(

@@ -67,6 +67,7 @@ class Kernel:
     """One prepared matrix. Call with x [M, in] (any float dtype) -> [M, out] in x's dtype."""
 
     route: str = "?"
+    format: str = "bf16"  # the stored format (the loader sets it)
     out_features: int
     in_features: int
     device: torch.device

@@ -1,5 +1,5 @@
-"""Loading a checkpoint onto a placement: transformers' skeleton on the meta device, quantized modules
-swapped in, each tensor read from safetensors straight onto the device the plan names.
+"""Loading a checkpoint onto a placement: quantkit's model (runtime/model/) built tensor by tensor, each read
+from safetensors straight onto the device the plan names and prepared there.
 
 Flow of `load_model(path, plan=None)`:
 1. config.json: a quantkit output (quantization_config.quant_method == "quantkit") must have a version
@@ -9,14 +9,13 @@ Flow of `load_model(path, plan=None)`:
 2. Placement: from a plan file (`quantkit plan --out`; its fingerprint must match this model and it
    must fit the detected hardware, checked before anything is read) or planned on the spot for the
    detected hardware with `quantkit.planner.placement.solve`.
-3. `Qwen3_5MoeForCausalLM(text_config)` is built on the meta device (no memory). Every projection of
-   attention, linear attention, the shared expert and lm_head becomes a `QuantLinear`; every
-   `mlp.experts` a `QuantExperts` with one group per device. Each tensor is read alone (experts: one
-   slab of the ids a device holds, via safetensors' `get_slice`), prepared once by
-   `runtime.kernels.prepare` on its device and assigned; the whole model never sits in RAM twice: shards are
-   read with plain reads (no memory map left behind; a folder above a quarter of RAM has its page cache dropped
-   first and leaves none behind) and the heap's freed temporaries go back to the system as the load goes.
-   Published names `model.language_model.X` map onto the CausalLM's `model.X`.
+3. `build_model`: every projection of attention, linear attention, the shared expert and lm_head becomes a
+   `Kernel` of its format; every layer's routed experts a `QuantExperts` with one group per device. Each
+   tensor is read alone (experts: one slab of the ids a device holds, via safetensors' `get_slice`) and
+   prepared once by `runtime.kernels.prepare` on its device; the whole model never sits in RAM twice: shards
+   are read with plain reads (no memory map left behind; a folder above a quarter of RAM has its page cache
+   dropped first and leaves none behind) and the heap's freed temporaries go back to the system as the load
+   goes. Then the one-token route is chosen (runtime/model/route.py).
 """
 
 from __future__ import annotations
@@ -27,10 +26,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-from torch import nn
 
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_text_bounded
@@ -38,21 +36,21 @@ from quantkit.formats import QuantSpec, get_format
 from quantkit.model.checkpoint import Checkpoint, resolve_model
 from quantkit.model.contract import read_quant_config
 from quantkit.model.quantized import QuantizedFolder
-from quantkit.model.spec import load_config, spec_from_config, text_config_dict
+from quantkit.model.spec import TextConfig, load_config, spec_from_config
 from quantkit.planner.fit import check_plan, hardware_here, plan_here
 from quantkit.planner.hardware import Hardware
 from quantkit.planner.placement import Plan, contiguous_runs
 from quantkit.quantize.verify import verify_folder
 from quantkit.recipe import Recipe, decide, get_recipe
-from quantkit.runtime import linear_attn
+from quantkit.runtime import cpu_kernel
 from quantkit.runtime.devices import available_bytes, check_device_exists, release_free_heap
 from quantkit.runtime.engine import Runtime
-from quantkit.runtime.kernels import Kernel, prepare, slice_parts
+from quantkit.runtime.kernels import Kernel, QBf16Kernel, prepare, slice_parts
+from quantkit.runtime.model.experts import GatheredExperts
+from quantkit.runtime.model.layers import Attention, DeltaNet, Layer, MoE
+from quantkit.runtime.model.model import Model
+from quantkit.runtime.model.spec import ModelConfig, model_config
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
-from quantkit.runtime.qlinear import QuantLinear
-
-if TYPE_CHECKING:
-    from transformers import PretrainedConfig
 
 LM = "model.language_model."
 # Experts read and prepared per step: the slab and the repacking temporaries of this many experts are what the
@@ -196,40 +194,14 @@ class LoadReport:
         self.add(k.device, k.nbytes)
 
 
-def build_skeleton(config: dict[str, Any]) -> Any:
-    """transformers' Qwen3_5MoeForCausalLM on the meta device (no weight memory)."""
-    import transformers
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
-
-    transformers.logging.set_verbosity_error()
-    cfg = Qwen3_5MoeTextConfig(**text_config_dict(config))
-    cfg._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        model = Qwen3_5MoeForCausalLM(cfg)
-    return model.eval()
-
-
-def _set_param(module: nn.Module, name: str, t: torch.Tensor) -> None:
-    mod_path, _, leaf = name.rpartition(".")
-    m = module.get_submodule(mod_path) if mod_path else module
-    m._parameters[leaf] = nn.Parameter(t, requires_grad=False)
-
-
-def _replace(module: nn.Module, path: str, new: nn.Module) -> None:
-    parent_path, _, leaf = path.rpartition(".")
-    parent = module.get_submodule(parent_path) if parent_path else module
-    setattr(parent, leaf, new)
-
-
 def _dense_dtype(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16) if t.is_floating_point() and t.dtype != torch.bfloat16 else t
 
 
-class QuantEmbedding(nn.Module):
+class QuantEmbedding:
     """Token embedding whose table is quantized: gathers the rows asked for and dequantizes only them."""
 
     def __init__(self, parts: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, int]):
-        super().__init__()
         self.num_embeddings, self.embedding_dim = shape
         # int8/int4/mxfp4 parts are stored by rows; nf4/fp4 over the flattened matrix, whose blocks never
         # straddle two rows when the row length is a multiple of the block (the quantizer checks it)
@@ -237,7 +209,7 @@ class QuantEmbedding(nn.Module):
         self.parts = {k: v.reshape(shape[0], -1) if flat else v for k, v in parts.items()}
         self.spec, self.fmt = spec, get_format(spec.format)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to(next(iter(self.parts.values())).device)
         sub = {k: v[flat] for k, v in self.parts.items()}
         rows = self.fmt.dequantize(sub, self.spec, (flat.numel(), self.embedding_dim), torch.bfloat16)
@@ -248,30 +220,16 @@ class QuantEmbedding(nn.Module):
         return sum(v.numel() * v.element_size() for v in self.parts.values())
 
 
-def _move_hook(dev: torch.device) -> Callable:
-    def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        def mv(x: Any) -> Any:
-            if isinstance(x, torch.Tensor) and x.device != dev:
-                return x.to(dev)
-            if isinstance(x, tuple):
-                return tuple(mv(v) for v in x)
-            return x
-
-        return tuple(mv(a) for a in args), {k: mv(v) for k, v in kwargs.items()}
-
-    return hook
-
-
-def _linear_kernel(src: TensorSource, name: str, dev: str, report: LoadReport) -> QuantLinear:
+def _kernel(src: TensorSource, name: str, dev: str, report: LoadReport) -> Kernel:
     spec, shape = src.spec(name)
     parts = src.read(name, dev)
     k = prepare(parts if spec else _dense_dtype(parts), spec, shape)
-    fmt = spec.format if spec else "bf16"
-    report.add_kernel(k, fmt)
-    return QuantLinear(k, fmt)
+    k.format = spec.format if spec else "bf16"
+    report.add_kernel(k, k.format)
+    return k
 
 
-def build_experts(src: TensorSource, prefix: str, groups: list[tuple[str, list[int]]], cfg: PretrainedConfig,
+def build_experts(src: TensorSource, prefix: str, groups: list[tuple[str, list[int]]], cfg: TextConfig,
                   report: LoadReport, route: str | None = None) -> QuantExperts:
     """A layer's QuantExperts: each device group's expert slab read and prepared on that device."""
     gu_name, dn_name = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
@@ -300,60 +258,108 @@ def build_experts(src: TensorSource, prefix: str, groups: list[tuple[str, list[i
     return QuantExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, out, fmt=fmt)
 
 
-def populate(model: Any, src: TensorSource, placement: Placement, report: LoadReport,
-             progress: Callable[[str], None] | None = None, route: str | None = None) -> None:
-    """Fill the meta skeleton from `src` according to `placement`."""
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextRotaryEmbedding
+def _vector(src: TensorSource, name: str, dev: str, report: LoadReport) -> torch.Tensor:
+    t = _dense_dtype(src.read(name, dev))
+    report.add(dev, t.numel() * t.element_size())
+    return t
 
-    cfg = model.config
-    tm = model.model
-    n = cfg.num_hidden_layers
+
+def _scale(src: TensorSource, name: str, dev: str, report: LoadReport) -> torch.Tensor:
+    """A zero-centred RMSNorm's multiplier (1 + w) in fp32 (transformers computes it on every call)."""
+    return 1.0 + _vector(src, name, dev, report).float()
+
+
+def _attention(src: TensorSource, p: str, dev: str, mc: ModelConfig, report: LoadReport) -> Attention:
+    t = mc.text
+    hd = t.head_dim
+    qs, ks = _scale(src, f"{p}q_norm.weight", dev, report), _scale(src, f"{p}k_norm.weight", dev, report)
+    proj = [_kernel(src, f"{p}{n}_proj.weight", dev, report) for n in "qkvo"]
+    return Attention(*proj, torch.cat([qs.expand(t.num_attention_heads, hd), ks.expand(t.num_key_value_heads, hd)]),
+                     t.num_attention_heads, t.num_key_value_heads, hd, mc.rotary_dims, mc.rms_eps,
+                     kernel_attends=dev == "cpu" and cpu_kernel.module() is not None and hd % 16 == 0)
+
+
+def _delta_net(src: TensorSource, p: str, dev: str, mc: ModelConfig, report: LoadReport) -> DeltaNet:
+    t = mc.text
+    if src.has(f"{p}conv1d.bias"):
+        raise QuantkitError(f"{p}conv1d.bias: this model's Gated DeltaNet conv has no bias")
+    proj = [_kernel(src, f"{p}{n}.weight", dev, report)
+            for n in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")]
+    conv = _vector(src, f"{p}conv1d.weight", dev, report)  # [C, 1, K]
+    want = (mc.conv_dim, 1, t.linear_conv_kernel_dim)
+    if tuple(conv.shape) != want:
+        raise QuantkitError(f"{p}conv1d.weight has shape {list(conv.shape)}; the config says {list(want)}")
+    return DeltaNet(*proj, conv.squeeze(1).float().t().contiguous(),
+                    -_vector(src, f"{p}A_log", dev, report).float().exp(),
+                    _vector(src, f"{p}dt_bias", dev, report).float(), _vector(src, f"{p}norm.weight", dev, report),
+                    t.linear_num_key_heads, t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim,
+                    mc.rms_eps)
+
+
+def _moe(src: TensorSource, p: str, dev: str, groups: list[tuple[str, list[int]]], mc: ModelConfig,
+         report: LoadReport, route: str | None, gather: frozenset[int] | None) -> MoE:
+    rw = _vector(src, f"{p}gate.weight", dev, report)
+    router_kernel = (QBf16Kernel(rw, shared=True) if rw.dtype == torch.bfloat16 and rw.is_contiguous()
+                     and cpu_kernel.supports("bf16", tuple(rw.shape), rw.device) else None)
+    ex = build_experts(src, f"{p}experts", groups, mc.text, report, route)
+    shared = [_kernel(src, f"{p}shared_expert.{n}_proj.weight", dev, report) for n in ("gate", "up", "down")]
+    m = MoE(rw, router_kernel, mc.text.num_experts_per_tok, ex, *shared,
+            _kernel(src, f"{p}shared_expert_gate.weight", dev, report), **_expert_split(ex, gather))
+    return m
+
+
+def _expert_split(ex: QuantExperts, gather: frozenset[int] | None) -> dict[str, Any]:
+    """How a layer's experts off the CPU run at T = 1: gathered by routed id on their device where their
+    kernels allow it, else through QuantExperts' decode reading the ids on the host. `gather` names the groups
+    to gather (tests run that path on the CPU); None: those off the CPU."""
+    off = [i for i, g in enumerate(ex.groups) if (g.device.type != "cpu" if gather is None else i in gather)]
+    if not off:
+        return {}
+    if all(GatheredExperts.possible(ex.groups[i].gate_up + ex.groups[i].down) for i in off):
+        return {"gathered": [GatheredExperts(ex, i) for i in off],
+                "cpu_groups": frozenset(i for i in range(len(ex.groups)) if i not in off)}
+    return {"host_ids": True}
+
+
+def build_model(src: TensorSource, config: dict[str, Any], placement: Placement, report: LoadReport,
+                progress: Callable[[str], None] | None = None, route: str | None = None,
+                gather: frozenset[int] | None = None) -> Model:
+    """quantkit's model from `src`, each tensor on the device `placement` names."""
+    mc = model_config(config)
+    t = mc.text
+    n = t.num_hidden_layers
     if len(placement.layer_device) != n or len(placement.experts) != n:
         raise QuantkitError(f"the placement covers {len(placement.layer_device)} layers, the model has {n}")
-    # embedding
     emb_name = f"{LM}embed_tokens.weight"
     spec, shape = src.spec(emb_name)
     if spec is None:
-        w = _dense_dtype(src.read(emb_name, placement.embedding))
-        _set_param(tm, "embed_tokens.weight", w)
-        report.add(placement.embedding, w.numel() * w.element_size())
+        embed: Any = _vector(src, emb_name, placement.embedding, report)
     else:
-        qe = QuantEmbedding(src.read(emb_name, placement.embedding), spec, shape)
-        tm.embed_tokens = qe
-        report.add(placement.embedding, qe.nbytes)
-    for L, layer in enumerate(tm.layers):
-        dev = placement.layer_device[L]
+        embed = QuantEmbedding(src.read(emb_name, placement.embedding), spec, shape)
+        report.add(placement.embedding, embed.nbytes)
+    layers = []
+    for i in range(n):
+        dev = placement.layer_device[i]
         if progress:
-            progress(f"layer {L + 1}/{n}")
-        pre = f"{LM}layers.{L}."
-        linears = [nm for nm, m in layer.named_modules() if isinstance(m, nn.Linear)]
-        for nm in linears:
-            _replace(layer, nm, _linear_kernel(src, f"{pre}{nm}.weight", dev, report))
-        layer.mlp.experts = build_experts(src, f"{pre}mlp.experts", placement.experts[L], cfg, report, route)
-        for pn, p in list(layer.named_parameters()):
-            if p.device.type == "meta":
-                t = _dense_dtype(src.read(f"{pre}{pn}", dev))
-                _set_param(layer, pn, t)
-                report.add(dev, t.numel() * t.element_size())
-        layer.register_forward_pre_hook(_move_hook(torch.device(dev)), with_kwargs=True)
-    head = placement.lm_head
-    w = _dense_dtype(src.read(f"{LM}norm.weight", head))
-    _set_param(tm, "norm.weight", w)
-    report.add(head, w.numel() * w.element_size())
-    tm.norm.register_forward_pre_hook(_move_hook(torch.device(head)), with_kwargs=True)
+            progress(f"layer {i + 1}/{n}")
+        p = f"{LM}layers.{i}."
+        mixer: Attention | DeltaNet = (_delta_net(src, f"{p}linear_attn.", dev, mc, report)
+                                       if t.layer_types[i] == "linear_attention"
+                                       else _attention(src, f"{p}self_attn.", dev, mc, report))
+        pre, post = (_scale(src, f"{p}{nm}.weight", dev, report)
+                     for nm in ("input_layernorm", "post_attention_layernorm"))
+        moe = _moe(src, f"{p}mlp.", dev, placement.experts[i], mc, report, route, gather)
+        layers.append(Layer(i, torch.device(dev), pre, post, mc.rms_eps, mixer, moe))
+    head_dev = placement.lm_head
+    final = _scale(src, f"{LM}norm.weight", head_dev, report)
     if src.has("lm_head.weight"):
-        model.lm_head = _linear_kernel(src, "lm_head.weight", head, report)
-    elif cfg.tie_word_embeddings and isinstance(tm.embed_tokens, nn.Embedding):
-        w = tm.embed_tokens.weight.to(head)
-        model.lm_head = QuantLinear(prepare(w, None, tuple(w.shape), shared=w is tm.embed_tokens.weight))
+        head = _kernel(src, "lm_head.weight", head_dev, report)
+    elif t.tie_word_embeddings and isinstance(embed, torch.Tensor):
+        w = embed.to(head_dev)
+        head = prepare(w, None, tuple(w.shape), shared=w is embed)
     else:
         raise QuantkitError("the checkpoint has no lm_head.weight and the embedding is not tied")
-    rot = Qwen3_5MoeTextRotaryEmbedding(cfg)
-    tm.rotary_emb = rot.to(placement.embedding)
-    left = [nm for nm, p in model.named_parameters() if p.device.type == "meta"]
-    left += [nm for nm, b in model.named_buffers() if b.device.type == "meta"]
-    if left:
-        raise QuantkitError(f"the checkpoint lacks {left[0]}" + (f" and {len(left) - 1} more" if len(left) > 1 else ""))
+    return Model(mc, embed, layers, final, head)
 
 
 # ---- entry point ----------------------------------------------------------------------------------------
@@ -412,12 +418,10 @@ def load_plan_file(path: str | Path) -> Plan:
 def load_model(path: str | Path, plan: str | Path | Plan | None = None, *, recipe: str | None = None,
                context: int | None = None, verify: str = "auto", placement: Placement | None = None,
                progress: Callable[[str], None] | None = None, route: str | None = None,
-               cuda_graphs: bool | None = None) -> Runtime:
+               forced_route: str | None = None, gather: frozenset[int] | None = None) -> Runtime:
     """Load a quantized (or bf16) checkpoint folder into a `Runtime`. See the module docstring.
-    `cuda_graphs`: decode through a captured CUDA graph (the model must be on one CUDA device; None: the
-    QUANTKIT_CUDA_GRAPHS environment switch)."""
-
-
+    `forced_route`: a one-token route kind (runtime/model/route.py; None: QUANTKIT_ROUTE or the best);
+    `gather`: expert groups to compute as on a device (tests)."""
     t0 = time.perf_counter()
     folder = resolve_model(path)
     if not folder.is_dir():
@@ -425,6 +429,7 @@ def load_model(path: str | Path, plan: str | Path | Plan | None = None, *, recip
     config = load_config(folder / "config.json")
     qc = read_quant_config(folder, config)
     spec = spec_from_config(config, name=folder.name, source=str(folder / "config.json"))
+    model_config(config, str(folder / "config.json"))  # a config this model cannot compute: one line, nothing read
     if qc is not None:
         if recipe:
             raise QuantkitError(f"{folder} is already quantized ({qc.get('recipe', {}).get('name', '?')}); "
@@ -462,15 +467,12 @@ def load_model(path: str | Path, plan: str | Path | Plan | None = None, *, recip
     else:
         src = OnTheFlySource(Checkpoint.open(folder), rec)
 
-    linear_attn.install()
-    model = build_skeleton(config)
     try:
-        populate(model, src, placement, report, progress, route)
+        model = build_model(src, config, placement, report, progress, route, gather)
     finally:
         src.close()
     release_free_heap()
+    model.set_route(forced_route, report.notes)
     report.seconds = time.perf_counter() - t0
-    rt = Runtime(model, folder, config, placement, report, recipe=rec, plan=plan_obj)
-    rt.cuda_graphs = cuda_graphs
-    return rt
+    return Runtime(model, folder, config, placement, report, recipe=rec, plan=plan_obj)
 

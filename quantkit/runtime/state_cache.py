@@ -1,18 +1,13 @@
 """Snapshots of the hybrid cache (attention KV + Gated DeltaNet states) keyed by token prefix, and a
 byte-bounded LRU of them, so that a conversation is never prefilled twice.
 
-A qwen3_5_moe cache (transformers' `DynamicCache`) holds, per full-attention layer, keys and values that
-grow with the sequence, and per linear-attention layer a fixed conv state and recurrent state that are
-updated IN PLACE. An attention KV can be cut back to any length; a recurrent state cannot be rolled back.
-So a `Snapshot` of the state after the tokens `ids` keeps:
-- for each linear-attention layer, COPIES of its conv and recurrent states (taken when the prefill passes
-  that position: `capture_linear`);
-- for each attention layer, the keys and values sliced to `len(ids)`. transformers' `DynamicLayer.update`
-  grows them by `torch.cat` (a new tensor each step), never in place, so these slices are views that no
-  later forward can change, and several snapshots of one prefill share one storage.
-`restore` builds a fresh cache from a snapshot: new copies of the linear states (the decode step writes
-into them) and the KV views. Nothing of a snapshot is ever handed out to be written, so two requests that
-start from one snapshot never share a state.
+The model's cache (runtime/model/cache.py `HybridCache`) holds, per full-attention layer, keys and values
+filled up to its length, and per linear-attention layer a conv state and a recurrent state updated IN PLACE.
+An attention KV can be cut back to any length; a recurrent state cannot be rolled back. So a `Snapshot` of
+the state after the tokens `ids` is a COPY of every layer's state, taken when the prefill passes that position
+(`HybridCache.snapshot`): per linear-attention layer conv [1, C, K] and recurrent [1, Hv, Dk, Dv], per
+attention layer keys and values [1, kv_heads, len(ids), head_dim]. `HybridCache.from_snapshot` builds a new
+cache from copies of them, so two requests that start from one snapshot never share a state.
 
 Where snapshots are taken, and why generation stays bit-exact: `prefill_plan` cuts a prompt into
 segments at message boundaries (each `<|im_start|>`), then each segment into chunks of at most `chunk`
@@ -27,7 +22,7 @@ prompt (the start of the generation prompt and of the last message).
 `PrefixCache` holds snapshots up to `max_bytes` (0 disables it): `lookup(ids)` returns the longest one
 whose tokens are a proper prefix of `ids` (at least one token must remain to be prefilled, for the
 logits), least recently used ones are evicted first. Bytes count each linear state and each KV storage
-once, however many snapshots share it. It is thread-safe (one lock); its statistics feed /stats and
+once, however many snapshots share it (a snapshot read from a session file shares nothing). It is thread-safe (one lock); its statistics feed /stats and
 /health.
 """
 
@@ -101,71 +96,6 @@ class Snapshot:
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
-
-
-def _is_linear(layer: Any) -> bool:
-    return hasattr(layer, "recurrent_states")
-
-
-def set_token_count(cache: Any, n: int) -> None:
-    """Set the token count each linear-attention layer keeps (transformers >= 5.25: `cumulative_length_linear`,
-    which `get_seq_length` returns) to `n`. quantkit's decode step and `restore` fill those layers' states
-    without transformers' update, which is what advances it; earlier versions keep no count."""
-    for layer in cache.layers:
-        count = getattr(layer, "cumulative_length_linear", None)
-        if isinstance(count, torch.Tensor):
-            count.fill_(n)
-
-
-def capture_linear(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-    """Copies of every linear-attention layer's (conv, recurrent) state, None for attention layers."""
-    out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
-    for layer in cache.layers:
-        if _is_linear(layer) and layer.has_previous_state[0]:
-            out.append((layer.conv_states[0].clone(), layer.recurrent_states[0].clone()))
-        else:
-            out.append(None)
-    return out
-
-
-def take(cache: Any, ids: Sequence[int], linear: list[tuple[torch.Tensor, torch.Tensor] | None]) -> Snapshot:
-    """A snapshot after `ids`: `linear` from `capture_linear` at that position, the KV of `cache` (which may
-    have run further) sliced back to len(ids)."""
-    n = len(ids)
-    layers: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = []
-    for layer, lin in zip(cache.layers, linear, strict=True):
-        if _is_linear(layer):
-            if lin is None:
-                raise ValueError("capture_linear found no state for a linear-attention layer")
-            layers.append(("linear", lin[0], lin[1]))
-        else:
-            k, v = layer.keys, layer.values
-            if k is None or k.shape[-2] < n:
-                raise ValueError(f"the cache holds fewer than {n} tokens of keys")
-            layers.append(("kv", k[..., :n, :], v[..., :n, :]))
-    return Snapshot(tuple(ids), layers)
-
-
-def restore(snap: Snapshot, config: Any) -> Any:
-    """A new DynamicCache in the state of `snap`, owning copies of the linear states."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=config)
-    if len(cache.layers) != len(snap.layers):
-        raise ValueError(f"snapshot of {len(snap.layers)} layers for a model of {len(cache.layers)}")
-    for layer, (kind, a, b) in zip(cache.layers, snap.layers, strict=True):
-        if kind == "linear":
-            assert a is not None and b is not None
-            layer.lazy_initialization(conv_states=a, recurrent_states=b, conv_kernel_size=a.shape[-1])
-            layer.conv_states[0].copy_(a)
-            layer.recurrent_states[0].copy_(b)
-            layer.has_previous_state[0] = True
-        else:
-            assert a is not None and b is not None
-            layer.lazy_initialization(a, b)
-            layer.keys, layer.values = a, b
-    set_token_count(cache, len(snap.ids))
-    return cache
 
 
 def prefill_plan(ids: Sequence[int], start: int, boundary_ids: set[int] | frozenset[int],

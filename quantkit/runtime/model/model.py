@@ -1,0 +1,172 @@
+"""`Model`: quantkit's Qwen3.5-MoE language model, one forward for T tokens over a `HybridCache`.
+
+`forward(ids, cache)` embeds the T tokens, runs every layer (model/layers.py) at positions cache.n ..
+cache.n + T - 1, advances cache.n and returns the logits of the last token (or of every token, for a
+multi-token verify). T = 1 is a decode step, through the `Route` chosen at load (model/route.py): on a CPU with
+quantkit's kernel, normally the whole stack in one call. The loader (runtime/loader.py) builds the model
+from a checkpoint onto the plan's devices; the weights are the loader's `Kernel`s and `QuantExperts`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from quantkit.runtime import cpu_kernel
+from quantkit.runtime.kernels import Kernel, Projections
+from quantkit.runtime.model import route as routes
+from quantkit.runtime.model.cache import HybridCache
+from quantkit.runtime.model.layers import Attention, DeltaNet, Layer, rms
+from quantkit.runtime.model.spec import ModelConfig
+
+ROPE_BLOCK = 256  # positions per table of rotary cos / sin for one-token steps
+EMBED_ROWS = 4096  # dequantized embedding rows kept (16 MiB at hidden 2048 in bf16)
+
+
+@dataclass
+class Model:
+    cfg: ModelConfig
+    embed: Any  # a bf16 [V, H] tensor, or a QuantEmbedding (rows dequantized on demand)
+    layers: list[Layer]
+    final: torch.Tensor  # the final norm's (1 + w), fp32
+    head: Kernel
+    dtype: torch.dtype = torch.bfloat16
+    route: routes.Route = field(init=False)
+    _rows: dict[int, torch.Tensor] = field(default_factory=dict, init=False)  # kept embedding rows, oldest first
+    _rope: dict[Any, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, init=False)
+    _stack: Any = field(default=None, init=False)
+    _stack_key: tuple[int, int] | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        t = self.cfg.text
+        rot = self.cfg.rotary_dims
+        self.inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))
+        self.head_device = self.head.device
+        self.eps = self.cfg.rms_eps
+        self.route = routes.choose(self, "torch")
+        self.vocab = t.vocab_size
+
+    # ---- facts ----
+    @property
+    def dtype_is_bf16(self) -> bool:
+        return self.dtype == torch.bfloat16
+
+    @property
+    def layer_devices(self) -> list[torch.device]:
+        return [L.device for L in self.layers]
+
+    def set_route(self, forced: str | None = None, notes: list[str] | None = None) -> routes.Route:
+        """Choose the one-token route (see model/route.py); `forced` as QUANTKIT_ROUTE."""
+        self.route = routes.choose(self, forced, notes)
+        self._stack, self._stack_key = None, None
+        return self.route
+
+    def new_cache(self, capacity: int = 0) -> HybridCache:
+        return HybridCache(self.cfg, self.layer_devices, self.dtype, capacity)
+
+    # ---- the forward ----
+    def forward(self, ids: list[int] | torch.Tensor, cache: HybridCache, *, all_logits: bool = False,
+                keep_positions: bool = False) -> torch.Tensor:
+        """Logits [V] of the last of the T tokens `ids` (all_logits: [T, V]), cache advanced by T.
+        keep_positions: the Gated DeltaNet states after every position kept for `cache.rewind`."""
+        t = len(ids) if isinstance(ids, list) else int(ids.numel())
+        if t == 0:
+            raise ValueError("forward of no tokens")
+        cache.reserve(cache.n + t)
+        cache.trail.clear()
+        ops = cpu_kernel.module() if self.route.kind != "torch" else None
+        x = self._embed(ids)
+        if t == 1 and self.route.kind == "stack" and not keep_positions and x.device.type == "cpu":
+            cos, sin, row = self._rope_table(cache.n)
+            logits = self._bound_stack(cache).step(x, cos, sin, row, cache.n).view(-1)
+            cache.n += 1
+            return logits
+        cos, sin = self._rope_rows(torch.arange(cache.n, cache.n + t), x.dtype)
+        for L in self.layers:
+            x = L(x, cache, cos, sin, ops, keep_positions)
+        cache.n += t
+        x = x.to(self.head_device)
+        if not all_logits:
+            x = x[-1:]
+        f = ops if ops is not None and x.shape[0] == 1 and x.device.type == "cpu" else None
+        x = f.rms(x, self.final, self.eps) if f is not None else rms(x, self.final, self.eps)
+        logits = self.head(x)
+        return logits if all_logits else logits.view(-1)
+
+    def _embed(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """[T, H] rows. A quantized table on the CPU dequantizes a row in a dozen small ops, so one-token rows
+        are kept once made (up to EMBED_ROWS, least recently used out)."""
+        if isinstance(self.embed, torch.Tensor):
+            idx = torch.as_tensor(ids, dtype=torch.long, device=self.embed.device).view(-1)
+            return F.embedding(idx, self.embed)
+        if isinstance(ids, list) and len(ids) == 1 and self._rows_kept():
+            tok = ids[0]
+            row = self._rows.pop(tok, None)
+            if row is None:
+                row = self.embed(torch.tensor([tok], dtype=torch.long))
+                if len(self._rows) >= EMBED_ROWS:
+                    self._rows.pop(next(iter(self._rows)))
+            self._rows[tok] = row
+            return row
+        return self.embed(torch.as_tensor(ids, dtype=torch.long).view(-1))
+
+    def _rows_kept(self) -> bool:
+        return all(t.device.type == "cpu" for t in self.embed.parts.values())
+
+    def _rope_rows(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [len(pos), rot]: the text rotary (its three position axes are equal for text, so the
+        interleaved recomposition is the identity)."""
+        freqs = pos.float().view(-1, 1) * self.inv_freq
+        cos, sin = freqs.cos(), freqs.sin()
+        return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([sin, sin], dim=-1).to(dtype)
+
+    def _rope_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """cos, sin [ROPE_BLOCK, rot] for the block of positions holding n, and n's row in them."""
+        block, row = divmod(n, ROPE_BLOCK)
+        if block not in self._rope:
+            pos = torch.arange(block * ROPE_BLOCK, (block + 1) * ROPE_BLOCK)
+            self._rope = {block: self._rope_rows(pos, self.dtype)}  # one block at a time: positions only grow
+        cos, sin = self._rope[block]
+        return cos, sin, row
+
+    # ---- the one-call stack ----
+    def stackable(self) -> bool:
+        """Whether every layer can run in the kernel's one-call stack: CPU, every projection a kernel table,
+        the routed experts in one `qk.moe` call, the router on the bf16 kernel, the kernel's attention, and the
+        final norm and head on the CPU kernel."""
+        if self.head_device.type != "cpu" or not Projections([self.head]).fused:
+            return False
+        for L in self.layers:
+            m, moe = L.mixer, L.moe
+            if L.device.type != "cpu" or not moe.fused_all or moe.shared_and_router is None:
+                return False
+            tables = [moe.shared_and_router, moe.down_one] + (
+                [m.proj_in, m.out_one] if isinstance(m, DeltaNet) else [m.qkv_in, m.o_one])
+            if not all(p.fused for p in tables) or (isinstance(m, Attention) and not m.kernel_attends):
+                return False
+        return True
+
+    def _bound_stack(self, cache: HybridCache) -> Any:
+        """The kernel's `Layers` pointed at this cache's tensors (rebuilt when the cache or its buffers change)."""
+        key = (cache.serial, cache.version)
+        if self._stack_key == key:
+            return self._stack
+        stack = cpu_kernel.module().Layers()
+        for L in self.layers:
+            m, moe = L.mixer, L.moe
+            if isinstance(m, DeltaNet):
+                stack.add_gdn(L.pre, L.post, L.eps, m.proj_in.table, m.out_one.table, cache.conv[L.index], m.conv_taps,
+                              m.neg_a, m.dt_bias, m.norm_wf, m.norm_w.dtype == torch.bfloat16, cache.state[L.index],
+                              m.hk)
+            else:
+                stack.add_attention(L.pre, L.post, L.eps, m.qkv_in.table, m.o_one.table, m.qk_scale,
+                                    cache.keys[L.index], cache.values[L.index], m.scaling, m.eps)
+            assert moe.shared_and_router is not None
+            stack.set_moe(moe.shared_and_router.table, moe.down_one.table, moe.experts._fused_table()[1], moe.top_k)
+        self._head_table = Projections([self.head]).table  # kept alive beside the stack that reads it
+        stack.set_head(self.final, self.eps, self._head_table)
+        self._stack, self._stack_key = stack, key
+        return stack

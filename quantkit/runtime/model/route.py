@@ -1,0 +1,70 @@
+"""How the model computes a one-token step, chosen once at load: a named `Route`.
+
+- `cpu-<table>-stack`: the whole stack of layers (and the head) in one call of quantkit's CPU kernel
+  (`qk.Layers`, csrc/qk_layers.cpp), where every layer is on the CPU with every matrix on the kernel;
+- `cpu-<table>-fused`: per layer the kernel's fused ops (norms, the mixers' cores, routing, the MoE sum);
+- `torch`: torch ops (a GPU, a CPU without the kernel, or forced).
+Prompts and multi-token verifies always run the layers' T-token path. `QUANTKIT_ROUTE=stack|fused|torch`
+forces one for debugging; a route this machine or placement cannot run is refused in one line, naming the
+best one, which is used instead.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from quantkit.runtime import cpu_kernel
+
+if TYPE_CHECKING:
+    from quantkit.runtime.model.model import Model
+
+ENV = "QUANTKIT_ROUTE"
+KINDS = ("stack", "fused", "torch")
+
+
+@dataclass(frozen=True)
+class Route:
+    kind: str  # stack | fused | torch
+    table: str  # the CPU kernel's op table ("" without it)
+    isa: str
+
+    @property
+    def name(self) -> str:
+        return "torch" if self.kind == "torch" else f"cpu-{self.table}-{self.kind}"
+
+    def describe(self) -> dict[str, Any]:
+        """For `generate --json`, /stats and the load line."""
+        return {"name": self.name, "isa": self.isa, "table": self.table, "fused_ops": self.kind != "torch",
+                "one_call": self.kind == "stack"}
+
+
+def possible(model: Model) -> list[str]:
+    """The route kinds this model can take here, best first."""
+    mod = cpu_kernel.module()
+    cpu = all(L.device.type == "cpu" for L in model.layers)
+    out = []
+    if mod is not None and cpu and model.dtype_is_bf16:
+        if hasattr(mod, "Layers") and model.stackable():
+            out.append("stack")
+        out.append("fused")
+    out.append("torch")
+    return out
+
+
+def choose(model: Model, forced: str | None = None, notes: list[str] | None = None) -> Route:
+    """The best route, or `forced` (None: QUANTKIT_ROUTE) where this model can take it."""
+    want = (forced if forced is not None else os.environ.get(ENV, "")).strip().lower()
+    can = possible(model)
+    kind = can[0]
+    if want and want in can:
+        kind = want
+    elif want:
+        why = f"{ENV}={want}" if forced is None else f"route {want!r}"
+        line = (f"{why}: not one of {', '.join(KINDS)}" if want not in KINDS
+                else f"{why}: this model and machine cannot run it") + f"; using {kind}"
+        if notes is not None:
+            notes.append(line)
+    has_kernel = cpu_kernel.module() is not None
+    return Route(kind, cpu_kernel.isa_name() if has_kernel else "", cpu_kernel.isa() if has_kernel else "none")
