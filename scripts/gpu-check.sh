@@ -3,8 +3,7 @@
 # `quantkit bench gpu` under a time limit; writes reports/bench-gpu.{md,json}. Extra arguments go to
 # the bench (e.g. --decode 64). Exit: the bench's (0 all checks pass, 1 a check failed, 2 an error such
 # as no CUDA GPU), 124 when it ran past the limit ($QUANTKIT_GPU_CHECK_SECONDS, default 480).
-# CUDA-graph decode is not ported to quantkit's own model yet: the bench skips its graph run and says so
-# (in its log and in reports/bench-gpu.md); it loads each plan on the route the runtime chooses.
+# Each plan loads on the route the runtime chooses; the all-GPU plan also on the cuda-graph route.
 #
 # Python, the first that applies: $QUANTKIT_PYTHON; .venv when its torch sees CUDA; the system python3
 # when its torch sees CUDA and it has quantkit's dependencies (quantkit itself from this checkout); a

@@ -12,5 +12,5 @@ lower=$(.venv/bin/python -c "from quantkit.runtime.cpu_kernel import main; raise
 for isa in $lower; do
   echo "== the kernel and decode tests again with QUANTKIT_CPU_ISA=$isa"
   QUANTKIT_CPU_ISA=$isa .venv/bin/python -m pytest -q tests/test_cpu_kernel.py tests/test_step_ops.py \
-    tests/test_decode_step.py tests/test_runtime_linear_attn.py tests/test_runtime_kernels.py tests/test_route.py
+    tests/test_model_forward.py tests/test_model_delta_rule.py tests/test_runtime_kernels.py tests/test_route.py
 done

@@ -1,5 +1,5 @@
 """`quantkit bench gpu` (quantkit/bench/gpu.py) without a GPU: the one-line refusal, the plans onto a
-simulated GPU of given memory, the graph run skipped while CUDA-graph decode is not ported, the checks and
+simulated GPU of given memory, the graph run on the cuda-graph route for the all-GPU plan only, the checks and
 the report from synthetic runs. The GPU runs themselves need a CUDA device (scripts/gpu-check.sh)."""
 
 from __future__ import annotations
@@ -82,25 +82,34 @@ def test_a_share_of_one_leaves_every_expert_in_ram(tiny_model):
     assert all(d != "cpu" for d in split.plan.layer_device)  # the dense layers stay on the card
 
 
-def test_load_runtime_never_passes_a_graph_switch_and_refuses_graphs_in_one_line(tmp_path):
+class _Rt:
+    def __init__(self, name: str, notes: list[str]):
+        self.name, self.report = name, type("R", (), {"notes": notes})()
+
+    def route(self):
+        return {"name": self.name}
+
+
+def test_load_runtime_asks_for_the_graph_route_and_refuses_a_placement_it_cannot_hold(tmp_path):
     calls = []
 
     def loader(path, plan=None, *, verify="auto", **kw):
         calls.append((verify, kw))
-        return "rt"
+        return _Rt("cuda-graph" if kw.get("forced_route") == "cuda-graph" and "ok" in str(plan) else "torch",
+                   ["route 'cuda-graph': needs every layer on one CUDA device; using torch"])
 
-    with pytest.raises(QuantkitError, match="^CUDA-graph decode is not ported to the new model yet") as e:
-        bg.load_runtime(tmp_path, tmp_path / "p.json", True, loader=loader)
-    assert "\n" not in str(e.value) and calls == []
-    assert bg.load_runtime(tmp_path, tmp_path / "p.json", False, loader=loader) == "rt"
-    assert bg.load_runtime(tmp_path, tmp_path / "p.json", None, loader=loader) == "rt"  # CPU: the same load
-    assert calls == [("quick", {}), ("quick", {})]
+    assert bg.load_runtime(tmp_path, tmp_path / "ok.json", True, loader=loader).name == "cuda-graph"
+    with pytest.raises(QuantkitError, match="^route 'cuda-graph': needs every layer on one CUDA device") as e:
+        bg.load_runtime(tmp_path, tmp_path / "split.json", True, loader=loader)
+    assert "\n" not in str(e.value)
+    assert bg.load_runtime(tmp_path, tmp_path / "p.json", False, loader=loader).name == "torch"
+    assert bg.load_runtime(tmp_path, tmp_path / "p.json", None, loader=loader).name == "torch"  # CPU: the same load
+    assert calls == [("quick", {"forced_route": "cuda-graph"})] * 2 + [("quick", {})] * 2
 
 
-def test_run_skips_the_graph_run_and_says_so(tmp_path, monkeypatch, tiny_model):
-    """While CUDA-graph decode is not ported, `run` loads each placement once, never with graphs, and the
-    log and the report carry one line saying the graph run was skipped."""
-    assert bg.CUDA_GRAPHS_PORTED is False
+def test_run_loads_the_all_gpu_plan_with_and_without_graphs(tmp_path, monkeypatch, tiny_model):
+    """`run` loads each placement once and the all-GPU one again on the cuda-graph route (a graph cannot hold
+    gpu+cpu's hand-off to the CPU experts); the report checks graphs on and off give the same tokens."""
     spec = _spec(tiny_model)
     placements = bg.plan_placements(spec, get_recipe("int4"), find_gpu("h200").with_memory(8.0), 64 * GIB,
                                     context=256)
@@ -115,13 +124,9 @@ def test_run_skips_the_graph_run_and_says_so(tmp_path, monkeypatch, tiny_model):
         return bg.DecodeRun(p.name, graphs, list(range(decode)), 10.0, 100.0, 1.0, planned_bytes=p.planned_bytes)
 
     monkeypatch.setattr(bg, "run_placement", fake_run)
-    lines = []
-    res = bg.run(tmp_path / "reports", tmp_path / "work", prompt_len=4, decode=8, log=lines.append)
-    assert asked == [("cpu", False), ("gpu", False), ("gpu+cpu", False)]
-    assert res.skipped == [bg.GRAPHS_SKIPPED]
-    assert sum("skipped" in ln and "CUDA-graph decode is not ported" in ln for ln in lines) == 1
-    md = (tmp_path / "reports" / "bench-gpu.md").read_text()
-    assert f"- skipped: {bg.GRAPHS_SKIPPED}" in md and "graphs on and off" not in md
+    res = bg.run(tmp_path / "reports", tmp_path / "work", prompt_len=4, decode=8, log=lambda _s: None)
+    assert asked == [("cpu", False), ("gpu", False), ("gpu", True), ("gpu+cpu", False)]
+    assert res.skipped == [] and res.checks["gpu: graphs on and off give the same tokens"]
 
 
 def test_agreement_counts_the_shared_leading_tokens():

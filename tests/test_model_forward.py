@@ -341,7 +341,7 @@ def test_forced_route_switch(tiny_model, monkeypatch):
     rt = _load(tiny_model, "int8")
     best = "stack" if cpu_kernel.available() else "torch"
     assert rt.model.route.kind == best
-    assert rt.report.notes == [f"{ENV}=warp-drive: not one of stack, fused, torch; using {best}"]
+    assert rt.report.notes == [f"{ENV}=warp-drive: not one of stack, fused, torch, cuda-graph; using {best}"]
 
 
 @kernel
@@ -349,6 +349,38 @@ def test_a_route_the_model_cannot_take_falls_back_in_one_line(tiny_model):
     rt = _load(tiny_model, "nf4", forced_route="stack")  # nf4 experts are not on the fused MoE call
     assert rt.model.route.kind == "fused"
     assert rt.report.notes == ["route 'stack': this model and machine cannot run it; using fused"]
+
+
+def test_cuda_graphs_refuse_a_placement_off_one_cuda_device_in_one_line(tiny_model):
+    rt = _load(tiny_model, "int8", forced_route="cuda-graph")
+    best = "stack" if cpu_kernel.available() else "torch"
+    assert rt.model.route.kind == best
+    assert rt.report.notes == ["route 'cuda-graph': needs every layer, expert, the embedding and the head on one "
+                               f"CUDA device, experts in a format it can gather (bf16, int8, int4); using {best}"]
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "int4"])
+def test_the_static_step_a_cuda_graph_captures_tracks_the_dynamic_step(tiny_model, recipe, one_thread):  # noqa: F811
+    """`Model.static_step` (K/V written by a device-side index, attention over the whole buffer masked; what
+    the cuda-graph route captures) on the CPU, experts gathered by routed id: the same tokens as the dynamic
+    torch step, logits within the summation order of the longer masked attention."""
+    rt = _load(tiny_model, recipe, placement=_split_placement(), route="torch", forced_route="torch",
+               gather=frozenset({0, 1}))
+    ids = _prompt(rt)
+    m = rt.model
+    with torch.inference_mode():
+        want, _ = _run(rt, ids, _tokens())
+        cache = m.new_cache(len(ids) + STEPS + 40)  # a buffer longer than the filled part: masked positions
+        got = [m.forward(ids, cache).float()]
+        for t in _tokens():
+            cache.pos = torch.tensor([cache.n])
+            with _NoHostReads():
+                logits = m.static_step(torch.tensor([t]), cache)
+            cache.n += 1
+            got.append(logits.float())
+    g = torch.stack(got)
+    assert torch.equal(g.argmax(-1), want.argmax(-1))
+    assert float((g - want).abs().max()) <= 0.02 * float(want.abs().max())
 
 
 def test_rotary_table_rows_equal_the_per_position_rows(tiny_model):

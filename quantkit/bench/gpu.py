@@ -13,10 +13,8 @@ What it does, in this order:
    that `cpu_share` of the expert bytes no longer fit: those experts stay in RAM and compute on the CPU,
    the first layers' first, as the planner does on a smaller card). A CPU-only plan is the reference.
 4. Each plan is saved beside the checkpoint and loaded with `quantkit.runtime.load_model(path, plan=...)`
-   on the route the runtime chooses. CUDA-graph decode is not ported to quantkit's own model yet (it will
-   come back as a route), so the `gpu, graphs` run is skipped: `CUDA_GRAPHS_PORTED` is False, the log and
-   the report say so in one line, and the graph run's code paths (the run, its checks) wait behind that
-   flag; no keyword for it is passed to `load_model`. Each load does one
+   on the route the runtime chooses, and the `gpu` plan a second time on the `cuda-graph` route
+   (`forced_route="cuda-graph"`: the one-token step captured once and replayed). Each load does one
    short warm-up generation, then one greedy generation of `decode` tokens (ignore_eos) from a fixed
    prompt of `prompt` token ids, through the runtime's own generation path (`Runtime.generate_ids`).
 5. Per run: decode tok/s (the runtime's own figure: steps after the first token over their time),
@@ -24,14 +22,13 @@ What it does, in this order:
    and, apart, from the end of the load through the generations (load transients such as a layer's
    expert slab show in the first), and the loader's resident weight bytes per device, beside the plan's
    bytes per device.
-6. Checks: every run completed; graphs on and off give the same tokens (once graph runs are back); each
-   GPU placement's greedy
+6. Checks: every run completed; graphs on and off give the same tokens; each GPU placement's greedy
    tokens agree with the CPU's for the first `AGREE_MIN` tokens (random weights have small logit
    margins, and the CPU kernel quantizes activations to int8 where the GPU's take bf16, so a later
    divergence is reported, not failed); each CUDA device's load and decode peaks stay within the plan's
    bytes for it plus `MEMORY_SLACK`.
 
-Defaults (4 layers x 64 experts, 32-token prompt, 32 decode tokens, 4 loads; 5 once graphs are back) keep the
+Defaults (4 layers x 64 experts, 32-token prompt, 32 decode tokens, 5 loads) keep the
 whole command to a few minutes on an H200 host; the checkpoint and its quantization are most of it on a first run.
 """
 
@@ -58,10 +55,6 @@ AGREE_MIN = 8  # leading greedy tokens a GPU placement must share with the CPU
 MEMORY_SLACK = 0.10  # a CUDA device's peak allocation may exceed the plan's bytes by this fraction
 WARMUP_TOKENS = 4
 PROMPT_VOCAB = 768  # prompt ids are drawn below this (ordinary tokens of the tiny tokenizer)
-# CUDA-graph decode ran on transformers' model; quantkit's own model does not have it yet (it will return as a
-# route). While False the `gpu, graphs` run is skipped with GRAPHS_SKIPPED and load_runtime refuses graphs.
-CUDA_GRAPHS_PORTED = False
-GRAPHS_SKIPPED = "CUDA-graph decode is not ported to the new model yet: the `gpu, graphs` run is skipped"
 
 
 @dataclass(frozen=True)
@@ -163,14 +156,16 @@ class DecodeRun:
 
 
 def load_runtime(folder: Path, plan: Path, graphs: bool | None, loader: Callable[..., Any] | None = None) -> Any:
-    """`load_model(folder, plan=plan)` on the runtime's own route choice. `graphs` asks for CUDA-graph
-    decode, which quantkit's model does not have yet: True is refused in one line (GRAPHS_SKIPPED's reason);
-    False and None (the CPU reference) load alike. No graph keyword is ever passed to `load_model`."""
-    if graphs:
-        raise QuantkitError(GRAPHS_SKIPPED.split(":")[0] + " (quantkit.runtime.load_model has no graph route)")
+    """`load_model(folder, plan=plan)` on the runtime's own route choice, or with `graphs` on the cuda-graph
+    route; a placement that route cannot hold is this run's one-line error (the loader's note)."""
     if loader is None:
         from quantkit.runtime import load_model as loader
-    return loader(folder, plan=plan, verify="quick")
+    if not graphs:
+        return loader(folder, plan=plan, verify="quick")
+    rt = loader(folder, plan=plan, verify="quick", forced_route="cuda-graph")
+    if rt.route()["name"] != "cuda-graph":
+        raise QuantkitError("; ".join(rt.report.notes) or "the cuda-graph route was not taken")
+    return rt
 
 
 def greedy(rt: Any, prompt: list[int], n: int) -> Any:
@@ -336,10 +331,6 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
         p.plan.save(plan_file)
         log(f"{p.name}: {p.plan.summary()}")
         with_graphs = p.name == "gpu"  # a graph cannot hold the CPU experts' hand-off of gpu+cpu
-        if with_graphs and not CUDA_GRAPHS_PORTED:
-            skipped.append(GRAPHS_SKIPPED)
-            log(f"  {p.name}, graphs: skipped: {GRAPHS_SKIPPED}")
-            with_graphs = False
         for graphs in ((False, True) if with_graphs else (False,)):
             r = run_placement(folder, plan_file, p, graphs, prompt, decode)
             log(f"  {r.label}: " + (f"failed: {r.error}" if r.error else

@@ -51,6 +51,7 @@ class HybridCache:
         self.conv: dict[int, torch.Tensor] = {}
         self.state: dict[int, torch.Tensor] = {}
         self.trail: dict[int, Trail] = {}
+        self.pos: torch.Tensor | None = None  # n on the device, for static steps (model/graph.py)
         self.serial = next(_SERIAL)  # never reused, unlike id(): what holds pointers into a cache keys on it
         self.version = 0  # bumped when the KV buffers move (whatever holds pointers into them rebinds)
         hv, dk, dv = t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim

@@ -89,6 +89,8 @@ class Attention:
     def __call__(self, h: torch.Tensor, cache: HybridCache, i: int, cos: torch.Tensor, sin: torch.Tensor,
                  ops: Any) -> torch.Tensor:
         qo, ko, vo = self.qkv_in(h)
+        if cache.pos is not None:  # a static step (CUDA graphs): the position lives on the device
+            return self.o(self.static_core(qo, ko, vo, cache.keys[i], cache.values[i], cache.pos, cos, sin))
         return self.o(self.core(qo, ko, vo, cache.keys[i], cache.values[i], cache.n, cos, sin, ops))
 
     def core(self, qo: torch.Tensor, ko: torch.Tensor, vo: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -116,6 +118,20 @@ class Attention:
                                                  scale=self.scaling, enable_gqa=True)
             out = out[0].transpose(0, 1).reshape(t, -1)
         return out * torch.sigmoid(gate)
+
+    def static_core(self, qo: torch.Tensor, ko: torch.Tensor, vo: torch.Tensor, keys: torch.Tensor,
+                    values: torch.Tensor, pos: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`core` for one token at the device-side position `pos` [1]: K/V written by index, attention over the
+        whole buffer with the positions after `pos` masked, so every step has the same shapes (what a captured
+        CUDA graph replays) and nothing is read on the host."""
+        qg = qo.view(1, self.heads, 2 * self.head_dim)
+        q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:].reshape(1, -1)
+        qk = rms(torch.cat([q, ko.view(1, self.kv_heads, self.head_dim)], dim=1), self.qk_scale, self.eps)
+        qk = rotate(qk, cos.view(1, 1, -1), sin.view(1, 1, -1), self.rot)
+        keys.index_copy_(1, pos, qk[:, self.heads:].transpose(0, 1))
+        values.index_copy_(1, pos, vo.view(1, self.kv_heads, self.head_dim).transpose(0, 1))
+        masked = torch.arange(keys.shape[1], device=pos.device) > pos
+        return attend(qk[0, :self.heads], keys, values, self.scaling, masked) * torch.sigmoid(gate)
 
     def _one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: int, ops: Any) -> torch.Tensor:
         if ops is not None and self.kernel_attends and q.dtype == torch.bfloat16:

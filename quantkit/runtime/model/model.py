@@ -19,6 +19,7 @@ from quantkit.runtime import cpu_kernel
 from quantkit.runtime.kernels import Kernel, Projections
 from quantkit.runtime.model import route as routes
 from quantkit.runtime.model.cache import HybridCache
+from quantkit.runtime.model.graph import CudaGraphStep
 from quantkit.runtime.model.layers import Attention, DeltaNet, Layer, rms
 from quantkit.runtime.model.spec import ModelConfig
 
@@ -39,6 +40,7 @@ class Model:
     _rope: dict[Any, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, init=False)
     _stack: Any = field(default=None, init=False)
     _stack_key: tuple[int, int] | None = field(default=None, init=False)
+    _graph: CudaGraphStep | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         t = self.cfg.text
@@ -61,7 +63,9 @@ class Model:
     def set_route(self, forced: str | None = None, notes: list[str] | None = None) -> routes.Route:
         """Choose the one-token route (see model/route.py); `forced` as QUANTKIT_ROUTE."""
         self.route = routes.choose(self, forced, notes)
-        self._stack, self._stack_key = None, None
+        self._stack, self._stack_key, self._graph = None, None, None
+        if self.route.kind == "cuda-graph":
+            self.inv_freq = self.inv_freq.to(self.layers[0].device)  # the rotary rows are made inside the graph
         return self.route
 
     def new_cache(self, capacity: int = 0) -> HybridCache:
@@ -77,7 +81,14 @@ class Model:
             raise ValueError("forward of no tokens")
         cache.reserve(cache.n + t)
         cache.trail.clear()
-        ops = cpu_kernel.module() if self.route.kind != "torch" else None
+        if t == 1 and self.route.kind == "cuda-graph" and not keep_positions:
+            if self._graph is None or self._graph.cache is not cache:
+                self._graph = CudaGraphStep(self, cache)  # reserve() above keeps a cache's buffers in place
+            logits = self._graph.replay(int(ids[0]), cache.n)
+            cache.n += 1
+            return logits
+        cache.pos = None
+        ops = cpu_kernel.module() if self.route.kind in ("stack", "fused") else None
         x = self._embed(ids)
         if t == 1 and self.route.kind == "stack" and not keep_positions and x.device.type == "cpu":
             cos, sin, row = self._rope_table(cache.n)
@@ -95,6 +106,16 @@ class Model:
         x = f.rms(x, self.final, self.eps) if f is not None else rms(x, self.final, self.eps)
         logits = self.head(x)
         return logits if all_logits else logits.view(-1)
+
+    def static_step(self, token: torch.Tensor, cache: HybridCache) -> torch.Tensor:
+        """Logits [V] of one token given as a device tensor [1] at the device-side position cache.pos: the same
+        shapes at every position and no host read (what `CudaGraphStep` captures). cache.n is the caller's."""
+        assert cache.pos is not None
+        x = self._embed(token)
+        cos, sin = self._rope_rows(cache.pos, x.dtype)
+        for L in self.layers:
+            x = L(x, cache, cos, sin, None)
+        return self.head(rms(x.to(self.head_device), self.final, self.eps)).view(-1)
 
     def _embed(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """[T, H] rows. A quantized table on the CPU dequantizes a row in a dozen small ops, so one-token rows
@@ -119,7 +140,7 @@ class Model:
     def _rope_rows(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [len(pos), rot]: the text rotary (its three position axes are equal for text, so the
         interleaved recomposition is the identity)."""
-        freqs = pos.float().view(-1, 1) * self.inv_freq
+        freqs = pos.to(self.inv_freq.device).float().view(-1, 1) * self.inv_freq
         cos, sin = freqs.cos(), freqs.sin()
         return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([sin, sin], dim=-1).to(dtype)
 

@@ -3,10 +3,12 @@
 - `cpu-<table>-stack`: the whole stack of layers (and the head) in one call of quantkit's CPU kernel
   (`qk.Layers`, csrc/qk_layers.cpp), where every layer is on the CPU with every matrix on the kernel;
 - `cpu-<table>-fused`: per layer the kernel's fused ops (norms, the mixers' cores, routing, the MoE sum);
-- `torch`: torch ops (a GPU, a CPU without the kernel, or forced).
-Prompts and multi-token verifies always run the layers' T-token path. `QUANTKIT_ROUTE=stack|fused|torch`
-forces one for debugging; a route this machine or placement cannot run is refused in one line, naming the
-best one, which is used instead.
+- `torch`: torch ops (a GPU, a CPU without the kernel, or forced);
+- `cuda-graph`: the torch step captured once in a CUDA graph and replayed (model/graph.py), where the whole model
+  sits on one CUDA device; only when asked for.
+Prompts and multi-token verifies always run the layers' T-token path. `QUANTKIT_ROUTE=stack|fused|torch|
+cuda-graph` (or `load_model(forced_route=)`) forces one; a route this machine or placement cannot run is
+refused in one line, naming the route used instead.
 """
 
 from __future__ import annotations
@@ -15,13 +17,15 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from quantkit.runtime import cpu_kernel
 
 if TYPE_CHECKING:
     from quantkit.runtime.model.model import Model
 
 ENV = "QUANTKIT_ROUTE"
-KINDS = ("stack", "fused", "torch")
+KINDS = ("stack", "fused", "torch", "cuda-graph")
 
 
 @dataclass(frozen=True)
@@ -32,16 +36,16 @@ class Route:
 
     @property
     def name(self) -> str:
-        return "torch" if self.kind == "torch" else f"cpu-{self.table}-{self.kind}"
+        return self.kind if self.kind in ("torch", "cuda-graph") else f"cpu-{self.table}-{self.kind}"
 
     def describe(self) -> dict[str, Any]:
         """For `generate --json`, /stats and the load line."""
-        return {"name": self.name, "isa": self.isa, "table": self.table, "fused_ops": self.kind != "torch",
+        return {"name": self.name, "isa": self.isa, "table": self.table, "fused_ops": self.kind in ("stack", "fused"),
                 "one_call": self.kind == "stack"}
 
 
 def possible(model: Model) -> list[str]:
-    """The route kinds this model can take here, best first."""
+    """The route kinds this model can take here, best first (cuda-graph last: only when asked for)."""
     mod = cpu_kernel.module()
     cpu = all(L.device.type == "cpu" for L in model.layers)
     out = []
@@ -50,7 +54,19 @@ def possible(model: Model) -> list[str]:
             out.append("stack")
         out.append("fused")
     out.append("torch")
+    if graphable(model):
+        out.append("cuda-graph")
     return out
+
+
+def graphable(model: Model) -> bool:
+    """Every layer, expert, the embedding and the head on one CUDA device, the experts gathered by routed id
+    (a graph cannot hold a CPU hand-off or a host read)."""
+    emb = model.embed if isinstance(model.embed, torch.Tensor) else next(iter(model.embed.parts.values()))
+    devs = {L.device for L in model.layers} | {model.head_device, emb.device}
+    if len(devs) != 1 or next(iter(devs)).type != "cuda":
+        return False
+    return all(L.moe.gathered and not L.moe.cpu_groups and not L.moe.host_ids for L in model.layers)
 
 
 def choose(model: Model, forced: str | None = None, notes: list[str] | None = None) -> Route:
@@ -62,8 +78,9 @@ def choose(model: Model, forced: str | None = None, notes: list[str] | None = No
         kind = want
     elif want:
         why = f"{ENV}={want}" if forced is None else f"route {want!r}"
-        line = (f"{why}: not one of {', '.join(KINDS)}" if want not in KINDS
-                else f"{why}: this model and machine cannot run it") + f"; using {kind}"
+        cannot = ("needs every layer, expert, the embedding and the head on one CUDA device, experts in a format "
+                  "it can gather (bf16, int8, int4)" if want == "cuda-graph" else "this model and machine cannot run it")
+        line = (f"{why}: not one of {', '.join(KINDS)}" if want not in KINDS else f"{why}: {cannot}") + f"; using {kind}"
         if notes is not None:
             notes.append(line)
     has_kernel = cpu_kernel.module() is not None
