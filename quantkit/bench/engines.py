@@ -226,7 +226,8 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
         top_k: int = DEFAULTS["top_k"], vocab: int = DEFAULTS["vocab"], checkpoint: Path | None = None,
         threads: int | None = None, reps: int = DEFAULTS["reps"], new_tokens: int = DEFAULTS["new_tokens"],
         rounds: int = DEFAULTS["rounds"], isas: list[str] | None = None,
-        llama_builds: dict[str, Path] | None = None, log: Any = print) -> dict[str, Any]:
+        llama_builds: dict[str, Path] | None = None, prompt_tokens: int = DEFAULTS["prompt"],
+        log: Any = print) -> dict[str, Any]:
     """Both engines side by side; `llama_builds` adds llama.cpp rows from other builds of its library
     (name -> folder, each run in a process of its own), paired in the targets with quantkit's table of the
     same name (an AVX2 build beside quantkit's AVX2 table: what a CPU without AVX512 runs of each)."""
@@ -249,7 +250,7 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
     cfg = json.loads((checkpoint / "config.json").read_text())
     tc = cfg.get("text_config", cfg)
     n_tok = min(tc["vocab_size"], 794)  # ids the tokenizer knows (the rest are padding rows)
-    prompt = _probe(n_tok, 1, DEFAULTS["prompt"])[0].tolist()
+    prompt = _probe(n_tok, 1, prompt_tokens)[0].tolist()
     probe = _probe(n_tok, *DEFAULTS["probe"])
 
     log("reference: transformers fp32 on the bf16 weights")
@@ -284,7 +285,7 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
                                  **_errors(ref, logits)})
             else:
                 with forced_isa(isa) as table:
-                    rt = load_model(path, context=max(512, DEFAULTS["prompt"] + new_tokens + 8))
+                    rt = load_model(path, context=max(512, prompt_tokens + new_tokens + 8))
                     d = quantkit_decode(rt, prompt, new_tokens, reps)
                     if not rnd:
                         rows.append({"engine": label, "bits": bits, "isa": table, "route": rt.route(),
@@ -312,6 +313,7 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
                                                f" --layers {layers} --experts {experts} --top-k {top_k} --vocab {vocab}")
         + (f" --reps {reps}" if reps != DEFAULTS["reps"] else "")
         + (f" --rounds {rounds}" if rounds != DEFAULTS["rounds"] else "")
+        + (f" --prompt {prompt_tokens}" if prompt_tokens != DEFAULTS["prompt"] else "")
         + (f" --isa {','.join(isas)}" if isas != default_isas() else "")
         + "".join(f" --llama-build {k}={v}" for k, v in llama_builds.items()),
         "llama_builds": {k: str(v) for k, v in llama_builds.items()}, "machine": machine, "threads": threads, "checkpoint": str(checkpoint), "read_bandwidth_gbs": round(bw, 2),

@@ -183,12 +183,13 @@ def bench_engines(
     llama_build: list[str] = typer.Option([], "--llama-build", help="NAME=FOLDER: llama.cpp rows from another "
                                           "build of its library too (scripts/build-llama-cpp.sh prints one), "
                                           "paired with quantkit's table NAME"),
+    prompt: int = typer.Option(64, "--prompt", parser=COUNT, help="prompt tokens (the prefill timed)"),
 ) -> None:
     """llama.cpp on our GGUF export beside quantkit's runtime: decode tok/s and error vs bf16, same bits."""
     threads = _threads(threads)
     d = engines_bench.run(reports, workdir, layers, experts, top_k, vocab, checkpoint, threads, reps,
                           rounds=rounds, isas=_isas(isa), llama_builds=_llama_builds(llama_build),
-                          log=console.print)
+                          prompt_tokens=prompt, log=console.print)
     console.print(f"wrote {reports / 'bench-engines.md'} ({d['seconds']:.0f} s)")
 
 
