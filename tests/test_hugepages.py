@@ -39,12 +39,13 @@ def test_large_tensors_are_advised_small_ones_are_not():
     assert big.is_contiguous() and big.numel() == 1 << 20
 
 
-def test_switch_off_keeps_torchs_allocator(monkeypatch):
-    monkeypatch.setenv("QUANTKIT_HUGEPAGES", "0")
-    assert not hugepages.enabled()
-    assert not advised(hugepages.empty((1 << 20,), torch.uint8))
-    t = torch.ones(1 << 20)
-    assert hugepages.copy(t) is t
+def test_switched_off_keeps_torchs_allocator():
+    with hugepages.off():
+        assert not hugepages.enabled()
+        assert not advised(hugepages.empty((1 << 20,), torch.uint8))
+        t = torch.ones(1 << 20)
+        assert hugepages.copy(t) is t
+    assert hugepages.enabled() == hasattr(__import__("mmap"), "MADV_HUGEPAGE")
 
 
 def test_chunk_slices_are_disjoint_and_outlive_their_neighbours():
@@ -95,7 +96,7 @@ def test_off_block_keeps_torchs_allocator():
     assert hugepages.enabled()
 
 
-def test_repacked_codes_are_advised_and_compute_the_same(monkeypatch):
+def test_repacked_codes_are_advised_and_compute_the_same():
     if not cpu_kernel.available():
         pytest.skip("the CPU kernel is not built")
     g = torch.Generator().manual_seed(0)
@@ -104,8 +105,8 @@ def test_repacked_codes_are_advised_and_compute_the_same(monkeypatch):
     s = torch.rand(n, generator=g) * 1e-2
     x = torch.randn(2, k, generator=g)
     qw, sc = cpu_kernel.repack_int8(q, s)
-    monkeypatch.setenv("QUANTKIT_HUGEPAGES", "0")
-    qw0, sc0 = cpu_kernel.repack_int8(q, s)
+    with hugepages.off():
+        qw0, sc0 = cpu_kernel.repack_int8(q, s)
     assert advised(qw) and not advised(qw0)
     mod = cpu_kernel.module()
     assert torch.equal(mod.linear(x, qw, sc, None, 8, 32, n), mod.linear(x, qw0, sc0, None, 8, 32, n))

@@ -6,7 +6,7 @@ torch_chunk_gated_delta_rule; one token to the former one-token path; keep_state
 Within a bound: the conv against transformers' F.conv1d (oneDNN sums the taps in its own order) and one token
 against transformers' torch_recurrent_gated_delta_rule (broadcast multiply + sum, another fp32 order).
 Channel counts are multiples of 32 so F.silu takes its vector route on every element of either layout.
-Run also with QUANTKIT_CPU_KERNEL=off (torch ops for the step) and QUANTKIT_CPU_ISA=avx2-plain.
+Run also with QUANTKIT_CPU_ISA=none (torch ops for the step) and QUANTKIT_CPU_ISA=avx2-plain.
 """
 
 from __future__ import annotations

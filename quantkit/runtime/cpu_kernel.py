@@ -18,7 +18,7 @@ the torch version, the compiler (path and version) and the units' flags (`$QUANT
 `~/.cache/quantkit/kernels`), so an edited source, a new torch or another compiler never loads a stale
 module; a checksum written after the build guards against a truncated or corrupt file. Whatever goes wrong
 (no compiler, a failed build) costs one line on stderr and the runtime keeps torch's kernels.
-`QUANTKIT_CPU_KERNEL=off` keeps torch's kernels.
+`QUANTKIT_CPU_ISA=none` keeps torch's kernels.
 
 Error of the int8 activations: each block of 32 is rounded to 127 levels of its largest magnitude, a
 relative error of about 2^-8 per element, the same order as the bf16 activations torch's route takes;
@@ -69,7 +69,8 @@ def notice(msg: str) -> None:
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get("QUANTKIT_CPU_KERNEL", "on").strip().lower() not in ("off", "0", "no", "false")
+    """False where QUANTKIT_CPU_ISA=none: torch's kernels only."""
+    return os.environ.get("QUANTKIT_CPU_ISA", "").strip().lower() not in ("none", "off")
 
 
 def _units() -> dict[str, tuple[str, ...]]:
@@ -101,7 +102,7 @@ def cache_dir() -> Path:
     base = os.environ.get("QUANTKIT_KERNEL_CACHE") or str(Path.home() / ".cache" / "quantkit" / "kernels")
     text = b"".join(p.read_bytes() for p in SOURCES + HEADERS + tuple(_unit_source(u) for u in _units()))
     key = "\n".join([torch.__version__, _compiler_id(_cxx()), repr(sorted(_units().items())), repr(UNIT_CFLAGS),
-                     platform.machine(), os.environ.get("QUANTKIT_KERNEL_UNIT_FLAGS", "")])
+                     platform.machine()])
     digest = hashlib.sha256(text + key.encode()).hexdigest()[:12]
     return Path(base) / f"qk_cpu-{digest}"
 
@@ -116,8 +117,7 @@ def _compile_units(d: Path, left_out: list[str]) -> list[str]:
     objs = []
     for name, flags in _units().items():
         obj = d / f"qk_ops_{name}.o"
-        cmd = [*shlex.split(_cxx()), *UNIT_CFLAGS, *flags, *_extra_unit_flags(name), "-c", str(_unit_source(name)),
-               "-o", str(obj)]
+        cmd = [*shlex.split(_cxx()), *UNIT_CFLAGS, *flags, "-c", str(_unit_source(name)), "-o", str(obj)]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             ok, why = p.returncode == 0, next((ln for ln in p.stderr.splitlines() if "error" in ln), p.stderr[-200:])
@@ -130,17 +130,6 @@ def _compile_units(d: Path, left_out: list[str]) -> list[str]:
         else:
             left_out.append(f"CPU kernel: the {name} unit did not build ({why.strip()[:160]}); left out, the others load")
     return objs
-
-
-def _extra_unit_flags(name: str) -> list[str]:
-    """Extra flags for one unit from $QUANTKIT_KERNEL_UNIT_FLAGS ("avx512:-mfoo;avx2:-mbar"): how the tests
-    make one unit fail to build."""
-    out: list[str] = []
-    for item in os.environ.get("QUANTKIT_KERNEL_UNIT_FLAGS", "").split(";"):
-        unit, _, flags = item.partition(":")
-        if unit.strip() == name:
-            out += shlex.split(flags)
-    return out
 
 
 def _module_name(d: Path) -> str:
@@ -275,9 +264,6 @@ def chosen_level(best: int) -> int:
     or LEVEL-plain for that level without its extension; one line when the value is unknown or above what
     there is)."""
     want = os.environ.get("QUANTKIT_CPU_ISA", "").strip().lower().removesuffix("-plain")
-    if not want and os.environ.get("QUANTKIT_NO_AVX512", "").strip() not in ("", "0"):
-        notice("QUANTKIT_NO_AVX512 is replaced by QUANTKIT_CPU_ISA=avx2 (honoured for now)")
-        want = "avx2"
     if not want:
         return best
     if want not in ISA_LEVELS:
@@ -402,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     if mod is not None:
         print(f"quantkit: CPU kernel ready ({isa_name()}; units {', '.join(mod.units())}) in {cache_dir()}")
     elif not enabled_by_env():
-        print("quantkit: CPU kernel switched off (QUANTKIT_CPU_KERNEL=off)")
+        print("quantkit: CPU kernel switched off (QUANTKIT_CPU_ISA=none)")
     return 0
 
 

@@ -13,7 +13,7 @@ from anonymous mappings advised `MADV_HUGEPAGE` (pages are faulted on first writ
 are resident); smaller ones share chunks of `CHUNK` bytes, page-aligned, so a layer's experts sit on a
 few huge pages instead of each starting its own. Each tensor is its own storage over its bytes (a deep
 copy or a save takes only those) and keeps its mapping alive; a chunk is unmapped when its last tensor
-is freed. Below `MIN_BYTES`, on other systems, with `QUANTKIT_HUGEPAGES=0` or inside `off()`, plain
+is freed. Below `MIN_BYTES`, on other systems or inside `off()`, plain
 `torch.empty`. `copy(t)` moves a tensor there; when t maps a file (a safetensors shard read lazily), the
 file's pages are then unmapped from the process, so the weights count once in its resident memory.
 """
@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 import math
 import mmap
-import os
 import threading
 from collections.abc import Iterator
 
@@ -42,8 +41,7 @@ _off = threading.local()
 
 def enabled() -> bool:
     """Whether weights go to advised 2 MiB pages (Linux with MADV_HUGEPAGE, not switched off)."""
-    return (hasattr(mmap, "MADV_HUGEPAGE") and os.environ.get("QUANTKIT_HUGEPAGES", "1") != "0"
-            and not getattr(_off, "on", False))
+    return hasattr(mmap, "MADV_HUGEPAGE") and not getattr(_off, "on", False)
 
 
 @contextlib.contextmanager

@@ -11,7 +11,7 @@ Routes (the first that applies):
 - int4 and int8 on a CPU: quantkit's own C++ kernel (every instruction set, generic C++ included) (`QKernel`, built at
   set-up: runtime/cpu_kernel.py, csrc/qk_cpu.cpp), int8 activations against the stored codes, repacked
   once at load into 16-row tiles; the torch routes below stay where it is missing or switched off
-  (`QUANTKIT_CPU_KERNEL=off`), or `route="torch"`.
+  (`QUANTKIT_CPU_ISA=none`), or `route="torch"`.
 - int8: `torch._weight_int8pack_mm` (CPU; CUDA where torch has it, else dequantize-on-the-fly).
 - int4: CPU `_convert_weight_to_int4pack_for_cpu` at load + `_weight_int4pack_mm_for_cpu`; CUDA
   `_convert_weight_to_int4pack` + `_weight_int4pack_mm` (tinygemm). The stored codes/scales already
