@@ -211,27 +211,37 @@ def test_chunked_prompt_equals_one_forward(tiny_model, recipe, one_thread):  # n
 
 
 @pytest.mark.parametrize("route", ROUTES)
-def test_rewind_restores_the_state_after_each_kept_position(tiny_model, route, one_thread):  # noqa: F811
-    """A 3-token forward that keeps its positions, rewound to its first token, then fed the same next token:
-    the same logits as a cache that only ever saw those tokens one by one on the T-token path."""
+@pytest.mark.parametrize("recipe", ["bf16", "int4"])
+def test_a_verify_equals_one_token_steps_and_rewinds_to_any_position(tiny_model, recipe, route, one_thread):  # noqa: F811
+    """A 4-token forward that keeps its positions (a speculative verify) gives the logits and states of 4 one-token
+    steps, bit for bit; rewound to any of its positions, the next step equals a cache that only ever saw the
+    tokens up to there."""
     if route != "torch" and not cpu_kernel.available():
         pytest.skip("the CPU kernel is not built on this machine")
-    rt = _load(tiny_model, "bf16", forced_route=route)
+    rt = _load(tiny_model, recipe, forced_route=route)
+    m = rt.model
     ids = _prompt(rt)
-    a, b, c = _tokens(3)
+    toks = _tokens(5)
     with torch.inference_mode():
-        cache = rt.model.new_cache(len(ids) + 8)
-        rt.model.forward(ids, cache)
-        n0 = cache.n
-        rt.model.forward([a, b, c], cache, all_logits=True, keep_positions=True)
-        assert set(cache.trail) == set(cache.conv)
-        cache.rewind(n0 + 1)
-        assert cache.n == n0 + 1 and not cache.trail
-        got = rt.model.forward([b, c], cache, all_logits=True)
-        ref = rt.model.new_cache(len(ids) + 8)
-        rt.model.forward(ids, ref)
-        want = rt.model.forward([a, b, c], ref, all_logits=True)
-    assert torch.equal(got, want[1:])
+        ref = m.new_cache(len(ids) + 8)
+        m.forward(ids, ref)
+        steps = torch.stack([m.forward([t], ref) for t in toks[:4]])
+        for keep in (1, 2, 3, 4):
+            cache = m.new_cache(len(ids) + 8)
+            m.forward(ids, cache)
+            n0 = cache.n
+            got = m.forward(toks[:4], cache, all_logits=True, keep_positions=True)
+            assert torch.equal(got, steps)
+            if keep == 4:
+                assert all(torch.equal(cache.state[i], ref.state[i]) for i in ref.state)
+            assert set(cache.trail) == set(cache.conv)
+            cache.rewind(n0 + keep)
+            assert cache.n == n0 + keep and not cache.trail
+            fresh = m.new_cache(len(ids) + 8)
+            m.forward(ids, fresh)
+            for t in toks[:keep]:
+                m.forward([t], fresh)
+            assert torch.equal(m.forward([toks[4]], cache), m.forward([toks[4]], fresh))
     with pytest.raises(ValueError, match="without the positions kept"):
         cache.rewind(n0)
 

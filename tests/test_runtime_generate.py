@@ -31,6 +31,8 @@ class _Count:
 class Scripted:
     """Stands in for the model in loop tests: its logits force a given token sequence."""
 
+    mtp = None  # no MTP layer to draft with
+
     def __init__(self, script: list[int], vocab: int):
         self.script, self.vocab, self.step = script, vocab, 0
 

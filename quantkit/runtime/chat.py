@@ -132,7 +132,8 @@ def turn_line(resp: GenerationResponse, weights: dict[str, int]) -> str:
         for d in dict.fromkeys([*weights, *resp.peak_memory]))
     return (f"[prompt {resp.prompt_tokens} tok, {resp.prompt_tps:.1f} tok/s | generated {resp.generation_tokens} "
             f"tok, {resp.generation_tps:.1f} tok/s | {resp.finish_reason} | {mem} | prefilled "
-            f"{resp.prefilled_tokens}, reused {resp.cached_tokens}]")
+            f"{resp.prefilled_tokens}, reused {resp.cached_tokens}"
+            + (f" | drafted {resp.mtp['drafted']}, accepted {resp.mtp['accepted']}" if resp.mtp else "") + "]")
 
 
 class Chat:
@@ -262,6 +263,7 @@ class Chat:
                  f"{self.rt.placement.source}")
         self.say("weights: " + ", ".join(f"{d} {fmt_bytes(b)}" for d, b in w.items()))
         self.say(self.rt.route_line())
+        self.say(self.rt.mtp_line())
         self.say(f"context: {self.context_used}/{self.rt.context} tokens used, {len(self.s.messages)} messages, "
                  f"thinking {'on' if self.s.thinking else 'off'}")
         if self.last:

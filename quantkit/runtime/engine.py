@@ -19,6 +19,7 @@ from quantkit.runtime.generate import (
     stream_tokens,
 )
 from quantkit.runtime.safe_prompt import render_ids
+from quantkit.runtime.speculative import MAX_DRAFT
 from quantkit.runtime.state_cache import PrefixCache
 
 AUTO_CACHE_FRACTION = 4  # the default prompt cache takes 1/4 of the free memory of the states' device
@@ -100,6 +101,8 @@ class Runtime:
         # message boundaries: prefill is cut and snapshots are taken before each <|im_start|>
         self.boundary_ids = frozenset(i for i in (vocab.get("<|im_start|>"),) if i is not None)
         self.prompt_cache = PrefixCache(0)  # off until set_prompt_cache
+        # drafts per verify from the model's MTP layer (runtime/speculative.py): 1 where the folder has one
+        self.mtp = 1 if model.mtp is not None else 0
         self._cancel = threading.Event()
         self._lock = threading.Lock()
         self.last: GenerationResponse | None = None
@@ -118,6 +121,25 @@ class Runtime:
         """The one-token route chosen at load (runtime/model/route.py): {"name", "isa": generic|avx2|avx512
         (or none), "table", "fused_ops", "one_call"}."""
         return self.model.route.describe()
+
+    def set_mtp(self, draft: int | None) -> str | None:
+        """Drafts per verify from the MTP layer (None: the default); the one line to show where the folder has
+        no MTP layer to draft with (decoding goes on without it)."""
+        if draft is None:
+            return None
+        if not 0 <= draft <= MAX_DRAFT:
+            raise QuantkitError(f"--mtp {draft}: draft 0 to {MAX_DRAFT} tokens per step (0 = off)")
+        if draft and self.model.mtp is None:
+            self.mtp = 0
+            return f"--mtp {draft}: {self.folder.name} has no MTP layer; decoding without drafts"
+        self.mtp = draft
+        return None
+
+    def mtp_line(self) -> str:
+        """Whether decoding drafts with the MTP layer, for the load line and /stats."""
+        if self.model.mtp is None:
+            return "MTP: none in this model"
+        return f"MTP: drafting {self.mtp} token{'s' if self.mtp != 1 else ''} per step" if self.mtp else "MTP: off"
 
     def route_line(self) -> str:
         """The route in a few words, for logs and /stats."""
@@ -194,7 +216,7 @@ class Runtime:
             for e in stream_tokens(self.model, self.tokenizer, ids, sampling=sampling, stop_ids=stops,
                                    context=self.context, devices=self._io_devices(), thinking=thinking,
                                    think_ids=self.think_ids, cancel=ev, prefix_cache=self.prompt_cache,
-                                   boundary_ids=self.boundary_ids):
+                                   boundary_ids=self.boundary_ids, mtp=self.mtp):
                 if e.response is not None:
                     self.last = e.response
                 yield e

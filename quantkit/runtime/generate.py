@@ -29,6 +29,7 @@ from quantkit.runtime.channels import ANSWER, THINKING, ChannelSplitter
 from quantkit.runtime.devices import release_free_heap
 from quantkit.runtime.model.cache import HybridCache
 from quantkit.runtime.model.model import Model
+from quantkit.runtime.speculative import Clock, DraftStats, mtp_prefill, mtp_tokens, picker, plain_tokens
 from quantkit.runtime.state_cache import PrefixCache, prefill_plan, snapshot_points
 
 PREFILL_CHUNK = DEFAULT_PREFILL_CHUNK  # the chunk the planner sizes the activation buffers for
@@ -78,6 +79,7 @@ class GenerationResponse:
     decode_seconds: float = 0.0
     token_ids: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens restored from a snapshot instead of prefilled
+    mtp: dict[str, int] | None = None  # speculative decoding: {"draft", "drafted", "accepted"} (None: off)
 
     @property
     def prefilled_tokens(self) -> int:
@@ -103,6 +105,7 @@ class TokenEvent:
     response: GenerationResponse | None = None
     cached_tokens: int = 0  # prompt tokens this generation restored from the prompt cache
     info: Any = None  # what SamplingParams.hook.accept returned for this token (e.g. its logprobs)
+    drafts: DraftStats | None = None  # speculative decoding's counts so far (the generation's live object)
 
 
 def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor | None, torch.Tensor]:
@@ -164,14 +167,16 @@ class Prefill:
     cache: HybridCache
     logits: torch.Tensor | None  # None when cancelled before the last chunk
     cached_tokens: int
+    hidden: torch.Tensor | None = None  # with `hidden`: the final norm's output at every prefilled position
 
 
 def prefill(model: Model, prompt_ids: list[int], *, capacity: int = 0, prefix_cache: PrefixCache | None = None,
-            boundary_ids: frozenset[int] = frozenset(), cancel: Any = None) -> Prefill:
+            boundary_ids: frozenset[int] = frozenset(), cancel: Any = None, hidden: bool = False) -> Prefill:
     """Restore the longest cached prefix of `prompt_ids` (if any), prefill the rest chunk by chunk on the
     boundary-aligned plan (quantkit.runtime.state_cache), and store snapshots at the last boundaries
     passed. `capacity`: the positions the cache is made for (at least the prompt). A set `cancel` stops
-    between chunks; the snapshots already passed are kept."""
+    between chunks; the snapshots already passed are kept. `hidden`: keep the final norm's output of every
+    prefilled token (what the MTP layer drafts from)."""
     snap = prefix_cache.lookup(prompt_ids) if prefix_cache is not None else None
     room = max(capacity, len(prompt_ids))
     cache = (HybridCache.from_snapshot(snap, model.cfg, model.layer_devices, model.dtype, room) if snap is not None
@@ -179,27 +184,32 @@ def prefill(model: Model, prompt_ids: list[int], *, capacity: int = 0, prefix_ca
     start = snap.length if snap is not None else 0
     points = set(snapshot_points(prompt_ids, start, boundary_ids, prefix_cache.keep)) \
         if prefix_cache is not None and prefix_cache.enabled else set()
-    logits, taken = None, []
+    logits, taken, rows = None, [], []
     for a, b in prefill_plan(prompt_ids, start, boundary_ids, PREFILL_CHUNK):
         if cancel is not None and cancel.is_set():
             logits = None
             break
-        logits = model.forward(prompt_ids[a:b], cache)
+        if hidden:
+            logits, h = model.forward(prompt_ids[a:b], cache, hidden=True)
+            rows.append(h)
+        else:
+            logits = model.forward(prompt_ids[a:b], cache)
         if b in points:
             taken.append((b, cache.linear_copies()))
     for snap in cache.snapshots(prompt_ids, taken):
         assert prefix_cache is not None
         prefix_cache.put(snap)
-    return Prefill(cache, logits, start)
+    return Prefill(cache, logits, start, torch.cat(rows) if rows else None)
 
 
 def stream_tokens(model: Model, tokenizer: Any, prompt_ids: list[int], *, sampling: SamplingParams,
                   stop_ids: set[int], context: int, devices: list[str], thinking: bool,
                   think_ids: tuple[int | None, int | None] = (None, None),
                   cancel: threading.Event | None = None, prefix_cache: PrefixCache | None = None,
-                  boundary_ids: frozenset[int] = frozenset()) -> Iterator[TokenEvent]:
+                  boundary_ids: frozenset[int] = frozenset(), mtp: int = 0) -> Iterator[TokenEvent]:
     """Generate from `prompt_ids` (already rendered by the chat template). See the module docstring;
-    `prefix_cache` and `boundary_ids` as in `prefill`."""
+    `prefix_cache` and `boundary_ids` as in `prefill`; `mtp`: drafts per verify from the model's MTP layer
+    (runtime/speculative.py; 0: one forward per token)."""
     sampling.validate()
     n_prompt = len(prompt_ids)
     if n_prompt == 0:
@@ -211,37 +221,45 @@ def stream_tokens(model: Model, tokenizer: Any, prompt_ids: list[int], *, sampli
     split = ChannelSplitter(tokenizer, think_ids, thinking)
     generated: list[int] = []
     finish = "length"
-    t_dec = 0.0
+    mtp = mtp if model.mtp is not None else 0
+    stats = DraftStats(mtp) if mtp else None
+    clock = Clock()
     with torch.inference_mode():
         t0 = time.perf_counter()
         pre = prefill(model, prompt_ids, capacity=min(context, n_prompt + sampling.max_new_tokens),
-                      prefix_cache=prefix_cache, boundary_ids=boundary_ids, cancel=cancel)
+                      prefix_cache=prefix_cache, boundary_ids=boundary_ids, cancel=cancel, hidden=bool(mtp))
         cache, logits = pre.cache, pre.logits
+        budget = min(sampling.max_new_tokens, context - n_prompt) if logits is not None else 0
+        pick = picker(sampling, gen, sample, candidates)
+        if stats is not None and budget > 1:
+            assert pre.hidden is not None
+            mtp_cache = model.mtp.new_cache(n_prompt + budget)
+            mtp_prefill(model, mtp_cache, prompt_ids[pre.cached_tokens:], pre.hidden, PREFILL_CHUNK)
+            tokens = mtp_tokens(model, cache, mtp_cache, logits, pre.hidden[-1:], mtp, n_prompt + budget, pick, clock,
+                                stats)
+        else:
+            tokens = plain_tokens(model, cache, logits, pick, clock)
         t_pre = time.perf_counter() - t0
         if n_prompt - pre.cached_tokens >= TRIM_AFTER_PREFILL:
             release_free_heap()  # its chunk temporaries: at 35B a 2k prompt left ~0.5 GB in the heap (bench full-size)
-        budget = min(sampling.max_new_tokens, context - n_prompt) if logits is not None else 0
         if logits is None:
             finish = "cancelled"
         for i in range(budget):
             if cancel is not None and cancel.is_set():
                 finish = "cancelled"
                 break
-            hook = sampling.hook
-            tok = sample(logits if hook is None else hook.process(logits), sampling, gen)
-            info = None if hook is None else hook.accept(tok)
+            tok, info = next(tokens)
             generated.append(tok)
             if tok in stop_ids:
                 finish = "stop"
                 break
             channel, delta = split.feed(tok)
-            yield TokenEvent(delta, tok, channel, i, cached_tokens=pre.cached_tokens, info=info)
+            yield TokenEvent(delta, tok, channel, i, cached_tokens=pre.cached_tokens, info=info, drafts=stats)
             if i == budget - 1:
                 finish = "length" if budget == sampling.max_new_tokens else "context"
                 break
-            t1 = time.perf_counter()
-            logits = model.forward([tok], cache)
-            t_dec += time.perf_counter() - t1
+        tokens.close()
+    t_dec = clock.seconds
     n_gen = len(generated)
     steps = max(0, n_gen - 1) if finish != "cancelled" else n_gen
     resp = GenerationResponse(
@@ -250,6 +268,6 @@ def stream_tokens(model: Model, tokenizer: Any, prompt_ids: list[int], *, sampli
         prompt_tps=(n_prompt - pre.cached_tokens) / t_pre if t_pre > 0 else 0.0,
         generation_tps=steps / t_dec if t_dec > 0 and steps else 0.0,
         peak_memory=peak_memory(devices), finish_reason=finish, prefill_seconds=t_pre, decode_seconds=t_dec,
-        token_ids=generated, cached_tokens=pre.cached_tokens,
+        token_ids=generated, cached_tokens=pre.cached_tokens, mtp=stats.to_dict() if stats is not None else None,
     )
     yield TokenEvent("", None, split.channel, n_gen, resp, pre.cached_tokens)

@@ -24,7 +24,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from quantkit.runtime.kernels import Kernel, QBf16Kernel, prepare, slice_parts
 from quantkit.runtime.model.experts import GatheredExperts
 from quantkit.runtime.model.layers import Attention, DeltaNet, Layer, MoE
 from quantkit.runtime.model.model import Model
+from quantkit.runtime.model.mtp import MTP
 from quantkit.runtime.model.spec import ModelConfig, model_config
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 
@@ -321,6 +322,59 @@ def _expert_split(ex: QuantExperts, gather: frozenset[int] | None) -> dict[str, 
     return {"host_ids": True}
 
 
+def _cat_rows(a: dict[str, torch.Tensor] | torch.Tensor, b: dict[str, torch.Tensor] | torch.Tensor
+              ) -> dict[str, torch.Tensor] | torch.Tensor:
+    """Two matrices stacked by output rows, stored parts part by part (every format's parts run over the
+    output rows first; nf4/fp4 blocks never straddle two rows)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor)
+        return torch.cat([a, b])
+    assert isinstance(b, dict) and a.keys() == b.keys()
+    return {k: torch.cat([a[k], b[k]]) for k in a}
+
+
+def _mtp_experts(src: TensorSource, p: str, dev: str, mc: ModelConfig, report: LoadReport,
+                 route: str | None) -> QuantExperts:
+    """The MTP layer's routed experts, stored one by one (gate_proj, up_proj, down_proj each), as a
+    QuantExperts on `dev` (gate and up stacked into the gate_up matrix the runtime computes)."""
+    t = mc.text
+    g = ExpertGroup(torch.device(dev), list(range(t.num_experts)))
+    for e in range(t.num_experts):
+        q = f"{p}experts.{e}."
+        (gs, gshape), (us, ushape) = src.spec(f"{q}gate_proj.weight"), src.spec(f"{q}up_proj.weight")
+        if gs != us or gshape[1:] != ushape[1:]:
+            raise QuantkitError(f"{q}gate_proj and up_proj are stored differently; re-run `quantkit quantize`")
+        parts = _cat_rows(src.read(f"{q}gate_proj.weight", dev), src.read(f"{q}up_proj.weight", dev))
+        gu = prepare(parts if gs else _dense_dtype(parts), gs, (gshape[0] + ushape[0], gshape[1]), route=route)
+        g.gate_up.append(gu)
+        g.down.append(_kernel(src, f"{q}down_proj.weight", dev, report))
+        report.add_kernel(gu, gs.format if gs else "bf16")
+    return QuantExperts(t.num_experts, t.hidden_size, t.moe_intermediate_size, [g],
+                        fmt=gs.format if gs else "bf16")
+
+
+def build_mtp(src: TensorSource, mc: ModelConfig, dev: str, report: LoadReport, route: str | None = None) -> MTP:
+    """The checkpoint's MTP layer (`mtp.*`) on `dev`."""
+    t = mc.text
+    one = ModelConfig(replace(t, num_hidden_layers=1, layer_types=("full_attention",)), mc.rms_eps, mc.rope_theta,
+                      mc.partial_rotary)
+    p = "mtp.layers.0."
+    rw = _vector(src, f"{p}mlp.gate.weight", dev, report)
+    router_kernel = (QBf16Kernel(rw, shared=True) if rw.dtype == torch.bfloat16 and rw.is_contiguous()
+                     and cpu_kernel.supports("bf16", tuple(rw.shape), rw.device) else None)
+    shared = [_kernel(src, f"{p}mlp.shared_expert.{n}_proj.weight", dev, report) for n in ("gate", "up", "down")]
+    moe = MoE(rw, router_kernel, t.num_experts_per_tok, _mtp_experts(src, f"{p}mlp.", dev, mc, report, route),
+              *shared, _kernel(src, f"{p}mlp.shared_expert_gate.weight", dev, report))
+    pre, post = (_scale(src, f"{p}{nm}.weight", dev, report) for nm in ("input_layernorm", "post_attention_layernorm"))
+    layer = Layer(0, torch.device(dev), pre, post, mc.rms_eps, _attention(src, f"{p}self_attn.", dev, mc, report), moe)
+    fc = _kernel(src, "mtp.fc.weight", dev, report)
+    if (fc.out_features, fc.in_features) != (t.hidden_size, 2 * t.hidden_size):
+        raise QuantkitError(f"mtp.fc.weight is {fc.out_features} x {fc.in_features}; this model's MTP layer "
+                            f"takes {t.hidden_size} x {2 * t.hidden_size}")
+    return MTP(one, fc, *(_scale(src, f"mtp.{n}.weight", dev, report)
+                          for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")), layer)
+
+
 def build_model(src: TensorSource, config: dict[str, Any], placement: Placement, report: LoadReport,
                 progress: Callable[[str], None] | None = None, route: str | None = None,
                 gather: frozenset[int] | None = None) -> Model:
@@ -359,7 +413,10 @@ def build_model(src: TensorSource, config: dict[str, Any], placement: Placement,
         head = prepare(w, None, tuple(w.shape), shared=w is embed)
     else:
         raise QuantkitError("the checkpoint has no lm_head.weight and the embedding is not tied")
-    return Model(mc, embed, layers, final, head)
+    model = Model(mc, embed, layers, final, head)
+    if t.mtp_num_hidden_layers and src.has("mtp.fc.weight"):
+        model.mtp = build_mtp(src, mc, head_dev, report, route)
+    return model
 
 
 # ---- entry point ----------------------------------------------------------------------------------------

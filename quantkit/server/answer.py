@@ -108,7 +108,9 @@ def timings(done: Done | None, completion_tokens: int) -> Timings | None:
     return Timings(queue_ms=round(done.queue_s * 1e3, 2), cache_n=done.cached_tokens, prompt_n=prefilled,
                    prompt_ms=round(done.prompt_s * 1e3, 2), prompt_per_second=rate(prefilled, done.prompt_s),
                    predicted_n=completion_tokens, predicted_ms=round(done.decode_s * 1e3, 2),
-                   predicted_per_second=rate(completion_tokens - 1, done.decode_s))
+                   predicted_per_second=rate(completion_tokens - 1, done.decode_s),
+                   draft_n=done.drafts["drafted"] if done.drafts else None,
+                   draft_n_accepted=done.drafts["accepted"] if done.drafts else None)
 
 
 class Listener:

@@ -39,6 +39,7 @@ class Done:
     prompt_s: float  # start of generation -> first token (prefill + first sampling)
     decode_s: float  # first token -> last token
     cached_tokens: int = 0  # prompt tokens restored from the prompt cache
+    drafts: dict[str, int] | None = None  # speculative decoding's {"draft", "drafted", "accepted"} (None: off)
 
 
 @dataclass
@@ -150,7 +151,7 @@ class GenerationQueue:
     def _run(self, job: Job) -> None:
         start = time.perf_counter()
         queue_s = start - job.submitted
-        n, first, last, cached = 0, None, start, 0
+        n, first, last, cached, drafts = 0, None, start, 0, None
         if self._closed:
             job.stop()
         try:
@@ -159,6 +160,7 @@ class GenerationQueue:
                 with contextlib.closing(self.backend.generate(job.prompt, job.params, job.cancel)) as events:
                     for ev in events:
                         cached = ev.cached_tokens
+                        drafts = ev.drafts.to_dict() if ev.drafts is not None else drafts
                         if ev.token is None:  # the runtime's closing summary: the Done below replaces it
                             continue
                         n += 1
@@ -185,4 +187,4 @@ class GenerationQueue:
             else:
                 self.stats.completed += 1
         first = first if first is not None else last
-        job._put(Done(reason, len(job.prompt.ids), n, queue_s, first - start, last - first, cached))
+        job._put(Done(reason, len(job.prompt.ids), n, queue_s, first - start, last - first, cached, drafts))

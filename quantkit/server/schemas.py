@@ -222,6 +222,8 @@ class Timings(BaseModel):
     predicted_n: int
     predicted_ms: float
     predicted_per_second: float | None
+    draft_n: int | None = None  # tokens the MTP layer drafted (speculative decoding; None when off)
+    draft_n_accepted: int | None = None  # of them, those the model accepted
 
 
 class ChatCompletion(BaseModel):

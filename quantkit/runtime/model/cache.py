@@ -85,6 +85,9 @@ class HybridCache:
         if n == self.n:
             self.trail.clear()
             return
+        if not self.conv and 0 <= n < self.n:  # attention alone: its KV is cut back by its fill
+            self.n = n
+            return
         if not self.trail or n > self.n:
             raise ValueError(f"cannot rewind from {self.n} to {n} tokens without the positions kept")
         some = next(iter(self.trail.values()))

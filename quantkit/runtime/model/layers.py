@@ -93,6 +93,15 @@ class Attention:
             return self.o(self.static_core(qo, ko, vo, cache.keys[i], cache.values[i], cache.pos, cos, sin))
         return self.o(self.core(qo, ko, vo, cache.keys[i], cache.values[i], cache.n, cos, sin, ops))
 
+    def verify(self, h: torch.Tensor, cache: HybridCache, i: int, cos: torch.Tensor, sin: torch.Tensor,
+               ops: Any) -> torch.Tensor:
+        """T tokens as T one-token steps would compute them, bit for bit, the projections batched."""
+        qo, ko, vo = self.qkv_in(h)
+        keys, values, n = cache.keys[i], cache.values[i], cache.n
+        rows = [self.core(qo[j:j + 1], ko[j:j + 1], vo[j:j + 1], keys, values, n + j, cos[j:j + 1], sin[j:j + 1], ops)
+                for j in range(h.shape[0])]
+        return self.o(torch.cat(rows))
+
     def core(self, qo: torch.Tensor, ko: torch.Tensor, vo: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
              n: int, cos: torch.Tensor, sin: torch.Tensor, ops: Any = None) -> torch.Tensor:
         """Between the projections: q/k norms, rotary, K/V written at n.., causal attention over keys and values
@@ -176,6 +185,19 @@ class DeltaNet:
             assert before is not None and states is not None
             cache.trail[i] = Trail(cache.n, torch.cat([before, qkv.to(before.dtype)]), states)
         return self.out(core)
+
+    def verify(self, h: torch.Tensor, cache: HybridCache, i: int, ops: Any) -> torch.Tensor:
+        """T tokens as T one-token steps would compute them, bit for bit, the projections batched; the state after
+        every position kept for `cache.rewind`."""
+        qkv, z, b, a = self.proj_in(h)
+        window, state = cache.conv[i], cache.state[i]
+        before, rows, states = window.clone(), [], []
+        for j in range(h.shape[0]):
+            r = slice(j, j + 1)
+            rows.append(self.core(qkv[r], z[r], b[r], a[r], window, state, ops)[0])
+            states.append(state.clone())
+        cache.trail[i] = Trail(cache.n, torch.cat([before, qkv.to(before.dtype)]), torch.stack(states))
+        return self.out(torch.cat(rows))
 
     def core(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, window: torch.Tensor,
              state: torch.Tensor, ops: Any = None, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -292,6 +314,8 @@ class Layer:
                  keep: bool = False) -> torch.Tensor:
         if x.device != self.device:
             x, cos, sin = x.to(self.device), cos.to(self.device), sin.to(self.device)
+        if keep and x.shape[0] > 1:
+            return self.verify(x, cache, cos, sin, ops)
         ops = ops if ops is not None and x.shape[0] == 1 and x.dtype == torch.bfloat16 else None
         h = ops.rms(x, self.pre, self.eps) if ops is not None else rms(x, self.pre, self.eps)
         m = self.mixer
@@ -302,3 +326,26 @@ class Layer:
             x = x + a
             h2 = rms(x, self.post, self.eps)
         return self.moe.add_to(x, h2, ops)
+
+    def verify(self, x: torch.Tensor, cache: HybridCache, cos: torch.Tensor, sin: torch.Tensor,
+               ops: Any) -> torch.Tensor:
+        """T tokens (a speculative verify) with the logits T one-token steps would give, bit for bit: the
+        projections of the mixer run on all T rows at once (the kernels' rows are independent), everything else
+        row by row as a step runs it. The states after every position are kept (`cache.rewind`)."""
+        ops = ops if ops is not None and x.dtype == torch.bfloat16 else None
+        t = x.shape[0]
+        h = torch.cat([ops.rms(x[j:j + 1], self.pre, self.eps) if ops is not None else rms(x[j:j + 1], self.pre, self.eps)
+                       for j in range(t)])
+        m = self.mixer
+        a = m.verify(h, cache, self.index, ops) if isinstance(m, DeltaNet) else m.verify(h, cache, self.index, cos, sin,
+                                                                                          ops)
+        out = []
+        for j in range(t):
+            r = slice(j, j + 1)
+            if ops is not None:
+                xj, hj = ops.add_rms(x[r], a[r], self.post, self.eps)
+            else:
+                xj = x[r] + a[r]
+                hj = rms(xj, self.post, self.eps)
+            out.append(self.moe.add_to(xj, hj, ops))
+        return torch.cat(out)

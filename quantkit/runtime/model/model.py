@@ -41,6 +41,7 @@ class Model:
     _stack: Any = field(default=None, init=False)
     _stack_key: tuple[int, int] | None = field(default=None, init=False)
     _graph: CudaGraphStep | None = field(default=None, init=False)
+    mtp: Any = field(default=None, init=False)  # the checkpoint's MTP layer (model/mtp.py), where it has one
 
     def __post_init__(self) -> None:
         t = self.cfg.text
@@ -73,15 +74,17 @@ class Model:
 
     # ---- the forward ----
     def forward(self, ids: list[int] | torch.Tensor, cache: HybridCache, *, all_logits: bool = False,
-                keep_positions: bool = False) -> torch.Tensor:
+                keep_positions: bool = False, hidden: bool = False) -> Any:
         """Logits [V] of the last of the T tokens `ids` (all_logits: [T, V]), cache advanced by T.
-        keep_positions: the Gated DeltaNet states after every position kept for `cache.rewind`."""
+        keep_positions: a speculative verify (T one-token steps' logits bit for bit, the Gated DeltaNet states
+        after every position kept for `cache.rewind`). hidden: (logits, the final norm's output [T, H] of every
+        token), what the MTP layer drafts from."""
         t = len(ids) if isinstance(ids, list) else int(ids.numel())
         if t == 0:
             raise ValueError("forward of no tokens")
         cache.reserve(cache.n + t)
         cache.trail.clear()
-        if t == 1 and self.route.kind == "cuda-graph" and not keep_positions:
+        if t == 1 and self.route.kind == "cuda-graph" and not keep_positions and not hidden:
             if self._graph is None or self._graph.cache is not cache:
                 self._graph = CudaGraphStep(self, cache)  # reserve() above keeps a cache's buffers in place
             logits = self._graph.replay(int(ids[0]), cache.n)
@@ -90,7 +93,7 @@ class Model:
         cache.pos = None
         ops = cpu_kernel.module() if self.route.kind in ("stack", "fused") else None
         x = self._embed(ids)
-        if t == 1 and self.route.kind == "stack" and not keep_positions and x.device.type == "cpu":
+        if t == 1 and self.route.kind == "stack" and not keep_positions and not hidden and x.device.type == "cpu":
             cos, sin, row = self._rope_table(cache.n)
             logits = self._bound_stack(cache).step(x, cos, sin, row, cache.n).view(-1)
             cache.n += 1
@@ -100,12 +103,16 @@ class Model:
             x = L(x, cache, cos, sin, ops, keep_positions)
         cache.n += t
         x = x.to(self.head_device)
-        if not all_logits:
+        if not all_logits and not hidden:
             x = x[-1:]
-        f = ops if ops is not None and x.shape[0] == 1 and x.device.type == "cpu" else None
-        x = f.rms(x, self.final, self.eps) if f is not None else rms(x, self.final, self.eps)
-        logits = self.head(x)
-        return logits if all_logits else logits.view(-1)
+        f = ops if ops is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16 else None
+        if f is not None and (x.shape[0] == 1 or keep_positions):  # row by row, as one-token steps
+            x = torch.cat([f.rms(x[j:j + 1], self.final, self.eps) for j in range(x.shape[0])])
+        else:
+            x = rms(x, self.final, self.eps)
+        logits = self.head(x if all_logits else x[-1:])
+        logits = logits if all_logits else logits.view(-1)
+        return (logits, x) if hidden else logits
 
     def static_step(self, token: torch.Tensor, cache: HybridCache) -> torch.Tensor:
         """Logits [V] of one token given as a device tensor [1] at the device-side position cache.pos: the same
