@@ -122,7 +122,8 @@ def test_cli_full_size_small_override_writes_a_verified_folder(tmp_path, capsys,
                                  "1024", "--quantized", "quality"], capsys, monkeypatch)
     assert code == 0, err
     cfg = json.loads((out / "config.json").read_text())["text_config"]
-    assert (cfg["hidden_size"], cfg["num_experts"], cfg["vocab_size"], cfg["mtp_num_hidden_layers"]) == (2048, 4, 1024, 0)
+    # the MTP layer is kept, as `quantize` keeps it by default
+    assert (cfg["hidden_size"], cfg["num_experts"], cfg["vocab_size"], cfg["mtp_num_hidden_layers"]) == (2048, 4, 1024, 1)
     code, stdout, err = run_cli(["verify", out], capsys, monkeypatch)
     assert code == 0 and "OK" in stdout
 
@@ -132,7 +133,7 @@ Usage = namedtuple("Usage", "available")
 
 @pytest.mark.parametrize("args,patch,needles", [
     (["--full-size"], "disk", ["not enough free disk", "71.", "GB free"]),
-    (["--full-size", "--quantized", "quality"], "disk", ["not enough free disk", "19.6", "GB free"]),
+    (["--full-size", "--quantized", "quality"], "disk", ["not enough free disk", "20.05", "GB free"]),
     (["--full-size", "--quantized", "quality"], "ram", ["GB of RAM", "1.66", "0.10 GB is available"]),
     (["--quantized", "nonsense"], None, ["nonsense"]),
     (["--full-size", "--hidden", "128"], None, ["--full-size"]),

@@ -184,19 +184,22 @@ def test_formats_and_recipes(tiny_model, tmp_path, args, expert_fmt, attn_fmt):
         assert qc["tensors"][f"{LM}layers.0.mlp.experts.down_proj"]["group_size"] == 32
 
 
-def test_keep_mtp_quantizes_its_experts(tiny_model_mtp, tmp_path):
+def test_mtp_is_kept_by_default_and_no_mtp_drops_it(tiny_model_mtp, tmp_path):
     out = tmp_path / "q"
-    assert cli("quantize", tiny_model_mtp, "--out", out, "--keep-mtp").exit_code == 0
+    assert cli("quantize", tiny_model_mtp, "--out", out).exit_code == 0
     st = stored(out)
     qc = qconfig(out)
     e0 = "mtp.layers.0.mlp.experts.0.gate_proj.weight"
     assert qc["tensors"][e0]["format"] == "int4" and e0 + ".qweight" in st and e0 not in st
     assert qc["tensors"]["mtp.layers.0.self_attn.q_proj.weight"]["format"] == "int8"
     assert "mtp.norm.weight" in st and qc["mtp"] == "kept"
+    assert json.loads((out / "config.json").read_text())["text_config"]["mtp_num_hidden_layers"] == 1
     assert cli("verify", out).exit_code == 0
     out2 = tmp_path / "q2"
-    assert cli("quantize", tiny_model_mtp, "--out", out2).exit_code == 0
+    assert cli("quantize", tiny_model_mtp, "--out", out2, "--no-mtp").exit_code == 0
     assert not any(k.startswith("mtp.") for k in stored(out2)) and qconfig(out2)["mtp"] == "dropped"
+    assert json.loads((out2 / "config.json").read_text())["text_config"]["mtp_num_hidden_layers"] == 0
+    assert cli("verify", out2).exit_code == 0
 
 
 def test_transformers_layout_gives_the_published_layout(tiny_model, tiny_model_transformers_layout, tmp_path):

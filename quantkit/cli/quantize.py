@@ -12,6 +12,7 @@ from quantkit.cli import app, console, err_console, fail
 from quantkit.cli.options import GROUP_SIZE
 from quantkit.cli.progress import RichProgress, tensor_progress
 from quantkit.model.checkpoint import Checkpoint, resolve_model
+from quantkit.model.spec import Role
 from quantkit.outputs import free_disk
 from quantkit.quantize.calibrated import Calibration
 from quantkit.quantize.report import role_rows, total_row
@@ -57,6 +58,11 @@ def _roles_table(rows: list, title: str, measured: bool) -> Table:
     return t
 
 
+def _mtp_note(state: str, n: int) -> str:
+    return {"kept": f"MTP layer kept ({n} tensors; --no-mtp drops it)",
+            "dropped": f"MTP layer dropped ({n} tensors; without --no-mtp it is kept)"}.get(state, "no MTP layer")
+
+
 @app.command()
 def quantize(
     src: str = typer.Argument(..., help="checkpoint folder (sharded safetensors) or a model in the local HF cache"),
@@ -73,7 +79,9 @@ def quantize(
     override: list[str] = typer.Option([], "--override",
                                        help="ROLE=SPEC, e.g. linear_attention=8, lm_head=bf16"),
     recipe_file: str = typer.Option(None, "--recipe", help="a JSON recipe file (replaces --bits/--format)"),
-    keep_mtp: bool = typer.Option(False, "--keep-mtp", help="keep (and quantize) the MTP layer"),
+    no_mtp: bool = typer.Option(False, "--no-mtp", help="drop the MTP layer (speculative decoding's drafter; "
+                                "kept by default, quantized by the recipe of its roles)"),
+    old_keep_mtp: bool = typer.Option(False, "--keep-mtp", hidden=True),  # the MTP layer is kept by default now
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier quantkit output in --out"),
     report: Path = typer.Option(None, "--report",
@@ -92,6 +100,12 @@ def quantize(
 
     if resume and overwrite:
         fail("--resume and --overwrite exclude each other")
+    if old_keep_mtp and no_mtp:
+        fail("--keep-mtp and --no-mtp exclude each other (the MTP layer is kept by default)")
+    if old_keep_mtp:
+        err_console.print("[yellow]notice:[/] --keep-mtp does nothing now: the MTP layer is kept by default "
+                          "(--no-mtp drops it); the flag goes in the next release", highlight=False, soft_wrap=True)
+    keep_mtp = not no_mtp
     if out is None and not dry_run:
         fail("--out DIR is required (or --dry-run)")
 
@@ -116,7 +130,7 @@ def quantize(
                              t.out_bytes) for t in plan.tensors]
         console.print(_roles_table(role_rows(stats), f"{src}: dry run, nothing written", measured=False))
         console.print(f"{len(plan.shards)} shards of at most {shard / 1e9:.2f} GB; "
-                      f"{len(plan.dropped)} MTP tensors dropped" + (" (--keep-mtp keeps them)" if plan.dropped else ""))
+                      + _mtp_note(plan.mtp, len(plan.dropped) or sum(t.role == Role.MTP for t in plan.tensors)))
         for t in plan.tensors:
             if t.note:
                 console.print(f"  note: {t.name}: {t.note}")
@@ -133,6 +147,9 @@ def quantize(
     except Interrupted as e:
         fail(str(e), 130)
     console.print(_roles_table(role_rows(res.stats), f"{out}: {len(res.plan.shards)} shards", measured=True))
+    if res.plan.mtp != "absent":
+        console.print(_mtp_note(res.plan.mtp, len(res.plan.dropped) or
+                                sum(t.role == Role.MTP for t in res.plan.tensors)))
     if res.reused_shards:
         console.print(f"reused {len(res.reused_shards)} finished shards from the interrupted run")
     for t in res.plan.tensors:

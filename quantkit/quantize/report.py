@@ -90,6 +90,16 @@ def _fmt_err(x: float | None, digits: int = 4) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
+def _mtp_line(plan: Any) -> str:
+    """The report's MTP line: kept (quantized by the roles its tensors play), dropped (--no-mtp) or absent."""
+    if plan.mtp == "kept":
+        n = sum(1 for t in plan.tensors if t.name.startswith("mtp."))
+        return f"kept, {n} tensors (quantized by the recipe of their decoder-layer roles; --no-mtp drops them)"
+    if plan.mtp == "dropped":
+        return f"dropped (--no-mtp), {len(plan.dropped)} tensors; config.json says mtp_num_hidden_layers 0"
+    return "absent (the source has no MTP layer)"
+
+
 def write_report(md_path: Path, plan: Any, stats: list[Any], seconds: float, src: Path, out: Path,
                  reused: list[str], calibration: dict[str, Any] | None = None) -> tuple[Path, Path]:
     """Write `md_path` and the JSON beside it (same stem). Atomic; returns both paths."""
@@ -107,6 +117,7 @@ def write_report(md_path: Path, plan: Any, stats: list[Any], seconds: float, src
         "output": str(out),
         "recipe": plan.recipe.to_dict(),
         "keep_mtp": plan.keep_mtp,
+        "mtp": plan.mtp,
         "dropped": plan.dropped,
         "shards": len(plan.shards),
         "reused_shards": reused,
@@ -125,7 +136,7 @@ def write_report(md_path: Path, plan: Any, stats: list[Any], seconds: float, src
         f"- source: `{src}`",
         f"- output: `{out}`",
         f"- recipe: `{plan.recipe.name}` ({plan.recipe.description})",
-        f"- MTP: {'kept' if plan.keep_mtp else ('dropped, ' + str(len(plan.dropped)) + ' tensors') if plan.dropped else 'absent'}",
+        f"- MTP: {_mtp_line(plan)}",
         f"- size: {tot.in_bytes / 1e9:.3f} GB -> {tot.out_bytes / 1e9:.3f} GB "
         f"({tot.bits_per_weight:.3f} bits/weight) in {len(plan.shards)} shards",
         f"- time: {seconds:.1f} s" + (f" ({in_mb / seconds:.1f} MB/s of input)" if seconds > 0 else "")

@@ -28,7 +28,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -138,6 +138,14 @@ class QuantPlan:
     max_shard_size: int
 
     @property
+    def mtp(self) -> str:
+        """"kept" (the source's MTP layer is in the plan, quantized by its decoder-layer roles), "dropped"
+        (--no-mtp) or "absent" (the source has none)."""
+        if self.dropped:
+            return "dropped"
+        return "kept" if any(t.role == Role.MTP for t in self.tensors) else "absent"
+
+    @property
     def shard_names(self) -> list[str]:
         n = len(self.shards)
         return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
@@ -164,10 +172,11 @@ def _torch_dtype(name: str) -> torch.dtype:
     return d
 
 
-def make_plan(tensors: list[TensorSpec], recipe: Recipe, keep_mtp: bool = False,
+def make_plan(tensors: list[TensorSpec], recipe: Recipe, keep_mtp: bool = True,
               max_shard_size: int = 2_000_000_000) -> QuantPlan:
     """Decide every tensor and place it in a shard (greedy in checkpoint order; a tensor larger than the
-    shard size gets a shard of its own)."""
+    shard size gets a shard of its own). The MTP layer is kept (its tensors quantized by the recipe of the
+    role each plays in a decoder layer: recipe.mtp_subrole) unless `keep_mtp` is False (--no-mtp)."""
     if max_shard_size <= 0:
         raise QuantkitError("--max-shard-size must be positive")
     planned: list[TensorPlan] = []
@@ -206,7 +215,7 @@ def quantization_config(plan: QuantPlan, calibration: dict[str, Any] | None = No
         "quant_method": QUANT_METHOD,
         "version": QUANT_VERSION,
         "recipe": plan.recipe.to_dict(),
-        "mtp": "kept" if plan.keep_mtp else ("dropped" if plan.dropped else "absent"),
+        "mtp": plan.mtp,
         "fallbacks": {t.name: t.note for t in plan.tensors if t.note},
         **({"calibration": calibration} if calibration else {}),
         "tensors": tensors,
@@ -282,7 +291,7 @@ def _error_sums(w: torch.Tensor, deq: torch.Tensor) -> tuple[float, float]:
 @dataclass
 class QuantizeOptions:
     recipe: Recipe
-    keep_mtp: bool = False
+    keep_mtp: bool = True  # False: --no-mtp drops the MTP layer
     max_shard_size: int = 2_000_000_000
     mode: str = "new"  # "new", "resume", "overwrite"
     report: Path | None = None
@@ -291,9 +300,12 @@ class QuantizeOptions:
     calibration: Calibration | None = None  # --method/--stats (quantize/calibrated.py); None: plain RTN
     threads: int | None = None  # --threads: quantizing workers (None: every physical core); bytes do not depend on it
 
-    def fingerprint_data(self) -> dict[str, Any]:
-        """What the output bytes depend on (not mode/report/slab size/threads: those do not change them)."""
-        d = {"recipe": self.recipe.to_dict(), "keep_mtp": self.keep_mtp, "max_shard_size": self.max_shard_size}
+    def fingerprint_data(self, has_mtp: bool = True) -> dict[str, Any]:
+        """What the output bytes depend on (not mode/report/slab size/threads: those do not change them).
+        `has_mtp` False (a source without an MTP layer): the MTP choice changes nothing, so it is recorded
+        as False, as runs made before the layer was kept by default recorded it, and their journals resume."""
+        d = {"recipe": self.recipe.to_dict(), "keep_mtp": self.keep_mtp and has_mtp,
+             "max_shard_size": self.max_shard_size}
         if self.calibration is not None and self.calibration.method != "rtn":
             d["calibration"] = self.calibration.fingerprint_data()
         return d
@@ -665,14 +677,18 @@ def commit_job(out: Path, sn: str, w: ShardWriter, shard_stats: list[TensorStats
 
 
 def open_journal(out: Path, mode: str, key: str, names: list[str], layouts: list[ShardLayout],
-                 extra_bytes: int, need_stats: bool = True) -> tuple[Journal, list[str]]:
+                 extra_bytes: int, need_stats: bool = True,
+                 other_keys: dict[str, str] | None = None) -> tuple[Journal, list[str]]:
     """The run's journal in `out` (a fresh one, or the interrupted run's when `key` matches) and the finished
     shards it lists that still check out (size and sha256); free disk for the rest is checked, leftover
     temporaries are removed. Refuses a finished folder under "resume" and another run's journal. `need_stats`:
-    a shard is reused only with its recorded statistics (the quantizer's report needs them)."""
+    a shard is reused only with its recorded statistics (the quantizer's report needs them). `other_keys`:
+    the keys of runs that differ by one known option, each with the refusal that names it."""
     journal = Journal.load(out) if out.is_dir() else None
     if mode == "resume" and (out / MANIFEST_NAME).is_file() and journal is None:
         raise QuantkitError(f"{out} is already complete; check it with `quantkit verify {out}`")
+    if journal is not None and journal.key != key and journal.key in (other_keys or {}):
+        raise QuantkitError((other_keys or {})[journal.key])
     if journal is not None and journal.key != key:
         raise QuantkitError(
             f"{out} holds an interrupted run of a different source or different options; "
@@ -727,6 +743,12 @@ def seal_folder(out: Path, names: list[str], journal: Journal, files: dict[str, 
     fsync_dir(out)
 
 
+def _run_key(src_fp: dict[str, Any], opts: QuantizeOptions, has_mtp: bool, layouts: list[ShardLayout]) -> str:
+    """The journal key: the source, the options the bytes depend on and the shard plan."""
+    return fingerprint({"source": src_fp, "options": opts.fingerprint_data(has_mtp),
+                        "shards": [lay.header.hex() for lay in layouts]})
+
+
 def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: Progress | None = None) -> QuantizeResult:
     """Quantize an opened Checkpoint into `out` (see the module docstring for the guarantees)."""
     progress = progress or NoProgress()
@@ -741,12 +763,20 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
     layouts = plan.layouts()
     names = plan.shard_names
     src_fp = source_fingerprint(ckpt)
-    key = fingerprint({"source": src_fp, "options": opts.fingerprint_data(),
-                       "shards": [lay.header.hex() for lay in layouts]})
+    has_mtp = plan.mtp != "absent"
+    key = _run_key(src_fp, opts, has_mtp, layouts)
+    other_keys = {}
+    if has_mtp:  # a run with the other MTP choice (runs begun when dropping was the default) is named
+        other = replace(opts, keep_mtp=not opts.keep_mtp)
+        other_plan = make_plan(list(ckpt.canonical()), other.recipe, other.keep_mtp, other.max_shard_size)
+        was = "dropped the MTP layer (--no-mtp, the old default)" if opts.keep_mtp else "kept the MTP layer"
+        other_keys[_run_key(src_fp, other, True, other_plan.layouts())] = (
+            f"{out} holds an interrupted run that {was}; resume it "
+            f"{'with --no-mtp' if opts.keep_mtp else 'without --no-mtp'}, or pass --overwrite to start again")
 
     copies = copyable_files(src)
     journal, reused = open_journal(out, opts.mode, key, names, layouts,
-                                   sum(p.stat().st_size for p in copies) + (1 << 20))
+                                   sum(p.stat().st_size for p in copies) + (1 << 20), other_keys=other_keys)
     stats_by_shard: dict[str, list[TensorStats]] = {
         k: [TensorStats.from_dict(d) for d in v] for k, v in journal.stats.items() if k in reused
     }
@@ -785,7 +815,7 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
     from quantkit.quantize.report import write_report  # lazy: report imports this module
 
     md, js = write_report(opts.report or (out / f"{REPORT_STEM}.md"), plan, stats, seconds, src, out, reused, cal)
-    seal_folder(out, names, journal, files, {"path": str(src), **src_fp}, opts.fingerprint_data())
+    seal_folder(out, names, journal, files, {"path": str(src), **src_fp}, opts.fingerprint_data(has_mtp))
     return QuantizeResult(out, plan, stats, seconds, reused, md, js, copied, times.seconds)
 
 

@@ -130,8 +130,8 @@ def _write_tensor(shard: ShardWriter, tp: TensorPlan, seed: int, slab_bytes: int
 
 
 def plan_for(cfg: dict[str, Any], recipe: Recipe, max_shard_size: int = 2_000_000_000) -> QuantPlan:
-    """The quantizer's plan for a checkpoint of `cfg` (MTP tensors dropped, as `quantize` does by default)."""
-    return make_plan(list(spec_from_config(cfg, include_mtp=True).tensors), recipe, False, max_shard_size)
+    """The quantizer's plan for a checkpoint of `cfg` (its MTP layer kept, as `quantize` does by default)."""
+    return make_plan(list(spec_from_config(cfg, include_mtp=True).tensors), recipe, True, max_shard_size)
 
 
 def peak_bytes(plan: QuantPlan, slab_bytes: int = DEFAULT_SLAB_BYTES) -> int:
