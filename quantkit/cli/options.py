@@ -94,6 +94,8 @@ def renamed(value: Any, old_value: Any, new: str, old: str, default: Any = None)
     return old_value
 
 
+# `--mtp N`: tokens the MTP layer drafts per step (speculative decoding); 0 = the MTP layer is not used
+MTP_DRAFT = number(0, 3, integer=True)
 TEMPERATURE = number(0, 100)
 TOP_P = number(0, 1, lo_open=True)
 TOP_K = count(0, 1 << 31)

@@ -13,7 +13,7 @@ from rich import box
 from rich.table import Table
 
 from quantkit.cli import app, console
-from quantkit.cli.options import CONTEXT, COUNT, COUNT0, TFLOPS
+from quantkit.cli.options import CONTEXT, COUNT, COUNT0, MTP_DRAFT, TFLOPS
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf_types import check_type
 from quantkit.export.launch import ENGINES, LaunchPlan, launch_plan, llama_cache_type, llama_launch
@@ -68,6 +68,22 @@ def _settings(ctx: int, batch: int, cache: str, chunk: int, mtp: bool, spec: Mod
     return s
 
 
+def has_mtp(spec: ModelSpec) -> bool:
+    """Whether the model (or folder) has an MTP layer: a quantized folder made with --no-mtp has none."""
+    return any(t.role == Role.MTP for t in spec.tensors)
+
+
+def mtp_used(spec: ModelSpec, draft: int | None, model: str | None = None) -> bool:
+    """Whether a plan budgets the MTP layer: `--mtp N` (0: no; 1-3: yes, refused when the model has none),
+    by default when the model has one (the runtime drafts with it)."""
+    if draft is None:
+        return has_mtp(spec)
+    if draft and not has_mtp(spec):
+        raise QuantkitError(f"--mtp {draft}: {model or spec.name} has no MTP layer (a folder quantized with "
+                            "--no-mtp drops it); drop --mtp")
+    return draft > 0
+
+
 def _gb(n: float) -> str:
     return f"{n / GB:.1f}"
 
@@ -115,7 +131,8 @@ def _budget_table(spec: ModelSpec, plan: Plan) -> Table:
                   f"{tb.scales + tb.zeros:,}" if tb.scales + tb.zeros else "")
     t.add_row("  (kept in high precision)", f"{b.kept_high_precision:,}", _gb(b.kept_high_precision), "")
     n_full = len(spec.config.full_attention_layers)
-    t.add_row(f"KV cache ({n_full} full-attention layers)", f"{b.kv_cache:,}", _gb(b.kv_cache), "")
+    mtp = " + the MTP layer's" if plan.settings.include_mtp and spec.config.mtp_num_hidden_layers else ""
+    t.add_row(f"KV cache ({n_full} full-attention layers{mtp})", f"{b.kv_cache:,}", _gb(b.kv_cache), "")
     t.add_row("Gated DeltaNet recurrent state (fp32)", f"{b.recurrent_state:,}", _gb(b.recurrent_state), "")
     t.add_row("Gated DeltaNet conv state", f"{b.conv_state:,}", _gb(b.conv_state), "")
     t.add_row(f"prompt cache ({plan.settings.prompt_cache_snapshots} snapshots)", f"{b.prompt_cache:,}",
@@ -188,7 +205,10 @@ def plan_cmd(
                                       help="tokens per prefill step (llama.cpp's -ub): RAM-resident experts "
                                       "cross PCIe once per step, so a larger step prefills faster"),
     gpu_reserve: str = typer.Option(None, "--gpu-reserve", help="runtime reserve per GPU (default 1GiB)"),
-    mtp: bool = typer.Option(False, "--mtp", help="also load the MTP layer (speculative decoding)"),
+    mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT,
+                            help="tokens the MTP layer drafts per step (speculative decoding): 1-3 budget the "
+                            "layer (weights and its KV cache), 0 leaves it out (default: budgeted when the "
+                            "model has one)"),
     prompt_cache: int = typer.Option(SNAPSHOTS_PER_PROMPT, "--prompt-cache",
                                      help="conversation-state snapshots to budget for (2 per conversation kept "
                                      "across turns; 0: none)"),
@@ -236,6 +256,10 @@ def plan_cmd(
         hw = replace(hw, notes=(*hw.notes, f"{model} is quantized ({own.name}): planning its own recipe "
                                 "(--scheme compares others)"))
     min_quality = (parse_recipe_names([min_quality]) or [DEFAULT_QUALITY_FLOOR])[0]
+    use_mtp = mtp_used(spec, mtp, model)
+    if use_mtp:
+        hw = replace(hw, notes=(*hw.notes, "the MTP layer (speculative decoding's drafter) is budgeted: its weights "
+                                "and its KV cache; --mtp 0 leaves it out"))
     contexts = parse_contexts(context, spec.config.max_position_embeddings)
     this_host = not (gpu or ram or cpu_bandwidth or nodes > 1)
     prof, prof_src, prof_note = profile_for_plan(profile, spec.config, this_host)
@@ -246,7 +270,7 @@ def plan_cmd(
     if routing:
         kw["routing"] = read_profile(routing, spec.config.num_hidden_layers, spec.config.num_experts, routing_heldout)
     rows = [r for ctx in contexts
-            for r in plan_schemes(spec, hw, _settings(ctx, batch, cache, prefill_chunk, mtp, spec, prompt_cache),
+            for r in plan_schemes(spec, hw, _settings(ctx, batch, cache, prefill_chunk, use_mtp, spec, prompt_cache),
                                   schemes or None, **kw)]
     try:
         chosen = choose(rows, contexts[0], schemes, spec, hw, floor=min_quality, **kw)
@@ -407,12 +431,14 @@ def gpus_cmd(
     ram: str = typer.Option("128GiB", "--ram",
                             help="host RAM available for offload (default 128GiB; GB = 10^9)"),
     scheme: list[str] = typer.Option(None, "--scheme", "-s"),
+    mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT,
+                            help="as in `plan`: 0 leaves the MTP layer out (default: budgeted when the model has one)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Which catalog GPUs run each scheme on the GPU alone, with expert offload (RAM needed), or not at all."""
 
     spec = spec_from_path(model)
-    st = _settings(context, 1, "fp16", 512, False, spec)
+    st = _settings(context, 1, "fp16", 512, mtp_used(spec, mtp, model), spec)
     names = parse_recipe_names(scheme) or [
         "bf16", "int8", "quality", "int4", "mxfp4"]
     budgets = {n: compute_budget(spec, RECIPES[n], st) for n in names}
