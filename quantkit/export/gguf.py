@@ -350,7 +350,9 @@ def export_gguf(src_path: str | Path, out_path: str | Path, type: str = "mixed",
     """Write `src_path` as a GGUF file at `out_path` (atomically). `reuse=False` requantizes from the
     dequantized weights even where codes could be copied (for tests and comparisons); `expert_type`
     sets the routed experts' type of `mixed`; `imatrix` (a llama.cpp imatrix GGUF) feeds llama.cpp's
-    quantizer under a llama.cpp type."""
+    quantizer under a llama.cpp type. MTP tensors are not exported yet (llama.cpp's `nextn` layer): a source
+    that keeps its MTP layer, as `quantkit quantize` does by default, exports without it, with one note
+    (as llama.cpp's own converter with --no-mtp)."""
     import gguf
 
     t0 = time.perf_counter()
