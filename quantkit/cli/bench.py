@@ -14,6 +14,7 @@ from quantkit.bench import full_size as full_size_bench
 from quantkit.bench import gguf as gguf_bench
 from quantkit.bench import gpu as gpu_bench
 from quantkit.bench import kernel as kernel_bench
+from quantkit.bench import mtp as mtp_bench
 from quantkit.bench import quantize as quantize_bench
 from quantkit.bench import serve as serve_bench
 from quantkit.bench import session as session_bench
@@ -191,6 +192,26 @@ def bench_engines(
                           rounds=rounds, isas=_isas(isa), llama_builds=_llama_builds(llama_build),
                           prompt_tokens=prompt, log=console.print)
     console.print(f"wrote {reports / 'bench-engines.md'} ({d['seconds']:.0f} s)")
+
+
+@bench_app.command("mtp")
+def bench_mtp(
+    reports: Path = typer.Option(Path("reports"), "--reports", callback=_guard_reports,
+                                 help="where bench-mtp.{md,json,png} go"),
+    workdir: Path = typer.Option(Path("/tmp/quantkit-bench"), "--workdir", help="generated files go here"),
+    layers: int = typer.Option(4, "--layers", parser=COUNT, help="layers of the generated realistic-shape checkpoint"),
+    experts: int = typer.Option(64, "--experts", parser=COUNT, help="experts per layer of the generated checkpoint"),
+    vocab: int = typer.Option(248320, "--vocab", parser=COUNT, help="vocabulary (embedding and lm_head rows)"),
+    new_tokens: int = typer.Option(48, "--new-tokens", parser=COUNT, help="greedy tokens per generation"),
+    reps: int = typer.Option(2, "--reps", parser=COUNT, help="generations per point and round (best is reported)"),
+    rounds: int = typer.Option(2, "--rounds", parser=COUNT, help="rounds over every point (interleaved)"),
+    threads: int = typer.Option(None, "--threads", help="CPU threads [default: every physical core]"),
+) -> None:
+    """MTP speculative decoding: decode tok/s against draft acceptance (an oracle drafter), and a verify's cost."""
+    threads = _threads(threads)
+    d = mtp_bench.run(reports, workdir, layers, experts, vocab, new_tokens=new_tokens, reps=reps, rounds=rounds,
+                      threads=threads, log=console.print)
+    console.print(f"wrote {reports / 'bench-mtp.md'} ({d['seconds']:.0f} s)")
 
 
 @bench_app.command("full-size")

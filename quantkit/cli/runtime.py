@@ -11,7 +11,7 @@ import typer
 from quantkit import sizes
 from quantkit.cli import app, console, err_console, fail
 from quantkit.cli.chat_input import enable_bracketed_paste, multiline
-from quantkit.cli.options import CONTEXT, MAX_TOKENS, SEED, TEMPERATURE, TOP_K, TOP_P, renamed
+from quantkit.cli.options import CONTEXT, MAX_TOKENS, MTP_DRAFT, SEED, TEMPERATURE, TOP_K, TOP_P, renamed
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_text_bounded
 from quantkit.outputs import guard_output
@@ -83,7 +83,9 @@ def generate_cmd(
     seed: int = typer.Option(None, "--seed", parser=SEED),
     think: bool = typer.Option(True, "--think/--no-think", help="let the model reason first (default on)"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object: text, thinking, token counts, tok/s, "
-                                 "finish reason, the CPU route (instruction set, fused ops, one call)"),
+                                 "finish reason, the CPU route (instruction set, fused ops, one call), MTP counts"),
+    mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT, help="tokens the model's MTP layer drafts per step "
+                            "(0-3; 0 = off) [default: 1 where the folder has an MTP layer]"),
     plan: Path = _PLAN, scheme: str = _SCHEME, old_recipe: str = _OLD_RECIPE, context: int = _CONTEXT,
     verify: str = _VERIFY,
     threads: int = _THREADS,
@@ -109,6 +111,9 @@ def generate_cmd(
                             max_new_tokens=max_new_tokens)
         sp.validate()
         rt = _load(model, plan, recipe, context, verify, threads)
+        note = rt.set_mtp(mtp)
+        if note:
+            err_console.print(note, highlight=False, markup=False)
         msgs = ([{"role": "system", "content": sys_prompt}] if sys_prompt else []) + \
             [{"role": "user", "content": prompt}]
         resp = None
@@ -157,6 +162,8 @@ def chat_cmd(
     top_k: int = typer.Option(20, "--top-k", parser=TOP_K),
     seed: int = typer.Option(None, "--seed", parser=SEED),
     think: bool = typer.Option(True, "--think/--no-think"),
+    mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT, help="tokens the model's MTP layer drafts per step "
+                            "(0-3; 0 = off) [default: 1 where the folder has an MTP layer]"),
     load: Path = typer.Option(None, "--load", help="start from a conversation saved with /save"),
     session_file: Path = typer.Option(None, "--session", help="keep the conversation and its cached state in this "
                                       "file after every turn, and resume from it (no re-prefill after a restart)"),
@@ -192,6 +199,9 @@ def chat_cmd(
             guard_output(session_file, sources=[Path(model)] if Path(model).exists() else [], overwrite=True,
                          owned=is_session_file, flag="--session ")
         rt = _load(model, plan, recipe, context, verify, threads)
+        note = rt.set_mtp(mtp)
+        if note:
+            err_console.print(note, highlight=False, markup=False)
         rt.set_prompt_cache(cache_bytes)
         autosave = None
         if session_file:

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 import typer
 
 from quantkit.cli import app, console, err_console, fail
-from quantkit.cli.options import CONTEXT, COUNT, MAX_TOKENS, PORT, SECONDS, renamed
+from quantkit.cli.options import CONTEXT, COUNT, MAX_TOKENS, MTP_DRAFT, PORT, SECONDS, renamed
 from quantkit.cli.runtime import parse_cache_size
 from quantkit.errors import QuantkitError
 from quantkit.runtime.threads import set_threads
@@ -118,6 +118,8 @@ def serve(
                                           help="memory for snapshots of conversation states, reused when a client "
                                           "resends the history: e.g. 2GB; 0 turns it off; auto = a quarter of "
                                           "the free memory of the device holding the states"),
+    mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT, help="tokens the model's MTP layer drafts per step "
+                            "(0-3; 0 = off) [default: 1 where the folder has an MTP layer]"),
 ) -> None:
     """Serve MODEL_DIR on an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics)."""
@@ -158,7 +160,11 @@ def serve(
         console.print(f"serving [bold]{backend.model_id}[/] on http://{shown}:{port}/v1 (context "
                       f"{backend.max_context} tokens, up to {max_queue} waiting requests, prompt cache "
                       f"{backend.cache_summary()['max_bytes'] / 2**20:.0f} MiB)", highlight=False)
+        note = backend.runtime.set_mtp(mtp)
+        if note:
+            err_console.print(note, highlight=False, markup=False)
         console.print(backend.runtime.route_line(), highlight=False)  # the instruction set and decode route
+        console.print(backend.runtime.mtp_line(), highlight=False)
         server = uvicorn.Server(uvicorn.Config(create_app(backend, config), log_level=log_level.lower(),
                                                timeout_graceful_shutdown=5))
         try:

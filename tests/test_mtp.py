@@ -1,0 +1,189 @@
+"""Speculative decoding with the model's MTP layer (quantkit/runtime/speculative.py, runtime/model/mtp.py) on the
+tiny checkpoint with an MTP layer: greedy output identical to decoding without drafts for 1-3 drafts, with the
+layer's own (random, rarely accepted) drafts and with an oracle drafter that proposes the model's own
+continuation and is wrong at a set rate (so drafts are accepted, rejected and rolled back); sampling keeps the
+target's distribution; bad --mtp values and a folder without the layer get one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from quantkit.runtime import SamplingParams, cpu_kernel, load_model
+from quantkit.runtime.generate import stream_tokens
+
+from conftest import run_cli
+from test_runtime_common import one_thread, quantized  # noqa: F401
+
+PROMPT = [{"role": "user", "content": "write a long story about rivers, files and folders"}]
+ROUTES = ["stack", "torch"] if cpu_kernel.available() else ["torch"]
+
+
+def _generate(rt, draft: int, n: int = 40, **kw) -> tuple[list[int], dict | None]:
+    sp = SamplingParams(**{"temperature": 0, "max_new_tokens": n, "ignore_eos": True, **kw})
+    ids = rt.render_ids(PROMPT)[1]
+    resp = None
+    for e in stream_tokens(rt.model, rt.tokenizer, ids, sampling=sp, stop_ids=set(), context=512, devices=["cpu"],
+                           thinking=True, mtp=draft):
+        resp = e.response or resp
+    return resp.token_ids, resp.mtp
+
+
+class Oracle:
+    """Stands in for the MTP layer's forward: drafts the reference continuation `seq` (the whole token sequence
+    of a run without drafts), a wrong token instead every `wrong_every`-th draft."""
+
+    def __init__(self, seq: list[int], wrong_every: int):
+        self.seq, self.wrong_every, self.calls = seq, wrong_every, 0
+
+    def __call__(self, model, tokens, hidden, cache):
+        cache.n += len(tokens)  # pair i carries the token at position i + 1: it predicts position n + 1
+        want = self.seq[cache.n + 1] if cache.n + 1 < len(self.seq) else 0
+        self.calls += 1
+        if self.wrong_every and self.calls % self.wrong_every == 0:
+            want = (want + 1) % model.vocab
+        logits = torch.full((model.vocab,), -10.0)
+        logits[want] = 10.0
+        return logits, hidden[-1:]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("recipe", ["bf16", "int4"])
+def test_greedy_output_is_identical_with_the_layers_own_drafts(tiny_model_mtp, recipe, route, one_thread):  # noqa: F811
+    rt = load_model(tiny_model_mtp if recipe == "bf16" else quantized(tiny_model_mtp, recipe), forced_route=route)
+    assert rt.model.mtp is not None and rt.mtp == 1  # on by default where the folder has the layer
+    want, none = _generate(rt, 0)
+    assert none is None and len(want) == 40
+    for draft in (1, 2, 3):
+        got, stats = _generate(rt, draft)
+        assert got == want
+        assert stats["draft"] == draft and 0 <= stats["accepted"] <= stats["drafted"] <= draft * 39
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(("draft", "wrong_every"), [(1, 0), (1, 3), (2, 4), (3, 2), (3, 7)])
+def test_oracle_drafts_are_accepted_rolled_back_and_change_nothing(tiny_model_mtp, route, draft, wrong_every,
+                                                                   one_thread, monkeypatch):  # noqa: F811
+    rt = load_model(quantized(tiny_model_mtp, "int4"), forced_route=route)
+    want, _ = _generate(rt, 0)
+    ids = rt.render_ids(PROMPT)[1]
+    oracle = Oracle(ids + want, wrong_every)
+    monkeypatch.setattr(rt.model.mtp, "forward", oracle)
+    got, stats = _generate(rt, draft)
+    assert got == want
+    assert 0 < stats["accepted"] <= stats["drafted"]
+    if wrong_every == 0:  # every draft right: each verify keeps all its drafts and one token of its own
+        assert stats["accepted"] == stats["drafted"]
+        assert stats["drafted"] >= draft * ((len(want) - 1) // (draft + 1))
+    else:
+        assert stats["accepted"] < stats["drafted"]
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_the_generation_there(tiny_model_mtp, one_thread, monkeypatch):  # noqa: F811
+    rt = load_model(quantized(tiny_model_mtp, "int4"))
+    want, _ = _generate(rt, 0)
+    stop = want[10]
+    first = want.index(stop)
+    ids = rt.render_ids(PROMPT)[1]
+    monkeypatch.setattr(rt.model.mtp, "forward", Oracle(ids + want, 0))
+    sp = SamplingParams(temperature=0, max_new_tokens=40)
+    resp = None
+    for e in stream_tokens(rt.model, rt.tokenizer, ids, sampling=sp, stop_ids={stop}, context=512, devices=["cpu"],
+                           thinking=True, mtp=3):
+        resp = e.response or resp
+    assert resp.finish_reason == "stop" and resp.token_ids == want[:first + 1]
+
+
+def test_sampling_keeps_the_targets_distribution(tiny_model_mtp, one_thread, monkeypatch):  # noqa: F811
+    """The second token (the first a verify decides) drawn 600 times with and without drafts of a fixed token:
+    the same distribution (total variation under 0.1; drafts kept whenever offered would put all the mass on
+    the drafted token)."""
+    rt = load_model(quantized(tiny_model_mtp, "int4"))
+    kw = {"temperature": 1.0, "top_k": 4, "top_p": 1.0}
+    ids = rt.render_ids(PROMPT)[1]
+    probe = [t for t in _generate(rt, 0, n=2, seed=0, **kw)[0]]
+    draft_tok = probe[1]
+
+    def fixed(model, tokens, hidden, cache):
+        cache.n += len(tokens)
+        logits = torch.full((model.vocab,), -10.0)
+        logits[draft_tok] = 10.0
+        return logits, hidden[-1:]
+
+    def second_tokens(draft: int) -> torch.Tensor:
+        counts = torch.zeros(rt.model.vocab)
+        for seed in range(600):
+            sp = SamplingParams(temperature=1.0, top_k=4, top_p=1.0, seed=seed, max_new_tokens=2, ignore_eos=True)
+            toks = [e.token for e in stream_tokens(rt.model, rt.tokenizer, ids, sampling=sp, stop_ids=set(),
+                                                   context=512, devices=["cpu"], thinking=True, mtp=draft)
+                    if e.token is not None]
+            counts[toks[1]] += 1
+        return counts / counts.sum()
+
+    without = second_tokens(0)
+    monkeypatch.setattr(rt.model.mtp, "forward", fixed)
+    with_drafts = second_tokens(1)
+    tv = 0.5 * float((without - with_drafts).abs().sum())
+    assert tv < 0.1, tv
+    assert 0.0 < float(with_drafts[draft_tok]) < 1.0
+
+
+def test_generate_json_reports_the_counts(tiny_model_mtp, capsys, monkeypatch):
+    q = quantized(tiny_model_mtp, "int4")
+    code, out, err = run_cli(["generate", q, "--prompt", "hi", "--mtp", "2", "--json", "--temperature", "0",
+                              "--max-tokens", "8"], capsys, monkeypatch)
+    assert code == 0, err
+    d = json.loads(out)
+    assert d["mtp"]["draft"] == 2 and 0 <= d["mtp"]["accepted"] <= d["mtp"]["drafted"]
+    code, out, err = run_cli(["generate", q, "--prompt", "hi", "--mtp", "0", "--json", "--temperature", "0",
+                              "--max-tokens", "8"], capsys, monkeypatch)
+    assert code == 0, err
+    assert json.loads(out)["mtp"] is None
+
+
+def test_mtp_on_a_folder_without_the_layer_is_one_line_and_decodes(tiny_model, capsys, monkeypatch):
+    code, out, err = run_cli(["generate", quantized(tiny_model, "int4"), "--prompt", "hi", "--mtp", "2", "--json",
+                              "--max-tokens", "4"], capsys, monkeypatch)
+    assert code == 0, err
+    assert "has no MTP layer; decoding without drafts" in err and json.loads(out)["generation_tokens"] >= 1
+
+
+@pytest.mark.parametrize("value", ["4", "-1", "1.5", "two"])
+def test_bad_draft_counts_are_one_line(tiny_model_mtp, capsys, monkeypatch, value):
+    code, _out, err = run_cli(["generate", tiny_model_mtp, "--prompt", "hi", "--mtp", value], capsys, monkeypatch)
+    assert code != 0 and "--mtp" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_runtime_set_mtp(tiny_model_mtp, tiny_model):
+    rt = load_model(tiny_model_mtp)
+    assert rt.set_mtp(3) is None and rt.mtp == 3 and rt.mtp_line() == "MTP: drafting 3 tokens per step"
+    assert rt.set_mtp(0) is None and rt.mtp_line() == "MTP: off"
+    plain = load_model(tiny_model)
+    assert plain.mtp == 0 and "has no MTP layer" in plain.set_mtp(1) and plain.mtp_line() == "MTP: none in this model"
+
+
+def test_server_timings_carry_the_draft_counts(tiny_model_mtp):
+    """llama-server's `draft_n` / `draft_n_accepted` in the timings of a chat completion; a server with drafts
+    off leaves them out."""
+    import openai
+
+    from quantkit.server.app import ServerConfig, create_app
+    from quantkit.server.runtime_backend import load_backend
+
+    from test_server_api import ServerThread
+
+    backend = load_backend(quantized(tiny_model_mtp, "int4"), max_context=512)
+    rt = backend.runtime
+    msgs = [{"role": "user", "content": "hi"}]
+    rt.set_mtp(2)
+    with ServerThread(create_app(backend, ServerConfig(max_queue=1, max_body_bytes=1 << 20))) as s:
+        client = openai.OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model=backend.model_id, messages=msgs, max_tokens=12, temperature=0,
+                                           extra_body={"ignore_eos": True})
+        t = r.model_extra["timings"]
+        assert t["draft_n"] >= 2 and 0 <= t["draft_n_accepted"] <= t["draft_n"]
+        rt.set_mtp(0)
+        r = client.chat.completions.create(model=backend.model_id, messages=msgs, max_tokens=4, temperature=0)
+        assert r.model_extra["timings"].get("draft_n") is None
