@@ -53,7 +53,7 @@ class Oracle:
 @pytest.mark.parametrize("recipe", ["bf16", "int4"])
 def test_greedy_output_is_identical_with_the_layers_own_drafts(tiny_model_mtp, recipe, route, one_thread):  # noqa: F811
     rt = load_model(tiny_model_mtp if recipe == "bf16" else quantized(tiny_model_mtp, recipe), forced_route=route)
-    assert rt.model.mtp is not None and rt.mtp == 1  # on by default where the folder has the layer
+    assert rt.model.mtp is not None and rt.mtp == 0  # off unless asked for (it does not pay yet)
     want, none = _generate(rt, 0)
     assert none is None and len(want) == 40
     for draft in (1, 2, 3):
@@ -159,7 +159,7 @@ def test_bad_draft_counts_are_one_line(tiny_model_mtp, capsys, monkeypatch, valu
 def test_runtime_set_mtp(tiny_model_mtp, tiny_model):
     rt = load_model(tiny_model_mtp)
     assert rt.set_mtp(3) is None and rt.mtp == 3 and rt.mtp_line() == "MTP: drafting 3 tokens per step"
-    assert rt.set_mtp(0) is None and rt.mtp_line() == "MTP: off"
+    assert rt.set_mtp(0) is None and rt.mtp_line().startswith("MTP: off")
     plain = load_model(tiny_model)
     assert plain.mtp == 0 and "has no MTP layer" in plain.set_mtp(1) and plain.mtp_line() == "MTP: none in this model"
 

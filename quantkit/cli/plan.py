@@ -75,7 +75,7 @@ def has_mtp(spec: ModelSpec) -> bool:
 
 def mtp_used(spec: ModelSpec, draft: int | None, model: str | None = None) -> bool:
     """Whether a plan budgets the MTP layer: `--mtp N` (0: no; 1-3: yes, refused when the model has none),
-    by default when the model has one (the runtime drafts with it)."""
+    by default when the model has one (the runtime loads it whether or not it drafts with it)."""
     if draft is None:
         return has_mtp(spec)
     if draft and not has_mtp(spec):

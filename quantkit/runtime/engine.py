@@ -101,8 +101,9 @@ class Runtime:
         # message boundaries: prefill is cut and snapshots are taken before each <|im_start|>
         self.boundary_ids = frozenset(i for i in (vocab.get("<|im_start|>"),) if i is not None)
         self.prompt_cache = PrefixCache(0)  # off until set_prompt_cache
-        # drafts per verify from the model's MTP layer (runtime/speculative.py): 1 where the folder has one
-        self.mtp = 1 if model.mtp is not None else 0
+        # drafts per verify from the model's MTP layer (runtime/speculative.py). Off unless asked for: a draft and
+        # a verify cost more than the accepted tokens save on this runtime so far (reports/bench-mtp.md)
+        self.mtp = 0
         self._cancel = threading.Event()
         self._lock = threading.Lock()
         self.last: GenerationResponse | None = None
@@ -139,7 +140,9 @@ class Runtime:
         """Whether decoding drafts with the MTP layer, for the load line and /stats."""
         if self.model.mtp is None:
             return "MTP: none in this model"
-        return f"MTP: drafting {self.mtp} token{'s' if self.mtp != 1 else ''} per step" if self.mtp else "MTP: off"
+        if not self.mtp:
+            return "MTP: off (--mtp N drafts N tokens per step with the model's MTP layer)"
+        return f"MTP: drafting {self.mtp} token{'s' if self.mtp != 1 else ''} per step"
 
     def route_line(self) -> str:
         """The route in a few words, for logs and /stats."""
