@@ -333,8 +333,12 @@ double sum_f32(const float* p, int64_t n) {
 // ---------------------------------------------------------------- bf16 matrices
 // Software prefetch distance in bytes ahead of the bf16 rows' streams. 8 KiB beat 1-4 KiB (248k x 2048
 // matrices, one and two threads, measured side by side on the 2-core build machine); further ahead gained
-// nothing. The int4 / int8 tiles leave their streams to the hardware prefetcher (faster without hints).
+// nothing. The int4 / int8 tiles leave their streams to the hardware prefetcher (faster without hints),
+// except the AVX2 one-row int4 tiles (decode), which ask for the block kTilePrefetch bytes ahead: once
+// their sums stopped spilling they waited on memory at each expert's first tiles, and a 4 KiB lead beat
+// none, 1 KiB and 2 KiB in decode tok/s (A/B in alternating processes; 8 KiB no better).
 constexpr int64_t kPrefetch = 8192;
+constexpr int64_t kTilePrefetch = 4096;
 
 // w . x for one row (k % 32 == 0), with accumulators enough that no FMA waits on another. A tile's rows go
 // one after another, so the weights are one sequential stream: measured against 8 (AVX512) and 4 (AVX2)
@@ -510,6 +514,8 @@ void tile_int4_part(const QMat& m, int64_t t, const QAct* a, int h0, float* out)
     for (int i = 0; i < MR * H; ++i) ga[i] = _mm256_setzero_ps();
     for (int r = 0; r < MR; ++r) dss[r] = 0.f;
     for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+      if (MR == 1)
+        for (int l = 0; l < 4; ++l) prefetch(qw + b * 256 + kTilePrefetch + 64 * l);
       int4_half_block<MR, H>(qw + b * 256, a, b, ga);
       for (int r = 0; r < MR; ++r) dss[r] += a[r].ds[b];
     }
@@ -717,41 +723,49 @@ void tile_int8(const QMat& m, int64_t t, const QAct* a, float* out) {
 }
 
 // One activation row (decode): both 8-row halves in one pass, so each 64-byte line of codes is used whole
-// when it arrives and the activation broadcasts serve both halves.
+// when it arrives and the activation broadcasts serve both halves. The sums are pinned as in the prefill
+// tiles: unpinned, GCC kept the group sums on the stack, a store-to-load chain through every block.
 template <>
 void tile_int4<1>(const QMat& m, int64_t t, const QAct* a, float* out) {
   const int64_t nb = m.k / kBlock, bpg = m.group / kBlock, ng = m.k / m.group;
   const uint8_t* qw = m.qw + t * nb * 256;
   const uint16_t* sc = static_cast<const uint16_t*>(m.scales) + t * ng * kTile;
   const uint16_t* zp = m.zeros ? m.zeros + t * ng * kTile : nullptr;
+  const int8_t* xq = a->q;
+  const float* xd = a->d;
+  const int32_t* xs = a->s;
   const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc0 = _mm256_setzero_ps(), acc1 = acc0;
   for (int64_t g = 0; g < ng; ++g) {
     __m256 fs0 = _mm256_setzero_ps(), fs1 = fs0;
-    float zs = 0.f;
     for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
       const uint8_t* p = qw + b * 256;
-      const int8_t* xq = a->q + b * kBlock;
-      __m256i s0 = _mm256_setzero_si256(), s1 = s0;
+      for (int l = 0; l < 4; ++l) prefetch(p + kTilePrefetch + 64 * l);
+      const int8_t* xb = xq + b * kBlock;
+      __m256i s0, s1;
       for (int c = 0; c < 4; ++c) {
-        const __m256i xl = _mm256_set1_epi32(load_i32(xq + 8 * c)), xh = _mm256_set1_epi32(load_i32(xq + 8 * c + 4));
+        const __m256i xl = _mm256_set1_epi32(load_i32(xb + 8 * c)), xh = _mm256_set1_epi32(load_i32(xb + 8 * c + 4));
         const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c));
         const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c + 32));
-        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(v0, mask), xl));
-        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(v1, mask), xl));
-        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v0, 4), mask), xh));
-        s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v1, 4), mask), xh));
+        const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v0, mask), xl),
+                                            _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v0, 4), mask), xh));
+        const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(_mm256_and_si256(v1, mask), xl),
+                                            _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v1, 4), mask), xh));
+        s0 = c ? _mm256_add_epi16(s0, p0) : p0;
+        s1 = c ? _mm256_add_epi16(s1, p1) : p1;
+        keep(s0);
+        keep(s1);
       }
-      const __m256i off = _mm256_set1_epi32(8 * a->s[b]);
-      const __m256 d = _mm256_set1_ps(a->d[b]);
+      const __m256i ones = _mm256_set1_epi16(1), off = _mm256_set1_epi32(8 * xs[b]);
+      const __m256 d = _mm256_set1_ps(xd[b]);
       fs0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(s0, ones), off)), d, fs0);
       fs1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(s1, ones), off)), d, fs1);
-      zs += a->ds[b];
     }
     acc0 = _mm256_fmadd_ps(vld16(sc + g * kTile), fs0, acc0);
     acc1 = _mm256_fmadd_ps(vld16(sc + g * kTile + 8), fs1, acc1);
     if (zp) {
+      float zs = 0.f;
+      for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) zs += a->ds[b];
       acc0 = _mm256_fmadd_ps(vld16(zp + g * kTile), _mm256_set1_ps(zs), acc0);
       acc1 = _mm256_fmadd_ps(vld16(zp + g * kTile + 8), _mm256_set1_ps(zs), acc1);
     }
@@ -766,22 +780,29 @@ template <>
 void tile_int8<1>(const QMat& m, int64_t t, const QAct* a, float* out) {
   const int64_t nb = m.k / kBlock;
   const uint8_t* qw = m.qw + t * nb * 512;
+  const int8_t* xq = a->q;
+  const float* xd = a->d;
   const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 fs0 = _mm256_setzero_ps(), fs1 = fs0;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = qw + b * 512;
-    const int8_t* xq = a->q + b * kBlock;
-    __m256i i0 = _mm256_setzero_si256(), i1 = i0;
+    const int8_t* xb = xq + b * kBlock;
+    __m256i i0, i1;
+#pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
-      const __m256i x = _mm256_set1_epi32(load_i32(xq + 4 * c));
+      const __m256i x = _mm256_set1_epi32(load_i32(xb + 4 * c));
       const __m256i ax = _mm256_sign_epi8(x, x);
       const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c)), flip);
       const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c + 32)), flip);
-      i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, x)), ones));
-      i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, x)), ones));
+      const __m256i d0 = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w0, x)), ones);
+      const __m256i d1 = _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w1, x)), ones);
+      i0 = c ? _mm256_add_epi32(i0, d0) : d0;
+      i1 = c ? _mm256_add_epi32(i1, d1) : d1;
+      keep(i0);
+      keep(i1);
     }
-    const __m256 d = _mm256_set1_ps(a->d[b]);
+    const __m256 d = _mm256_set1_ps(xd[b]);
     fs0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), d, fs0);
     fs1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), d, fs1);
   }
