@@ -5,6 +5,7 @@ exit 2), an address not on this machine included (refused before the model loads
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -70,7 +71,8 @@ def test_quantkit_serve_answers_the_openai_client(q4: Path, tmp_path: Path):
         stop_server(proc)
     out = Path(log.name).read_text()
     assert f"serving q4 on http://127.0.0.1:{port}/v1" in out and "server stopped" in out
-    assert "CPU route: " in out  # the start line names the kernel's instruction set and decode route
+    # the start lines name the one-token route (with the kernel's instruction set) and whether MTP drafts
+    assert re.search(r"^route \S+: .*(CPU kernel|torch ops)", out, re.M) and "\nMTP: " in out
     assert proc.returncode == 0, out
 
 
