@@ -21,9 +21,9 @@ if TYPE_CHECKING:
 class CudaGraphStep:
     def __init__(self, model: Model, cache: HybridCache):
         dev = model.layers[0].device
-        self.model, self.cache = model, cache
+        self.model, self.cache, self.version = model, cache, cache.version  # a graph holds the buffers' addresses
         self.token = torch.zeros(1, dtype=torch.long, device=dev)
-        cache.pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pos = cache.pos = torch.zeros(1, dtype=torch.long, device=dev)
         self.graph: Any = None
         self.logits: torch.Tensor | None = None
 
@@ -55,8 +55,8 @@ class CudaGraphStep:
     def replay(self, token: int, n: int) -> torch.Tensor:
         """Logits [V] after `token` at position n (the states and KV updated in place)."""
         self.token.fill_(token)
-        assert self.cache.pos is not None
-        self.cache.pos.fill_(n)
+        self.cache.pos = self.pos  # the tensor the graph reads (a prompt's forward in between unset it)
+        self.pos.fill_(n)
         if self.graph is None:
             self.capture()
         self.graph.replay()

@@ -85,8 +85,9 @@ class Model:
         cache.reserve(cache.n + t)
         cache.trail.clear()
         if t == 1 and self.route.kind == "cuda-graph" and not keep_positions and not hidden:
-            if self._graph is None or self._graph.cache is not cache:
-                self._graph = CudaGraphStep(self, cache)  # reserve() above keeps a cache's buffers in place
+            g = self._graph
+            if g is None or g.cache is not cache or g.version != cache.version:
+                self._graph = CudaGraphStep(self, cache)  # captured again for a new cache or moved buffers
             logits = self._graph.replay(int(ids[0]), cache.n)
             cache.n += 1
             return logits
