@@ -46,7 +46,9 @@ class MTP:
         x = self.fc(torch.cat([e, h], dim=-1))
         cos, sin = model._rope_rows(torch.arange(cache.n, cache.n + t), x.dtype)
         ops = cpu_kernel.module() if model.route.kind in ("stack", "fused") else None
-        x = self.layer(x, cache, cos, sin, ops)
+        # a few pairs (the accepted drafts of a verify) row by row on the one-token ops, as a verify runs them: the
+        # T-token path's grouped experts cost more than the rows' own fused calls
+        x = self.layer(x, cache, cos, sin, ops, keep=1 < t <= 4)
         cache.n += t
         out = rms(x[-1:].to(model.head_device), self.final, eps)
         return model.head(out).view(-1), out
