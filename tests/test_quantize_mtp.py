@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
-import torch
-from safetensors.torch import load_file
+from test_quantize import main_cli, qconfig, stored
 from typer.testing import CliRunner
 
 import quantkit.cli
 import quantkit.quantize.run as qz
-from quantkit.errors import QuantkitError
 from quantkit.model.checkpoint import spec_from_path
 from quantkit.model.quantized import QuantizedFolder
 from quantkit.model.spec import Role
@@ -31,27 +28,6 @@ E0 = "mtp.layers.0.mlp.experts.0."
 
 def cli(*args: object):
     return runner.invoke(quantkit.cli.app, [str(a) for a in args], catch_exceptions=False)
-
-
-def main_cli(*args: object) -> SimpleNamespace:
-    """In process, a QuantkitError mapped as quantkit.cli.main() maps it: one `error:` line, exit 2."""
-    r = runner.invoke(quantkit.cli.app, [str(a) for a in args])
-    if isinstance(r.exception, QuantkitError):
-        return SimpleNamespace(exit_code=2, output=r.output + f"error: {r.exception}")
-    if r.exception is not None and not isinstance(r.exception, SystemExit):
-        raise r.exception
-    return SimpleNamespace(exit_code=r.exit_code, output=r.output)
-
-
-def stored(folder: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(folder.glob("model-*.safetensors")):
-        out.update(load_file(f))
-    return out
-
-
-def qconfig(folder: Path) -> dict:
-    return json.loads((folder / "config.json").read_text())["quantization_config"]
 
 
 @pytest.fixture(scope="module")
