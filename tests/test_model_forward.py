@@ -403,7 +403,7 @@ def test_rotary_table_rows_equal_the_per_position_rows(tiny_model):
 
 def test_quantized_embedding_rows_are_kept_and_bounded(tiny_model, monkeypatch):
     m = _load(tiny_model, "int4").model
-    assert m._rows_kept()  # int4 quantizes the embedding table
+    assert m.keep_rows  # int4 quantizes the embedding table
     monkeypatch.setattr(model_mod, "EMBED_ROWS", 3)
     for t in (5, 7, 5, 9, 11):
         assert torch.equal(m._embed([t]), m.embed(torch.tensor([t])))

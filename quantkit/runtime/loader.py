@@ -297,11 +297,17 @@ def _delta_net(src: TensorSource, p: str, dev: str, mc: ModelConfig, report: Loa
                     mc.rms_eps)
 
 
+def _router(src: TensorSource, name: str, dev: str, report: LoadReport) -> tuple[torch.Tensor, QBf16Kernel | None]:
+    """A router's weight as stored, and the CPU kernel's bf16 product of it where the kernel takes it."""
+    rw = _vector(src, name, dev, report)
+    kernel = (QBf16Kernel(rw, shared=True) if rw.dtype == torch.bfloat16 and rw.is_contiguous()
+              and cpu_kernel.supports("bf16", tuple(rw.shape), rw.device) else None)
+    return rw, kernel
+
+
 def _moe(src: TensorSource, p: str, dev: str, groups: list[tuple[str, list[int]]], mc: ModelConfig,
          report: LoadReport, route: str | None, gather: frozenset[int] | None) -> MoE:
-    rw = _vector(src, f"{p}gate.weight", dev, report)
-    router_kernel = (QBf16Kernel(rw, shared=True) if rw.dtype == torch.bfloat16 and rw.is_contiguous()
-                     and cpu_kernel.supports("bf16", tuple(rw.shape), rw.device) else None)
+    rw, router_kernel = _router(src, f"{p}gate.weight", dev, report)
     ex = build_experts(src, f"{p}experts", groups, mc.text, report, route)
     shared = [_kernel(src, f"{p}shared_expert.{n}_proj.weight", dev, report) for n in ("gate", "up", "down")]
     m = MoE(rw, router_kernel, mc.text.num_experts_per_tok, ex, *shared,
@@ -359,9 +365,7 @@ def build_mtp(src: TensorSource, mc: ModelConfig, dev: str, report: LoadReport, 
     one = ModelConfig(replace(t, num_hidden_layers=1, layer_types=("full_attention",)), mc.rms_eps, mc.rope_theta,
                       mc.partial_rotary)
     p = "mtp.layers.0."
-    rw = _vector(src, f"{p}mlp.gate.weight", dev, report)
-    router_kernel = (QBf16Kernel(rw, shared=True) if rw.dtype == torch.bfloat16 and rw.is_contiguous()
-                     and cpu_kernel.supports("bf16", tuple(rw.shape), rw.device) else None)
+    rw, router_kernel = _router(src, f"{p}mlp.gate.weight", dev, report)
     shared = [_kernel(src, f"{p}mlp.shared_expert.{n}_proj.weight", dev, report) for n in ("gate", "up", "down")]
     moe = MoE(rw, router_kernel, t.num_experts_per_tok, _mtp_experts(src, f"{p}mlp.", dev, mc, report, route),
               *shared, _kernel(src, f"{p}mlp.shared_expert_gate.weight", dev, report))

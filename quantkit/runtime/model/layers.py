@@ -110,10 +110,7 @@ class Attention:
         if t == 1 and ops is not None and self.kernel_attends:
             return ops.attn_step(qo, ko, vo, self.qk_scale, cos.reshape(-1), sin.reshape(-1), keys, values, n,
                                  self.scaling, self.eps)
-        qg = qo.view(t, self.heads, 2 * self.head_dim)
-        q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:].reshape(t, -1)
-        qk = rms(torch.cat([q, ko.view(t, self.kv_heads, self.head_dim)], dim=1), self.qk_scale, self.eps)
-        qk = rotate(qk, cos.view(t, 1, -1), sin.view(t, 1, -1), self.rot)
+        qk, gate = self._qk(qo, ko, cos, sin)
         keys[:, n:n + t].copy_(qk[:, self.heads:].transpose(0, 1))
         values[:, n:n + t].copy_(vo.view(t, self.kv_heads, self.head_dim).transpose(0, 1))
         q = qk[:, :self.heads]
@@ -133,14 +130,20 @@ class Attention:
         """`core` for one token at the device-side position `pos` [1]: K/V written by index, attention over the
         whole buffer with the positions after `pos` masked, so every step has the same shapes (what a captured
         CUDA graph replays) and nothing is read on the host."""
-        qg = qo.view(1, self.heads, 2 * self.head_dim)
-        q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:].reshape(1, -1)
-        qk = rms(torch.cat([q, ko.view(1, self.kv_heads, self.head_dim)], dim=1), self.qk_scale, self.eps)
-        qk = rotate(qk, cos.view(1, 1, -1), sin.view(1, 1, -1), self.rot)
+        qk, gate = self._qk(qo, ko, cos, sin)
         keys.index_copy_(1, pos, qk[:, self.heads:].transpose(0, 1))
         values.index_copy_(1, pos, vo.view(1, self.kv_heads, self.head_dim).transpose(0, 1))
         masked = torch.arange(keys.shape[1], device=pos.device) > pos
         return attend(qk[0, :self.heads], keys, values, self.scaling, masked) * torch.sigmoid(gate)
+
+    def _qk(self, qo: torch.Tensor, ko: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k [T, heads + kv_heads, hd] normed and rotated, and the output gate [T, heads * hd]."""
+        t = qo.shape[0]
+        qg = qo.view(t, self.heads, 2 * self.head_dim)
+        q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:].reshape(t, -1)
+        qk = rms(torch.cat([q, ko.view(t, self.kv_heads, self.head_dim)], dim=1), self.qk_scale, self.eps)
+        return rotate(qk, cos.view(t, 1, -1), sin.view(t, 1, -1), self.rot), gate
 
     def _one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, n: int, ops: Any) -> torch.Tensor:
         if ops is not None and self.kernel_attends and q.dtype == torch.bfloat16:
@@ -269,8 +272,7 @@ class MoE:
             return ex(h, ids, wts)
         ids, wts = ids.view(-1), wts.view(-1)
         if self.fused_all:
-            mod, table, _ok = ex._fused_table()  # type: ignore[misc]
-            return mod.moe(h, table, ids, wts).view(h.shape).to(h.dtype)
+            return self._fused_sum(h, wts, ids).view(h.shape).to(h.dtype)
         if self.host_ids or (not self.gathered and h.device.type == "cpu"):
             return ex._forward_one(h, ids.tolist(), wts.view(1, -1))
         out = torch.zeros(1, ex.hidden_dim, dtype=torch.float32, device=h.device)
@@ -284,6 +286,11 @@ class MoE:
                 out.add_(part.float().to(h.device))
         return out.to(h.dtype)
 
+    def _fused_sum(self, h: torch.Tensor, wts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """fp32 [H]: one token's routed experts in one `qk.moe` call (every expert of this CPU layer fuses)."""
+        mod, table, _ok = self.experts._fused_table()  # type: ignore[misc]
+        return mod.moe(h, table, ids, wts)
+
     def add_to(self, x: torch.Tensor, h: torch.Tensor, ops: Any) -> torch.Tensor:
         """x + this block's output on h (the post-attention norm of x)."""
         gate, up, sg = self.shared_in(h)
@@ -291,8 +298,7 @@ class MoE:
         if ops is not None and h.shape[0] == 1 and h.dtype == torch.bfloat16:
             shared = self.shared_down(ops.silu_mul(gate, up))
             if self.fused_all:  # the fp32 sum as the kernel leaves it: moe_out rounds it once
-                mod, table, _ok = self.experts._fused_table()  # type: ignore[misc]
-                routed = mod.moe(h, table, ids.view(-1), wts.view(-1))
+                routed = self._fused_sum(h, wts.view(-1), ids.view(-1))
             else:
                 routed = self.routed(h, wts, ids).float().view(-1)
             return ops.moe_out(x, routed, shared, sg)
@@ -317,15 +323,22 @@ class Layer:
         if keep and x.shape[0] > 1:
             return self.verify(x, cache, cos, sin, ops)
         ops = ops if ops is not None and x.shape[0] == 1 and x.dtype == torch.bfloat16 else None
-        h = ops.rms(x, self.pre, self.eps) if ops is not None else rms(x, self.pre, self.eps)
         m = self.mixer
+        h = self._pre(x, ops)
         a = m(h, cache, self.index, ops, keep) if isinstance(m, DeltaNet) else m(h, cache, self.index, cos, sin, ops)
-        if ops is not None:
-            x, h2 = ops.add_rms(x, a, self.post, self.eps)
-        else:
-            x = x + a
-            h2 = rms(x, self.post, self.eps)
+        x, h2 = self._post(x, a, ops)
         return self.moe.add_to(x, h2, ops)
+
+    def _pre(self, x: torch.Tensor, ops: Any) -> torch.Tensor:
+        """The input norm (the kernel's where `ops`)."""
+        return ops.rms(x, self.pre, self.eps) if ops is not None else rms(x, self.pre, self.eps)
+
+    def _post(self, x: torch.Tensor, a: torch.Tensor, ops: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add of the mixer's output and the post-attention norm: (x + a, its norm)."""
+        if ops is not None:
+            return ops.add_rms(x, a, self.post, self.eps)
+        x = x + a
+        return x, rms(x, self.post, self.eps)
 
     def verify(self, x: torch.Tensor, cache: HybridCache, cos: torch.Tensor, sin: torch.Tensor,
                ops: Any) -> torch.Tensor:
@@ -334,18 +347,12 @@ class Layer:
         row by row as a step runs it. The states after every position are kept (`cache.rewind`)."""
         ops = ops if ops is not None and x.dtype == torch.bfloat16 else None
         t = x.shape[0]
-        h = torch.cat([ops.rms(x[j:j + 1], self.pre, self.eps) if ops is not None else rms(x[j:j + 1], self.pre, self.eps)
-                       for j in range(t)])
+        h = torch.cat([self._pre(x[j:j + 1], ops) for j in range(t)])
         m = self.mixer
         a = m.verify(h, cache, self.index, ops) if isinstance(m, DeltaNet) else m.verify(h, cache, self.index, cos, sin,
                                                                                           ops)
         out = []
         for j in range(t):
-            r = slice(j, j + 1)
-            if ops is not None:
-                xj, hj = ops.add_rms(x[r], a[r], self.post, self.eps)
-            else:
-                xj = x[r] + a[r]
-                hj = rms(xj, self.post, self.eps)
+            xj, hj = self._post(x[j:j + 1], a[j:j + 1], ops)
             out.append(self.moe.add_to(xj, hj, ops))
         return torch.cat(out)

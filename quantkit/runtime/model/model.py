@@ -51,6 +51,9 @@ class Model:
         self.eps = self.cfg.rms_eps
         self.route = routes.choose(self, "torch")
         self.vocab = t.vocab_size
+        # a quantized embedding on the CPU: its one-token rows are kept (`_embed`)
+        self.keep_rows = not isinstance(self.embed, torch.Tensor) and all(
+            p.device.type == "cpu" for p in self.embed.parts.values())
 
     # ---- facts ----
     @property
@@ -131,7 +134,7 @@ class Model:
         if isinstance(self.embed, torch.Tensor):
             idx = torch.as_tensor(ids, dtype=torch.long, device=self.embed.device).view(-1)
             return F.embedding(idx, self.embed)
-        if isinstance(ids, list) and len(ids) == 1 and self._rows_kept():
+        if isinstance(ids, list) and len(ids) == 1 and self.keep_rows:
             tok = ids[0]
             row = self._rows.pop(tok, None)
             if row is None:
@@ -141,9 +144,6 @@ class Model:
             self._rows[tok] = row
             return row
         return self.embed(torch.as_tensor(ids, dtype=torch.long).view(-1))
-
-    def _rows_kept(self) -> bool:
-        return all(t.device.type == "cpu" for t in self.embed.parts.values())
 
     def _rope_rows(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [len(pos), rot]: the text rotary (its three position axes are equal for text, so the
