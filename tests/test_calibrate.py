@@ -33,6 +33,8 @@ from quantkit.runtime.calibrate import (
     time_kernel,
     time_layer_ops,
     time_moe,
+    time_moe_prefill,
+    time_prefill_ops,
 )
 
 from conftest import run_cli
@@ -260,3 +262,67 @@ def test_a_quantized_folder_is_planned_from_its_config_and_calibrated_for_its_re
 def test_calibrate_bad_input_gets_one_line(tiny_model, capsys, monkeypatch, args, want):
     code, out, err = run_cli(["calibrate", "--model", tiny_model, *args], capsys, monkeypatch)
     assert code == 2 and err.count("\n") == 1 and want in err and "Traceback" not in err
+
+
+def test_prefill_ops_time_one_chunk_per_layer_type_without_the_routed_experts(tiny_model, monkeypatch):
+    """Slow multi-token routed experts (20 ms of sleep per chunk) land outside the layers' prefill ops."""
+    import time as _time
+
+    from quantkit.runtime.qexperts import QuantExperts
+
+    cfg = json.loads((tiny_model / "config.json").read_text())
+    forward, seen = QuantExperts.forward, []
+
+    def slow(self, h, ids, wts):
+        seen.append(tuple(h.shape))
+        _time.sleep(0.02)
+        return forward(self, h, ids, wts)
+
+    monkeypatch.setattr(QuantExperts, "forward", slow)
+    lo = time_prefill_ops(cfg, tokens=16, passes=2)
+    assert set(lo.ops_s) == {"linear_attention", "full_attention"} and lo.shell_s > 0
+    assert all(v < 0.02 for v in lo.ops_s.values()) and lo.expert_loop_s >= 0.02
+    assert lo.detail["linear_attention"]["samples"] == 3 * 2 and lo.detail["full_attention"]["samples"] == 2
+    assert lo.detail["tokens"] == 16 and set(seen) == {(16, cfg["text_config"]["hidden_size"])}
+
+
+def test_time_moe_prefill_runs_the_experts_module_on_the_chunk(monkeypatch):
+    """Every token goes to top_k distinct experts of all num_experts, in one multi-token module forward."""
+    from quantkit.formats import QuantSpec
+    from quantkit.runtime.qexperts import QuantExperts
+
+    forward, calls = QuantExperts.forward, []
+
+    def spy(self, h, ids, wts):
+        calls.append((self.num_experts, tuple(h.shape), ids.clone()))
+        return forward(self, h, ids, wts)
+
+    monkeypatch.setattr(QuantExperts, "forward", spy)
+    sec, d = time_moe_prefill(_pair(QuantSpec("int4", 32)), num_experts=16, top_k=4, tokens=24, passes=2)
+    assert 0 < sec < 10 and d["experts"] == 16 and d["tokens"] == 24 and d["bytes_each"] > 0
+    assert len(calls) == 3  # a warm-up and the timed passes
+    for n, shape, ids in calls:
+        assert n == 16 and shape == (24, 64) and ids.shape == (24, 4)
+        assert all(len(set(row)) == 4 for row in ids.tolist()) and len(set(ids.flatten().tolist())) > 4
+
+
+def test_calibrate_times_a_prefill_chunk_for_the_plan(tiny_model, tmp_path, capsys, monkeypatch):
+    prof = tmp_path / "p.json"
+    code, out, err = run_cli(["calibrate", "--model", tiny_model, "--scheme", "int4", "--out", prof,
+                              "--working-set", "1MB", "--passes", "1", "--steps", "2", "--prefill-tokens", "32"],
+                             capsys, monkeypatch)
+    assert code == 0, err
+    assert "one prefill chunk of 32 tokens" in out and "(prefill " in out
+    p = load_profile(prof)
+    spec = spec_from_config(load_config(tiny_model / "config.json"))
+    dense = {(spec_key(q), shape_key(s)) for t, q, s in kernel_matrices(spec, get_recipe("int4"))
+             if t.layer is not None and t.role.value != "routed_expert"}
+    assert p.prefill_tokens == 32 and {(k, s) for k, v in p.prefill_matmul_s.items() for s in v} >= dense
+    assert set(p.prefill_ops_s) == {"linear_attention", "full_attention"}
+    pair = expert_pairs(spec, get_recipe("int4"))[0]
+    assert p.prefill_moe_s[moe_key(pair[0], pair[2])][moe_shape_key(pair[1], pair[3])] > 0
+    code, out, err = run_cli(["plan", "--model", tiny_model, "--profile", prof, "--scheme", "int4", "--json"],
+                             capsys, monkeypatch)
+    assert code == 0, err
+    row = json.loads(out)["schemes"][0]
+    assert row["runtime_prefill_tok_s"] > 0 and row["runtime_decode_tok_s"] > 0

@@ -314,3 +314,82 @@ def test_solve_carries_the_runtime_estimate_into_the_plan_file():
     # a scheme the profile has no kernels for: no estimate, and the plan says what to run
     other = solve(spec, get_recipe("nf4"), RunSettings(context=4096), hw, profile=_profile(spec, [r]))
     assert other.runtime_speed is None and "quantkit calibrate --scheme nf4" in other.runtime_note
+
+
+def _with_prefill(p: RuntimeProfile, spec, recipes, tokens: int = 512) -> RuntimeProfile:
+    """`p` with made-up prefill figures: each dense kernel 100x its decode time, each layer's experts 30 ms."""
+    return replace(p, prefill_tokens=tokens,
+                   prefill_matmul_s={k: {s: 100 * t for s, t in v.items() if not s.startswith(str(spec.config.vocab_size))}
+                                     for k, v in p.matmul_s.items()},
+                   prefill_moe_s={k: {moe_shape_key(x[1], x[3]): 3e-2 for x in pairs}
+                                  for k, pairs in needed_moe(spec, recipes).items()},
+                   prefill_ops_s={"linear_attention": 2e-2, "full_attention": 5e-3}, prefill_shell_s=1e-3)
+
+
+def test_runtime_prefill_is_the_sum_of_the_chunks_parts():
+    spec = default_spec()
+    c = spec.config
+    r = get_recipe("quality")
+    p = _with_prefill(_profile(spec, [r]), spec, [r])
+    costs = runtime_costs(p, spec, r)
+    decode = runtime_costs(replace(p, prefill_tokens=0), spec, r)
+    assert costs.prefill_tokens == 512 and decode.prefill_tokens == 0 and decode.prefill_layer_s == []
+    for L in (0, 3):
+        # the dense kernels of the layer at the chunk's rows, its type's ops; the experts as one module call
+        dense = sum(p.prefill_matmul_s[spec_key(q)][shape_key(s)] for t, q, s in kernel_matrices(spec, r)
+                    if t.layer == L and t.role.value != "routed_expert")
+        assert costs.prefill_layer_s[L] == pytest.approx(p.prefill_ops_s[c.layer_types[L]] + dense, rel=1e-12)
+        assert costs.prefill_expert_s[L] == 3e-2
+    lm = _fake_time("int8", (c.vocab_size, c.hidden_size))  # the head and argmax for the last token only
+    assert costs.prefill_head_s == pytest.approx(1e-3 + lm + 1e-4, rel=1e-12)
+    b = compute_budget(spec, r, RunSettings(context=4096))
+    rates = {"cpu": DeviceRates("cpu", "cpu", 50.0, 1.0)}
+    s = estimate_runtime(b, _cpu_layout(spec), rates, c, costs)
+    chunk = sum(costs.prefill_layer_s) + sum(costs.prefill_expert_s) + costs.prefill_head_s
+    assert s.prefill_tok_s == pytest.approx(512 / chunk, rel=1e-12)
+    assert s.to_dict()["prefill_tok_s"] == round(512 / chunk, 1)
+    assert estimate_runtime(b, _cpu_layout(spec), rates, c, decode).prefill_tok_s is None
+    # a layer on a GPU: no GPU prefill was calibrated, so no runtime prefill figure
+    rates["cuda:0"] = DeviceRates("cuda:0", "gpu", 1000.0, 80.0, 25.0)
+    gpu = Layout(["cuda:0"] + ["cpu"] * (c.num_hidden_layers - 1), [{"cpu": c.num_experts}] * c.num_hidden_layers,
+                 "cpu", "cpu")
+    assert estimate_runtime(b, gpu, rates, c, costs).prefill_tok_s is None
+
+
+def test_a_profile_missing_a_prefill_figure_still_plans_decode():
+    spec = default_spec()
+    r = get_recipe("int4")
+    p = _with_prefill(_profile(spec, [r]), spec, [r])
+    assert runtime_costs(p, spec, r).prefill_tokens == 512
+    key = next(iter(p.prefill_matmul_s))
+    short = replace(p, prefill_matmul_s={**p.prefill_matmul_s, key: {}})
+    costs = runtime_costs(short, spec, r)
+    assert costs.prefill_tokens == 0 and costs.layer_s == runtime_costs(p, spec, r).layer_s
+    assert runtime_costs(replace(p, prefill_moe_s={}), spec, r).prefill_tokens == 0
+    assert runtime_costs(replace(p, prefill_ops_s={"linear_attention": 1.0}), spec, r).prefill_tokens == 0
+
+
+def test_prefill_figures_round_trip_merge_and_take_the_fastest(tmp_path):
+    spec = default_spec()
+    r = get_recipe("int4")
+    p = _with_prefill(_profile(spec, [r]), spec, [r])
+    f = tmp_path / "p.json"
+    f.write_text(p.to_json())
+    assert load_profile(f) == p
+    old = json.loads(p.to_json())  # a profile written before prefill was measured
+    for k in ("prefill_tokens", "prefill_matmul_s", "prefill_moe_s", "prefill_ops_s", "prefill_shell_s"):
+        del old[k]
+    f.write_text(json.dumps(old))
+    assert load_profile(f).prefill_tokens == 0 and runtime_costs(load_profile(f), spec, r).prefill_tokens == 0
+    q8 = get_recipe("int8")
+    q = _with_prefill(_profile(spec, [q8]), spec, [q8])
+    both = p.merged(q)
+    assert set(both.prefill_matmul_s) == set(p.prefill_matmul_s) | set(q.prefill_matmul_s)
+    assert runtime_costs(both, spec, r).prefill_tokens == runtime_costs(both, spec, q8).prefill_tokens == 512
+    # a later calibration at another chunk size replaces the prefill figures rather than mixing two chunks
+    other = p.merged(_with_prefill(_profile(spec, [q8]), spec, [q8], tokens=256))
+    assert other.prefill_tokens == 256 and runtime_costs(other, spec, r).prefill_tokens == 0
+    slow = replace(p, prefill_ops_s={k: 3 * v for k, v in p.prefill_ops_s.items()}, prefill_shell_s=0.5)
+    got = fastest([slow, p])
+    assert got.prefill_ops_s == p.prefill_ops_s and got.prefill_shell_s == p.prefill_shell_s
+    assert fastest([slow, replace(p, prefill_tokens=0)]).prefill_tokens == 0  # the last has none: none

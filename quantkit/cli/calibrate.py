@@ -25,7 +25,7 @@ from quantkit.model.checkpoint import spec_from_path
 from quantkit.model.contract import read_quant_config
 from quantkit.model.spec import load_config
 from quantkit.outputs import guard_output, json_with_keys
-from quantkit.planner.budget import RunSettings
+from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK, RunSettings
 from quantkit.planner.hardware import Hardware, Host
 from quantkit.planner.host_costs import default_profile_path, load_profile, mismatch
 from quantkit.planner.placement import RECIPES, solve
@@ -52,6 +52,8 @@ def calibrate_cmd(
     working_set: str = typer.Option("256MB", "--working-set", help="weights cycled per kernel (above the LLC)"),
     passes: int = typer.Option(3, "--passes", parser=COUNT, help="timed passes per kernel (the best is kept)"),
     steps: int = typer.Option(24, "--steps", parser=COUNT, help="decode steps timed for the layer ops"),
+    prefill_tokens: int = typer.Option(DEFAULT_PREFILL_CHUNK, "--prefill-tokens", parser=COUNT,
+                                       help="tokens of the prefill chunk timed (the runtime's chunk)"),
 ) -> None:
     """Measure quantkit's CPU runtime on this host, part by part, so `quantkit plan` can estimate it."""
 
@@ -69,7 +71,8 @@ def calibrate_cmd(
         def on_item(what: str, done: int, total: int) -> None:
             bar.update(task, completed=done, total=total, what=what)
 
-        prof = calibrate(spec, recipes, working_set=ws, passes=passes, steps=steps, on_item=on_item)
+        prof = calibrate(spec, recipes, working_set=ws, passes=passes, steps=steps, prefill_tokens=prefill_tokens,
+                         on_item=on_item)
     if path.is_file():
         try:
             old = load_profile(path)
@@ -98,11 +101,19 @@ def calibrate_cmd(
                   f"{prof.expert_loop_s * 1e3:.2f} ms; rest of the step {prof.shell_s * 1e3:.2f} ms; "
                   f"argmax over {spec.config.vocab_size} logits "
                   f"{prof.argmax_s[str(spec.config.vocab_size)] * 1e3:.2f} ms")
+    if prof.prefill_tokens:
+        pops = ", ".join(f"{k} layer {v * 1e3:.1f} ms" for k, v in sorted(prof.prefill_ops_s.items()))
+        pmoe = ", ".join(f"{k} {s} {t * 1e3:.1f} ms" for k, v in sorted(prof.prefill_moe_s.items())
+                         for s, t in sorted(v.items()))
+        console.print(f"one prefill chunk of {prof.prefill_tokens} tokens: ops without kernels or routed experts "
+                      f"{pops}; a layer's routed experts {pmoe}")
     hw = Hardware((), Host(ram_bytes=1 << 40))  # every scheme resident in RAM: what the CPU alone decodes
     est = []
     for r in recipes:
         p = solve(spec, r, RunSettings(context=4096), hw, profile=prof, profile_source=str(path))
         if p.runtime_speed:
-            est.append(f"{r.name} {p.runtime_speed.decode_tok_s:.1f}")
+            rs = p.runtime_speed
+            est.append(f"{r.name} {rs.decode_tok_s:.1f}"
+                       + (f" (prefill {rs.prefill_tok_s:.0f})" if rs.prefill_tok_s is not None else ""))
     console.print(f"quantkit runtime decode on this CPU alone, tok/s: {', '.join(est)}")
     console.print(f"profile saved to {path} ({prof.seconds:.0f} s); `quantkit plan` reads it")

@@ -97,7 +97,7 @@ def _results_table(rows: list[SchemeResult], sweep: bool, recommended: str | Non
     t.add_column("scheme", no_wrap=True)
     if sweep:
         t.add_column("ctx", justify="right", no_wrap=True)
-    cols = ("card", "exact", "fits", "where", "max ctx", "tok/s", "pp/s") + (("qk tok/s",) if runtime else ())
+    cols = ("card", "exact", "fits", "where", "max ctx", "tok/s", "pp/s") + (("qk tok/s", "qk pp/s") if runtime else ())
     for col in cols:
         t.add_column(col, justify="left" if col in ("fits", "where") else "right", no_wrap=True)
     for r in rows:
@@ -114,6 +114,7 @@ def _results_table(rows: list[SchemeResult], sweep: bool, recommended: str | Non
         if runtime:
             rs = p.runtime_speed
             cells.append(f"{rs.decode_tok_s:.1f}" if rs and p.fits else "-")
+            cells.append(f"{rs.prefill_tok_s:.0f}" if rs and p.fits and rs.prefill_tok_s is not None else "-")
         t.add_row(*cells)
     return t
 
@@ -331,7 +332,7 @@ def _print_plan(spec: ModelSpec, hw: Hardware, contexts: list[int], rows: list[S
                   "caches, buffers and GPU reserve; max ctx = longest context that still fits; tok/s = "
                   "estimated decode (llama.cpp-grade), pp/s = estimated prefill tok/s; * = recommended: the fastest "
                   "that fits at --min-quality or better (default: the quality scheme)"
-                  + ("; qk tok/s = quantkit's own runtime here, composed from `quantkit calibrate`'s "
+                  + ("; qk tok/s, qk pp/s = quantkit's own runtime here, composed from `quantkit calibrate`'s "
                      f"measured parts ({prof_src})" if runtime else "") + "[/]")
     console.print(_budget_table(spec, plan))
     console.print(_placement_table(plan))
@@ -343,6 +344,8 @@ def _print_plan(spec: ModelSpec, hw: Hardware, contexts: list[int], rows: list[S
         f"{_gb(plan.total_bytes)} GB, {plan.summary()}{gpu_note}; ~{s.decode_tok_s:.0f} tok/s decode, "
         f"~{s.prefill_tok_s:.0f} tok/s prefill, up to {_ctx(chosen.max_context)} tokens of context"
         + (f"; quantkit's runtime here: ~{plan.runtime_speed.decode_tok_s:.1f} tok/s decode" if plan.runtime_speed else "")
+        + (f", ~{plan.runtime_speed.prefill_tok_s:.0f} tok/s prefill"
+           if plan.runtime_speed and plan.runtime_speed.prefill_tok_s is not None else "")
     )
     if prof_note or plan.runtime_note:
         console.print(f"[dim]{prof_note or plan.runtime_note}[/]")

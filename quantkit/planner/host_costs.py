@@ -23,12 +23,15 @@ on the host (quantkit/runtime/calibrate.py), never from a whole-model run:
   rest of a step (embedding, final norm, cache bookkeeping) and `argmax_s` the greedy pick over the
   vocabulary.
 
+- `prefill_*`: the same parts for one prefill chunk (the lm_head apart: it runs on the chunk's last
+  token only), the routed experts as the experts module's multi-token forward.
+
 A decode step on a CPU is then the sum over the layers it computes of ops + dense matrices + the
 routed experts, the lm_head and the shell (`runtime_costs`). The routed experts of a layer are the
 measured fused call where the profile has one for their format and shapes, else top_k x (gate_up +
 down kernel calls) + the loop's ops (the runtime's unfused path: nf4/fp4/mxfp4, or a host without the
-C++ kernel). Nothing here is fitted to a whole-model measurement; `quantkit bench decode` checks the
-composition against one.
+C++ kernel). A prefill chunk is the same sum over its prefill parts. Nothing here is fitted to a
+whole-model measurement; `quantkit bench decode` and `bench full-size` check the composition against one.
 
 Profiles of an older PROFILE_VERSION are refused (version 1 composed fused experts as 2k separate
 calls and counted a real bf16 fused call inside the layer ops): `quantkit calibrate` again.
@@ -127,6 +130,12 @@ class RuntimeProfile:
     seconds: float = 0.0  # how long the calibration took
     details: dict[str, Any] = field(default_factory=dict)  # spreads, copies, working set: for the report
     version: int = PROFILE_VERSION
+    # one prefill chunk of `prefill_tokens` tokens (0: not measured, e.g. a profile from before it was):
+    prefill_tokens: int = 0
+    prefill_matmul_s: dict[str, dict[str, float]] = field(default_factory=dict)  # as matmul_s, the lm_head apart
+    prefill_moe_s: dict[str, dict[str, float]] = field(default_factory=dict)  # a layer's routed experts module
+    prefill_ops_s: dict[str, float] = field(default_factory=dict)  # as layer_ops_s
+    prefill_shell_s: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
@@ -148,15 +157,25 @@ class RuntimeProfile:
                        layer_ops_s={k: float(v) for k, v in d["layer_ops_s"].items()}, shell_s=float(d["shell_s"]),
                        argmax_s={str(k): float(v) for k, v in d["argmax_s"].items()},
                        measured_at=str(d.get("measured_at", "")), seconds=float(d.get("seconds", 0.0)),
-                       details=dict(d.get("details", {})))
+                       details=dict(d.get("details", {})), prefill_tokens=int(d.get("prefill_tokens", 0)),
+                       prefill_matmul_s=_table(d.get("prefill_matmul_s", {})),
+                       prefill_moe_s=_table(d.get("prefill_moe_s", {})),
+                       prefill_ops_s={k: float(v) for k, v in d.get("prefill_ops_s", {}).items()},
+                       prefill_shell_s=float(d.get("prefill_shell_s", 0.0)))
         except (KeyError, TypeError, ValueError, AttributeError):
             raise QuantkitError(f"{source}: malformed runtime profile; run `quantkit calibrate` again") from None
 
     def merged(self, other: RuntimeProfile) -> RuntimeProfile:
         """This profile with `other`'s matrix figures added (a later calibration of more formats)."""
+        same = self.prefill_tokens == other.prefill_tokens
+        pre = self if same else RuntimeProfile({}, {}, {}, {}, 0.0, {})
         return RuntimeProfile(other.host, other.dims, _merge(self.matmul_s, other.matmul_s), other.layer_ops_s,
                               other.shell_s, {**self.argmax_s, **other.argmax_s}, _merge(self.moe_s, other.moe_s),
-                              other.expert_loop_s, other.measured_at, other.seconds, {**self.details, **other.details})
+                              other.expert_loop_s, other.measured_at, other.seconds, {**self.details, **other.details},
+                              prefill_tokens=other.prefill_tokens,
+                              prefill_matmul_s=_merge(pre.prefill_matmul_s, other.prefill_matmul_s),
+                              prefill_moe_s=_merge(pre.prefill_moe_s, other.prefill_moe_s),
+                              prefill_ops_s=other.prefill_ops_s, prefill_shell_s=other.prefill_shell_s)
 
 
 def fastest(profiles: list[RuntimeProfile]) -> RuntimeProfile:
@@ -184,10 +203,16 @@ def fastest(profiles: list[RuntimeProfile]) -> RuntimeProfile:
         return out
 
     last = profiles[-1]
+    pre = [p for p in profiles if p.prefill_tokens and p.prefill_tokens == last.prefill_tokens]
     return RuntimeProfile(last.host, last.dims, low([p.matmul_s for p in profiles]), low1([p.layer_ops_s for p in profiles]),
                           min(p.shell_s for p in profiles), low1([p.argmax_s for p in profiles]),
                           low([p.moe_s for p in profiles]), min(p.expert_loop_s for p in profiles), last.measured_at,
-                          sum(p.seconds for p in profiles), {**last.details, "calibrations": len(profiles)})
+                          sum(p.seconds for p in profiles), {**last.details, "calibrations": len(profiles)},
+                          prefill_tokens=last.prefill_tokens if pre else 0,
+                          prefill_matmul_s=low([p.prefill_matmul_s for p in pre]),
+                          prefill_moe_s=low([p.prefill_moe_s for p in pre]),
+                          prefill_ops_s=low1([p.prefill_ops_s for p in pre]),
+                          prefill_shell_s=min((p.prefill_shell_s for p in pre), default=0.0))
 
 
 def _table(d: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -225,11 +250,20 @@ class RuntimeCosts:
     head_s: float  # lm_head + shell + argmax over the vocabulary
     source: str = ""
     fused: list[bool] = field(default_factory=list)  # per layer: its experts composed from the fused call
+    # one prefill chunk of `prefill_tokens` tokens (0: the profile has no prefill figures for this recipe)
+    prefill_tokens: int = 0
+    prefill_layer_s: list[float] = field(default_factory=list)  # per layer: ops + dense matrices
+    prefill_expert_s: list[float] = field(default_factory=list)  # per layer: the routed experts module
+    prefill_head_s: float = 0.0  # the chunk's shell + the lm_head and argmax for its last token
 
     def to_dict(self) -> dict[str, Any]:
         return {"layer_ms": [round(x * 1e3, 4) for x in self.layer_s],
                 "expert_ms": [round(x * 1e3, 4) for x in self.expert_s],
-                "head_ms": round(self.head_s * 1e3, 4), "fused": list(self.fused), "source": self.source}
+                "head_ms": round(self.head_s * 1e3, 4), "fused": list(self.fused), "source": self.source,
+                "prefill_tokens": self.prefill_tokens,
+                "prefill_layer_ms": [round(x * 1e3, 3) for x in self.prefill_layer_s],
+                "prefill_expert_ms": [round(x * 1e3, 3) for x in self.prefill_expert_s],
+                "prefill_head_ms": round(self.prefill_head_s * 1e3, 3)}
 
 
 def kernel_matrices(spec: ModelSpec, recipe: Recipe) -> list[tuple[TensorSpec, QuantSpec | None, tuple[int, int]]]:
@@ -319,7 +353,36 @@ def runtime_costs(p: RuntimeProfile, spec: ModelSpec, recipe: Recipe, source: st
     if vocab not in p.argmax_s:
         raise QuantkitError(f"the runtime profile has no argmax time for vocabulary {vocab}; run `quantkit calibrate` again")
     head += p.argmax_s[vocab]
-    return RuntimeCosts(layer, expert, head, source, fused)
+    pre = prefill_costs(p, spec, recipe, head - p.shell_s)
+    return RuntimeCosts(layer, expert, head, source, fused, *pre) if pre else RuntimeCosts(layer, expert, head, source,
+                                                                                            fused)
+
+
+def prefill_costs(p: RuntimeProfile, spec: ModelSpec, recipe: Recipe,
+                  last_token_s: float) -> tuple[int, list[float], list[float], float] | None:
+    """(tokens, per layer ops + dense matrices, per layer routed experts, shell + `last_token_s`) of one prefill
+    chunk, or None where the profile lacks a figure this recipe needs (a calibration without prefill)."""
+    c = spec.config
+    n = c.num_hidden_layers
+    if not p.prefill_tokens or set(c.layer_types) - set(p.prefill_ops_s):
+        return None
+    layer = [p.prefill_ops_s[c.layer_types[L]] for L in range(n)]
+    for t, q, shape in kernel_matrices(spec, recipe):
+        if t.layer is None or t.role == Role.ROUTED_EXPERT:
+            continue  # the lm_head runs on the last token only; the experts are timed as a module
+        sec = p.prefill_matmul_s.get(spec_key(q), {}).get(shape_key(shape))
+        if sec is None:
+            return None
+        layer[t.layer] += sec
+    expert = [0.0] * n
+    pairs = expert_pairs(spec, recipe)
+    for L in range(n):
+        pair = pairs.get(L)
+        sec = p.prefill_moe_s.get(moe_key(pair[0], pair[2]), {}).get(moe_shape_key(pair[1], pair[3])) if pair else None
+        if sec is None:
+            return None
+        expert[L] = sec
+    return p.prefill_tokens, layer, expert, p.prefill_shell_s + last_token_s
 
 
 def profile_for_plan(path: Path | None, c: TextConfig, this_host: bool) -> tuple[RuntimeProfile | None, str, str]:

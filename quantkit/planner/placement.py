@@ -253,7 +253,7 @@ class Plan:
             rspeed = None
             if rt:
                 rspeed = RuntimeSpeed(rt["decode_tok_s"], rt["decode_tok_s_full_context"],
-                                      rt.get("decode_ms_by_device", {}), rt.get("source", ""))
+                                      rt.get("decode_ms_by_device", {}), rt.get("source", ""), rt.get("prefill_tok_s"))
             return cls(
                 model=d["model"], fingerprint=d["spec_fingerprint"], scheme=d["scheme"], recipe=d["recipe"],
                 settings=RunSettings(**d["settings"]), devices=[Device.from_dict(x) for x in d["devices"]],
@@ -590,6 +590,8 @@ class SchemeResult:
             "est_decode_tok_s_full_context": round(s.decode_tok_s_full_context, 1) if s else None,
             "est_prefill_tok_s": round(s.prefill_tok_s, 1) if s else None,
             "runtime_decode_tok_s": round(p.runtime_speed.decode_tok_s, 1) if p.runtime_speed else None,
+            "runtime_prefill_tok_s": (round(p.runtime_speed.prefill_tok_s, 1)
+                                      if p.runtime_speed and p.runtime_speed.prefill_tok_s is not None else None),
             "components_bytes": p.components,
             "reason": p.reason,
         }

@@ -168,18 +168,21 @@ def estimate(b: Budget, layout: Layout, rates: dict[str, DeviceRates], cfg: Text
 @dataclass
 class RuntimeSpeed:
     """quantkit's own runtime on this host: CPU parts from a calibration (runtime_profile.py), GPU parts
-    from the generic model (no GPU was calibrated). Greedy batch-1 decode only."""
+    from the generic model (no GPU was calibrated). Greedy batch-1 decode; prefill where the whole model
+    runs on calibrated CPUs (None elsewhere)."""
 
     decode_tok_s: float
     decode_tok_s_full_context: float
     decode_ms_by_device: dict[str, float]
     source: str
+    prefill_tok_s: float | None = None
 
     def to_dict(self) -> dict:
         return {"decode_tok_s": round(self.decode_tok_s, 1),
                 "decode_tok_s_full_context": round(self.decode_tok_s_full_context, 1),
                 "decode_ms_by_device": {k: round(v, 3) for k, v in self.decode_ms_by_device.items()},
-                "source": self.source}
+                "source": self.source,
+                "prefill_tok_s": round(self.prefill_tok_s, 1) if self.prefill_tok_s is not None else None}
 
 
 def estimate_runtime(b: Budget, layout: Layout, rates: dict[str, DeviceRates], cfg: TextConfig,
@@ -236,7 +239,17 @@ def estimate_runtime(b: Budget, layout: Layout, rates: dict[str, DeviceRates], c
 
     t0, per_dev = decode_time(0)
     t_full, _ = decode_time(b.settings.context)
-    return RuntimeSpeed(1 / t0, 1 / t_full, {d: x * 1e3 for d, x in per_dev.items()}, costs.source)
+    return RuntimeSpeed(1 / t0, 1 / t_full, {d: x * 1e3 for d, x in per_dev.items()}, costs.source,
+                        _runtime_prefill_tok_s(layout, rates, costs))
+
+
+def _runtime_prefill_tok_s(layout: Layout, rates: dict[str, DeviceRates], costs: RuntimeCosts) -> float | None:
+    """One calibrated prefill chunk over its seconds (every layer, expert and the head on a CPU), else None."""
+    on = set(layout.layer_device) | {layout.lm_head_device} | {d for c in layout.expert_counts for d, n in c.items() if n}
+    if not costs.prefill_tokens or any(rates[d].kind != "cpu" for d in on):
+        return None
+    t = sum(costs.prefill_layer_s) + sum(costs.prefill_expert_s) + costs.prefill_head_s
+    return costs.prefill_tokens / t
 
 
 def _hop_cost(a: str, b: str, rates: dict[str, DeviceRates], nbytes: int, m: SpeedModel) -> float:

@@ -23,6 +23,9 @@ Two measurements, each in isolation, on random weights of the model's real dimen
   time (the unfused loop's small ops, kernels stubbed) is `expert_loop_s`; the rest of a step is the shell.
   The greedy argmax
   over the real vocabulary is timed on its own.
+- prefill (one chunk of `prefill_tokens`, the runtime's chunk): each dense kernel on that many rows; a layer's
+  routed experts as the experts module's multi-token forward over the real expert count, tokens routed
+  uniformly; the layer ops and shell of a chunk through the stubbed model.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import torch
 
 from quantkit.formats import QuantSpec, get_format
 from quantkit.model.spec import ModelSpec, Role, spec_from_config
+from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK
 from quantkit.planner.host_costs import (
     ExpertPair,
     RuntimeProfile,
@@ -64,16 +68,16 @@ CAL_VOCAB = 1024
 
 
 def time_kernel(q: QuantSpec | None, shape: tuple[int, int], working_set: int = WORKING_SET, passes: int = 3,
-                seed: int = 0) -> tuple[float, dict[str, Any]]:
-    """Seconds per batch-1 call of the runtime's kernel for a matrix of format `q` and `shape`, weights
-    out of cache."""
+                seed: int = 0, tokens: int = 1) -> tuple[float, dict[str, Any]]:
+    """Seconds per call of the runtime's kernel for a matrix of format `q` and `shape` on `tokens` rows of
+    activations (1: a decode step; a prefill chunk: compute-bound, so two copies suffice), weights out of cache."""
     rows, cols = shape
     rows_cal = min(rows, ROW_CAP)
     g = torch.Generator().manual_seed(seed)
     k = _random_kernel(q, (rows_cal, cols), g)
-    n = max(2, min(MAX_COPIES, math.ceil(working_set / max(1, k.nbytes))))
+    n = max(2, min(MAX_COPIES, math.ceil(working_set / max(1, k.nbytes)))) if tokens == 1 else 2
     copies = [k] + [_clone(k) for _ in range(n - 1)]
-    x = torch.randn(1, cols, generator=g).to(torch.bfloat16)
+    x = torch.randn(tokens, cols, generator=g).to(torch.bfloat16)
     best = float("inf")
     with torch.inference_mode():
         for kk in copies:  # warm-up: first-call allocations, thread pool
@@ -135,6 +139,27 @@ def time_moe(pair: ExpertPair, top_k: int, working_set: int = WORKING_SET, passe
             best = min(best, (time.perf_counter() - t0) / calls)
     return best, {"copies": n, "bytes_each": each, "calls": calls, "top_k": top_k,
                   "route": experts.groups[0].gate_up[0].route}
+
+
+def time_moe_prefill(pair: ExpertPair, num_experts: int, top_k: int, tokens: int, passes: int = 3,
+                     seed: int = 0) -> tuple[float, dict[str, Any]]:
+    """Seconds of one prefill chunk of `tokens` through a layer's `num_experts` routed experts (the experts
+    module's multi-token forward, as the runtime runs it), each token routed to `top_k` distinct experts
+    drawn uniformly (the planner's routing assumption)."""
+    experts = moe_module(pair, num_experts, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(tokens, experts.hidden_dim, generator=g).to(torch.bfloat16)
+    ids = torch.rand(tokens, num_experts, generator=g).topk(top_k, dim=-1).indices
+    wts = torch.softmax(torch.randn(tokens, top_k, generator=g), dim=-1)
+    best = float("inf")
+    with torch.inference_mode():
+        experts(x, ids, wts)  # warm-up
+        for _ in range(passes):
+            t0 = time.perf_counter()
+            experts(x, ids, wts)
+            best = min(best, time.perf_counter() - t0)
+    return best, {"experts": num_experts, "bytes_each": experts.nbytes // num_experts, "tokens": tokens,
+                  "top_k": top_k}
 
 
 def _clone(k: K.Kernel) -> K.Kernel:
@@ -264,8 +289,9 @@ class _TimedLayer:
         return y
 
 
-def _steps(model: Any, steps: int, prompt: int) -> Steps:
-    """Decode steps of `model` (its route already chosen), timed per layer and per routed-experts call."""
+def _instrument(model: Any) -> tuple[list[float], list[float]]:
+    """Wrap `model`'s layers and routed-experts calls so each forward stores its seconds per layer and per
+    routed-experts call in the two lists returned (index: the layer)."""
     n = len(model.layers)
     took, experts = [0.0] * n, [0.0] * n
 
@@ -277,50 +303,88 @@ def _steps(model: Any, steps: int, prompt: int) -> Steps:
             return y
         return run
 
-    cache = model.new_cache(prompt + steps + 1)
-    model.forward([0] * prompt, cache)
     for L in model.layers:
         L.moe.routed = timed_routed(L.index, L.moe.routed)  # type: ignore[method-assign]
     model.layers = [_TimedLayer(L, took) for L in model.layers]
+    return took, experts
+
+
+def _steps(model: Any, steps: int, prompt: int) -> Steps:
+    """Decode steps of `model` (its route already chosen), timed per layer and per routed-experts call."""
+    cache = model.new_cache(prompt + steps + 1)
+    model.forward([0] * prompt, cache)
+    took, experts = _instrument(model)
     for _ in range(steps):
         t0 = time.perf_counter()
         model.forward([0], cache)
         yield took, experts, time.perf_counter() - t0
 
 
-def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8, fused: bool = True) -> LayerOps:
-    """Per layer type, seconds of one decode step with kernels stubbed and the routed experts apart; the
-    experts' own (unfused) ops; and the shell's seconds. The step runs per layer as generation's route does
-    where it cannot be one call (the kernel's fused ops on the CPU); `fused=False` times the torch route."""
+def _chunks(model: Any, passes: int, tokens: int) -> Steps:
+    """Prefill chunks of `tokens` tokens, each on a fresh cache, timed per layer and per routed-experts call."""
+    took, experts = _instrument(model)
+    for _ in range(passes):
+        cache = model.new_cache(tokens + 1)
+        t0 = time.perf_counter()
+        model.forward([0] * tokens, cache)
+        yield took, experts, time.perf_counter() - t0
+
+
+def _stubbed_model(config: dict[str, Any]) -> tuple[Any, Any]:
+    """The runtime's model of one layer of each type at the real dimensions (calibration_config), its
+    matrices untouched `torch.empty`, and its config."""
     cal = calibration_config(config)
     spec = spec_from_config(cal, name="calibration")
     c = spec.config
-    src = RandomSource(spec)
     with hugepages.off():  # its matrices stay untouched `torch.empty`: no copies that would fault them in
-        model = build_model(src, cal, Placement.single(c.num_hidden_layers, c.num_experts), LoadReport())
-    n = c.num_hidden_layers
+        model = build_model(RandomSource(spec), cal, Placement.single(c.num_hidden_layers, c.num_experts), LoadReport())
+    return model, c
+
+
+def _ops(model: Any, c: Any, runs: Steps, warm: int) -> LayerOps:
+    """Per layer type the median of its seconds without its routed experts, the experts' and the shell's."""
+    n = len(model.layers)
     per_layer: list[list[float]] = [[] for _ in range(n)]
     loop: list[float] = []
     shell: list[float] = []
-    with _StubbedKernels(), torch.inference_mode():
-        for L in model.layers:
-            L.moe.fused_all = False  # the fused call would read the untouched weights
-        route = model.set_route("fused" if fused else "torch")
-        for s, (took, experts, total) in enumerate(_steps(model, steps + 4, prompt)):
-            if s < 4:
-                continue  # warm-up
-            for i in range(n):
-                per_layer[i].append(took[i] - experts[i])
-                loop.append(experts[i])
-            shell.append(total - sum(took))
+    for s, (took, experts, total) in enumerate(runs):
+        if s < warm:
+            continue
+        for i in range(n):
+            per_layer[i].append(took[i] - experts[i])
+            loop.append(experts[i])
+        shell.append(total - sum(took))
     by_type: dict[str, list[float]] = {}
     for i, t in enumerate(c.layer_types):
         by_type.setdefault(t, []).extend(per_layer[i])
     detail: dict[str, Any] = {t: _spread(v) for t, v in by_type.items()}
     detail["shell"] = {"median_ms": round(median(shell) * 1e3, 4), "samples": len(shell)}
     detail["expert_loop"] = _spread(loop)
-    detail["path"] = {"step": route.name}
     return LayerOps({t: median(v) for t, v in by_type.items()}, median(shell), median(loop), detail)
+
+
+def time_layer_ops(config: dict[str, Any], steps: int = 24, prompt: int = 8, fused: bool = True) -> LayerOps:
+    """Per layer type, seconds of one decode step with kernels stubbed and the routed experts apart; the
+    experts' own (unfused) ops; and the shell's seconds. The step runs per layer as generation's route does
+    where it cannot be one call (the kernel's fused ops on the CPU); `fused=False` times the torch route."""
+    model, c = _stubbed_model(config)
+    with _StubbedKernels(), torch.inference_mode():
+        for L in model.layers:
+            L.moe.fused_all = False  # the fused call would read the untouched weights
+        route = model.set_route("fused" if fused else "torch")
+        lo = _ops(model, c, _steps(model, steps + 4, prompt), warm=4)
+    lo.detail["path"] = {"step": route.name}
+    return lo
+
+
+def time_prefill_ops(config: dict[str, Any], tokens: int, passes: int = 3) -> LayerOps:
+    """Per layer type, seconds of one prefill chunk of `tokens` tokens with kernels stubbed and the routed
+    experts apart (the chunked Gated DeltaNet, causal attention, norms, router); the shell's seconds."""
+    model, c = _stubbed_model(config)
+    with _StubbedKernels(), torch.inference_mode():
+        lo = _ops(model, c, _chunks(model, passes + 1, tokens), warm=1)
+    lo.detail["tokens"] = tokens
+    return lo
 
 
 def time_argmax(vocab: int, reps: int = 50) -> float:
@@ -335,44 +399,69 @@ def time_argmax(vocab: int, reps: int = 50) -> float:
 
 
 def calibrate(spec: ModelSpec, recipes: list[Recipe], *, working_set: int = WORKING_SET, passes: int = 3,
-              steps: int = 24, on_item: Callable[[str, int, int], None] | None = None) -> RuntimeProfile:
-    """Measure a RuntimeProfile for `spec` and the kernels `recipes` use, on this host."""
+              steps: int = 24, prefill_tokens: int = DEFAULT_PREFILL_CHUNK,
+              on_item: Callable[[str, int, int], None] | None = None) -> RuntimeProfile:
+    """Measure a RuntimeProfile for `spec` and the kernels `recipes` use, on this host: decode parts, and
+    with `prefill_tokens` > 0 the same parts for one prefill chunk of that many tokens."""
     t_all = time.perf_counter()
+    c = spec.config
     want = needed(spec, recipes)
     items = [(key, q, shape) for key, (q, shapes) in sorted(want.items()) for shape in sorted(shapes)]
     moe_items = [(key, pair) for key, pairs in sorted(needed_moe(spec, recipes).items()) for pair in pairs]
-    total = len(items) + len(moe_items) + 2
+    pre_items = [(key, q, shape) for key, q, shape in items if shape[0] != c.vocab_size] if prefill_tokens else []
+    pre_moe = moe_items if prefill_tokens else []
+    total = len(items) + len(moe_items) + 2 + len(pre_items) + len(pre_moe) + (1 if prefill_tokens else 0)
+    done = 0
+
+    def step(what: str) -> None:
+        nonlocal done
+        if on_item:
+            on_item(what, done, total)
+        done += 1
+
     mm: dict[str, dict[str, float]] = {}
     kdetail: dict[str, dict[str, Any]] = {}
     moe: dict[str, dict[str, float]] = {}
     mdetail: dict[str, dict[str, Any]] = {}
-    for i, (key, q, shape) in enumerate(items):
-        if on_item:
-            on_item(f"{key} {shape_key(shape)}", i, total)
+    for key, q, shape in items:
+        step(f"{key} {shape_key(shape)}")
         sec, d = time_kernel(q, shape, working_set, passes)
         mm.setdefault(key, {})[shape_key(shape)] = sec
         kdetail.setdefault(key, {})[shape_key(shape)] = d
-    for j, (key, pair) in enumerate(moe_items):
-        if on_item:
-            on_item(f"fused MoE {key} {moe_shape_key(pair[1], pair[3])}", len(items) + j, total)
-        got = time_moe(pair, spec.config.num_experts_per_tok, working_set, passes)
+    for key, pair in moe_items:
+        step(f"fused MoE {key} {moe_shape_key(pair[1], pair[3])}")
+        got = time_moe(pair, c.num_experts_per_tok, working_set, passes)
         mdetail.setdefault(key, {})[moe_shape_key(pair[1], pair[3])] = got[1] if got else {"fused": False}
         if got is not None:
             moe.setdefault(key, {})[moe_shape_key(pair[1], pair[3])] = got[0]
-    done = len(items) + len(moe_items)
-    if on_item:
-        on_item("layer ops (kernels stubbed)", done, total)
+    step("layer ops (kernels stubbed)")
     lo = time_layer_ops(spec.raw_config, steps)
-    if on_item:
-        on_item("argmax over the vocabulary", done + 1, total)
-    argmax = {str(spec.config.vocab_size): time_argmax(spec.config.vocab_size)}
+    step("argmax over the vocabulary")
+    argmax = {str(c.vocab_size): time_argmax(c.vocab_size)}
+    pre_mm: dict[str, dict[str, float]] = {}
+    pre_moe_s: dict[str, dict[str, float]] = {}
+    for key, q, shape in pre_items:
+        step(f"prefill {key} {shape_key(shape)}")
+        pre_mm.setdefault(key, {})[shape_key(shape)] = time_kernel(q, shape, passes=passes, tokens=prefill_tokens)[0]
+    for key, pair in pre_moe:
+        step(f"prefill MoE {key} {moe_shape_key(pair[1], pair[3])}")
+        sec, _ = time_moe_prefill(pair, c.num_experts, c.num_experts_per_tok, prefill_tokens, passes)
+        pre_moe_s.setdefault(key, {})[moe_shape_key(pair[1], pair[3])] = sec
+    pre = None
+    if prefill_tokens:
+        step("prefill layer ops (kernels stubbed)")
+        pre = time_prefill_ops(spec.raw_config, prefill_tokens, passes)
     if on_item:
         on_item("done", total, total)
+    details = {"kernels": kdetail, "moe": mdetail, "layer_ops": lo.detail, "working_set_bytes": working_set,
+               "passes": passes, "model": spec.name, "recipes": [r.name for r in recipes]}
+    if pre is not None:
+        details["prefill_ops"] = pre.detail
     return RuntimeProfile(
-        host=host_id(), dims=model_dims(spec.config), matmul_s=mm, layer_ops_s=lo.ops_s, shell_s=lo.shell_s,
+        host=host_id(), dims=model_dims(c), matmul_s=mm, layer_ops_s=lo.ops_s, shell_s=lo.shell_s,
         argmax_s=argmax, moe_s=moe, expert_loop_s=lo.expert_loop_s,
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"), seconds=time.perf_counter() - t_all,
-        details={"kernels": kdetail, "moe": mdetail, "layer_ops": lo.detail, "working_set_bytes": working_set,
-                 "passes": passes, "model": spec.name, "recipes": [r.name for r in recipes]},
+        details=details, prefill_tokens=prefill_tokens if pre is not None else 0, prefill_matmul_s=pre_mm,
+        prefill_moe_s=pre_moe_s, prefill_ops_s=pre.ops_s if pre is not None else {},
+        prefill_shell_s=pre.shell_s if pre is not None else 0.0,
     )
-
