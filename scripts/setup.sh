@@ -17,8 +17,18 @@ fi
 # (called as a function: `python -m` on a module the package itself imports makes runpy warn)
 .venv/bin/python -c "from quantkit.runtime.cpu_kernel import main; raise SystemExit(main(['build']))" || true
 # The tests prove the GGUF export with llama.cpp itself: llama-cpp-python builds from its sdist (about
-# 4 minutes on 2 cores, once; pip caches the wheel). Pinned to the release whose llama.cpp knows qwen35moe.
-if [ "${1:-bnb}" = test ] && ! .venv/bin/python -c "import llama_cpp" 2>/dev/null; then
+# 4 minutes on 2 cores, once). Pinned to the release whose llama.cpp knows qwen35moe. Built without AMX: on
+# Sapphire Rapids-class CPUs its AMX matmul segfaults on the first multiplication (ggml-org/llama.cpp#20824;
+# here on every GGUF the tests make), so -mno-amx-* (GCC lets them win over -march=native) and a build that
+# has AMX is rebuilt. Not from pip's wheel cache: it keys wheels by version, not by these flags.
+llama_ready() {
+  .venv/bin/python -c "import llama_cpp, sys; sys.exit(b'AMX_INT8 = 1' in llama_cpp.llama_print_system_info())" \
+    2>/dev/null
+}
+if [ "${1:-bnb}" = test ] && ! llama_ready; then
   echo "building llama-cpp-python (llama.cpp for the GGUF export proof, ~4 min)..." >&2
-  CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" .venv/bin/pip install -q "llama-cpp-python==${QUANTKIT_LLAMA_CPP:-0.3.36}"
+  .venv/bin/pip uninstall -q -y llama-cpp-python 2>/dev/null || true
+  no_amx="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+  CFLAGS="$no_amx ${CFLAGS:-}" CXXFLAGS="$no_amx ${CXXFLAGS:-}" CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON}" \
+    .venv/bin/pip install -q --no-cache-dir "llama-cpp-python==${QUANTKIT_LLAMA_CPP:-0.3.36}"
 fi
