@@ -32,9 +32,12 @@ def test_prompts_share_the_first_turn_as_prefix(folder):
 
 def test_quantkit_child_measures_load_decode_and_the_cached_next_turn(folder, tmp_path):
     ids = fs.prompts(folder, 300, 16)
-    args = {"folder": str(folder), "threads": 1, "context": 1024, "new_tokens": 4, "reps": 1, **ids}
+    args = {"folder": str(folder), "threads": 1, "context": 1024, "new_tokens": 4, "reps": 2, **ids}
     r = fs._child("quantkit", args, tmp_path, log=lambda *_: None)
     assert r["load_s"] > 0 and r["short"]["decode_tps"] > 0 and len(r["short"]["tokens"]) == 4
+    runs = r["short"]["runs"]  # every decode with the read bandwidth of its moment; the best one reported
+    assert len(runs) == 2 and all(x["read_gbs"] > 0 for x in runs)
+    assert r["short"]["decode_tps"] == max(x["decode_tps"] for x in runs)
     t1, t2 = r["turn1"], r["turn2"]
     assert t1["prefilled"] == len(ids["turn1"]) and t1["reused"] == 0
     assert t2["reused"] > len(ids["turn1"]) // 2 and t2["prefilled"] < len(ids["turn2"]) // 2  # the prompt cache
@@ -46,6 +49,7 @@ def test_quantkit_child_measures_load_decode_and_the_cached_next_turn(folder, tm
     assert r["prompt_cache"]["entries"] >= 1 and r["prompt_cache"]["bytes"] > 0
     plan = {"scheme": "quality", "fits": True, "total_bytes": stored, "max_context": 1024, "est_decode_tok_s": 10.0,
             "est_prefill_tok_s": 100.0, "runtime_decode_tok_s": r["short"]["decode_tps"], "hardware": {},
+            "runtime_prefill_tok_s": r["turn1"]["prefill_tps"] * 1.1,
             "components_bytes": {"prompt_cache": 1000}}
     data = {"command": "quantkit bench full-size", "machine": fs._machine(), "threads": 1, "read_bandwidth_gbs": 1.0,
             "folder": str(folder), "folder_bytes": stored, "made": {"given": True}, "shape": {
@@ -55,10 +59,17 @@ def test_quantkit_child_measures_load_decode_and_the_cached_next_turn(folder, tm
     data["targets"] = fs.targets(data)
     decode = next(t for t in data["targets"] if t["target"].startswith("decode"))
     assert decode["met"] and decode["ratio"] == pytest.approx(1.0)
+    prefill = next(t for t in data["targets"] if t["target"].startswith("prefill"))
+    assert "calibrated" in prefill["target"] and prefill["ratio"] == pytest.approx(1 / 1.1) and prefill["met"]
+    no_cal = fs.targets({**data, "plan": {**plan, "runtime_prefill_tok_s": None}})
+    prefill = next(t for t in no_cal if t["target"].startswith("prefill"))
+    assert "llama.cpp-grade" in prefill["target"]
+    assert prefill["ratio"] == pytest.approx(r["turn1"]["prefill_tps"] / 100.0)
     rss = data["targets"][0]
     assert rss["ratio"] == pytest.approx(r["end"]["rss"] / stored) and not rss["met"]  # the interpreter dominates
     md = fs.render(data)
     assert "| quantkit |" in md and "MISSED" in md and f"{r['load_s']:.1f}" in md and "snapshots" in md
+    assert f"{runs[0]['decode_tps']:.1f} at {runs[0]['read_gbs']} GB/s" in md
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
