@@ -288,8 +288,9 @@ def generate_checkpoint(path: Path, experts: int, layers: int) -> None:
 
 
 def run(reports: Path, workdir: Path, experts: int = 128, layers: int = 4, slab_experts: int = 16,
-        reps: int = 2, checkpoint: Path | None = None, log: Any = print) -> dict[str, Any]:
-    """Run the whole benchmark and write reports/bench-quantize.{md,json,png}."""
+        reps: int = 2, checkpoint: Path | None = None, log: Any = print, large_layers: int = 0) -> dict[str, Any]:
+    """Run the whole benchmark and write reports/bench-quantize.{md,json,png}. `large_layers`: also time file to
+    file on a generated checkpoint of that many layers (same experts), where the fixed start-up amortises."""
 
     t_all = time.perf_counter()
     reports.mkdir(parents=True, exist_ok=True)
@@ -337,10 +338,20 @@ def run(reports: Path, workdir: Path, experts: int = 128, layers: int = 4, slab_
 
     log(f"file to file against llama.cpp's quantizer, alternated, best of {max(reps, 2)} ...")
     f2f = file_to_file.run(src, workdir, threads, max(reps, 2), log)
+    large = None
+    if large_layers:
+        src_l = workdir / f"realistic-e{experts}-l{large_layers}"
+        if not (src_l / "config.json").is_file():
+            log(f"generating {src_l} ...")
+            generate_checkpoint(src_l, experts, large_layers)
+        log(f"file to file on {src_l.name}, alternated, best of 2 ...")
+        large = file_to_file.run(src_l, workdir, threads, 2, log)
 
     data = _assemble(info, rows, lm_rows, lm_shape, rss, src, n_e, time.perf_counter() - t_all,
                      experts, layers)
     data["file_to_file"] = f2f
+    if large is not None:
+        data["file_to_file_large"] = large
     data["before"] = BEFORE
     _plot(rows, reports / "bench-quantize.png")
     write_reports(reports, "bench-quantize", data, render_markdown(data))
@@ -383,9 +394,10 @@ def _assemble(info, rows, lm_rows, lm_shape, rss, src, n_e, seconds, experts, la
     }
 
 
-def render_file_to_file(f: dict[str, Any], before: dict[str, Any] | None) -> list[str]:
+def render_file_to_file(f: dict[str, Any], before: dict[str, Any] | None,
+                        title: str = "File to file against llama.cpp's quantizer") -> list[str]:
     """The file-to-file section: both engines alternated, best walls, ratios, and where quantkit's time goes."""
-    L = ["## File to file against llama.cpp's quantizer", "",
+    L = [f"## {title}", "",
          f"Source {f['source']} ({f['source_bytes'] / 1e9:.2f} GB of bf16 safetensors; llama.cpp reads the bf16 GGUF "
          f"of the same weights, {f['gguf_bytes'] / 1e9:.2f} GB, written by `quantkit export gguf --type bf16`). "
          f"Each engine is its own process under /usr/bin/time, {f['threads']} threads each, alternated "
@@ -399,6 +411,10 @@ def render_file_to_file(f: dict[str, Any], before: dict[str, Any] | None) -> lis
             walls = ", ".join(f"{r['wall']:.1f}" for r in c["runs"][who])
             L.append(f"| {c['case']} | {who} | {b['wall']:.2f} | {b['user']:.2f} | {b['sys']:.2f} | "
                      f"{b['peak_rss'] / 1e9:.2f} | {c['out_bytes'][who] / 1e6:.0f} | {walls} |")
+    loads = [r["load"] for c in f["cases"] for who in c["runs"] for r in c["runs"][who] if "load" in r]
+    if loads:
+        L += ["", f"Load average (1 min) before each run: {min(loads):.1f} to {max(loads):.1f} on "
+              f"{os.cpu_count()} cores (other work shares the machine; both engines' runs alternate under it)."]
     L += ["", "| case | speed vs llama.cpp (target >= 1.0) | memory: llama.cpp RSS / quantkit RSS (target >= 1.0) |",
           "|---|---:|---:|"]
     for c in f["cases"]:
@@ -424,9 +440,10 @@ def render_file_to_file(f: dict[str, Any], before: dict[str, Any] | None) -> lis
                   f"{p['stages'].get('quantize', 0):.2f} s of quantkit's {p['wall']:.2f} s; llama.cpp's whole run "
                   f"{c['best']['llama.cpp']['wall']:.2f} s."]
     L += ["", "The int4 quantize stage is the clip search of formats/int4.py (three candidate scales per group, each "
-          "scored on the group's rounding error; on quantkit's CPU kernel where it is built, in torch's ops "
-          "otherwise), where ggml's Q4_0 takes the one scale of the block's largest magnitude; the start-up is "
-          "torch's import and the CLI's."]
+          "scored on the group's rounding error), where ggml's Q4_0 takes the one scale of the block's largest "
+          "magnitude; int4 and int8 of bf16 rows run on the quantizer's own kernel (runtime/quant_kernel.py: one "
+          "pass per group, the search eight groups at once, the error sums inside). The start-up is mostly "
+          "torch's import (the CLI imports only the command's module)."]
     for c in f["cases"]:
         spy = c["profile"].get("py_spy")
         if spy:
@@ -500,4 +517,8 @@ def render_markdown(d: dict[str, Any]) -> str:
           "read in blocks of the slab size (32 MB) along its first dimension.", ""]
     if "file_to_file" in d:
         L += render_file_to_file(d["file_to_file"], d.get("before"))
+    if "file_to_file_large" in d:
+        n = Path(d["file_to_file_large"]["source"]).name
+        L += render_file_to_file(d["file_to_file_large"], None,
+                                 f"File to file on a larger shape ({n}), where fixed start-up costs amortise")
     return "\n".join(L) + "\n"
