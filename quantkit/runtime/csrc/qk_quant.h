@@ -5,7 +5,9 @@
 // Why our own: torch's route takes some 30 passes over each chunk for int4's clip search, plus a separate
 // bf16 -> fp32 copy and an fp32 norm for the error figures; the decode kernel's quant_int4_sym (qk_ops_impl.h)
 // does one pass per group but in scalar min/max and packing loops, from an fp32 copy of each row, with the
-// reference sum of squares still in torch. reports/bench-quantize.md gives the measured throughputs.
+// reference sum of squares still in torch. Measured on one thread with the error sums (bf16 [2048, 2048], the
+// AVX512 unit): int4 g32 here does 4.2x the elements per CPU-second of the decode kernel's route and 9.3x
+// torch's; int8 4.3x torch's (reports/bench-quantize.md has the file-to-file effect).
 #pragma once
 
 #include <stdint.h>
