@@ -349,7 +349,7 @@ def run(reports: Path, workdir: Path, experts: int = 128, layers: int = 4, slab_
 
     data = _assemble(info, rows, lm_rows, lm_shape, rss, src, n_e, time.perf_counter() - t_all,
                      experts, layers)
-    data["file_to_file"] = f2f
+    data["file_to_file"] = f2f | {"history": HISTORY}
     if large is not None:
         data["file_to_file_large"] = large
     data["before"] = BEFORE
@@ -392,6 +392,19 @@ def _assemble(info, rows, lm_rows, lm_shape, rss, src, n_e, seconds, experts, la
         "quantize_run": rss,
         "seconds": round(seconds, 1),
     }
+
+
+# The file-to-file section's earlier runs and the before/after of the changes since (issue 30), newest first.
+HISTORY: list[str] = [
+    "Before/after the quantizer's own kernel and the lazy CLI imports (commit 208cc7f against this branch), "
+    "alternated 3 times on the issue's shape at load 5.6-7.1 (`quantkit quantize realistic-e64-l4 --out o "
+    "--bits 4 --format int --group-size 32 --uniform --threads 2`, and `--bits 8 --uniform`), best wall: int4 g32 "
+    "10.81 s -> 6.43 s (1.68x; user+sys 9.4 -> 5.0 s), int8 10.34 s -> 6.93 s (1.49x; user+sys 8.4 -> 5.0 s). "
+    "One thread, CPU-seconds per element with the error sums (bf16 [2048, 2048]): int4 g32 4.2x the decode "
+    "kernel's route and 9.3x torch's, int8 4.3x torch's.",
+    "Commit 208cc7f on a quieter machine (load about 1.0-1.9): int4 g32 quantkit 4.16 s against llama.cpp 1.61 s "
+    "(0.39x; start-up 1.12 s, quantize stage 2.13 s), int8 3.40 s against 2.47 s (0.73x).",
+]
 
 
 def render_file_to_file(f: dict[str, Any], before: dict[str, Any] | None,
@@ -450,6 +463,8 @@ def render_file_to_file(f: dict[str, Any], before: dict[str, Any] | None,
             L += ["", f"py-spy, {c['case']} (share of samples over every thread, innermost Python function; native "
                   "time counts to the Python frame that called it):", ""]
             L += [f"- {share:.1%} {name}" for name, share in spy]
+    if f.get("history"):
+        L += ["", "### Earlier runs", ""] + [f"- {h}" for h in f["history"]]
     if before:
         qb, lb = before["quantkit"], before["llama.cpp"]
         L += ["", f"### Before (commit {before['commit']}, int4 g32)", "",
