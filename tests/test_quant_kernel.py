@@ -125,3 +125,23 @@ def test_quantize_on_every_route_is_the_same(monkeypatch):
     _same(fast, slow)
     _same(kernel, slow)
     _same(fast8, slow8)
+
+
+@pytest.mark.parametrize("fmt,spec", [(I.Int4(), QuantSpec("int4", 32, True)), (Int8(), QuantSpec("int8", None, True))])
+def test_quant_library_gives_the_same_bytes_and_sums_on_any_thread_count(fmt, spec):
+    """Many row chunks (2^18 elements each) spread over 1 or 2 threads: the same parts and, summed in chunk
+    order, exactly the same error figures."""
+    if QK.ops() is None:
+        pytest.skip("the quantizer's kernel is not built on this machine")
+    w = torch.stack([_weights(512, 1024, seed=s) for s in range(4)])  # 8 chunks
+    before = torch.get_num_threads()
+    got = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got.append(_quantize(fmt, w, spec))
+    finally:
+        torch.set_num_threads(before)
+    (a, sa), (b, sb) = got
+    assert a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+    assert sa.total() == sb.total() and len(sa._by_chunk) == 8
