@@ -41,3 +41,11 @@ def test_quantize_imports_only_what_it_runs():
 def test_a_one_command_module_still_runs_by_name(tmp_path):
     mods, out = _modules_after("tiny-model", "--help")  # tiny's module has one command: every module registers
     assert "tiny-model" in out and "quantkit.cli.plan" in mods
+
+
+def test_the_command_imports_run_without_the_collector_and_stay_frozen():
+    code = ("import gc, sys\nsys.argv = ['quantkit', 'quantize', '--help']\nimport quantkit.cli as c\n"
+            "seen = []\nreal = c._register\nc._register = lambda *a: seen.append(gc.isenabled()) or real(*a)\n"
+            "try:\n    c.main()\nexcept SystemExit:\n    pass\nprint(seen, gc.isenabled(), gc.get_freeze_count() > 10000)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert p.stdout.strip().splitlines()[-1] == "[False] True True"
