@@ -42,7 +42,7 @@ def test_markdown_states_ratios_commands_and_stages():
     md = "\n".join(render_file_to_file({"source": "src", "source_bytes": 2e9, "gguf_bytes": 2e9, "threads": 2,
                                         "reps": 3, "cases": [case]}, None, "Larger shape"))
     assert md.startswith("## Larger shape") and "before each run: 0.5 to 2.5" in md and "Before (commit" not in md
-    assert "Earlier runs" not in md
+    assert "### Earlier runs" not in md
     md = "\n".join(render_file_to_file({"source": "src", "source_bytes": 2e9, "gguf_bytes": 2e9, "threads": 2,
                                         "reps": 3, "cases": [case], "history": ["an old run"]}, None))
     assert "### Earlier runs\n\n- an old run" in md
