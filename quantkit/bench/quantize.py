@@ -396,6 +396,8 @@ def _assemble(info, rows, lm_rows, lm_shape, rss, src, n_e, seconds, experts, la
 
 # The file-to-file section's earlier runs and the before/after of the changes since (issue 30), newest first.
 HISTORY: list[str] = [
+    "llama.cpp in these tables: llama-cpp-python 0.3.36 as built on this machine during the session (CPU: AVX512, "
+    "AVX512-BF16, AVX512-VNNI, OpenMP; `llama_print_system_info`).",
     "perf over one whole int4 g32 run on the issue's shape (CPU samples, every thread): the quantizer's kernel "
     "25%, the kernel's page-cache copies 21% (reads of the source 11%, writes of the output 10%), the interpreter "
     "22% (mostly the imports), sha256 (libcrypto) 7%, torch 5%. Before the CLI froze its imported objects, the "
@@ -440,8 +442,8 @@ def render_file_to_file(f: dict[str, Any], before: dict[str, Any] | None,
               f"{os.cpu_count()} cores (other work shares the machine; both engines' runs alternate under it)."]
         if max(loads) > (os.cpu_count() or 1):
             L[-1] += (" Above the core count, llama.cpp's worker threads spin while they wait for their share of the "
-                      "cores, so its user time grows with the load more than quantkit's: the ratios here are a loaded "
-                      "machine's, not a quiet one's (see Earlier runs).")
+                      "cores (OpenMP), so its user time grows with the load more than quantkit's: the ratios here are "
+                      "a loaded machine's, not a quiet one's.")
     L += ["", "| case | speed vs llama.cpp (target >= 1.0) | memory: llama.cpp RSS / quantkit RSS (target >= 1.0) |",
           "|---|---:|---:|"]
     for c in f["cases"]:
