@@ -37,3 +37,12 @@ def test_markdown_states_ratios_commands_and_stages():
     assert "| int4 g32 (Q4_0) | 1.25x | 1.25x |" in md
     assert "`quantkit quantize src --out q`" in md and "| int4 g32 | 2.00 | 3.00 |" in md
     assert "50.0% f (m.py)" in md and "Before (commit 6245de5" in md
+    assert "Load average" not in md  # runs recorded before the load was
+    case["runs"]["quantkit"][0]["load"], case["runs"]["llama.cpp"][0]["load"] = 2.5, 0.5
+    md = "\n".join(render_file_to_file({"source": "src", "source_bytes": 2e9, "gguf_bytes": 2e9, "threads": 2,
+                                        "reps": 3, "cases": [case]}, None, "Larger shape"))
+    assert md.startswith("## Larger shape") and "before each run: 0.5 to 2.5" in md and "Before (commit" not in md
+    assert "### Earlier runs" not in md
+    md = "\n".join(render_file_to_file({"source": "src", "source_bytes": 2e9, "gguf_bytes": 2e9, "threads": 2,
+                                        "reps": 3, "cases": [case], "history": ["an old run"]}, None))
+    assert "### Earlier runs\n\n- an old run" in md

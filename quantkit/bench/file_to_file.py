@@ -101,13 +101,15 @@ def run(src: Path, workdir: Path, threads: int, reps: int = 3, log: Any = print)
         for i in range(reps):
             for who, cmd, out in (("quantkit", qk_cmd, q_out), ("llama.cpp", ll_cmd, l_out)):
                 _remove(out)
+                load = os.getloadavg()[0]
                 r = timed(cmd)
+                r["load"] = load
                 sizes[who] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file()) if out.is_dir() \
                     else out.stat().st_size
                 _remove(out)
                 runs[who].append(r)
                 log(f"  {label} {who} #{i + 1}: {r['wall']:.1f} s wall, {r['user']:.1f} user, {r['sys']:.1f} sys, "
-                    f"{r['peak_rss'] / 1e9:.2f} GB")
+                    f"{r['peak_rss'] / 1e9:.2f} GB (load {load:.1f})")
         best = {who: min(rs, key=lambda r: r["wall"]) for who, rs in runs.items()}
         group = opts[opts.index("--group-size") + 1] if "--group-size" in opts else "0"
         prof = _profile(src, q_out, opts, group, threads)

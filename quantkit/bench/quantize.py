@@ -288,8 +288,9 @@ def generate_checkpoint(path: Path, experts: int, layers: int) -> None:
 
 
 def run(reports: Path, workdir: Path, experts: int = 128, layers: int = 4, slab_experts: int = 16,
-        reps: int = 2, checkpoint: Path | None = None, log: Any = print) -> dict[str, Any]:
-    """Run the whole benchmark and write reports/bench-quantize.{md,json,png}."""
+        reps: int = 2, checkpoint: Path | None = None, log: Any = print, large_layers: int = 0) -> dict[str, Any]:
+    """Run the whole benchmark and write reports/bench-quantize.{md,json,png}. `large_layers`: also time file to
+    file on a generated checkpoint of that many layers (same experts), where the fixed start-up amortises."""
 
     t_all = time.perf_counter()
     reports.mkdir(parents=True, exist_ok=True)
@@ -337,10 +338,20 @@ def run(reports: Path, workdir: Path, experts: int = 128, layers: int = 4, slab_
 
     log(f"file to file against llama.cpp's quantizer, alternated, best of {max(reps, 2)} ...")
     f2f = file_to_file.run(src, workdir, threads, max(reps, 2), log)
+    large = None
+    if large_layers:
+        src_l = workdir / f"realistic-e{experts}-l{large_layers}"
+        if not (src_l / "config.json").is_file():
+            log(f"generating {src_l} ...")
+            generate_checkpoint(src_l, experts, large_layers)
+        log(f"file to file on {src_l.name}, alternated, best of 2 ...")
+        large = file_to_file.run(src_l, workdir, threads, 2, log)
 
     data = _assemble(info, rows, lm_rows, lm_shape, rss, src, n_e, time.perf_counter() - t_all,
                      experts, layers)
-    data["file_to_file"] = f2f
+    data["file_to_file"] = f2f | {"history": HISTORY}
+    if large is not None:
+        data["file_to_file_large"] = large
     data["before"] = BEFORE
     _plot(rows, reports / "bench-quantize.png")
     write_reports(reports, "bench-quantize", data, render_markdown(data))
@@ -383,9 +394,35 @@ def _assemble(info, rows, lm_rows, lm_shape, rss, src, n_e, seconds, experts, la
     }
 
 
-def render_file_to_file(f: dict[str, Any], before: dict[str, Any] | None) -> list[str]:
+# The file-to-file section's earlier runs and the before/after of the changes since (issue 30), newest first.
+HISTORY: list[str] = [
+    "llama.cpp in these tables: llama-cpp-python 0.3.36 as built on this machine during the session (CPU: AVX512, "
+    "AVX512-BF16, AVX512-VNNI, OpenMP; `llama_print_system_info`).",
+    "perf over one whole int4 g32 run on the issue's shape (CPU samples, every thread): the quantizer's kernel "
+    "25%, the kernel's page-cache copies 21% (reads of the source 11%, writes of the output 10%), the interpreter "
+    "22% (mostly the imports), sha256 (libcrypto) 7%, torch 5%. Before the CLI froze its imported objects, the "
+    "cyclic collector's passes were another 8%. What is left at this size is fixed: torch's import (about 1.1 "
+    "CPU-s) and the sha256 of the one output shard, which can only start when its last byte is written (the "
+    "shard's layout puts every tensor's scales before the codes, so no prefix is complete earlier). The source "
+    "blocks are mapped since (llama.cpp's quantizer maps its source too): alternated twice against the commit "
+    "before at load 4.7-5.2, int4 g32 system time 1.29-1.39 s -> 0.79-1.06 s and peak RSS 351 -> 314 MB, the "
+    "same shards (sha256); int8's system time is its output's page-cache writes (38% of its samples in "
+    "copy_folio_from_iter_atomic), which llama.cpp pays for as many bytes.",
+    "Before/after the quantizer's own kernel and the lazy CLI imports (commit 208cc7f against this branch), "
+    "alternated 3 times on the issue's shape at load 5.6-7.1 (`quantkit quantize realistic-e64-l4 --out o "
+    "--bits 4 --format int --group-size 32 --uniform --threads 2`, and `--bits 8 --uniform`), best wall: int4 g32 "
+    "10.81 s -> 6.43 s (1.68x; user+sys 9.4 -> 5.0 s), int8 10.34 s -> 6.93 s (1.49x; user+sys 8.4 -> 5.0 s). "
+    "One thread, CPU-seconds per element with the error sums (bf16 [2048, 2048]): int4 g32 4.2x the decode "
+    "kernel's route and 9.3x torch's, int8 4.3x torch's.",
+    "Commit 208cc7f on a quieter machine (load about 1.0-1.9): int4 g32 quantkit 4.16 s against llama.cpp 1.61 s "
+    "(0.39x; start-up 1.12 s, quantize stage 2.13 s), int8 3.40 s against 2.47 s (0.73x).",
+]
+
+
+def render_file_to_file(f: dict[str, Any], before: dict[str, Any] | None,
+                        title: str = "File to file against llama.cpp's quantizer") -> list[str]:
     """The file-to-file section: both engines alternated, best walls, ratios, and where quantkit's time goes."""
-    L = ["## File to file against llama.cpp's quantizer", "",
+    L = [f"## {title}", "",
          f"Source {f['source']} ({f['source_bytes'] / 1e9:.2f} GB of bf16 safetensors; llama.cpp reads the bf16 GGUF "
          f"of the same weights, {f['gguf_bytes'] / 1e9:.2f} GB, written by `quantkit export gguf --type bf16`). "
          f"Each engine is its own process under /usr/bin/time, {f['threads']} threads each, alternated "
@@ -399,6 +436,14 @@ def render_file_to_file(f: dict[str, Any], before: dict[str, Any] | None) -> lis
             walls = ", ".join(f"{r['wall']:.1f}" for r in c["runs"][who])
             L.append(f"| {c['case']} | {who} | {b['wall']:.2f} | {b['user']:.2f} | {b['sys']:.2f} | "
                      f"{b['peak_rss'] / 1e9:.2f} | {c['out_bytes'][who] / 1e6:.0f} | {walls} |")
+    loads = [r["load"] for c in f["cases"] for who in c["runs"] for r in c["runs"][who] if "load" in r]
+    if loads:
+        L += ["", f"Load average (1 min) before each run: {min(loads):.1f} to {max(loads):.1f} on "
+              f"{os.cpu_count()} cores (other work shares the machine; both engines' runs alternate under it)."]
+        if max(loads) > (os.cpu_count() or 1):
+            L[-1] += (" Above the core count, llama.cpp's worker threads spin while they wait for their share of the "
+                      "cores (OpenMP), so its user time grows with the load more than quantkit's: the ratios here are "
+                      "a loaded machine's, not a quiet one's.")
     L += ["", "| case | speed vs llama.cpp (target >= 1.0) | memory: llama.cpp RSS / quantkit RSS (target >= 1.0) |",
           "|---|---:|---:|"]
     for c in f["cases"]:
@@ -424,15 +469,18 @@ def render_file_to_file(f: dict[str, Any], before: dict[str, Any] | None) -> lis
                   f"{p['stages'].get('quantize', 0):.2f} s of quantkit's {p['wall']:.2f} s; llama.cpp's whole run "
                   f"{c['best']['llama.cpp']['wall']:.2f} s."]
     L += ["", "The int4 quantize stage is the clip search of formats/int4.py (three candidate scales per group, each "
-          "scored on the group's rounding error; on quantkit's CPU kernel where it is built, in torch's ops "
-          "otherwise), where ggml's Q4_0 takes the one scale of the block's largest magnitude; the start-up is "
-          "torch's import and the CLI's."]
+          "scored on the group's rounding error), where ggml's Q4_0 takes the one scale of the block's largest "
+          "magnitude; int4 and int8 of bf16 rows run on the quantizer's own kernel (runtime/quant_kernel.py: one "
+          "pass per group, the search eight groups at once, the error sums inside). The start-up is mostly "
+          "torch's import (the CLI imports only the command's module)."]
     for c in f["cases"]:
         spy = c["profile"].get("py_spy")
         if spy:
             L += ["", f"py-spy, {c['case']} (share of samples over every thread, innermost Python function; native "
                   "time counts to the Python frame that called it):", ""]
             L += [f"- {share:.1%} {name}" for name, share in spy]
+    if f.get("history"):
+        L += ["", "### Earlier runs", ""] + [f"- {h}" for h in f["history"]]
     if before:
         qb, lb = before["quantkit"], before["llama.cpp"]
         L += ["", f"### Before (commit {before['commit']}, int4 g32)", "",
@@ -500,4 +548,8 @@ def render_markdown(d: dict[str, Any]) -> str:
           "read in blocks of the slab size (32 MB) along its first dimension.", ""]
     if "file_to_file" in d:
         L += render_file_to_file(d["file_to_file"], d.get("before"))
+    if "file_to_file_large" in d:
+        n = Path(d["file_to_file_large"]["source"]).name
+        L += render_file_to_file(d["file_to_file_large"], None,
+                                 f"File to file on a larger shape ({n}), where fixed start-up costs amortise")
     return "\n".join(L) + "\n"

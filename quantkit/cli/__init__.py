@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -31,11 +33,44 @@ err_console = Console(stderr=True)
 _COMMAND_MODULES = ["plan", "tiny", "quantize", "stats", "runtime", "export", "serve", "bench", "calibrate"]
 
 
-def _register() -> None:
+# The module each command lives in: `quantkit quantize ...` imports that module alone (every module costs its
+# imports on every run: the others measured 0.2-0.4 s). tests/test_cli_lazy.py holds this map to the modules.
+COMMAND_MODULE = {"plan": "plan", "gpus": "plan", "inspect": "plan", "tiny-model": "tiny", "quantize": "quantize",
+                  "verify": "quantize", "stats": "stats", "chat": "runtime", "generate": "runtime",
+                  "export": "export", "serve": "serve", "bench": "bench", "calibrate": "calibrate"}
+
+
+def _register(command: str | None = None) -> None:
+    """Import the command modules (each registers its commands on `app`): only `command`'s when it names one
+    and that module gives the app two commands or more (with one, Typer would run it without its name)."""
     import importlib
 
+    mod = COMMAND_MODULE.get(command or "")
+    if mod is not None:
+        importlib.import_module(f"quantkit.cli.{mod}")
+        if len(app.registered_commands) + len(app.registered_groups) >= 2:
+            return
     for mod in _COMMAND_MODULES:
         importlib.import_module(f"quantkit.cli.{mod}")
+
+
+def quiet_gc_while(load: Callable[..., Any], *args: Any) -> None:
+    """Run `load` (the imports of a command: torch and its modules) with the cyclic garbage collector off, then
+    freeze what it made: the collector's passes over those few hundred thousand objects cost about a tenth of
+    torch's import and again, each full pass, during a run; they hold no garbage cycles worth the scans."""
+    import gc
+
+    if gc.get_freeze_count():  # frozen once already (main() called again in one process, as tests do)
+        load(*args)
+        return
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        load(*args)
+    finally:
+        gc.freeze()
+        if was:
+            gc.enable()
 
 
 def fail(message: str, code: int = 2) -> None:
@@ -100,7 +135,7 @@ def main() -> None:
     a command (the file and the system's reason, exit 1). Tracebacks are for quantkit's own bugs only."""
     if sys.argv[1:] in ([], ["--help"]):
         _root_help(sys.argv[1:])
-    _register()
+    quiet_gc_while(_register, sys.argv[1] if len(sys.argv) > 1 else None)
     try:
         rc = app(standalone_mode=False)
     except QuantkitError as e:

@@ -57,9 +57,14 @@ def bench_quantize(
     slab: int = typer.Option(16, "--slab", parser=COUNT, help="experts of layer 0 the format timings run on"),
     reps: int = typer.Option(2, "--reps", parser=COUNT, help="repetitions per method (best is reported)"),
     checkpoint: Path = typer.Option(None, "--checkpoint", help="use this realistic-shape checkpoint instead"),
+    large_layers: int = typer.Option(0, "--large-layers", parser=COUNT0,
+                                     help="also time file to file on a generated checkpoint of this many layers "
+                                          "(same experts), where fixed start-up costs amortise; 0: not"),
 ) -> None:
-    """Quantizer throughput and error vs bitsandbytes and gguf, and peak RSS of a full run."""
-    d = quantize_bench.run(reports, workdir, experts, layers, slab, reps, checkpoint, log=console.print)
+    """Quantizer throughput and error vs bitsandbytes and gguf, peak RSS of a full run, and file to file against
+    llama.cpp's quantizer."""
+    d = quantize_bench.run(reports, workdir, experts, layers, slab, reps, checkpoint, log=console.print,
+                           large_layers=large_layers)
     console.print(f"wrote {reports / 'bench-quantize.md'} ({d['seconds']:.0f} s)")
 
 

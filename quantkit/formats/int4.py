@@ -68,6 +68,14 @@ def _kernel() -> Any:
     return mod if mod is not None and hasattr(mod, "quant_int4_sym") else None
 
 
+def _fast() -> Any:
+    """The quantizer's own kernel (runtime/quant_kernel.py: bf16 rows in, codes, scales and both error sums
+    out, eight groups' scale search at once), else None."""
+    from quantkit.runtime import quant_kernel
+
+    return quant_kernel.ops()
+
+
 def _group(spec: QuantSpec) -> int:
     g = spec.group_size or DEFAULT_GROUP
     if g not in GROUPS:
@@ -201,11 +209,19 @@ class Int4:
         scales = out_buffer(out, "scales", (rows, cols // g), torch.bfloat16)
         zeros = None if spec.symmetric else out_buffer(out, "zeros", (rows, cols // g), torch.bfloat16)
 
-        kernel = _kernel() if (spec.symmetric and flat.device.type == "cpu" and flat.dtype in _KERNEL_DTYPES
-                               and packed.is_contiguous() and scales.is_contiguous()) else None
+        cpu = spec.symmetric and flat.device.type == "cpu" and packed.is_contiguous() and scales.is_contiguous()
+        fast = _fast() if cpu and flat.dtype == torch.bfloat16 and flat.is_contiguous() else None
+        kernel = _kernel() if cpu and fast is None and flat.dtype in _KERNEL_DTYPES else None
 
         def work(sl: slice) -> None:
             xb = flat[sl]
+            if fast is not None:  # the same bytes as the routes below
+                from quantkit.runtime.quant_kernel import int4_sym
+
+                e, r = int4_sym(fast, xb, g, grid, packed[sl], scales[sl])
+                if sums is not None:
+                    sums.add(sl, e, r)
+                return
             if kernel is not None:  # the same bytes as the torch route below, each group in registers
                 err = torch.empty(xb.shape[0], cols // g) if sums is not None else None
                 kernel.quant_int4_sym(xb.contiguous(), g, list(grid), packed[sl], scales[sl], err)

@@ -61,6 +61,7 @@ from quantkit.quantize.stream import (
     STAGE_OVERHEAD_BYTES,
     Block,
     BufferPool,
+    Mapped,
     Reader,
     StageTimes,
     Writer,
@@ -496,7 +497,7 @@ def _fused(tp: TensorPlan, cal: Calibration | None) -> bool:
     return cal is None and tp.spec is not None and getattr(get_format(tp.spec.format), "fills_buffers", False)
 
 
-def _emit(pipe: _Pipe, tp: TensorPlan, blk: Block, w: torch.Tensor, buf: torch.Tensor | None,
+def _emit(pipe: _Pipe, tp: TensorPlan, blk: Block, w: torch.Tensor, buf: torch.Tensor | Mapped | None,
           shard: ShardWriter, st: TensorStats, cal: Calibration | None = None, finite: bool = True) -> None:
     """Quantize (or keep) one block and hand its parts to the writer, which writes them at row
     `blk.start` of each part and frees the buffers after."""
@@ -555,7 +556,7 @@ def _quantize_slow(tp: TensorPlan, blk: Block, w: torch.Tensor, st: TensorStats,
 
 
 def _write_job(shard: ShardWriter, writes: list[tuple[str, torch.Tensor, int]],
-               frees: list[tuple[BufferPool, torch.Tensor | None]], times: StageTimes) -> Callable[[], None]:
+               frees: list[tuple[BufferPool, torch.Tensor | Mapped | None]], times: StageTimes) -> Callable[[], None]:
     def job() -> None:
         try:
             with times.stage("write"):

@@ -37,8 +37,27 @@ GenerationResponse, TokenEvent), state_cache (snapshots of the hybrid cache, the
 system prompts).
 """
 
-from quantkit.runtime.engine import Runtime
-from quantkit.runtime.generate import GenerationResponse, SamplingParams, TokenEvent
-from quantkit.runtime.loader import Placement, load_model
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from quantkit.runtime.engine import Runtime
+    from quantkit.runtime.generate import GenerationResponse, SamplingParams, TokenEvent
+    from quantkit.runtime.loader import Placement, load_model
 
 __all__ = ["GenerationResponse", "Placement", "Runtime", "SamplingParams", "TokenEvent", "load_model"]
+
+# Imported on first use (PEP 562): commands that only need a submodule (quantize's threads, the kernels)
+# do not pay for the engine, the model and the loader.
+_LAZY = {"Runtime": "engine", "GenerationResponse": "generate", "SamplingParams": "generate",
+         "TokenEvent": "generate", "Placement": "loader", "load_model": "loader"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value

@@ -20,6 +20,9 @@ module; a checksum written after the build guards against a truncated or corrupt
 (no compiler, a failed build) costs one line on stderr and the runtime keeps torch's kernels.
 `QUANTKIT_CPU_ISA=none` keeps torch's kernels.
 
+The quantizer's own kernels (csrc/qk_quant_<isa>.cpp from csrc/qk_quant_impl.h, the same flags per level) are a
+separate plain-C library built and loaded by runtime/quant_kernel.py, so quantizing never waits on this build.
+
 Error of the int8 activations: each block of 32 is rounded to 127 levels of its largest magnitude, a
 relative error of about 2^-8 per element, the same order as the bf16 activations torch's route takes;
 tests/test_cpu_kernel.py holds the fused route within 2e-2 relative of the fp32 reference on every ISA.
