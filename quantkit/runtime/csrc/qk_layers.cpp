@@ -116,7 +116,7 @@ class Layers {
   // cores, norms, routing and the MoE sum run row by row with the calls `run` makes. Returns the logits
   // [T, V], the final norm's output [T, H] (what the MTP layer drafts from) and, per Gated DeltaNet layer in
   // order, its conv inputs (the window before, then the T qkv rows: [K + T, C]) and its state after each
-  // position [T, Hv, Dk, Dv], for HybridCache.rewind.
+  // position but the last [T - 1, Hv, Dk, Dv], for HybridCache.rewind.
   std::vector<torch::Tensor> verify(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t n) const {
     TORCH_CHECK(head_.defined(), "qk Layers: verify before set_head");
     const int64_t t = x.size(0);
@@ -130,11 +130,12 @@ class Layers {
       if (L.gdn) {
         const Gdn& g = L.g;
         kept.push_back(torch::cat({g.conv, p[0]}));
-        torch::Tensor states = torch::empty({t, g.state.size(0), g.state.size(1), g.state.size(2)}, torch::kFloat);
+        // the state after each position but the last, which is the cache's own (a rewind to it is none)
+        torch::Tensor states = torch::empty({t - 1, g.state.size(0), g.state.size(1), g.state.size(2)}, torch::kFloat);
         for (int64_t j = 0; j < t; ++j) {
           rows[j] = qk_gdn_step(p[0][j], p[1][j], p[2][j], p[3][j], g.conv, g.conv_w, g.neg_a, g.dt_bias, g.norm_w,
                                 g.norm_w_bf16, g.state, g.hk, L.eps);
-          states[j].copy_(g.state);
+          if (j + 1 < t) states[j].copy_(g.state);
         }
         kept.push_back(states);
       } else {
