@@ -269,6 +269,33 @@ def test_fused_moe_is_the_same_on_any_thread_count(spec):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("spec", [*SPECS, None], ids=[*SPEC_IDS, "bf16"])
+def test_moe_rows_is_moe_row_by_row_bit_for_bit(isa, spec):
+    """qk.moe_rows (a verify's T tokens, each expert of the rows' union read once) gives each row the sums
+    qk.moe gives it alone, bit for bit: rows sharing experts, rows with none in common, an expert in different
+    slots of different rows, and threads splitting the work unevenly."""
+    q, _gu, _dn = experts(spec)
+    mod, table, _ok = q._fused_table()
+    g = torch.Generator().manual_seed(5)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            for t in (1, 2, 3, 4):
+                x = torch.randn(t, H, generator=g).to(torch.bfloat16)
+                ids = torch.stack([torch.randperm(E, generator=g)[:TOPK] for _ in range(t)])
+                if t > 1:
+                    ids[1] = ids[0].flip(0)  # the same experts in other slots
+                wts = torch.softmax(torch.randn(t, TOPK, generator=g), -1)
+                got = mod.moe_rows(x, table, ids, wts)
+                want = torch.stack([mod.moe(x[j:j + 1], table, ids[j], wts[j]) for j in range(t)])
+                assert got.shape == (t, H) and torch.equal(got, want), (threads, t)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(RuntimeError, match="qk_moe_rows: expert id out of range"):
+        mod.moe_rows(x, table, torch.full((t, TOPK), E), wts)
+
+
 def test_mixed_fused_and_unfused_experts():
     """Experts the kernel cannot take (here: forced onto torch's route) run beside one fused call."""
     spec = QuantSpec("int8")

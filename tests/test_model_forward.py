@@ -210,9 +210,14 @@ def test_chunked_prompt_equals_one_forward(tiny_model, recipe, one_thread):  # n
         assert torch.equal(two.conv[i], one.conv[i]) or _rel(two.conv[i], one.conv[i]) <= 1e-2
 
 
+def _not_called(*_a, **_k):
+    raise AssertionError("the stack route's verify ran the layers' Python verify")
+
+
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("recipe", ["bf16", "int4"])
-def test_a_verify_equals_one_token_steps_and_rewinds_to_any_position(tiny_model, recipe, route, one_thread):  # noqa: F811
+def test_a_verify_equals_one_token_steps_and_rewinds_to_any_position(tiny_model, recipe, route, one_thread,  # noqa: F811
+                                                                      monkeypatch):
     """A 4-token forward that keeps its positions (a speculative verify) gives the logits and states of 4 one-token
     steps, bit for bit; rewound to any of its positions, the next step equals a cache that only ever saw the
     tokens up to there."""
@@ -220,12 +225,18 @@ def test_a_verify_equals_one_token_steps_and_rewinds_to_any_position(tiny_model,
         pytest.skip("the CPU kernel is not built on this machine")
     rt = _load(tiny_model, recipe, forced_route=route)
     m = rt.model
+    if route == "stack" and rt.route()["name"].endswith("-stack"):  # the kernel's verify, not the layers' own
+        monkeypatch.setattr(model_mod.Layer, "verify", _not_called)
     ids = _prompt(rt)
     toks = _tokens(5)
     with torch.inference_mode():
         ref = m.new_cache(len(ids) + 8)
         m.forward(ids, ref)
         steps = torch.stack([m.forward([t], ref) for t in toks[:4]])
+        for t in (2, 3):  # the shorter verifies (1 and 2 drafts)
+            cache = m.new_cache(len(ids) + 8)
+            m.forward(ids, cache)
+            assert torch.equal(m.forward(toks[:t], cache, all_logits=True, keep_positions=True), steps[:t])
         for keep in (1, 2, 3, 4):
             cache = m.new_cache(len(ids) + 8)
             m.forward(ids, cache)

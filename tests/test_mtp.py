@@ -11,8 +11,11 @@ import json
 import pytest
 import torch
 
+from quantkit.formats import QuantSpec, get_format
 from quantkit.runtime import SamplingParams, cpu_kernel, load_model
 from quantkit.runtime.generate import stream_tokens
+from quantkit.runtime.kernels import prepare
+from quantkit.runtime.model.draft_head import DraftHead
 
 from conftest import run_cli
 from test_runtime_common import one_thread, quantized  # noqa: F401
@@ -60,6 +63,41 @@ def test_greedy_output_is_identical_with_the_layers_own_drafts(tiny_model_mtp, r
         got, stats = _generate(rt, draft)
         assert got == want
         assert stats["draft"] == draft and 0 <= stats["accepted"] <= stats["drafted"] <= draft * 39
+
+
+@pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernel is not built on this machine")
+@pytest.mark.parametrize("spec", [QuantSpec("int4", 32), QuantSpec("int4", 64, symmetric=False), QuantSpec("int8"),
+                                  None], ids=["int4-g32", "int4-g64-asym", "int8", "bf16"])
+def test_the_draft_head_scores_its_rows_as_the_whole_head_does(spec):
+    """The draft's head (the first rows and the top of the vocabulary, model/draft_head.py) gives those ids the
+    whole head's logits bit for bit and -inf to the rest; rows 0 or past the top part: the whole head."""
+    v, h = 1000, 256
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(v, h, generator=g) * 0.05).to(torch.bfloat16)
+    head = prepare(get_format(spec.format).quantize(w, spec) if spec else w, spec, (v, h))
+    x = torch.randn(1, h, generator=g).to(torch.bfloat16)
+    full = head(x).view(-1)
+    d = DraftHead(head, rows=200)  # 192: whole tiles
+    assert d.reduced and d.rows == 192 and d.tail == 704
+    got = d(x)
+    assert got.shape == full.shape and got.dtype == full.dtype
+    assert torch.equal(got[:192], full[:192]) and torch.equal(got[704:], full[704:])
+    assert bool((got[192:704] == float("-inf")).all())
+    for rows in (0, 704, 4096):
+        whole = DraftHead(head, rows=rows)
+        assert not whole.reduced and torch.equal(whole(x), full)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_greedy_output_is_identical_with_a_reduced_draft_head(tiny_model_mtp, route, one_thread):  # noqa: F811
+    """Drafts over 64 ids of the tiny vocabulary (and its top): rejected more often, the output unchanged."""
+    rt = load_model(quantized(tiny_model_mtp, "int4"), forced_route=route)
+    want, _ = _generate(rt, 0)
+    rt.model.mtp.draft_rows = 64
+    for draft in (1, 3):
+        got, stats = _generate(rt, draft)
+        assert got == want and stats["accepted"] <= stats["drafted"]
+    assert rt.model.mtp.head(rt.model).reduced == (cpu_kernel.module() is not None)  # int4: the head is the kernel's
 
 
 @pytest.mark.parametrize("route", ROUTES)

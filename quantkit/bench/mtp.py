@@ -23,6 +23,7 @@ import torch
 from quantkit.bench import write_reports
 from quantkit.bench.engines import _machine
 from quantkit.runtime import SamplingParams, load_model
+from quantkit.runtime.model.draft_head import DRAFT_ROWS
 from quantkit.testing.tiny import make_tiny_model
 
 ACCEPTANCES = (0.5, 0.6, 0.7, 0.8, 0.88, 0.95, 1.0)
@@ -100,7 +101,7 @@ def verify_costs(rt: Any, prompt: list[int], steps: int) -> dict[str, float]:
 
 def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, vocab: int = 248320, prompt_len: int = 64,
         new_tokens: int = 48, reps: int = 2, rounds: int = 2, steps: int = 20, threads: int | None = None,
-        log: Any = print) -> dict[str, Any]:
+        draft_vocab: int = DRAFT_ROWS, log: Any = print) -> dict[str, Any]:
     t_all = time.perf_counter()
     if threads:
         torch.set_num_threads(threads)
@@ -108,6 +109,8 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, vocab:
     rt = load_model(src, recipe="int4", verify="quick")
     if rt.model.mtp is None:
         raise RuntimeError(f"{src} has no MTP layer")
+    rt.model.mtp.draft_rows = draft_vocab
+    head = rt.model.mtp.head(rt.model)
     real = rt.model.mtp.forward
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 700, (prompt_len,), generator=g).tolist()
@@ -136,7 +139,9 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, vocab:
     t = rt.model.cfg.text
     data = {
         "command": f"quantkit bench mtp --layers {layers} --experts {experts} --vocab {vocab}"
+                   + (f" --draft-vocab {draft_vocab}" if draft_vocab != DRAFT_ROWS else "")
                    + (f" --threads {threads}" if threads else ""),
+        "draft_head": {"rows": head.rows, "top_from": head.tail, "reduced": head.reduced},
         "machine": _machine(), "threads": torch.get_num_threads(), "route": rt.route()["name"],
         "shape": {"layers": t.num_hidden_layers, "experts": t.num_experts, "top_k": t.num_experts_per_tok,
                   "hidden": t.hidden_size, "vocab": t.vocab_size, "recipe": "int4 (experts int4, rest int8)"},
@@ -177,6 +182,16 @@ def plot(d: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def draft_head_line(d: dict[str, Any]) -> str:
+    h, v = d.get("draft_head", {}), d["shape"]["vocab"]
+    if not h.get("reduced"):
+        return f"Draft head: the whole lm_head ({v:,} ids)."
+    rows, top = h["rows"], h["top_from"]
+    return (f"Draft head: ids 0-{rows - 1:,} and {top:,}-{v - 1:,} of the lm_head ({rows + v - top:,} of {v:,} rows, "
+            "runtime/model/draft_head.py); the oracle's drafts ignore which ids the head scores, so a real "
+            "drafter's acceptance with it is lower by the share of target tokens outside them (not measured here).")
+
+
 def render(d: dict[str, Any]) -> str:
     m, s = d["machine"], d["shape"]
     out = ["# MTP speculative decoding: decode tok/s against draft acceptance", "",
@@ -192,6 +207,7 @@ def render(d: dict[str, Any]) -> str:
            "each draft wrong with probability 1 - acceptance. A real acceptance from a trained MTP layer is not "
            "measured yet (no trained fixture). llama.cpp's MTP is not beside it: quantkit's GGUF export does not "
            "write the `nextn` tensors its MTP graph reads yet.", "",
+           draft_head_line(d), "",
            f"No MTP: **{d['baseline_tok_s']:.1f} tok/s**.", "",
            "| drafts | acceptance | decode tok/s | vs no MTP | accepted / drafted | same greedy tokens |",
            "|---:|---:|---:|---:|---:|---|"]
@@ -200,7 +216,8 @@ def render(d: dict[str, Any]) -> str:
                    f"{r.get('accepted', 0)} / {r.get('drafted', 0)} | {'yes' if r['same_tokens'] else 'NO'} |")
     out += ["", "![decode tok/s against acceptance](bench-mtp.png)", "",
             "A verify of T tokens against one decode step (median seconds; one step runs the route's own path, a "
-            "verify the T-token path whose logits equal T steps bit for bit):", "",
+            "verify the T-token path whose logits equal T steps bit for bit, in the kernel's stack on a stack "
+            "route):", "",
             "| tokens | seconds | vs one step |", "|---:|---:|---:|"]
     for t, sec in d["verify_s"].items():
         out.append(f"| {t} | {sec * 1e3:.1f} ms | {d['verify_ratio'][t]:.2f}x |")

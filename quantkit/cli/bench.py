@@ -211,11 +211,15 @@ def bench_mtp(
     reps: int = typer.Option(2, "--reps", parser=COUNT, help="generations per point and round (best is reported)"),
     rounds: int = typer.Option(2, "--rounds", parser=COUNT, help="rounds over every point (interleaved)"),
     threads: int = typer.Option(None, "--threads", help="CPU threads [default: every physical core]"),
+    draft_vocab: int = typer.Option(None, "--draft-vocab", min=0, show_default=False,
+                                    help="ids the draft head scores from the bottom of the vocabulary, 0: all "
+                                         "[default: the runtime's]"),
 ) -> None:
     """MTP speculative decoding: decode tok/s against draft acceptance (an oracle drafter), and a verify's cost."""
     threads = _threads(threads)
     d = mtp_bench.run(reports, workdir, layers, experts, vocab, new_tokens=new_tokens, reps=reps, rounds=rounds,
-                      threads=threads, log=console.print)
+                      threads=threads, log=console.print,
+                      **({} if draft_vocab is None else {"draft_vocab": draft_vocab}))
     console.print(f"wrote {reports / 'bench-mtp.md'} ({d['seconds']:.0f} s)")
 
 

@@ -85,7 +85,8 @@ def generate_cmd(
     as_json: bool = typer.Option(False, "--json", help="one JSON object: text, thinking, token counts, tok/s, "
                                  "finish reason, the CPU route (instruction set, fused ops, one call), MTP counts"),
     mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT, help="tokens the model's MTP layer drafts per step "
-                            "(0-3; default 0 = off: on this runtime drafting does not pay yet, reports/bench-mtp.md)"),
+                            "(0-3; default 0 = off: no gain measured yet with a real draft acceptance, "
+                            "reports/mtp-verify-stack/)"),
     plan: Path = _PLAN, scheme: str = _SCHEME, old_recipe: str = _OLD_RECIPE, context: int = _CONTEXT,
     verify: str = _VERIFY,
     threads: int = _THREADS,
@@ -163,7 +164,8 @@ def chat_cmd(
     seed: int = typer.Option(None, "--seed", parser=SEED),
     think: bool = typer.Option(True, "--think/--no-think"),
     mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT, help="tokens the model's MTP layer drafts per step "
-                            "(0-3; default 0 = off: on this runtime drafting does not pay yet, reports/bench-mtp.md)"),
+                            "(0-3; default 0 = off: no gain measured yet with a real draft acceptance, "
+                            "reports/mtp-verify-stack/)"),
     load: Path = typer.Option(None, "--load", help="start from a conversation saved with /save"),
     session_file: Path = typer.Option(None, "--session", help="keep the conversation and its cached state in this "
                                       "file after every turn, and resume from it (no re-prefill after a restart)"),

@@ -119,7 +119,8 @@ def serve(
                                           "resends the history: e.g. 2GB; 0 turns it off; auto = a quarter of "
                                           "the free memory of the device holding the states"),
     mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT, help="tokens the model's MTP layer drafts per step "
-                            "(0-3; default 0 = off: on this runtime drafting does not pay yet, reports/bench-mtp.md)"),
+                            "(0-3; default 0 = off: no gain measured yet with a real draft acceptance, "
+                            "reports/mtp-verify-stack/)"),
 ) -> None:
     """Serve MODEL_DIR on an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics)."""

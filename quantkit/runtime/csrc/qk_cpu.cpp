@@ -487,6 +487,136 @@ torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, to
   return y;
 }
 
+// T tokens (a speculative verify, T = 2..4) through their routed experts: y [T, H] fp32, row r exactly
+// qk_moe(x[r], table, ids[r], wts[r]). Why not T calls of qk_moe: the rows' choices overlap, and each expert
+// of their union is read once here for all the rows that chose it (the multi-row tiles take up to 4
+// activation rows; a row's sums in a tile do not depend on the other rows). Each row's slots are summed in
+// slot order, as qk_moe sums them, so the result is qk_moe's bit for bit.
+torch::Tensor qk_moe_rows(torch::Tensor x, torch::Tensor table, torch::Tensor ids, torch::Tensor wts) {
+  TORCH_CHECK(table.scalar_type() == torch::kLong && table.dim() == 3 && table.size(1) == 2 && table.size(2) == 8 &&
+              table.is_contiguous(), "qk_moe_rows: table must be int64 [E, 2, 8]");
+  TORCH_CHECK(x.dim() == 2 && ids.dim() == 2 && ids.sizes() == wts.sizes() && ids.size(0) == x.size(0) &&
+              x.size(0) >= 1 && ids.size(1) >= 1, "qk_moe_rows: x [T, H], ids and weights [T, k]");
+  torch::Tensor idc = ids.to(torch::kLong).contiguous(), wc = wts.to(torch::kFloat).contiguous();
+  const int64_t T = x.size(0), hdim = x.size(1), ks = ids.size(1), nr = T * ks;
+  const int64_t* ip = idc.data_ptr<int64_t>();
+  const float* wp = wc.data_ptr<float>();
+  // the union of the rows' experts, first seen first, and per expert the (row, slot) pairs that chose it
+  std::vector<int64_t> uniq, user_first{0}, users;  // users: row * ks + slot, grouped by expert
+  {
+    std::vector<std::vector<int64_t>> by;
+    std::vector<int64_t> where(table.size(0), -1);
+    for (int64_t i = 0; i < nr; ++i) {
+      const int64_t e = ip[i];
+      TORCH_CHECK(e >= 0 && e < table.size(0), "qk_moe_rows: expert id out of range");
+      if (where[e] < 0) {
+        where[e] = static_cast<int64_t>(uniq.size());
+        uniq.push_back(e);
+        by.emplace_back();
+      }
+      by[where[e]].push_back(i);
+    }
+    for (const auto& b : by) {
+      users.insert(users.end(), b.begin(), b.end());
+      user_first.push_back(static_cast<int64_t>(users.size()));
+    }
+  }
+  const int64_t nu = static_cast<int64_t>(uniq.size());
+  int64_t most = 1;  // users of one expert at most (T, unless a row chose an expert twice)
+  for (int64_t u = 0; u < nu; ++u) most = std::max(most, user_first[u + 1] - user_first[u]);
+  const int64_t* tb = table.data_ptr<int64_t>();
+  std::vector<QMat> gu(nu), dn(nu);
+  for (int64_t u = 0; u < nu; ++u)
+    for (int j = 0; j < 2; ++j) {
+      const int64_t* f = tb + (uniq[u] * 2 + j) * 8;
+      TORCH_CHECK(f[0] != 0, "qk_moe_rows: expert ", uniq[u], " has no fused kernel");
+      (j == 0 ? gu[u] : dn[u]) = mat_from_row(f);
+    }
+  const int64_t inter = dn[0].k;
+  bool gu16 = false, dn16 = false;
+  for (int64_t u = 0; u < nu; ++u) {
+    TORCH_CHECK(gu[u].k == hdim && gu[u].n == 2 * inter && dn[u].k == inter && dn[u].n == hdim,
+                "qk_moe_rows: expert shapes do not match the hidden size");
+    gu16 = gu16 || gu[u].fmt == 16;
+    dn16 = dn16 || dn[u].fmt == 16;
+  }
+  TORCH_CHECK(inter % kBlock == 0, "qk_moe_rows: the expert width must be a multiple of 32");
+  std::vector<float> xbuf;
+  torch::Tensor keep;
+  const torch::Tensor xc = x.contiguous();
+  const float* xf = f32_values(xc, xbuf, keep);
+  QActBuf xa;
+  quantize_rows(xf, T, hdim, xa, gu16);
+  // per expert, the activation rows of its users (x's rows for gate_up; their SiLU x up rows for down)
+  QActBuf aa;
+  aa.resize(nr, inter);
+  std::vector<QAct> xin(users.size()), ain(users.size());
+  for (size_t i = 0; i < users.size(); ++i) {
+    xin[i] = xa.row(users[i] / ks, hdim);
+    ain[i] = aa.row(users[i], inter);
+  }
+  // gate_up, SiLU x up and the int8 blocks, in runs of tiles per expert as qk_moe runs them
+  const int64_t nj = inter / kBlock, ntg = inter / kTile;
+  int64_t run = ntg;
+  while (run % 4 == 0 && nu * (ntg / run) < 2 * at::get_num_threads()) run /= 2;
+  const int64_t nrun = ntg / run;
+  const Ops& f = ops();
+  at::parallel_for(0, nu * nrun, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> tmp(most * kTile), h(most * 2 * run * kTile);  // h [user][gate run, up run]
+    float act[kBlock];
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t u = i / nrun, j = i % nrun, u0 = user_first[u], m = user_first[u + 1] - u0;
+      for (int half = 0; half < 2; ++half)
+        for (int64_t r = 0; r < run; ++r) {
+          f.tile(gu[u], half * ntg + run * j + r, xin.data() + u0, m, tmp.data());
+          for (int64_t c = 0; c < m; ++c)
+            std::memcpy(h.data() + (c * 2 * run + half * run + r) * kTile, tmp.data() + c * kTile, kTile * sizeof(float));
+        }
+      for (int64_t c = 0; c < m; ++c) {
+        const float* hc = h.data() + c * 2 * run * kTile;
+        const int64_t pair = users[u0 + c];  // row * ks + slot
+        for (int64_t q = 0; q < run / 2; ++q) {
+          f.silu_mul32(hc + q * kBlock, hc + run * kTile + q * kBlock, act);
+          const int64_t b = pair * nj + j * (run / 2) + q;
+          f.quantize_row(act, kBlock, aa.q.data() + b * kBlock, aa.d.data() + b, aa.s.data() + b, aa.ds.data() + b);
+          if (dn16) f.to_bf16_row(act, kBlock, aa.xb.data() + b * kBlock);
+        }
+      }
+    }
+  });
+  // down: each thread owns a run of output tiles; every expert's product for each of its users is kept,
+  // then each row sums its slots in slot order
+  torch::Tensor y = torch::empty({T, hdim}, torch::kFloat);
+  float* yp = y.data_ptr<float>();
+  const int64_t nt2 = tiles(dn[0]);
+  at::parallel_for(0, nt2, 1, [&](int64_t lo, int64_t hi) {
+    const int64_t span = (hi - lo) * kTile;
+    std::vector<float> prod(nr * span), tmp(most * kTile), acc(span);
+    for (int64_t u = 0; u < nu; ++u) {
+      const int64_t u0 = user_first[u], m = user_first[u + 1] - u0;
+      for (int64_t t = lo; t < hi; ++t) {
+        f.tile(dn[u], t, ain.data() + u0, m, tmp.data());
+        for (int64_t c = 0; c < m; ++c)
+          std::memcpy(prod.data() + users[u0 + c] * span + (t - lo) * kTile, tmp.data() + c * kTile,
+                      kTile * sizeof(float));
+      }
+    }
+    for (int64_t row = 0; row < T; ++row) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t s = 0; s < ks; ++s) {
+        const float w = wp[row * ks + s];
+        const float* p = prod.data() + (row * ks + s) * span;
+        for (int64_t i = 0; i < span; ++i) acc[i] += w * p[i];
+      }
+      for (int64_t t = lo; t < hi; ++t) {
+        const int64_t valid = std::min<int64_t>(kTile, hdim - t * kTile);
+        std::memcpy(yp + row * hdim + t * kTile, acc.data() + (t - lo) * kTile, valid * sizeof(float));
+      }
+    }
+  });
+  return y;
+}
+
 // Sum of an fp32 tensor, read once at full speed on torch's pool: what the benches time as the machine's
 // read bandwidth (torch's own sum reads 30-50% slower on the build machine, so it understated the bound).
 double qk_stream_sum(torch::Tensor x) {
@@ -564,6 +694,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("linear", &qk_linear, "y [M, N] fp32 = x [M, K] @ W^T from repacked int4/int8 tiles");
   mod.def("linear_many", &qk_linear_many, "several matrices on one input: one quantization, one parallel region");
   mod.def("moe", &qk_moe, "one token through k routed experts in one call");
+  mod.def("moe_rows", &qk_moe_rows, "T tokens through their routed experts, each expert read once for its rows");
   mod.def("linear_bf16", &qk_linear_bf16, "y [M, N] fp32 = x [M, K] @ W^T, W row-major bf16");
   mod.def("quant_int4_sym", &qk_quant_int4_sym, "rows to symmetric int4 per group with the clip search (quantize)");
   qk_bind_layers(mod);

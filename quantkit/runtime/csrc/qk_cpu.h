@@ -7,3 +7,4 @@
 
 std::vector<torch::Tensor> qk_linear_many(torch::Tensor x, torch::Tensor table);
 torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, torch::Tensor wts);
+torch::Tensor qk_moe_rows(torch::Tensor x, torch::Tensor table, torch::Tensor ids, torch::Tensor wts);

@@ -108,6 +108,69 @@ class Layers {
     return qk_linear_many(qk_rms(h, head_scale_, head_eps_), head_)[0].view(-1);
   }
 
+  // A speculative verify: x [T, H] bf16 (T = 2..4 tokens at positions n .. n + T - 1, cos and sin [T, rot]
+  // their rotary rows) through every layer, the final norm and the head, with the logits T calls of `step`
+  // give, bit for bit. Why here and not T steps: every matrix but the Gated DeltaNet recurrence and the
+  // attention's scores is read once for the T rows (the multi-row tiles; a row's sums do not depend on the
+  // others), and the routed experts once for the union of the rows' choices (qk_moe_rows). The mixers'
+  // cores, norms, routing and the MoE sum run row by row with the calls `run` makes. Returns the logits
+  // [T, V], the final norm's output [T, H] (what the MTP layer drafts from) and, per Gated DeltaNet layer in
+  // order, its conv inputs (the window before, then the T qkv rows: [K + T, C]) and its state after each
+  // position but the last [T - 1, Hv, Dk, Dv], for HybridCache.rewind.
+  std::vector<torch::Tensor> verify(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t n) const {
+    TORCH_CHECK(head_.defined(), "qk Layers: verify before set_head");
+    const int64_t t = x.size(0);
+    TORCH_CHECK(x.dim() == 2 && t >= 1 && cos.dim() == 2 && cos.size(0) == t && sin.sizes() == cos.sizes() &&
+                cos.is_contiguous() && sin.is_contiguous(), "qk Layers: verify takes x [T, H] and cos, sin [T, rot]");
+    std::vector<torch::Tensor> kept;
+    for (const Layer& L : layers_) {
+      TORCH_CHECK(L.has_moe, "qk Layers: a layer has no MoE block");
+      const std::vector<torch::Tensor> p = qk_linear_many(qk_rms(x, L.pre, L.eps), L.in);
+      std::vector<torch::Tensor> rows(t);
+      if (L.gdn) {
+        const Gdn& g = L.g;
+        kept.push_back(torch::cat({g.conv, p[0]}));
+        // the state after each position but the last, which is the cache's own (a rewind to it is none)
+        torch::Tensor states = torch::empty({t - 1, g.state.size(0), g.state.size(1), g.state.size(2)}, torch::kFloat);
+        for (int64_t j = 0; j < t; ++j) {
+          rows[j] = qk_gdn_step(p[0][j], p[1][j], p[2][j], p[3][j], g.conv, g.conv_w, g.neg_a, g.dt_bias, g.norm_w,
+                                g.norm_w_bf16, g.state, g.hk, L.eps);
+          if (j + 1 < t) states[j].copy_(g.state);
+        }
+        kept.push_back(states);
+      } else {
+        const Attention& at = L.at;
+        for (int64_t j = 0; j < t; ++j)
+          rows[j] = qk_attn_step(p[0][j], p[1][j], p[2][j], at.qk_scale, cos[j], sin[j], at.keys, at.values, n + j,
+                                 at.scaling, at.qk_eps);
+      }
+      const torch::Tensor o = qk_linear_many(torch::cat(rows), L.out)[0];
+      std::vector<torch::Tensor> res(t), nrm(t);
+      for (int64_t j = 0; j < t; ++j) {
+        std::vector<torch::Tensor> xs = qk_add_rms(x[j], o[j], L.post, L.eps);
+        res[j] = xs[0];
+        nrm[j] = xs[1];
+      }
+      const torch::Tensor h2 = torch::stack(nrm);
+      const std::vector<torch::Tensor> s = qk_linear_many(h2, L.moe.shared_in);  // gate, up, sigmoid gate, router
+      const torch::Tensor shared = qk_linear_many(qk_silu_mul(s[0], s[1]), L.moe.shared_down)[0];
+      torch::Tensor wts = torch::empty({t, L.moe.top_k}, torch::kFloat);
+      torch::Tensor ids = torch::empty({t, L.moe.top_k}, torch::kLong);
+      for (int64_t j = 0; j < t; ++j) {
+        const std::vector<torch::Tensor> r = qk_route(s[3][j], L.moe.top_k);
+        wts[j].copy_(r[0]);
+        ids[j].copy_(r[1]);
+      }
+      const torch::Tensor routed = qk_moe_rows(h2, L.moe.experts, ids, wts);
+      for (int64_t j = 0; j < t; ++j) rows[j] = qk_moe_out(res[j], routed[j], shared[j], s[2][j]);
+      x = torch::stack(rows);
+    }
+    const torch::Tensor h = qk_rms(x, head_scale_, head_eps_);
+    std::vector<torch::Tensor> out{qk_linear_many(h, head_)[0], h};
+    out.insert(out.end(), kept.begin(), kept.end());
+    return out;
+  }
+
   // x [1, H] bf16 through every layer; cos and sin [rot] bf16 at position n, which the attention layers
   // write into their K/V buffers and attend up to
   torch::Tensor run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t n) const {
@@ -149,6 +212,8 @@ void qk_bind_layers(pybind11::module_& mod) {
       .def("__len__", &Layers::size)
       .def("set_head", &Layers::set_head, "the final norm and the head, for step")
       .def("run", &Layers::run, "x [1, H] bf16 through every layer at position n",
+           py::call_guard<py::gil_scoped_release>())
+      .def("verify", &Layers::verify, "T tokens' logits as T steps give them, and the states to rewind to",
            py::call_guard<py::gil_scoped_release>())
       .def("step", &Layers::step, "x [1, H] bf16 through every layer, the final norm and the head: logits [V]",
            py::call_guard<py::gil_scoped_release>());

@@ -30,11 +30,12 @@ _SERIAL = itertools.count()
 @dataclass
 class Trail:
     """What a keep-positions forward left for `rewind`: the first position it computed, the conv inputs it
-    saw (the window before it, then its T inputs: [K + T, C]) and the recurrent state after each position."""
+    saw (the window before it, then its T inputs: [K + T, C]) and the recurrent state after each position (the
+    last may be left out: it is the cache's own, and a rewind to it is none)."""
 
     start: int
     conv_inputs: torch.Tensor
-    states: torch.Tensor  # [T, Hv, Dk, Dv] fp32
+    states: torch.Tensor  # [T or T - 1, Hv, Dk, Dv] fp32
 
 
 class HybridCache:

@@ -3,7 +3,7 @@
 `forward(ids, cache)` embeds the T tokens, runs every layer (model/layers.py) at positions cache.n ..
 cache.n + T - 1, advances cache.n and returns the logits of the last token (or of every token, for a
 multi-token verify). T = 1 is a decode step, through the `Route` chosen at load (model/route.py): on a CPU with
-quantkit's kernel, normally the whole stack in one call. The loader (runtime/loader.py) builds the model
+quantkit's kernel, normally the whole stack in one call; a verify of 2-4 tokens on that route is one call too. The loader (runtime/loader.py) builds the model
 from a checkpoint onto the plan's devices; the weights are the loader's `Kernel`s and `QuantExperts`.
 """
 
@@ -18,13 +18,14 @@ import torch.nn.functional as F
 from quantkit.runtime import cpu_kernel
 from quantkit.runtime.kernels import Kernel, Projections
 from quantkit.runtime.model import route as routes
-from quantkit.runtime.model.cache import HybridCache
+from quantkit.runtime.model.cache import HybridCache, Trail
 from quantkit.runtime.model.graph import CudaGraphStep
 from quantkit.runtime.model.layers import Attention, DeltaNet, Layer, rms
 from quantkit.runtime.model.spec import ModelConfig
 
 ROPE_BLOCK = 256  # positions per table of rotary cos / sin for one-token steps
 EMBED_ROWS = 4096  # dequantized embedding rows kept (16 MiB at hidden 2048 in bf16)
+STACK_VERIFY_ROWS = 4  # a verify of up to this many tokens runs in the kernel's stack (its tiles take 4 rows)
 
 
 @dataclass
@@ -102,6 +103,10 @@ class Model:
             logits = self._bound_stack(cache).step(x, cos, sin, row, cache.n).view(-1)
             cache.n += 1
             return logits
+        if keep_positions and 1 < t <= STACK_VERIFY_ROWS and self.route.kind == "stack" and x.device.type == "cpu":
+            logits, x = self._stack_verify(x, cache)
+            logits = logits if all_logits else logits[-1]
+            return (logits, x) if hidden else logits
         cos, sin = self._rope_rows(torch.arange(cache.n, cache.n + t), x.dtype)
         for L in self.layers:
             x = L(x, cache, cos, sin, ops, keep_positions)
@@ -160,6 +165,21 @@ class Model:
             self._rope = {block: self._rope_rows(pos, self.dtype)}  # one block at a time: positions only grow
         cos, sin = self._rope[block]
         return cos, sin, row
+
+    def _stack_verify(self, x: torch.Tensor, cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """A keep-positions forward of x [T, H] in the kernel's stack (`Layers.verify`): logits [T, V] and the
+        final norm's output [T, H], bit for bit what T one-token steps give; the Gated DeltaNet trail recorded
+        and cache.n advanced."""
+        t, n = x.shape[0], cache.n
+        rows = [self._rope_table(p) for p in range(n, n + t)]  # the rows a step reads, so the same rotary
+        cos = torch.stack([c[r] for c, _s, r in rows])
+        sin = torch.stack([s[r] for _c, s, r in rows])
+        out = self._bound_stack(cache).verify(x.contiguous(), cos, sin, n)
+        gdn = [L.index for L in self.layers if isinstance(L.mixer, DeltaNet)]
+        for j, i in enumerate(gdn):
+            cache.trail[i] = Trail(n, out[2 + 2 * j], out[3 + 2 * j])
+        cache.n += t
+        return out[0], out[1]
 
     # ---- the one-call stack ----
     def stackable(self) -> bool:

@@ -3,14 +3,14 @@
 Given the main model's final-normed hidden state h_p at position p and the token x_(p+1), the layer predicts
 x_(p+2): the embedding of x_(p+1) and h_p, each through its own RMSNorm, are concatenated and projected back to
 the hidden size (`fc`), pass through one gated full-attention decoder layer with its own experts and KV cache,
-then the MTP's final norm and the shared lm_head. Drafting k tokens chains it on its own output hidden state.
+then the MTP's final norm and the shared lm_head, over part of the vocabulary (model/draft_head.py). Drafting k tokens chains it on its own output hidden state.
 Its KV holds one entry per (token, hidden) pair it has seen; RoPE is relative, so pair i sits at position i.
 Drafts only decide how many tokens a verify accepts, never which tokens come out (runtime/speculative.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ import torch
 from quantkit.runtime import cpu_kernel
 from quantkit.runtime.kernels import Kernel
 from quantkit.runtime.model.cache import HybridCache
+from quantkit.runtime.model.draft_head import DRAFT_ROWS, DraftHead
 from quantkit.runtime.model.layers import Layer, rms
 from quantkit.runtime.model.spec import ModelConfig
 
@@ -30,6 +31,8 @@ class MTP:
     hid_scale: torch.Tensor  # pre_fc_norm_hidden's
     final: torch.Tensor  # mtp.norm's
     layer: Layer  # index 0 of its own cache
+    draft_rows: int = DRAFT_ROWS  # ids the draft head scores from the bottom of the vocabulary (0: all)
+    _head: DraftHead | None = field(default=None, init=False, repr=False)
 
     def new_cache(self, capacity: int) -> HybridCache:
         return HybridCache(self.cfg, [self.layer.device], torch.bfloat16, capacity)
@@ -51,7 +54,13 @@ class MTP:
         x = self.layer(x, cache, cos, sin, ops, keep=1 < t <= 4)
         cache.n += t
         out = rms(x[-1:].to(model.head_device), self.final, eps)
-        return model.head(out).view(-1), out
+        return self.head(model)(out), out
+
+    def head(self, model: Any) -> DraftHead:
+        """The draft's head on the model's lm_head, `draft_rows` of it (made again when that changes)."""
+        if self._head is None or self._head.head is not model.head or self._head.asked != self.draft_rows:
+            self._head = DraftHead(model.head, self.draft_rows)
+        return self._head
 
     def nbytes(self) -> int:
         kernels = [self.fc, self.layer.mixer.q, self.layer.mixer.k, self.layer.mixer.v, self.layer.mixer.o]

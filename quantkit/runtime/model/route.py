@@ -6,7 +6,8 @@
 - `torch`: torch ops (a GPU, a CPU without the kernel, or forced);
 - `cuda-graph`: the torch step captured once in a CUDA graph and replayed (model/graph.py), where the whole model
   sits on one CUDA device; only when asked for.
-Prompts and multi-token verifies always run the layers' T-token path. `QUANTKIT_ROUTE=stack|fused|torch|
+Prompts run the layers' T-token path; a speculative verify of 2-4 tokens runs in the stack where the route is
+`stack` (`Layers.verify`), else the layers' verify. `QUANTKIT_ROUTE=stack|fused|torch|
 cuda-graph` (or `load_model(forced_route=)`) forces one; a route this machine or placement cannot run is
 refused in one line, naming the route used instead.
 """
