@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import os
+
 import psutil
 import torch
 
@@ -31,12 +34,41 @@ def available_bytes(dev: str) -> int:
     return int(psutil.virtual_memory().available)
 
 
+HEAP_SLACK = 256 << 20  # resident bytes a prefill may add before the C heap's free pages go back
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (/proc/self/statm; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+class HeapGuard:
+    """Gives the C heap's free pages back (`release_free_heap`) once the resident memory has grown more than
+    `slack` since the last time (or since this guard was made), checked between a prefill's layers. Each layer
+    frees its temporaries into the heap in pieces it does not reuse whole: without this the resident memory
+    grew by about 3 GB over a 2k-token prompt at 35B (reports/bench-full-size.md), out of the plan; trimming
+    after every layer instead costs a prefill about 10% (its pages faulted in again)."""
+
+    def __init__(self, slack: int = HEAP_SLACK):
+        self.slack, self.floor = slack, resident_bytes()
+
+    def check(self) -> bool:
+        if resident_bytes() - self.floor <= self.slack:
+            return False
+        release_free_heap()
+        self.floor = resident_bytes()  # what stays is held (caches filling up), not heap slack
+        return True
+
+
 def release_free_heap() -> None:
     """Give the C heap's free pages back to the system (glibc `malloc_trim`; a no-op elsewhere). Loading left
     the freed read slabs and repacking temporaries inside the heap, counted in RSS as if they were weights
     (half as much again as the weights on a 0.56 GB folder); a long prefill leaves its temporaries the same way."""
-    import ctypes
-
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.runtime import cpu_kernel
+from quantkit.runtime.devices import HeapGuard
 from quantkit.runtime.kernels import Kernel, Projections
 from quantkit.runtime.model import route as routes
 from quantkit.runtime.model.cache import HybridCache, Trail
@@ -50,6 +51,7 @@ class Model:
         self.inv_freq = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))
         self.head_device = self.head.device
         self.eps = self.cfg.rms_eps
+        self.heap = HeapGuard()  # a prefill's temporaries given back between its layers
         self.route = routes.choose(self, "torch")
         self.vocab = t.vocab_size
         # a quantized embedding on the CPU: its one-token rows are kept (`_embed`)
@@ -110,6 +112,8 @@ class Model:
         cos, sin = self._rope_rows(torch.arange(cache.n, cache.n + t), x.dtype)
         for L in self.layers:
             x = L(x, cache, cos, sin, ops, keep_positions)
+            if t > STACK_VERIFY_ROWS:
+                self.heap.check()
         cache.n += t
         x = x.to(self.head_device)
         if not all_logits and not hidden:
