@@ -71,6 +71,18 @@ def notice(msg: str) -> None:
         print(f"quantkit: {msg}", file=sys.stderr)
 
 
+def cache_root_usable(root: Path) -> bool:
+    """Whether the kernels' cache root can be created; if not, one line for every kernel that needs it (the
+    decode kernel and the quantizer's), and False: the caller keeps torch's route."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        return True
+    except OSError as err:
+        notice(f"kernel cache {root} unusable ({type(err).__name__}: {err.strerror or err}); quantkit's CPU "
+               "kernels are off, torch's route is used (QUANTKIT_KERNEL_CACHE chooses another folder)")
+        return False
+
+
 def enabled_by_env() -> bool:
     """False where QUANTKIT_CPU_ISA=none: torch's kernels only."""
     return os.environ.get("QUANTKIT_CPU_ISA", "").strip().lower() not in ("none", "off")
@@ -187,7 +199,8 @@ def build(quiet: bool = False) -> ModuleType | None:
     try:
         d = cache_dir()  # reads the source: a missing file is a failed build too
         so, stamp = _paths(d)
-        d.parent.mkdir(parents=True, exist_ok=True)
+        if not cache_root_usable(d.parent):
+            return None
         # one process checks or builds at a time (two `quantkit` processes starting on a fresh cache)
         with open(d.parent / f"{d.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)

@@ -81,10 +81,11 @@ def _build(d: Path) -> list[str]:
     return left_out
 
 
-def _load_lib() -> ctypes.CDLL:
+def _load_lib() -> ctypes.CDLL | None:
     d = cache_dir()
     so, stamp = d / "libqk_quant.so", d / "lib.sha256"
-    d.parent.mkdir(parents=True, exist_ok=True)
+    if not ck.cache_root_usable(d.parent):
+        return None
     with open(d.parent / f"{d.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         fresh = so.exists() and stamp.exists() and stamp.read_text().strip() == hashlib.sha256(so.read_bytes()).hexdigest()
