@@ -354,8 +354,7 @@ def runtime_costs(p: RuntimeProfile, spec: ModelSpec, recipe: Recipe, source: st
         raise QuantkitError(f"the runtime profile has no argmax time for vocabulary {vocab}; run `quantkit calibrate` again")
     head += p.argmax_s[vocab]
     pre = prefill_costs(p, spec, recipe, head - p.shell_s)
-    return RuntimeCosts(layer, expert, head, source, fused, *pre) if pre else RuntimeCosts(layer, expert, head, source,
-                                                                                            fused)
+    return RuntimeCosts(layer, expert, head, source, fused, *(pre or ()))
 
 
 def prefill_costs(p: RuntimeProfile, spec: ModelSpec, recipe: Recipe,
