@@ -49,7 +49,7 @@ from quantkit.runtime import hugepages
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "qk_cpu.cpp", CSRC / "qk_step.cpp", CSRC / "qk_layers.cpp")  # torch-facing, baseline flags
 HEADERS = (CSRC / "qk_common.h", CSRC / "qk_cpu.h", CSRC / "qk_layers.h", CSRC / "qk_step.h", CSRC / "qk_ops.h",
-           CSRC / "qk_ops_impl.h")
+           CSRC / "qk_ops_impl.h", CSRC / "qk_bf16.h")
 _AVX2 = ("-mavx2", "-mfma")
 _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
 # the ISA units (csrc/qk_ops_<name>.cpp) and their own flags; generic is required, the others optional

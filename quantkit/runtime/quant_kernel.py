@@ -25,7 +25,7 @@ import torch
 
 from quantkit.runtime import cpu_kernel as ck
 
-SOURCES = ("qk_quant_impl.h", "qk_quant.h")
+SOURCES = ("qk_quant_impl.h", "qk_quant.h", "qk_bf16.h")
 # unit -> its flags (cpu_kernel's per level); the generic unit is required
 UNITS: dict[str, tuple[str, ...]] = {"generic": ck.UNITS["generic"], "avx2": ck.UNITS["avx2"],
                                      "avx512": ck.UNITS["avx512"]}

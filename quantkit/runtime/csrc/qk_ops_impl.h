@@ -24,6 +24,7 @@
 #include <immintrin.h>
 #endif
 
+#include "qk_bf16.h"
 #include "qk_ops.h"
 
 namespace {
@@ -35,21 +36,6 @@ using qk::QAct;
 using qk::QMat;
 
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
-
-// fp32 -> bf16, round to nearest even (NaN kept a NaN), as torch's .to(torch.bfloat16)
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-inline float bf16_value(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
 
 inline float through_bf16(float f) { return bf16_value(to_bf16(f)); }
 

@@ -13,6 +13,7 @@
 // Rounding is to nearest even by adding and subtracting 1.5 * 2^23 (exact for |t| <= 2^22).
 #include <string.h>
 
+#include "qk_bf16.h"
 #include "qk_quant.h"
 
 namespace {
@@ -58,20 +59,6 @@ inline float hmax(v8f a) {
   a = vmax(a, __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5));
   a = vmax(a, __builtin_shufflevector(a, a, 1, 0, 3, 2, 5, 4, 7, 6));
   return a[0];
-}
-
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-inline float bf16_value(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
 }
 
 // 16 codes 0..15 (two vectors of floats) -> 8 bytes, element 2j in the low nibble of byte j
