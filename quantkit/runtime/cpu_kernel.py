@@ -126,13 +126,14 @@ def _unit_source(name: str) -> Path:
     return CSRC / f"qk_ops_{name}.cpp"
 
 
-def _compile_units(d: Path, left_out: list[str]) -> list[str]:
-    """Compile each ISA unit with its own flags into d; the objects that built. A unit that fails is left out
-    (its table is then absent), with one line for it in `left_out`; the generic unit must build."""
+def compile_units(d: Path, units: dict[str, tuple[str, ...]], stem: str, what: str, left_out: list[str]) -> list[str]:
+    """Compile each ISA unit `CSRC/{stem}_{name}.cpp` with its own flags into d; the objects that built. A unit
+    that fails is left out (its table is then absent), with one line for it in `left_out` naming `what`; the
+    generic unit must build. The decode kernel's units and the quantizer's (runtime/quant_kernel.py)."""
     objs = []
-    for name, flags in _units().items():
-        obj = d / f"qk_ops_{name}.o"
-        cmd = [*shlex.split(_cxx()), *UNIT_CFLAGS, *flags, "-c", str(_unit_source(name)), "-o", str(obj)]
+    for name, flags in units.items():
+        obj = d / f"{stem}_{name}.o"
+        cmd = [*shlex.split(_cxx()), *UNIT_CFLAGS, *flags, "-c", str(CSRC / f"{stem}_{name}.cpp"), "-o", str(obj)]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             ok, why = p.returncode == 0, next((ln for ln in p.stderr.splitlines() if "error" in ln), p.stderr[-200:])
@@ -143,8 +144,21 @@ def _compile_units(d: Path, left_out: list[str]) -> list[str]:
         elif name == "generic":
             raise RuntimeError(f"error: the generic unit did not build: {why.strip()[:200]}")
         else:
-            left_out.append(f"CPU kernel: the {name} unit did not build ({why.strip()[:160]}); left out, the others load")
+            left_out.append(f"{what}: the {name} unit did not build ({why.strip()[:160]}); left out, the others load")
     return objs
+
+
+def write_stamp(so: Path, stamp: Path) -> None:
+    """Record the sha256 of a built library beside it (atomically): the proof `stamp_matches` checks."""
+    tmp = stamp.with_suffix(".tmp")
+    tmp.write_text(_sha256(so))
+    tmp.replace(stamp)
+
+
+def stamp_matches(so: Path, stamp: Path) -> bool:
+    """Whether `so` is whole: present, with the sha256 written after its build (a truncated library loaded
+    with dlopen can kill the process with SIGBUS, so one that does not match is never loaded)."""
+    return so.exists() and stamp.exists() and stamp.read_text().strip() == _sha256(so)
 
 
 def _module_name(d: Path) -> str:
@@ -180,13 +194,10 @@ def _build(d: Path, left_out: list[str]) -> ModuleType:
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     d.mkdir(parents=True, exist_ok=True)
-    objs = _compile_units(d, left_out)
+    objs = compile_units(d, _units(), "qk_ops", "CPU kernel", left_out)
     mod = cpp_extension.load(name=_module_name(d), sources=[str(p) for p in SOURCES], build_directory=str(d),
                              extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp", *objs], verbose=False)
-    so, stamp = _paths(d)
-    tmp = stamp.with_suffix(".tmp")
-    tmp.write_text(_sha256(so))
-    tmp.replace(stamp)
+    write_stamp(*_paths(d))
     return mod
 
 
@@ -204,7 +215,7 @@ def build(quiet: bool = False) -> ModuleType | None:
         # one process checks or builds at a time (two `quantkit` processes starting on a fresh cache)
         with open(d.parent / f"{d.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if so.exists() and stamp.exists() and stamp.read_text().strip() == _sha256(so):
+            if stamp_matches(so, stamp):
                 try:
                     return _import(d)
                 except ImportError:

@@ -57,18 +57,8 @@ def cache_dir() -> Path:
 def _build(d: Path) -> list[str]:
     """Compile each unit and link the library; the units left out (one line each)."""
     d.mkdir(parents=True, exist_ok=True)
-    objs, left_out = [], []
-    for name, flags in _units().items():
-        obj = d / f"qk_quant_{name}.o"
-        cmd = [*shlex.split(ck._cxx()), *ck.UNIT_CFLAGS, *flags, "-c", str(ck.CSRC / f"qk_quant_{name}.cpp"),
-               "-o", str(obj)]
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if p.returncode == 0:
-            objs.append(str(obj))
-        elif name == "generic":
-            raise RuntimeError(f"error: the generic unit did not build: {p.stderr.strip()[-200:]}")
-        else:
-            left_out.append(f"quantizer kernel: the {name} unit did not build; left out, the others load")
+    left_out: list[str] = []
+    objs = ck.compile_units(d, _units(), "qk_quant", "quantizer kernel", left_out)
     so = d / "libqk_quant.so"
     tmp = so.with_suffix(".tmp")
     p = subprocess.run([*shlex.split(ck._cxx()), "-shared", *objs, "-o", str(tmp)], capture_output=True, text=True,
@@ -76,8 +66,7 @@ def _build(d: Path) -> list[str]:
     if p.returncode != 0:
         raise RuntimeError(f"error: linking the quantizer kernel failed: {p.stderr.strip()[-200:]}")
     tmp.replace(so)
-    (d / "lib.sha256.tmp").write_text(hashlib.sha256(so.read_bytes()).hexdigest())
-    (d / "lib.sha256.tmp").replace(d / "lib.sha256")
+    ck.write_stamp(so, d / "lib.sha256")
     return left_out
 
 
@@ -88,8 +77,7 @@ def _load_lib() -> ctypes.CDLL | None:
         return None
     with open(d.parent / f"{d.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        fresh = so.exists() and stamp.exists() and stamp.read_text().strip() == hashlib.sha256(so.read_bytes()).hexdigest()
-        if not fresh:
+        if not ck.stamp_matches(so, stamp):
             shutil.rmtree(d, ignore_errors=True)
             for line in _build(d):
                 ck.notice(line)
