@@ -167,14 +167,15 @@ class RuntimeProfile:
 
     def merged(self, other: RuntimeProfile) -> RuntimeProfile:
         """This profile with `other`'s matrix figures added (a later calibration of more formats)."""
+        # prefill figures of another chunk size are replaced, not mixed with this one's
         same = self.prefill_tokens == other.prefill_tokens
-        pre = self if same else RuntimeProfile({}, {}, {}, {}, 0.0, {})
+        pre_mm, pre_moe = (self.prefill_matmul_s, self.prefill_moe_s) if same else ({}, {})
         return RuntimeProfile(other.host, other.dims, _merge(self.matmul_s, other.matmul_s), other.layer_ops_s,
                               other.shell_s, {**self.argmax_s, **other.argmax_s}, _merge(self.moe_s, other.moe_s),
                               other.expert_loop_s, other.measured_at, other.seconds, {**self.details, **other.details},
                               prefill_tokens=other.prefill_tokens,
-                              prefill_matmul_s=_merge(pre.prefill_matmul_s, other.prefill_matmul_s),
-                              prefill_moe_s=_merge(pre.prefill_moe_s, other.prefill_moe_s),
+                              prefill_matmul_s=_merge(pre_mm, other.prefill_matmul_s),
+                              prefill_moe_s=_merge(pre_moe, other.prefill_moe_s),
                               prefill_ops_s=other.prefill_ops_s, prefill_shell_s=other.prefill_shell_s)
 
 
