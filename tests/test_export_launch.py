@@ -150,6 +150,11 @@ def test_plan_of_a_gguf_drafts_when_it_has_the_nextn_block(tiny_model, tiny_mode
                                  monkeypatch)
         return code, (shlex.split(json.loads(out)["export"]["command"]) if code == 0 else err)
 
+    from quantkit.export.llama_placement import model_from_gguf
+    from quantkit.model.gguf_file import read_gguf
+
+    gm = model_from_gguf(read_gguf(with_mtp))  # the NextN block is not taken for a fifth trunk layer
+    assert (gm.n_layer, gm.n_mtp, gm.full_attention) == (4, 1, (False, False, False, True)) and gm.mtp_bytes > 0
     for extra, want in (((), 1), (("--mtp", "3"), 3), (("--mtp", "0"), 0)):
         code, cmd = line(with_mtp, *extra)
         assert code == 0 and mtp_drafts("llama.cpp", cmd) == want, (extra, cmd)
