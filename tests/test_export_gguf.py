@@ -332,3 +332,25 @@ def test_incomplete_mtp_layer_is_refused_and_no_mtp_leaves_it_out(drop: str, tin
     assert "note: MTP layer not exported (--no-mtp" in so
     names = {t.name for t in gguf.GGUFReader(str(out)).tensors}
     assert "blk.3.attn_q.weight" in names and not any(n.startswith("blk.4.") for n in names)
+
+
+def test_mtp_expert_codes_are_reused_in_stack_order(tiny_model_mtp: Path, tmp_path: Path) -> None:
+    """A quantkit MXFP4 folder's MTP experts are copied into the NextN block's stacks, expert e at row e: the same
+    bytes as the bf16 source's MTP experts quantized to MXFP4 by the export (quantkit's MXFP4 is ggml's)."""
+    from quantkit.formats import QuantSpec
+    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.model.spec import Role
+    from quantkit.quantize.run import QuantizeOptions, run_quantize
+    from quantkit.recipe import Recipe
+
+    qm = tmp_path / "qm"
+    with Checkpoint.open(tiny_model_mtp) as ck:
+        run_quantize(ck, qm, QuantizeOptions(Recipe("m", {Role.ROUTED_EXPERT: QuantSpec("mxfp4", 32)})))
+    reused = export_gguf(qm, tmp_path / "a.gguf", "mxfp4")
+    export_gguf(tiny_model_mtp, tmp_path / "b.gguf", "mxfp4")
+    how = {t.name: t.how for t in reused.tensors}
+    stacks = [f"blk.4.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
+    assert all(how[n] == "reused" for n in stacks)
+    a, b = ({t.name: t for t in gguf.GGUFReader(str(p)).tensors} for p in (tmp_path / "a.gguf", tmp_path / "b.gguf"))
+    for n in stacks:
+        assert a[n].data.shape[0] == 8 and a[n].data.tobytes() == b[n].data.tobytes(), n
