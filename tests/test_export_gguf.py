@@ -305,3 +305,52 @@ def test_bad_inputs_one_line_each(tiny_model: Path, tmp_path: Path, capsys, monk
     code, out, _ = run_cli(["export", "gguf", str(tiny_model), str(tmp_path / "ok.gguf"), "--overwrite", "-t", "q8_0"],
                            capsys, monkeypatch)
     assert code == 0
+
+
+@pytest.mark.parametrize("drop", ["mtp.fc.weight", "mtp.layers.0.mlp.experts.5.up_proj.weight"])
+def test_incomplete_mtp_layer_is_refused_and_no_mtp_leaves_it_out(drop: str, tiny_model_mtp: Path, tmp_path: Path,
+                                                                   capsys, monkeypatch) -> None:
+    """A checkpoint whose MTP layer lacks a tensor llama.cpp's NextN block needs (its eh_proj, one expert of a
+    stack) is refused in one line naming it, nothing written; --no-mtp exports the rest, and says so."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_model_mtp, src)
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    shard = src / index["weight_map"].pop(drop)
+    tensors = load_file(shard)
+    del tensors[drop]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    out = tmp_path / "o.gguf"
+    code, _, err = run_cli(["export", "gguf", str(src), str(out), "-t", "q8_0"], capsys, monkeypatch)
+    want = "nextn.eh_proj.weight" if drop == "mtp.fc.weight" else "7 of the 8 experts of blk.4.ffn_up_exps.weight"
+    assert code == 2 and want in err and "--no-mtp" in err and len(err.strip().splitlines()) == 1, err
+    assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    code, so, err = run_cli(["export", "gguf", str(src), str(out), "-t", "q8_0", "--no-mtp"], capsys, monkeypatch)
+    assert code == 0, err
+    assert "note: MTP layer not exported (--no-mtp" in so
+    names = {t.name for t in gguf.GGUFReader(str(out)).tensors}
+    assert "blk.3.attn_q.weight" in names and not any(n.startswith("blk.4.") for n in names)
+
+
+def test_mtp_expert_codes_are_reused_in_stack_order(tiny_model_mtp: Path, tmp_path: Path) -> None:
+    """A quantkit MXFP4 folder's MTP experts are copied into the NextN block's stacks, expert e at row e: the same
+    bytes as the bf16 source's MTP experts quantized to MXFP4 by the export (quantkit's MXFP4 is ggml's)."""
+    from quantkit.formats import QuantSpec
+    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.model.spec import Role
+    from quantkit.quantize.run import QuantizeOptions, run_quantize
+    from quantkit.recipe import Recipe
+
+    qm = tmp_path / "qm"
+    with Checkpoint.open(tiny_model_mtp) as ck:
+        run_quantize(ck, qm, QuantizeOptions(Recipe("m", {Role.ROUTED_EXPERT: QuantSpec("mxfp4", 32)})))
+    reused = export_gguf(qm, tmp_path / "a.gguf", "mxfp4")
+    export_gguf(tiny_model_mtp, tmp_path / "b.gguf", "mxfp4")
+    how = {t.name: t.how for t in reused.tensors}
+    stacks = [f"blk.4.ffn_{p}_exps.weight" for p in ("gate", "up", "down")]
+    assert all(how[n] == "reused" for n in stacks)
+    a, b = ({t.name: t for t in gguf.GGUFReader(str(p)).tensors} for p in (tmp_path / "a.gguf", tmp_path / "b.gguf"))
+    for n in stacks:
+        assert a[n].data.shape[0] == 8 and a[n].data.tobytes() == b[n].data.tobytes(), n

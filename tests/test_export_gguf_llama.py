@@ -6,6 +6,17 @@ K-quants' super-block is 256) is exported to every llama.cpp type, with and with
 loaded and run by `llama_cpp.Llama`, and compared with llama.cpp running the bf16 export (KL divergence and
 top-1 agreement). Each file's tensor types are read back and must be the recipe's
 (quantkit.export.gguf_types.tensor_type), so the planner's byte sizes are the file's.
+
+The MTP layer: the tiny model with one (`quantkit tiny-model --mtp`) exports it as llama.cpp's NextN block,
+read back with the `gguf` reader (names, `nextn_predict_layers`, `block_count`, values against the checkpoint),
+loaded by `llama_cpp.Llama` (which leaves the block on disk: the trunk's logits are the --no-mtp file's, bit
+for bit), and its MTP graph run through llama-cpp-python's C API as llama-server's draft-mtp runs it (an
+LLAMA_CONTEXT_TYPE_MTP context on the same weights, fed the pairs (token p + 1, final-normed hidden p) by
+`llama_process`), against quantkit's own MTP layer (runtime/model/mtp.py) on the same pairs. The target's
+hidden states come from `llama_get_embeddings_ith` (the same final-normed tensor llama.cpp's MTP seed is); a
+second chained draft, fed the MTP graph's own hidden state, is not driven: that state is read only by
+`llama_get_embeddings_nextn`, a staging C++ function (src/llama-ext.h) the library exports under its mangled
+name only and the binding does not wrap (the MTP graph sets no t_embd for llama_get_embeddings_ith).
 """
 
 from __future__ import annotations
@@ -232,3 +243,182 @@ def test_failure_and_ctrl_c_leave_nothing(when: str, kmodel: Path, tmp_path: Pat
     with pytest.raises(KeyboardInterrupt if when == "interrupt" else QuantkitError):
         export_gguf(kmodel, tmp_path / "x.gguf", "q4_k_m")
     assert list(tmp_path.iterdir()) == []
+
+
+# ---- the MTP layer as llama.cpp's NextN block ------------------------------------------------------------
+
+MTP_IDS = [5, 17, 100, 33, 250, 7, 9, 61, 400, 12, 3, 88, 150, 42, 600, 21]
+# (top-1 agreement at least, max |logit error| at most) of llama.cpp's MTP graph against quantkit's MTP layer on
+# the same pairs (quantkit computes in bf16). Measured (15 pairs): f32 from the bf16 checkpoint 1.0 / 3.5e-3;
+# mixed from the int4 g32 folder (its experts' codes reused as Q4_0; llama.cpp's Q8_0 activations) 1.0 / 8.8e-3.
+# Error bounds about 2.5x; the random MTP layer's closest top-2 gap is 1.2e-2, so mixed may flip one of 15.
+# Either half of eh_proj's input in the wrong place, or a norm without its + 1, is off by 0.5 or more.
+MTP_BOUND = {"f32": (1.0, 9e-3), "mixed": (0.93, 2.2e-2)}
+
+
+def llama_mtp(path: Path, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """llama.cpp on `path` through llama-cpp-python's C API, as llama-server's draft-mtp drives it: one decode of
+    `ids` with embeddings on (the trunk's final-normed hidden states, what llama.cpp's MTP seed is), then its MTP
+    graph in an LLAMA_CONTEXT_TYPE_MTP context on the same weights, `llama_process` on the pairs
+    (ids[p + 1], hidden[p]). (trunk logits [n, V], MTP logits [n - 1, V], hidden [n, H])."""
+    import ctypes
+
+    import llama_cpp as L
+
+    def rows(ctx: object, n: int, width: int, embd: bool = False) -> np.ndarray:
+        get = L.llama_get_embeddings_ith if embd else L.llama_get_logits_ith
+        return np.stack([np.ctypeslib.as_array(get(ctx, i), (width,)).copy() for i in range(n)])
+
+    L.llama_backend_init()
+    mp = L.llama_model_default_params()
+    mp.load_mtp = True  # llama.cpp skips the NextN block unless asked (llama-server: --spec-type draft-mtp)
+    model = L.llama_model_load_from_file(str(path).encode(), mp)
+    assert model, path
+    n, n_embd = len(ids), L.llama_model_n_embd(model)
+    vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    ctxs, batch, bx = [], None, None
+    try:
+        assert L.llama_model_n_layer_nextn(model) == 1
+        for kind in (L.LLAMA_CONTEXT_TYPE_DEFAULT, L.LLAMA_CONTEXT_TYPE_MTP):
+            cp = L.llama_context_default_params()
+            cp.n_ctx = cp.n_batch = cp.n_ubatch = 64
+            cp.n_threads = cp.n_threads_batch = 2
+            cp.embeddings = kind == L.LLAMA_CONTEXT_TYPE_DEFAULT
+            cp.ctx_type = kind
+            ctxs.append(L.llama_init_from_model(model, cp))
+            assert ctxs[-1], f"context type {kind}"
+        tgt, dft = ctxs
+        batch = L.llama_batch_init(n, 0, 1)
+        for i, t in enumerate(ids):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, i, 1, True
+            batch.seq_id[i][0] = 0
+        batch.n_tokens = n
+        assert L.llama_decode(tgt, batch) == 0
+        logits, hidden = rows(tgt, n, vocab), rows(tgt, n, n_embd, embd=True)
+        bx = L.llama_batch_ext_init(dft)
+        keep = []  # what the batch points into, alive until llama_process has read it
+        for p in range(n - 1):
+            idx = L.llama_batch_ext_add_token(bx, 0, ids[p + 1])
+            pos = (L.llama_pos * 4)(p + 1)
+            h = np.ascontiguousarray(hidden[p], dtype=np.float32)
+            keep += [pos, h]
+            embd = L.llama_embd(h.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, n_embd)
+            assert idx == p and L.llama_batch_ext_set_pos(bx, idx, pos)
+            assert L.llama_batch_ext_set_embd_token(bx, idx, embd) and L.llama_batch_ext_set_output_logits(bx, idx, True)
+        assert L.llama_process(dft, L.LLAMA_PROCESS_TYPE_DECODE, bx) == 0
+        return logits, rows(dft, n - 1, vocab), hidden
+    finally:
+        if bx is not None:
+            L.llama_batch_ext_free(bx)
+        if batch is not None:
+            L.llama_batch_free(batch)
+        for c in ctxs:
+            if c:
+                L.llama_free(c)
+        L.llama_model_free(model)
+
+
+def quantkit_mtp(folder: Path, ids: list[int], hidden: np.ndarray) -> np.ndarray:
+    """quantkit's MTP layer on the same pairs (ids[p + 1], hidden[p]), one at a time as its drafts run, every
+    row of the head scored."""
+    from quantkit.runtime import load_model
+
+    rt = load_model(folder, forced_route="torch")
+    mtp = rt.model.mtp
+    mtp.draft_rows = 0
+    cache = mtp.new_cache(64)
+    h = torch.from_numpy(hidden)
+    with torch.no_grad():
+        return np.stack([mtp.forward(rt.model, [ids[p + 1]], h[p:p + 1], cache)[0].float().view(-1).numpy()
+                         for p in range(len(ids) - 1)])
+
+
+@pytest.fixture(scope="module")
+def mtp_int4(tiny_model_mtp: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny_model_mtp quantized with its MTP layer kept: experts (the MTP layer's too) int4 symmetric g32 (Q4_0's
+    own codes), attention, shared expert and MTP fc int8."""
+    from quantkit.formats import QuantSpec
+    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.model.spec import Role
+    from quantkit.quantize.run import QuantizeOptions, run_quantize
+    from quantkit.recipe import INT8, Recipe
+
+    out = tmp_path_factory.mktemp("mtpq") / "int4g32"
+    rules = {Role.ROUTED_EXPERT: QuantSpec("int4", 32), Role.ATTENTION: INT8, Role.SHARED_EXPERT: INT8}
+    with Checkpoint.open(tiny_model_mtp) as ck:
+        run_quantize(ck, out, QuantizeOptions(Recipe("experts-int4-g32", rules)))
+    return out
+
+
+def test_mtp_layer_is_llama_cpps_nextn_block(tiny_model_mtp: Path, tmp_path: Path) -> None:
+    from quantkit.model.checkpoint import Checkpoint
+
+    res = export_gguf(tiny_model_mtp, tmp_path / "mtp.gguf", "f32")
+    rd = gguf.GGUFReader(str(res.path))
+    key = {k: f.parts[f.data[0]].tolist()[0] for k, f in rd.fields.items() if k.startswith("qwen35moe.")
+           and len(f.data) == 1}
+    assert key["qwen35moe.block_count"] == 5 and key["qwen35moe.nextn_predict_layers"] == 1
+    rec = rd.fields["qwen35moe.attention.recurrent_layers"]
+    assert [bool(rec.parts[i][0]) for i in rec.data] == [True, True, True, False, False]
+    t = {x.name: np.array(x.data) for x in rd.tensors}
+    blk4 = {n[len("blk.4."):] for n in t if n.startswith("blk.4.")}
+    assert blk4 == {"nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight",
+                    "nextn.shared_head_norm.weight", "attn_norm.weight", "post_attention_norm.weight",
+                    "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight", "attn_q_norm.weight",
+                    "attn_k_norm.weight", "ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight",
+                    "ffn_down_exps.weight", "ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight",
+                    "ffn_up_shexp.weight", "ffn_down_shexp.weight"}
+    with Checkpoint.open(tiny_model_mtp) as ck:
+        def w(name: str) -> np.ndarray:
+            return ck.load(name).float().numpy()
+
+        assert np.array_equal(t["blk.4.nextn.eh_proj.weight"], w("mtp.fc.weight"))  # no half of its input moved
+        for g, c in (("enorm", "pre_fc_norm_embedding"), ("hnorm", "pre_fc_norm_hidden"), ("shared_head_norm", "norm")):
+            assert np.array_equal(t[f"blk.4.nextn.{g}.weight"], w(f"mtp.{c}.weight") + 1), g  # x (1 + w) as llama's x w
+        assert np.array_equal(t["blk.4.attn_q.weight"], w("mtp.layers.0.self_attn.q_proj.weight"))
+        for p in ("gate", "up", "down"):
+            assert t[f"blk.4.ffn_{p}_exps.weight"].shape[0] == 8
+            for e in range(8):
+                assert np.array_equal(t[f"blk.4.ffn_{p}_exps.weight"][e],
+                                      w(f"mtp.layers.0.mlp.experts.{e}.{p}_proj.weight")), (p, e)
+    # without MTP drafting llama.cpp leaves the block on disk: the trunk is the --no-mtp file's, bit for bit
+    plain = export_gguf(tiny_model_mtp, tmp_path / "plain.gguf", "f32", mtp=False)
+    assert not any(n.startswith("blk.4.") for n in {x.name for x in gguf.GGUFReader(str(plain.path)).tensors})
+    assert "qwen35moe.nextn_predict_layers" not in gguf.GGUFReader(str(plain.path)).fields
+    ids = torch.tensor([MTP_IDS])
+    assert np.array_equal(llama_logits(res.path, ids, 2), llama_logits(plain.path, ids, 2))
+
+
+@pytest.mark.parametrize("ftype", ["f32", "mixed"])
+def test_llama_cpps_mtp_graph_drafts_what_quantkits_mtp_layer_does(ftype: str, tiny_model_mtp: Path, mtp_int4: Path,
+                                                                  tmp_path: Path) -> None:
+    """f32 of the bf16 checkpoint, and mixed of the int4 folder (MTP experts' codes reused as Q4_0, its fc and
+    attention Q8_0 by their roles): llama.cpp's MTP graph gives quantkit's MTP layer's logits on the same pairs."""
+    src = tiny_model_mtp if ftype == "f32" else mtp_int4
+    res = export_gguf(src, tmp_path / f"{ftype}.gguf", ftype)
+    types = {t.name: (t.qtype.name, t.how) for t in res.tensors}
+    if ftype == "mixed":
+        for p in ("gate", "up", "down"):
+            assert types[f"blk.4.ffn_{p}_exps.weight"] == ("Q4_0", "reused"), p
+        assert types["blk.4.nextn.eh_proj.weight"][0] == types["blk.4.attn_q.weight"][0] == "Q8_0"
+    logits, mtp, hidden = llama_mtp(res.path, MTP_IDS)
+    assert np.isfinite(logits).all() and np.isfinite(mtp).all()
+    want = quantkit_mtp(src, MTP_IDS, hidden)
+    top1 = float((mtp.argmax(-1) == want.argmax(-1)).mean())
+    err = float(np.abs(mtp - want).max())
+    print(f"{ftype}: llama.cpp MTP vs quantkit MTP top-1 {top1:.3f}, max |dlogit| {err:.2e} "
+          f"(logits up to {np.abs(want).max():.2f})")
+    assert top1 >= MTP_BOUND[ftype][0] and err <= MTP_BOUND[ftype][1], (top1, err)
+
+
+def test_mtp_block_through_llama_cpps_quantizer(tiny_model_mtp: Path, tmp_path: Path) -> None:
+    """q4_k_m: llama.cpp's quantizer takes the NextN block with the recipe (experts at the type, eh_proj and
+    attention Q8_0, row-length fallbacks as planned), and its MTP graph still runs on the result."""
+    res = export_gguf(tiny_model_mtp, tmp_path / "q.gguf", "q4_k_m")
+    assert_types_are_the_plan(res.path, "q4_k_m")
+    types = {t.name: t.type for t in read_gguf(res.path).tensors}
+    assert types["blk.4.ffn_gate_exps.weight"] == types["blk.0.ffn_gate_exps.weight"] == "Q5_0"  # Q4_K's fallback
+    assert types["blk.4.nextn.eh_proj.weight"] == types["blk.4.attn_q.weight"] == "Q8_0"
+    assert types["blk.4.nextn.enorm.weight"] == "F32"
+    _, mtp, _ = llama_mtp(res.path, MTP_IDS[:6])
+    assert mtp.shape == (5, 832) and np.isfinite(mtp).all()

@@ -133,17 +133,53 @@ def test_quantkit_codes_are_reused_not_requantized(tiny_model: Path, tmp_path: P
             assert torch.equal(dense[t.name].float(), ours), t.name
 
 
-def test_mtp_experts_are_quantized(tiny_model_mtp: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("source,rest", [("bf16", "bf16"), ("bf16", "int8"), ("int4-g32", "int8")])
+def test_mtp_experts_are_quantized_per_expert_like_the_routed_experts(source: str, rest: str, tiny_model_mtp: Path,
+                                                                      tmp_path: Path) -> None:
+    """vLLM's MTP drafter takes its MoE with the trunk's scheme: every MTP expert is its own int4 module at the
+    trunk experts' group size (scales as wide), in the experts' config group, and comes back as our int4 of it;
+    from a quantkit int4 folder its codes are reused as the trunk's are."""
+    import re
+
+    from safetensors import safe_open
+
+    from quantkit.export.compressed_tensors import EXPERT_TARGET
+
+    src = tiny_model_mtp
+    if source == "int4-g32":
+        src = tmp_path / "q"
+        with Checkpoint.open(tiny_model_mtp) as ck:
+            run_quantize(ck, src, QuantizeOptions(Recipe("e", {Role.ROUTED_EXPERT: QuantSpec("int4", 32)})))
     out = tmp_path / "mtp"
-    export_vllm(tiny_model_mtp, out)
+    res = export_vllm(src, out, rest=rest)
     idx = json.loads((out / "model.safetensors.index.json").read_text())["weight_map"]
-    mtp_packed = [n for n in idx if n.startswith("mtp.") and n.endswith("experts.0.gate_proj.weight_packed")]
-    assert mtp_packed, "MTP experts must be quantized like the trunk's (vLLM's drafter expects it)"
     assert not any(n.startswith("mtp.") and ".experts." in n and n.endswith(".weight") for n in idx)
     dense = ct_dense(out)  # raises if any packed tensor is not targeted by the config
-    src = Checkpoint.open(tiny_model_mtp)
-    name = "mtp.layers.0.mlp.experts.3.down_proj.weight"
-    assert torch.equal(dense[name], bf16_round(our_int4(src.load(name).float(), 32)))
+    hdr = {}
+    for f in sorted(glob.glob(str(out / "*.safetensors"))):
+        with safe_open(f, "pt") as h:
+            hdr.update({k: h.get_slice(k).get_shape() for k in h.keys()})  # noqa: SIM118 (safe_open has no __iter__)
+    groups = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"]
+    expert_group = groups["group_0"]
+    assert expert_group["weights"]["group_size"] == res.group_size and expert_group["weights"]["num_bits"] == 4
+    with Checkpoint.open(tiny_model_mtp) as ck:
+        for e in range(8):
+            for p in ("gate", "up", "down"):
+                mtp, trunk = f"mtp.layers.0.mlp.experts.{e}.{p}_proj", f"{LM}layers.0.mlp.experts.{e}.{p}_proj"
+                assert hdr[f"{mtp}.weight_scale"] == hdr[f"{trunk}.weight_scale"], (e, p)  # the trunk's group
+                assert hdr[f"{mtp}.weight_packed"] == hdr[f"{trunk}.weight_packed"], (e, p)
+                if rest == "int8":  # module-name targets: the experts' group takes it, not the int8 one
+                    assert re.match(EXPERT_TARGET[3:], mtp) and not re.match(groups["group_1"]["targets"][0][3:], mtp)
+                if source == "bf16":
+                    want = bf16_round(our_int4(ck.load(f"{mtp}.weight").float(), res.group_size))
+                    assert torch.equal(dense[f"{mtp}.weight"], want), (e, p)
+    how = {t.source.name: t.how for t in res.tensors}
+    mtp_experts = [n for n in how if n.startswith("mtp.") and ".experts." in n]
+    assert len(mtp_experts) == 24
+    want_how = "reused" if source == "int4-g32" else "quantized"
+    assert {how[n] for n in mtp_experts} == {how[f"{LM}layers.0.mlp.experts.down_proj"]} == {want_how}
+    if rest == "int8":
+        assert "mtp.fc.weight_packed" in idx and hdr["mtp.fc.weight_scale"][1] == 1  # a dense projection: int8
 
 
 def test_transformers_loads_the_export(tiny_model: Path, tmp_path: Path) -> None:

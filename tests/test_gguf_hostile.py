@@ -108,7 +108,8 @@ def test_absurd_block_count_in_the_file_is_refused(value, good, tmp_path, capsys
 KEYS = [("block_count", 0), ("block_count", -3), ("block_count", 2.5), ("block_count", 2**62), ("block_count", True),
         ("full_attention_interval", 0), ("full_attention_interval", -4), ("embedding_length", 0),
         ("ssm.state_size", "128"), ("ssm.state_size", 1.5), ("attention.head_count_kv", -2),
-        ("attention.recurrent_layers", [1, 0]), ("attention.recurrent_layers", "yes")]
+        ("attention.recurrent_layers", [1, 0]), ("attention.recurrent_layers", "yes"),
+        ("nextn_predict_layers", 4), ("nextn_predict_layers", -1), ("nextn_predict_layers", True)]
 
 
 @pytest.mark.parametrize("key,value", KEYS, ids=[f"{k}={v!r}" for k, v in KEYS])

@@ -1,7 +1,8 @@
 """llama.cpp launch lines sized by the GGUF's own bytes (quantkit.export.llama_placement).
 
-- every catalog GPU from 8 to 32 GB, every GGUF type, short and long context: the GPU bytes of the PRINTED
-  line (re-derived from its flags, not taken from the solver) stay within the card minus the reserve;
+- every catalog GPU from 8 to 32 GB, every GGUF type, short and long context, drafting with the MTP layer or
+  not: the GPU bytes of the PRINTED line (re-derived from its flags as llama.cpp reads them, not taken from
+  the solver) stay within the card minus the reserve;
 - the 16 GB card's q4_k_m line at 64k against the published data point (Qwen3.5-35B-A3B Q4_K_M on
   a 16 GB RTX 5060 Ti: experts of about 14 layers on the CPU at 64k);
 - the buffer model against llama.cpp's own load report (CPU build) on a realistic-shape GGUF;
@@ -37,16 +38,22 @@ SPEC = default_spec()
 
 
 def line_gpu_bytes(cmd: str, m: LlamaModel, st: LlamaSettings) -> int:
-    """GPU bytes of a single-GPU llama-server line, from its own flags."""
+    """GPU bytes of a single-GPU llama-server line, from its own flags as llama.cpp reads them: -ngl offloads
+    from the top of every block, the NextN (MTP) ones after the trunk included, and those are loaded (weights,
+    their KV cache, the draft context's compute buffer) only with --spec-type draft-mtp."""
     a = shlex.split(cmd)
     ngl = int(a[a.index("-ngl") + 1])
     n = m.n_layer
-    first = max(0, n + 1 - ngl)
+    first = max(0, n + m.n_mtp + 1 - ngl)
     n_cpu = int(a[a.index("--n-cpu-moe") + 1]) if "--n-cpu-moe" in a else 0
     total = compute_bytes(m, st, ngl > 0) + (m.output_bytes if ngl > 0 else 0)
     for L in range(first, n):
         total += m.layer_bytes(L, False) + (m.layer_bytes(L, True) if L >= n_cpu else 0)
         total += kv_layer_bytes(m, st) if m.full_attention[L] else rs_layer_bytes(m, st)
+    if "--spec-type" in a and a[a.index("--spec-type") + 1] == "draft-mtp":
+        assert int(a[a.index("--spec-draft-n-max") + 1]) == st.mtp_draft > 0 and m.n_mtp
+        if first < n + m.n_mtp:
+            total += m.mtp_bytes + m.n_mtp * kv_layer_bytes(m, st) + compute_bytes(m, st, True)
     return total
 
 
@@ -58,22 +65,25 @@ def models() -> dict[str, LlamaModel]:
 def test_every_8_to_32gb_card_every_type_the_line_fits(models: dict[str, LlamaModel]) -> None:
     cards = [g for g in load_catalog() if 8 <= g.memory_gib <= 32 and not g.unified]
     assert len(cards) >= 5
-    checked = 0
+    checked, partial = 0, 0
+    assert all(m.n_mtp == 1 for m in models.values())  # the model's GGUF carries its MTP layer
     for g in cards:
         hw = Hardware((g,), Host(128 * GIB, 64.0))
         for ty, m in models.items():
-            for ctx in (4096, 65536):
-                st = LlamaSettings(context=ctx)
+            for ctx, draft in ((4096, 0), (65536, 0), (4096, 2), (65536, 1)):
+                st = LlamaSettings(context=ctx, mtp_draft=draft)
                 lp = llama_launch(m, st, hw, f"m-{ty}.gguf", DEFAULT_GPU_RESERVE)
                 pl = lp.placement
                 if not pl.fits:  # f32/bf16/f16 of 35B on a small card: said so, never a line that OOMs silently
                     assert any("does not fit" in w for w in lp.warnings), (g.id, ty, ctx)
                     continue
                 got = line_gpu_bytes(lp.command, m, st)
-                assert got == pl.gpu_totals()[0], (g.id, ty, ctx)
-                assert got <= g.usable_bytes - DEFAULT_GPU_RESERVE, (g.id, ty, ctx, got)
+                assert got == pl.gpu_totals()[0], (g.id, ty, ctx, draft)
+                assert got <= g.usable_bytes - DEFAULT_GPU_RESERVE, (g.id, ty, ctx, draft, got)
+                assert ("--spec-type draft-mtp" in lp.command) == (draft > 0)
                 checked += 1
-    assert checked > len(cards) * 6  # the 4-bit types fit every card
+                partial += pl.n_gpu_layers <= pl.n_layer  # -ngl counting the NextN block is exercised
+    assert checked > len(cards) * 12 and partial  # the 4-bit types fit every card
 
 
 def test_16gb_q4_k_m_at_64k_against_the_published_point(models: dict[str, LlamaModel]) -> None:

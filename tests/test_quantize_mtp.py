@@ -180,6 +180,13 @@ def test_a_kept_mtp_layer_exports(q_mtp: Path, tmp_path: Path) -> None:
     assert f"{E0}gate_proj.weight_packed" in idx
     assert json.loads((tmp_path / "vllm" / "config.json").read_text())["text_config"]["mtp_num_hidden_layers"] == 1
     assert not any("MTP" in n for n in v.notes)
-    g = export_gguf(q_mtp, tmp_path / "m.gguf", "mixed")
-    assert any(n.startswith("mtp.") for n in g.skipped) and not any(t.name.startswith("mtp") for t in g.tensors)
-    assert [n for n in g.notes if "MTP" in n] == ["MTP layer not exported (as llama.cpp's converter with --no-mtp)"]
+    g = export_gguf(q_mtp, tmp_path / "m.gguf", "mixed")  # as llama.cpp's NextN block (test_export_gguf_llama.py)
+    assert not g.skipped and {t.name for t in g.tensors if t.source.role == Role.MTP} >= {
+        "blk.4.nextn.eh_proj.weight", "blk.4.ffn_gate_exps.weight", "blk.4.attn_q.weight"}
+    assert [n for n in g.notes if "MTP" in n] == [
+        "MTP layer exported as llama.cpp's NextN block blk.4 (llama-server --spec-type draft-mtp drafts with it; "
+        "without that flag llama.cpp does not load it)"]
+    g = export_gguf(q_mtp, tmp_path / "n.gguf", "mixed", mtp=False)
+    assert all(n.startswith("mtp.") for n in g.skipped) and not any(".nextn." in t.name for t in g.tensors)
+    assert [n for n in g.notes if "MTP" in n] == ["MTP layer not exported (--no-mtp, as llama.cpp's converter "
+                                                  "with --no-mtp)"]

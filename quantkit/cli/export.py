@@ -35,6 +35,8 @@ def export_gguf_cmd(
                                  "quantkit's calibration statistics exported as one) for the llama.cpp types"),
     experts: str = typer.Option(None, "--experts", help="routed experts' type in mixed: q4_0 (default; MXFP4 "
                                 "when the source experts are MXFP4), mxfp4 or q8_0"),
+    no_mtp: bool = typer.Option(False, "--no-mtp", help="leave out the MTP layer (by default a kept one is "
+                                "llama.cpp's NextN block, for llama-server --spec-type draft-mtp)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing output file"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="list every tensor"),
     threads: int = typer.Option(None, "--threads", help="CPU threads [default: every physical core]"),
@@ -47,7 +49,7 @@ def export_gguf_cmd(
         type, note = default_type()
     with tensor_progress(err_console) as p:
         res = export_gguf(src, out, type, overwrite=overwrite, progress=RichProgress(p, "exporting gguf"),
-                          expert_type=experts, imatrix=imatrix)
+                          expert_type=experts, imatrix=imatrix, mtp=not no_mtp)
     t = Table(box=box.SIMPLE, title=f"{res.path} ({res.nbytes / 1e6:,.1f} MB, {res.seconds:.1f} s)")
     for col in ("tensors", "how", "types"):
         t.add_column(col)

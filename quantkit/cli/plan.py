@@ -16,7 +16,14 @@ from quantkit.cli import app, console
 from quantkit.cli.options import CONTEXT, COUNT, COUNT0, MTP_DRAFT, TFLOPS
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf_types import check_type
-from quantkit.export.launch import ENGINES, LaunchPlan, launch_plan, llama_cache_type, llama_launch
+from quantkit.export.launch import (
+    DEFAULT_MTP_DRAFT,
+    ENGINES,
+    LaunchPlan,
+    launch_plan,
+    llama_cache_type,
+    llama_launch,
+)
 from quantkit.export.llama_placement import LlamaPlacement, LlamaSettings, model_from_gguf
 from quantkit.model.checkpoint import spec_from_path
 from quantkit.model.contract import read_quant_config
@@ -208,8 +215,8 @@ def plan_cmd(
     gpu_reserve: str = typer.Option(None, "--gpu-reserve", help="runtime reserve per GPU (default 1GiB)"),
     mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT,
                             help="tokens the MTP layer drafts per step (speculative decoding): 1-3 budget the "
-                            "layer (weights and its KV cache), 0 leaves it out (default: budgeted when the "
-                            "model has one)"),
+                            "layer (weights and its KV cache) and draft that many in the --export lines, 0 leaves "
+                            "it out (default: budgeted when the model has one, 1 drafted)"),
     prompt_cache: int = typer.Option(SNAPSHOTS_PER_PROMPT, "--prompt-cache",
                                      help="conversation-state snapshots to budget for (2 per conversation kept "
                                      "across turns; 0: none)"),
@@ -245,7 +252,7 @@ def plan_cmd(
             raise QuantkitError("--routing applies to a safetensors model or config.json, not a GGUF file "
                                 "(llama.cpp places whole expert tensors per layer)")
         return plan_gguf(Path(model), build_hardware(gpu, ram, cpu_bandwidth, nodes, cpu_tflops), context, batch,
-                         cache, gpu_reserve, as_json, n_cpu_moe)
+                         cache, gpu_reserve, as_json, n_cpu_moe, mtp)
     spec = spec_from_path(model)
     hw = build_hardware(gpu, ram, cpu_bandwidth, nodes, cpu_tflops)
     if export and export.lower() not in ENGINES:
@@ -283,7 +290,7 @@ def plan_cmd(
     if out:
         plan.save(out)
     launch = launch_plan(export, plan, hw, spec.name, model or f"<path to {DEFAULT_MODEL}>", spec,
-                         gguf_type, n_cpu_moe) if export else None
+                         gguf_type, n_cpu_moe, mtp) if export else None
     if as_json:
         obj = _plan_json(spec, hw, contexts, rows, plan, prof_src, prof_note, out, launch)
         print(json.dumps(obj, indent=1))
@@ -403,13 +410,18 @@ def _print_llama(pl: LlamaPlacement, tok_s: float | None = None, prefill: float 
 
 
 def plan_gguf(path: Path, hw: Hardware, context: str, batch: int, cache: str, gpu_reserve: str | None,
-              as_json: bool, n_cpu_moe: int | None = None) -> None:
+              as_json: bool, n_cpu_moe: int | None = None, mtp: int | None = None) -> None:
     """`quantkit plan --model FILE.gguf`: llama.cpp's budget and placement for an existing GGUF, from its
-    header (no weights loaded)."""
+    header (no weights loaded); a file with an MTP layer (NextN block) drafts `mtp` tokens a step with it
+    (default DEFAULT_MTP_DRAFT; 0: not), one without it refuses --mtp 1-3."""
 
     gm = model_from_gguf(read_gguf(path))
+    if mtp and not gm.n_mtp:
+        raise QuantkitError(f"--mtp {mtp}: {path.name} has no MTP layer (no NextN block: exported from a folder "
+                            "without one, or with --no-mtp); drop --mtp")
+    draft = (DEFAULT_MTP_DRAFT if mtp is None else mtp) if gm.n_mtp else 0
     ctx = parse_contexts(context, 1 << 30)[0]
-    st = LlamaSettings(context=ctx, parallel=batch, cache_type=llama_cache_type(cache_dtype(cache)))
+    st = LlamaSettings(context=ctx, parallel=batch, cache_type=llama_cache_type(cache_dtype(cache)), mtp_draft=draft)
     reserve = parse_size(gpu_reserve, "GPU reserve") if gpu_reserve else DEFAULT_GPU_RESERVE
     launch = llama_launch(gm, st, hw, str(path), reserve, n_cpu_moe=n_cpu_moe)
     if as_json:
@@ -418,7 +430,8 @@ def plan_gguf(path: Path, hw: Hardware, context: str, batch: int, cache: str, gp
         return
     for n in hw.notes:
         console.print(f"[dim]{n}[/]")
-    console.print(f"[bold]{path.name}[/] ({gm.total / GB:.2f} GB of tensors, {gm.n_layer} layers) on "
+    mtp_note = f", MTP layer: drafting {draft} a step" if draft else (", MTP layer not used" if gm.n_mtp else "")
+    console.print(f"[bold]{path.name}[/] ({gm.total / GB:.2f} GB of tensors, {gm.n_layer} layers{mtp_note}) on "
                   f"{hw.describe()}", highlight=False)
     for w in launch.warnings:
         console.print(f"[yellow]warning:[/] {w}")

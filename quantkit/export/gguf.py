@@ -26,6 +26,15 @@ model's tensors first). Free disk for both files is checked before anything is w
 intermediate and the partial output are removed on success, failure and Ctrl-C. The result lists each
 tensor's type as llama.cpp wrote it, read back from the file, and every per-tensor fallback.
 
+MTP: a source that keeps its MTP layer (`mtp.*`, as `quantkit quantize` does by default) exports it as llama.cpp's
+NextN block, as llama.cpp's own converter writes it (quantkit.export.gguf_layout): block num_hidden_layers, its
+per-expert experts stacked, `{arch}.nextn_predict_layers` 1, `block_count` counting the block and
+`attention.recurrent_layers` marking it full attention. Its tensors take the recipe of the role each plays in a
+decoder layer (quantkit.recipe.mtp_subrole: experts as routed experts, `fc` and attention as attention), codes
+reused where the types match. llama.cpp loads the block only when asked to draft with it (`llama-server
+--spec-type draft-mtp`); otherwise its bytes stay on disk. `mtp=False` (`--no-mtp`) leaves it out, as the
+converter's --no-mtp does; an incomplete MTP layer is refused by name.
+
 Reuse: codes already in a GGUF block format are copied, not requantized: a quantkit MXFP4 tensor to
 MXFP4 (same bytes), symmetric int4 with group 32 to Q4_0 (same codes and scales). Other stored formats
 (int8 per channel, int4 with another group or asymmetric, nf4/fp4) are dequantized and requantized;
@@ -47,7 +56,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf_imatrix import load_imatrix
-from quantkit.export.gguf_layout import Piece, convert, permute_blocks, pieces_for
+from quantkit.export.gguf_layout import MTP_REQUIRED, Piece, convert, permute_blocks, pieces_for
 from quantkit.export.gguf_quantize import quantize_gguf, require_llama_cpp
 from quantkit.export.gguf_tokenizer import add_tokenizer
 from quantkit.export.gguf_types import LLAMA_TYPES, NATIVE_TYPES, check_type, tensor_bytes, tensor_type
@@ -62,6 +71,7 @@ from quantkit.model.quantized import StoredTensor
 from quantkit.model.spec import Role
 from quantkit.outputs import check_free, guard_output, has_magic
 from quantkit.progress import NoProgress, Progress
+from quantkit.recipe import mtp_subrole
 
 ARCH = "qwen35moe"
 TYPES = NATIVE_TYPES
@@ -88,6 +98,11 @@ class GgufTensor:
     how: str  # "reused", "converted", "fallback"
     note: str
     nbytes: int
+    stack: list[StoredTensor] = field(default_factory=list)  # the expert matrices a stacked tensor holds, in order
+
+    @property
+    def sources(self) -> list[StoredTensor]:
+        return self.stack or [self.source]
 
     @property
     def name(self) -> str:
@@ -99,7 +114,7 @@ class GgufResult:
     path: Path
     type: str
     tensors: list[GgufTensor]
-    skipped: list[str]  # canonical tensors llama.cpp does not take (MTP, vision)
+    skipped: list[str]  # canonical tensors not exported (vision; MTP with mtp=False)
     tokenizer: dict[str, Any]
     nbytes: int
     seconds: float
@@ -121,12 +136,17 @@ class GgufResult:
 
 # ---- type decisions ---------------------------------------------------------------------------------
 
+def _role(st: StoredTensor) -> Role:
+    """The tensor's role, an MTP tensor's the one it plays in a decoder layer."""
+    return mtp_subrole(st.name) if st.role == Role.MTP else st.role
+
+
 def _target_type(ftype: str, st: StoredTensor, piece: Piece, expert_type: str | None) -> str:
     if piece.f32_only or len(piece.shape) < 2:
         return "f32"
     if ftype != "mixed":
         return ftype
-    if st.role == Role.ROUTED_EXPERT:
+    if _role(st) == Role.ROUTED_EXPERT:
         if expert_type:
             return expert_type
         return "mxfp4" if st.spec is not None and st.spec.format == "mxfp4" else MIXED_EXPERT_TYPE
@@ -144,9 +164,10 @@ def _reusable(st: StoredTensor, target: str) -> bool:
     return False
 
 
-def plan_tensors(src: ExportSource, ftype: str, expert_type: str | None = None) -> tuple[list[GgufTensor], list[str]]:
+def plan_tensors(src: ExportSource, ftype: str, expert_type: str | None = None,
+                 mtp: bool = True) -> tuple[list[GgufTensor], list[str]]:
     """Every GGUF tensor with its type, provenance and byte size, in file order. `expert_type` (q4_0 or
-    mxfp4) overrides mixed's choice for the routed experts."""
+    mxfp4) overrides mixed's choice for the routed experts; `mtp=False` leaves the MTP layer out."""
     import gguf
 
     if ftype not in TYPES:
@@ -155,12 +176,22 @@ def plan_tensors(src: ExportSource, ftype: str, expert_type: str | None = None) 
         raise QuantkitError(f"--experts {expert_type!r}: use one of {', '.join(EXPERT_TYPES)}")
     out: list[GgufTensor] = []
     skipped: list[str] = []
+    stacks: dict[str, dict[int, StoredTensor]] = {}
     for st in src.tensors():
-        pieces = pieces_for(st.name, st.shape, src.text)
+        pieces = [] if st.role == Role.MTP and not mtp else pieces_for(st.name, st.shape, src.text)
         if not pieces:
             skipped.append(st.name)
             continue
         for pc in pieces:
+            if pc.expert is not None:  # one expert of a stacked tensor: planned once, when its stack is complete
+                stack = stacks.setdefault(pc.gguf_name, {})
+                if pc.expert in stack or pc.expert >= pc.shape[0]:
+                    raise QuantkitError(f"{src.path}: {st.name} is expert {pc.expert} of {pc.gguf_name}, which "
+                                        f"holds {pc.shape[0]} experts once each")
+                stack[pc.expert] = st
+                if len(stack) < pc.shape[0]:
+                    continue
+                st = _stack_source(src, pc, stack)
             target = _target_type(ftype, st, pc, expert_type)
             qt = _qt(target)
             block, _ = gguf.GGML_QUANT_SIZES[qt]
@@ -178,7 +209,8 @@ def plan_tensors(src: ExportSource, ftype: str, expert_type: str | None = None) 
             else:
                 note = f"{st.dtype} -> {qt.name}"
             nbytes = int(np.prod(gguf.quant_shape_to_byte_shape(pc.shape, qt)))
-            out.append(GgufTensor(pc, st, qt, how, note, nbytes))
+            stacked = [stacks[pc.gguf_name][e] for e in range(pc.shape[0])] if pc.expert is not None else []
+            out.append(GgufTensor(pc, st, qt, how, note, nbytes, stacked))
     names = [t.name for t in out]
     if len(set(names)) != len(names):
         raise QuantkitError(f"{src.path}: two source tensors map to the same GGUF tensor")
@@ -186,7 +218,33 @@ def plan_tensors(src: ExportSource, ftype: str, expert_type: str | None = None) 
     if not required <= set(names):
         raise QuantkitError(f"{src.path}: no embedding or final norm (model.language_model.embed_tokens / norm); "
                             "not a Qwen3.5-MoE checkpoint")
+    for name, stack in stacks.items():
+        if name not in names:
+            raise QuantkitError(f"{src.path}: the MTP layer has {len(stack)} of the {src.text.num_experts} experts "
+                                f"of {name}; export with --no-mtp to leave it out")
+    for blk in range(src.text.num_hidden_layers, src.text.num_hidden_layers + mtp_blocks(out)):
+        missing = [n for n in MTP_REQUIRED if f"blk.{blk}.{n}" not in names]
+        if missing:
+            raise QuantkitError(f"{src.path}: the MTP layer is incomplete (nothing becomes blk.{blk}.{missing[0]}, "
+                                "which llama.cpp requires); export with --no-mtp to leave it out")
     return out, skipped
+
+
+def mtp_blocks(tensors: list[GgufTensor]) -> int:
+    """NextN blocks among the planned tensors (the blocks past the trunk's layers)."""
+    return len({t.name.split(".")[1] for t in tensors if t.source.role == Role.MTP and t.name.startswith("blk.")})
+
+
+def _stack_source(src: ExportSource, pc: Piece, stack: dict[int, StoredTensor]) -> StoredTensor:
+    """The StoredTensor that stands for a stack of expert matrices: expert 0's, with the stacked shape; the
+    experts must be stored alike (one type decision and one reuse path for all)."""
+    first = stack[0]
+    for st in stack.values():
+        if st.shape != first.shape or st.dtype != first.dtype or st.spec != first.spec:
+            raise QuantkitError(f"{src.path}: {st.name} is stored unlike {first.name} "
+                                f"({list(st.shape)} {st.dtype} {st.spec} vs {list(first.shape)} {first.dtype} "
+                                f"{first.spec}); the experts of {pc.gguf_name} must be stored alike")
+    return first
 
 
 def _qt_name(target: str, block_type: bool) -> str:
@@ -199,9 +257,9 @@ def _reuse_ok(pc: Piece, block: int) -> bool:
 
 # ---- metadata -----------------------------------------------------------------------------------------
 
-def add_metadata(w: Any, src: ExportSource, ftype: str) -> None:
+def add_metadata(w: Any, src: ExportSource, ftype: str, n_mtp: int = 0) -> None:
     """The qwen35moe hyperparameters llama.cpp's loader reads (src/models/qwen35moe.cpp and the common
-    loader), from the text config."""
+    loader), from the text config; `n_mtp` NextN blocks follow the trunk's layers (block_count counts them)."""
     import gguf
 
     c = src.text
@@ -210,7 +268,9 @@ def add_metadata(w: Any, src: ExportSource, ftype: str) -> None:
     a = ARCH
     w.add_name(src.path.name)
     w.add_type("model")
-    w.add_block_count(c.num_hidden_layers)
+    w.add_block_count(c.num_hidden_layers + n_mtp)
+    if n_mtp:
+        w.add_nextn_predict_layers(n_mtp)
     w.add_context_length(int(raw.get("max_position_embeddings", 262144)))
     w.add_embedding_length(c.hidden_size)
     w.add_head_count(c.num_attention_heads)
@@ -240,7 +300,7 @@ def add_metadata(w: Any, src: ExportSource, ftype: str) -> None:
     if c.linear_key_head_dim != c.linear_value_head_dim:
         raise QuantkitError("llama.cpp's qwen35moe takes equal linear-attention key and value head dims "
                             f"(got {c.linear_key_head_dim} and {c.linear_value_head_dim})")
-    recurrent = [t == "linear_attention" for t in c.layer_types]
+    recurrent = [t == "linear_attention" for t in c.layer_types] + [False] * n_mtp  # NextN blocks: attention
     # gguf 0.19 has no add_recurrent_layers; the key is llama.cpp's LLM_KV_ATTENTION_RECURRENT_LAYERS.
     w.add_array(f"{a}.attention.recurrent_layers", recurrent)
     w.add_full_attention_interval(int(raw.get("full_attention_interval", 4)))
@@ -283,13 +343,15 @@ def _encode(x: torch.Tensor, qt: Any, name: str) -> np.ndarray:
 def _reuse_bytes(src: ExportSource, t: GgufTensor, experts: slice | None) -> np.ndarray:
     import gguf
 
-    parts = src.parts(t.source.name, experts)
-    if t.qtype == gguf.GGMLQuantizationType.MXFP4:
+    def blocks(parts: dict[str, torch.Tensor]) -> np.ndarray:
+        if t.qtype == gguf.GGMLQuantizationType.MXFP4:
+            return to_gguf_blocks(parts)
+        return int4_to_q4_0_blocks(parts, t.source.spec)
 
-        raw = to_gguf_blocks(parts)
+    if t.stack:  # one expert matrix after another
+        raw = np.stack([blocks(src.parts(st.name)) for st in t.stack[experts or slice(None)]])
     else:
-
-        raw = int4_to_q4_0_blocks(parts, t.source.spec)
+        raw = blocks(src.parts(t.source.name, experts))
     block, bpb = gguf.GGML_QUANT_SIZES[t.qtype]
     out = permute_blocks(t.piece, torch.from_numpy(np.ascontiguousarray(raw)), block, bpb)
     assert out is not None  # plan_tensors checked block alignment
@@ -297,8 +359,8 @@ def _reuse_bytes(src: ExportSource, t: GgufTensor, experts: slice | None) -> np.
 
 
 def _slabs(t: GgufTensor, slab_bytes: int) -> list[slice | None]:
-    shape = t.source.shape
-    if len(shape) == 3 and t.source.role in (Role.ROUTED_EXPERT,):
+    shape = t.piece.shape if t.stack else t.source.shape
+    if len(shape) == 3 and (t.stack or t.source.role == Role.ROUTED_EXPERT):
         per = math.prod(shape[1:]) * 4
         n = max(1, slab_bytes // max(per, 1))
         return [slice(e, min(e + n, shape[0])) for e in range(0, shape[0], n)]
@@ -327,7 +389,10 @@ def _write_tensor(fout: Any, src: ExportSource, t: GgufTensor, slab_bytes: int, 
             plain = not pc.value and pc.rows is None and pc.row_perm is None and pc.col_perm is None
             # a plain tensor stays in its stored dtype and is widened chunk by chunk (the real model's
             # embedding is 1 GB in bf16, 2 GB in fp32); converted ones are small or one slab
-            w = src.dense(t.source.name, sl, native=plain)
+            if t.stack:
+                w = torch.stack([src.dense(st.name, native=plain) for st in t.stack[sl or slice(None)]])
+            else:
+                w = src.dense(t.source.name, sl, native=plain)
             if not plain:
                 w = convert(pc, w)
             for chunk in _row_chunks(w, slab_bytes):
@@ -346,13 +411,11 @@ def _write_tensor(fout: Any, src: ExportSource, t: GgufTensor, slab_bytes: int, 
 def export_gguf(src_path: str | Path, out_path: str | Path, type: str = "mixed", overwrite: bool = False,
                 progress: Progress | None = None, slab_bytes: int = SLAB_BYTES,
                 reuse: bool = True, expert_type: str | None = None,
-                imatrix: str | Path | None = None) -> GgufResult:
+                imatrix: str | Path | None = None, mtp: bool = True) -> GgufResult:
     """Write `src_path` as a GGUF file at `out_path` (atomically). `reuse=False` requantizes from the
     dequantized weights even where codes could be copied (for tests and comparisons); `expert_type`
     sets the routed experts' type of `mixed`; `imatrix` (a llama.cpp imatrix GGUF) feeds llama.cpp's
-    quantizer under a llama.cpp type. MTP tensors are not exported yet (llama.cpp's `nextn` layer): a source
-    that keeps its MTP layer, as `quantkit quantize` does by default, exports without it, with one note
-    (as llama.cpp's own converter with --no-mtp)."""
+    quantizer under a llama.cpp type; `mtp=False` leaves a kept MTP layer out (else it is the NextN block)."""
     import gguf
 
     t0 = time.perf_counter()
@@ -367,14 +430,15 @@ def export_gguf(src_path: str | Path, out_path: str | Path, type: str = "mixed",
         if expert_type is not None:
             raise QuantkitError(f"--experts applies to --type mixed only (got --type {ftype})")
         guard_output(out, sources=[Path(src_path)], kind="file", overwrite=overwrite, owned=has_magic(b"GGUF"))
-        return _export_llama(Path(src_path), out, ftype, imatrix, progress or NoProgress(), slab_bytes, t0)
+        return _export_llama(Path(src_path), out, ftype, imatrix, progress or NoProgress(), slab_bytes, t0, mtp)
     src = ExportSource.open(src_path)
     guard_output(out, sources=[src.path], kind="file", overwrite=overwrite, owned=has_magic(b"GGUF"))
     progress = progress or NoProgress()
     try:
         if expert_type is not None and ftype != "mixed":
             raise QuantkitError(f"--experts applies to --type mixed only (got --type {ftype})")
-        tensors, skipped = plan_tensors(src, ftype, expert_type)
+        tensors, skipped = plan_tensors(src, ftype, expert_type, mtp)
+        n_mtp = mtp_blocks(tensors)
         if not reuse:
             for t in tensors:
                 if t.how == "reused":
@@ -384,7 +448,7 @@ def export_gguf(src_path: str | Path, out_path: str | Path, type: str = "mixed",
         tmp = pid_temp_name(out)
         w = gguf.GGUFWriter(None, ARCH)
         try:
-            add_metadata(w, src, ftype)
+            add_metadata(w, src, ftype, n_mtp)
             vocab = src.get("model.language_model.embed_tokens.weight").shape[0]
             tok = add_tokenizer_meta(w, src.path, vocab)
             for t in tensors:
@@ -393,7 +457,7 @@ def export_gguf(src_path: str | Path, out_path: str | Path, type: str = "mixed",
             w.write_kv_data_to_file()
             w.write_ti_data_to_file()
             fout = w.fout[0]
-            in_bytes = sum(math.prod(s.shape) * 2 for s in {t.source.name: t.source for t in tensors}.values())
+            in_bytes = sum(math.prod(s.shape) * 2 for s in {s.name: s for t in tensors for s in t.sources}.values())
             progress.start(len(tensors), sum(t.nbytes for t in tensors))
             for t in tensors:
                 w.write_padding(fout, fout.tell())
@@ -411,11 +475,18 @@ def export_gguf(src_path: str | Path, out_path: str | Path, type: str = "mixed",
             raise
     finally:
         src.close()
-    notes = []
-    if any(n.startswith("mtp.") for n in skipped):
-        notes.append("MTP layer not exported (as llama.cpp's converter with --no-mtp)")
     return GgufResult(out, ftype, tensors, skipped, tok, out.stat().st_size, time.perf_counter() - t0, in_bytes,
-                      notes)
+                      mtp_notes(src.text.num_hidden_layers, n_mtp, skipped))
+
+
+def mtp_notes(n_layer: int, n_mtp: int, skipped: list[str]) -> list[str]:
+    """The result's line on the MTP layer: exported as which NextN block, or left out."""
+    if n_mtp:
+        return [f"MTP layer exported as llama.cpp's NextN block blk.{n_layer} (llama-server --spec-type draft-mtp "
+                "drafts with it; without that flag llama.cpp does not load it)"]
+    if any(n.startswith("mtp.") for n in skipped):
+        return ["MTP layer not exported (--no-mtp, as llama.cpp's converter with --no-mtp)"]
+    return []
 
 
 def add_tokenizer_meta(w: Any, folder: Path, vocab: int) -> dict[str, Any]:
@@ -426,14 +497,14 @@ def add_tokenizer_meta(w: Any, folder: Path, vocab: int) -> dict[str, Any]:
 # ---- llama.cpp types --------------------------------------------------------------------------------
 
 def _export_llama(src_path: Path, out: Path, ftype: str, imatrix: str | Path | None, progress: Progress,
-                  slab_bytes: int, t0: float) -> GgufResult:
+                  slab_bytes: int, t0: float, mtp: bool) -> GgufResult:
     """bf16 GGUF (streamed here) -> llama.cpp's quantizer with our recipe -> `out`, atomically."""
     import gguf
 
 
     src = ExportSource.open(src_path)
     try:
-        planned, skipped = plan_tensors(src, "bf16")
+        planned, skipped = plan_tensors(src, "bf16", mtp=mtp)
     finally:
         src.close()
     want = {t.name: tensor_type(t.name, t.piece.shape, ftype) for t in planned}
@@ -446,7 +517,7 @@ def _export_llama(src_path: Path, out: Path, ftype: str, imatrix: str | Path | N
     check_free(out, mid_bytes + out_bytes + (64 << 20), "")
     mid, tmp = pid_temp_name(out, "mid"), pid_temp_name(out)
     try:
-        first = export_gguf(src_path, mid, "bf16", progress=progress, slab_bytes=slab_bytes)
+        first = export_gguf(src_path, mid, "bf16", progress=progress, slab_bytes=slab_bytes, mtp=mtp)
         sizes = {t.name: tensor_bytes(t.piece.shape, want[t.name][0]) for t in planned}
         progress.start(len(planned), out_bytes)
         quantize_gguf(mid, tmp, ftype, im.data if im else None,
@@ -468,7 +539,7 @@ def _export_llama(src_path: Path, out: Path, ftype: str, imatrix: str | Path | N
         how = "fallback" if note else ("llama.cpp" if actual != t.qtype.name else "kept")
         qt = gguf.GGMLQuantizationType[actual]
         tensors.append(GgufTensor(t.piece, t.source, qt, how, note or f"bf16 -> {actual} by llama.cpp",
-                                  tensor_bytes(t.piece.shape, actual)))
+                                  tensor_bytes(t.piece.shape, actual), t.stack))
     if im is not None:
         notes.append(f"importance matrix {im.path.name}: {len(im.data)} tensors"
                      + (f", {len(im.missing)} quantized without one (not in the file)" if im.missing else ""))

@@ -11,7 +11,15 @@ the llama-cpp-python sdist), implemented here on our canonical tensors:
   [k0v0, k1v0, k0v1, k1v1] in every tensor indexed by them (the v rows of in_proj_qkv, in_proj_z,
   in_proj_a/b, A_log, dt_bias, the v channels of conv1d, the columns of out_proj);
 - fused routed experts `gate_up_proj` [E, 2I, H] are split into `ffn_gate_exps` and `ffn_up_exps`
-  (numpy [E, I, H] = ggml {H, I, E}); `down_proj` [E, H, I] is `ffn_down_exps` as it is.
+  (numpy [E, I, H] = ggml {H, I, E}); `down_proj` [E, H, I] is `ffn_down_exps` as it is;
+- the MTP layer is llama.cpp's NextN block, as the converter writes it (conversion/qwen.py `_QwenMtpMixin`):
+  block index num_hidden_layers + k for `mtp.layers.k.*` (the standard per-block names; its per-expert
+  tensors stacked into `ffn_{gate,up,down}_exps`, as the converter merges them), and on that first MTP block
+  `mtp.fc` -> `nextn.eh_proj`, `mtp.pre_fc_norm_embedding` -> `nextn.enorm`, `mtp.pre_fc_norm_hidden` ->
+  `nextn.hnorm`, `mtp.norm` -> `nextn.shared_head_norm` (these norms + 1 as well). Nothing is reordered:
+  `fc` takes concat(normed embedding, normed hidden), the order llama.cpp's MTP graph
+  (src/models/qwen35moe.cpp) feeds `eh_proj`; the head and the embedding are the model's own (Qwen3.5 has
+  no `nextn.embed_tokens` / `shared_head_head`).
 Shapes here are numpy order (GGUF reverses them into ggml's ne).
 """
 
@@ -26,6 +34,23 @@ from quantkit.export.gguf_types import is_f32_only
 from quantkit.model.spec import TextConfig
 
 _LAYER = re.compile(r"^model\.language_model\.layers\.(\d+)\.(.+)$")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+_MTP_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+# the MTP layer's own tensors outside its decoder block -> NextN names on the first MTP block
+MTP_NEXTN = {
+    "mtp.fc.weight": "nextn.eh_proj.weight",
+    "mtp.pre_fc_norm_embedding.weight": "nextn.enorm.weight",
+    "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm.weight",
+    "mtp.norm.weight": "nextn.shared_head_norm.weight",
+}
+# what llama.cpp's qwen35moe loader requires of an MTP block (load_block_mtp; the rest is optional)
+MTP_REQUIRED = (
+    "attn_norm.weight", "post_attention_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+    "attn_output.weight", "attn_q_norm.weight", "attn_k_norm.weight", "ffn_gate_inp.weight",
+    "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight", "ffn_gate_inp_shexp.weight",
+    "ffn_gate_shexp.weight", "ffn_up_shexp.weight", "ffn_down_shexp.weight", "nextn.eh_proj.weight",
+    "nextn.enorm.weight", "nextn.hnorm.weight",
+)
 
 # canonical suffix inside a layer -> GGUF name inside blk.N
 _LAYER_NAMES = {
@@ -72,6 +97,7 @@ class Piece:
     row_perm: torch.Tensor | None = None  # permutation of dim -2 (rows), applied after `rows`
     col_perm: torch.Tensor | None = None  # permutation of dim -1 (columns)
     col_unit: int = 1  # the permutation moves whole runs of this many columns (head dim)
+    expert: int | None = None  # one expert matrix of a stack: its index along dim 0 of `shape` (MTP experts)
 
     @property
     def f32_only(self) -> bool:
@@ -89,15 +115,25 @@ def v_head_perm(n_k: int, n_v: int, unit: int) -> torch.Tensor | None:
 
 
 def pieces_for(name: str, shape: tuple[int, ...], c: TextConfig) -> list[Piece]:
-    """The GGUF tensors for canonical tensor `name` (empty for tensors llama.cpp does not take: MTP,
-    vision)."""
+    """The GGUF tensors for canonical tensor `name` (empty for tensors llama.cpp does not take: vision).
+    An MTP expert matrix is one `expert` of a stacked piece: the exporter gathers the stack."""
     if name in _GLOBAL_NAMES:
         value = "norm+1" if name.endswith("norm.weight") else ""
         return [Piece(_GLOBAL_NAMES[name], name, None, tuple(shape), value)]
-    m = _LAYER.match(name)
+    if name in MTP_NEXTN:  # the three norms (pre_fc_norm_* included) + 1, as the converter does by GGUF name
+        value = "norm+1" if MTP_NEXTN[name].endswith("norm.weight") else ""
+        return [Piece(f"blk.{c.num_hidden_layers}.{MTP_NEXTN[name]}", name, None, tuple(shape), value)]
+    m = _LAYER.match(name) or _MTP_LAYER.match(name)
     if not m:
         return []
     layer, rest = int(m.group(1)), m.group(2)
+    if name.startswith("mtp."):
+        layer += c.num_hidden_layers
+        e = _MTP_EXPERT.match(rest)
+        if e:
+            out, inner = tuple(shape)
+            return [Piece(f"blk.{layer}.ffn_{e.group(2)}_exps.weight", name, None, (c.num_experts, out, inner), "",
+                          expert=int(e.group(1)))]
     blk = f"blk.{layer}."
     if rest == "mlp.experts.gate_up_proj":
         e, two_i, h = shape

@@ -16,7 +16,9 @@ shared expert at Q8_0 (the best published Q4_K_M of this model keeps them there)
 Q8_0 (as quantkit's quality recipe keeps lm_head at 8 bits: at llama.cpp's usual Q6_K it was the largest
 error term on the decisive tiny model, q6_k's KL 5.0e-3 against q8_0's 7.6e-4), token_embd at Q8_0 (llama.cpp keeps it on the CPU; at the experts' Q4_K it tripled q4_k_m's KL on
 the tiny decisive model, 1.0e-3 -> 2.9e-3, reports/bench-gguf.md), norms, router, conv1d, A_log,
-dt_bias F32 (llama.cpp leaves them as they are in the bf16 GGUF).
+dt_bias F32 (llama.cpp leaves them as they are in the bf16 GGUF). The MTP layer's NextN block (blk.N past the
+trunk) follows the same table by name: its experts as routed experts, `nextn.eh_proj` (a dense projection)
+with attention.
 
 Fallback: a matrix whose row length (ne[0], the numpy shape's last dim) is not a multiple of its type's
 block size falls back per tensor: under a llama.cpp type by llama.cpp's own rule (Q4_K -> Q5_0, Q5_K ->
@@ -157,7 +159,7 @@ def overrides(ftype: str) -> list[tuple[str, str]]:
     lt = LLAMA_TYPES[ftype]
     return [(r"^output\.weight$", lt.output), (r"^token_embd\.weight$", lt.embd),
             (r"ffn_(gate|up)_exps\.weight$", lt.experts), (r"ffn_down_exps\.weight$", lt.down),
-            (r"ffn_gate_inp_shexp\.weight$", "F32"), (r"(attn_|ssm_|_shexp\.)", lt.rest)]
+            (r"ffn_gate_inp_shexp\.weight$", "F32"), (r"(attn_|ssm_|_shexp\.|nextn\.eh_proj\.)", lt.rest)]
 
 
 def default_type() -> tuple[str, str]:

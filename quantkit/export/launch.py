@@ -8,10 +8,18 @@ once -ngl / --n-cpu-moe / -ot are given, so the line must fit by itself.
 
 File names are chosen here once: `quantkit plan --export llama.cpp` names the GGUF that the `quantkit export
 gguf` line it prints writes, and the vLLM plan serves the folder its `quantkit export vllm` line writes.
+
+MTP: when the plan keeps the model's MTP layer (`plan --mtp N`, by default when the model has one), both lines
+draft with it, N tokens a step (DEFAULT_MTP_DRAFT unless --mtp says): llama-server with `--spec-type draft-mtp
+--spec-draft-n-max N` (common/arg.cpp of the llama.cpp llama-cpp-python 0.3.36 vendors) on the GGUF's NextN
+block, vLLM with `--speculative-config '{"method":"mtp","num_speculative_tokens":N}'`; each placement counts
+the layer. `--mtp 0` leaves it out: no draft flags, and the GGUF is exported with --no-mtp.
 """
 
 from __future__ import annotations
 
+import json
+import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +32,7 @@ from quantkit.export.llama_placement import (
     solve_llama,
 )
 from quantkit.export.vllm_placement import VllmFit, vllm_fit
-from quantkit.model.spec import ModelSpec, default_spec
+from quantkit.model.spec import ModelSpec, Role, default_spec
 from quantkit.planner.hardware import Hardware
 from quantkit.planner.placement import Plan
 
@@ -35,6 +43,9 @@ GGUF_TYPES = {"quality": DEFAULT_TYPE, "bf16": "bf16", "fp16": "f16", "int8": "q
 # schemes whose routed experts are 4-bit: vLLM gets the compressed-tensors int4 export of them
 FOUR_BIT = ("quality", "int4", "nf4", "fp4", "mxfp4")
 ENGINES = {"llama.cpp": "llama.cpp", "llamacpp": "llama.cpp", "llama-cpp": "llama.cpp", "vllm": "vllm"}
+# tokens drafted per step when the plan keeps the MTP layer and --mtp does not say: one breaks even at the
+# lowest draft acceptance (reports/bench-mtp.md: 0.70 for one draft, 0.80 for two or three)
+DEFAULT_MTP_DRAFT = 1
 
 
 @dataclass
@@ -71,9 +82,26 @@ def llama_cache_type(cache_dtype: str) -> str:
     return _LLAMA_CACHE[cache_dtype]
 
 
-def llama_settings(plan: Plan) -> LlamaSettings:
+def llama_settings(plan: Plan, mtp_draft: int = 0) -> LlamaSettings:
     return LlamaSettings(context=plan.settings.context, parallel=plan.settings.batch,
-                         cache_type=llama_cache_type(plan.settings.cache_dtype), ubatch=plan.settings.prefill_chunk)
+                         cache_type=llama_cache_type(plan.settings.cache_dtype), ubatch=plan.settings.prefill_chunk,
+                         mtp_draft=mtp_draft)
+
+
+def mtp_draft(plan: Plan, mtp: int | None) -> int:
+    """Tokens the launch lines draft per step: `mtp` (plan --mtp) or DEFAULT_MTP_DRAFT when the plan keeps the
+    MTP layer, else 0."""
+    if not plan.settings.include_mtp:
+        return 0
+    return DEFAULT_MTP_DRAFT if mtp is None else mtp
+
+
+def vllm_speculative(draft: int) -> list[str]:
+    """vLLM's MTP speculative decoding flags (none for 0 drafts)."""
+    if not draft:
+        return []
+    config = json.dumps({"method": "mtp", "num_speculative_tokens": draft}, separators=(",", ":"))
+    return ["--speculative-config", shlex.quote(config)]  # quoted for the shell line it goes into
 
 
 def llama_launch(gm: LlamaModel, st: LlamaSettings, hw: Hardware, path: str, reserve: int,
@@ -96,19 +124,23 @@ def llama_launch(gm: LlamaModel, st: LlamaSettings, hw: Hardware, path: str, res
 
 
 def launch_plan(engine: str, plan: Plan, hw: Hardware, model: str, source: str, spec: ModelSpec | None = None,
-                gguf_type: str | None = None, n_cpu_moe: int | None = None) -> LaunchPlan:
+                gguf_type: str | None = None, n_cpu_moe: int | None = None, mtp: int | None = None) -> LaunchPlan:
     """`engine` (llama.cpp or vllm) launch for `plan`; `source` is the checkpoint the export reads, `spec`
-    the model (the embedded default when None), `gguf_type` the GGUF --type (default: the scheme's)."""
+    the model (the embedded default when None), `gguf_type` the GGUF --type (default: the scheme's), `mtp` the
+    tokens to draft with the MTP layer (plan --mtp; None: DEFAULT_MTP_DRAFT when the plan keeps the layer)."""
     engine = ENGINES[engine.lower()]
+    spec = spec or default_spec()
+    draft = mtp_draft(plan, mtp)
     if engine == "llama.cpp":
         ty = gguf_type or GGUF_TYPES.get(plan.scheme, DEFAULT_TYPE)
         path = f"{model}-{ty}.gguf"
         warns = []
         if plan.scheme in ("nf4", "fp4") and not gguf_type:
             warns.append(f"GGUF has no {plan.scheme}: the export uses Q4_0 (same 4.5 bits per weight)")
-        gm = model_from_spec(spec or default_spec(), ty)
-        return llama_launch(gm, llama_settings(plan), hw, path, plan.gpus[0].reserve if plan.gpus else 0,
-                            f"quantkit export gguf {source} {path} --type {ty}", warns, n_cpu_moe)
+        gm = model_from_spec(spec, ty, mtp=draft > 0)
+        drop = " --no-mtp" if not draft and any(t.role == Role.MTP for t in spec.tensors) else ""
+        return llama_launch(gm, llama_settings(plan, draft), hw, path, plan.gpus[0].reserve if plan.gpus else 0,
+                            f"quantkit export gguf {source} {path} --type {ty}{drop}", warns, n_cpu_moe)
     if plan.scheme in FOUR_BIT:
         folder = vllm_folder_name(model)
         rest = "int8" if plan.scheme == "quality" else "bf16"
@@ -121,11 +153,11 @@ def launch_plan(engine: str, plan: Plan, hw: Hardware, model: str, source: str, 
             warns.append("non-expert weights stay bf16 in the vLLM export (vLLM has no 4-bit path for them)")
     else:
         folder, export, warns = source, None, []
-    cmd, vwarns = vllm_command(plan, hw, folder)
+    cmd, vwarns = vllm_command(plan, hw, folder, draft)
     fit = None
     if hw.gpus:
         tp, pp, _ = vllm_parallel(hw)
-        fit = vllm_fit(spec or default_spec(), plan.scheme, plan.settings, hw.gpus[0].usable_bytes, tp, pp)
+        fit = vllm_fit(spec, plan.scheme, plan.settings, hw.gpus[0].usable_bytes, tp, pp, mtp=draft > 0)
         if not fit.fits:
             vwarns.append(f"by the served weights' bytes vLLM needs {sum(fit.per_gpu.values()) / 2**30:.2f} GiB per "
                           f"GPU at --max-model-len {plan.settings.context}, {fit.budget / 2**30:.2f} GiB available "
@@ -142,10 +174,11 @@ _LLAMA_CACHE = {"fp16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0", "
 
 
 def llama_cpp_command(p: LlamaPlacement, model_path: str = "model.gguf") -> str:
-    """llama-server line for a llama.cpp placement."""
+    """llama-server line for a llama.cpp placement (drafting with the MTP layer when its settings say)."""
     st = p.settings
     # -c is all slots' KV together; --jinja: the GGUF's own chat template, which tool calls need
-    args = ["llama-server", "-m", model_path, "-c", str(st.n_ctx), *p.flags(), "-fa", "on", "--jinja"]
+    args = ["llama-server", "-m", model_path, "-c", str(st.n_ctx), *p.flags(), "-fa", "on", "--jinja",
+            *p.mtp_flags()]
     if st.ubatch != 512:
         args += ["-ub", str(st.ubatch)]
     if st.cache_type != "f16":
@@ -167,9 +200,10 @@ def vllm_parallel(hw: Hardware) -> tuple[int, int, list[str]]:
     return tp, pp, []
 
 
-def vllm_command(plan: Plan, hw: Hardware, model: str) -> tuple[str, list[str]]:
+def vllm_command(plan: Plan, hw: Hardware, model: str, draft: int = 0) -> tuple[str, list[str]]:
     """A vLLM launch line (tensor parallel within a node, pipeline parallel across nodes, expert
-    parallel for the MoE) and warnings when the plan does not fit vLLM's all-on-GPU model."""
+    parallel for the MoE; `draft` tokens a step drafted with the MTP layer) and warnings when the plan does
+    not fit vLLM's all-on-GPU model."""
     per_node = len(hw.gpus)
     if per_node == 0:
         return "", ["vLLM needs GPUs; this plan is CPU-only"]
@@ -193,4 +227,5 @@ def vllm_command(plan: Plan, hw: Hardware, model: str) -> tuple[str, list[str]]:
         warns.append(f"vLLM has no {plan.settings.cache_dtype} KV cache; use fp8 or fp16")
     if hw.nodes > 1:
         args += ["--distributed-executor-backend", "ray"]
+    args += vllm_speculative(draft)
     return " ".join(args), warns

@@ -16,6 +16,11 @@ a model (checked against the CPU build's report on a realistic-shape model in te
   attention mask context x ubatch x 2; other GPUs hold the intermediates and the mask only;
 - output.weight and output_norm go with the last layer (llama.cpp offloads the output layer first);
   token_embd stays on the CPU (llama.cpp never offloads the input layer).
+- the MTP layer (a NextN block after the trunk's layers, quantkit.export.gguf): llama.cpp loads it only to draft
+  with it (`--spec-type draft-mtp`); then its weights, its own KV cache (one full-attention layer, in the draft
+  context) and the draft context's compute buffer (counted as the main one's, logits included) go with the
+  output layer, since llama.cpp counts the block among the layers -ngl offloads from the top; -ngl and
+  --tensor-split here count it too, so the trunk layers on each card are the solver's either way.
 The GPU budget is the card minus `reserve` (1 GiB by default, llama.cpp --fit's own margin). The solver
 keeps every layer on the GPUs when it can and puts routed experts on the CPU from the first layer on
 (--n-cpu-moe N: experts of layers 0..N-1), splitting layers over several GPUs by their budgets
@@ -33,7 +38,7 @@ from typing import Any
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf_layout import pieces_for
 from quantkit.export.gguf_types import tensor_bytes, tensor_type
-from quantkit.model.spec import ModelSpec
+from quantkit.model.spec import ModelSpec, Role
 
 ARCH = "qwen35moe"
 # bounds on a GGUF header's hyperparameters (as quantkit.model.spec bounds a config.json's)
@@ -63,6 +68,7 @@ class LlamaModel:
     n_expert: int = 256  # routed experts per layer
     n_expert_used: int = 8  # routed per token (top-k): the share of a layer's experts a decode step reads
     elements: dict[str, int] = field(default_factory=dict)  # GGUF tensor name -> weights in it (prefill FLOPs)
+    n_mtp: int = 0  # NextN (MTP) blocks after the trunk's n_layer: blk.n_layer ...
 
     def layer_bytes(self, layer: int, experts: bool) -> int:
         p = f"blk.{layer}."
@@ -74,6 +80,11 @@ class LlamaModel:
         return sum(e * (share if "_exps." in n else 1.0) for n, e in self.elements.items() if n.startswith(p))
 
     @property
+    def mtp_bytes(self) -> int:
+        """The NextN blocks' weights, experts included (loaded only when drafting with them)."""
+        return sum(self.layer_bytes(L, e) for L in range(self.n_layer, self.n_layer + self.n_mtp) for e in (False, True))
+
+    @property
     def output_bytes(self) -> int:
         return self.tensors.get("output.weight", 0) + self.tensors.get("output_norm.weight", 0)
 
@@ -82,12 +93,15 @@ class LlamaModel:
         return sum(self.tensors.values())
 
 
-def model_from_spec(spec: ModelSpec, ftype: str) -> LlamaModel:
-    """The GGUF `quantkit export gguf --type ftype` writes for `spec`, sized without writing it."""
+def model_from_spec(spec: ModelSpec, ftype: str, mtp: bool = True) -> LlamaModel:
+    """The GGUF `quantkit export gguf --type ftype` writes for `spec` (`mtp=False`: with --no-mtp), sized
+    without writing it."""
 
     c = spec.config
     tensors, elements = {}, {}
     for t in spec.tensors:
+        if t.role == Role.MTP and not mtp:
+            continue
         for pc in pieces_for(t.name, t.shape, c):
             tensors[pc.gguf_name] = tensor_bytes(pc.shape, tensor_type(pc.gguf_name, pc.shape, ftype)[0])
             elements[pc.gguf_name] = math.prod(pc.shape)
@@ -95,7 +109,13 @@ def model_from_spec(spec: ModelSpec, ftype: str) -> LlamaModel:
                       c.num_key_value_heads, c.head_dim, c.vocab_size, c.hidden_size,
                       c.linear_value_head_dim * c.linear_num_value_heads, c.linear_key_head_dim,
                       c.linear_num_key_heads, c.linear_conv_kernel_dim, c.num_experts, c.num_experts_per_tok,
-                      elements)
+                      elements, len({b for b in map(_block, tensors) if b is not None and b >= c.num_hidden_layers}))
+
+
+def _block(name: str) -> int | None:
+    """N of a `blk.N.*` tensor name."""
+    part = name.split(".")
+    return int(part[1]) if part[0] == "blk" and len(part) > 2 and part[1].isdecimal() else None
 
 
 def model_from_gguf(info: Any) -> LlamaModel:
@@ -111,16 +131,21 @@ def model_from_gguf(info: Any) -> LlamaModel:
                                 "re-export it")
         return v
 
-    n = num("block_count", MAX_LAYERS)
+    n_all = num("block_count", MAX_LAYERS)
+    n_mtp = info.get("nextn_predict_layers", 0)
+    if not isinstance(n_mtp, int) or isinstance(n_mtp, bool) or not 0 <= n_mtp < n_all:
+        raise QuantkitError(f"{info.path}: GGUF key {ARCH}.nextn_predict_layers is {n_mtp!r}, not a count of MTP "
+                            f"blocks below block_count {n_all}; re-export it")
+    n = n_all - n_mtp
     rec = info.get("attention.recurrent_layers")
     if rec is None:
         every = num("full_attention_interval", n, 4)
         full = tuple((i + 1) % every == 0 for i in range(n))
-    elif isinstance(rec, list) and len(rec) == n and all(x in (0, 1) for x in rec):
-        full = tuple(not bool(x) for x in rec)
+    elif isinstance(rec, list) and len(rec) == n_all and all(x in (0, 1) for x in rec):
+        full = tuple(not bool(x) for x in rec[:n])
     else:
-        raise QuantkitError(f"{info.path}: GGUF key {ARCH}.attention.recurrent_layers is not {n} flags (one per "
-                            "layer); re-export it")
+        raise QuantkitError(f"{info.path}: GGUF key {ARCH}.attention.recurrent_layers is not {n_all} flags (one per "
+                            "block); re-export it")
     tok = info.by_name().get("token_embd.weight")
     vocab = tok.shape[0] if tok else info.metadata.get("tokenizer.ggml.tokens", 0)
     if not isinstance(vocab, int) or isinstance(vocab, bool) or not 0 <= vocab <= MAX_DIM:
@@ -130,7 +155,8 @@ def model_from_gguf(info: Any) -> LlamaModel:
                       num("embedding_length", MAX_DIM), num("ssm.inner_size", MAX_DIM),
                       num("ssm.state_size", MAX_DIM), num("ssm.group_count", MAX_DIM),
                       num("ssm.conv_kernel", 64), num("expert_count", 1 << 16, 256),
-                      num("expert_used_count", 1 << 16, 8), {t.name: math.prod(t.shape) for t in info.tensors})
+                      num("expert_used_count", 1 << 16, 8), {t.name: math.prod(t.shape) for t in info.tensors},
+                      n_mtp)
 
 
 @dataclass(frozen=True)
@@ -139,6 +165,7 @@ class LlamaSettings:
     parallel: int = 1  # llama-server -np: sequences (each has its own recurrent state)
     cache_type: str = "f16"
     ubatch: int = DEFAULT_UBATCH
+    mtp_draft: int = 0  # tokens llama-server drafts per step with the MTP layer (0: not drafting; not loaded)
 
     @property
     def n_ctx(self) -> int:
@@ -175,6 +202,12 @@ class LlamaPlacement:
     reserve: int
     fits: bool
     assumptions: list[str] = field(default_factory=list)
+    n_mtp: int = 0  # the GGUF's NextN blocks, which llama.cpp's -ngl counts among the layers
+
+    @property
+    def drafts(self) -> int:
+        """Tokens drafted per step with the MTP layer (0 when the file has none or the line does not draft)."""
+        return self.settings.mtp_draft if self.n_mtp else 0
 
     def gpu_totals(self) -> list[int]:
         return [sum(d.values()) for d in self.gpu_bytes]
@@ -183,18 +216,27 @@ class LlamaPlacement:
         """The -ngl / --n-cpu-moe / -ot / --tensor-split flags of this placement."""
         if not self.budgets:
             return ["-ngl", "0"]
-        args = ["-ngl", "99" if self.n_gpu_layers > self.n_layer else str(self.n_gpu_layers)]
+        # llama.cpp offloads from the top of all blocks, the NextN ones included: count them (held or not)
+        ngl = self.n_gpu_layers + self.n_mtp if self.n_gpu_layers else 0
+        args = ["-ngl", "99" if self.n_gpu_layers > self.n_layer else str(ngl)]
         cpu = [L for L in self.cpu_expert_layers if L >= self.n_layer + 1 - self.n_gpu_layers]
         if cpu and len(self.budgets) == 1 and cpu == list(range(cpu[0], cpu[-1] + 1)):
             args += ["--n-cpu-moe", str(cpu[-1] + 1)]
         elif cpu:
             args += ["-ot", f"blk\\.({'|'.join(map(str, cpu))})\\.ffn_.*_exps\\.=CPU"]
         if len(self.budgets) > 1:
-            args += ["--tensor-split", ",".join(str(len(x)) for x in self.gpu_layers), "--split-mode", "layer"]
+            counts = [len(x) for x in self.gpu_layers]
+            counts[-1] += self.n_mtp if self.n_gpu_layers else 0  # the NextN blocks sit with the last layers
+            args += ["--tensor-split", ",".join(map(str, counts)), "--split-mode", "layer"]
         return args
+
+    def mtp_flags(self) -> list[str]:
+        """llama-server's MTP speculative decoding (common/arg.cpp): draft-mtp and its draft length."""
+        return ["--spec-type", "draft-mtp", "--spec-draft-n-max", str(self.drafts)] if self.drafts else []
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "n_gpu_layers": self.n_gpu_layers, "gpu_layers": self.gpu_layers,
+                "mtp_blocks": self.n_mtp, "mtp_draft": self.drafts,
                 "cpu_expert_layers": self.cpu_expert_layers, "gpu_bytes": self.gpu_bytes,
                 "gpu_totals": self.gpu_totals(), "cpu_bytes": self.cpu_bytes, "budgets": self.budgets,
                 "reserve": self.reserve, "fits": self.fits, "flags": self.flags(), "assumptions": self.assumptions}
@@ -219,7 +261,16 @@ class _Layers:
              "compute": compute_bytes(m, s, output) if (layers or output) else 0}
         if output:
             d["output"] = m.output_bytes
+            d.update(self.mtp())
         return d
+
+    def mtp(self) -> dict[str, int]:
+        """What drafting with the NextN blocks adds where the output layer is: their weights, their KV cache
+        and the draft context's compute buffer (none when the line does not draft)."""
+        m, s = self.m, self.s
+        if not (s.mtp_draft and m.n_mtp):
+            return {}
+        return {"mtp": m.mtp_bytes + m.n_mtp * kv_layer_bytes(m, s) + compute_bytes(m, s, True)}
 
 
 def _split(layers: list[int], budgets: list[int]) -> list[list[int]]:
@@ -252,6 +303,11 @@ def solve_llama(m: LlamaModel, s: LlamaSettings, gpu_memory: list[int], reserve:
         "token_embd stays in CPU RAM (llama.cpp never offloads the input layer)",
     ]
     best: LlamaPlacement | None = None
+    if s.mtp_draft and m.n_mtp:
+        assumptions.append(f"MTP drafting ({s.mtp_draft} token{'s' if s.mtp_draft > 1 else ''} a step): the NextN "
+                           "block's weights "
+                           f"({m.mtp_bytes / 2**30:.2f} GiB), its KV cache and the draft context's compute buffer "
+                           "(counted as the main context's) go with the output layer")
     if n_cpu_moe is not None:
         assumptions.append(f"--n-cpu-moe {n_cpu_moe} as given: the experts of the first {min(n_cpu_moe, n)} "
                            "layers on the CPU")
@@ -271,12 +327,13 @@ def solve_llama(m: LlamaModel, s: LlamaSettings, gpu_memory: list[int], reserve:
         fits = all(sum(u.values()) <= b for u, b in zip(use, budgets, strict=True))
         cpu = {"token_embd": m.tensors.get("token_embd.weight", 0),
                "weights": sum(lb.dense[:first]) + (m.output_bytes if ngl == 0 else 0),
+               **(lb.mtp() if ngl == 0 else {}),
                "experts": sum(lb.experts[L] for L in cpu_exp),
                **{k: v for k, v in lb.use(list(range(first)), set(), False).items()
                   if k in ("kv_cache", "recurrent_state")},
                "logits": s.parallel * m.vocab * 4}
         best = LlamaPlacement(m.label, s, n, ngl, split, sorted(cpu_exp), use, cpu, budgets, reserve, fits,
-                              assumptions)
+                              assumptions, m.n_mtp)
         if fits:
             break
     assert best is not None

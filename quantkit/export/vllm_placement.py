@@ -8,7 +8,8 @@ the KV cache of the full-attention layers (KV heads split over TP, replicated wh
 one Gated DeltaNet state. The weights are the export's (quantkit.export.compressed_tensors: routed experts
 int4 symmetric g128 with bf16 scales; with `--rest int8` attention, linear attention and the shared expert
 int8 per channel; lm_head, embedding, routers, norms bf16), or the bf16 source for the 16-bit schemes
-(fp8 on load for int8: one byte per weight).
+(fp8 on load for int8: one byte per weight). Drafting with the MTP layer (`--speculative-config` method mtp)
+adds its weights, as exported, and its KV cache (one more full-attention layer).
 
 Assumed, not measured here (no GPU on the build machine; stated in the plan's assumptions): the CUDA-graph
 pool `CUDA_GRAPH_BYTES` and vLLM's profiling batch `MAX_BATCHED_TOKENS` times the per-token activation
@@ -60,11 +61,14 @@ class VllmFit:
                 "assumptions": self.assumptions}
 
 
-def vllm_fit(spec: ModelSpec, scheme: str, settings: RunSettings, card_bytes: int, tp: int, pp: int) -> VllmFit:
+def vllm_fit(spec: ModelSpec, scheme: str, settings: RunSettings, card_bytes: int, tp: int, pp: int,
+             mtp: bool = False) -> VllmFit:
+    """What the vLLM line asks of each GPU; `mtp`: it drafts with the MTP layer (its weights and KV count)."""
     c = spec.config
-    st = RunSettings(context=settings.context, batch=1, cache_dtype=settings.cache_dtype)
+    mtp = mtp and c.mtp_num_hidden_layers > 0 and any(t.role == Role.MTP for t in spec.tensors)
+    st = RunSettings(context=settings.context, batch=1, cache_dtype=settings.cache_dtype, include_mtp=mtp)
     weights = compute_budget(spec, export_recipe(scheme), st).weights
-    n_full, n_lin = len(c.full_attention_layers), len(c.linear_attention_layers)
+    n_full, n_lin = len(c.full_attention_layers) + (c.mtp_num_hidden_layers if mtp else 0), len(c.linear_attention_layers)
     kv_split = min(tp, c.num_key_value_heads)
     kv_tok = kv_bytes_per_token(c, settings.cache_dtype, n_full) // kv_split // pp
     rec, conv = linear_state_bytes(c)
@@ -77,5 +81,6 @@ def vllm_fit(spec: ModelSpec, scheme: str, settings: RunSettings, card_bytes: in
     return VllmFit(per, budget, pool, max_tokens, sum(per.values()) <= budget, [
         f"vLLM takes {UTILIZATION} of each card; its CUDA graphs assumed {CUDA_GRAPH_BYTES / 2**30:.2f} GiB and "
         f"its profiling peak {MAX_BATCHED_TOKENS} batched tokens of activations (not measured here: no GPU)",
-        f"weights as loaded: {export_recipe(scheme).name}, {weights / 1e9:.2f} GB over TP {tp} x PP {pp}",
+        f"weights as loaded: {export_recipe(scheme).name}, {weights / 1e9:.2f} GB over TP {tp} x PP {pp}"
+        + (", the MTP layer's included (drafting with it), and its KV cache" if mtp else ""),
     ])
