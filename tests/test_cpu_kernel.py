@@ -524,3 +524,19 @@ def test_bf16_weight_read_at_any_offset_is_used_in_place():
     assert isinstance(k, QBf16Kernel) and k.w.data_ptr() == shifted.data_ptr()
     x = torch.randn(1, 128)
     assert rel(k(x), x.to(torch.bfloat16).float() @ w.float().t()) < 1e-5
+
+
+def test_denormals_flushed_on_every_thread_inside_the_block_only():
+    """`denormals_flushed` sets FTZ/DAZ on the threads torch's parallel ops run on, and clears it after."""
+    tiny = torch.full((1 << 20,), 1e-30)  # large enough for torch to split the product over its threads
+
+    def denormal_products() -> int:
+        return int(((tiny * 1e-10) != 0).sum())  # 1e-40: a denormal, or zero when flushed
+
+    assert denormal_products() == tiny.numel()
+    with cpu_kernel.denormals_flushed():
+        assert denormal_products() == 0
+        with cpu_kernel.denormals_flushed():  # nested: the inner block leaves the outer one's setting
+            pass
+        assert denormal_products() == 0
+    assert denormal_products() == tiny.numel()

@@ -9,6 +9,7 @@ from transformers import Qwen3_5MoeTextConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts
 
 from quantkit.formats import QuantSpec, get_format
+from quantkit.runtime import cpu_kernel
 from quantkit.runtime.kernels import prepare
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 
@@ -137,3 +138,16 @@ def test_placement_errors():
         build(ref, [("cpu", [0, 1, 2])])
     with pytest.raises(ValueError, match="placed twice"):
         build(ref, [("cpu", list(range(E))), ("cpu", [3])])
+
+
+@pytest.mark.skipif(cpu_kernel.module() is None, reason="quantkit's CPU kernel is not built here")
+@pytest.mark.parametrize("spec", [QuantSpec("int4", 32), QuantSpec("int8")], ids=["int4", "int8"])
+def test_fused_prefill_rows_are_decode_rows_bit_for_bit(spec):
+    """Experts that are all CPU kernels run a prefill in one `moe_rows` call, and each of its rows is what
+    a one-token decode of that row gives (the per-expert path rounded gate/up to bf16 and summed otherwise)."""
+    q = build(reference_experts(), [("cpu", [0, 1, 2]), ("cpu", [3, 4, 5, 6, 7])], spec)
+    assert q._rows_call() is not None
+    x, idx, w = routing(37, seed=4)
+    got = q(x, idx, w)
+    want = torch.cat([q(x[r:r + 1], idx[r:r + 1], w[r:r + 1]) for r in range(x.shape[0])])
+    assert got.dtype == x.dtype and torch.equal(got, want)

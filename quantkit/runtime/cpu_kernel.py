@@ -30,6 +30,7 @@ tests/test_cpu_kernel.py holds the fused route within 2e-2 relative of the fp32 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -38,6 +39,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -279,6 +281,27 @@ def module() -> ModuleType | None:
 
 
 loaded_table = "none"  # the table module() chose at load (tests and benches may switch it for a while)
+
+
+@contextlib.contextmanager
+def denormals_flushed() -> Iterator[None]:
+    """Within the block fp32 denormals are flushed to zero on every thread torch computes on (the kernel's
+    `flush_denormals`; without the kernel, torch's own switch, which sets the calling thread only), as they were
+    before after it. A fast-forgetting Gated DeltaNet head makes them in a prefill, each one a slow microcode
+    assist; values that small never change a result the runtime reports."""
+    mod = module()
+    if mod is not None:
+        was = mod.flush_denormals(True)
+    else:
+        was = not torch.set_flush_denormal(True)  # a CPU without the switch: nothing to clear after
+    try:
+        yield
+    finally:
+        if not was:
+            if mod is not None:
+                mod.flush_denormals(False)
+            else:
+                torch.set_flush_denormal(False)
 
 
 def _plain_asked() -> bool:

@@ -8,7 +8,9 @@ how the experts are split (bit for bit, as the tests check).
 
 Decode (one token) touches only the k routed experts and sums their weighted outputs in slot order as it
 goes (no buffer: the same fp32 operations in the same order); prefill sorts the (token, slot) pairs by
-expert and runs one matmul per hit expert over all its tokens.
+expert and runs one matmul per hit expert over all its tokens, or, where every expert is an int4/int8 CPU
+kernel, one `qk.moe_rows` call for all T tokens (each expert read once for its tokens; each row bit for bit
+what decode gives it).
 
 Fused CPU decode: where the routed experts' kernels are quantkit's C++ kernel (`QKernel`: int4/int8 on
 a CPU with AVX2/AVX512-VNNI; `QBf16Kernel`: bf16 with AVX512-BF16), one call (`qk.moe`) runs all of them (gate_up, SiLU x up, down, weighted
@@ -74,6 +76,7 @@ class QuantExperts(nn.Module):
         # GPU groups first: their kernels run asynchronously while the CPU computes its own experts.
         self._order = sorted(range(len(groups)), key=lambda i: groups[i].device.type == "cpu")
         self._fused: tuple[Any, torch.Tensor, list[bool]] | None | bool = None  # built at the first decode
+        self._rows: Any = None  # the multi-token call on that table (`_rows_call`)
 
     def _fused_table(self) -> tuple[Any, torch.Tensor, list[bool]] | None:
         """(kernel module, int64 [E, 2, 8] table, which experts it covers) or None when none can fuse."""
@@ -92,6 +95,15 @@ class QuantExperts(nn.Module):
                 mod = next(gu._mod for g in self.groups for gu in g.gate_up if type(gu) in _FUSABLE)
                 self._fused = (mod, torch.tensor(rows, dtype=torch.int64), ok)
         return self._fused or None
+
+    def _rows_call(self) -> Any:
+        """`qk.moe_rows` bound to this layer's table where every expert is an int4/int8 CPU kernel (bf16 experts
+        keep torch's GEMM per expert, faster on many rows than the kernel's row-by-row bf16 tile), else None."""
+        if self._rows is None:
+            fused = self._fused_table()
+            ok = fused is not None and all(fused[2]) and bool((fused[1][:, :, 3] != 16).all())
+            self._rows = (lambda x, ids, wts, f=fused[0].moe_rows, table=fused[1]: f(x, table, ids, wts)) if ok else False
+        return self._rows or None
 
     @property
     def nbytes(self) -> int:
@@ -141,6 +153,9 @@ class QuantExperts(nn.Module):
         if t == 1:
             return self._forward_one(hidden_states, flat.tolist(), top_k_weights)
         dev = hidden_states.device
+        rows = self._rows_call() if dev.type == "cpu" else None
+        if rows is not None:
+            return rows(hidden_states.contiguous(), top_k_index, top_k_weights.float()).to(hidden_states.dtype)
         buf = torch.zeros(t * k, self.hidden_dim, dtype=torch.float32, device=dev)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()

@@ -36,6 +36,7 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
+#include <xmmintrin.h>
 #endif
 
 #include "qk_common.h"
@@ -617,6 +618,28 @@ torch::Tensor qk_moe_rows(torch::Tensor x, torch::Tensor table, torch::Tensor id
   return y;
 }
 
+// Denormal fp32 results flushed to zero and denormal inputs read as zero (MXCSR FTZ | DAZ) on the calling
+// thread and every thread of torch's pool, or both cleared (`on` false); returns whether they were set on the
+// calling thread before. Why: where a Gated DeltaNet head forgets fast, a prefill's decay products
+// exp(cum_i - cum_j) underflow into denormals, and every operation on one takes a microcode assist (the
+// chunked rule then ran several times slower, reports/bench-full-size.md). Not x86: nothing, false.
+bool qk_flush_denormals(bool on) {
+#if defined(__x86_64__) || defined(__i386__)
+  constexpr unsigned kBits = 0x8040;  // FTZ (bit 15) | DAZ (bit 6)
+  const bool was = (_mm_getcsr() & kBits) == kBits;
+  const auto set = [on] { _mm_setcsr(on ? (_mm_getcsr() | kBits) : (_mm_getcsr() & ~kBits)); };
+  set();
+  // one index per thread: OpenMP's static split gives each thread of the team exactly one
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) set();
+  });
+  return was;
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 // Sum of an fp32 tensor, read once at full speed on torch's pool: what the benches time as the machine's
 // read bandwidth (torch's own sum reads 30-50% slower on the build machine, so it understated the bound).
 double qk_stream_sum(torch::Tensor x) {
@@ -681,6 +704,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gdn_step", &qk_gdn_step, "a Gated DeltaNet layer between its projections, one token");
   mod.def("attn_step", &qk_attn_step, "a gated attention layer between its projections, one token");
   mod.def("delta_step", &qk_delta_step, "one token of the gated delta rule, state updated in place");
+  mod.def("flush_denormals", &qk_flush_denormals, "FTZ and DAZ on every thread of torch's pool (or off): were they on");
   mod.def("stream_sum", &qk_stream_sum, "sum of an fp32 tensor at streaming speed (the read-bandwidth probe)");
   mod.def("isa", &qk_isa, "the instruction set level in use: 2 AVX512, 1 AVX2, 0 generic");
   mod.def("detect_isa", &qk_detect_isa, "the best level this CPU and this build can run");

@@ -35,7 +35,7 @@ class GatheredExperts:
         for li, e in enumerate(g.ids):
             local[e], own[e] = li, 1.0
         self.local, self.own = local.to(g.device), own.to(g.device)
-        experts._fused = None  # kernel tensors moved: the fused CPU table is rebuilt from them
+        experts._fused = experts._rows = None  # kernel tensors moved: the fused CPU table is rebuilt from them
 
     @staticmethod
     def possible(group_kernels: list[Kernel]) -> bool:

@@ -84,7 +84,12 @@ class Model:
         """Logits [V] of the last of the T tokens `ids` (all_logits: [T, V]), cache advanced by T.
         keep_positions: a speculative verify (T one-token steps' logits bit for bit, the Gated DeltaNet states
         after every position kept for `cache.rewind`). hidden: (logits, the final norm's output [T, H] of every
-        token), what the MTP layer drafts from."""
+        token), what the MTP layer drafts from. CPU work runs with denormals flushed (`denormals_flushed`)."""
+        with cpu_kernel.denormals_flushed():
+            return self._forward(ids, cache, all_logits, keep_positions, hidden)
+
+    def _forward(self, ids: list[int] | torch.Tensor, cache: HybridCache, all_logits: bool, keep_positions: bool,
+                 hidden: bool) -> Any:
         t = len(ids) if isinstance(ids, list) else int(ids.numel())
         if t == 0:
             raise ValueError("forward of no tokens")
