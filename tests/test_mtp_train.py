@@ -2,7 +2,7 @@
 the torch copy of the layer computes what the runtime's `MTP.forward` does; a small training budget makes the
 drafts accepted far above the random layer's, and greedy output with drafts stays the output without them,
 with drafts accepted, partly accepted (state rolled back mid-run) and rejected; only the `mtp.*` tensors are
-rewritten, in place and deterministically; bad input is one line."""
+rewritten, in place and deterministically; bad input is one line; `tiny-model --mtp --train-mtp` runs it."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from quantkit.runtime.model.cache import HybridCache
 from quantkit.testing import mtp_train
 from quantkit.testing.mtp_train import EVAL_SEED, TrainOptions, agreement, chat_prompts, train_mtp
 
+from conftest import one_line_error, run_cli
 from test_runtime_common import quantized
 
 
@@ -187,3 +188,19 @@ def test_bad_input_is_one_line(tiny_model: Path, tiny_model_mtp: Path, tmp_path:
         train_mtp(tmp_path, TINY)
     with pytest.raises(QuantkitError, match="held-out"):
         train_mtp(tiny_model_mtp, TrainOptions(prompts=2, held_out=2))
+
+
+def test_cli_trains_and_refuses(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    import quantkit.cli.tiny as cli_tiny
+
+    monkeypatch.setattr(cli_tiny, "TrainOptions", Tiny)
+    code, out, err = run_cli(["tiny-model", tmp_path / "t", "--mtp", "--train-mtp", "--train-steps", "2"],
+                             capsys, monkeypatch)
+    assert code == 0, err
+    assert "MTP layer trained: 2 steps" in " ".join(out.split())
+    assert json.loads((tmp_path / "t" / "quantkit-tiny.json").read_text())["mtp_trained"]["options"]["steps"] == 2
+    code, out, err = run_cli(["tiny-model", tmp_path / "u", "--train-mtp"], capsys, monkeypatch)
+    one_line_error(code, out, err, "--train-mtp", "--mtp")
+    code, out, err = run_cli(["tiny-model", tmp_path / "u", "--mtp", "--train-steps", "5"], capsys, monkeypatch)
+    one_line_error(code, out, err, "--train-steps")
+    assert not (tmp_path / "u").exists()
