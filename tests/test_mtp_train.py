@@ -2,7 +2,7 @@
 the torch copy of the layer computes what the runtime's `MTP.forward` does; a small training budget makes the
 drafts accepted far above the random layer's, and greedy output with drafts stays the output without them,
 with drafts accepted, partly accepted (state rolled back mid-run) and rejected; only the `mtp.*` tensors are
-rewritten, in place and deterministically; bad input is one line; `tiny-model --mtp --train-mtp` runs it."""
+rewritten, in place and deterministically; bad input is one line; the CLI and the bench's trained part run it."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from quantkit.bench import mtp as mtp_bench
 from quantkit.errors import QuantkitError
 from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.model.cache import HybridCache
@@ -204,3 +205,25 @@ def test_cli_trains_and_refuses(tmp_path: Path, capsys, monkeypatch: pytest.Monk
     code, out, err = run_cli(["tiny-model", tmp_path / "u", "--mtp", "--train-steps", "5"], capsys, monkeypatch)
     one_line_error(code, out, err, "--train-steps")
     assert not (tmp_path / "u").exists()
+
+
+def test_bench_trained_part_keeps_the_oracle_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`bench mtp --part trained` on a small budget: the oracle part of the report already there is kept, the
+    trained section added with the measured acceptances and an estimate read off the oracle rows."""
+    reports = tmp_path / "reports"
+    reports.mkdir()
+    shutil.copy(Path(__file__).parents[1] / "reports" / "bench-mtp.json", reports / "bench-mtp.json")
+    oracle = json.loads((reports / "bench-mtp.json").read_text())
+    oracle.pop("trained", None)
+    monkeypatch.setattr(mtp_bench, "TrainOptions", Small)
+    d = mtp_bench.run(reports, tmp_path / "work", parts=("trained",), new_tokens=16, rounds=1, log=lambda *_: None)
+    assert {k: v for k, v in d.items() if k != "trained"} == oracle
+    t = json.loads((reports / "bench-mtp.json").read_text())["trained"]
+    assert t["training"]["options"]["steps"] == SMALL.steps and t["greedy_identical"]
+    rows = {(x["layer"], x["recipe"]): x["rows"] for x in t["layers"]}
+    name = t["recipe"]["name"]
+    assert rows["trained", name][0]["acceptance"] > rows["untrained (random)", name][0]["acceptance"] + 0.3
+    md = (reports / "bench-mtp.md").read_text()
+    assert "## A trained MTP layer: a real acceptance" in md and "| drafts | acceptance |" in md
+    assert "not measured yet" not in md and "interpolated over their accepted / drafted" in md
+    assert not (reports / "bench-mtp.png").exists()  # the oracle's plot is not redrawn
