@@ -1,8 +1,9 @@
 """A tiny checkpoint's MTP layer trained on its own model's greedy continuations (quantkit/testing/mtp_train.py):
-the torch copy of the layer computes what the runtime's `MTP.forward` does; a small training budget makes the
-drafts accepted far above the random layer's, and greedy output with drafts stays the output without them,
-with drafts accepted, partly accepted (state rolled back mid-run) and rejected; only the `mtp.*` tensors are
-rewritten, in place and deterministically; bad input is one line; the CLI and the bench's trained part run it."""
+the torch copy of the layer computes what the runtime's `MTP.forward` does (training refuses one that does not); a
+small training budget makes the drafts accepted far above the random layer's, and greedy output with drafts stays
+the output without them, with drafts accepted, partly accepted (state rolled back mid-run) and rejected; only the
+`mtp.*` tensors are rewritten, in place and deterministically; bad input is one line; the CLI and the bench's
+trained part run it."""
 
 from __future__ import annotations
 
@@ -92,8 +93,22 @@ def test_the_torch_layer_computes_what_the_runtime_does(tiny_model_mtp: Path, tr
     for folder in (tiny_model_mtp, trained):
         a = agreement(folder)
         assert a["positions"] > 30
-        assert a["close"] >= 0.9 and a["argmax_agreement"] >= 0.9, (folder.name, a)
+        assert a["close"] >= mtp_train.MIN_CLOSE and a["argmax_agreement"] >= 0.9, (folder.name, a)
         assert a["median_abs_diff"] < mtp_train.CLOSE * a["logit_std"], a
+
+
+def test_training_refuses_a_copy_that_computes_another_layer(tiny_model_mtp: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check runs before any training: a copy with [hidden, embedding] swapped is refused in one line and the
+    folder is left as it was."""
+    folder = _copy(tiny_model_mtp, tmp_path / "m")
+    forward = mtp_train.TorchMTP.forward
+    monkeypatch.setattr(mtp_train.TorchMTP, "forward", lambda self, emb, hidden: forward(self, hidden, emb))
+    with pytest.raises(QuantkitError, match="does not compute what the runtime does") as e:
+        train_mtp(folder, TINY)
+    assert "\n" not in str(e.value)
+    for f in tiny_model_mtp.iterdir():
+        assert (folder / f.name).read_bytes() == f.read_bytes(), f.name
 
 
 def _decode(rt, prompts: list[list[int]], draft: int) -> tuple[list[list[int]], int, int]:

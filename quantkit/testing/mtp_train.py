@@ -14,7 +14,8 @@ Contract:
   where the model wrote it). Teacher forcing: the layer always sees the model's hidden states.
 - Model: `TorchMTP`, a differentiable torch copy of runtime/model/mtp.py (the two input norms, `fc` over
   [embedding, hidden], transformers' own Qwen3.5-MoE decoder layer as a one-layer full-attention config, the final
-  norm) on the frozen embedding and lm_head. `agreement` holds it to the runtime's `MTP.forward` on the same pairs.
+  norm) on the frozen embedding and lm_head. `compare` holds it to the runtime's `MTP.forward` on the same pairs;
+  training refuses (one line) a copy whose logits are not close at MIN_CLOSE of the positions.
 - Training: only the `mtp.*` weights, fp32, AdamW on cross-entropy, `steps` steps of `batch` sequences in a
   seeded order; the first `held_out` prompts are never trained on and give the report's agreement figures.
   Deterministic for the same folder and options (one thread while it trains).
@@ -50,12 +51,15 @@ from quantkit.testing.tokenizer import tiny_corpus
 EMBED = "model.language_model.embed_tokens.weight"
 HEAD = "lm_head.weight"
 SIDECAR = "quantkit-tiny.json"
-CLOSE = 0.1  # `agreement`: a position's logits agree when they differ by less than this share of their spread
+CLOSE = 0.1  # `compare`: a position's logits agree when they differ by less than this share of their spread
+MIN_CLOSE = 0.9  # `train_mtp` refuses a torch copy whose logits are close at fewer positions
 EVAL_SEED = 1000  # prompt_texts(n, seed + EVAL_SEED): prompts no training run of the same seed draws
 
 
 @dataclass(frozen=True)
 class TrainOptions:
+    """The data and the budget (the defaults: the bench's fixture)."""
+
     prompts: int = 320  # seeded chat prompts the model continues (held_out of them never trained on)
     new_tokens: int = 64  # greedy tokens per prompt
     held_out: int = 16
@@ -74,12 +78,15 @@ class TrainOptions:
 
 @dataclass
 class TrainReport:
+    """What a training did: the sidecar's "mtp_trained"."""
+
     options: dict[str, Any]
     pairs: int  # training pairs (positions) in all
     loss_before: float  # mean cross-entropy of the training pairs before / after
     loss_after: float
     held_out_before: float  # the layer's top-1 agreement with the model on the held-out continuations
     held_out_after: float
+    agreement: dict[str, float]  # `compare` before training, on the first held-out sequence
     seconds: float
 
     def to_dict(self) -> dict[str, Any]:
@@ -318,7 +325,12 @@ def train_mtp(folder: str | Path, options: TrainOptions | None = None) -> TrainR
         embed, head = ck.read(EMBED).float(), ck.read(HEAD).float()
         rt = load_model(folder, verify="quick")
         seqs = make_pairs(rt, o)
+        check = compare(rt.model, ck, seqs[0])  # what is trained must be what drafts
         del rt
+        if check["close"] < MIN_CLOSE:
+            raise QuantkitError(f"the torch copy of {folder.name}'s MTP layer does not compute what the runtime "
+                                f"does (logits close at {check['close']:.0%} of {check['positions']} positions); "
+                                "training it would train another layer")
         held, train = seqs[:o.held_out], seqs[o.held_out:]
         loss0, _ = _loss_and_agreement(mtp, train, embed, head)
         _, held0 = _loss_and_agreement(mtp, held, embed, head)
@@ -328,7 +340,7 @@ def train_mtp(folder: str | Path, options: TrainOptions | None = None) -> TrainR
         loss1, _ = _loss_and_agreement(mtp, train, embed, head)
         _, held1 = _loss_and_agreement(mtp, held, embed, head)
         report = TrainReport(asdict(o), sum(len(s.tokens) for s in train), loss0, loss1, held0, held1,
-                             time.perf_counter() - t0)
+                             check, time.perf_counter() - t0)
         write_back(ck, mtp.checkpoint_tensors(), report)
     return report
 
@@ -381,18 +393,21 @@ def write_back(ck: Checkpoint, tensors: dict[str, torch.Tensor], report: TrainRe
 
 # ---- the torch copy against the runtime ----
 def agreement(folder: str | Path, new_tokens: int = 32, seed: int = 0) -> dict[str, float]:
-    """`TorchMTP` (weights as stored, bf16) against the runtime's `MTP.forward` on the pairs of one greedy
-    sequence, the runtime fed one pair per call as it drafts. Per position, the largest logit difference; `close`:
-    the share of positions where it is under CLOSE of the logits' spread (a position whose routing is a near tie
-    may pick another expert in either); `argmax_agreement`: how often the two drafts agree."""
+    """`compare` on the pairs of one greedy continuation of a held-out prompt of `folder`'s model."""
     from quantkit.runtime import load_model
 
-    folder = Path(folder)
-    with check_folder(folder) as ck, _one_thread(), torch.inference_mode():
+    with check_folder(Path(folder)) as ck, _one_thread(), torch.inference_mode():
         rt = load_model(folder, verify="quick")
-        model = rt.model
         ids = chat_prompts(rt, 1, seed + EVAL_SEED)[0]
-        p = sequence_pairs(model, ids + greedy(rt, ids, new_tokens))
+        return compare(rt.model, ck, sequence_pairs(rt.model, ids + greedy(rt, ids, new_tokens)))
+
+
+def compare(model: Any, ck: Checkpoint, p: Pairs) -> dict[str, float]:
+    """`TorchMTP` with `ck`'s weights as stored (bf16) against the runtime's `MTP.forward` on the pairs `p`, the
+    runtime fed one pair per call as it drafts. Per position, the largest logit difference; `close`: the share of
+    positions where it is under CLOSE of the logits' spread (a position whose routing is a near tie may pick another
+    expert in either); `argmax_agreement`: how often the two drafts agree."""
+    with torch.inference_mode():
         cache = model.mtp.new_cache(len(p.tokens))
         ours = torch.stack([model.mtp.forward(model, [int(t)], p.hidden[i:i + 1], cache)[0].float()
                             for i, t in enumerate(p.tokens)])
