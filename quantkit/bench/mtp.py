@@ -1,18 +1,29 @@
-"""`quantkit bench mtp`: what speculative decoding with the MTP layer gains, on a realistic-shape checkpoint with an
-MTP layer (real hidden, expert and head sizes; fewer layers and experts; random weights). Writes
-reports/bench-mtp.{md,json,png}.
+"""`quantkit bench mtp`: what speculative decoding with the MTP layer gains. Writes reports/bench-mtp.{md,json,png};
+`--part oracle` or `--part trained` runs one part and keeps the other's rows from the report already there.
 
-Random weights give an MTP layer that never agrees with the model, so the acceptance is set instead: an oracle
-drafter runs the real MTP layer (its cost is paid) and then proposes the model's own greedy continuation, each
-draft replaced by a wrong token with probability 1 - acceptance (seeded). For each draft count and acceptance,
-greedy decode tok/s (best of `reps`) beside decoding without drafts, in interleaved rounds; the greedy tokens are
-checked equal to the run without drafts. Apart: the cost of a verify of T = 2..4 tokens against one decode step
-(median of `steps` calls each). llama.cpp's MTP needs its `nextn` tensors, which quantkit's GGUF export does not
-write yet, so it is not run here.
+Oracle part, on a realistic-shape checkpoint with an MTP layer (real hidden, expert and head sizes; fewer layers and
+experts; random weights). Random weights give an MTP layer that never agrees with the model, so the acceptance is
+set instead: an oracle drafter runs the real MTP layer (its cost is paid) and then proposes the model's own greedy
+continuation, each draft replaced by a wrong token with probability 1 - acceptance (seeded). For each draft count
+and acceptance, greedy decode tok/s (best of `reps`) beside decoding without drafts, in interleaved rounds; the
+greedy tokens are checked equal to the run without drafts. Apart: the cost of a verify of T = 2..4 tokens against
+one decode step (median of `steps` calls each).
+
+Trained part, a real acceptance: the tests' tiny checkpoint with an MTP layer, written twice with the same seed,
+once as is (a random layer) and once with its layer trained on the model's own greedy continuations
+(quantkit.testing.mtp_train, the default `TrainOptions`), each quantized by `quantkit quantize`'s default recipe as a
+user would. Greedy decode of held-out chat prompts (none the training drew) without drafts and with 1-3 drafts, in
+interleaved rounds: acceptance (accepted / drafted), tok/s of the best round and its ratio to decoding without
+drafts, and whether the greedy tokens are identical; the trained layer on the unquantized checkpoint too (what
+quantizing the main model costs the acceptance). Where the oracle rows are in the report, the trained layer's
+acceptance is also read off them as a realistic-shape speed-up estimate.
+
+llama.cpp's MTP needs its `nextn` tensors, which quantkit's GGUF export does not write yet, so it is not run here.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
 from pathlib import Path
@@ -22,14 +33,19 @@ import torch
 
 from quantkit.bench import write_reports
 from quantkit.bench.engines import _machine
+from quantkit.errors import QuantkitError
+from quantkit.fileio import read_json_bounded
+from quantkit.recipe import Recipe, build_recipe
 from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.model.draft_head import DRAFT_ROWS
-from quantkit.testing.tiny import make_tiny_model
+from quantkit.testing.mtp_train import EVAL_SEED, TrainOptions, chat_prompts
+from quantkit.testing.tiny import SIDECAR, make_tiny_model
 
 ACCEPTANCES = (0.5, 0.6, 0.7, 0.8, 0.88, 0.95, 1.0)
 DRAFTS = (1, 2, 3)
 TARGET_SPEEDUP = 1.5  # at acceptance 0.88 with one draft token
 TARGET_VERIFY = 1.3  # a 2-token verify against one decode step
+PARTS = ("oracle", "trained")
 
 
 class OracleDrafter:
@@ -99,9 +115,10 @@ def verify_costs(rt: Any, prompt: list[int], steps: int) -> dict[str, float]:
     return out
 
 
-def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, vocab: int = 248320, prompt_len: int = 64,
-        new_tokens: int = 48, reps: int = 2, rounds: int = 2, steps: int = 20, threads: int | None = None,
-        draft_vocab: int = DRAFT_ROWS, log: Any = print) -> dict[str, Any]:
+def run_oracle(workdir: Path, layers: int = 4, experts: int = 64, vocab: int = 248320, prompt_len: int = 64,
+               new_tokens: int = 48, reps: int = 2, rounds: int = 2, steps: int = 20, threads: int | None = None,
+               draft_vocab: int = DRAFT_ROWS, log: Any = print) -> dict[str, Any]:
+    """The oracle part on the realistic-shape checkpoint (module docstring): the report's data, less "trained"."""
     t_all = time.perf_counter()
     if threads:
         torch.set_num_threads(threads)
@@ -156,8 +173,139 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, vocab:
         "verify_2_vs_step": {"target": TARGET_VERIFY, "got": data["verify_ratio"]["2"]},
         "greedy_identical": all(r["same_tokens"] for r in rows.values()),
     }
+    return data
+
+
+# ---- the trained part: a real acceptance ----
+TRAINED_SHAPE = {"layers": 4, "experts": 8, "top_k": 2, "hidden": 64, "intermediate": 32}  # the tests' tiny shape
+TRAINED_PROMPTS = 24  # held-out chat prompts each configuration decodes
+UNQUANTIZED = "bf16 (unquantized)"
+
+
+def trained_folders(workdir: Path, train: TrainOptions, recipe: Recipe, log: Any) -> dict[str, Path]:
+    """The tiny checkpoint with an MTP layer as written (random layer) and with its layer trained, each quantized
+    with `recipe`; written again every run (seeded: the same bytes)."""
+    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.quantize.run import QuantizeOptions, run_quantize
+
+    out: dict[str, Path] = {}
+    for name, opts in (("untrained", None), ("trained", train)):
+        src = workdir / f"tiny-mtp-{name}"
+        log(f"writing {src}" + (f" (training its MTP layer, {train.steps} steps)" if opts else ""))
+        make_tiny_model(src, mtp=True, seed=train.seed, overwrite=True, train_mtp=opts, **TRAINED_SHAPE)
+        q = workdir / f"tiny-mtp-{name}-{recipe.name}"
+        with Checkpoint.open(src) as ck:
+            run_quantize(ck, q, QuantizeOptions(recipe, mode="overwrite"))
+        out[f"{name}-bf16"], out[f"{name}-quantized"] = src, q
+    return out
+
+
+def decode_prompts(rt: Any, prompts: list[list[int]], n: int, draft: int) -> dict[str, Any]:
+    """Greedy decode of `n` tokens after each prompt with `draft` drafts per verify: the tokens, decode steps and
+    seconds (what generation tok/s divides), the draft counts summed."""
+    rt.set_mtp(draft)
+    out: dict[str, Any] = {"tokens": [], "steps": 0, "seconds": 0.0, "drafted": 0, "accepted": 0}
+    for ids in prompts:
+        resp = None
+        for e in rt.generate_ids(ids, SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True),
+                                 thinking=False, stop_ids=set()):
+            resp = e.response or resp
+        out["tokens"].append(list(resp.token_ids))
+        out["steps"] += max(0, resp.generation_tokens - 1)
+        out["seconds"] += resp.decode_seconds
+        if resp.mtp is not None:
+            out["drafted"] += resp.mtp["drafted"]
+            out["accepted"] += resp.mtp["accepted"]
+    rt.set_mtp(0)
+    return out
+
+
+def measure_layer(folder: Path, n_prompts: int, new_tokens: int, rounds: int, seed: int) -> dict[str, Any]:
+    """Greedy decode of held-out prompts without drafts and with 1-3 drafts, in interleaved rounds: tok/s of the
+    best round, acceptance (accepted / drafted), whether the tokens equal those without drafts."""
+    rt = load_model(folder, verify="quick")
+    prompts = chat_prompts(rt, n_prompts, seed + EVAL_SEED)  # never among the training prompts
+    best: dict[int, float] = {}
+    runs: dict[int, dict[str, Any]] = {}
+    same = dict.fromkeys(DRAFTS, True)
+    for _ in range(rounds):
+        for k in (0, *DRAFTS):
+            r = decode_prompts(rt, prompts, new_tokens, k)
+            tps = r["steps"] / r["seconds"] if r["seconds"] else 0.0
+            if k == 0:
+                ref = r["tokens"]
+            else:
+                same[k] = same[k] and r["tokens"] == ref
+            if tps > best.get(k, -1.0):
+                best[k], runs[k] = tps, r
+    rows = [{"draft": k, "drafted": runs[k]["drafted"], "accepted": runs[k]["accepted"],
+             "acceptance": runs[k]["accepted"] / runs[k]["drafted"] if runs[k]["drafted"] else 0.0,
+             "tok_s": best[k], "speedup": best[k] / best[0] if best[0] else float("nan"),
+             "same_tokens": same[k]} for k in DRAFTS]
+    return {"baseline_tok_s": best[0], "rows": rows}
+
+
+def run_trained(workdir: Path, new_tokens: int = 48, rounds: int = 2, prompts: int = TRAINED_PROMPTS,
+                train: TrainOptions | None = None, log: Any = print) -> dict[str, Any]:
+    """The trained part (module docstring): the report's "trained" section."""
+    t_all = time.perf_counter()
+    train = train or TrainOptions()
+    rec = build_recipe()  # `quantkit quantize`'s default
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model's matmuls: thread hand-offs cost more than they save
+    try:
+        folders = trained_folders(workdir, train, rec, log)
+        side = json.loads((folders["trained-bf16"] / SIDECAR).read_text())
+        layers = []
+        for key, layer, recipe in (("untrained-quantized", "untrained (random)", rec.name),
+                                   ("trained-quantized", "trained", rec.name),
+                                   ("trained-bf16", "trained", UNQUANTIZED)):
+            log(f"decoding {prompts} held-out prompts with the {layer} MTP layer, {recipe}")
+            layers.append({"layer": layer, "recipe": recipe,
+                           **measure_layer(folders[key], prompts, new_tokens, rounds, train.seed)})
+    finally:
+        torch.set_num_threads(threads)
+    return {"command": "quantkit bench mtp --part trained"
+                       + (f" --new-tokens {new_tokens}" if new_tokens != 48 else "")
+                       + (f" --rounds {rounds}" if rounds != 2 else ""),
+            "machine": _machine(), "threads": 1, "shape": TRAINED_SHAPE, "training": side["mtp_trained"],
+            "recipe": {"name": rec.name, "description": rec.description},
+            "prompts": prompts, "new_tokens": new_tokens, "rounds": rounds, "layers": layers,
+            "greedy_identical": all(r["same_tokens"] for x in layers for r in x["rows"]),
+            "seconds": time.perf_counter() - t_all}
+
+
+def previous(reports: Path) -> dict[str, Any]:
+    """The report this bench wrote last (its parts not run again are kept), or nothing."""
+    try:
+        d = read_json_bounded(reports / "bench-mtp.json")
+    except QuantkitError:
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, vocab: int = 248320, prompt_len: int = 64,
+        new_tokens: int = 48, reps: int = 2, rounds: int = 2, steps: int = 20, threads: int | None = None,
+        draft_vocab: int = DRAFT_ROWS, parts: tuple[str, ...] = PARTS, log: Any = print) -> dict[str, Any]:
+    """Run `parts` ("oracle", "trained") and write reports/bench-mtp.{md,json} (and .png with the oracle part);
+    a part not run keeps its data from the report already there."""
+    if not parts or not set(parts) <= set(PARTS):
+        raise QuantkitError(f"bench mtp parts: {', '.join(PARTS)}")
+    old = previous(reports) if set(parts) != set(PARTS) else {}
+    workdir.mkdir(parents=True, exist_ok=True)
+    if "oracle" in parts:
+        data = run_oracle(workdir, layers, experts, vocab, prompt_len, new_tokens, reps, rounds, steps, threads,
+                          draft_vocab, log)
+    else:
+        data = {k: v for k, v in old.items() if k != "trained"} if "rows" in old else {}
+    if "trained" in parts:
+        data["trained"] = run_trained(workdir, new_tokens, rounds, log=log)
+    elif "trained" in old:
+        data["trained"] = old["trained"]
+    data.setdefault("command", data.get("trained", {}).get("command", "quantkit bench mtp"))
     reports.mkdir(parents=True, exist_ok=True)
-    plot(data, reports / "bench-mtp.png")
+    if "oracle" in parts:
+        plot(data, reports / "bench-mtp.png")
     write_reports(reports, "bench-mtp", data, render(data))
     return data
 
@@ -193,9 +341,17 @@ def draft_head_line(d: dict[str, Any]) -> str:
 
 
 def render(d: dict[str, Any]) -> str:
+    out = ["# MTP speculative decoding: decode tok/s against draft acceptance", ""]
+    if "rows" in d:
+        out += render_oracle(d)
+    if "trained" in d:
+        out += render_trained(d["trained"], d.get("rows"))
+    return "\n".join(out)
+
+
+def render_oracle(d: dict[str, Any]) -> list[str]:
     m, s = d["machine"], d["shape"]
-    out = ["# MTP speculative decoding: decode tok/s against draft acceptance", "",
-           f"Command: `{d['command']}` ({d['seconds']:.0f} s). Machine: {m['cpu']}, {m['cores']} cores, "
+    out = [f"Command: `{d['command']}` ({d['seconds']:.0f} s). Machine: {m['cpu']}, {m['cores']} cores, "
            f"{m['ram_gb']} GB RAM, instruction sets {m['isa']}, torch {m['torch']}, {d['threads']} threads, route "
            f"{d['route']}; load average at start {m['load_avg_at_start']:.1f}.", "",
            f"Checkpoint: realistic shapes (hidden {s['hidden']}, vocab {s['vocab']:,}) with {s['layers']} layers of "
@@ -204,8 +360,9 @@ def render(d: dict[str, Any]) -> str:
            f"prompt, best of {d['reps']} in each of {d['rounds']} rounds.", "",
            "Random weights give an MTP layer that never agrees with the model, so an oracle drafter sets the "
            "acceptance: it runs the real MTP layer (its cost is paid), then proposes the model's own continuation, "
-           "each draft wrong with probability 1 - acceptance. A real acceptance from a trained MTP layer is not "
-           "measured yet (no trained fixture). llama.cpp's MTP is not beside it: quantkit's GGUF export does not "
+           "each draft wrong with probability 1 - acceptance. A real acceptance is measured apart, on a tiny model "
+           "whose MTP layer was trained on its own greedy continuations (the last section, `--part trained`). "
+           "llama.cpp's MTP is not beside it: quantkit's GGUF export does not "
            "write the `nextn` tensors its MTP graph reads yet.", "",
            draft_head_line(d), "",
            f"No MTP: **{d['baseline_tok_s']:.1f} tok/s**.", "",
@@ -230,4 +387,64 @@ def render(d: dict[str, Any]) -> str:
             f"**{'met' if vr['got'] <= vr['target'] else 'MISSED'}**, {vr['got']:.2f}x",
             f"- greedy output identical with and without drafts: **{'met' if tg['greedy_identical'] else 'MISSED'}**",
             ""]
-    return "\n".join(out)
+    return out
+
+
+def oracle_speedup(rows: list[dict[str, Any]], draft: int, acceptance: float) -> float | None:
+    """The oracle rows' speed-up at a measured acceptance (accepted / drafted) for `draft` drafts, interpolated
+    linearly between the two rows around it; None outside their range."""
+    pts = sorted((r["measured_acceptance"], r["speedup"]) for r in rows if r["draft"] == draft)
+    for (a0, s0), (a1, s1) in zip(pts, pts[1:], strict=False):
+        if a0 <= acceptance <= a1:
+            return s0 if a1 == a0 else s0 + (s1 - s0) * (acceptance - a0) / (a1 - a0)
+    return None
+
+
+def render_trained(t: dict[str, Any], oracle: list[dict[str, Any]] | None) -> list[str]:
+    m, s, tr = t["machine"], t["shape"], t["training"]
+    o = tr["options"]
+    out = ["## A trained MTP layer: a real acceptance", "",
+           f"Command: `{t['command']}` ({t['seconds']:.0f} s, training included). Machine: {m['cpu']}, "
+           f"{m['cores']} cores, torch {m['torch']}, {t['threads']} thread; load average at start "
+           f"{m['load_avg_at_start']:.1f}.", "",
+           f"Checkpoint: the tests' tiny shape (hidden {s['hidden']}, {s['layers']} layers of {s['experts']} experts, "
+           f"top-{s['top_k']}, random weights) with an MTP layer trained by self-distillation "
+           "(quantkit.testing.mtp_train, `quantkit tiny-model OUT --mtp --train-mtp`): the model's own greedy "
+           f"continuations of {o['prompts'] - o['held_out']} seeded chat prompts ({tr['pairs']:,} positions, "
+           f"{o['new_tokens']} new tokens each), only `mtp.*` trained, teacher-forced on the model's final-normed "
+           f"hidden states, {o['steps']} steps ({tr['seconds']:.0f} s on one thread, data included); its top-1 "
+           f"agreement with the model over {o['held_out']} held-out prompts and their continuations went from "
+           f"{tr['held_out_before']:.2f} to {tr['held_out_after']:.2f}. Quantized by `quantkit quantize`'s default "
+           f"recipe, as a user would ({t['recipe']['name']}: {t['recipe']['description']}; the MTP layer's tensors "
+           "by the same roles); the same checkpoint with its random MTP layer beside it. Greedy decode of "
+           f"{t['new_tokens']} tokens after each of {t['prompts']} chat prompts none of the training drew, best "
+           f"of {t['rounds']} rounds.", "",
+           "| MTP layer | weights | drafts | accepted / drafted | acceptance | decode tok/s | vs no MTP | same greedy "
+           "tokens |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    for x in t["layers"]:
+        out.append(f"| {x['layer']} | {x['recipe']} | 0 | | | {x['baseline_tok_s']:.0f} | 1.00x | |")
+        for r in x["rows"]:
+            out.append(f"| {x['layer']} | {x['recipe']} | {r['draft']} | {r['accepted']} / {r['drafted']} | "
+                       f"**{r['acceptance']:.2f}** | {r['tok_s']:.0f} | {r['speedup']:.2f}x | "
+                       f"{'yes' if r['same_tokens'] else 'NO'} |")
+    q = next((x for x in t["layers"] if x["layer"] == "trained" and x["recipe"] != UNQUANTIZED), None)
+    bf = next((x for x in t["layers"] if x["layer"] == "trained" and x["recipe"] == UNQUANTIZED), None)
+    step_ms = 1e3 / q["baseline_tok_s"] if q and q["baseline_tok_s"] else float("nan")
+    out += ["", "Greedy output identical with and without drafts, the trained drafter's included (drafts accepted, "
+            f"and rolled back where rejected): **{'met' if t['greedy_identical'] else 'MISSED'}**.", "",
+            f"The tok/s ratio is this tiny model's own: one decode step of it is a single kernel call of "
+            f"{step_ms:.2f} ms, while the MTP layer's forward (and a verify's bookkeeping) runs op by op, so the "
+            "ratio weighs per-call costs more than the weights a step reads, unlike the real model's. What carries "
+            "over is the acceptance."]
+    if q and bf:
+        out[-1] += (" The layer learned from the bf16 model; quantized, the main model's greedy tokens may differ "
+                    f"from those: with one draft, acceptance {q['rows'][0]['acceptance']:.2f} quantized against "
+                    f"{bf['rows'][0]['acceptance']:.2f} unquantized.")
+    if oracle and q:
+        est = [(r["draft"], r["acceptance"], oracle_speedup(oracle, r["draft"], r["acceptance"])) for r in q["rows"]]
+        parts = [f"{k} draft{'s' if k > 1 else ''} at {a:.2f}: " + (f"{e:.2f}x" if e is not None else "outside them")
+                 for k, a, e in est]
+        out += ["", "At these acceptances (the trained layer, quantized), the realistic-shape oracle rows above give, "
+                "interpolated over their accepted / drafted: " + "; ".join(parts) + " (an estimate: the oracle's "
+                "rejections fall at random, a real layer's where the text is hard)."]
+    return out + [""]

@@ -214,13 +214,25 @@ def bench_mtp(
     draft_vocab: int = typer.Option(None, "--draft-vocab", min=0, show_default=False,
                                     help="ids the draft head scores from the bottom of the vocabulary, 0: all "
                                          "[default: the runtime's]"),
+    part: str = typer.Option("all", "--part", help="all; oracle: the realistic-shape checkpoint with an oracle "
+                             "drafter; trained: a tiny model whose MTP layer is trained first (a real acceptance). "
+                             "A part not run keeps its rows from the report already there"),
 ) -> None:
-    """MTP speculative decoding: decode tok/s against draft acceptance (an oracle drafter), and a verify's cost."""
+    """MTP speculative decoding: decode tok/s against draft acceptance (an oracle drafter), a verify's cost, and the
+    acceptance of an MTP layer trained on its own model (a tiny one)."""
+    if part not in ("all", *mtp_bench.PARTS):
+        fail(f"--part {part!r}: use all, {', '.join(mtp_bench.PARTS)}")
     threads = _threads(threads)
     d = mtp_bench.run(reports, workdir, layers, experts, vocab, new_tokens=new_tokens, reps=reps, rounds=rounds,
                       threads=threads, log=console.print,
+                      parts=mtp_bench.PARTS if part == "all" else (part,),
                       **({} if draft_vocab is None else {"draft_vocab": draft_vocab}))
-    console.print(f"wrote {reports / 'bench-mtp.md'} ({d['seconds']:.0f} s)")
+    for x in d.get("trained", {}).get("layers", []) if part != "oracle" else []:
+        console.print(f"{x['layer']} MTP layer, {x['recipe']}: acceptance "
+                      + ", ".join(f"{r['acceptance']:.2f} ({r['draft']} draft{'s' if r['draft'] > 1 else ''})"
+                                  for r in x["rows"]))
+    secs = (d["seconds"] if part != "trained" else 0) + (d["trained"]["seconds"] if part != "oracle" else 0)
+    console.print(f"wrote {reports / 'bench-mtp.md'} ({secs:.0f} s)")
 
 
 @bench_app.command("full-size")

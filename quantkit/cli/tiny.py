@@ -1,5 +1,6 @@
 """`quantkit tiny-model OUT_DIR`: parse, call quantkit.testing.tiny.make_tiny_model, render. `--full-size` is the
-published 35B shape; `--quantized RECIPE` writes the quantized folder directly (quantkit.testing.generated)."""
+published 35B shape; `--quantized RECIPE` writes the quantized folder directly (quantkit.testing.generated);
+`--mtp --train-mtp` trains the MTP layer on the model's own greedy continuations (quantkit.testing.mtp_train)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from quantkit.cli.options import COUNT, SEED
 from quantkit.cli.progress import RichProgress, tensor_progress
 from quantkit.quantize.run import Interrupted
 from quantkit.recipe import build_recipe
+from quantkit.testing.mtp_train import TrainOptions
 from quantkit.testing.tiny import FULL_SIZE, SIDECAR, TinyOptions, estimate_bytes, make_tiny_model
 
 
@@ -52,6 +54,10 @@ def tiny_model(
     seed: int = typer.Option(0, "--seed", parser=SEED),
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16, float16 or float32"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a non-empty OUT_DIR"),
+    train_mtp: bool = typer.Option(False, "--train-mtp", help="with --mtp: train the MTP layer on the model's own "
+                                   "greedy continuations (seeded self-distillation), so its drafts are accepted"),
+    train_steps: int = typer.Option(None, "--train-steps", parser=COUNT, show_default=False,
+                                    help=f"optimizer steps of --train-mtp [default: {TrainOptions.steps}]"),
 ) -> None:
     """Write a small random checkpoint of the real qwen3_5_moe architecture, with a working tokenizer."""
     import transformers
@@ -77,6 +83,10 @@ def tiny_model(
         fail("--resume continues a --quantized generation")
     kw = dict(layers=layers, experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate, layout=layout,
               mtp=mtp, decisive=decisive, realistic=realistic, seed=seed, dtype=dtype, overwrite=overwrite, vocab=vocab)
+    if train_mtp:
+        kw["train_mtp"] = TrainOptions(steps=train_steps or TrainOptions.steps, seed=seed)
+    elif train_steps is not None:
+        fail("--train-steps sets the steps of --train-mtp")
     if recipe is not None:
         try:
             with tensor_progress(err_console) as p:
@@ -101,6 +111,11 @@ def tiny_model(
         console.print(f"random weights (a test fixture); check with `quantkit verify {out}`")
         return
     info = json.loads((out / SIDECAR).read_text())
+    if "mtp_trained" in info:
+        t = info["mtp_trained"]
+        console.print(f"MTP layer trained: {t['options']['steps']} steps on {t['pairs']:,} positions of its own "
+                      f"greedy continuations; top-1 agreement with the model on held-out ones "
+                      f"{t['held_out_before']:.2f} -> {t['held_out_after']:.2f} ({t['seconds']:.0f} s)")
     if "decisive" in info:
         d = info["decisive"]
         console.print(f"decisive: min router gap {min(d['router']['min_gap_per_layer']):.3f} logits "

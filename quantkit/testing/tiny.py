@@ -46,6 +46,7 @@ from quantkit.model.spec import dtype_bytes, spec_from_config
 from quantkit.outputs import check_free, guard_output
 from quantkit.progress import Progress
 from quantkit.recipe import Recipe
+from quantkit.testing import mtp_train
 from quantkit.testing.generated import (
     BASE_BYTES,
     check_ram,
@@ -529,9 +530,12 @@ def make_tiny_model(out_dir: str | Path, *, layers: int = 4, experts: int = 8, t
                     decisive: bool = False, realistic: bool = False, seed: int = 0, dtype: str = "bfloat16",
                     max_shard_size: int | None = None, overwrite: bool = False,
                     on_tensor: Callable[[str, int], None] | None = None, quantized: Recipe | None = None,
-                    resume: bool = False, progress: Progress | None = None) -> Path:
+                    resume: bool = False, progress: Progress | None = None, train_mtp: mtp_train.TrainOptions | None = None
+                    ) -> Path:
     """Write a random checkpoint of the real architecture to `out_dir` (atomically) and return it; with
-    `quantized`, the quantized folder of it (`write_quantized`; `resume` continues an interrupted one)."""
+    `quantized`, the quantized folder of it (`write_quantized`; `resume` continues an interrupted one); with
+    `train_mtp`, its MTP layer trained on the model's own greedy continuations before the folder appears
+    (quantkit.testing.mtp_train; the report in the sidecar under "mtp_trained")."""
     o = TinyOptions(layers, experts, top_k, hidden, intermediate, vocab, layout, mtp, decisive, realistic, seed,
                     dtype, max_shard_size)
     if layout not in ("published", "transformers"):
@@ -542,6 +546,9 @@ def make_tiny_model(out_dir: str | Path, *, layers: int = 4, experts: int = 8, t
         raise QuantkitError("transformers' save_pretrained layout has no MTP weights; use --layout published")
     if realistic and (decisive or layout != "published"):
         raise QuantkitError("--realistic writes the published layout only, without --decisive")
+    if train_mtp is not None and (not mtp or realistic or quantized is not None):
+        raise QuantkitError("--train-mtp trains the MTP layer of a tiny checkpoint: add --mtp, drop "
+                            "--realistic/--full-size/--quantized")
     out = Path(out_dir)
     if quantized is not None:
         return _make_quantized(out, o, quantized, overwrite, resume, progress)
@@ -578,6 +585,8 @@ def make_tiny_model(out_dir: str | Path, *, layers: int = 4, experts: int = 8, t
         (tmp / "generation_config.json").write_text(json.dumps(generation_config(), indent=2) + "\n")
         info["files"] = sorted({f.name for f in tmp.iterdir()} | {SIDECAR})  # what --overwrite may delete
         (tmp / SIDECAR).write_text(json.dumps(info, indent=2) + "\n")
+        if train_mtp is not None:
+            mtp_train.train_mtp(tmp, train_mtp)
         _normal_permissions(tmp)  # mkdtemp makes 0700; the result should look like any written folder
         replace_folder(tmp, out)
     except BaseException:
