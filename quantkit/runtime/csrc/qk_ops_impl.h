@@ -320,7 +320,9 @@ double sum_f32(const float* p, int64_t n) {
 // Software prefetch distance in bytes ahead of the bf16 rows' streams. 8 KiB beat 1-4 KiB (248k x 2048
 // matrices, one and two threads, measured side by side on the 2-core build machine); further ahead gained
 // nothing. The int4 / int8 tiles leave their streams to the hardware prefetcher (faster without hints),
-// except the AVX2 one-row int4 tiles (decode), which ask for the block kTilePrefetch bytes ahead: once
+// except the AVX512 tiles of several rows (a verify's, a prefill's: without the hint their streams waited on
+// the extra rows' sums; a 248k-row head, A/B in alternating processes, reports/bench-mtp.md) and the AVX2
+// one-row int4 tiles (decode), which both ask for the block kTilePrefetch bytes ahead. The AVX2 ones: once
 // their sums stopped spilling they waited on memory at each expert's first tiles, and a 4 KiB lead beat
 // none, 1 KiB and 2 KiB in decode tok/s (A/B in alternating processes; 8 KiB no better).
 constexpr int64_t kPrefetch = 8192;
@@ -418,6 +420,8 @@ void tile_int4(const QMat& m, int64_t t, const QAct* a, float* out) {
       dss[r] = 0.f;
     }
     for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+      if (MR > 1)  // several rows (see kTilePrefetch)
+        for (int l = 0; l < 4; ++l) prefetch(qw + b * 256 + kTilePrefetch + 64 * l);
       int4_block<MR>(qw + b * 256, a, b, ga);
       for (int r = 0; r < MR; ++r) dss[r] += a[r].ds[b];
     }
@@ -440,6 +444,8 @@ void tile_int8(const QMat& m, int64_t t, const QAct* a, float* out) {
   for (int r = 0; r < MR; ++r) fs[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = qw + b * 512;
+    if (MR > 1)  // several rows (see kTilePrefetch)
+      for (int l = 0; l < 8; ++l) prefetch(p + kTilePrefetch + 64 * l);
     __m512i w[8];
     for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(p + 64 * c);
     for (int r = 0; r < MR; ++r) {
