@@ -123,7 +123,8 @@ def run_oracle(workdir: Path, layers: int = 4, experts: int = 64, vocab: int = 2
     if threads:
         torch.set_num_threads(threads)
     src = checkpoint(workdir, layers, experts, vocab, log)
-    rt = load_model(src, recipe="int4", verify="quick")
+    rec = build_recipe()  # `quantkit quantize`'s default, as bench engines and a user run it
+    rt = load_model(src, recipe=rec.name, verify="quick")
     if rt.model.mtp is None:
         raise RuntimeError(f"{src} has no MTP layer")
     rt.model.mtp.draft_rows = draft_vocab
@@ -161,7 +162,7 @@ def run_oracle(workdir: Path, layers: int = 4, experts: int = 64, vocab: int = 2
         "draft_head": {"rows": head.rows, "top_from": head.tail, "reduced": head.reduced},
         "machine": _machine(), "threads": torch.get_num_threads(), "route": rt.route()["name"],
         "shape": {"layers": t.num_hidden_layers, "experts": t.num_experts, "top_k": t.num_experts_per_tok,
-                  "hidden": t.hidden_size, "vocab": t.vocab_size, "recipe": "int4 (experts int4, rest int8)"},
+                  "hidden": t.hidden_size, "vocab": t.vocab_size, "recipe": f"{rec.name} ({rec.description})"},
         "prompt_tokens": prompt_len, "new_tokens": new_tokens, "reps": reps, "rounds": rounds,
         "baseline_tok_s": base["tok_s"], "rows": list(rows.values()),
         "verify_s": costs, "verify_ratio": {k: v / costs["1"] for k, v in costs.items()},
