@@ -18,7 +18,9 @@ drafts, and whether the greedy tokens are identical; the trained layer on the un
 quantizing the main model costs the acceptance). Where the oracle rows are in the report, the trained layer's
 acceptance is also read off them as a realistic-shape speed-up estimate.
 
-llama.cpp's MTP needs its `nextn` tensors, which quantkit's GGUF export does not write yet, so it is not run here.
+llama.cpp's MTP is not timed here: the GGUF export writes its NextN block and its MTP graph runs on it
+(tests/test_export_gguf_llama.py), but llama-cpp-python binds neither llama-server's speculative loop nor the
+call that chains a second draft (`llama_set_embeddings_nextn`, C++ only).
 """
 
 from __future__ import annotations
@@ -363,8 +365,12 @@ def render_oracle(d: dict[str, Any]) -> list[str]:
            "acceptance: it runs the real MTP layer (its cost is paid), then proposes the model's own continuation, "
            "each draft wrong with probability 1 - acceptance. A real acceptance is measured apart, on a tiny model "
            "whose MTP layer was trained on its own greedy continuations (the last section, `--part trained`). "
-           "llama.cpp's MTP is not beside it: quantkit's GGUF export does not "
-           "write the `nextn` tensors its MTP graph reads yet.", "",
+           "llama.cpp's MTP is not beside it: quantkit's GGUF export writes the NextN block its MTP graph reads, "
+           "and the graph runs on it (tests/test_export_gguf_llama.py drafts through llama-cpp-python's C API, "
+           "as quantkit's MTP layer does), but the binding has neither llama-server's speculative loop nor the "
+           "call that chains a second draft (`llama_set_embeddings_nextn` is C++ only), so llama.cpp's MTP decode "
+           "speed is not measured here; `llama-server --spec-type draft-mtp` on the exported GGUF is the "
+           "comparison to run.", "",
            draft_head_line(d), "",
            f"No MTP: **{d['baseline_tok_s']:.1f} tok/s**.", "",
            "| drafts | acceptance | decode tok/s | vs no MTP | accepted / drafted | same greedy tokens |",
