@@ -38,6 +38,12 @@ _OWN_EXTRA = ("quantkit-report.md", "quantkit-report.json")
 _TEMPORARY = re.compile(r"^\..+\.(?:tmp|(?:tmp|old|mid)-\d+)\w*$")
 
 
+def occupied(folder: Path) -> bool:
+    """Whether `folder` holds anything but quantkit's hidden temporaries (what a write killed before its
+    rename leaves: a folder with only those is as good as empty, and a rerun must be able to start in it)."""
+    return any(not _TEMPORARY.match(p.name) for p in folder.iterdir())
+
+
 def write_marker(folder: Path, writer: str) -> None:
     """Mark `folder` (written, about to be renamed into place) as quantkit's own output of `writer` (e.g.
     "export vllm"), listing the files in it, so a later `--overwrite` deletes nothing else."""
@@ -181,13 +187,13 @@ def _guard(out: Path, sources: Sequence[Path], kind: str, overwrite: bool, owned
             raise QuantkitError(f"{flag}{out}: exists and is not a folder; pick another location")
         if kind == "file" and out.is_dir():
             raise QuantkitError(f"{flag}{out}: is a folder; name the file to write")
-        occupied = kind == "file" or any(out.iterdir())
-        if occupied and not overwrite:
+        taken = kind == "file" or occupied(out)
+        if taken and not overwrite:
             raise QuantkitError(f"{flag}{out}: exists; pass --overwrite to replace it, or pick another location")
-        if occupied and owned is not None and not owned(out):
+        if taken and owned is not None and not owned(out):
             raise QuantkitError(f"{flag}{out}: exists and is not a quantkit output; refusing to replace it: "
                                 "remove it yourself or pick another location")
-        foreign = foreign_entries(out) if occupied and kind == "folder" else []
+        foreign = foreign_entries(out) if taken and kind == "folder" else []
         if foreign:
             shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
             raise QuantkitError(f"{flag}{out}: holds files quantkit did not write ({shown}); refusing to replace "

@@ -109,6 +109,22 @@ def test_kill_9_then_rerun_gives_the_uninterrupted_result(kind, tiny_model, q8, 
     assert killed >= 1, "no kill landed before the writer finished: the test proved nothing"
 
 
+@pytest.mark.parametrize("flag", [[], ["--resume"], ["--overwrite"]], ids=["new", "resume", "overwrite"])
+def test_a_kill_before_the_journal_leaves_a_folder_any_rerun_takes(flag, tiny_model, tmp_path, capsys, monkeypatch):
+    """Killed between making --out and renaming its journal into place, quantize leaves only the journal's
+    temporary: the folder is as good as empty, so the rerun (new, --resume or --overwrite) writes the run's bytes
+    (the random kills above land in that window only now and then)."""
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    code, _, err = run_cli(_args("quantize", tiny_model, None, ref), capsys, monkeypatch)
+    assert code == 0, err
+    out.mkdir()
+    (out / ".quantkit-progress.json.tmp").write_text('{"key": "cut sh')
+    code, _, err = run_cli([*_args("quantize", tiny_model, None, out), *flag], capsys, monkeypatch)
+    assert code == 0, err
+    assert _digest(out) == _digest(ref)
+    assert not any(p.name.endswith(".tmp") or "progress" in p.name for p in out.iterdir())
+
+
 def test_kill_9_during_a_chat_session_then_resume(tiny_model, tmp_path):
     """chat --session rewrites its file after every turn; killed at a random point of a scripted session, the
     next start resumes from the file (or ignores a damaged one with a notice), with one line and no traceback,

@@ -42,7 +42,7 @@ from quantkit.formats._common import ErrorSums
 from quantkit.model.checkpoint import Checkpoint, check_finite
 from quantkit.model.contract import INDEX_NAME, QUANT_METHOD, QUANT_VERSION, holds_quantize_run
 from quantkit.model.spec import Role, TensorSpec, role_of
-from quantkit.outputs import check_free, check_not_source, guard_output
+from quantkit.outputs import check_free, check_not_source, guard_output, occupied
 from quantkit.progress import NoProgress, Progress
 from quantkit.quantize.calibrated import Calibration
 from quantkit.quantize.manifest import (
@@ -358,14 +358,14 @@ def copyable_files(src: Path) -> list[Path]:
 def prepare_out(out: Path, mode: str, sources: list[Path], flag: str = "--out ") -> None:
     """The guarded output location (quantkit/outputs.py); "resume" continues quantkit's own run in place."""
     check_not_source(out, sources, flag)
-    resuming = mode == "resume" and out.is_dir() and any(out.iterdir())
-    if resuming and not holds_quantize_run(out):
+    taken = out.is_dir() and occupied(out)  # a run killed before its journal leaves only temporaries
+    if mode == "resume" and taken and not holds_quantize_run(out):
         raise QuantkitError(f"{out} holds no quantkit run to resume (no {JOURNAL_NAME}); pick an empty {flag.strip()}")
-    if mode == "new" and out.is_dir() and any(out.iterdir()):
+    if mode == "new" and taken:
         raise QuantkitError(f"{out} already exists; pass --resume to continue a run or --overwrite to replace it")
     guard_output(out, sources=sources, kind="folder", overwrite=mode != "new", owned=holds_quantize_run,
                  flag=flag, create_parents=True)
-    if mode == "overwrite" and out.is_dir() and any(out.iterdir()):
+    if mode == "overwrite" and taken:
         shutil.rmtree(out)
 
 
