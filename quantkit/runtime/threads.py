@@ -7,7 +7,9 @@ quantkit's CPU kernel runs on as well (at::parallel_for), so nothing else spins 
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -47,3 +49,14 @@ def set_threads(n: int | None) -> int:
     t = resolve_threads(n)
     torch.set_num_threads(t)
     return t
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op pool at `n` threads within the block, at its earlier count after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -32,8 +32,6 @@ import os
 import random
 import shutil
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +44,7 @@ from quantkit.fileio import pid_temp_name, replace_folder
 from quantkit.model.checkpoint import Checkpoint, read_safetensors_header
 from quantkit.model.contract import read_quant_config
 from quantkit.model.spec import load_config, text_config_dict
+from quantkit.runtime.threads import torch_threads
 from quantkit.testing.tokenizer import tiny_corpus
 
 EMBED = "model.language_model.embed_tokens.weight"
@@ -282,16 +281,6 @@ def fit(mtp: TorchMTP, train: list[Pairs], embed: torch.Tensor, head: torch.Tens
         sched.step()
 
 
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
 def check_folder(folder: Path) -> Checkpoint:
     """The checkpoint, refused in one line unless it is unquantized and has an MTP layer."""
     folder = Path(folder)
@@ -318,7 +307,7 @@ def train_mtp(folder: str | Path, options: TrainOptions | None = None) -> TrainR
     o.check()
     folder = Path(folder)
     t0 = time.perf_counter()
-    with check_folder(folder) as ck, _one_thread():
+    with check_folder(folder) as ck, torch_threads(1):
         torch.manual_seed(o.seed)
         mtp = TorchMTP(ck.config)
         mtp.load_checkpoint(ck)
@@ -396,7 +385,7 @@ def agreement(folder: str | Path, new_tokens: int = 32, seed: int = 0) -> dict[s
     """`compare` on the pairs of one greedy continuation of a held-out prompt of `folder`'s model."""
     from quantkit.runtime import load_model
 
-    with check_folder(Path(folder)) as ck, _one_thread(), torch.inference_mode():
+    with check_folder(Path(folder)) as ck, torch_threads(1), torch.inference_mode():
         rt = load_model(folder, verify="quick")
         ids = chat_prompts(rt, 1, seed + EVAL_SEED)[0]
         return compare(rt.model, ck, sequence_pairs(rt.model, ids + greedy(rt, ids, new_tokens)))

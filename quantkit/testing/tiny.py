@@ -32,7 +32,6 @@ import shutil
 import tempfile
 import zlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from quantkit.model.spec import dtype_bytes, spec_from_config
 from quantkit.outputs import check_free, guard_output
 from quantkit.progress import Progress
 from quantkit.recipe import Recipe
+from quantkit.runtime.threads import torch_threads
 from quantkit.testing import mtp_train
 from quantkit.testing.generated import (
     BASE_BYTES,
@@ -495,13 +495,13 @@ def _built_model(tc: dict[str, Any], seed: int, decisive: bool) -> tuple[Any, di
     writing one model in both layouts (as the test fixtures do) pays for the decisive check once."""
     key = json.dumps([tc, seed, decisive], sort_keys=True)
     if key not in _BUILT:
-        with _one_thread():  # tiny matmuls: thread hand-offs cost more than they save (8x on 2 busy cores)
+        with torch_threads(1):  # tiny matmuls: thread hand-offs cost more than they save (8x on 2 busy cores)
             model = build_model(tc, seed)
             report = make_decisive(model, seed) if decisive else None
         _BUILT[key] = ({k: v.clone() for k, v in model.state_dict().items()}, report)
         return model, report
     sd, report = _BUILT[key]
-    with _one_thread():
+    with torch_threads(1):
         model = build_model(tc, seed)
     model.load_state_dict(sd)
     return model, (json.loads(json.dumps(report)) if report is not None else None)
@@ -513,16 +513,6 @@ def _normal_permissions(folder: Path) -> None:
     os.chmod(folder, 0o777 & ~umask)
     for f in folder.iterdir():
         os.chmod(f, 0o666 & ~umask)
-
-
-@contextmanager
-def _one_thread() -> Iterator[None]:
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(n)
 
 
 def make_tiny_model(out_dir: str | Path, *, layers: int = 4, experts: int = 8, top_k: int = 2, hidden: int = 64,
