@@ -286,9 +286,9 @@ loaded_table = "none"  # the table module() chose at load (tests and benches may
 @contextlib.contextmanager
 def denormals_flushed() -> Iterator[None]:
     """Within the block fp32 denormals are flushed to zero on every thread torch computes on (the kernel's
-    `flush_denormals`; without the kernel, torch's own switch, which sets the calling thread only), as they were
-    before after it. A fast-forgetting Gated DeltaNet head makes them in a prefill, each one a slow microcode
-    assist; values that small never change a result the runtime reports."""
+    `flush_denormals`; without the kernel, torch's own switch, which covers the calling thread only); after it
+    the threads are as they were. Why: a fast-forgetting Gated DeltaNet head makes denormals in a prefill, each
+    a slow microcode assist; flushing them left every bit-for-bit forward test unchanged."""
     mod = module()
     if mod is not None:
         was = mod.flush_denormals(True)

@@ -622,7 +622,7 @@ torch::Tensor qk_moe_rows(torch::Tensor x, torch::Tensor table, torch::Tensor id
 // thread and every thread of torch's pool, or both cleared (`on` false); returns whether they were set on the
 // calling thread before. Why: where a Gated DeltaNet head forgets fast, a prefill's decay products
 // exp(cum_i - cum_j) underflow into denormals, and every operation on one takes a microcode assist (the
-// chunked rule then ran several times slower, reports/bench-full-size.md). Not x86: nothing, false.
+// chunked rule then ran several times slower). Not x86: nothing, false.
 bool qk_flush_denormals(bool on) {
 #if defined(__x86_64__) || defined(__i386__)
   constexpr unsigned kBits = 0x8040;  // FTZ (bit 15) | DAZ (bit 6)
