@@ -65,6 +65,37 @@ def test_greedy_output_is_identical_with_the_layers_own_drafts(tiny_model_mtp, r
         assert stats["draft"] == draft and 0 <= stats["accepted"] <= stats["drafted"] <= draft * 39
 
 
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("pairs", [2, 3, 4])
+def test_a_draft_from_several_pairs_skips_only_what_nothing_reads(tiny_model_mtp, route, pairs, one_thread):  # noqa: F811
+    """The MTP layer's forward of a few pairs (after accepted drafts) runs the MoE block on the last row alone:
+    its logits, the hidden it chains on and the K/V every pair leaves are those of the whole layer on every row."""
+    rt = load_model(quantized(tiny_model_mtp, "int4"), forced_route=route)
+    m, mtp = rt.model, rt.model.mtp
+    g = torch.Generator().manual_seed(pairs)
+    toks = torch.randint(0, m.vocab, (8 + pairs,), generator=g).tolist()
+    hid = torch.randn(8 + pairs, m.cfg.text.hidden_size, generator=g).to(torch.bfloat16)
+    layer_call = type(mtp.layer).__call__
+
+    def run(last_only: bool) -> tuple[torch.Tensor, ...]:
+        cache, moe_rows = mtp.new_cache(32), []
+        mtp.forward(m, toks[:8], hid[:8], cache)  # a prompt's pairs first, as mtp_prefill writes them
+        add_to = mtp.layer.moe.add_to
+        type(mtp.layer).__call__ = lambda self, *a, **k: layer_call(self, *a, **{**k, "last_only": last_only})
+        mtp.layer.moe.add_to = lambda x, h, ops: moe_rows.append(x.shape[0]) or add_to(x, h, ops)
+        try:
+            logits, h = mtp.forward(m, toks[8:], hid[8:], cache)
+        finally:
+            type(mtp.layer).__call__ = layer_call
+            del mtp.layer.moe.add_to
+        assert sum(moe_rows) == (1 if last_only else pairs)
+        return logits, h, cache.keys[0][:, :cache.n].clone(), cache.values[0][:, :cache.n].clone()
+
+    runs = [run(True), run(False)]
+    for got, want in zip(runs[0], runs[1], strict=True):
+        assert torch.equal(got, want)
+
+
 @pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernel is not built on this machine")
 @pytest.mark.parametrize("spec", [QuantSpec("int4", 32), QuantSpec("int4", 64, symmetric=False), QuantSpec("int8"),
                                   None], ids=["int4-g32", "int4-g64-asym", "int8", "bf16"])

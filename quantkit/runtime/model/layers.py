@@ -317,11 +317,13 @@ class Layer:
     moe: MoE
 
     def __call__(self, x: torch.Tensor, cache: HybridCache, cos: torch.Tensor, sin: torch.Tensor, ops: Any,
-                 keep: bool = False) -> torch.Tensor:
+                 keep: bool = False, last_only: bool = False) -> torch.Tensor:
+        """The layer on x [T, H]; `keep`: as a speculative verify (`verify`), with `last_only` the last row alone
+        returned [1, H] and the MoE block skipped for the rows before it."""
         if x.device != self.device:
             x, cos, sin = x.to(self.device), cos.to(self.device), sin.to(self.device)
         if keep and x.shape[0] > 1:
-            return self.verify(x, cache, cos, sin, ops)
+            return self.verify(x, cache, cos, sin, ops, last_only)
         ops = ops if ops is not None and x.shape[0] == 1 and x.dtype == torch.bfloat16 else None
         m = self.mixer
         h = self._pre(x, ops)
@@ -341,10 +343,12 @@ class Layer:
         return x, rms(x, self.post, self.eps)
 
     def verify(self, x: torch.Tensor, cache: HybridCache, cos: torch.Tensor, sin: torch.Tensor,
-               ops: Any) -> torch.Tensor:
+               ops: Any, last_only: bool = False) -> torch.Tensor:
         """T tokens (a speculative verify) with the logits T one-token steps would give, bit for bit: the
         projections of the mixer run on all T rows at once (the kernels' rows are independent), everything else
-        row by row as a step runs it. The states after every position are kept (`cache.rewind`)."""
+        row by row as a step runs it. The states after every position are kept (`cache.rewind`). `last_only`:
+        the last row's output alone (what the MTP layer drafts from); the earlier rows only write their caches,
+        and no other row's output depends on their MoE block, which is skipped."""
         ops = ops if ops is not None and x.dtype == torch.bfloat16 else None
         t = x.shape[0]
         h = torch.cat([self._pre(x[j:j + 1], ops) for j in range(t)])
@@ -352,7 +356,7 @@ class Layer:
         a = m.verify(h, cache, self.index, ops) if isinstance(m, DeltaNet) else m.verify(h, cache, self.index, cos, sin,
                                                                                           ops)
         out = []
-        for j in range(t):
+        for j in range(t - 1 if last_only else 0, t):
             xj, hj = self._post(x[j:j + 1], a[j:j + 1], ops)
             out.append(self.moe.add_to(xj, hj, ops))
         return torch.cat(out)

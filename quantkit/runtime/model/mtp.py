@@ -50,8 +50,9 @@ class MTP:
         cos, sin = model._rope_rows(torch.arange(cache.n, cache.n + t), x.dtype)
         ops = cpu_kernel.module() if model.route.kind in ("stack", "fused") else None
         # a few pairs (the accepted drafts of a verify) row by row on the one-token ops, as a verify runs them: the
-        # T-token path's grouped experts cost more than the rows' own fused calls
-        x = self.layer(x, cache, cos, sin, ops, keep=1 < t <= 4)
+        # T-token path's grouped experts cost more than the rows' own fused calls; only the last row's output is
+        # drafted from, so the rows before it just write their K/V
+        x = self.layer(x, cache, cos, sin, ops, keep=1 < t <= 4, last_only=True)
         cache.n += t
         out = rms(x[-1:].to(model.head_device), self.final, eps)
         return self.head(model)(out), out
