@@ -321,7 +321,7 @@ double sum_f32(const float* p, int64_t n) {
 // matrices, one and two threads, measured side by side on the 2-core build machine); further ahead gained
 // nothing. The int4 / int8 tiles leave their streams to the hardware prefetcher (faster without hints),
 // except the AVX512 tiles of several rows (a verify's, a prefill's: without the hint their streams waited on
-// the extra rows' sums; a 248k-row head, A/B in alternating processes, reports/bench-mtp.md) and the AVX2
+// the extra rows' sums; a 248k-row head, A/B in alternating processes) and the AVX2
 // one-row int4 tiles (decode), which both ask for the block kTilePrefetch bytes ahead. The AVX2 ones: once
 // their sums stopped spilling they waited on memory at each expert's first tiles, and a 4 KiB lead beat
 // none, 1 KiB and 2 KiB in decode tok/s (A/B in alternating processes; 8 KiB no better).
