@@ -20,6 +20,7 @@ from quantkit.bench import mtp as mtp_bench
 from quantkit.errors import QuantkitError
 from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.model.cache import HybridCache
+from quantkit.runtime.threads import torch_threads
 from quantkit.testing import mtp_train
 from quantkit.testing.mtp_train import EVAL_SEED, TrainOptions, agreement, chat_prompts, train_mtp
 
@@ -53,10 +54,8 @@ SMALL, TINY = Small(), Tiny()
 
 @pytest.fixture(autouse=True)
 def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with torch_threads(1):
+        yield
 
 
 def _copy(src: Path, dst: Path) -> Path:
@@ -76,13 +75,9 @@ def _tensors(folder: Path) -> dict[str, tuple[str, torch.Tensor]]:
 @pytest.fixture(scope="module")
 def trained(tiny_model_mtp: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A copy of the session's tiny MTP checkpoint, its layer trained on the SMALL budget."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         out = _copy(tiny_model_mtp, tmp_path_factory.mktemp("mtp-train") / "trained")
         report = train_mtp(out, SMALL)
-    finally:
-        torch.set_num_threads(n)
     assert report.loss_after < report.loss_before and report.held_out_after > report.held_out_before + 0.3
     return out
 

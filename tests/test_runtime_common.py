@@ -9,7 +9,8 @@ import tempfile
 from pathlib import Path
 
 import pytest
-import torch
+
+from quantkit.runtime.threads import torch_threads
 
 from conftest import run_cli  # noqa: F401  (re-exported to the runtime tests)
 
@@ -38,7 +39,5 @@ def quantized(src: Path, recipe: str) -> Path:
 @pytest.fixture
 def one_thread():
     """Small models run faster on one thread, and a shared CI box is not oversubscribed by OpenMP."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with torch_threads(1):
+        yield

@@ -12,6 +12,7 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.model.checkpoint import Checkpoint
 from quantkit.model.spec import spec_from_config
+from quantkit.runtime.threads import torch_threads
 from quantkit.testing.tiny import (
     SIDECAR,
     TinyOptions,
@@ -33,10 +34,8 @@ from conftest import run_cli
 @pytest.fixture(autouse=True)
 def _one_thread():
     """Tiny matmuls: one thread is several times faster than two on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with torch_threads(1):
+        yield
 
 
 def test_published_layout_on_disk(tiny_model: Path) -> None:
