@@ -15,7 +15,7 @@ from quantkit.formats import QuantSpec, get_format
 from quantkit.runtime import SamplingParams, cpu_kernel, load_model
 from quantkit.runtime.generate import stream_tokens
 from quantkit.runtime.kernels import prepare
-from quantkit.runtime.model.draft_head import DraftHead
+from quantkit.runtime.model.draft_head import DraftHead, compact_copy
 
 from conftest import run_cli
 from test_runtime_common import one_thread, quantized  # noqa: F401
@@ -72,6 +72,7 @@ def test_a_draft_from_several_pairs_skips_only_what_nothing_reads(tiny_model_mtp
     its logits, the hidden it chains on and the K/V every pair leaves are those of the whole layer on every row."""
     rt = load_model(quantized(tiny_model_mtp, "int4"), forced_route=route)
     m, mtp = rt.model, rt.model.mtp
+    mtp.use_stack = False  # the Python path (the kernel's one call is held to it below)
     g = torch.Generator().manual_seed(pairs)
     toks = torch.randint(0, m.vocab, (8 + pairs,), generator=g).tolist()
     hid = torch.randn(8 + pairs, m.cfg.text.hidden_size, generator=g).to(torch.bfloat16)
@@ -94,6 +95,75 @@ def test_a_draft_from_several_pairs_skips_only_what_nothing_reads(tiny_model_mtp
     runs = [run(True), run(False)]
     for got, want in zip(runs[0], runs[1], strict=True):
         assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernel is not built on this machine")
+@pytest.mark.parametrize("rows", [0, 64])
+def test_the_kernels_one_call_draft_is_the_python_path_bit_for_bit(tiny_model_mtp, rows, one_thread):  # noqa: F811
+    """On the stack route a draft of 1-4 pairs is one kernel call (`Layers.draft`): the logits, the hidden it
+    chains on and the K/V every pair leaves equal the Python path's on the kernel's ops, chained over a run of
+    drafts; more pairs than that (a prompt) take the Python path."""
+    rt = load_model(quantized(tiny_model_mtp, "int4"), forced_route="stack")
+    m, mtp = rt.model, rt.model.mtp
+    mtp.draft_rows = rows
+    g = torch.Generator().manual_seed(5)
+    toks = torch.randint(0, m.vocab, (40,), generator=g).tolist()
+    hid = torch.randn(40, m.cfg.text.hidden_size, generator=g).to(torch.bfloat16)
+    calls = []
+
+    def run(stack: bool) -> list[torch.Tensor]:
+        mtp.use_stack, cache, out = stack, mtp.new_cache(64), []
+        mtp.forward(m, toks[:9], hid[:9], cache)
+        a = 9
+        for t in (1, 2, 4, 3, 1, 1, 2):
+            logits, h = mtp.forward(m, toks[a:a + t], hid[a:a + t], cache)
+            out += [logits, h]
+            a += t
+            logits, h = mtp.forward(m, [int(logits.argmax())], h, cache)  # a chained second draft
+            out += [logits, h]
+        return out + [cache.keys[0][:, :cache.n].clone(), cache.values[0][:, :cache.n].clone()]
+
+    stack_draft = type(mtp._bound_stack(mtp.new_cache(8)))
+    real = stack_draft.draft
+    want = run(False)
+    stack_draft.draft = lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a)
+    try:
+        got = run(True)
+    finally:
+        stack_draft.draft = real
+    assert calls == [1, 1, 2, 1, 4, 1, 3, 1, 1, 1, 1, 1, 2, 1]
+    assert mtp.head(m).reduced == bool(rows)
+    for x, y in zip(got, want, strict=True):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernel is not built on this machine")
+@pytest.mark.parametrize("spec", [QuantSpec("int8"), None, QuantSpec("int4", 32)], ids=["int8", "bf16", "int4"])
+def test_the_compact_draft_copy_is_the_heads_rows_in_int4(spec):
+    """An int8 or bf16 head's draft rows get an int4 g128 copy (its logits those of the rows quantized to int4,
+    -inf elsewhere); a 4-bit head has none (its own tiles are read)."""
+    v, h = 1000, 256
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(v, h, generator=g) * 0.05).to(torch.bfloat16)
+    parts = get_format(spec.format).quantize(w, spec) if spec else w
+    head = prepare(parts, spec, (v, h))
+    copy = compact_copy(parts, spec, (v, h), rows=200)
+    if spec is not None and spec.format == "int4":
+        assert copy is None
+        return
+    assert copy is not None and copy.fmt_bits == 4 and copy.group == 128 and copy.out_features == 192 + 296
+    d = DraftHead(head, rows=200, compact=copy)
+    assert d.compact is copy and d.reduced
+    x = torch.randn(1, h, generator=g).to(torch.bfloat16)
+    stored = get_format(spec.format).dequantize(parts, spec, (v, h), torch.float32) if spec else w.float()
+    rows = torch.cat([stored[:192], stored[704:]])
+    want = prepare(get_format("int4").quantize(rows, QuantSpec("int4", 128)), QuantSpec("int4", 128), (488, h))(x)
+    got = d(x)
+    assert torch.equal(got[:192], want.view(-1)[:192]) and torch.equal(got[704:], want.view(-1)[192:])
+    assert bool((got[192:704] == float("-inf")).all())
+    full = head(x).view(-1).float()  # int4 rows stay close to the head's own
+    assert float((got[:192].float() - full[:192]).norm() / full[:192].norm()) < 0.15
+    assert DraftHead(head, rows=200, compact=compact_copy(parts, spec, (v, h), rows=100)).compact is None  # not its rows
 
 
 @pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernel is not built on this machine")

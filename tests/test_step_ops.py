@@ -171,3 +171,33 @@ def test_layer_stack_misuse_is_one_line_errors(qk):
         stack.run(_bf16(1, H), _bf16(64), _bf16(64), 0)
     with pytest.raises(RuntimeError, match="top_k must be in 1..4"):
         stack.set_moe(torch.zeros(4, 8, dtype=torch.int64), one, torch.zeros(4, 2, 8, dtype=torch.int64), 5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_is_torchs(qk, dtype):
+    """qk.argmax is torch.argmax on logits-sized rows and the edge cases: ties (the first), -0 beside 0, all
+    negative, a NaN (it wins, the first one), infinities, a maximum in the last partial chunk."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(248320, generator=g).to(dtype)
+    cases = [x, -x.abs(), x.round(), torch.zeros(9000, dtype=dtype), x[:4097].contiguous()]
+    z = torch.zeros(5000, dtype=dtype) - 1
+    z[4100], z[4200] = -0.0, 0.0  # -0 first: equal to 0, so it is the answer
+    cases.append(z)
+    for where in (0, 4095, 4096, 248319):
+        y = x.clone()
+        y[where] = float("nan")
+        y[where // 2 + 7] = float("nan")
+        cases += [y, -y]
+        y = x.clone()
+        y[where] = float("inf")
+        cases.append(y)
+        y = -x.abs()
+        y[where] = float("-inf")
+        cases.append(y)
+    top = x.clone()
+    top[248000], top[248319] = 100, 100
+    cases.append(top)
+    for c in cases:
+        assert qk.argmax(c) == int(torch.argmax(c))
+    with pytest.raises(RuntimeError, match="qk_argmax: x must be a non-empty contiguous bf16 or fp32 tensor"):
+        qk.argmax(torch.zeros(4, 3, dtype=dtype).t())

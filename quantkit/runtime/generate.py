@@ -25,6 +25,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK
+from quantkit.runtime import cpu_kernel
 from quantkit.runtime.channels import ANSWER, THINKING, ChannelSplitter
 from quantkit.runtime.devices import release_free_heap
 from quantkit.runtime.model.cache import HybridCache
@@ -140,7 +141,7 @@ def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor | 
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     """One token from [V] logits: greedy at temperature 0, else top-k, then top-p, then temperature."""
     if p.temperature == 0:
-        return int(torch.argmax(logits))  # bf16 logits widen exactly: the same index without the copy
+        return cpu_kernel.argmax(logits)
     ids, probs = candidates(logits, p)
     j = int(torch.multinomial(probs, 1, generator=gen))
     return int(ids[j]) if ids is not None else j

@@ -45,7 +45,8 @@ from quantkit.recipe import Recipe, decide, get_recipe
 from quantkit.runtime import cpu_kernel
 from quantkit.runtime.devices import available_bytes, check_device_exists, release_free_heap
 from quantkit.runtime.engine import Runtime
-from quantkit.runtime.kernels import Kernel, QBf16Kernel, prepare, slice_parts
+from quantkit.runtime.kernels import Kernel, QBf16Kernel, QKernel, prepare, slice_parts
+from quantkit.runtime.model.draft_head import compact_copy
 from quantkit.runtime.model.experts import GatheredExperts
 from quantkit.runtime.model.layers import Attention, DeltaNet, Layer, MoE
 from quantkit.runtime.model.model import Model
@@ -223,7 +224,10 @@ class QuantEmbedding:
 
 def _kernel(src: TensorSource, name: str, dev: str, report: LoadReport) -> Kernel:
     spec, shape = src.spec(name)
-    parts = src.read(name, dev)
+    return _kernel_of(src.read(name, dev), spec, shape, report)
+
+
+def _kernel_of(parts: Any, spec: QuantSpec | None, shape: tuple[int, ...], report: LoadReport) -> Kernel:
     k = prepare(parts if spec else _dense_dtype(parts), spec, shape)
     k.format = spec.format if spec else "bf16"
     report.add_kernel(k, k.format)
@@ -411,15 +415,21 @@ def build_model(src: TensorSource, config: dict[str, Any], placement: Placement,
     head_dev = placement.lm_head
     final = _scale(src, f"{LM}norm.weight", head_dev, report)
     if src.has("lm_head.weight"):
-        head = _kernel(src, "lm_head.weight", head_dev, report)
+        h_spec, h_shape = src.spec("lm_head.weight")
+        h_parts = src.read("lm_head.weight", head_dev)
+        head = _kernel_of(h_parts, h_spec, h_shape, report)
     elif t.tie_word_embeddings and isinstance(embed, torch.Tensor):
-        w = embed.to(head_dev)
-        head = prepare(w, None, tuple(w.shape), shared=w is embed)
+        h_parts, h_spec = embed.to(head_dev), None
+        head = prepare(h_parts, None, tuple(h_parts.shape), shared=h_parts is embed)
     else:
         raise QuantkitError("the checkpoint has no lm_head.weight and the embedding is not tied")
     model = Model(mc, embed, layers, final, head)
     if t.mtp_num_hidden_layers and src.has("mtp.fc.weight"):
         model.mtp = build_mtp(src, mc, head_dev, report, route)
+        if isinstance(head, (QKernel, QBf16Kernel)):  # the draft's rows in int4 (model/draft_head.py)
+            model.mtp.compact = compact_copy(h_parts, h_spec, (head.out_features, head.in_features))
+            if model.mtp.compact is not None:
+                report.add(head_dev, model.mtp.compact.nbytes)
     return model
 
 

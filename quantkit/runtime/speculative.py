@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from quantkit.runtime import cpu_kernel
 from quantkit.runtime.model.cache import HybridCache
 
 MAX_DRAFT = 3
@@ -88,10 +89,10 @@ def mtp_tokens(model: Any, cache: HybridCache, mtp_cache: HybridCache, logits: t
                                ) -> tuple[list[int], int, torch.Tensor, torch.Tensor]:
             lg, hm = mtp.forward(model, *pairs, mtp_cache)
             mark = mtp_cache.n
-            ds = [int(lg.argmax())]
+            ds = [cpu_kernel.argmax(lg)]
             for _ in range(k - 1):
                 lg, hm = mtp.forward(model, [ds[-1]], hm, mtp_cache)
-                ds.append(int(lg.argmax()))
+                ds.append(cpu_kernel.argmax(lg))
             lv, hv = model.forward([tok, *ds], cache, all_logits=True, keep_positions=True, hidden=True)
             return ds, mark, lv, hv
 

@@ -704,6 +704,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gdn_step", &qk_gdn_step, "a Gated DeltaNet layer between its projections, one token");
   mod.def("attn_step", &qk_attn_step, "a gated attention layer between its projections, one token");
   mod.def("delta_step", &qk_delta_step, "one token of the gated delta rule, state updated in place");
+  mod.def("argmax", &qk_argmax, "torch.argmax of a contiguous bf16 or fp32 tensor (its first maximum)");
   mod.def("flush_denormals", &qk_flush_denormals, "FTZ and DAZ on every thread of torch's pool (or off): were they on");
   mod.def("stream_sum", &qk_stream_sum, "sum of an fp32 tensor at streaming speed (the read-bandwidth probe)");
   mod.def("isa", &qk_isa, "the instruction set level in use: 2 AVX512, 1 AVX2, 0 generic");

@@ -1,5 +1,5 @@
-// A decode step's whole stack of layers in one call from Python: `Layers`, filled once per generation by
-// runtime/decode_step.py (LeanDecoder.begin) and run once per token; with `set_head`, `step` also runs
+// A decode step's whole stack of layers in one call from Python: `Layers`, filled once per cache by
+// runtime/model/model.py (Model._bound_stack) and run once per token; with `set_head`, `step` also runs
 // the final norm and the head, so that everything after the embedding is that one call.
 //
 // Why: on the fused route a layer is about a dozen kernel calls, and between them Python looked up the
@@ -8,7 +8,7 @@
 // on bench decode's int4 checkpoint (1.03x per step; both medians of alternating runs in one process on
 // the build machine), 40 times over on the real model. Here the same calls follow each other in C++,
 // with the same arguments in the same order, so the results are those of the Python loop bit for bit
-// (tests/test_decode_step.py). The router's matrix joins the shared expert's projections in one
+// (tests/test_step_ops.py). The router's matrix joins the shared expert's projections in one
 // linear_many call (each of its tiles computed as linear_bf16 computes it: the same logits).
 //
 // Every tensor a layer needs is held here (the descriptor tables point into weights the loaded model
@@ -185,19 +185,66 @@ class Layers {
                               g.state, g.hk, L.eps)
                 : qk_attn_step(p[0], p[1], p[2], at.qk_scale, cos, sin, at.keys, at.values, n, at.scaling, at.qk_eps);
       const std::vector<torch::Tensor> xs = qk_add_rms(x, qk_linear_many(core, L.out)[0], L.post, L.eps);
-      const torch::Tensor& h2 = xs[1];
-      const std::vector<torch::Tensor> s = qk_linear_many(h2, L.moe.shared_in);  // gate, up, sigmoid gate, router
-      const torch::Tensor shared = qk_linear_many(qk_silu_mul(s[0], s[1]), L.moe.shared_down)[0];
-      const std::vector<torch::Tensor> r = qk_route(s[3], L.moe.top_k);
-      x = qk_moe_out(xs[0], qk_moe(h2, L.moe.experts, r[1], r[0]), shared, s[2]);
+      x = moe_one(L, xs[0], xs[1]);
     }
     return x;
   }
 
+  // The MTP layer's own norms' (1 + w), fp32 (the two before fc, the final one), their eps and fc's table [1, 8].
+  void set_draft(torch::Tensor emb_scale, torch::Tensor hid_scale, torch::Tensor final_scale, double eps,
+                 torch::Tensor fc) {
+    check_table(fc, 1, "the MTP fc table");
+    emb_scale_ = emb_scale;
+    hid_scale_ = hid_scale;
+    final_scale_ = final_scale;
+    draft_eps_ = eps;
+    fc_ = fc;
+  }
+
+  // The MTP layer's draft (runtime/model/mtp.py) on a one-layer attention stack: T pairs of embedded tokens e and
+  // main-model hidden states hid [T, H] bf16 at positions n .. n + T - 1 (cos, sin [T, rot]). Every pair's norms,
+  // fc and attention run, so each writes its K/V; only the last row goes on through o, the MoE block and the
+  // final norm, since nothing reads the others' outputs. Returns that row's final-normed hidden [1, H], then the
+  // outputs of `head` (any linear_many table: the draft's part of the vocabulary) on it.
+  std::vector<torch::Tensor> draft(torch::Tensor e, torch::Tensor hid, torch::Tensor cos, torch::Tensor sin, int64_t n,
+                                   torch::Tensor head) const {
+    TORCH_CHECK(fc_.defined(), "qk Layers: draft before set_draft");
+    TORCH_CHECK(layers_.size() == 1 && !layers_[0].gdn && layers_[0].has_moe,
+                "qk Layers: draft runs a one-layer attention stack");
+    const int64_t t = e.size(0);
+    TORCH_CHECK(e.dim() == 2 && t >= 1 && hid.sizes() == e.sizes() && cos.dim() == 2 && cos.size(0) == t &&
+                sin.sizes() == cos.sizes(), "qk Layers: draft takes e, hid [T, H] and cos, sin [T, rot]");
+    const Layer& L = layers_[0];
+    const Attention& at = L.at;
+    const torch::Tensor in = torch::cat({qk_rms(e, emb_scale_, draft_eps_), qk_rms(hid, hid_scale_, draft_eps_)}, 1);
+    const torch::Tensor x = qk_linear_many(in, fc_)[0];
+    const std::vector<torch::Tensor> p = qk_linear_many(qk_rms(x, L.pre, L.eps), L.in);
+    torch::Tensor core;
+    for (int64_t j = 0; j < t; ++j)
+      core = qk_attn_step(p[0].narrow(0, j, 1), p[1].narrow(0, j, 1), p[2].narrow(0, j, 1), at.qk_scale, cos[j],
+                          sin[j], at.keys, at.values, n + j, at.scaling, at.qk_eps);
+    const std::vector<torch::Tensor> xs =
+        qk_add_rms(x.narrow(0, t - 1, 1), qk_linear_many(core, L.out)[0], L.post, L.eps);
+    const torch::Tensor h = qk_rms(moe_one(L, xs[0], xs[1]), final_scale_, draft_eps_);
+    std::vector<torch::Tensor> out{h};
+    for (const torch::Tensor& y : qk_linear_many(h, head)) out.push_back(y);
+    return out;
+  }
+
  private:
+  // x + the MoE block of L on h2 (the post-attention norm of x), one token [1, H]
+  torch::Tensor moe_one(const Layer& L, const torch::Tensor& x, const torch::Tensor& h2) const {
+    const std::vector<torch::Tensor> s = qk_linear_many(h2, L.moe.shared_in);  // gate, up, sigmoid gate, router
+    const torch::Tensor shared = qk_linear_many(qk_silu_mul(s[0], s[1]), L.moe.shared_down)[0];
+    const std::vector<torch::Tensor> r = qk_route(s[3], L.moe.top_k);
+    return qk_moe_out(x, qk_moe(h2, L.moe.experts, r[1], r[0]), shared, s[2]);
+  }
+
   std::vector<Layer> layers_;
   torch::Tensor head_scale_, head_;
   double head_eps_ = 0;
+  torch::Tensor emb_scale_, hid_scale_, final_scale_, fc_;
+  double draft_eps_ = 0;
 };
 
 }  // namespace
@@ -214,6 +261,9 @@ void qk_bind_layers(pybind11::module_& mod) {
       .def("run", &Layers::run, "x [1, H] bf16 through every layer at position n",
            py::call_guard<py::gil_scoped_release>())
       .def("verify", &Layers::verify, "T tokens' logits as T steps give them, and the states to rewind to",
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_draft", &Layers::set_draft, "the MTP layer's pre-fc norms and fc, for draft")
+      .def("draft", &Layers::draft, "the MTP layer's draft: the last pair's final-normed hidden and head outputs",
            py::call_guard<py::gil_scoped_release>())
       .def("step", &Layers::step, "x [1, H] bf16 through every layer, the final norm and the head: logits [V]",
            py::call_guard<py::gil_scoped_release>());

@@ -85,6 +85,10 @@ struct Ops {
   // (codes packed two per byte, bf16 scales, each group's squared error when err is not null)
   void (*quant_int4_sym)(const float* x, int64_t k, int64_t g, const float* grid, int ngrid, uint8_t* packed,
                          uint16_t* scales, float* err);
+  // the bits of n bf16 / fp32 values as signed integers: out = {max, min, max of the magnitude bits}
+  // (qk_step.cpp's argmax)
+  void (*bit_range16)(const uint16_t* x, int64_t n, int32_t* out);
+  void (*bit_range32)(const uint32_t* x, int64_t n, int32_t* out);
 };
 
 }  // namespace qk

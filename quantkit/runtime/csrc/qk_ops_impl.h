@@ -1257,6 +1257,32 @@ void quant_int4_sym(const float* x, int64_t k, int64_t g, const float* grid, int
   }
 }
 
+void bit_range16(const uint16_t* __restrict x, int64_t n, int32_t* out) {
+  int16_t mx = INT16_MIN, mn = INT16_MAX, ma = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int16_t v = static_cast<int16_t>(x[i]), a = static_cast<int16_t>(v & 0x7FFF);
+    mx = mx > v ? mx : v;
+    mn = mn < v ? mn : v;
+    ma = ma > a ? ma : a;
+  }
+  out[0] = mx;
+  out[1] = mn;
+  out[2] = ma;
+}
+
+void bit_range32(const uint32_t* __restrict x, int64_t n, int32_t* out) {
+  int32_t mx = INT32_MIN, mn = INT32_MAX, ma = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t v = static_cast<int32_t>(x[i]), a = v & 0x7FFFFFFF;
+    mx = mx > v ? mx : v;
+    mn = mn < v ? mn : v;
+    ma = ma > a ? ma : a;
+  }
+  out[0] = mx;
+  out[1] = mn;
+  out[2] = ma;
+}
+
 #if QK_TARGET == 0
 #define QK_NAME "generic"
 #define QK_LEVEL 0
@@ -1283,7 +1309,7 @@ void quant_int4_sym(const float* x, int64_t k, int64_t g, const float* grid, int
 constexpr qk::Ops kOps = {QK_NAME,    QK_LEVEL,  quantize_row, tile,     to_bf16_row, silu_mul32,
                           sum_f32,    delta_head, attend_head, rms_row,  add_bf16,    silu_mul_bf16,
                           exp_shifted, moe_out,   gate_mul,    gdn_conv, gdn_head,    norm_rotate,
-                          quant_int4_sym};
+                          quant_int4_sym, bit_range16, bit_range32};
 
 }  // namespace
 

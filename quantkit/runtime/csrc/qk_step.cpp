@@ -1,5 +1,5 @@
 // The decode step's pieces besides the matrices, for quantkit's lean batch-1 step
-// (runtime/decode_step.py). Each replaces a run of small torch ops: an op costs a few microseconds of
+// (runtime/model/). Each replaces a run of small torch ops: an op costs a few microseconds of
 // dispatch on a CPU, as much as reading a small matrix, and a Qwen3.5-MoE layer ran about forty of them
 // (the per-layer overhead in reports/bench-decode.md, measured with every matrix stubbed).
 // - delta_step: the Gated DeltaNet state update of one token (torch: six ops, four passes over the state);
@@ -9,7 +9,8 @@
 // - gdn_step: a Gated DeltaNet layer between its input and output projections (conv window, SiLU, gates,
 //   q/k l2-norm, state update, gated RMSNorm);
 // - attn_step: a gated attention layer between its projections (q/k RMSNorm, rotary, the K/V write,
-//   attention, sigmoid gate).
+//   attention, sigmoid gate);
+// - argmax: the greedy token of a row of logits.
 // Every op runs on each ISA's table (qk_ops_impl.h); this file checks the tensors, splits the work over
 // torch's threads and calls the table.
 // They keep the torch route's dtypes and roundings (bf16 activations rounded where torch rounds them, fp32
@@ -23,6 +24,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "qk_common.h"
@@ -282,4 +284,51 @@ torch::Tensor qk_attn_step(torch::Tensor qo, torch::Tensor ko, torch::Tensor vo,
   const uint16_t* gp = bf16_ptr(qo);
   for (int64_t h = 0; h < heads; ++h) f.gate_mul(op + h * hd, gp + h * 2 * hd + hd, hd);
   return out;
+}
+
+// The index of the largest element of a contiguous bf16 or fp32 tensor, as torch.argmax gives it (the first of
+// equal maxima, -0 equal to 0, a NaN above everything): torch reads bf16 element by element, a few percent of a
+// greedy decode step on a 248k vocabulary. Read as signed integers, positive floats order as their bits and
+// negative ones in reverse, so the ISA table's integer reductions per chunk (max, min, largest magnitude bits)
+// say which bits the answer has: a NaN's if any, else the largest bits if one is >= 0 (with -0 as 0), else the
+// smallest; then only the first chunk that holds them is searched.
+namespace {
+template <typename I, typename U>
+int64_t argmax_bits(const U* x, int64_t n, void (*range)(const U*, int64_t, int32_t*)) {
+  constexpr int64_t kChunk = 4096;
+  constexpr I kMag = std::numeric_limits<I>::max(), kSign = std::numeric_limits<I>::min();
+  constexpr I kInf = sizeof(I) == 2 ? I(0x7F80) : I(0x7F800000);
+  const int64_t nc = (n + kChunk - 1) / kChunk;
+  std::vector<int32_t> r(3 * nc);
+  int32_t mx = std::numeric_limits<I>::min(), mn = kMag, ma = 0;
+  for (int64_t c = 0; c < nc; ++c) {
+    range(x + c * kChunk, std::min(kChunk, n - c * kChunk), &r[3 * c]);
+    mx = std::max(mx, r[3 * c]);
+    mn = std::min(mn, r[3 * c + 1]);
+    ma = std::max(ma, r[3 * c + 2]);
+  }
+  // which values are the answer, and which chunks can hold one
+  const bool nan = ma > kInf, zero = !nan && mx == 0;
+  auto hit = [&](I v) {
+    if (nan) return I(v & kMag) > kInf;
+    if (zero) return v == 0 || v == kSign;
+    return int32_t(v) == (mx >= 0 ? mx : mn);
+  };
+  for (int64_t c = 0; c < nc; ++c) {
+    const int32_t* rc = &r[3 * c];
+    const bool may = nan ? rc[2] > kInf : zero ? (rc[0] >= 0 || rc[1] == kSign) : mx >= 0 ? rc[0] == mx : rc[1] == mn;
+    if (!may) continue;
+    for (int64_t i = c * kChunk, e = std::min(n, i + kChunk); i < e; ++i)
+      if (hit(static_cast<I>(x[i]))) return i;
+  }
+  return 0;  // not reached: the chunk of the overall range holds its value
+}
+}  // namespace
+
+int64_t qk_argmax(torch::Tensor x) {
+  TORCH_CHECK(x.is_contiguous() && x.numel() > 0 && (x.scalar_type() == torch::kBFloat16 ||
+              x.scalar_type() == torch::kFloat), "qk_argmax: x must be a non-empty contiguous bf16 or fp32 tensor");
+  const Ops& f = ops();
+  if (x.scalar_type() == torch::kBFloat16) return argmax_bits<int16_t>(bf16_ptr(x), x.numel(), f.bit_range16);
+  return argmax_bits<int32_t>(reinterpret_cast<const uint32_t*>(x.data_ptr<float>()), x.numel(), f.bit_range32);
 }

@@ -19,3 +19,4 @@ torch::Tensor qk_gdn_step(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, t
 torch::Tensor qk_attn_step(torch::Tensor qo, torch::Tensor ko, torch::Tensor vo, torch::Tensor qk_scale,
                            torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values, int64_t n,
                            double scaling, double eps);
+int64_t qk_argmax(torch::Tensor x);

@@ -4,38 +4,76 @@ A draft need not be exact (the verify decides every token), and the head's 248k 
 much as the rest of a small model's step. So the draft scores only the first `rows` ids (Qwen's byte-level BPE
 numbers its tokens roughly in merge order, frequent ones first) and the top `TAIL` ids of the vocabulary, where
 Qwen puts its special tokens (`<|im_end|>`, `<think>`, the tool-call tags: 248044 and up), and the ids between
-get -inf. A target token among them is never drafted: that draft is rejected and nothing else changes. The
-rows are the head's own tiles (the kernel's layout keeps a matrix's rows in order, 16 to a tile), read in one
-`linear_many` call; a head not on quantkit's CPU kernel is used whole.
+get -inf. A target token among them is never drafted: that draft is rejected and nothing else changes.
+
+The rows are read in one `linear_many` call: from a compact int4 copy of them where the loader made one
+(`compact_copy`: an int8 or bf16 head's rows cost the draft 2-4x the bytes of int4 ones, and the draft reads
+them right after a verify has streamed the whole head out of cache), else the head's own tiles (the kernel's
+layout keeps a matrix's rows in order, 16 to a tile). A head not on quantkit's CPU kernel is used whole.
 """
 
 from __future__ import annotations
 
 import torch
 
+from quantkit.formats import QuantSpec, get_format
 from quantkit.runtime import cpu_kernel
-from quantkit.runtime.kernels import QBf16Kernel, QKernel
+from quantkit.runtime.kernels import Projections, QBf16Kernel, QKernel, prepare
 
 DRAFT_ROWS = 32768  # ids the draft scores from the bottom of the vocabulary (0: the whole head)
 TAIL = 288  # ids from the top: 248032 and up on Qwen3.5's 248,320, its special tokens among them
 TILE = 16
+COPY_SPEC = QuantSpec("int4", 128)  # the compact copy's format (what the quality recipe gives routed experts)
+
+
+def draft_span(vocab: int, rows: int) -> tuple[int, int]:
+    """(rows, tail): the draft scores ids [0, rows) and [tail, vocab), both on tile boundaries; rows 0 where
+    the reduction does not apply (asked for 0, or the two parts would meet)."""
+    rows -= rows % TILE
+    tail = (vocab - TAIL) // TILE * TILE
+    return (rows if 0 < rows < tail else 0), tail
+
+
+def compact_copy(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | None, shape: tuple[int, int],
+                 rows: int = DRAFT_ROWS) -> QKernel | None:
+    """An int4 (`COPY_SPEC`) kernel of the draft's rows of a stored head (an int8 head's parts, or a bf16
+    tensor), low ids then the top ones; None where it would not help (a head of 4 bits or fewer is read in
+    place) or the kernel cannot take it."""
+    vocab, k = shape
+    rows, tail = draft_span(vocab, rows)
+    fmt = spec.format if spec is not None else "bf16"
+    if not rows or fmt not in ("int8", "bf16") or not cpu_kernel.supports("int4", (rows, k), torch.device("cpu")):
+        return None
+    if spec is None:
+        w = parts if isinstance(parts, torch.Tensor) else parts["weight"]
+        w = torch.cat([w[:rows], w[tail:]]).to("cpu", torch.float32)
+    else:
+        assert isinstance(parts, dict)
+        sel = {n: torch.cat([p[:rows], p[tail:]]).cpu() for n, p in parts.items()}
+        w = get_format(spec.format).dequantize(sel, spec, (rows + vocab - tail, k), torch.float32)
+    n = w.shape[0]
+    kernel = prepare(get_format("int4").quantize(w, COPY_SPEC), COPY_SPEC, (n, k))
+    return kernel if isinstance(kernel, QKernel) else None
 
 
 class DraftHead:
-    def __init__(self, head: object, rows: int = DRAFT_ROWS):
+    def __init__(self, head: object, rows: int = DRAFT_ROWS, compact: QKernel | None = None):
         self.head, self.asked = head, rows
         self.vocab = int(getattr(head, "out_features", 0))
-        rows -= rows % TILE
-        self.tail = (self.vocab - TAIL) // TILE * TILE  # the first id of the top part, on a tile boundary
+        rows, self.tail = draft_span(self.vocab, rows)
         mod = cpu_kernel.module()
         kernel = isinstance(head, (QKernel, QBf16Kernel)) and getattr(head, "device", torch.device("cpu")).type == "cpu"
-        self.rows = rows if mod is not None and kernel and 0 < rows and rows < self.tail else 0
-        self._table = self._descriptors() if self.rows else None
+        self.rows = rows if mod is not None and kernel else 0
+        self.compact = compact if self.rows and compact is not None and (
+            compact.out_features == self.rows + self.vocab - self.tail) else None
+        # the linear_many table of what the draft reads (None: a head off the kernel, called as it is)
+        self.table = (self._descriptors() if self.compact is None else Projections([self.compact]).table
+                      ) if self.rows else Projections([head]).table if kernel else None
 
     @property
     def reduced(self) -> bool:
         """Whether the draft reads part of the head (else the whole head)."""
-        return self._table is not None
+        return self.rows > 0
 
     def _descriptors(self) -> torch.Tensor:
         """The head's rows [0, rows) and [tail, V) as two matrices of one `linear_many` table."""
@@ -52,12 +90,18 @@ class DraftHead:
                     self.vocab - self.tail, k, 0]
         return torch.tensor([low, high], dtype=torch.int64)
 
+    def logits(self, outs: list[torch.Tensor]) -> torch.Tensor:
+        """Logits [V] from the outputs of a `linear_many` call on `table`: the scored ids' own, -inf elsewhere."""
+        y = outs[0].view(-1) if len(outs) == 1 else torch.cat([o.view(-1) for o in outs])
+        if not self.rows:
+            return y
+        out = torch.full((self.vocab,), float("-inf"), dtype=y.dtype)
+        out[:self.rows] = y[:self.rows]
+        out[self.tail:] = y[self.rows:]
+        return out
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [V] of one row x [1, H]: the scored ids' own, -inf elsewhere."""
-        if self._table is None:
+        if not self.rows:
             return self.head(x).view(-1)  # type: ignore[operator]
-        low, high = cpu_kernel.module().linear_many(x.contiguous(), self._table)
-        out = torch.full((self.vocab,), float("-inf"), dtype=low.dtype)
-        out[:self.rows] = low.view(-1)
-        out[self.tail:] = high.view(-1)
-        return out
+        return self.logits(cpu_kernel.module().linear_many(x.contiguous(), self.table))

@@ -192,39 +192,46 @@ class Model:
 
     # ---- the one-call stack ----
     def stackable(self) -> bool:
-        """Whether every layer can run in the kernel's one-call stack: CPU, every projection a kernel table,
-        the routed experts in one `qk.moe` call, the router on the bf16 kernel, the kernel's attention, and the
-        final norm and head on the CPU kernel."""
+        """Whether every layer can run in the kernel's one-call stack (`layer_stackable`), and the final norm and
+        head on the CPU kernel."""
         if self.head_device.type != "cpu" or not Projections([self.head]).fused:
             return False
-        for L in self.layers:
-            m, moe = L.mixer, L.moe
-            if L.device.type != "cpu" or not moe.fused_all or moe.shared_and_router is None:
-                return False
-            tables = [moe.shared_and_router, moe.down_one] + (
-                [m.proj_in, m.out_one] if isinstance(m, DeltaNet) else [m.qkv_in, m.o_one])
-            if not all(p.fused for p in tables) or (isinstance(m, Attention) and not m.kernel_attends):
-                return False
-        return True
+        return all(layer_stackable(L) for L in self.layers)
 
     def _bound_stack(self, cache: HybridCache) -> Any:
         """The kernel's `Layers` pointed at this cache's tensors (rebuilt when the cache or its buffers change)."""
         key = (cache.serial, cache.version)
         if self._stack_key == key:
             return self._stack
-        stack = cpu_kernel.module().Layers()
-        for L in self.layers:
-            m, moe = L.mixer, L.moe
-            if isinstance(m, DeltaNet):
-                stack.add_gdn(L.pre, L.post, L.eps, m.proj_in.table, m.out_one.table, cache.conv[L.index], m.conv_taps,
-                              m.neg_a, m.dt_bias, m.norm_wf, m.norm_w.dtype == torch.bfloat16, cache.state[L.index],
-                              m.hk)
-            else:
-                stack.add_attention(L.pre, L.post, L.eps, m.qkv_in.table, m.o_one.table, m.qk_scale,
-                                    cache.keys[L.index], cache.values[L.index], m.scaling, m.eps)
-            assert moe.shared_and_router is not None
-            stack.set_moe(moe.shared_and_router.table, moe.down_one.table, moe.experts._fused_table()[1], moe.top_k)
+        stack = stack_of(self.layers, cache)
         self._head_table = Projections([self.head]).table  # kept alive beside the stack that reads it
         stack.set_head(self.final, self.eps, self._head_table)
         self._stack, self._stack_key = stack, key
         return stack
+
+
+def layer_stackable(L: Layer) -> bool:
+    """Whether a layer can run in the kernel's one-call stack: on the CPU, every projection a kernel table, the
+    routed experts in one `qk.moe` call, the router on the bf16 kernel and the kernel's attention."""
+    m, moe = L.mixer, L.moe
+    if L.device.type != "cpu" or not moe.fused_all or moe.shared_and_router is None:
+        return False
+    tables = [moe.shared_and_router, moe.down_one] + (
+        [m.proj_in, m.out_one] if isinstance(m, DeltaNet) else [m.qkv_in, m.o_one])
+    return all(p.fused for p in tables) and (not isinstance(m, Attention) or m.kernel_attends)
+
+
+def stack_of(layers: list[Layer], cache: HybridCache) -> Any:
+    """The kernel's `Layers` for these (stackable) layers, pointed at this cache's tensors."""
+    stack = cpu_kernel.module().Layers()
+    for L in layers:
+        m, moe = L.mixer, L.moe
+        if isinstance(m, DeltaNet):
+            stack.add_gdn(L.pre, L.post, L.eps, m.proj_in.table, m.out_one.table, cache.conv[L.index], m.conv_taps,
+                          m.neg_a, m.dt_bias, m.norm_wf, m.norm_w.dtype == torch.bfloat16, cache.state[L.index], m.hk)
+        else:
+            stack.add_attention(L.pre, L.post, L.eps, m.qkv_in.table, m.o_one.table, m.qk_scale,
+                                cache.keys[L.index], cache.values[L.index], m.scaling, m.eps)
+        assert moe.shared_and_router is not None
+        stack.set_moe(moe.shared_and_router.table, moe.down_one.table, moe.experts._fused_table()[1], moe.top_k)
+    return stack

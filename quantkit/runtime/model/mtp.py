@@ -3,8 +3,11 @@
 Given the main model's final-normed hidden state h_p at position p and the token x_(p+1), the layer predicts
 x_(p+2): the embedding of x_(p+1) and h_p, each through its own RMSNorm, are concatenated and projected back to
 the hidden size (`fc`), pass through one gated full-attention decoder layer with its own experts and KV cache,
-then the MTP's final norm and the shared lm_head, over part of the vocabulary (model/draft_head.py). Drafting k tokens chains it on its own output hidden state.
-Its KV holds one entry per (token, hidden) pair it has seen; RoPE is relative, so pair i sits at position i.
+then the MTP's final norm and the shared lm_head, over part of the vocabulary (model/draft_head.py). Drafting k
+tokens chains it on its own output hidden state. Its KV holds one entry per (token, hidden) pair it has seen;
+RoPE is relative, so pair i sits at position i. Where the model decodes on the kernel's stack route, a draft of
+up to 4 pairs is one call of the kernel (`Layers.draft`, csrc/qk_layers.cpp), the same calls the Python path below
+makes with the kernel's ops, so the same logits bit for bit.
 Drafts only decide how many tokens a verify accepts, never which tokens come out (runtime/speculative.py).
 """
 
@@ -16,11 +19,14 @@ from typing import Any
 import torch
 
 from quantkit.runtime import cpu_kernel
-from quantkit.runtime.kernels import Kernel
+from quantkit.runtime.kernels import Kernel, Projections, QKernel
 from quantkit.runtime.model.cache import HybridCache
 from quantkit.runtime.model.draft_head import DRAFT_ROWS, DraftHead
 from quantkit.runtime.model.layers import Layer, rms
+from quantkit.runtime.model.model import layer_stackable, stack_of
 from quantkit.runtime.model.spec import ModelConfig
+
+STACK_PAIRS = 4  # a draft of up to this many pairs runs in the kernel's one call (the row-by-row path's bound)
 
 
 @dataclass
@@ -32,7 +38,12 @@ class MTP:
     final: torch.Tensor  # mtp.norm's
     layer: Layer  # index 0 of its own cache
     draft_rows: int = DRAFT_ROWS  # ids the draft head scores from the bottom of the vocabulary (0: all)
+    compact: QKernel | None = None  # an int4 copy of the head's DRAFT_ROWS rows (draft_head.compact_copy)
+    use_stack: bool = True  # the kernel's one-call draft where it applies (False: the Python path, for tests)
     _head: DraftHead | None = field(default=None, init=False, repr=False)
+    _stack: Any = field(default=None, init=False, repr=False)
+    _stack_key: tuple[int, int] | None = field(default=None, init=False, repr=False)
+    _layer_stacks: bool | None = field(default=None, init=False, repr=False)
 
     def new_cache(self, capacity: int) -> HybridCache:
         return HybridCache(self.cfg, [self.layer.device], torch.bfloat16, capacity)
@@ -44,27 +55,56 @@ class MTP:
         t = len(tokens)
         cache.reserve(cache.n + t)
         eps = self.cfg.rms_eps
-        e = rms(model._embed(tokens).to(self.layer.device), self.emb_scale, eps)
-        h = rms(hidden.to(self.layer.device, torch.bfloat16), self.hid_scale, eps)
-        x = self.fc(torch.cat([e, h], dim=-1))
-        cos, sin = model._rope_rows(torch.arange(cache.n, cache.n + t), x.dtype)
         ops = cpu_kernel.module() if model.route.kind in ("stack", "fused") else None
+        e = model._embed(tokens).to(self.layer.device)
+        head = self.head(model)
+        if ops is not None and t <= STACK_PAIRS and self._stackable(model, head):
+            rows = [model._rope_table(p) for p in range(cache.n, cache.n + t)]
+            cos = torch.stack([c[r] for c, _s, r in rows])
+            sin = torch.stack([s[r] for _c, s, r in rows])
+            out = self._bound_stack(cache).draft(e.contiguous(), hidden.to(torch.bfloat16).contiguous(), cos, sin,
+                                                 cache.n, head.table)
+            cache.n += t
+            return head.logits(out[1:]), out[0]
+        norm = (lambda x, w: ops.rms(x.contiguous(), w, eps)) if ops is not None else (lambda x, w: rms(x, w, eps))
+        h = hidden.to(self.layer.device, torch.bfloat16)
+        x = self.fc(torch.cat([norm(e, self.emb_scale), norm(h, self.hid_scale)], dim=-1))
+        cos, sin = model._rope_rows(torch.arange(cache.n, cache.n + t), x.dtype)
         # a few pairs (the accepted drafts of a verify) row by row on the one-token ops, as a verify runs them: the
         # T-token path's grouped experts cost more than the rows' own fused calls; only the last row's output is
         # drafted from, so the rows before it just write their K/V
-        x = self.layer(x, cache, cos, sin, ops, keep=1 < t <= 4, last_only=True)
+        x = self.layer(x, cache, cos, sin, ops, keep=1 < t <= STACK_PAIRS, last_only=True)
         cache.n += t
-        out = rms(x[-1:].to(model.head_device), self.final, eps)
-        return self.head(model)(out), out
+        out = norm(x[-1:].to(model.head_device), self.final)
+        return head(out), out
+
+    def _stackable(self, model: Any, head: DraftHead) -> bool:
+        """Whether the kernel's one-call draft applies: the stack route, this layer and fc on the kernel, the
+        draft's head a kernel table."""
+        if self._layer_stacks is None:
+            self._layer_stacks = Projections([self.fc]).fused and layer_stackable(self.layer)
+        return self.use_stack and model.route.kind == "stack" and head.table is not None and self._layer_stacks
+
+    def _bound_stack(self, cache: HybridCache) -> Any:
+        """The kernel's one-layer `Layers` on this cache's K/V (made again when the cache or its buffers change)."""
+        key = (cache.serial, cache.version)
+        if self._stack_key != key:
+            self._fc_table = Projections([self.fc]).table  # kept alive beside the stack that reads it
+            self._stack = stack_of([self.layer], cache)
+            self._stack.set_draft(self.emb_scale, self.hid_scale, self.final, self.cfg.rms_eps, self._fc_table)
+            self._stack_key = key
+        return self._stack
 
     def head(self, model: Any) -> DraftHead:
         """The draft's head on the model's lm_head, `draft_rows` of it (made again when that changes)."""
         if self._head is None or self._head.head is not model.head or self._head.asked != self.draft_rows:
-            self._head = DraftHead(model.head, self.draft_rows)
+            self._head = DraftHead(model.head, self.draft_rows, self.compact if self.draft_rows == DRAFT_ROWS else None)
         return self._head
 
     def nbytes(self) -> int:
         kernels = [self.fc, self.layer.mixer.q, self.layer.mixer.k, self.layer.mixer.v, self.layer.mixer.o]
         m = self.layer.moe
         kernels += [m.shared_gate, m.shared_up, m.shared_down, m.shared_sigmoid]
-        return sum(k.nbytes for k in kernels) + m.experts.nbytes + m.router_w.numel() * m.router_w.element_size()
+        copy = self.compact.nbytes if self.compact is not None else 0
+        return (sum(k.nbytes for k in kernels) + m.experts.nbytes + m.router_w.numel() * m.router_w.element_size()
+                + copy)
