@@ -326,3 +326,23 @@ def test_server_timings_carry_the_draft_counts(tiny_model_mtp):
         rt.set_mtp(0)
         r = client.chat.completions.create(model=backend.model_id, messages=msgs, max_tokens=4, temperature=0)
         assert r.model_extra["timings"].get("draft_n") is None
+
+
+@pytest.mark.parametrize("acceptance", [0.5, 0.88, 1.0])
+def test_the_benchs_oracle_gets_the_share_it_is_set_to(acceptance):
+    """bench mtp's oracle drafter proposes the reference token and a wrong one on a share 1 - acceptance of its
+    drafts, within two drafts of the set share over any run length (random draws drift as sqrt(n))."""
+    from types import SimpleNamespace
+
+    from quantkit.bench.mtp import OracleDrafter
+
+    seq = list(range(100, 400))
+    cache = SimpleNamespace(n=0)
+    for seed in (0, 1):
+        oracle = OracleDrafter(lambda m, t, h, c: (torch.zeros(1000), h), seq, acceptance, seed=seed)
+        right = 0
+        for n in range(1, 201):
+            cache.n = n
+            logits, _ = oracle(SimpleNamespace(vocab=1000), [1], torch.zeros(1, 4), cache)
+            right += int(logits.argmax()) == seq[n + 1]
+            assert abs(right - acceptance * n) <= 2.0
