@@ -56,7 +56,7 @@ class Oracle:
 @pytest.mark.parametrize("recipe", ["bf16", "int4"])
 def test_greedy_output_is_identical_with_the_layers_own_drafts(tiny_model_mtp, recipe, route, one_thread):  # noqa: F811
     rt = load_model(tiny_model_mtp if recipe == "bf16" else quantized(tiny_model_mtp, recipe), forced_route=route)
-    assert rt.model.mtp is not None and rt.mtp == 0  # off unless asked for (it does not pay yet)
+    assert rt.model.mtp is not None and rt.tuner is not None  # auto unless asked for
     want, none = _generate(rt, 0)
     assert none is None and len(want) == 40
     for draft in (1, 2, 3):
@@ -282,6 +282,82 @@ def test_generate_json_reports_the_counts(tiny_model_mtp, capsys, monkeypatch):
     assert json.loads(out)["mtp"] is None
 
 
+def test_the_tuner_keeps_the_fastest_draft_count_and_stops_drafting_that_does_not_pay():
+    """DraftTuner on measured rates: counts are tried in turn while each beats the one before, the fastest kept;
+    one draft no faster than the plain step stops drafting."""
+    from quantkit.runtime.speculative import AUTO_CYCLES, DraftTuner
+
+    def feed(t: DraftTuner, tok_s: dict[int, float]) -> list[int]:
+        seen = []
+        for _ in range(4 * AUTO_CYCLES):
+            k = t.draft()
+            seen.append(k)
+            if k:
+                t.record(k, 2.0 / tok_s[k], 2)
+        return seen
+
+    t = DraftTuner(step_s=1 / 40)
+    seen = feed(t, {1: 55.0, 2: 62.0, 3: 58.0})
+    assert seen[:3 * AUTO_CYCLES] == [1] * AUTO_CYCLES + [2] * AUTO_CYCLES + [3] * AUTO_CYCLES
+    assert t.settled and t.draft() == 2 and set(seen[3 * AUTO_CYCLES:]) == {2}
+    assert t.line() == "auto, kept 2 drafts per step, 1.55x without drafts"
+    t = DraftTuner(step_s=1 / 40)
+    feed(t, {1: 55.0, 2: 50.0, 3: 70.0})  # 2 no better than 1: 3 is not tried
+    assert t.settled and t.draft() == 1 and 3 not in t.timed
+    t = DraftTuner(step_s=1 / 40)
+    seen = feed(t, {1: 30.0, 2: 90.0, 3: 90.0})
+    assert t.off and t.draft() == 0 and seen == [1] * AUTO_CYCLES + [0] * 3 * AUTO_CYCLES
+    assert t.line().startswith("auto, off: one draft per step measured 0.75x decoding without drafts")
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_auto_drafting_stops_on_a_layer_that_is_never_right_and_changes_no_token(tiny_model_mtp, route, one_thread):  # noqa: F811
+    """The default (no --mtp): the tiny model's random MTP layer is almost never accepted, so after the tuner's
+    first verifies decoding goes on without drafts, in this generation and the next; the tokens are those of
+    decoding without drafts, and the counts say auto."""
+    from quantkit.runtime.speculative import AUTO_CYCLES
+
+    rt = load_model(quantized(tiny_model_mtp, "int4"), forced_route=route)
+    want, _ = _generate(rt, 0)
+    for gen in range(2):
+        resp = None
+        for e in rt.generate_ids(rt.render_ids(PROMPT)[1], SamplingParams(temperature=0, max_new_tokens=40,
+                                                                            ignore_eos=True), stop_ids=set()):
+            resp = e.response or resp
+        assert resp.token_ids == want
+        assert resp.mtp["auto"] is True and rt.tuner.off and resp.mtp["draft"] == 0
+        assert resp.mtp["drafted"] == (AUTO_CYCLES + 1 if gen == 0 else 0)
+    assert rt.mtp_line().startswith("MTP: auto, off: one draft per step measured")
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_auto_drafting_that_pays_tries_every_count_and_changes_no_token(
+        tiny_model_mtp, route, one_thread, monkeypatch):  # noqa: F811
+    """With drafts that pay (the oracle's, every forward said to take a second, so more accepted tokens per verify
+    is faster), the tuner moves from 1 to 3 drafts within a generation and keeps the fastest; the tokens are those
+    of decoding without drafts."""
+    from quantkit.runtime import speculative
+
+    rt = load_model(quantized(tiny_model_mtp, "int4"), forced_route=route)
+    want, _ = _generate(rt, 0, n=120)
+    ids = rt.render_ids(PROMPT)[1]
+    monkeypatch.setattr(rt.model.mtp, "forward", Oracle(ids + want, wrong_every=5))
+
+    def a_second(self, fn):
+        self.seconds += 1.0
+        return fn()
+
+    monkeypatch.setattr(speculative.Clock, "time", a_second)
+    rt.tuner.step_s = 1.0
+    resp = None
+    for e in rt.generate_ids(ids, SamplingParams(temperature=0, max_new_tokens=120, ignore_eos=True),
+                             stop_ids=set()):
+        resp = e.response or resp
+    assert resp.token_ids == want
+    assert rt.tuner.settled and set(rt.tuner.timed) == {1, 2, 3} and not rt.tuner.off and rt.tuner.draft() == 3
+    assert resp.mtp["auto"] and resp.mtp["draft"] == 3 and resp.mtp["accepted"] > 0
+
+
 def test_mtp_on_a_folder_without_the_layer_is_one_line_and_decodes(tiny_model, capsys, monkeypatch):
     code, out, err = run_cli(["generate", quantized(tiny_model, "int4"), "--prompt", "hi", "--mtp", "2", "--json",
                               "--max-tokens", "4"], capsys, monkeypatch)
@@ -297,7 +373,10 @@ def test_bad_draft_counts_are_one_line(tiny_model_mtp, capsys, monkeypatch, valu
 
 def test_runtime_set_mtp(tiny_model_mtp, tiny_model):
     rt = load_model(tiny_model_mtp)
-    assert rt.set_mtp(3) is None and rt.mtp == 3 and rt.mtp_line() == "MTP: drafting 3 tokens per step"
+    assert rt.tuner is not None and rt.mtp_line().startswith("MTP: auto: drafts 1-3 tokens per step")
+    assert rt.set_mtp(None) is None and rt.tuner is not None  # no --mtp: auto stays
+    assert rt.set_mtp(3) is None and rt.mtp == 3 and rt.tuner is None
+    assert rt.mtp_line() == "MTP: drafting 3 tokens per step"
     assert rt.set_mtp(0) is None and rt.mtp_line().startswith("MTP: off")
     plain = load_model(tiny_model)
     assert plain.mtp == 0 and "has no MTP layer" in plain.set_mtp(1) and plain.mtp_line() == "MTP: none in this model"

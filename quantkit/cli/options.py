@@ -96,6 +96,8 @@ def renamed(value: Any, old_value: Any, new: str, old: str, default: Any = None)
 
 # `--mtp N`: tokens the MTP layer drafts per step (speculative decoding); 0 = the MTP layer is not used
 MTP_DRAFT = number(0, 3, integer=True)
+MTP_HELP = ("tokens the model's MTP layer drafts per step, 0-3 (0: off) [default: auto, the count that measures "
+            "fastest here, none where drafting does not pay]")
 TEMPERATURE = number(0, 100)
 TOP_P = number(0, 1, lo_open=True)
 TOP_K = count(0, 1 << 31)

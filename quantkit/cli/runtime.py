@@ -11,7 +11,17 @@ import typer
 from quantkit import sizes
 from quantkit.cli import app, console, err_console, fail
 from quantkit.cli.chat_input import enable_bracketed_paste, multiline
-from quantkit.cli.options import CONTEXT, MAX_TOKENS, MTP_DRAFT, SEED, TEMPERATURE, TOP_K, TOP_P, renamed
+from quantkit.cli.options import (
+    CONTEXT,
+    MAX_TOKENS,
+    MTP_DRAFT,
+    MTP_HELP,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    renamed,
+)
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_text_bounded
 from quantkit.outputs import guard_output
@@ -84,9 +94,7 @@ def generate_cmd(
     think: bool = typer.Option(True, "--think/--no-think", help="let the model reason first (default on)"),
     as_json: bool = typer.Option(False, "--json", help="one JSON object: text, thinking, token counts, tok/s, "
                                  "finish reason, the CPU route (instruction set, fused ops, one call), MTP counts"),
-    mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT, help="tokens the model's MTP layer drafts per step "
-                            "(0-3; default 0 = off: no gain measured yet with a real draft acceptance, "
-                            "reports/mtp-verify-stack/)"),
+    mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT, help=MTP_HELP),
     plan: Path = _PLAN, scheme: str = _SCHEME, old_recipe: str = _OLD_RECIPE, context: int = _CONTEXT,
     verify: str = _VERIFY,
     threads: int = _THREADS,
@@ -163,9 +171,7 @@ def chat_cmd(
     top_k: int = typer.Option(20, "--top-k", parser=TOP_K),
     seed: int = typer.Option(None, "--seed", parser=SEED),
     think: bool = typer.Option(True, "--think/--no-think"),
-    mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT, help="tokens the model's MTP layer drafts per step "
-                            "(0-3; default 0 = off: no gain measured yet with a real draft acceptance, "
-                            "reports/mtp-verify-stack/)"),
+    mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT, help=MTP_HELP),
     load: Path = typer.Option(None, "--load", help="start from a conversation saved with /save"),
     session_file: Path = typer.Option(None, "--session", help="keep the conversation and its cached state in this "
                                       "file after every turn, and resume from it (no re-prefill after a restart)"),

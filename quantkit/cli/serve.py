@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 import typer
 
 from quantkit.cli import app, console, err_console, fail
-from quantkit.cli.options import CONTEXT, COUNT, MAX_TOKENS, MTP_DRAFT, PORT, SECONDS, renamed
+from quantkit.cli.options import CONTEXT, COUNT, MAX_TOKENS, MTP_DRAFT, MTP_HELP, PORT, SECONDS, renamed
 from quantkit.cli.runtime import parse_cache_size
 from quantkit.errors import QuantkitError
 from quantkit.runtime.threads import set_threads
@@ -118,9 +118,7 @@ def serve(
                                           help="memory for snapshots of conversation states, reused when a client "
                                           "resends the history: e.g. 2GB; 0 turns it off; auto = a quarter of "
                                           "the free memory of the device holding the states"),
-    mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT, help="tokens the model's MTP layer drafts per step "
-                            "(0-3; default 0 = off: no gain measured yet with a real draft acceptance, "
-                            "reports/mtp-verify-stack/)"),
+    mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT, help=MTP_HELP),
 ) -> None:
     """Serve MODEL_DIR on an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics)."""

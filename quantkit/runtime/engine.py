@@ -19,7 +19,7 @@ from quantkit.runtime.generate import (
     stream_tokens,
 )
 from quantkit.runtime.safe_prompt import render_ids
-from quantkit.runtime.speculative import MAX_DRAFT
+from quantkit.runtime.speculative import MAX_DRAFT, DraftTuner
 from quantkit.runtime.state_cache import PrefixCache
 
 AUTO_CACHE_FRACTION = 4  # the default prompt cache takes 1/4 of the free memory of the states' device
@@ -101,9 +101,10 @@ class Runtime:
         # message boundaries: prefill is cut and snapshots are taken before each <|im_start|>
         self.boundary_ids = frozenset(i for i in (vocab.get("<|im_start|>"),) if i is not None)
         self.prompt_cache = PrefixCache(0)  # off until set_prompt_cache
-        # drafts per verify from the model's MTP layer (runtime/speculative.py). Off unless asked for: a draft and
-        # a verify cost more than the accepted tokens save on this runtime so far (reports/bench-mtp.md)
+        # drafts per verify from the model's MTP layer (runtime/speculative.py): by default as many as measure
+        # fastest here (`DraftTuner`), `set_mtp(N)` fixes N
         self.mtp = 0
+        self.tuner = DraftTuner() if model.mtp is not None else None
         self._cancel = threading.Event()
         self._lock = threading.Lock()
         self.last: GenerationResponse | None = None
@@ -130,6 +131,7 @@ class Runtime:
             return None
         if not 0 <= draft <= MAX_DRAFT:
             raise QuantkitError(f"--mtp {draft}: draft 0 to {MAX_DRAFT} tokens per step (0 = off)")
+        self.tuner = None
         if draft and self.model.mtp is None:
             self.mtp = 0
             return f"--mtp {draft}: {self.folder.name} has no MTP layer; decoding without drafts"
@@ -140,6 +142,8 @@ class Runtime:
         """Whether decoding drafts with the MTP layer, for the load line and /stats."""
         if self.model.mtp is None:
             return "MTP: none in this model"
+        if self.tuner is not None:
+            return f"MTP: {self.tuner.line()}"
         if not self.mtp:
             return "MTP: off (--mtp N drafts N tokens per step with the model's MTP layer)"
         return f"MTP: drafting {self.mtp} token{'s' if self.mtp != 1 else ''} per step"
@@ -219,7 +223,8 @@ class Runtime:
             for e in stream_tokens(self.model, self.tokenizer, ids, sampling=sampling, stop_ids=stops,
                                    context=self.context, devices=self._io_devices(), thinking=thinking,
                                    think_ids=self.think_ids, cancel=ev, prefix_cache=self.prompt_cache,
-                                   boundary_ids=self.boundary_ids, mtp=self.mtp):
+                                   boundary_ids=self.boundary_ids, mtp=self.mtp,
+                                   tuner=self.tuner):
                 if e.response is not None:
                     self.last = e.response
                 yield e

@@ -30,7 +30,16 @@ from quantkit.runtime.channels import ANSWER, THINKING, ChannelSplitter
 from quantkit.runtime.devices import release_free_heap
 from quantkit.runtime.model.cache import HybridCache
 from quantkit.runtime.model.model import Model
-from quantkit.runtime.speculative import Clock, DraftStats, mtp_prefill, mtp_tokens, picker, plain_tokens
+from quantkit.runtime.speculative import (
+    Clock,
+    DraftStats,
+    DraftTuner,
+    mtp_prefill,
+    mtp_tokens,
+    picker,
+    plain_tokens,
+    time_step,
+)
 from quantkit.runtime.state_cache import PrefixCache, prefill_plan, snapshot_points
 
 PREFILL_CHUNK = DEFAULT_PREFILL_CHUNK  # the chunk the planner sizes the activation buffers for
@@ -207,10 +216,12 @@ def stream_tokens(model: Model, tokenizer: Any, prompt_ids: list[int], *, sampli
                   stop_ids: set[int], context: int, devices: list[str], thinking: bool,
                   think_ids: tuple[int | None, int | None] = (None, None),
                   cancel: threading.Event | None = None, prefix_cache: PrefixCache | None = None,
-                  boundary_ids: frozenset[int] = frozenset(), mtp: int = 0) -> Iterator[TokenEvent]:
+                  boundary_ids: frozenset[int] = frozenset(), mtp: int = 0, tuner: DraftTuner | None = None
+                  ) -> Iterator[TokenEvent]:
     """Generate from `prompt_ids` (already rendered by the chat template). See the module docstring;
     `prefix_cache` and `boundary_ids` as in `prefill`; `mtp`: drafts per verify from the model's MTP layer
-    (runtime/speculative.py; 0: one forward per token)."""
+    (runtime/speculative.py; 0: one forward per token), or `tuner` chooses them (`DraftTuner`, which keeps what it
+    measures across generations)."""
     sampling.validate()
     n_prompt = len(prompt_ids)
     if n_prompt == 0:
@@ -222,8 +233,13 @@ def stream_tokens(model: Model, tokenizer: Any, prompt_ids: list[int], *, sampli
     split = ChannelSplitter(tokenizer, think_ids, thinking)
     generated: list[int] = []
     finish = "length"
+    tuner = tuner if model.mtp is not None else None
+    if tuner is not None:
+        if tuner.step_s is None:
+            tuner.step_s = time_step(model)
+        mtp = tuner.draft()
     mtp = mtp if model.mtp is not None else 0
-    stats = DraftStats(mtp) if mtp else None
+    stats = DraftStats(mtp, auto=tuner is not None) if mtp or tuner is not None else None
     clock = Clock()
     with torch.inference_mode():
         t0 = time.perf_counter()
@@ -232,12 +248,12 @@ def stream_tokens(model: Model, tokenizer: Any, prompt_ids: list[int], *, sampli
         cache, logits = pre.cache, pre.logits
         budget = min(sampling.max_new_tokens, context - n_prompt) if logits is not None else 0
         pick = picker(sampling, gen, sample, candidates)
-        if stats is not None and budget > 1:
+        if stats is not None and mtp and budget > 1:
             assert pre.hidden is not None
             mtp_cache = model.mtp.new_cache(n_prompt + budget)
             mtp_prefill(model, mtp_cache, prompt_ids[pre.cached_tokens:], pre.hidden, PREFILL_CHUNK)
             tokens = mtp_tokens(model, cache, mtp_cache, logits, pre.hidden[-1:], mtp, n_prompt + budget, pick, clock,
-                                stats)
+                                stats, tuner)
         else:
             tokens = plain_tokens(model, cache, logits, pick, clock)
         t_pre = time.perf_counter() - t0

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,16 +25,72 @@ from quantkit.runtime import cpu_kernel
 from quantkit.runtime.model.cache import HybridCache
 
 MAX_DRAFT = 3
+AUTO_CYCLES = 8  # verifies a draft count is timed over before the auto mode judges it
 
 
 @dataclass
 class DraftStats:
-    draft: int  # drafts per verify asked for
+    draft: int  # drafts per verify asked for (auto: the count in use at the end)
     drafted: int = 0
     accepted: int = 0
+    auto: bool = False  # the count was left to `DraftTuner`
 
-    def to_dict(self) -> dict[str, int]:
-        return {"draft": self.draft, "drafted": self.drafted, "accepted": self.accepted}
+    def to_dict(self) -> dict[str, int | bool]:
+        out: dict[str, int | bool] = {"draft": self.draft, "drafted": self.drafted, "accepted": self.accepted}
+        return {**out, "auto": True} if self.auto else out
+
+
+@dataclass
+class DraftTuner:
+    """`--mtp` left to quantkit: the draft count that decodes fastest with this model on this machine, measured.
+    A plain step is timed once (`step_s`); draft counts are tried for AUTO_CYCLES verifies each (1, then 2 and 3
+    while each beats the one before), their tokens per second against the plain step's; the fastest is kept (and
+    its rate kept up to date). Where one draft does not beat the plain step, drafting stops, for the rest of the
+    generation and the next ones: an MTP layer that is rarely right (untrained, or another model's) costs no more
+    than a few verifies. Speculative decoding's output does not depend on the count, so changing it mid-way is safe."""
+
+    step_s: float | None = None
+    current: int = 1
+    settled: bool = False
+    off: bool = False
+    timed: dict[int, list[float]] = field(default_factory=dict)  # count -> [seconds, tokens, verifies]
+
+    def draft(self) -> int:
+        return 0 if self.off else self.current
+
+    def rate(self, k: int) -> float:
+        """Tokens per second measured with k drafts (0: the plain step's)."""
+        if k == 0:
+            return 1.0 / self.step_s if self.step_s else 0.0
+        s, t, _n = self.timed.get(k, (0.0, 0.0, 0.0))
+        return t / s if s > 0 else 0.0
+
+    def record(self, k: int, seconds: float, tokens: int) -> None:
+        """One verify with k drafts took `seconds` (its drafts included) and gave `tokens`."""
+        rec = self.timed.setdefault(k, [0.0, 0.0, 0.0])
+        rec[0] += seconds
+        rec[1] += tokens
+        rec[2] += 1
+        if self.settled or self.off or k != self.current or rec[2] < AUTO_CYCLES or self.step_s is None:
+            return
+        if k == 1 and self.rate(1) <= self.rate(0):
+            self.off = True
+        elif k < MAX_DRAFT and (k == 1 or self.rate(k) > self.rate(k - 1)):
+            self.current = k + 1
+        else:
+            self.current = max(self.timed, key=self.rate)
+            self.settled = True
+
+    def line(self) -> str:
+        """The auto mode's state in a few words (the load line and /stats)."""
+        if self.off:
+            return (f"auto, off: one draft per step measured {self.rate(1) / self.rate(0):.2f}x decoding without "
+                    "drafts here (--mtp N forces N)")
+        if self.step_s is None or not self.timed:
+            return "auto: drafts 1-3 tokens per step where that measures faster than without (--mtp 0: off)"
+        how = "kept" if self.settled else "trying"
+        speed = f", {self.rate(self.current) / self.rate(0):.2f}x without drafts" if self.current in self.timed else ""
+        return f"auto, {how} {self.current} draft{'s' if self.current != 1 else ''} per step{speed}"
 
 
 class Clock:
@@ -51,6 +107,19 @@ class Clock:
 
 
 Pick = Callable[[torch.Tensor, int | None], tuple[int, Any, bool]]  # (logits row, draft) -> (token, info, kept)
+
+
+def time_step(model: Any, steps: int = 5) -> float:
+    """Seconds of one plain decode step of `model`: the median of `steps` on a scratch cache, after one that warms
+    up (what `DraftTuner` weighs its verifies against)."""
+    cache = model.new_cache(steps + 1)
+    times = []
+    with torch.inference_mode():
+        for i in range(steps + 1):
+            t0 = time.perf_counter()
+            cpu_kernel.argmax(model.forward([i], cache))
+            times.append(time.perf_counter() - t0)
+    return sorted(times[1:])[steps // 2]
 
 
 def plain_tokens(model: Any, cache: HybridCache, logits: torch.Tensor, pick: Pick, clock: Clock
@@ -70,16 +139,21 @@ def mtp_prefill(model: Any, mtp_cache: HybridCache, tokens: list[int], hidden: t
 
 
 def mtp_tokens(model: Any, cache: HybridCache, mtp_cache: HybridCache, logits: torch.Tensor, last_hidden: torch.Tensor,
-               draft: int, limit: int, pick: Pick, clock: Clock, stats: DraftStats) -> Iterator[tuple[int, Any]]:
-    """Tokens from speculative decoding with up to `draft` drafts per verify, never past `limit` positions in
-    `cache` (see the module docstring). `last_hidden` [1, H]: the final norm's output at the last cached position."""
+               draft: int, limit: int, pick: Pick, clock: Clock, stats: DraftStats, tuner: DraftTuner | None = None
+               ) -> Iterator[tuple[int, Any]]:
+    """Tokens from speculative decoding with up to `draft` drafts per verify (or as many as `tuner` says, timing
+    each verify for it), never past `limit` positions in `cache` (see the module docstring). `last_hidden` [1, H]:
+    the final norm's output at the last cached position."""
     mtp = model.mtp
     tok, info, _ = pick(logits, None)
     yield tok, info
     pairs_tok, pairs_hid = [tok], last_hidden
+    first = True  # the first verify binds the kernel's stacks to these caches: not timed for the tuner
     while True:
+        if tuner is not None:
+            draft = stats.draft = tuner.draft()
         k = min(draft, limit - cache.n - 1)
-        if k <= 0:  # no room for drafts: a plain step
+        if k <= 0:  # no room for drafts (or the tuner stopped them): a plain step
             logits = clock.time(lambda tok=tok: model.forward([tok], cache))
             tok, info, _ = pick(logits, None)
             yield tok, info
@@ -96,7 +170,9 @@ def mtp_tokens(model: Any, cache: HybridCache, mtp_cache: HybridCache, logits: t
             lv, hv = model.forward([tok, *ds], cache, all_logits=True, keep_positions=True, hidden=True)
             return ds, mark, lv, hv
 
+        t0 = clock.seconds
         ds, mark, lv, hv = clock.time(drafts_then_verify)
+        spent = clock.seconds - t0
         n0 = cache.n - (k + 1)
         stats.drafted += k
         kept = 0
@@ -110,6 +186,9 @@ def mtp_tokens(model: Any, cache: HybridCache, mtp_cache: HybridCache, logits: t
         cache.rewind(n0 + kept + 1)
         mtp_cache.rewind(mark)
         pairs_tok, pairs_hid = [*ds[:kept], tok], hv[:kept + 1]
+        if tuner is not None and not first:
+            tuner.record(k, spent, kept + 1)
+        first = False
 
 
 def picker(sampling: Any, gen: torch.Generator | None, sample: Callable[..., int],
