@@ -45,7 +45,7 @@ from quantkit.planner.host_costs import fastest, load_profile
 from quantkit.planner.placement import solve
 from quantkit.quantize.run import QuantizeOptions, run_quantize
 from quantkit.recipe import get_recipe
-from quantkit.runtime import load_model
+from quantkit.runtime import cpu_kernel, load_model
 from quantkit.runtime.calibrate import time_layer_ops
 from quantkit.runtime.loader import QuantEmbedding
 from quantkit.runtime.model.layers import Attention
@@ -112,11 +112,11 @@ def _timed_quantkit(model: Model, prompt: list[int], decode: int) -> tuple[float
         t0 = time.perf_counter()
         logits = model.forward(prompt, cache)
         t_pre = time.perf_counter() - t0
-        toks = [int(logits.argmax())]
+        toks = [cpu_kernel.argmax(logits)]
         for _ in range(decode):
             t1 = time.perf_counter()
             logits = model.forward([toks[-1]], cache)
-            toks.append(int(logits.argmax()))
+            toks.append(cpu_kernel.argmax(logits))  # generation's greedy pick
             steps.append(time.perf_counter() - t1)
     return t_pre, steps, toks
 

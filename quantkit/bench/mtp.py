@@ -181,6 +181,8 @@ def run_oracle(workdir: Path, layers: int = 4, experts: int = 64, vocab: int = 2
     data = {
         "command": f"quantkit bench mtp --layers {layers} --experts {experts} --vocab {vocab}"
                    + (f" --draft-vocab {draft_vocab}" if draft_vocab != DRAFT_ROWS else "")
+                   + (f" --new-tokens {new_tokens}" if new_tokens != NEW_TOKENS else "")
+                   + (f" --reps {reps}" if reps != 2 else "") + (f" --rounds {rounds}" if rounds != 2 else "")
                    + (f" --threads {threads}" if threads else ""),
         "draft_head": {"rows": head.rows, "top_from": head.tail, "reduced": head.reduced},
         "machine": _machine(), "threads": torch.get_num_threads(), "route": rt.route()["name"],
