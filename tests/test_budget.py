@@ -190,3 +190,15 @@ def test_card_formula_uses_the_models_own_size_for_other_models() -> None:
     spec = spec_from_config(small)
     assert card_params(spec) == spec.total_params
     assert card_estimate_gb(16, 4096, card_params(spec)) < 74.0 / 5
+
+
+def test_mtp_budget_holds_the_runtimes_int4_copy_of_the_draft_rows() -> None:
+    """With the MTP layer used, an int8 or bf16 lm_head adds the runtime's int4 g128 copy of the draft's rows
+    (ids 0-32,767 and 248,032 up: 33,056 rows of 2048, 0.5 byte each plus a bf16 scale per 128); a 4-bit head none."""
+    rows = 32768 + 248320 - 248032
+    copy = rows * 2048 // 2 + rows * 2048 // 128 * 2
+    for recipe, want in (("quality", copy), ("bf16", copy), ("int4", 0)):
+        b = compute_budget(SPEC, RECIPES[recipe], RunSettings(include_mtp=True))
+        assert b.mtp_draft_copy == want, recipe
+        assert b.mtp == b.mtp_weights + want + b.kv_cache - compute_budget(SPEC, RECIPES[recipe], RunSettings()).kv_cache
+    assert compute_budget(SPEC, RECIPES["quality"], RunSettings()).mtp_draft_copy == 0

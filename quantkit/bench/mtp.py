@@ -37,9 +37,9 @@ from quantkit.bench import write_reports
 from quantkit.bench.engines import _machine
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_json_bounded
+from quantkit.model.draft import DRAFT_ROWS
 from quantkit.recipe import Recipe, build_recipe
 from quantkit.runtime import SamplingParams, load_model
-from quantkit.runtime.model.draft_head import DRAFT_ROWS
 from quantkit.runtime.speculative import DraftTuner
 from quantkit.testing.mtp_train import EVAL_SEED, TrainOptions, chat_prompts
 from quantkit.testing.tiny import SIDECAR, make_tiny_model

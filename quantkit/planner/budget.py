@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec, ceil_div, stored_parts
+from quantkit.model.draft import copy_bytes
 from quantkit.model.spec import ModelSpec, Role, TensorSpec, TextConfig, dtype_bytes
 from quantkit.recipe import Recipe
 
@@ -172,6 +173,7 @@ class Budget:
     expert_params: list[int] = field(default_factory=list)  # one routed expert of each layer
     lm_head_params: int = 0
     mtp_weights: int = 0
+    mtp_draft_copy: int = 0  # the runtime's int4 copy of the draft's lm_head rows (quantkit/model/draft.py)
     prompt_cache: int = 0  # snapshots of the conversation state (in layer_cache too, with their layers)
 
     @property
@@ -237,6 +239,11 @@ def compute_budget(spec: ModelSpec, recipe: Recipe, settings: RunSettings) -> Bu
         else:
             layer_dense[t.layer] += tb.total
             dense_params[t.layer] += t.numel
+    draft_copy = 0
+    if mtp:
+        head = next((t for t in spec.tensors if t.role == Role.LM_HEAD), None)
+        q = recipe.spec_for(head) if head is not None else None
+        draft_copy = copy_bytes(c.vocab_size, c.hidden_size, q.format if q is not None else "bf16")
     e = c.num_experts
     for i, b in enumerate(layer_experts):
         if b % e:
@@ -263,6 +270,7 @@ def compute_budget(spec: ModelSpec, recipe: Recipe, settings: RunSettings) -> Bu
         expert_params=[p // e for p in expert_params],
         lm_head_params=head_params,
         mtp_weights=mtp,
+        mtp_draft_copy=draft_copy,
     )
     return with_settings(base, c, settings)
 
@@ -287,7 +295,7 @@ def with_settings(b: Budget, c: TextConfig, s: RunSettings) -> Budget:
         settings=s,
         layer_cache=layer_cache,
         kv_cache=kv_tok * s.context * s.batch * n_full + mtp_kv,
-        mtp=b.mtp_weights + mtp_kv,
+        mtp=b.mtp_weights + b.mtp_draft_copy + mtp_kv,
         recurrent_state=rec * n_lin * s.batch,
         conv_state=conv * n_lin * s.batch,
         prompt_cache=(rec + conv) * n_lin * snaps + kv_tok * s.context * n_full * kv_copies,

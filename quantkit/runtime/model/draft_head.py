@@ -17,21 +17,9 @@ from __future__ import annotations
 import torch
 
 from quantkit.formats import QuantSpec, get_format
+from quantkit.model.draft import COPIED, COPY_SPEC, DRAFT_ROWS, TILE, draft_span
 from quantkit.runtime import cpu_kernel
 from quantkit.runtime.kernels import Projections, QBf16Kernel, QKernel, prepare
-
-DRAFT_ROWS = 32768  # ids the draft scores from the bottom of the vocabulary (0: the whole head)
-TAIL = 288  # ids from the top: 248032 and up on Qwen3.5's 248,320, its special tokens among them
-TILE = 16
-COPY_SPEC = QuantSpec("int4", 128)  # the compact copy's format (what the quality recipe gives routed experts)
-
-
-def draft_span(vocab: int, rows: int) -> tuple[int, int]:
-    """(rows, tail): the draft scores ids [0, rows) and [tail, vocab), both on tile boundaries; rows 0 where
-    the reduction does not apply (asked for 0, or the two parts would meet)."""
-    rows -= rows % TILE
-    tail = (vocab - TAIL) // TILE * TILE
-    return (rows if 0 < rows < tail else 0), tail
 
 
 def compact_copy(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | None, shape: tuple[int, int],
@@ -42,7 +30,7 @@ def compact_copy(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec 
     vocab, k = shape
     rows, tail = draft_span(vocab, rows)
     fmt = spec.format if spec is not None else "bf16"
-    if not rows or fmt not in ("int8", "bf16") or not cpu_kernel.supports("int4", (rows, k), torch.device("cpu")):
+    if not rows or fmt not in COPIED or not cpu_kernel.supports("int4", (rows, k), torch.device("cpu")):
         return None
     if spec is None:
         w = parts if isinstance(parts, torch.Tensor) else parts["weight"]

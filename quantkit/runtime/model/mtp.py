@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
+from quantkit.model.draft import DRAFT_ROWS
 from quantkit.runtime import cpu_kernel
 from quantkit.runtime.kernels import Kernel, Projections, QKernel
 from quantkit.runtime.model.cache import HybridCache
-from quantkit.runtime.model.draft_head import DRAFT_ROWS, DraftHead
+from quantkit.runtime.model.draft_head import DraftHead
 from quantkit.runtime.model.layers import Layer, rms
 from quantkit.runtime.model.model import layer_stackable, stack_of
 from quantkit.runtime.model.spec import ModelConfig
