@@ -1257,23 +1257,13 @@ void quant_int4_sym(const float* x, int64_t k, int64_t g, const float* grid, int
   }
 }
 
-void bit_range16(const uint16_t* __restrict x, int64_t n, int32_t* out) {
-  int16_t mx = INT16_MIN, mn = INT16_MAX, ma = 0;
+// the bits of n floats as signed integers I: {max, min, max of the magnitude bits} (qk_step.cpp's argmax)
+template <typename I, typename U>
+void bit_range(const U* __restrict x, int64_t n, int32_t* out) {
+  constexpr I kMax = static_cast<I>(static_cast<U>(~U(0)) >> 1), kMin = static_cast<I>(-kMax - 1);
+  I mx = kMin, mn = kMax, ma = 0;
   for (int64_t i = 0; i < n; ++i) {
-    const int16_t v = static_cast<int16_t>(x[i]), a = static_cast<int16_t>(v & 0x7FFF);
-    mx = mx > v ? mx : v;
-    mn = mn < v ? mn : v;
-    ma = ma > a ? ma : a;
-  }
-  out[0] = mx;
-  out[1] = mn;
-  out[2] = ma;
-}
-
-void bit_range32(const uint32_t* __restrict x, int64_t n, int32_t* out) {
-  int32_t mx = INT32_MIN, mn = INT32_MAX, ma = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int32_t v = static_cast<int32_t>(x[i]), a = v & 0x7FFFFFFF;
+    const I v = static_cast<I>(x[i]), a = static_cast<I>(v & kMax);
     mx = mx > v ? mx : v;
     mn = mn < v ? mn : v;
     ma = ma > a ? ma : a;
@@ -1309,7 +1299,8 @@ void bit_range32(const uint32_t* __restrict x, int64_t n, int32_t* out) {
 constexpr qk::Ops kOps = {QK_NAME,    QK_LEVEL,  quantize_row, tile,     to_bf16_row, silu_mul32,
                           sum_f32,    delta_head, attend_head, rms_row,  add_bf16,    silu_mul_bf16,
                           exp_shifted, moe_out,   gate_mul,    gdn_conv, gdn_head,    norm_rotate,
-                          quant_int4_sym, bit_range16, bit_range32};
+                          quant_int4_sym, bit_range<int16_t, uint16_t>,
+                          bit_range<int32_t, uint32_t>};
 
 }  // namespace
 
