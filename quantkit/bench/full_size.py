@@ -107,6 +107,7 @@ def quantkit_worker(a: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     rt = load_model(a["folder"], context=a["context"])
     load_s = time.perf_counter() - t0
+    rt.set_mtp(0)  # plain decode, as llama.cpp's beside it: the MTP layer's weights are random (bench mtp drafts)
     loaded = _memory()
     out: dict[str, Any] = {"load_s": load_s, "baseline": base, "after_load": loaded, "route": rt.route(),
                            "weights_bytes": sum(rt.memory().values()), "placement": rt.placement.source}
