@@ -138,10 +138,15 @@ def test_the_kernels_one_call_draft_is_the_python_path_bit_for_bit(tiny_model_mt
 
 
 @pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernel is not built on this machine")
+@pytest.mark.parametrize("chunk", [4096, 64])
 @pytest.mark.parametrize("spec", [QuantSpec("int8"), None, QuantSpec("int4", 32)], ids=["int8", "bf16", "int4"])
-def test_the_compact_draft_copy_is_the_heads_rows_in_int4(spec):
+def test_the_compact_draft_copy_is_the_heads_rows_in_int4(spec, chunk, monkeypatch):
     """An int8 or bf16 head's draft rows get an int4 g128 copy (its logits those of the rows quantized to int4,
-    -inf elsewhere); a 4-bit head has none (its own tiles are read)."""
+    -inf elsewhere; made a chunk of rows at a time, the same codes); a 4-bit head has none (its own tiles are
+    read)."""
+    from quantkit.runtime.model import draft_head
+
+    monkeypatch.setattr(draft_head, "COPY_CHUNK", chunk)
     v, h = 1000, 256
     g = torch.Generator().manual_seed(4)
     w = (torch.randn(v, h, generator=g) * 0.05).to(torch.bfloat16)

@@ -21,6 +21,8 @@ from quantkit.model.draft import COPIED, COPY_SPEC, DRAFT_ROWS, TILE, draft_span
 from quantkit.runtime import cpu_kernel
 from quantkit.runtime.kernels import Projections, QBf16Kernel, QKernel, prepare
 
+COPY_CHUNK = 4096  # rows dequantized and quantized at a time
+
 
 def compact_copy(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | None, shape: tuple[int, int],
                  rows: int = DRAFT_ROWS) -> QKernel | None:
@@ -32,15 +34,20 @@ def compact_copy(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec 
     fmt = spec.format if spec is not None else "bf16"
     if not rows or fmt not in COPIED or not cpu_kernel.supports("int4", (rows, k), torch.device("cpu")):
         return None
-    if spec is None:
-        w = parts if isinstance(parts, torch.Tensor) else parts["weight"]
-        w = torch.cat([w[:rows], w[tail:]]).to("cpu", torch.float32)
-    else:
-        assert isinstance(parts, dict)
-        sel = {n: torch.cat([p[:rows], p[tail:]]).cpu() for n, p in parts.items()}
-        w = get_format(spec.format).dequantize(sel, spec, (rows + vocab - tail, k), torch.float32)
-    n = w.shape[0]
-    kernel = prepare(get_format("int4").quantize(w, COPY_SPEC), COPY_SPEC, (n, k))
+    spans = [(0, rows), (tail, vocab)]
+    pieces: list[dict[str, torch.Tensor]] = []
+    for a, b in spans:  # a few thousand rows at a time: the fp32 rows of a whole copy would be ~270 MB of a load's peak
+        for c in range(a, b, COPY_CHUNK):
+            d = min(b, c + COPY_CHUNK)
+            if spec is None:
+                w = (parts if isinstance(parts, torch.Tensor) else parts["weight"])[c:d].to("cpu", torch.float32)
+            else:
+                assert isinstance(parts, dict)
+                w = get_format(spec.format).dequantize({n: p[c:d].cpu() for n, p in parts.items()}, spec, (d - c, k),
+                                                       torch.float32)
+            pieces.append(get_format("int4").quantize(w, COPY_SPEC))
+    n = rows + vocab - tail
+    kernel = prepare({name: torch.cat([p[name] for p in pieces]) for name in pieces[0]}, COPY_SPEC, (n, k))
     return kernel if isinstance(kernel, QKernel) else None
 
 
