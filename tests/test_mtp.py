@@ -430,3 +430,30 @@ def test_the_benchs_oracle_gets_the_share_it_is_set_to(acceptance):
             logits, _ = oracle(SimpleNamespace(vocab=1000), [1], torch.zeros(1, 4), cache)
             right += int(logits.argmax()) == seq[n + 1]
             assert abs(right - acceptance * n) <= 2.0
+
+
+def test_chat_says_what_the_mtp_layer_does_on_its_first_line_and_in_stats(tiny_model_mtp, tiny_model, one_thread):  # noqa: F811
+    """The chat's opening line says the MTP mode (auto, until it has measured); /stats says what it decided; a
+    model without the layer says nothing of it on the first line."""
+    import io
+
+    from rich.console import Console
+
+    from quantkit.runtime.chat import Chat, ChatSession
+
+    def run(folder, lines):
+        rt, feed, out = load_model(folder), iter(lines), io.StringIO()
+
+        def read(_p: str) -> str:
+            try:
+                return next(feed)
+            except StopIteration:
+                raise EOFError from None
+        Chat(rt, ChatSession(), SamplingParams(temperature=0, max_new_tokens=24), Console(file=out, width=400),
+             read).run()
+        return out.getvalue().splitlines()
+
+    lines = run(tiny_model_mtp, ["tell me about rivers", "tell me more", "/stats"])
+    assert "; MTP: auto: drafts 1-3 tokens per step where that measures faster than without" in lines[0]
+    assert any(line.startswith("MTP: auto, off: one draft per step measured") for line in lines)
+    assert "MTP" not in run(tiny_model, [])[0]

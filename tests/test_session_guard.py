@@ -215,8 +215,8 @@ def test_a_chat_line_of_binary_bytes_is_refused_and_the_chat_goes_on():
         except StopIteration:
             raise EOFError from None
     buf = io.StringIO()
-    chat = Chat(SimpleNamespace(folder=Path("m"), context=64), ChatSession(), SamplingParams(),
-                Console(file=buf, width=300), read)
+    rt = SimpleNamespace(folder=Path("m"), context=64, model=SimpleNamespace(mtp=None))
+    chat = Chat(rt, ChatSession(), SamplingParams(), Console(file=buf, width=300), read)
     chat.run()  # the surrogate line never reaches the tokenizer (it would raise TypeError there)
     assert "not UTF-8 text" in buf.getvalue() and "usage: /save FILE" in buf.getvalue() and chat.s.messages == []
 

@@ -154,8 +154,9 @@ class Chat:
         self.out.print(printable(text), style=style, highlight=False, markup=False, soft_wrap=True)
 
     def run(self) -> None:
+        mtp = f"; {self.rt.mtp_line()}" if self.rt.model.mtp is not None else ""
         self.say(f"quantkit chat: {self.rt.folder.name}, context {self.rt.context} tokens, thinking "
-                 f"{'on' if self.s.thinking else 'off'}; /help for commands, /exit to leave")
+                 f"{'on' if self.s.thinking else 'off'}{mtp}; /help for commands, /exit to leave")
         while True:
             try:
                 line = self.read("you> ")
