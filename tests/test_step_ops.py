@@ -171,6 +171,14 @@ def test_layer_stack_misuse_is_one_line_errors(qk):
         stack.run(_bf16(1, H), _bf16(64), _bf16(64), 0)
     with pytest.raises(RuntimeError, match="top_k must be in 1..4"):
         stack.set_moe(torch.zeros(4, 8, dtype=torch.int64), one, torch.zeros(4, 2, 8, dtype=torch.int64), 5)
+    x, rot = _bf16(1, H), _bf16(1, 64)
+    with pytest.raises(RuntimeError, match="draft before set_draft"):
+        stack.draft(x, x, rot, rot, 0, one)
+    with pytest.raises(RuntimeError, match=r"the MTP fc table must be an int64 \[1, 8\]"):
+        stack.set_draft(torch.ones(H), torch.ones(H), torch.ones(H), 1e-6, torch.zeros(2, 8, dtype=torch.int64))
+    stack.set_draft(torch.ones(H), torch.ones(H), torch.ones(H), 1e-6, one)
+    with pytest.raises(RuntimeError, match="draft runs a one-layer attention stack"):
+        stack.draft(x, x, rot, rot, 0, one)  # a Gated DeltaNet layer is not the MTP layer
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
