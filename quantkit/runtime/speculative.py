@@ -9,7 +9,8 @@ greedy, a draft is kept when it is the target's argmax, so the output equals dec
 the drafts are the MTP's argmax (a one-hot draft distribution), so the standard speculative-sampling rule is:
 keep draft d with probability p(d) under the target's sampling distribution, else draw from p with d removed
 and renormalised; the output distribution is the target's. Logits processors (`SamplingParams.hook`) see every
-row in order, as without drafts.
+row in order, as without drafts. How many drafts: `--mtp N`, or by default as many as `DraftTuner` measures to
+decode fastest (none where drafting does not pay).
 """
 
 from __future__ import annotations
