@@ -5,9 +5,10 @@ Oracle part, on a realistic-shape checkpoint with an MTP layer (real hidden, exp
 experts; random weights). Random weights give an MTP layer that never agrees with the model, so the acceptance is
 set instead: an oracle drafter runs the real MTP layer (its cost is paid) and then proposes the model's own greedy
 continuation, a share 1 - acceptance of the drafts replaced by a wrong token (spread evenly: `OracleDrafter`).
-For each draft count and acceptance, greedy decode tok/s (best of `reps`) beside decoding without drafts, in interleaved rounds; the
-greedy tokens are checked equal to the run without drafts. Apart: the cost of a verify of T = 2..4 tokens against
-one decode step (median of `steps` calls each).
+For each draft count and acceptance, and for the default (`DraftTuner` choosing the count), greedy decode tok/s
+(best of `reps`) beside decoding without drafts, in interleaved rounds; the greedy tokens are checked equal to the
+run without drafts. Apart: the cost of a verify of T = 2..4 tokens against one decode step (median of `steps`
+calls each).
 
 Trained part, a real acceptance: the tests' tiny checkpoint with an MTP layer, written twice with the same seed,
 once as is (a random layer) and once with its layer trained on the model's own greedy continuations
