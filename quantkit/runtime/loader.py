@@ -423,13 +423,17 @@ def build_model(src: TensorSource, config: dict[str, Any], placement: Placement,
         head = prepare(h_parts, None, tuple(h_parts.shape), shared=h_parts is embed)
     else:
         raise QuantkitError("the checkpoint has no lm_head.weight and the embedding is not tied")
+    has_mtp = bool(t.mtp_num_hidden_layers) and src.has("mtp.fc.weight")
+    # the draft's rows in int4 (model/draft_head.py), made before the head's stored parts are let go
+    compact = (compact_copy(h_parts, h_spec, (head.out_features, head.in_features))
+               if has_mtp and isinstance(head, (QKernel, QBf16Kernel)) else None)
+    del h_parts
     model = Model(mc, embed, layers, final, head)
-    if t.mtp_num_hidden_layers and src.has("mtp.fc.weight"):
+    if has_mtp:
         model.mtp = build_mtp(src, mc, head_dev, report, route)
-        if isinstance(head, (QKernel, QBf16Kernel)):  # the draft's rows in int4 (model/draft_head.py)
-            model.mtp.compact = compact_copy(h_parts, h_spec, (head.out_features, head.in_features))
-            if model.mtp.compact is not None:
-                report.add(head_dev, model.mtp.compact.nbytes)
+        model.mtp.compact = compact
+        if compact is not None:
+            report.add(head_dev, compact.nbytes)
     return model
 
 
