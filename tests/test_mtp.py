@@ -169,6 +169,8 @@ def test_the_compact_draft_copy_is_the_heads_rows_in_int4(spec, chunk, monkeypat
     full = head(x).view(-1).float()  # int4 rows stay close to the head's own
     assert float((got[:192].float() - full[:192]).norm() / full[:192].norm()) < 0.15
     assert DraftHead(head, rows=200, compact=compact_copy(parts, spec, (v, h), rows=100)).compact is None  # not its rows
+    narrow = w[:, :96].contiguous()  # a width the copy's groups of 128 do not divide: no copy, no error
+    assert compact_copy(get_format(spec.format).quantize(narrow, spec) if spec else narrow, spec, (v, 96), rows=200) is None
 
 
 @pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernel is not built on this machine")

@@ -32,7 +32,8 @@ def compact_copy(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec 
     vocab, k = shape
     rows, tail = draft_span(vocab, rows)
     fmt = spec.format if spec is not None else "bf16"
-    if not rows or fmt not in COPIED or not cpu_kernel.supports("int4", (rows, k), torch.device("cpu")):
+    if (not rows or fmt not in COPIED or k % (COPY_SPEC.group_size or k)
+            or not cpu_kernel.supports("int4", (rows, k), torch.device("cpu"))):
         return None
     spans = [(0, rows), (tail, vocab)]
     pieces: list[dict[str, torch.Tensor]] = []
