@@ -175,14 +175,18 @@ class Model:
         cos, sin = self._rope[block]
         return cos, sin, row
 
+    def _rope_steps(self, n: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [t, rot] for positions n .. n + t - 1, the rows of `_rope_table` one-token steps read (so
+        the same rotary as t steps)."""
+        rows = [self._rope_table(p) for p in range(n, n + t)]
+        return torch.stack([c[r] for c, _s, r in rows]), torch.stack([s[r] for _c, s, r in rows])
+
     def _stack_verify(self, x: torch.Tensor, cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
         """A keep-positions forward of x [T, H] in the kernel's stack (`Layers.verify`): logits [T, V] and the
         final norm's output [T, H], bit for bit what T one-token steps give; the Gated DeltaNet trail recorded
         and cache.n advanced."""
         t, n = x.shape[0], cache.n
-        rows = [self._rope_table(p) for p in range(n, n + t)]  # the rows a step reads, so the same rotary
-        cos = torch.stack([c[r] for c, _s, r in rows])
-        sin = torch.stack([s[r] for _c, s, r in rows])
+        cos, sin = self._rope_steps(n, t)
         out = self._bound_stack(cache).verify(x.contiguous(), cos, sin, n)
         gdn = [L.index for L in self.layers if isinstance(L.mixer, DeltaNet)]
         for j, i in enumerate(gdn):

@@ -60,9 +60,7 @@ class MTP:
         e = model._embed(tokens).to(self.layer.device)
         head = self.head(model)
         if ops is not None and t <= STACK_PAIRS and self._stackable(model, head):
-            rows = [model._rope_table(p) for p in range(cache.n, cache.n + t)]
-            cos = torch.stack([c[r] for c, _s, r in rows])
-            sin = torch.stack([s[r] for _c, s, r in rows])
+            cos, sin = model._rope_steps(cache.n, t)
             out = self._bound_stack(cache).draft(e.contiguous(), hidden.to(torch.bfloat16).contiguous(), cos, sin,
                                                  cache.n, head.table)
             cache.n += t
