@@ -20,9 +20,10 @@ def draft_span(vocab: int, rows: int = DRAFT_ROWS) -> tuple[int, int]:
     return (rows if 0 < rows < tail else 0), tail
 
 
-def copy_bytes(vocab: int, hidden: int, head_format: str) -> int:
-    """Bytes of the int4 copy of the draft's rows of an lm_head stored as `head_format` ("bf16" for kept)."""
-    rows, tail = draft_span(vocab)
+def copy_bytes(vocab: int, hidden: int, head_format: str, rows: int = DRAFT_ROWS) -> int:
+    """Bytes of the int4 copy of the draft's rows of an lm_head stored as `head_format` ("bf16" for kept); 0
+    where there is none (no reduction, a head read in place, a width the copy's groups do not divide)."""
+    rows, tail = draft_span(vocab, rows)
     if not rows or head_format not in COPIED or hidden % COPY_SPEC.group_size:  # type: ignore[operator]
         return 0
     return stored_bytes(COPY_SPEC, (rows + vocab - tail, hidden))

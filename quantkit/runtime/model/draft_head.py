@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from quantkit.formats import QuantSpec, get_format
-from quantkit.model.draft import COPIED, COPY_SPEC, DRAFT_ROWS, TILE, draft_span
+from quantkit.model.draft import COPY_SPEC, DRAFT_ROWS, TILE, copy_bytes, draft_span
 from quantkit.runtime import cpu_kernel
 from quantkit.runtime.kernels import Projections, QBf16Kernel, QKernel, prepare
 
@@ -30,10 +30,10 @@ def compact_copy(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec 
     tensor), low ids then the top ones; None where it would not help (a head of 4 bits or fewer is read in
     place) or the kernel cannot take it."""
     vocab, k = shape
+    if not copy_bytes(vocab, k, spec.format if spec is not None else "bf16", rows):
+        return None
     rows, tail = draft_span(vocab, rows)
-    fmt = spec.format if spec is not None else "bf16"
-    if (not rows or fmt not in COPIED or k % (COPY_SPEC.group_size or k)
-            or not cpu_kernel.supports("int4", (rows, k), torch.device("cpu"))):
+    if not cpu_kernel.supports("int4", (rows, k), torch.device("cpu")):
         return None
     spans = [(0, rows), (tail, vocab)]
     pieces: list[dict[str, torch.Tensor]] = []
