@@ -42,6 +42,7 @@ from quantkit.model.draft import DRAFT_ROWS
 from quantkit.recipe import Recipe, build_recipe
 from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.speculative import DraftTuner
+from quantkit.runtime.threads import torch_threads
 from quantkit.testing.mtp_train import EVAL_SEED, TrainOptions, chat_prompts
 from quantkit.testing.tiny import SIDECAR, make_tiny_model
 
@@ -278,9 +279,7 @@ def run_trained(workdir: Path, new_tokens: int = NEW_TOKENS, rounds: int = 2, pr
     t_all = time.perf_counter()
     train = train or TrainOptions()
     rec = build_recipe()  # `quantkit quantize`'s default
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model's matmuls: thread hand-offs cost more than they save
-    try:
+    with torch_threads(1):  # a tiny model's matmuls: thread hand-offs cost more than they save
         folders = trained_folders(workdir, train, rec, log)
         side = json.loads((folders["trained-bf16"] / SIDECAR).read_text())
         layers = []
@@ -290,8 +289,6 @@ def run_trained(workdir: Path, new_tokens: int = NEW_TOKENS, rounds: int = 2, pr
             log(f"decoding {prompts} held-out prompts with the {layer} MTP layer, {recipe}")
             layers.append({"layer": layer, "recipe": recipe,
                            **measure_layer(folders[key], prompts, new_tokens, rounds, train.seed)})
-    finally:
-        torch.set_num_threads(threads)
     return {"command": "quantkit bench mtp --part trained"
                        + (f" --new-tokens {new_tokens}" if new_tokens != NEW_TOKENS else "")
                        + (f" --rounds {rounds}" if rounds != 2 else ""),

@@ -785,14 +785,11 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
     todo_bytes = sum(t.in_bytes for sn, s in zip(names, plan.shards, strict=True) if sn not in reused for t in s)
     progress.start(sum(len(s) for sn, s in zip(names, plan.shards, strict=True) if sn not in reused), todo_bytes)
     # lazy: quantkit.runtime's package imports this module
-    from quantkit.runtime.threads import resolve_threads
+    from quantkit.runtime.threads import resolve_threads, torch_threads
 
-    threads = resolve_threads(opts.threads)
     times = StageTimes()
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
     try:
-        with sigterm_as_interrupt():
+        with torch_threads(resolve_threads(opts.threads)), sigterm_as_interrupt():
             _run_shards(ckpt, out, plan, names, layouts, reused, opts, progress, journal, stats_by_shard, times)
     except KeyboardInterrupt:
         for p in out.glob(".*.tmp"):
@@ -801,8 +798,6 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
             f"interrupted: {len(journal.done)} of {len(names)} shards are finished in {out}; "
             "run the same command with --resume to continue"
         ) from None
-    finally:
-        torch.set_num_threads(before)
 
     # Everything below is small; the manifest goes last.
     stats = [s for sn in names for s in stats_by_shard[sn]]
