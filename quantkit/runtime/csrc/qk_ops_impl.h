@@ -112,6 +112,7 @@ inline vf vexp(vf x) {
   return _mm512_scalef_ps(p, n);
 }
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 #elif QK_AVX2
 constexpr int W = 8;
@@ -177,6 +178,7 @@ inline vf vexp(vf x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 #else  // generic: plain C++, correct on any CPU the compiler targets
 constexpr int W = 8;
@@ -220,6 +222,7 @@ inline float vmaxr(vf a) {
   return m;
 }
 inline void prefetch(const void* p) { __builtin_prefetch(p); }
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 #endif
 
 #if !QK_AVX512  // tails through a zeroed buffer (AVX512 masks its loads and stores)
@@ -317,16 +320,20 @@ double sum_f32(const float* p, int64_t n) {
 }
 
 // ---------------------------------------------------------------- bf16 matrices
-// Software prefetch distance in bytes ahead of the bf16 rows' streams. 8 KiB beat 1-4 KiB (248k x 2048
-// matrices, one and two threads, measured side by side on the 2-core build machine); further ahead gained
-// nothing. The int4 / int8 tiles leave their streams to the hardware prefetcher (faster without hints),
-// except the AVX512 tiles of several rows (a verify's, a prefill's: without the hint their streams waited on
-// the extra rows' sums; a 248k-row head, A/B in alternating processes) and the AVX2
-// one-row int4 tiles (decode), which both ask for the block kTilePrefetch bytes ahead. The AVX2 ones: once
-// their sums stopped spilling they waited on memory at each expert's first tiles, and a 4 KiB lead beat
-// none, 1 KiB and 2 KiB in decode tok/s (A/B in alternating processes; 8 KiB no better).
+// Software prefetch distances, in bytes ahead of a stream: kPrefetch for the bf16 rows (into L1; 8 KiB beat
+// 1-4 KiB, further gained nothing), kTilePrefetch for the int4 / int8 tiles (`prefetch_ahead`, into L2).
+// Why L2: asked into L1, the tiles of several rows (a verify's) ran at a speed that changed from one run to
+// the next, at worst far slower than one row; into L2 they are steady, two rows of the int8 head take the
+// time of one, and one-row tiles beat the hardware prefetcher alone (A/B in alternating processes with
+// each QUANTKIT_CPU_ISA; the AVX2 units' int8 tiles gained nothing and go without; reports/bench-mtp.md).
+// A tile read in two 8-row passes asks in the first.
 constexpr int64_t kPrefetch = 8192;
 constexpr int64_t kTilePrefetch = 4096;
+
+// `lines` 64-byte lines of a tile's stream, kTilePrefetch bytes ahead of p, asked for into L2
+inline void prefetch_ahead(const uint8_t* p, int lines) {
+  for (int l = 0; l < lines; ++l) prefetch_l2(p + kTilePrefetch + 64 * l);
+}
 
 // w . x for one row (k % 32 == 0), with accumulators enough that no FMA waits on another. A tile's rows go
 // one after another, so the weights are one sequential stream: measured against 8 (AVX512) and 4 (AVX2)
@@ -420,8 +427,7 @@ void tile_int4(const QMat& m, int64_t t, const QAct* a, float* out) {
       dss[r] = 0.f;
     }
     for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
-      if (MR > 1)  // several rows (see kTilePrefetch)
-        for (int l = 0; l < 4; ++l) prefetch(qw + b * 256 + kTilePrefetch + 64 * l);
+      prefetch_ahead(qw + b * 256, 4);
       int4_block<MR>(qw + b * 256, a, b, ga);
       for (int r = 0; r < MR; ++r) dss[r] += a[r].ds[b];
     }
@@ -444,8 +450,7 @@ void tile_int8(const QMat& m, int64_t t, const QAct* a, float* out) {
   for (int r = 0; r < MR; ++r) fs[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = qw + b * 512;
-    if (MR > 1)  // several rows (see kTilePrefetch)
-      for (int l = 0; l < 8; ++l) prefetch(p + kTilePrefetch + 64 * l);
+    prefetch_ahead(p, 8);
     __m512i w[8];
     for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(p + 64 * c);
     for (int r = 0; r < MR; ++r) {
@@ -506,8 +511,7 @@ void tile_int4_part(const QMat& m, int64_t t, const QAct* a, int h0, float* out)
     for (int i = 0; i < MR * H; ++i) ga[i] = _mm256_setzero_ps();
     for (int r = 0; r < MR; ++r) dss[r] = 0.f;
     for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
-      if (MR == 1)
-        for (int l = 0; l < 4; ++l) prefetch(qw + b * 256 + kTilePrefetch + 64 * l);
+      if (h0 == 0) prefetch_ahead(qw + b * 256, 4);  // the second half's pass reads the same lines
       int4_half_block<MR, H>(qw + b * 256, a, b, ga);
       for (int r = 0; r < MR; ++r) dss[r] += a[r].ds[b];
     }
@@ -645,12 +649,14 @@ __attribute__((always_inline)) inline void tile_int4_half(const QMat& m, int64_t
     __m256 fs[MR];
     __m256i is[MR];
     if (OneBlockGroups) {
+      if (h == 0) prefetch_ahead(qw + g * 256, 4);  // the second half's pass reads the same lines
       int4_half_dots<MR>(qw + g * 256, x, g, is);
       for (int r = 0; r < MR; ++r)
         fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_set1_ps(x.d[r][g]), _mm256_setzero_ps());
     } else {
       for (int r = 0; r < MR; ++r) fs[r] = _mm256_setzero_ps();
       for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+        if (h == 0) prefetch_ahead(qw + b * 256, 4);
         int4_half_dots<MR>(qw + b * 256, x, b, is);
         for (int r = 0; r < MR; ++r) fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is[r]), _mm256_set1_ps(x.d[r][b]), fs[r]);
       }
@@ -732,7 +738,7 @@ void tile_int4<1>(const QMat& m, int64_t t, const QAct* a, float* out) {
     __m256 fs0 = _mm256_setzero_ps(), fs1 = fs0;
     for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
       const uint8_t* p = qw + b * 256;
-      for (int l = 0; l < 4; ++l) prefetch(p + kTilePrefetch + 64 * l);
+      prefetch_ahead(p, 4);
       const int8_t* xb = xq + b * kBlock;
       __m256i s0, s1;
       for (int c = 0; c < 4; ++c) {
