@@ -132,11 +132,9 @@ class Layers {
         kept.push_back(torch::cat({g.conv, p[0]}));
         // the state after each position but the last, which is the cache's own (a rewind to it is none)
         torch::Tensor states = torch::empty({t - 1, g.state.size(0), g.state.size(1), g.state.size(2)}, torch::kFloat);
-        for (int64_t j = 0; j < t; ++j) {
-          rows[j] = qk_gdn_step(p[0][j], p[1][j], p[2][j], p[3][j], g.conv, g.conv_w, g.neg_a, g.dt_bias, g.norm_w,
-                                g.norm_w_bf16, g.state, g.hk, L.eps);
-          if (j + 1 < t) states[j].copy_(g.state);
-        }
+        const torch::Tensor core = qk_gdn_rows(p[0], p[1], p[2], p[3], g.conv, g.conv_w, g.neg_a, g.dt_bias, g.norm_w,
+                                               g.norm_w_bf16, g.state, states, g.hk, L.eps);
+        for (int64_t j = 0; j < t; ++j) rows[j] = core.narrow(0, j, 1);
         kept.push_back(states);
       } else {
         const Attention& at = L.at;

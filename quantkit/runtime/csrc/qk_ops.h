@@ -43,7 +43,8 @@ struct GdnArgs {
   uint16_t* conv;  // [K, C] bf16, oldest tap first
   const float *conv_w, *neg_a, *dt_bias, *norm_w;
   bool norm_w_bf16;
-  float* state;  // [Hv, Dk, Dv]
+  float* state;  // [Hv, Dk, Dv], written
+  const float* state_in;  // the state read: `state` itself, or the one before it (a verify keeps each)
   int64_t taps, channels, hk, hv, dk, dv;
   float eps;
 };
@@ -58,8 +59,8 @@ struct Ops {
   void (*to_bf16_row)(const float* x, int64_t n, uint16_t* out);
   void (*silu_mul32)(const float* g, const float* u, float* out);  // 32 values, fp32
   double (*sum_f32)(const float* p, int64_t n);                     // n % 64 == 0
-  // the gated delta rule of one head (S [K, V] fp32 updated in place; kv scratch of V)
-  void (*delta_head)(float* S, int64_t K, int64_t V, const float* q, const float* k, const float* v, float decay,
+  // the gated delta rule of one head: S [K, V] fp32 = the state after Sin (Sin == S: in place); kv scratch of V
+  void (*delta_head)(const float* Sin, float* S, int64_t K, int64_t V, const float* q, const float* k, const float* v, float decay,
                      float beta, float* kv, float* out);
   // G query heads (1, 2, 4, 8 or 16) against rows 0..n-1 of one kv head's k, v [cap, hd] (bf16); s scratch
   // of G * n floats, acc of G * hd; out [G, hd] bf16

@@ -889,15 +889,15 @@ void tile(const QMat& m, int64_t t, const QAct* a, int64_t rows, float* out) {
 }
 
 // ---------------------------------------------------------------- the gated delta rule
-// One head for one token, state S [K, V] fp32 updated in place: S *= decay; kv = k^T S;
+// One head for one token, state S [K, V] fp32 (read from Sin, which may be S): S = Sin * decay; kv = k^T S;
 // S += k (beta (v - kv))^T; out = q^T S. Two passes over S (the second from L2).
-void delta_head(float* S, int64_t K, int64_t V, const float* q, const float* k, const float* v, float decay,
+void delta_head(const float* Sin, float* S, int64_t K, int64_t V, const float* q, const float* k, const float* v, float decay,
                 float beta, float* kv, float* out) {
   if (V % W) {  // a width no vector divides: plain loops
     for (int64_t j = 0; j < V; ++j) kv[j] = 0.f;
     for (int64_t i = 0; i < K; ++i)
       for (int64_t j = 0; j < V; ++j) {
-        S[i * V + j] *= decay;
+        S[i * V + j] = Sin[i * V + j] * decay;
         kv[j] += k[i] * S[i * V + j];
       }
     for (int64_t j = 0; j < V; ++j) {
@@ -915,9 +915,10 @@ void delta_head(float* S, int64_t K, int64_t V, const float* q, const float* k, 
   for (int64_t j = 0; j < V; j += W) vst(kv + j, vzero());
   for (int64_t i = 0; i < K; ++i) {
     float* row = S + i * V;
+    const float* in = Sin + i * V;
     const vf ki = vset(k[i]);
     for (int64_t j = 0; j < V; j += W) {
-      const vf sv = vmul(vld(row + j), dv);
+      const vf sv = vmul(vld(in + j), dv);
       vst(row + j, sv);
       vst(kv + j, vfma(ki, sv, vld(kv + j)));
     }
@@ -1178,7 +1179,7 @@ void gdn_head(const GdnArgs& g, const uint16_t* x, int64_t h, float* scratch, ui
   const float sp = bf16_value(g.a[h]) + g.dt_bias[h];
   const float softplus = sp > 20.f ? sp : log1pf(expf(sp));
   const float decay = expf(g.neg_a[h] * softplus);
-  delta_head(g.state + h * g.dk * g.dv, g.dk, g.dv, q, k, v, decay, beta, kv, o);
+  delta_head(g.state_in + h * g.dk * g.dv, g.state + h * g.dk * g.dv, g.dk, g.dv, q, k, v, decay, beta, kv, o);
   // gated RMSNorm: y = bf16(o * rsqrt(mean(o^2) + eps)) with o rounded to bf16 first; w * y (bf16 when w
   // is); times silu(z) in fp32; rounded to bf16
   for (int64_t i = 0; i < g.dv; ++i) ob[i] = to_bf16(o[i]);

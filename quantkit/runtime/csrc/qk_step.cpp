@@ -80,7 +80,7 @@ torch::Tensor qk_delta_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
   at::parallel_for(0, H, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> kv(V);
     for (int64_t h = lo; h < hi; ++h)
-      f.delta_head(sp + h * K * V, K, V, qp + h * K, kp + h * K, vp + h * V, dp[h], bp[h], kv.data(), op + h * V);
+      f.delta_head(sp + h * K * V, sp + h * K * V, K, V, qp + h * K, kp + h * K, vp + h * V, dp[h], bp[h], kv.data(), op + h * V);
   });
   return out;
 }
@@ -196,14 +196,14 @@ torch::Tensor qk_moe_out(torch::Tensor x, torch::Tensor routed, torch::Tensor sh
   return y;
 }
 
-// A Gated DeltaNet layer between its projections (runtime/decode_step.linear_mixer): qkv [1, C], z [1, Hv*Dv],
-// b and a [1, Hv] (bf16, the in_proj outputs); conv [K, C] bf16, the conv window (updated in place);
-// conv_w fp32 [K, C]; neg_a = -exp(A_log), dt_bias fp32 [Hv]; norm_w fp32 [Dv] (`norm_w_bf16`: the
-// model's weight is bf16, so w * y rounds); state fp32 [Hv, Dk, Dv] (updated in place). Returns the
-// gated-norm output [1, Hv*Dv] bf16, the input of out_proj. Threads split the value heads.
-torch::Tensor qk_gdn_step(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, torch::Tensor a, torch::Tensor conv,
-                          torch::Tensor conv_w, torch::Tensor neg_a, torch::Tensor dt_bias, torch::Tensor norm_w,
-                          bool norm_w_bf16, torch::Tensor state, int64_t hk, double eps) {
+namespace {
+
+// qk_gdn_step's arguments checked for `rows` tokens (qkv [rows, C], z [rows, Hv*Dv], b and a [rows, Hv]) and
+// pointed at the first; the state read is the state written
+GdnArgs gdn_args(const torch::Tensor& qkv, const torch::Tensor& z, const torch::Tensor& b, const torch::Tensor& a,
+                 const torch::Tensor& conv, const torch::Tensor& conv_w, const torch::Tensor& neg_a,
+                 const torch::Tensor& dt_bias, const torch::Tensor& norm_w, bool norm_w_bf16,
+                 const torch::Tensor& state, int64_t hk, double eps, int64_t rows) {
   for (const auto& [t, what] : {std::pair{&qkv, "qk_gdn_step: qkv"}, {&z, "qk_gdn_step: z"}, {&b, "qk_gdn_step: b"},
                                 {&a, "qk_gdn_step: a"}, {&conv, "qk_gdn_step: conv"}})
     check_bf16(*t, what);
@@ -216,8 +216,9 @@ torch::Tensor qk_gdn_step(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, t
   g.hk = hk;
   g.taps = conv.size(0);
   g.channels = conv.size(1);
-  TORCH_CHECK(hk >= 1 && g.hv % hk == 0 && g.channels == 2 * hk * g.dk + g.hv * g.dv && qkv.numel() == g.channels &&
-              z.numel() == g.hv * g.dv && b.numel() == g.hv && a.numel() == g.hv && g.taps >= 1,
+  TORCH_CHECK(hk >= 1 && g.hv % hk == 0 && g.channels == 2 * hk * g.dk + g.hv * g.dv &&
+              qkv.numel() == rows * g.channels && z.numel() == rows * g.hv * g.dv && b.numel() == rows * g.hv &&
+              a.numel() == rows * g.hv && g.taps >= 1,
               "qk_gdn_step: shapes do not match the layer");
   check_f32(conv_w, g.taps * g.channels, "qk_gdn_step: conv_w");
   check_f32(neg_a, g.hv, "qk_gdn_step: neg_a");
@@ -234,7 +235,22 @@ torch::Tensor qk_gdn_step(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, t
   g.norm_w = norm_w.data_ptr<float>();
   g.norm_w_bf16 = norm_w_bf16;
   g.state = state.data_ptr<float>();
+  g.state_in = g.state;
   g.eps = static_cast<float>(eps);
+  return g;
+}
+
+}  // namespace
+
+// A Gated DeltaNet layer between its projections (runtime/decode_step.linear_mixer): qkv [1, C], z [1, Hv*Dv],
+// b and a [1, Hv] (bf16, the in_proj outputs); conv [K, C] bf16, the conv window (updated in place);
+// conv_w fp32 [K, C]; neg_a = -exp(A_log), dt_bias fp32 [Hv]; norm_w fp32 [Dv] (`norm_w_bf16`: the
+// model's weight is bf16, so w * y rounds); state fp32 [Hv, Dk, Dv] (updated in place). Returns the
+// gated-norm output [1, Hv*Dv] bf16, the input of out_proj. Threads split the value heads.
+torch::Tensor qk_gdn_step(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, torch::Tensor a, torch::Tensor conv,
+                          torch::Tensor conv_w, torch::Tensor neg_a, torch::Tensor dt_bias, torch::Tensor norm_w,
+                          bool norm_w_bf16, torch::Tensor state, int64_t hk, double eps) {
+  const GdnArgs g = gdn_args(qkv, z, b, a, conv, conv_w, neg_a, dt_bias, norm_w, norm_w_bf16, state, hk, eps, 1);
   std::vector<uint16_t> x(g.channels);
   const Ops& f = ops();
   f.gdn_conv(g, x.data());
@@ -244,6 +260,46 @@ torch::Tensor qk_gdn_step(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, t
     std::vector<float> scratch(2 * g.dk + 3 * g.dv);
     std::vector<uint16_t> ob(g.dv);
     for (int64_t h = lo; h < hi; ++h) f.gdn_head(g, x.data(), h, scratch.data(), ob.data(), op);
+  });
+  return out;
+}
+
+// T tokens through a Gated DeltaNet layer's core, bit for bit T calls of qk_gdn_step (its arguments, with qkv
+// [T, C], z [T, Hv*Dv], b and a [T, Hv]), keeping the state after each token but the last in `states` [T - 1,
+// Hv, Dk, Dv] fp32 (the last goes to `state`). Why not T calls: each head's state goes through the T tokens while
+// it is in cache, where T calls read and write the whole state from memory per token (a speculative verify's
+// Gated DeltaNet layers cost about T times one step's that way). Returns [T, Hv*Dv] bf16.
+torch::Tensor qk_gdn_rows(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, torch::Tensor a, torch::Tensor conv,
+                          torch::Tensor conv_w, torch::Tensor neg_a, torch::Tensor dt_bias, torch::Tensor norm_w,
+                          bool norm_w_bf16, torch::Tensor state, torch::Tensor states, int64_t hk, double eps) {
+  const int64_t t = qkv.size(0);
+  TORCH_CHECK(qkv.dim() == 2 && t >= 1, "qk_gdn_rows: qkv must be [T, C]");
+  const GdnArgs g0 = gdn_args(qkv, z, b, a, conv, conv_w, neg_a, dt_bias, norm_w, norm_w_bf16, state, hk, eps, t);
+  TORCH_CHECK(states.scalar_type() == torch::kFloat && states.is_contiguous() && states.dim() == 4 &&
+              states.size(0) == t - 1 && states.size(1) == g0.hv && states.size(2) == g0.dk && states.size(3) == g0.dv,
+              "qk_gdn_rows: states must be contiguous fp32 [T - 1, Hv, Dk, Dv]");
+  const int64_t n = g0.hv * g0.dk * g0.dv, od = g0.hv * g0.dv;
+  float* kept = states.data_ptr<float>();
+  std::vector<GdnArgs> g(t, g0);
+  std::vector<uint16_t> x(t * g0.channels);
+  const Ops& f = ops();
+  for (int64_t j = 0; j < t; ++j) {  // the conv window moves token by token
+    g[j].qkv = g0.qkv + j * g0.channels;
+    g[j].z = g0.z + j * od;
+    g[j].b = g0.b + j * g0.hv;
+    g[j].a = g0.a + j * g0.hv;
+    g[j].state_in = j == 0 ? g0.state : kept + (j - 1) * n;
+    g[j].state = j + 1 < t ? kept + j * n : g0.state;
+    f.gdn_conv(g[j], x.data() + j * g0.channels);
+  }
+  torch::Tensor out = torch::empty({t, od}, torch::kBFloat16);
+  uint16_t* op = bf16_ptr(out);
+  at::parallel_for(0, g0.hv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scratch(2 * g0.dk + 3 * g0.dv);
+    std::vector<uint16_t> ob(g0.dv);
+    for (int64_t h = lo; h < hi; ++h)
+      for (int64_t j = 0; j < t; ++j)
+        f.gdn_head(g[j], x.data() + j * g0.channels, h, scratch.data(), ob.data(), op + j * od);
   });
   return out;
 }
