@@ -35,8 +35,8 @@ def _generate(rt, draft: int, n: int = 40, **kw) -> tuple[list[int], dict | None
 
 
 class Oracle:
-    """Stands in for the MTP layer's forward: drafts the reference continuation `seq` (the whole token sequence
-    of a run without drafts), a wrong token instead every `wrong_every`-th draft."""
+    """Stands in for the MTP layer's greedy draft (`MTP.draft`): drafts the reference continuation `seq` (the
+    whole token sequence of a run without drafts), a wrong token instead every `wrong_every`-th draft."""
 
     def __init__(self, seq: list[int], wrong_every: int):
         self.seq, self.wrong_every, self.calls = seq, wrong_every, 0
@@ -47,9 +47,7 @@ class Oracle:
         self.calls += 1
         if self.wrong_every and self.calls % self.wrong_every == 0:
             want = (want + 1) % model.vocab
-        logits = torch.full((model.vocab,), -10.0)
-        logits[want] = 10.0
-        return logits, hidden[-1:]
+        return want, hidden[-1:]
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -137,6 +135,31 @@ def test_the_kernels_one_call_draft_is_the_python_path_bit_for_bit(tiny_model_mt
         assert torch.equal(x, y)
 
 
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("rows", [0, 64])
+def test_a_greedy_draft_is_the_argmax_of_the_drafts_logits(tiny_model_mtp, route, rows, one_thread):  # noqa: F811
+    """`MTP.draft` (what speculative decoding calls) gives the first maximum of `forward`'s logits and the same
+    hidden, chained, with the whole head and with the draft's part of it (ids from both of its ends)."""
+    rt = load_model(quantized(tiny_model_mtp, "int4"), forced_route=route)
+    m, mtp = rt.model, rt.model.mtp
+    mtp.draft_rows = rows
+    g = torch.Generator().manual_seed(11)
+    toks = torch.randint(0, m.vocab, (48,), generator=g).tolist()
+    hid = torch.randn(48, m.cfg.text.hidden_size, generator=g).to(torch.bfloat16)
+    a, b = mtp.new_cache(64), mtp.new_cache(64)
+    mtp.forward(m, toks[:8], hid[:8], a)
+    mtp.forward(m, toks[:8], hid[:8], b)
+    got, h_a, h_b = [], hid[8:9], hid[8:9]
+    for i in range(8, 48):
+        logits, h_a = mtp.forward(m, [toks[i]], h_a if i % 2 else hid[i:i + 1], a)
+        tok, h_b = mtp.draft(m, [toks[i]], h_b if i % 2 else hid[i:i + 1], b)
+        assert tok == int(torch.argmax(logits)) and torch.equal(h_a, h_b)
+        got.append(tok)
+    if rows:
+        tail = mtp.head(m).tail
+        assert any(t < rows for t in got) and any(t >= tail for t in got)
+
+
 @pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernel is not built on this machine")
 @pytest.mark.parametrize("chunk", [4096, 64])
 @pytest.mark.parametrize("spec", [QuantSpec("int8"), None, QuantSpec("int4", 32)], ids=["int8", "bf16", "int4"])
@@ -216,7 +239,7 @@ def test_oracle_drafts_are_accepted_rolled_back_and_change_nothing(tiny_model_mt
     want, _ = _generate(rt, 0)
     ids = rt.render_ids(PROMPT)[1]
     oracle = Oracle(ids + want, wrong_every)
-    monkeypatch.setattr(rt.model.mtp, "forward", oracle)
+    monkeypatch.setattr(rt.model.mtp, "draft", oracle)
     got, stats = _generate(rt, draft)
     assert got == want
     assert 0 < stats["accepted"] <= stats["drafted"]
@@ -233,7 +256,7 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_generation_there(tiny_mode
     stop = want[10]
     first = want.index(stop)
     ids = rt.render_ids(PROMPT)[1]
-    monkeypatch.setattr(rt.model.mtp, "forward", Oracle(ids + want, 0))
+    monkeypatch.setattr(rt.model.mtp, "draft", Oracle(ids + want, 0))
     sp = SamplingParams(temperature=0, max_new_tokens=40)
     resp = None
     for e in stream_tokens(rt.model, rt.tokenizer, ids, sampling=sp, stop_ids={stop}, context=512, devices=["cpu"],
@@ -254,9 +277,7 @@ def test_sampling_keeps_the_targets_distribution(tiny_model_mtp, one_thread, mon
 
     def fixed(model, tokens, hidden, cache):
         cache.n += len(tokens)
-        logits = torch.full((model.vocab,), -10.0)
-        logits[draft_tok] = 10.0
-        return logits, hidden[-1:]
+        return draft_tok, hidden[-1:]
 
     def second_tokens(draft: int) -> torch.Tensor:
         counts = torch.zeros(rt.model.vocab)
@@ -269,7 +290,7 @@ def test_sampling_keeps_the_targets_distribution(tiny_model_mtp, one_thread, mon
         return counts / counts.sum()
 
     without = second_tokens(0)
-    monkeypatch.setattr(rt.model.mtp, "forward", fixed)
+    monkeypatch.setattr(rt.model.mtp, "draft", fixed)
     with_drafts = second_tokens(1)
     tv = 0.5 * float((without - with_drafts).abs().sum())
     assert tv < 0.1, tv
@@ -348,7 +369,7 @@ def test_auto_drafting_that_pays_tries_every_count_and_changes_no_token(
     rt = load_model(quantized(tiny_model_mtp, "int4"), forced_route=route)
     want, _ = _generate(rt, 0, n=120)
     ids = rt.render_ids(PROMPT)[1]
-    monkeypatch.setattr(rt.model.mtp, "forward", Oracle(ids + want, wrong_every=5))
+    monkeypatch.setattr(rt.model.mtp, "draft", Oracle(ids + want, wrong_every=5))
 
     def a_second(self, fn):
         self.seconds += 1.0
@@ -425,12 +446,12 @@ def test_the_benchs_oracle_gets_the_share_it_is_set_to(acceptance):
     seq = list(range(100, 400))
     cache = SimpleNamespace(n=0)
     for seed in (0, 1):
-        oracle = OracleDrafter(lambda m, t, h, c: (torch.zeros(1000), h), seq, acceptance, seed=seed)
+        oracle = OracleDrafter(lambda m, t, h, c: (0, h), seq, acceptance, seed=seed)
         right = 0
         for n in range(1, 201):
             cache.n = n
-            logits, _ = oracle(SimpleNamespace(vocab=1000), [1], torch.zeros(1, 4), cache)
-            right += int(logits.argmax()) == seq[n + 1]
+            tok, _ = oracle(SimpleNamespace(vocab=1000), [1], torch.zeros(1, 4), cache)
+            right += tok == seq[n + 1]
             assert abs(right - acceptance * n) <= 2.0
 
 

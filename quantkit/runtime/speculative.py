@@ -162,12 +162,12 @@ def mtp_tokens(model: Any, cache: HybridCache, mtp_cache: HybridCache, logits: t
 
         def drafts_then_verify(tok: int = tok, k: int = k, pairs: tuple[list[int], torch.Tensor] = (pairs_tok, pairs_hid)
                                ) -> tuple[list[int], int, torch.Tensor, torch.Tensor]:
-            lg, hm = mtp.forward(model, *pairs, mtp_cache)
+            d, hm = mtp.draft(model, *pairs, mtp_cache)
             mark = mtp_cache.n
-            ds = [cpu_kernel.argmax(lg)]
+            ds = [d]
             for _ in range(k - 1):
-                lg, hm = mtp.forward(model, [ds[-1]], hm, mtp_cache)
-                ds.append(cpu_kernel.argmax(lg))
+                d, hm = mtp.draft(model, [ds[-1]], hm, mtp_cache)
+                ds.append(d)
             lv, hv = model.forward([tok, *ds], cache, all_logits=True, keep_positions=True, hidden=True)
             return ds, mark, lv, hv
 

@@ -96,6 +96,12 @@ class DraftHead:
         out[self.tail:] = y[self.rows:]
         return out
 
+    def argmax(self, outs: list[torch.Tensor]) -> int:
+        """The argmax of `logits(outs)` (its first maximum), read from the outputs themselves."""
+        y = outs[0].view(-1) if len(outs) == 1 else torch.cat([o.view(-1) for o in outs])
+        i = cpu_kernel.argmax(y)
+        return i if not self.rows or i < self.rows else self.tail + i - self.rows
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [V] of one row x [1, H]: the scored ids' own, -inf elsewhere."""
         if not self.rows:

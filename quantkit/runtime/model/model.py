@@ -143,21 +143,23 @@ class Model:
         return self.head(rms(x.to(self.head_device), self.final, self.eps)).view(-1)
 
     def _embed(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
-        """[T, H] rows. A quantized table on the CPU dequantizes a row in a dozen small ops, so one-token rows
-        are kept once made (up to EMBED_ROWS, least recently used out)."""
+        """[T, H] rows. A quantized table on the CPU dequantizes a row in a dozen small ops, so the rows of steps
+        and verifies are kept once made (up to EMBED_ROWS, least recently used out)."""
         if isinstance(self.embed, torch.Tensor):
             idx = torch.as_tensor(ids, dtype=torch.long, device=self.embed.device).view(-1)
             return F.embedding(idx, self.embed)
-        if isinstance(ids, list) and len(ids) == 1 and self.keep_rows:
-            tok = ids[0]
-            row = self._rows.pop(tok, None)
-            if row is None:
-                row = self.embed(torch.tensor([tok], dtype=torch.long))
-                if len(self._rows) >= EMBED_ROWS:
-                    self._rows.pop(next(iter(self._rows)))
-            self._rows[tok] = row
-            return row
+        if isinstance(ids, list) and len(ids) <= STACK_VERIFY_ROWS and self.keep_rows:  # a step, a verify
+            return torch.cat([self._embed_row(tok) for tok in ids]) if len(ids) > 1 else self._embed_row(ids[0])
         return self.embed(torch.as_tensor(ids, dtype=torch.long).view(-1))
+
+    def _embed_row(self, tok: int) -> torch.Tensor:
+        row = self._rows.pop(tok, None)
+        if row is None:
+            row = self.embed(torch.tensor([tok], dtype=torch.long))
+            if len(self._rows) >= EMBED_ROWS:
+                self._rows.pop(next(iter(self._rows)))
+        self._rows[tok] = row
+        return row
 
     def _rope_rows(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [len(pos), rot]: the text rotary (its three position axes are equal for text, so the

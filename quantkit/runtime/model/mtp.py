@@ -53,6 +53,20 @@ class MTP:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [V] of the token after the last pair, the MTP's normed hidden [1, H] to chain on) for the
         pairs (tokens[i], hidden[i]) appended to its cache; `model` lends the embedding, rotary and head."""
+        outs, h, head = self._run(model, tokens, hidden, cache)
+        return (head.logits(outs) if isinstance(outs, list) else outs), h
+
+    def draft(self, model: Any, tokens: list[int], hidden: torch.Tensor, cache: HybridCache
+              ) -> tuple[int, torch.Tensor]:
+        """`forward`'s greedy draft: (the argmax of its logits, the hidden to chain on), without spreading the
+        draft head's outputs over the whole vocabulary first."""
+        outs, h, head = self._run(model, tokens, hidden, cache)
+        return (head.argmax(outs) if isinstance(outs, list) else cpu_kernel.argmax(outs)), h
+
+    def _run(self, model: Any, tokens: list[int], hidden: torch.Tensor, cache: HybridCache
+             ) -> tuple[list[torch.Tensor] | torch.Tensor, torch.Tensor, DraftHead]:
+        """`forward` up to the head: (the kernel's head outputs on `head.table` as a list, or the logits [V]), the
+        hidden, the head."""
         t = len(tokens)
         cache.reserve(cache.n + t)
         eps = self.cfg.rms_eps
@@ -64,7 +78,7 @@ class MTP:
             out = self._bound_stack(cache).draft(e.contiguous(), hidden.to(torch.bfloat16).contiguous(), cos, sin,
                                                  cache.n, head.table)
             cache.n += t
-            return head.logits(out[1:]), out[0]
+            return list(out[1:]), out[0], head
         norm = (lambda x, w: ops.rms(x.contiguous(), w, eps)) if ops is not None else (lambda x, w: rms(x, w, eps))
         h = hidden.to(self.layer.device, torch.bfloat16)
         x = self.fc(torch.cat([norm(e, self.emb_scale), norm(h, self.hid_scale)], dim=-1))
@@ -75,7 +89,7 @@ class MTP:
         x = self.layer(x, cache, cos, sin, ops, keep=1 < t <= STACK_PAIRS, last_only=True)
         cache.n += t
         out = norm(x[-1:].to(model.head_device), self.final)
-        return head(out), out
+        return head(out), out, head
 
     def _stackable(self, model: Any, head: DraftHead) -> bool:
         """Whether the kernel's one-call draft applies: the stack route, this layer and fc on the kernel, the
