@@ -476,7 +476,7 @@ def render_trained(t: dict[str, Any], oracle: list[dict[str, Any]] | None) -> li
             f"and rolled back where rejected): **{'met' if t['greedy_identical'] else 'MISSED'}**.", "",
             f"The tok/s ratio is this tiny model's own: one decode step of it is a single kernel call of "
             f"{step_ms:.2f} ms, and a draft and a verify each add Python bookkeeping of that order (the caches' "
-            "trails and rewinds, the draft's logits), so the ratio weighs per-call costs more than the weights a "
+            "trails and rewinds), so the ratio weighs per-call costs more than the weights a "
             "step reads, unlike the real model's. What carries over is the acceptance."]
     if q and bf:
         out[-1] += (" The layer learned from the bf16 model; quantized, the main model's greedy tokens may differ "
