@@ -56,10 +56,10 @@ NEW_TOKENS = 96  # greedy tokens per generation: about 50 one-token drafts, the 
 
 class OracleDrafter:
     """The MTP layer's draft (its cost paid), then the reference token instead, replaced by a wrong one on a share
-    1 - acceptance of the drafts. Which drafts: draft i is wrong where frac(phase + i * 0.618...) >= acceptance (the golden-ratio
-    sequence, phase set by `seed`), so every run's share is the set one within about two drafts. Independent random
-    draws (the textbook model) left the realised acceptance of a 48-token run 0.05 off either way, and the best
-    of several runs picked the lucky ones."""
+    1 - acceptance of the drafts. Which drafts: draft i is wrong where frac(phase + i * 0.618...) >= acceptance
+    (the golden-ratio sequence, phase set by `seed`), so every run's share is the set one within about two drafts.
+    Independent random draws (the textbook model) left the realised acceptance of a 48-token run 0.05 off either
+    way, and the best of several runs picked the lucky ones."""
 
     GOLDEN = (5 ** 0.5 - 1) / 2
 

@@ -60,8 +60,8 @@ struct Ops {
   void (*silu_mul32)(const float* g, const float* u, float* out);  // 32 values, fp32
   double (*sum_f32)(const float* p, int64_t n);                     // n % 64 == 0
   // the gated delta rule of one head: S [K, V] fp32 = the state after Sin (Sin == S: in place); kv scratch of V
-  void (*delta_head)(const float* Sin, float* S, int64_t K, int64_t V, const float* q, const float* k, const float* v, float decay,
-                     float beta, float* kv, float* out);
+  void (*delta_head)(const float* Sin, float* S, int64_t K, int64_t V, const float* q, const float* k, const float* v,
+                     float decay, float beta, float* kv, float* out);
   // G query heads (1, 2, 4, 8 or 16) against rows 0..n-1 of one kv head's k, v [cap, hd] (bf16); s scratch
   // of G * n floats, acc of G * hd; out [G, hd] bf16
   void (*attend_head)(int G, const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t n, int64_t hd,

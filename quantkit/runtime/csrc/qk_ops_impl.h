@@ -891,8 +891,8 @@ void tile(const QMat& m, int64_t t, const QAct* a, int64_t rows, float* out) {
 // ---------------------------------------------------------------- the gated delta rule
 // One head for one token, state S [K, V] fp32 (read from Sin, which may be S): S = Sin * decay; kv = k^T S;
 // S += k (beta (v - kv))^T; out = q^T S. Two passes over S (the second from L2).
-void delta_head(const float* Sin, float* S, int64_t K, int64_t V, const float* q, const float* k, const float* v, float decay,
-                float beta, float* kv, float* out) {
+void delta_head(const float* Sin, float* S, int64_t K, int64_t V, const float* q, const float* k, const float* v,
+                float decay, float beta, float* kv, float* out) {
   if (V % W) {  // a width no vector divides: plain loops
     for (int64_t j = 0; j < V; ++j) kv[j] = 0.f;
     for (int64_t i = 0; i < K; ++i)

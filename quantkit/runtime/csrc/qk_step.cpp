@@ -267,8 +267,8 @@ torch::Tensor qk_gdn_step(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, t
 // T tokens through a Gated DeltaNet layer's core, bit for bit T calls of qk_gdn_step (its arguments, with qkv
 // [T, C], z [T, Hv*Dv], b and a [T, Hv]), keeping the state after each token but the last in `states` [T - 1,
 // Hv, Dk, Dv] fp32 (the last goes to `state`). Why not T calls: each head's state goes through the T tokens while
-// it is in cache, where T calls read and write the whole state from memory per token (a speculative verify's
-// Gated DeltaNet layers cost about T times one step's that way). Returns [T, Hv*Dv] bf16.
+// it is in cache, where T calls read and write the whole state from memory per token and the trail took a copy
+// of it after each. Returns [T, Hv*Dv] bf16.
 torch::Tensor qk_gdn_rows(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, torch::Tensor a, torch::Tensor conv,
                           torch::Tensor conv_w, torch::Tensor neg_a, torch::Tensor dt_bias, torch::Tensor norm_w,
                           bool norm_w_bf16, torch::Tensor state, torch::Tensor states, int64_t hk, double eps) {
