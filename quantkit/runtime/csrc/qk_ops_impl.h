@@ -111,7 +111,6 @@ inline vf vexp(vf x) {
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 #elif QK_AVX2
@@ -177,7 +176,6 @@ inline vf vexp(vf x) {
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 #else  // generic: plain C++, correct on any CPU the compiler targets
@@ -221,7 +219,6 @@ inline float vmaxr(vf a) {
   for (int i = 1; i < W; ++i) m = a.v[i] > m ? a.v[i] : m;
   return m;
 }
-inline void prefetch(const void* p) { __builtin_prefetch(p); }
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 #endif
 
@@ -320,19 +317,19 @@ double sum_f32(const float* p, int64_t n) {
 }
 
 // ---------------------------------------------------------------- bf16 matrices
-// Software prefetch distances, in bytes ahead of a stream: kPrefetch for the bf16 rows (into L1; 8 KiB beat
-// 1-4 KiB, further gained nothing), kTilePrefetch for the int4 / int8 tiles (`prefetch_ahead`, into L2).
-// Why L2: asked into L1, the tiles of several rows (a verify's) ran at a speed that changed from one run to
-// the next, at worst far slower than one row; into L2 they are steady, two rows of the int8 head take the
-// time of one, and one-row tiles beat the hardware prefetcher alone (A/B in alternating processes with
-// each QUANTKIT_CPU_ISA; the AVX2 units' int8 tiles gained nothing and go without; reports/bench-mtp.md).
-// A tile read in two 8-row passes asks in the first.
-constexpr int64_t kPrefetch = 8192;
-constexpr int64_t kTilePrefetch = 4096;
+// Software prefetch: every weight stream (the bf16 rows, the int4 / int8 tiles) asks for the bytes kPrefetch
+// ahead of it into L2. Asked into L1 (the hint these kernels used first), the tiles of several rows (a verify's)
+// ran at a speed that changed from one run to the next, at worst far slower than one row, and the bf16 rows were
+// slower than with no hint at all; into L2 the speed is steady, two rows of the int8 head take the time of one,
+// and one-row tiles and bf16 rows beat both the L1 hint and none (A/B in alternating processes with each
+// QUANTKIT_CPU_ISA; the AVX2 units' int8 tiles gained nothing and go without; reports/bench-mtp.md,
+// bench-decode.md and bench-engines.md carry the end-to-end figures). A tile read in two 8-row passes asks in
+// the first.
+constexpr int64_t kPrefetch = 4096;
 
-// `lines` 64-byte lines of a tile's stream, kTilePrefetch bytes ahead of p, asked for into L2
+// `lines` 64-byte lines of a stream, kPrefetch bytes ahead of p, asked for into L2
 inline void prefetch_ahead(const uint8_t* p, int lines) {
-  for (int l = 0; l < lines; ++l) prefetch_l2(p + kTilePrefetch + 64 * l);
+  for (int l = 0; l < lines; ++l) prefetch_l2(p + kPrefetch + 64 * l);
 }
 
 // w . x for one row (k % 32 == 0), with accumulators enough that no FMA waits on another. A tile's rows go
@@ -344,7 +341,7 @@ inline float row_bf16(const uint16_t* w, int64_t k, const uint16_t* x) {
 #if QK_NATIVE_BF16
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
   for (; j + 64 <= k; j += 64) {
-    prefetch(reinterpret_cast<const char*>(w + j) + kPrefetch);
+    prefetch_ahead(reinterpret_cast<const uint8_t*>(w + j), 1);
     a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + j), (__m512bh)_mm512_loadu_si512(x + j));
     a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + j + 32), (__m512bh)_mm512_loadu_si512(x + j + 32));
   }
@@ -355,7 +352,7 @@ inline float row_bf16(const uint16_t* w, int64_t k, const uint16_t* x) {
   vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
   vf we, wo, xe, xo;
   for (; j + 4 * W <= k; j += 4 * W) {
-    prefetch(reinterpret_cast<const char*>(w + j) + kPrefetch);
+    prefetch_ahead(reinterpret_cast<const uint8_t*>(w + j), 1);
     vld16x2(w + j, we, wo);
     vld16x2(x + j, xe, xo);
     a0 = vfma(we, xe, a0);
