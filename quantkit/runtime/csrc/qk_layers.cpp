@@ -127,22 +127,23 @@ class Layers {
       TORCH_CHECK(L.has_moe, "qk Layers: a layer has no MoE block");
       const std::vector<torch::Tensor> p = qk_linear_many(qk_rms(x, L.pre, L.eps), L.in);
       std::vector<torch::Tensor> rows(t);
+      torch::Tensor core;  // the mixer's output [T, ...], out_proj's input
       if (L.gdn) {
         const Gdn& g = L.g;
         kept.push_back(torch::cat({g.conv, p[0]}));
         // the state after each position but the last, which is the cache's own (a rewind to it is none)
         torch::Tensor states = torch::empty({t - 1, g.state.size(0), g.state.size(1), g.state.size(2)}, torch::kFloat);
-        const torch::Tensor core = qk_gdn_rows(p[0], p[1], p[2], p[3], g.conv, g.conv_w, g.neg_a, g.dt_bias, g.norm_w,
-                                               g.norm_w_bf16, g.state, states, g.hk, L.eps);
-        for (int64_t j = 0; j < t; ++j) rows[j] = core.narrow(0, j, 1);
+        core = qk_gdn_rows(p[0], p[1], p[2], p[3], g.conv, g.conv_w, g.neg_a, g.dt_bias, g.norm_w, g.norm_w_bf16,
+                           g.state, states, g.hk, L.eps);
         kept.push_back(states);
       } else {
         const Attention& at = L.at;
         for (int64_t j = 0; j < t; ++j)
           rows[j] = qk_attn_step(p[0][j], p[1][j], p[2][j], at.qk_scale, cos[j], sin[j], at.keys, at.values, n + j,
                                  at.scaling, at.qk_eps);
+        core = torch::cat(rows);
       }
-      const torch::Tensor o = qk_linear_many(torch::cat(rows), L.out)[0];
+      const torch::Tensor o = qk_linear_many(core, L.out)[0];
       std::vector<torch::Tensor> res(t), nrm(t);
       for (int64_t j = 0; j < t; ++j) {
         std::vector<torch::Tensor> xs = qk_add_rms(x[j], o[j], L.post, L.eps);
