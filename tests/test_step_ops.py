@@ -145,40 +145,64 @@ def test_bad_inputs_are_one_line_errors(qk):
                          k, k.clone(), 8, 0.06, 1e-6)
 
 
+def _table(*rows: tuple[torch.Tensor, int]) -> torch.Tensor:
+    """A descriptor table of bf16 matrices (format 16): each row the first n rows of a row-major tensor."""
+    return torch.tensor([[w.data_ptr(), 0, 0, 16, 0, n, w.shape[1], 0] for w, n in rows], dtype=torch.int64)
+
+
 def test_layer_stack_misuse_is_one_line_errors(qk):
     """qk.Layers (the one-call stack; its results are checked against the per-layer route in
-    tests/test_model_forward.py): wrong tables and a layer without its MoE block are errors, not crashes."""
+    tests/test_model_forward.py): wrong tables, shapes that do not fit and a layer without its MoE block are
+    errors, not crashes."""
     m, inp = _linear_layer(41)
     st = inp["state"].view(m.hv, m.dk, m.dv)
-    one = torch.zeros(1, 8, dtype=torch.int64)
+    conv = inp["conv"][0].t().contiguous()
+    zeros = torch.zeros(1, 8, dtype=torch.int64)
+    w = _bf16(32, H, seed=42)
+    rot = _bf16(4, 64, seed=43)
     stack = qk.Layers()
-    assert len(stack) == 0 and torch.equal(stack.run(_bf16(1, H), _bf16(64), _bf16(64), 0), _bf16(1, H))
     with pytest.raises(RuntimeError, match="step before set_head"):
-        stack.step(_bf16(1, H), _bf16(4, 64), _bf16(4, 64), 0, 0)
+        stack.step(_bf16(1, H), rot, rot, 0, 0)
     with pytest.raises(RuntimeError, match=r"the head's table must be an int64 \[1, 8\]"):
         stack.set_head(torch.ones(H), 1e-6, torch.zeros(2, 8, dtype=torch.int64))
-    stack.set_head(torch.ones(H), 1e-6, one)
-    with pytest.raises(RuntimeError, match="row 4 is outside the rotary tables"):
-        stack.step(_bf16(1, H), _bf16(4, 64), _bf16(4, 64), 4, 0)
+    with pytest.raises(RuntimeError, match="matrix 0 of the head's table is not a kernel matrix"):
+        stack.set_head(torch.ones(H), 1e-6, zeros)
+    head = _table((w, 32))
+    stack.set_head(torch.ones(H), 1e-6, head)
+    x = _bf16(1, H, seed=44)  # a stack of no layers is the final norm and the head
+    assert torch.equal(stack.step(x, rot, rot, 0, 0), qk.linear_many(qk.rms(x, torch.ones(H), 1e-6), head)[0].view(-1))
+    with pytest.raises(RuntimeError, match=r"rows 4..4 are not in the rotary tables"):
+        stack.step(x, rot, rot, 4, 0)
+    with pytest.raises(RuntimeError, match="verify takes 1..4 rows"):
+        stack.verify(_bf16(5, H), rot, rot, 0, 0)
     with pytest.raises(RuntimeError, match="set_moe before any layer"):
-        stack.set_moe(torch.zeros(4, 8, dtype=torch.int64), one, torch.zeros(4, 2, 8, dtype=torch.int64), 2)
+        stack.set_moe(torch.zeros(4, 8, dtype=torch.int64), zeros, torch.zeros(4, 2, 8, dtype=torch.int64), 2)
     with pytest.raises(RuntimeError, match=r"in_proj table must be an int64 \[4, 8\]"):
-        stack.add_gdn(torch.ones(H), torch.ones(H), 1e-6, one, one, inp["conv"][0].t().contiguous(), m.conv_taps,
-                      m.neg_a, m.dt_bias, m.norm_wf, True, st, m.hk)
-    stack.add_gdn(torch.ones(H), torch.ones(H), 1e-6, torch.zeros(4, 8, dtype=torch.int64), one,
-                  inp["conv"][0].t().contiguous(), m.conv_taps, m.neg_a, m.dt_bias, m.norm_wf, True, st, m.hk)
+        stack.add_gdn(torch.ones(H), torch.ones(H), 1e-6, zeros, zeros, conv, m.conv_taps, m.neg_a, m.dt_bias,
+                      m.norm_wf, True, st, m.hk)
+    with pytest.raises(RuntimeError, match="matrix 0 of a Gated DeltaNet layer's in_proj table is not a kernel matrix"):
+        stack.add_gdn(torch.ones(H), torch.ones(H), 1e-6, torch.zeros(4, 8, dtype=torch.int64), zeros, conv,
+                      m.conv_taps, m.neg_a, m.dt_bias, m.norm_wf, True, st, m.hk)
+    qkv = torch.zeros(2 * m.hk * m.dk + m.hv * m.dv, H, dtype=torch.bfloat16)  # the layer's shapes, zero weights
+    out = torch.zeros(H, m.hv * m.dv, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="projections do not match its state"):
+        stack.add_gdn(torch.ones(H), torch.ones(H), 1e-6, _table((w, 32), (w, 32), (w, 32), (w, 32)), _table((out, H)),
+                      conv, m.conv_taps, m.neg_a, m.dt_bias, m.norm_wf, True, st, m.hk)
+    stack.add_gdn(torch.ones(H), torch.ones(H), 1e-6, _table((qkv, qkv.shape[0]), (qkv, m.hv * m.dv), (qkv, m.hv),
+                                                             (qkv, m.hv)), _table((out, H)),
+                  conv, m.conv_taps, m.neg_a, m.dt_bias, m.norm_wf, True, st, m.hk)
     with pytest.raises(RuntimeError, match="a layer has no MoE block"):
-        stack.run(_bf16(1, H), _bf16(64), _bf16(64), 0)
+        stack.step(x, rot, rot, 0, 0)
     with pytest.raises(RuntimeError, match="top_k must be in 1..4"):
-        stack.set_moe(torch.zeros(4, 8, dtype=torch.int64), one, torch.zeros(4, 2, 8, dtype=torch.int64), 5)
-    x, rot = _bf16(1, H), _bf16(1, 64)
+        stack.set_moe(torch.zeros(4, 8, dtype=torch.int64), zeros, torch.zeros(4, 2, 8, dtype=torch.int64), 5)
     with pytest.raises(RuntimeError, match="draft before set_draft"):
-        stack.draft(x, x, rot, rot, 0, one)
+        stack.draft(x, x, rot, rot, 0, 0, head)
     with pytest.raises(RuntimeError, match=r"the MTP fc table must be an int64 \[1, 8\]"):
         stack.set_draft(torch.ones(H), torch.ones(H), torch.ones(H), 1e-6, torch.zeros(2, 8, dtype=torch.int64))
-    stack.set_draft(torch.ones(H), torch.ones(H), torch.ones(H), 1e-6, one)
+    fc = torch.zeros(H, 2 * H, dtype=torch.bfloat16)
+    stack.set_draft(torch.ones(H), torch.ones(H), torch.ones(H), 1e-6, _table((fc, H)))
     with pytest.raises(RuntimeError, match="draft runs a one-layer attention stack"):
-        stack.draft(x, x, rot, rot, 0, one)  # a Gated DeltaNet layer is not the MTP layer
+        stack.draft(x, x, rot, rot, 0, 0, head)  # a Gated DeltaNet layer is not the MTP layer
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -206,20 +206,6 @@ QMat mat_from(const torch::Tensor& qw, const torch::Tensor& scales, const c10::o
   return m;
 }
 
-// A matrix from one row of a descriptor table (QKernel / QBf16Kernel.descriptor() in kernels.py): qw or
-// the bf16 weight, scales, zeros or 0 (pointers), format 4/8/16, group, n, k, 0
-QMat mat_from_row(const int64_t* f) {
-  QMat m{};
-  m.qw = reinterpret_cast<const uint8_t*>(f[0]);
-  m.scales = reinterpret_cast<const void*>(f[1]);
-  m.zeros = reinterpret_cast<const uint16_t*>(f[2]);
-  m.fmt = f[3];
-  m.group = f[3] == 4 ? f[4] : kBlock;
-  m.n = f[5];
-  m.k = f[6];
-  return m;
-}
-
 // Tiles per thread at least: a parallel region costs a few microseconds (a fork and a barrier), so
 // small matrices (in_proj_a/b: 2 tiles) run on the calling thread. `work`: bytes read (x rows) per tile.
 int64_t grain(int64_t work) { return std::max<int64_t>(1, (int64_t{64} << 10) / std::max<int64_t>(work, 1)); }
@@ -237,6 +223,24 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, QActBuf& buf, bool w
 }
 
 }  // namespace
+
+namespace qk {
+
+// A matrix from one row of a descriptor table (QKernel / QBf16Kernel.descriptor() in kernels.py): qw or
+// the bf16 weight, scales, zeros or 0 (pointers), format 4/8/16, group, n, k, 0
+QMat mat_from_row(const int64_t* f) {
+  QMat m{};
+  m.qw = reinterpret_cast<const uint8_t*>(f[0]);
+  m.scales = reinterpret_cast<const void*>(f[1]);
+  m.zeros = reinterpret_cast<const uint16_t*>(f[2]);
+  m.fmt = f[3];
+  m.group = f[3] == 4 ? f[4] : kBlock;
+  m.n = f[5];
+  m.k = f[6];
+  return m;
+}
+
+}  // namespace qk
 
 int64_t qk_isa() { return ops().level; }
 int64_t qk_detect_isa() { return best_level(); }
@@ -343,85 +347,111 @@ torch::Tensor qk_linear(torch::Tensor x, torch::Tensor qw, torch::Tensor scales,
   return y.t;
 }
 
-// Several matrices on one input x [M, K] (a layer's projections of the same hidden state): x is widened
-// and quantized once and one parallel region runs every matrix's tiles, each tile exactly as `linear` /
-// `linear_bf16` computes it. `table` int64 [P, 8]: per matrix (qw or bf16 weight ptr, scales ptr, zeros ptr
-// or 0, fmt 4/8/16, group, n, k, 0), from tensors cpu_kernel.py's callers keep alive. Returns the P
-// outputs [M, n], bf16 for a bf16 x, fp32 otherwise.
-std::vector<torch::Tensor> qk_linear_many(torch::Tensor x, torch::Tensor table) {
-  TORCH_CHECK(x.dim() == 2, "qk_linear_many: x must be [M, K]");
-  TORCH_CHECK(table.scalar_type() == torch::kLong && table.dim() == 2 && table.size(1) == 8 && table.is_contiguous() &&
-              table.size(0) > 0, "qk_linear_many: table must be int64 [P, 8]");
-  const int64_t rows = x.size(0), k = x.size(1), np = table.size(0);
-  std::vector<QMat> mats(np);
-  std::vector<int64_t> first(np + 1, 0);
+namespace qk {
+
+// Several matrices on the same rows xf [rows, k] fp32: the rows are quantized once and one parallel region
+// runs every matrix's tiles, each tile as `linear` / `linear_bf16` computes it; outs[p] [rows, n_p], bf16
+// (rounded as torch's .to(torch.bfloat16)) when `bf16`, else fp32. No torch op and no allocation past the
+// first calls of a thread: qk_layers.cpp runs a whole decode step of these.
+void linear_many_into(const float* xf, int64_t rows, int64_t k, const QMat* mats, int64_t np, void* const* outs,
+                      bool bf16) {
+  TORCH_CHECK(np >= 1 && np <= kMaxMats && rows >= 1 && k % kBlock == 0, "linear_many: 1..", kMaxMats,
+              " matrices on rows whose width is a multiple of 32");
+  int64_t first[kMaxMats + 1] = {0};
   bool want16 = false;
   int64_t bytes = 0;
   for (int64_t p = 0; p < np; ++p) {
-    const int64_t* f = table.data_ptr<int64_t>() + p * 8;
-    TORCH_CHECK(f[0] != 0 && (f[3] == 4 || f[3] == 8 || f[3] == 16) && f[5] > 0 && f[6] == k,
-                "qk_linear_many: matrix ", p, " does not take this input");
-    const QMat& m = mats[p] = mat_from_row(f);
+    const QMat& m = mats[p];
     want16 = want16 || m.fmt == 16;
     first[p + 1] = first[p] + tiles(m);
     bytes += m.n * m.k * (m.fmt == 4 ? 1 : m.fmt == 8 ? 2 : 4) / 2;
   }
-  TORCH_CHECK(k % kBlock == 0, "qk_linear_many: in_features must be a multiple of 32");
-  std::vector<float> xbuf;
-  torch::Tensor keep;
-  const float* xf = f32_values(x, xbuf, keep);
-  QActBuf buf;
+  thread_local QActBuf buf;  // the calling thread's, reused; the lambda below reads only `ap`
+  thread_local std::vector<QAct> acts;
   quantize_rows(xf, rows, k, buf, want16);
-  std::vector<QAct> acts(rows);
+  acts.resize(rows);
   for (int64_t r = 0; r < rows; ++r) acts[r] = buf.row(r, k);
-  const bool bf = x.scalar_type() == torch::kBFloat16;
-  std::vector<Result> outs;
-  outs.reserve(np);
-  for (int64_t p = 0; p < np; ++p) outs.emplace_back(rows, mats[p].n, bf);
+  const QAct* ap = acts.data();
   const int64_t total = first[np];
+  const Ops& f = ops();
   at::parallel_for(0, total, grain(bytes / std::max<int64_t>(total, 1) * rows), [&](int64_t lo, int64_t hi) {
-    std::vector<float> tmp(rows * kTile);
-    int64_t p = std::upper_bound(first.begin(), first.end(), lo) - first.begin() - 1;
+    float small[4 * kTile];
+    std::vector<float> big(rows > 4 ? rows * kTile : 0);
+    float* tmp = rows > 4 ? big.data() : small;
+    int64_t p = std::upper_bound(first, first + np + 1, lo) - first - 1;
     for (int64_t i = lo; i < hi; ++i) {
       while (i >= first[p + 1]) ++p;
       const QMat& m = mats[p];
       const int64_t t = i - first[p], valid = std::min<int64_t>(kTile, m.n - t * kTile);
-      ops().tile(m, t, acts.data(), rows, tmp.data());
-      for (int64_t r = 0; r < rows; ++r) outs[p].put(r * m.n + t * kTile, tmp.data() + r * kTile, valid);
+      f.tile(m, t, ap, rows, tmp);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t at = r * m.n + t * kTile;
+        if (bf16) f.to_bf16_row(tmp + r * kTile, valid, static_cast<uint16_t*>(outs[p]) + at);
+        else std::memcpy(static_cast<float*>(outs[p]) + at, tmp + r * kTile, valid * sizeof(float));
+      }
     }
   });
+}
+
+}  // namespace qk
+
+// Several matrices on one input x [M, K] (a layer's projections of the same hidden state), `linear_many_into`
+// on tensors. `table` int64 [P, 8]: per matrix (qw or bf16 weight ptr, scales ptr, zeros ptr or 0, fmt 4/8/16,
+// group, n, k, 0), from tensors cpu_kernel.py's callers keep alive. Returns the P outputs [M, n], bf16 for a
+// bf16 x, fp32 otherwise.
+std::vector<torch::Tensor> qk_linear_many(torch::Tensor x, torch::Tensor table) {
+  TORCH_CHECK(x.dim() == 2, "qk_linear_many: x must be [M, K]");
+  TORCH_CHECK(table.scalar_type() == torch::kLong && table.dim() == 2 && table.size(1) == 8 && table.is_contiguous() &&
+              table.size(0) > 0 && table.size(0) <= kMaxMats, "qk_linear_many: table must be int64 [P, 8], P <= ",
+              kMaxMats);
+  const int64_t rows = x.size(0), k = x.size(1), np = table.size(0);
+  TORCH_CHECK(k % kBlock == 0 && rows > 0, "qk_linear_many: in_features must be a multiple of 32");
+  QMat mats[kMaxMats];
+  for (int64_t p = 0; p < np; ++p) {
+    const int64_t* f = table.data_ptr<int64_t>() + p * 8;
+    TORCH_CHECK(f[0] != 0 && (f[3] == 4 || f[3] == 8 || f[3] == 16) && f[5] > 0 && f[6] == k,
+                "qk_linear_many: matrix ", p, " does not take this input");
+    mats[p] = mat_from_row(f);
+  }
+  std::vector<float> xbuf;
+  torch::Tensor keep;
+  const float* xf = f32_values(x, xbuf, keep);
+  const bool bf = x.scalar_type() == torch::kBFloat16;
   std::vector<torch::Tensor> ys;
-  for (auto& o : outs) ys.push_back(o.t);
+  void* outs[kMaxMats];
+  for (int64_t p = 0; p < np; ++p) {
+    ys.push_back(torch::empty({rows, mats[p].n}, bf ? torch::kBFloat16 : torch::kFloat));
+    outs[p] = ys.back().data_ptr();
+  }
+  linear_many_into(xf, rows, k, mats, np, outs, bf);
   return ys;
 }
 
-// One token through k routed experts: y [H] fp32 = sum_slot w[slot] * down_e(silu(gate_e(x)) * up_e(x)).
-// `table` int64 [E, 2, 8]: per expert, gate_up then down, each (qw ptr, scales ptr, zeros ptr or 0, fmt,
-// group, n, k, 0), filled by cpu_kernel.py from tensors it keeps alive. Slots are summed in slot order.
-torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, torch::Tensor wts) {
-  TORCH_CHECK(table.scalar_type() == torch::kLong && table.dim() == 3 && table.size(1) == 2 && table.size(2) == 8 &&
-              table.is_contiguous(), "qk_moe: table must be int64 [E, 2, 8]");
-  const bool ids_ok = ids.scalar_type() == torch::kLong && ids.is_contiguous();
-  const bool wts_ok = wts.scalar_type() == torch::kFloat && wts.is_contiguous();
-  torch::Tensor idc = ids_ok ? ids : ids.to(torch::kLong).contiguous();
-  torch::Tensor wc = wts_ok ? wts : wts.to(torch::kFloat).contiguous();
-  const int64_t ns = idc.numel();
-  TORCH_CHECK(wc.numel() == ns && ns > 0, "qk_moe: ids and weights differ in length");
-  const int64_t* tb = table.data_ptr<int64_t>();
-  std::vector<QMat> gu(ns), dn(ns);
+namespace qk {
+
+// One token xf [H] fp32 through ns routed experts: y [H] fp32 = sum_slot wts[slot] * down_e(silu(gate_e(x)) * up_e(x)),
+// e = ids[slot]. `table` [experts, 2, 8]: per expert, gate_up then down, each a descriptor row (mat_from_row).
+// Slots are summed in slot order.
+void moe_into(const float* xf, int64_t hdim, const int64_t* tb, int64_t experts, const int64_t* ids, const float* wp,
+              int64_t ns, float* yp) {
+  TORCH_CHECK(ns > 0, "qk_moe: no experts chosen");
+  // a thread's buffers, reused (a lambda below reads them through these references, not as its own thread's)
+  thread_local std::vector<QMat> tl_gu, tl_dn;
+  thread_local QActBuf tl_xa, tl_aa;
+  std::vector<QMat>&gu = tl_gu, &dn = tl_dn;
+  QActBuf &xa = tl_xa, &aa = tl_aa;
+  gu.resize(ns);
+  dn.resize(ns);
   for (int64_t s = 0; s < ns; ++s) {
-    const int64_t e = idc.data_ptr<int64_t>()[s];
-    TORCH_CHECK(e >= 0 && e < table.size(0), "qk_moe: expert id out of range");
+    const int64_t e = ids[s];
+    TORCH_CHECK(e >= 0 && e < experts, "qk_moe: expert id out of range");
     for (int j = 0; j < 2; ++j) {
       const int64_t* f = tb + (e * 2 + j) * 8;
       TORCH_CHECK(f[0] != 0, "qk_moe: expert ", e, " has no fused kernel");
       (j == 0 ? gu[s] : dn[s]) = mat_from_row(f);
     }
   }
-  std::vector<float> xbuf;
-  torch::Tensor keep;
-  const float* xf = f32_values(x, xbuf, keep);
-  const int64_t hdim = x.numel(), inter = dn[0].k;
+  const int64_t inter = dn[0].k;
   for (int64_t s = 0; s < ns; ++s)
     TORCH_CHECK(gu[s].k == hdim && gu[s].n == 2 * inter && dn[s].k == inter && dn[s].n == hdim,
                 "qk_moe: expert shapes do not match the hidden size");
@@ -430,7 +460,6 @@ torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, to
     gu16 = gu16 || gu[s].fmt == 16;
     dn16 = dn16 || dn[s].fmt == 16;
   }
-  QActBuf xa;
   quantize_rows(xf, 1, hdim, xa, gu16);
   const QAct x0 = xa.row(0, hdim);
   // gate_up, SiLU x up and the int8 blocks of the result in one pass. A work item is a run of `run` tiles
@@ -444,7 +473,6 @@ torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, to
   int64_t run = ntg;
   while (run % 4 == 0 && ns * (ntg / run) < 2 * at::get_num_threads()) run /= 2;
   const int64_t nrun = ntg / run;
-  QActBuf aa;
   aa.resize(ns, inter);
   const Ops& f = ops();
   at::parallel_for(0, ns * nrun, 1, [&](int64_t lo, int64_t hi) {
@@ -464,9 +492,6 @@ torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, to
   });
   std::vector<QAct> acts(ns);
   for (int64_t s = 0; s < ns; ++s) acts[s] = aa.row(s, inter);
-  torch::Tensor y = torch::empty({hdim}, torch::kFloat);
-  float* yp = y.data_ptr<float>();
-  const float* wp = wc.data_ptr<float>();
   const int64_t nt2 = tiles(dn[0]);
   // each thread owns a run of output tiles and reads each expert's rows of that run as one stream (its
   // tiles are contiguous), expert after expert: 4 KB per tile and expert, so a tile-outer loop hopped
@@ -485,31 +510,41 @@ torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, to
       std::memcpy(yp + t * kTile, acc.data() + (t - lo) * kTile, valid * sizeof(float));
     }
   });
+}
+
+}  // namespace qk
+
+// One token through k routed experts (`moe_into` on tensors): x [1, H] or [H], ids int64 [k], weights fp32 [k].
+torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, torch::Tensor wts) {
+  TORCH_CHECK(table.scalar_type() == torch::kLong && table.dim() == 3 && table.size(1) == 2 && table.size(2) == 8 &&
+              table.is_contiguous(), "qk_moe: table must be int64 [E, 2, 8]");
+  const torch::Tensor idc = ids.scalar_type() == torch::kLong && ids.is_contiguous() ? ids : ids.to(torch::kLong).contiguous();
+  const torch::Tensor wc = wts.scalar_type() == torch::kFloat && wts.is_contiguous() ? wts : wts.to(torch::kFloat).contiguous();
+  TORCH_CHECK(wc.numel() == idc.numel() && idc.numel() > 0, "qk_moe: ids and weights differ in length");
+  std::vector<float> xbuf;
+  torch::Tensor keep;
+  const float* xf = f32_values(x, xbuf, keep);
+  torch::Tensor y = torch::empty({x.numel()}, torch::kFloat);
+  moe_into(xf, x.numel(), table.data_ptr<int64_t>(), table.size(0), idc.data_ptr<int64_t>(), wc.data_ptr<float>(),
+           idc.numel(), y.data_ptr<float>());
   return y;
 }
 
-// T tokens (a speculative verify, T = 2..4) through their routed experts: y [T, H] fp32, row r exactly
-// qk_moe(x[r], table, ids[r], wts[r]). Why not T calls of qk_moe: the rows' choices overlap, and each expert
-// of their union is read once here for all the rows that chose it (the multi-row tiles take up to 4
-// activation rows; a row's sums in a tile do not depend on the other rows). Each row's slots are summed in
-// slot order, as qk_moe sums them, so the result is qk_moe's bit for bit.
-torch::Tensor qk_moe_rows(torch::Tensor x, torch::Tensor table, torch::Tensor ids, torch::Tensor wts) {
-  TORCH_CHECK(table.scalar_type() == torch::kLong && table.dim() == 3 && table.size(1) == 2 && table.size(2) == 8 &&
-              table.is_contiguous(), "qk_moe_rows: table must be int64 [E, 2, 8]");
-  TORCH_CHECK(x.dim() == 2 && ids.dim() == 2 && ids.sizes() == wts.sizes() && ids.size(0) == x.size(0) &&
-              x.size(0) >= 1 && ids.size(1) >= 1, "qk_moe_rows: x [T, H], ids and weights [T, k]");
-  torch::Tensor idc = ids.to(torch::kLong).contiguous(), wc = wts.to(torch::kFloat).contiguous();
-  const int64_t T = x.size(0), hdim = x.size(1), ks = ids.size(1), nr = T * ks;
-  const int64_t* ip = idc.data_ptr<int64_t>();
-  const float* wp = wc.data_ptr<float>();
+namespace qk {
+
+// T tokens xf [T, H] fp32 through their routed experts (ids, wts [T, ks]) into y [T, H] fp32 (see qk_moe_rows).
+void moe_rows_into(const float* xf, int64_t T, int64_t hdim, const int64_t* tb, int64_t experts, const int64_t* ip,
+                   const float* wp, int64_t ks, float* yp) {
+  TORCH_CHECK(T >= 1 && ks >= 1, "qk_moe_rows: no rows or no experts chosen");
+  const int64_t nr = T * ks;
   // the union of the rows' experts, first seen first, and per expert the (row, slot) pairs that chose it
   std::vector<int64_t> uniq, user_first{0}, users;  // users: row * ks + slot, grouped by expert
   {
     std::vector<std::vector<int64_t>> by;
-    std::vector<int64_t> where(table.size(0), -1);
+    std::vector<int64_t> where(experts, -1);
     for (int64_t i = 0; i < nr; ++i) {
       const int64_t e = ip[i];
-      TORCH_CHECK(e >= 0 && e < table.size(0), "qk_moe_rows: expert id out of range");
+      TORCH_CHECK(e >= 0 && e < experts, "qk_moe_rows: expert id out of range");
       if (where[e] < 0) {
         where[e] = static_cast<int64_t>(uniq.size());
         uniq.push_back(e);
@@ -525,7 +560,6 @@ torch::Tensor qk_moe_rows(torch::Tensor x, torch::Tensor table, torch::Tensor id
   const int64_t nu = static_cast<int64_t>(uniq.size());
   int64_t most = 1;  // users of one expert at most (T, unless a row chose an expert twice)
   for (int64_t u = 0; u < nu; ++u) most = std::max(most, user_first[u + 1] - user_first[u]);
-  const int64_t* tb = table.data_ptr<int64_t>();
   std::vector<QMat> gu(nu), dn(nu);
   for (int64_t u = 0; u < nu; ++u)
     for (int j = 0; j < 2; ++j) {
@@ -542,10 +576,6 @@ torch::Tensor qk_moe_rows(torch::Tensor x, torch::Tensor table, torch::Tensor id
     dn16 = dn16 || dn[u].fmt == 16;
   }
   TORCH_CHECK(inter % kBlock == 0, "qk_moe_rows: the expert width must be a multiple of 32");
-  std::vector<float> xbuf;
-  torch::Tensor keep;
-  const torch::Tensor xc = x.contiguous();
-  const float* xf = f32_values(xc, xbuf, keep);
   QActBuf xa;
   quantize_rows(xf, T, hdim, xa, gu16);
   // per expert, the activation rows of its users (x's rows for gate_up; their SiLU x up rows for down)
@@ -587,8 +617,6 @@ torch::Tensor qk_moe_rows(torch::Tensor x, torch::Tensor table, torch::Tensor id
   });
   // down: each thread owns a run of output tiles; every expert's product for each of its users is kept,
   // then each row sums its slots in slot order
-  torch::Tensor y = torch::empty({T, hdim}, torch::kFloat);
-  float* yp = y.data_ptr<float>();
   const int64_t nt2 = tiles(dn[0]);
   at::parallel_for(0, nt2, 1, [&](int64_t lo, int64_t hi) {
     const int64_t span = (hi - lo) * kTile;
@@ -615,6 +643,28 @@ torch::Tensor qk_moe_rows(torch::Tensor x, torch::Tensor table, torch::Tensor id
       }
     }
   });
+}
+
+}  // namespace qk
+
+// T tokens (a speculative verify, T = 2..4) through their routed experts: y [T, H] fp32, row r exactly
+// qk_moe(x[r], table, ids[r], wts[r]). Why not T calls of qk_moe: the rows' choices overlap, and each expert
+// of their union is read once here for all the rows that chose it (the multi-row tiles take up to 4
+// activation rows; a row's sums in a tile do not depend on the other rows). Each row's slots are summed in
+// slot order, as qk_moe sums them, so the result is qk_moe's bit for bit.
+torch::Tensor qk_moe_rows(torch::Tensor x, torch::Tensor table, torch::Tensor ids, torch::Tensor wts) {
+  TORCH_CHECK(table.scalar_type() == torch::kLong && table.dim() == 3 && table.size(1) == 2 && table.size(2) == 8 &&
+              table.is_contiguous(), "qk_moe_rows: table must be int64 [E, 2, 8]");
+  TORCH_CHECK(x.dim() == 2 && ids.dim() == 2 && ids.sizes() == wts.sizes() && ids.size(0) == x.size(0) &&
+              x.size(0) >= 1 && ids.size(1) >= 1, "qk_moe_rows: x [T, H], ids and weights [T, k]");
+  const torch::Tensor idc = ids.to(torch::kLong).contiguous(), wc = wts.to(torch::kFloat).contiguous();
+  std::vector<float> xbuf;
+  torch::Tensor keep;
+  const torch::Tensor xc = x.contiguous();
+  const float* xf = f32_values(xc, xbuf, keep);
+  torch::Tensor y = torch::empty({x.size(0), x.size(1)}, torch::kFloat);
+  moe_rows_into(xf, x.size(0), x.size(1), table.data_ptr<int64_t>(), table.size(0), idc.data_ptr<int64_t>(),
+                wc.data_ptr<float>(), ids.size(1), y.data_ptr<float>());
   return y;
 }
 

@@ -1,58 +1,95 @@
 // A decode step's whole stack of layers in one call from Python: `Layers`, filled once per cache by
-// runtime/model/model.py (Model._bound_stack) and run once per token; with `set_head`, `step` also runs
-// the final norm and the head, so that everything after the embedding is that one call.
+// runtime/model/model.py (Model._bound_stack) and run once per token; with `set_head`, `step` also runs the
+// final norm and the head, so that everything after the embedding is that one call. `verify` runs a
+// speculative verify's T tokens and `draft` the MTP layer's draft the same way.
 //
 // Why: on the fused route a layer is about a dozen kernel calls, and between them Python looked up the
-// layer's tensors, converted each argument through pybind11 and kept the results alive: about 15 us per
-// layer with the weights in cache (the test model's step went 1.46x faster in one call) and about 30 us
-// on bench decode's int4 checkpoint (1.03x per step; both medians of alternating runs in one process on
-// the build machine), 40 times over on the real model. Here the same calls follow each other in C++,
-// with the same arguments in the same order, so the results are those of the Python loop bit for bit
-// (tests/test_step_ops.py). The router's matrix joins the shared expert's projections in one
-// linear_many call (each of its tiles computed as linear_bf16 computes it: the same logits).
+// layer's tensors, converted each argument through pybind11 and kept the results alive (40 times over on the
+// real model). Here the same ops follow each other in C++, with the same arguments in the same order, so the
+// results are those of the Python loop bit for bit (tests/test_step_ops.py, tests/test_model_forward.py). They
+// run on the kernel's pointer-level cores (qk_cpu.h, qk_step.h) into buffers this object owns, so a call makes
+// no torch op between its matrices and allocates only what it returns. The router's matrix joins the shared
+// expert's projections in one linear_many call (each of its tiles computed as linear_bf16 computes it).
 //
-// Every tensor a layer needs is held here (the descriptor tables point into weights the loaded model
-// keeps); the conv windows, recurrent states and K/V buffers are updated in place, as on the Python route.
+// Every tensor a layer needs is held here (the descriptor tables point into weights the loaded model keeps);
+// the conv windows, recurrent states and K/V buffers are updated in place, as on the Python route. One call
+// runs at a time (a lock): the buffers are shared.
 
 #include "qk_layers.h"
 
+#include <algorithm>
+#include <mutex>
 #include <vector>
 
+#include "qk_common.h"
 #include "qk_cpu.h"
 #include "qk_step.h"
 
+using namespace qk;
+
 namespace {
 
-struct Gdn {  // a Gated DeltaNet layer's core (qk_gdn_step's arguments)
-  torch::Tensor conv, conv_w, neg_a, dt_bias, norm_w, state;
-  bool norm_w_bf16 = false;
-  int64_t hk = 0;
-};
+uint16_t* bf16_ptr(const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
 
-struct Attention {  // a gated attention layer's core (qk_attn_step's arguments)
-  torch::Tensor qk_scale, keys, values;
-  double scaling = 0, qk_eps = 0;
-};
+void check_table(const torch::Tensor& t, int64_t rows, const char* what) {
+  TORCH_CHECK(t.scalar_type() == torch::kLong && t.dim() == 2 && t.size(0) == rows && t.size(1) == 8 &&
+              t.is_contiguous(), "qk Layers: ", what, " must be an int64 [", rows, ", 8] descriptor table");
+}
 
-struct Moe {  // shared gate, up, sigmoid gate and the router in one table; the shared down; the routed experts
-  torch::Tensor shared_in, shared_down, experts;
-  int64_t top_k = 0;
+void check_rows(const torch::Tensor& t, int64_t rows, int64_t width, const char* what) {
+  TORCH_CHECK(t.scalar_type() == torch::kBFloat16 && t.is_contiguous() && t.dim() == 2 && t.size(0) == rows &&
+              t.size(1) == width, "qk Layers: ", what, " must be contiguous bf16 [", rows, ", ", width, "]");
+}
+
+void check_scale(const torch::Tensor& t, int64_t n, const char* what) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat && t.is_contiguous() && t.numel() == n, "qk Layers: ", what,
+              " must be contiguous fp32 [", n, "]");
+}
+
+// A descriptor table's matrices (all on one input width k) and where each one's output starts in a buffer of
+// `rows` outputs laid one after the other ([rows, n_0], then [rows, n_1], ...).
+struct Mats {
+  torch::Tensor table;  // kept alive
+  std::vector<QMat> m;
+  int64_t k = 0, width = 0;  // input width, sum of the outputs' widths
+  Mats() = default;
+  Mats(const torch::Tensor& t, int64_t rows, const char* what) : table(t) {
+    check_table(t, rows, what);
+    const int64_t* f = t.data_ptr<int64_t>();
+    k = f[6];
+    for (int64_t p = 0; p < rows; ++p, f += 8) {
+      TORCH_CHECK(f[0] != 0 && (f[3] == 4 || f[3] == 8 || f[3] == 16) && f[5] > 0 && f[6] == k && k % 32 == 0,
+                  "qk Layers: matrix ", p, " of ", what, " is not a kernel matrix on the table's input");
+      m.push_back(mat_from_row(f));
+      width += f[5];
+    }
+  }
+  int64_t n(size_t p) const { return m[p].n; }
 };
 
 struct Layer {
   bool gdn = false;  // a Gated DeltaNet layer, else gated attention
   torch::Tensor pre, post;  // the two norms' (1 + w), fp32
-  double eps = 0;
-  torch::Tensor in, out;  // descriptor tables: the mixer's input projections, its output projection
-  Gdn g;
-  Attention at;
-  Moe moe;
+  float eps = 0;
+  Mats in, out;  // the mixer's input projections, its output projection
+  // Gated DeltaNet: its tensors (kept alive), their pointers, and the trail a verify fills (grown on demand;
+  // views per token count, made once)
+  std::vector<torch::Tensor> held;
+  GdnArgs g{};
+  torch::Tensor conv_trail, state_trail;
+  std::vector<torch::Tensor> conv_views, state_views;
+  // gated attention
+  AttnArgs at{};
+  // the MoE block: shared gate, up, sigmoid gate and the router; the shared down; the routed experts
+  Mats shared_in, shared_down;
+  torch::Tensor experts;
+  int64_t top_k = 0;
   bool has_moe = false;
 };
 
-void check_table(const torch::Tensor& t, int64_t rows, const char* what) {
-  TORCH_CHECK(t.scalar_type() == torch::kLong && t.dim() == 2 && t.size(0) == rows && t.size(1) == 8 &&
-              t.is_contiguous(), "qk Layers: ", what, " must be an int64 [", rows, ", 8] descriptor table");
+// bf16 values widened to fp32 (exact)
+void widen(const uint16_t* x, int64_t n, float* y) {
+  for (int64_t i = 0; i < n; ++i) y[i] = bf16_value(x[i]);
 }
 
 class Layers {
@@ -60,190 +97,323 @@ class Layers {
   void add_gdn(torch::Tensor pre, torch::Tensor post, double eps, torch::Tensor in, torch::Tensor out,
                torch::Tensor conv, torch::Tensor conv_w, torch::Tensor neg_a, torch::Tensor dt_bias,
                torch::Tensor norm_w, bool norm_w_bf16, torch::Tensor state, int64_t hk) {
-    check_table(in, 4, "a Gated DeltaNet layer's in_proj table");
-    check_table(out, 1, "a mixer's output projection table");
-    Layer L{true, pre, post, eps, in, out};
-    L.g = Gdn{conv, conv_w, neg_a, dt_bias, norm_w, state, norm_w_bf16, hk};
-    layers_.push_back(L);
+    Layer L = base(pre, post, eps, in, 4, out, "a Gated DeltaNet layer's in_proj table");
+    L.gdn = true;
+    L.held = {conv, conv_w, neg_a, dt_bias, norm_w, state};
+    L.g = gdn_layer_args(conv, conv_w, neg_a, dt_bias, norm_w, norm_w_bf16, state, hk, eps);
+    TORCH_CHECK(L.in.n(0) == L.g.channels && L.in.n(1) == L.g.hv * L.g.dv && L.in.n(2) == L.g.hv &&
+                L.in.n(3) == L.g.hv && L.out.k == L.g.hv * L.g.dv,
+                "qk Layers: a Gated DeltaNet layer's projections do not match its state");
+    layers_.push_back(std::move(L));
   }
 
   void add_attention(torch::Tensor pre, torch::Tensor post, double eps, torch::Tensor in, torch::Tensor out,
                      torch::Tensor qk_scale, torch::Tensor keys, torch::Tensor values, double scaling, double qk_eps) {
-    check_table(in, 3, "an attention layer's q/k/v table");
-    check_table(out, 1, "a mixer's output projection table");
-    Layer L{false, pre, post, eps, in, out};
-    L.at = Attention{qk_scale, keys, values, scaling, qk_eps};
-    layers_.push_back(L);
+    Layer L = base(pre, post, eps, in, 3, out, "an attention layer's q/k/v table");
+    L.held = {qk_scale, keys, values};
+    L.at = attn_layer_args(qk_scale, keys, values, scaling, qk_eps, L.in.n(0));
+    TORCH_CHECK(L.in.n(1) == L.at.kv * L.at.hd && L.in.n(2) == L.at.kv * L.at.hd &&
+                L.out.k == L.at.heads * L.at.hd, "qk Layers: an attention layer's projections do not match its K/V");
+    layers_.push_back(std::move(L));
   }
 
   // the MoE block of the layer added last
   void set_moe(torch::Tensor shared_in, torch::Tensor shared_down, torch::Tensor experts, int64_t top_k) {
     TORCH_CHECK(!layers_.empty(), "qk Layers: set_moe before any layer");
-    check_table(shared_in, 4, "the shared expert's gate/up/gate + router table");
-    check_table(shared_down, 1, "the shared expert's down table");
-    TORCH_CHECK(experts.scalar_type() == torch::kLong && experts.dim() == 3 && experts.is_contiguous(),
+    TORCH_CHECK(experts.scalar_type() == torch::kLong && experts.dim() == 3 && experts.size(1) == 2 &&
+                experts.size(2) == 8 && experts.is_contiguous(),
                 "qk Layers: the experts' table must be qk_moe's int64 [E, 2, 8]");
     TORCH_CHECK(top_k >= 1 && top_k <= experts.size(0), "qk Layers: top_k must be in 1..", experts.size(0));
-    layers_.back().moe = Moe{shared_in, shared_down, experts, top_k};
-    layers_.back().has_moe = true;
+    Layer& L = layers_.back();
+    L.shared_in = Mats(shared_in, 4, "the shared expert's gate/up/gate + router table");
+    L.shared_down = Mats(shared_down, 1, "the shared expert's down table");
+    const Mats& s = L.shared_in;
+    TORCH_CHECK(s.k == hidden_ && s.n(0) == s.n(1) && s.n(2) == 1 && s.n(3) == experts.size(0) &&
+                L.shared_down.k == s.n(0) && L.shared_down.n(0) == hidden_,
+                "qk Layers: the MoE block's shapes do not match the layer");
+    L.experts = experts;
+    L.top_k = top_k;
+    L.has_moe = true;
+    grow(s.width, L.shared_down.k, top_k);
   }
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
 
-  // the final norm ((1 + w) fp32) and the head's descriptor table [1, 8], for `step`
+  // the final norm ((1 + w) fp32) and the head's descriptor table [1, 8], for `step` and `verify`
   void set_head(torch::Tensor scale, double eps, torch::Tensor table) {
-    check_table(table, 1, "the head's table");
+    head_ = Mats(table, 1, "the head's table");
+    if (!hidden_) hidden_ = head_.k;  // a stack of no layers: the final norm and the head
+    check_scale(scale, hidden_, "the final norm");
+    TORCH_CHECK(head_.k == hidden_, "qk Layers: the head does not take the hidden size");
     head_scale_ = scale;
-    head_eps_ = eps;
-    head_ = table;
+    head_eps_ = static_cast<float>(eps);
+    grow(0, 0, 0);
   }
 
-  // A whole decode step after the embedding: x [1, H] bf16 through every layer (`run`), the final norm
-  // and the head; the rotary's cos and sin are row `row` of the tables [R, rot]. Returns the logits [V].
-  torch::Tensor step(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t row, int64_t n) const {
-    TORCH_CHECK(head_.defined(), "qk Layers: step before set_head");
-    TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && row >= 0 && row < cos.size(0),
-                "qk Layers: row ", row, " is outside the rotary tables");
-    const torch::Tensor h = run(x, cos[row], sin[row], n);
-    return qk_linear_many(qk_rms(h, head_scale_, head_eps_), head_)[0].view(-1);
+  // A whole decode step after the embedding: x [1, H] bf16 through every layer, the final norm and the head;
+  // the rotary's cos and sin are row `row` of the tables [R, rot]. Returns the logits [V].
+  torch::Tensor step(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t row, int64_t n) {
+    TORCH_CHECK(head_.k, "qk Layers: step before set_head");
+    check_rows(x, 1, hidden_, "x");
+    const int64_t rot = rope_width(cos, sin, row, 1);
+    std::lock_guard<std::mutex> lock(mu_);
+    const uint16_t* h = run(bf16_ptr(x), 1, bf16_ptr(cos) + row * rot, bf16_ptr(sin) + row * rot, rot, n, false);
+    ops().rms_row(h, hidden_, head_scale_.data_ptr<float>(), head_eps_, w_.h.data());
+    torch::Tensor logits = torch::empty({head_.n(0)}, torch::kBFloat16);
+    linear(head_, w_.h.data(), 1, bf16_ptr(logits));
+    return logits;
   }
 
-  // A speculative verify: x [T, H] bf16 (T = 2..4 tokens at positions n .. n + T - 1, cos and sin [T, rot]
-  // their rotary rows) through every layer, the final norm and the head, with the logits T calls of `step`
-  // give, bit for bit. Why here and not T steps: every matrix but the Gated DeltaNet recurrence and the
-  // attention's scores is read once for the T rows (the multi-row tiles; a row's sums do not depend on the
-  // others), and the routed experts once for the union of the rows' choices (qk_moe_rows). The mixers'
-  // cores, norms, routing and the MoE sum run row by row with the calls `run` makes. Returns the logits
-  // [T, V], the final norm's output [T, H] (what the MTP layer drafts from) and, per Gated DeltaNet layer in
-  // order, its conv inputs (the window before, then the T qkv rows: [K + T, C]) and its state after each
-  // position but the last [T - 1, Hv, Dk, Dv], for HybridCache.rewind.
-  std::vector<torch::Tensor> verify(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t n) const {
-    TORCH_CHECK(head_.defined(), "qk Layers: verify before set_head");
+  // A speculative verify: x [T, H] bf16 (T = 2..4 tokens at positions n .. n + T - 1; their rotary rows are
+  // rows row .. row + T - 1 of cos and sin [R, rot]) through every layer, the final norm and the head, with the
+  // logits T calls of `step` give, bit for bit. Why here and not T steps: every matrix but the Gated DeltaNet
+  // recurrence and the attention's scores is read once for the T rows (the multi-row tiles; a row's sums do
+  // not depend on the others), and the routed experts once for the union of the rows' choices (moe_rows). The
+  // mixers' cores, norms, routing and the MoE sum run row by row as `step` runs them. Returns the logits [T, V],
+  // the final norm's output [T, H] (what the MTP layer drafts from) and, per Gated DeltaNet layer in order, its
+  // conv inputs (the window before, then the T qkv rows: [K + T, C]) and its state after each position but the
+  // last [T - 1, Hv, Dk, Dv], for HybridCache.rewind: views of this object's buffers, which the next verify
+  // writes again.
+  std::vector<torch::Tensor> verify(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t row, int64_t n) {
+    TORCH_CHECK(head_.k, "qk Layers: verify before set_head");
     const int64_t t = x.size(0);
-    TORCH_CHECK(x.dim() == 2 && t >= 1 && cos.dim() == 2 && cos.size(0) == t && sin.sizes() == cos.sizes() &&
-                cos.is_contiguous() && sin.is_contiguous(), "qk Layers: verify takes x [T, H] and cos, sin [T, rot]");
-    std::vector<torch::Tensor> kept;
-    for (const Layer& L : layers_) {
-      TORCH_CHECK(L.has_moe, "qk Layers: a layer has no MoE block");
-      const std::vector<torch::Tensor> p = qk_linear_many(qk_rms(x, L.pre, L.eps), L.in);
-      std::vector<torch::Tensor> rows(t);
-      torch::Tensor core;  // the mixer's output [T, ...], out_proj's input
+    TORCH_CHECK(x.dim() == 2 && t >= 1 && t <= kMaxRows, "qk Layers: verify takes 1..", kMaxRows, " rows");
+    check_rows(x, t, hidden_, "x");
+    const int64_t rot = rope_width(cos, sin, row, t);
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<torch::Tensor> out{torch::empty({t, head_.n(0)}, torch::kBFloat16),
+                                   torch::empty({t, hidden_}, torch::kBFloat16)};
+    for (Layer& L : layers_)
       if (L.gdn) {
-        const Gdn& g = L.g;
-        kept.push_back(torch::cat({g.conv, p[0]}));
-        // the state after each position but the last, which is the cache's own (a rewind to it is none)
-        torch::Tensor states = torch::empty({t - 1, g.state.size(0), g.state.size(1), g.state.size(2)}, torch::kFloat);
-        core = qk_gdn_rows(p[0], p[1], p[2], p[3], g.conv, g.conv_w, g.neg_a, g.dt_bias, g.norm_w, g.norm_w_bf16,
-                           g.state, states, g.hk, L.eps);
-        kept.push_back(states);
-      } else {
-        const Attention& at = L.at;
-        for (int64_t j = 0; j < t; ++j)
-          rows[j] = qk_attn_step(p[0][j], p[1][j], p[2][j], at.qk_scale, cos[j], sin[j], at.keys, at.values, n + j,
-                                 at.scaling, at.qk_eps);
-        core = torch::cat(rows);
+        trail(L, t);
+        out.push_back(L.conv_views[t]);
+        out.push_back(L.state_views[t]);
       }
-      const torch::Tensor o = qk_linear_many(core, L.out)[0];
-      std::vector<torch::Tensor> res(t), nrm(t);
-      for (int64_t j = 0; j < t; ++j) {
-        std::vector<torch::Tensor> xs = qk_add_rms(x[j], o[j], L.post, L.eps);
-        res[j] = xs[0];
-        nrm[j] = xs[1];
-      }
-      const torch::Tensor h2 = torch::stack(nrm);
-      const std::vector<torch::Tensor> s = qk_linear_many(h2, L.moe.shared_in);  // gate, up, sigmoid gate, router
-      const torch::Tensor shared = qk_linear_many(qk_silu_mul(s[0], s[1]), L.moe.shared_down)[0];
-      torch::Tensor wts = torch::empty({t, L.moe.top_k}, torch::kFloat);
-      torch::Tensor ids = torch::empty({t, L.moe.top_k}, torch::kLong);
-      for (int64_t j = 0; j < t; ++j) {
-        const std::vector<torch::Tensor> r = qk_route(s[3][j], L.moe.top_k);
-        wts[j].copy_(r[0]);
-        ids[j].copy_(r[1]);
-      }
-      const torch::Tensor routed = qk_moe_rows(h2, L.moe.experts, ids, wts);
-      for (int64_t j = 0; j < t; ++j) rows[j] = qk_moe_out(res[j], routed[j], shared[j], s[2][j]);
-      x = torch::stack(rows);
-    }
-    const torch::Tensor h = qk_rms(x, head_scale_, head_eps_);
-    std::vector<torch::Tensor> out{qk_linear_many(h, head_)[0], h};
-    out.insert(out.end(), kept.begin(), kept.end());
+    const uint16_t* h = run(bf16_ptr(x), t, bf16_ptr(cos) + row * rot, bf16_ptr(sin) + row * rot, rot, n, true);
+    uint16_t* hn = bf16_ptr(out[1]);
+    for (int64_t j = 0; j < t; ++j)
+      ops().rms_row(h + j * hidden_, hidden_, head_scale_.data_ptr<float>(), head_eps_, hn + j * hidden_);
+    linear(head_, hn, t, bf16_ptr(out[0]));
     return out;
-  }
-
-  // x [1, H] bf16 through every layer; cos and sin [rot] bf16 at position n, which the attention layers
-  // write into their K/V buffers and attend up to
-  torch::Tensor run(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t n) const {
-    for (const Layer& L : layers_) {
-      TORCH_CHECK(L.has_moe, "qk Layers: a layer has no MoE block");
-      const torch::Tensor h = qk_rms(x, L.pre, L.eps);
-      const std::vector<torch::Tensor> p = qk_linear_many(h, L.in);
-      const Gdn& g = L.g;
-      const Attention& at = L.at;
-      const torch::Tensor core =
-          L.gdn ? qk_gdn_step(p[0], p[1], p[2], p[3], g.conv, g.conv_w, g.neg_a, g.dt_bias, g.norm_w, g.norm_w_bf16,
-                              g.state, g.hk, L.eps)
-                : qk_attn_step(p[0], p[1], p[2], at.qk_scale, cos, sin, at.keys, at.values, n, at.scaling, at.qk_eps);
-      const std::vector<torch::Tensor> xs = qk_add_rms(x, qk_linear_many(core, L.out)[0], L.post, L.eps);
-      x = moe_one(L, xs[0], xs[1]);
-    }
-    return x;
   }
 
   // The MTP layer's own norms' (1 + w), fp32 (the two before fc, the final one), their eps and fc's table [1, 8].
   void set_draft(torch::Tensor emb_scale, torch::Tensor hid_scale, torch::Tensor final_scale, double eps,
                  torch::Tensor fc) {
-    check_table(fc, 1, "the MTP fc table");
+    fc_ = Mats(fc, 1, "the MTP fc table");
+    TORCH_CHECK(fc_.k == 2 * hidden_ && fc_.n(0) == hidden_, "qk Layers: the MTP fc does not map 2H to H");
+    check_scale(emb_scale, hidden_, "the MTP embedding norm");
+    check_scale(hid_scale, hidden_, "the MTP hidden norm");
+    check_scale(final_scale, hidden_, "the MTP final norm");
     emb_scale_ = emb_scale;
     hid_scale_ = hid_scale;
     final_scale_ = final_scale;
-    draft_eps_ = eps;
-    fc_ = fc;
+    draft_eps_ = static_cast<float>(eps);
+    grow(0, 2 * hidden_, 0);
   }
 
   // The MTP layer's draft (runtime/model/mtp.py) on a one-layer attention stack: T pairs of embedded tokens e and
-  // main-model hidden states hid [T, H] bf16 at positions n .. n + T - 1 (cos, sin [T, rot]). Every pair's norms,
-  // fc and attention run, so each writes its K/V; only the last row goes on through o, the MoE block and the
-  // final norm, since nothing reads the others' outputs. Returns that row's final-normed hidden [1, H], then the
-  // outputs of `head` (any linear_many table: the draft's part of the vocabulary) on it.
-  std::vector<torch::Tensor> draft(torch::Tensor e, torch::Tensor hid, torch::Tensor cos, torch::Tensor sin, int64_t n,
-                                   torch::Tensor head) const {
-    TORCH_CHECK(fc_.defined(), "qk Layers: draft before set_draft");
+  // main-model hidden states hid [T, H] bf16 at positions n .. n + T - 1 (rotary rows row .. row + T - 1 of cos
+  // and sin). Every pair's norms, fc and attention run, so each writes its K/V; only the last row goes on
+  // through o, the MoE block and the final norm, since nothing reads the others' outputs. Returns that row's
+  // final-normed hidden [1, H], then the outputs of `head` (any linear_many table: the draft's part of the
+  // vocabulary) on it.
+  std::vector<torch::Tensor> draft(torch::Tensor e, torch::Tensor hid, torch::Tensor cos, torch::Tensor sin,
+                                   int64_t row, int64_t n, torch::Tensor head) {
+    TORCH_CHECK(fc_.k, "qk Layers: draft before set_draft");
     TORCH_CHECK(layers_.size() == 1 && !layers_[0].gdn && layers_[0].has_moe,
                 "qk Layers: draft runs a one-layer attention stack");
-    const int64_t t = e.size(0);
-    TORCH_CHECK(e.dim() == 2 && t >= 1 && hid.sizes() == e.sizes() && cos.dim() == 2 && cos.size(0) == t &&
-                sin.sizes() == cos.sizes(), "qk Layers: draft takes e, hid [T, H] and cos, sin [T, rot]");
+    const int64_t t = e.size(0), H = hidden_;
+    TORCH_CHECK(e.dim() == 2 && t >= 1 && t <= kMaxRows, "qk Layers: draft takes 1..", kMaxRows, " pairs");
+    check_rows(e, t, H, "e");
+    check_rows(hid, t, H, "hid");
+    const int64_t rot = rope_width(cos, sin, row, t);
+    const Mats hm(head, head.size(0), "the draft's head table");
+    TORCH_CHECK(hm.k == H, "qk Layers: the draft's head does not take the hidden size");
+    std::lock_guard<std::mutex> lock(mu_);
     const Layer& L = layers_[0];
-    const Attention& at = L.at;
-    const torch::Tensor in = torch::cat({qk_rms(e, emb_scale_, draft_eps_), qk_rms(hid, hid_scale_, draft_eps_)}, 1);
-    const torch::Tensor x = qk_linear_many(in, fc_)[0];
-    const std::vector<torch::Tensor> p = qk_linear_many(qk_rms(x, L.pre, L.eps), L.in);
-    torch::Tensor core;
-    for (int64_t j = 0; j < t; ++j)
-      core = qk_attn_step(p[0].narrow(0, j, 1), p[1].narrow(0, j, 1), p[2].narrow(0, j, 1), at.qk_scale, cos[j],
-                          sin[j], at.keys, at.values, n + j, at.scaling, at.qk_eps);
-    const std::vector<torch::Tensor> xs =
-        qk_add_rms(x.narrow(0, t - 1, 1), qk_linear_many(core, L.out)[0], L.post, L.eps);
-    const torch::Tensor h = qk_rms(moe_one(L, xs[0], xs[1]), final_scale_, draft_eps_);
-    std::vector<torch::Tensor> out{h};
-    for (const torch::Tensor& y : qk_linear_many(h, head)) out.push_back(y);
+    const Ops& f = ops();
+    uint16_t *in = w_.wide.data(), *x = w_.x[0].data(), *h = w_.h.data(), *core = w_.core.data();
+    for (int64_t j = 0; j < t; ++j) {
+      f.rms_row(bf16_ptr(e) + j * H, H, emb_scale_.data_ptr<float>(), draft_eps_, in + j * 2 * H);
+      f.rms_row(bf16_ptr(hid) + j * H, H, hid_scale_.data_ptr<float>(), draft_eps_, in + j * 2 * H + H);
+    }
+    linear(fc_, in, t, x);
+    for (int64_t j = 0; j < t; ++j) f.rms_row(x + j * H, H, L.pre.data_ptr<float>(), L.eps, h + j * H);
+    linear(L.in, h, t, w_.proj.data());
+    const uint16_t *q = w_.proj.data(), *k = q + t * L.in.n(0), *v = k + t * L.in.n(1);
+    const uint16_t *cp = bf16_ptr(cos) + row * rot, *sp = bf16_ptr(sin) + row * rot;
+    for (int64_t j = 0; j < t; ++j)  // every pair writes its K/V; the last one's output goes on
+      attn_into(L.at, q + j * L.in.n(0), k + j * L.in.n(1), v + j * L.in.n(2), cp + j * rot, sp + j * rot, rot,
+                n + j, core);
+    uint16_t* y = w_.x[1].data();
+    mix_out_and_moe(L, x + (t - 1) * H, core, 1, y);
+    torch::Tensor hf = torch::empty({1, H}, torch::kBFloat16);
+    f.rms_row(y, H, final_scale_.data_ptr<float>(), draft_eps_, bf16_ptr(hf));
+    std::vector<torch::Tensor> out{hf};
+    std::vector<uint16_t*> dst;
+    for (size_t p = 0; p < hm.m.size(); ++p) {
+      out.push_back(torch::empty({1, hm.n(p)}, torch::kBFloat16));
+      dst.push_back(bf16_ptr(out.back()));
+    }
+    linear(hm, bf16_ptr(hf), 1, nullptr, dst.data());
     return out;
   }
 
  private:
-  // x + the MoE block of L on h2 (the post-attention norm of x), one token [1, H]
-  torch::Tensor moe_one(const Layer& L, const torch::Tensor& x, const torch::Tensor& h2) const {
-    const std::vector<torch::Tensor> s = qk_linear_many(h2, L.moe.shared_in);  // gate, up, sigmoid gate, router
-    const torch::Tensor shared = qk_linear_many(qk_silu_mul(s[0], s[1]), L.moe.shared_down)[0];
-    const std::vector<torch::Tensor> r = qk_route(s[3], L.moe.top_k);
-    return qk_moe_out(x, qk_moe(h2, L.moe.experts, r[1], r[0]), shared, s[2]);
+  // the fields every layer has, checked; the workspace grown for its widths
+  Layer base(const torch::Tensor& pre, const torch::Tensor& post, double eps, const torch::Tensor& in, int64_t n_in,
+             const torch::Tensor& out, const char* what) {
+    Layer L;
+    L.in = Mats(in, n_in, what);
+    L.out = Mats(out, 1, "a mixer's output projection table");
+    if (layers_.empty() && !hidden_) hidden_ = L.in.k;
+    TORCH_CHECK(L.in.k == hidden_ && L.out.n(0) == hidden_, "qk Layers: a layer's projections do not take the "
+                "hidden size ", hidden_);
+    check_scale(pre, hidden_, "a layer's input norm");
+    check_scale(post, hidden_, "a layer's post-attention norm");
+    L.pre = pre;
+    L.post = post;
+    L.eps = static_cast<float>(eps);
+    grow(L.in.width, L.out.k, 0);
+    return L;
   }
 
+  // the rotary width of tables cos and sin [R, rot] whose rows row .. row + t - 1 a call reads
+  static int64_t rope_width(const torch::Tensor& cos, const torch::Tensor& sin, int64_t row, int64_t t) {
+    TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes() && cos.scalar_type() == torch::kBFloat16 &&
+                sin.scalar_type() == torch::kBFloat16 && cos.is_contiguous() && sin.is_contiguous() && row >= 0 &&
+                row + t <= cos.size(0), "qk Layers: rows ", row, "..", row + t - 1,
+                " are not in the rotary tables (contiguous bf16 [R, rot])");
+    return cos.size(1);
+  }
+
+  // the workspace for rows of `wide` projection outputs, mixer outputs of `core` and `k` experts per row
+  void grow(int64_t wide, int64_t core, int64_t k) {
+    Work& w = w_;
+    const int64_t R = kMaxRows, H = hidden_;
+    wide_ = std::max({wide_, wide, 2 * H});
+    core_ = std::max({core_, core, H});
+    k_ = std::max(k_, k);
+    for (auto* b : {&w.x[0], &w.x[1], &w.h, &w.o, &w.res, &w.nrm, &w.shared}) b->resize(R * H);
+    w.wide.resize(R * wide_);
+    w.proj.resize(R * wide_);
+    w.core.resize(R * core_);
+    w.xf.resize(R * std::max(wide_, core_));
+    w.routed.resize(R * H);
+    w.wts.resize(R * k_);
+    w.ids.resize(R * k_);
+  }
+
+  // the trail buffers of a Gated DeltaNet layer for a verify of t tokens, and their views of t
+  static void trail(Layer& L, int64_t t) {
+    const GdnArgs& g = L.g;
+    if (!L.state_trail.defined() || L.state_trail.size(0) < t - 1) {
+      L.conv_trail = torch::empty({g.taps + t, g.channels}, torch::kBFloat16);
+      L.state_trail = torch::empty({t - 1, g.hv, g.dk, g.dv}, torch::kFloat);
+      L.conv_views.assign(kMaxRows + 1, torch::Tensor());
+      L.state_views.assign(kMaxRows + 1, torch::Tensor());
+    }
+    if (!L.conv_views[t].defined()) {
+      L.conv_views[t] = L.conv_trail.narrow(0, 0, g.taps + t);
+      L.state_views[t] = L.state_trail.narrow(0, 0, t - 1);
+    }
+  }
+
+  // matrices M on t rows x [t, M.k] bf16 into out (their outputs one after the other) or into dst[p]
+  void linear(const Mats& M, const uint16_t* x, int64_t t, uint16_t* out, uint16_t* const* dst = nullptr) {
+    float* xf = w_.xf.data();
+    widen(x, t * M.k, xf);
+    void* outs[kMaxMats];
+    int64_t at = 0;
+    for (size_t p = 0; p < M.m.size(); ++p) {
+      outs[p] = dst ? dst[p] : out + at;
+      at += t * M.n(p);
+    }
+    linear_many_into(xf, t, M.k, M.m.data(), static_cast<int64_t>(M.m.size()), outs, true);
+  }
+
+  // x [t, H] bf16 through every layer (positions n .., rotary rows cos / sin [t, rot]); `keep`: a verify
+  // (each Gated DeltaNet layer's trail filled). Returns the output rows (a workspace buffer).
+  const uint16_t* run(const uint16_t* x, int64_t t, const uint16_t* cos, const uint16_t* sin, int64_t rot, int64_t n,
+                      bool keep) {
+    const Ops& f = ops();
+    const int64_t H = hidden_;
+    int cur = 0;
+    for (Layer& L : layers_) {
+      TORCH_CHECK(L.has_moe, "qk Layers: a layer has no MoE block");
+      uint16_t *h = w_.h.data(), *p = w_.proj.data(), *core = w_.core.data();
+      for (int64_t j = 0; j < t; ++j) f.rms_row(x + j * H, H, L.pre.data_ptr<float>(), L.eps, h + j * H);
+      linear(L.in, h, t, p);
+      const uint16_t *p1 = p + t * L.in.n(0), *p2 = p1 + t * L.in.n(1);
+      if (L.gdn) {
+        GdnArgs g = L.g;
+        float* kept = nullptr;
+        if (keep) {  // the window before, then the T inputs; the state after each position but the last
+          uint16_t* c = bf16_ptr(L.conv_trail);
+          std::memcpy(c, g.conv, g.taps * g.channels * sizeof(uint16_t));
+          std::memcpy(c + g.taps * g.channels, p, t * g.channels * sizeof(uint16_t));
+          kept = L.state_trail.data_ptr<float>();
+        }
+        g.qkv = p;
+        g.z = p1;
+        g.b = p2;
+        g.a = p2 + t * L.in.n(2);
+        gdn_rows_into(g, t, kept, core);
+      } else {
+        for (int64_t j = 0; j < t; ++j)
+          attn_into(L.at, p + j * L.in.n(0), p1 + j * L.in.n(1), p2 + j * L.in.n(2), cos + j * rot, sin + j * rot,
+                    rot, n + j, core + j * L.out.k);
+      }
+      uint16_t* y = w_.x[cur].data();
+      mix_out_and_moe(L, x, core, t, y);
+      x = y;
+      cur ^= 1;
+    }
+    return x;
+  }
+
+  // a layer after its mixer's core: out_proj, the residual add and post-attention norm, the MoE block and its
+  // residual add, for t rows: x [t, H] the layer's input, core [t, out.k], y [t, H] its output
+  void mix_out_and_moe(const Layer& L, const uint16_t* x, const uint16_t* core, int64_t t, uint16_t* y) {
+    const Ops& f = ops();
+    const int64_t H = hidden_, k = L.top_k, E = L.shared_in.n(3), I = L.shared_in.n(0);
+    uint16_t *o = w_.o.data(), *res = w_.res.data(), *nrm = w_.nrm.data(), *s = w_.wide.data();
+    uint16_t *act = w_.core.data(), *shared = w_.shared.data();
+    linear(L.out, core, t, o);
+    for (int64_t j = 0; j < t; ++j) {
+      f.add_bf16(x + j * H, o + j * H, H, res + j * H);
+      f.rms_row(res + j * H, H, L.post.data_ptr<float>(), L.eps, nrm + j * H);
+    }
+    linear(L.shared_in, nrm, t, s);  // gate, up, sigmoid gate, router
+    const uint16_t *up = s + t * I, *sg = up + t * I, *router = sg + t;
+    for (int64_t j = 0; j < t; ++j) f.silu_mul_bf16(s + j * I, up + j * I, I, act + j * I);
+    linear(L.shared_down, act, t, shared);
+    float *wts = w_.wts.data(), *routed = w_.routed.data();
+    int64_t* ids = w_.ids.data();
+    for (int64_t j = 0; j < t; ++j) route_into(router + j * E, E, k, wts + j * k, ids + j * k);
+    float* xf = w_.xf.data();
+    widen(nrm, t * H, xf);
+    const int64_t* table = L.experts.data_ptr<int64_t>();
+    if (t == 1) moe_into(xf, H, table, L.experts.size(0), ids, wts, k, routed);
+    else moe_rows_into(xf, t, H, table, L.experts.size(0), ids, wts, k, routed);
+    for (int64_t j = 0; j < t; ++j)
+      f.moe_out(res + j * H, routed + j * H, shared + j * H, moe_gate(sg[j]), H, y + j * H);
+  }
+
+  struct Work {  // rows of up to kMaxRows tokens
+    std::vector<uint16_t> x[2], h, wide, proj, core, o, res, nrm, shared;
+    std::vector<float> xf, routed, wts;
+    std::vector<int64_t> ids;
+  };
+
   std::vector<Layer> layers_;
-  torch::Tensor head_scale_, head_;
-  double head_eps_ = 0;
-  torch::Tensor emb_scale_, hid_scale_, final_scale_, fc_;
-  double draft_eps_ = 0;
+  int64_t hidden_ = 0, wide_ = 0, core_ = 0, k_ = 0;
+  Work w_;
+  std::mutex mu_;
+  Mats head_, fc_;
+  torch::Tensor head_scale_, emb_scale_, hid_scale_, final_scale_;
+  float head_eps_ = 0, draft_eps_ = 0;
 };
 
 }  // namespace
@@ -256,9 +426,7 @@ void qk_bind_layers(pybind11::module_& mod) {
       .def("add_attention", &Layers::add_attention, "append a gated attention layer")
       .def("set_moe", &Layers::set_moe, "the MoE block of the layer added last")
       .def("__len__", &Layers::size)
-      .def("set_head", &Layers::set_head, "the final norm and the head, for step")
-      .def("run", &Layers::run, "x [1, H] bf16 through every layer at position n",
-           py::call_guard<py::gil_scoped_release>())
+      .def("set_head", &Layers::set_head, "the final norm and the head, for step and verify")
       .def("verify", &Layers::verify, "T tokens' logits as T steps give them, and the states to rewind to",
            py::call_guard<py::gil_scoped_release>())
       .def("set_draft", &Layers::set_draft, "the MTP layer's pre-fc norms and fc, for draft")

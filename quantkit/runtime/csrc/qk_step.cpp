@@ -157,27 +157,40 @@ torch::Tensor qk_silu_mul(torch::Tensor gate, torch::Tensor up) {
 // transformers' Qwen3_5MoeTopKRouter after its linear: softmax over the experts in fp32, the k largest
 // (largest first, the lower id first on a tie), renormalised to sum 1, rounded to the logits' bf16.
 // Returns (weights fp32 [k], ids int64 [k]).
-std::vector<torch::Tensor> qk_route(torch::Tensor logits, int64_t k) {
-  check_bf16(logits, "qk_route: logits");
-  const int64_t e = logits.numel();
-  TORCH_CHECK(k >= 1 && k <= e, "qk_route: top_k must be in 1..", e);
-  std::vector<float> p(e);
-  const uint16_t* lp = bf16_ptr(logits);
+namespace qk {
+
+void route_into(const uint16_t* lp, int64_t e, int64_t k, float* w, int64_t* ids) {
+  thread_local std::vector<float> tl_p;
+  thread_local std::vector<int64_t> tl_order;
+  std::vector<float>& p = tl_p;
+  std::vector<int64_t>& order = tl_order;
+  p.resize(e);
+  order.resize(e);
   float mx = -INFINITY;
   for (int64_t i = 0; i < e; ++i) mx = std::fmax(mx, bf16_value(lp[i]));
   const float sum = ops().exp_shifted(lp, e, mx, p.data());
   for (int64_t i = 0; i < e; ++i) p[i] /= sum;
-  std::vector<int64_t> order(e);
   for (int64_t i = 0; i < e; ++i) order[i] = i;
   std::partial_sort(order.begin(), order.begin() + k, order.end(),
                     [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
-  torch::Tensor w = torch::empty({k}, torch::kFloat), ids = torch::empty({k}, torch::kLong);
   float top = 0.f;
   for (int64_t j = 0; j < k; ++j) top += p[order[j]];
   for (int64_t j = 0; j < k; ++j) {
-    w.data_ptr<float>()[j] = through_bf16(p[order[j]] / top);
-    ids.data_ptr<int64_t>()[j] = order[j];
+    w[j] = through_bf16(p[order[j]] / top);
+    ids[j] = order[j];
   }
+}
+
+float moe_gate(uint16_t sg) { return through_bf16(sigmoid1(bf16_value(sg))); }
+
+}  // namespace qk
+
+std::vector<torch::Tensor> qk_route(torch::Tensor logits, int64_t k) {
+  check_bf16(logits, "qk_route: logits");
+  const int64_t e = logits.numel();
+  TORCH_CHECK(k >= 1 && k <= e, "qk_route: top_k must be in 1..", e);
+  torch::Tensor w = torch::empty({k}, torch::kFloat), ids = torch::empty({k}, torch::kLong);
+  route_into(bf16_ptr(logits), e, k, w.data_ptr<float>(), ids.data_ptr<int64_t>());
   return {w, ids};
 }
 
@@ -190,23 +203,18 @@ torch::Tensor qk_moe_out(torch::Tensor x, torch::Tensor routed, torch::Tensor sh
   const int64_t h = x.numel();
   check_f32(routed, h, "qk_moe_out: routed");
   TORCH_CHECK(shared.numel() == h && sg.numel() == 1, "qk_moe_out: shapes do not match");
-  const float gate = through_bf16(sigmoid1(bf16_value(bf16_ptr(sg)[0])));
+  const float gate = moe_gate(bf16_ptr(sg)[0]);
   torch::Tensor y = torch::empty_like(x);
   ops().moe_out(bf16_ptr(x), routed.data_ptr<float>(), bf16_ptr(shared), gate, h, bf16_ptr(y));
   return y;
 }
 
-namespace {
+namespace qk {
 
-// qk_gdn_step's arguments checked for `rows` tokens (qkv [rows, C], z [rows, Hv*Dv], b and a [rows, Hv]) and
-// pointed at the first; the state read is the state written
-GdnArgs gdn_args(const torch::Tensor& qkv, const torch::Tensor& z, const torch::Tensor& b, const torch::Tensor& a,
-                 const torch::Tensor& conv, const torch::Tensor& conv_w, const torch::Tensor& neg_a,
-                 const torch::Tensor& dt_bias, const torch::Tensor& norm_w, bool norm_w_bf16,
-                 const torch::Tensor& state, int64_t hk, double eps, int64_t rows) {
-  for (const auto& [t, what] : {std::pair{&qkv, "qk_gdn_step: qkv"}, {&z, "qk_gdn_step: z"}, {&b, "qk_gdn_step: b"},
-                                {&a, "qk_gdn_step: a"}, {&conv, "qk_gdn_step: conv"}})
-    check_bf16(*t, what);
+GdnArgs gdn_layer_args(const torch::Tensor& conv, const torch::Tensor& conv_w, const torch::Tensor& neg_a,
+                       const torch::Tensor& dt_bias, const torch::Tensor& norm_w, bool norm_w_bf16,
+                       const torch::Tensor& state, int64_t hk, double eps) {
+  check_bf16(conv, "qk_gdn_step: conv");
   TORCH_CHECK(state.scalar_type() == torch::kFloat && state.is_contiguous() && state.dim() == 3 && conv.dim() == 2,
               "qk_gdn_step: state fp32 [Hv, Dk, Dv], conv [K, C]");
   GdnArgs g{};
@@ -216,18 +224,13 @@ GdnArgs gdn_args(const torch::Tensor& qkv, const torch::Tensor& z, const torch::
   g.hk = hk;
   g.taps = conv.size(0);
   g.channels = conv.size(1);
-  TORCH_CHECK(hk >= 1 && g.hv % hk == 0 && g.channels == 2 * hk * g.dk + g.hv * g.dv &&
-              qkv.numel() == rows * g.channels && z.numel() == rows * g.hv * g.dv && b.numel() == rows * g.hv &&
-              a.numel() == rows * g.hv && g.taps >= 1,
+  TORCH_CHECK(hk >= 1 && g.hv % hk == 0 && g.channels == 2 * hk * g.dk + g.hv * g.dv && g.taps >= 1,
               "qk_gdn_step: shapes do not match the layer");
+  TORCH_CHECK(g.dk <= kMaxHeadDim && g.dv <= kMaxHeadDim, "qk_gdn_step: head dims above ", kMaxHeadDim);
   check_f32(conv_w, g.taps * g.channels, "qk_gdn_step: conv_w");
   check_f32(neg_a, g.hv, "qk_gdn_step: neg_a");
   check_f32(dt_bias, g.hv, "qk_gdn_step: dt_bias");
   check_f32(norm_w, g.dv, "qk_gdn_step: norm_w");
-  g.qkv = bf16_ptr(qkv);
-  g.z = bf16_ptr(z);
-  g.b = bf16_ptr(b);
-  g.a = bf16_ptr(a);
   g.conv = bf16_ptr(conv);
   g.conv_w = conv_w.data_ptr<float>();
   g.neg_a = neg_a.data_ptr<float>();
@@ -237,6 +240,55 @@ GdnArgs gdn_args(const torch::Tensor& qkv, const torch::Tensor& z, const torch::
   g.state = state.data_ptr<float>();
   g.state_in = g.state;
   g.eps = static_cast<float>(eps);
+  return g;
+}
+
+void gdn_rows_into(const GdnArgs& g0, int64_t t, float* kept, uint16_t* op) {
+  const int64_t n = g0.hv * g0.dk * g0.dv, od = g0.hv * g0.dv;
+  GdnArgs g[kMaxRows];
+  TORCH_CHECK(t >= 1 && t <= kMaxRows && (t == 1 || kept), "qk_gdn_rows: 1..", kMaxRows, " tokens");
+  thread_local std::vector<uint16_t> tl_x;
+  std::vector<uint16_t>& x = tl_x;
+  x.resize(t * g0.channels);
+  const Ops& f = ops();
+  for (int64_t j = 0; j < t; ++j) {  // the conv window moves token by token
+    g[j] = g0;
+    g[j].qkv = g0.qkv + j * g0.channels;
+    g[j].z = g0.z + j * od;
+    g[j].b = g0.b + j * g0.hv;
+    g[j].a = g0.a + j * g0.hv;
+    g[j].state_in = j == 0 ? g0.state : kept + (j - 1) * n;
+    g[j].state = j + 1 < t ? kept + j * n : g0.state;
+    f.gdn_conv(g[j], x.data() + j * g0.channels);
+  }
+  at::parallel_for(0, g0.hv, 1, [&](int64_t lo, int64_t hi) {
+    float scratch[2 * kMaxHeadDim + 3 * kMaxHeadDim];
+    uint16_t ob[kMaxHeadDim];
+    for (int64_t h = lo; h < hi; ++h)
+      for (int64_t j = 0; j < t; ++j) f.gdn_head(g[j], x.data() + j * g0.channels, h, scratch, ob, op + j * od);
+  });
+}
+
+}  // namespace qk
+
+namespace {
+
+// a Gated DeltaNet layer's arguments with its `rows` tokens' projections (qkv [rows, C], z [rows, Hv*Dv], b and
+// a [rows, Hv]) checked and pointed at the first
+GdnArgs gdn_args(const torch::Tensor& qkv, const torch::Tensor& z, const torch::Tensor& b, const torch::Tensor& a,
+                 const torch::Tensor& conv, const torch::Tensor& conv_w, const torch::Tensor& neg_a,
+                 const torch::Tensor& dt_bias, const torch::Tensor& norm_w, bool norm_w_bf16,
+                 const torch::Tensor& state, int64_t hk, double eps, int64_t rows) {
+  GdnArgs g = gdn_layer_args(conv, conv_w, neg_a, dt_bias, norm_w, norm_w_bf16, state, hk, eps);
+  for (const auto& [t, what] : {std::pair{&qkv, "qk_gdn_step: qkv"}, {&z, "qk_gdn_step: z"}, {&b, "qk_gdn_step: b"},
+                                {&a, "qk_gdn_step: a"}})
+    check_bf16(*t, what);
+  TORCH_CHECK(qkv.numel() == rows * g.channels && z.numel() == rows * g.hv * g.dv && b.numel() == rows * g.hv &&
+              a.numel() == rows * g.hv, "qk_gdn_step: shapes do not match the layer");
+  g.qkv = bf16_ptr(qkv);
+  g.z = bf16_ptr(z);
+  g.b = bf16_ptr(b);
+  g.a = bf16_ptr(a);
   return g;
 }
 
@@ -251,16 +303,8 @@ torch::Tensor qk_gdn_step(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, t
                           torch::Tensor conv_w, torch::Tensor neg_a, torch::Tensor dt_bias, torch::Tensor norm_w,
                           bool norm_w_bf16, torch::Tensor state, int64_t hk, double eps) {
   const GdnArgs g = gdn_args(qkv, z, b, a, conv, conv_w, neg_a, dt_bias, norm_w, norm_w_bf16, state, hk, eps, 1);
-  std::vector<uint16_t> x(g.channels);
-  const Ops& f = ops();
-  f.gdn_conv(g, x.data());
   torch::Tensor out = torch::empty({1, g.hv * g.dv}, torch::kBFloat16);
-  uint16_t* op = bf16_ptr(out);
-  at::parallel_for(0, g.hv, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> scratch(2 * g.dk + 3 * g.dv);
-    std::vector<uint16_t> ob(g.dv);
-    for (int64_t h = lo; h < hi; ++h) f.gdn_head(g, x.data(), h, scratch.data(), ob.data(), op);
-  });
+  gdn_rows_into(g, 1, nullptr, bf16_ptr(out));
   return out;
 }
 
@@ -273,34 +317,13 @@ torch::Tensor qk_gdn_rows(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, t
                           torch::Tensor conv_w, torch::Tensor neg_a, torch::Tensor dt_bias, torch::Tensor norm_w,
                           bool norm_w_bf16, torch::Tensor state, torch::Tensor states, int64_t hk, double eps) {
   const int64_t t = qkv.size(0);
-  TORCH_CHECK(qkv.dim() == 2 && t >= 1, "qk_gdn_rows: qkv must be [T, C]");
+  TORCH_CHECK(qkv.dim() == 2 && t >= 1 && t <= kMaxRows, "qk_gdn_rows: qkv must be [T, C], T <= ", kMaxRows);
   const GdnArgs g0 = gdn_args(qkv, z, b, a, conv, conv_w, neg_a, dt_bias, norm_w, norm_w_bf16, state, hk, eps, t);
   TORCH_CHECK(states.scalar_type() == torch::kFloat && states.is_contiguous() && states.dim() == 4 &&
               states.size(0) == t - 1 && states.size(1) == g0.hv && states.size(2) == g0.dk && states.size(3) == g0.dv,
               "qk_gdn_rows: states must be contiguous fp32 [T - 1, Hv, Dk, Dv]");
-  const int64_t n = g0.hv * g0.dk * g0.dv, od = g0.hv * g0.dv;
-  float* kept = states.data_ptr<float>();
-  std::vector<GdnArgs> g(t, g0);
-  std::vector<uint16_t> x(t * g0.channels);
-  const Ops& f = ops();
-  for (int64_t j = 0; j < t; ++j) {  // the conv window moves token by token
-    g[j].qkv = g0.qkv + j * g0.channels;
-    g[j].z = g0.z + j * od;
-    g[j].b = g0.b + j * g0.hv;
-    g[j].a = g0.a + j * g0.hv;
-    g[j].state_in = j == 0 ? g0.state : kept + (j - 1) * n;
-    g[j].state = j + 1 < t ? kept + j * n : g0.state;
-    f.gdn_conv(g[j], x.data() + j * g0.channels);
-  }
-  torch::Tensor out = torch::empty({t, od}, torch::kBFloat16);
-  uint16_t* op = bf16_ptr(out);
-  at::parallel_for(0, g0.hv, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> scratch(2 * g0.dk + 3 * g0.dv);
-    std::vector<uint16_t> ob(g0.dv);
-    for (int64_t h = lo; h < hi; ++h)
-      for (int64_t j = 0; j < t; ++j)
-        f.gdn_head(g[j], x.data() + j * g0.channels, h, scratch.data(), ob.data(), op + j * od);
-  });
+  torch::Tensor out = torch::empty({t, g0.hv * g0.dv}, torch::kBFloat16);
+  gdn_rows_into(g0, t, states.data_ptr<float>(), bf16_ptr(out));
   return out;
 }
 
@@ -313,34 +336,62 @@ torch::Tensor qk_attn_step(torch::Tensor qo, torch::Tensor ko, torch::Tensor vo,
                            torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values, int64_t n,
                            double scaling, double eps) {
   for (const auto& [t, what] : {std::pair{&qo, "qk_attn_step: q"}, {&ko, "qk_attn_step: k"}, {&vo, "qk_attn_step: v"},
-                                {&cos, "qk_attn_step: cos"}, {&sin, "qk_attn_step: sin"},
-                                {&keys, "qk_attn_step: keys"}, {&values, "qk_attn_step: values"}})
+                                {&cos, "qk_attn_step: cos"}, {&sin, "qk_attn_step: sin"}})
     check_bf16(*t, what);
-  TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes(), "qk_attn_step: keys and values [kv, cap, hd]");
-  const int64_t kv = keys.size(0), cap = keys.size(1), hd = keys.size(2), rot = cos.numel();
-  const int64_t heads = qo.numel() / (2 * hd);
-  TORCH_CHECK(hd % 16 == 0 && heads >= 1 && heads % kv == 0 && qo.numel() == heads * 2 * hd && ko.numel() == kv * hd &&
-              vo.numel() == kv * hd && sin.numel() == rot && rot % 2 == 0 && rot <= hd && n >= 0 && n < cap,
-              "qk_attn_step: shapes do not fit (head_dim a multiple of 16, 0 <= n < capacity)");
-  check_f32(qk_scale, (heads + kv) * hd, "qk_attn_step: qk_scale");
-  const float* sc = qk_scale.data_ptr<float>();
-  const float e = static_cast<float>(eps);
-  std::vector<uint16_t> q(heads * hd), k(kv * hd), nrm(hd);
-  const Ops& f = ops();
-  f.norm_rotate(bf16_ptr(qo), 2 * hd, heads, hd, sc, bf16_ptr(cos), bf16_ptr(sin), rot, e, nrm.data(), q.data());
-  f.norm_rotate(bf16_ptr(ko), hd, kv, hd, sc + heads * hd, bf16_ptr(cos), bf16_ptr(sin), rot, e, nrm.data(), k.data());
-  uint16_t *kp = bf16_ptr(keys), *vp = bf16_ptr(values);
-  for (int64_t h = 0; h < kv; ++h) {
-    std::memcpy(kp + (h * cap + n) * hd, k.data() + h * hd, hd * sizeof(uint16_t));
-    std::memcpy(vp + (h * cap + n) * hd, bf16_ptr(vo) + h * hd, hd * sizeof(uint16_t));
-  }
-  torch::Tensor out = torch::empty({1, heads * hd}, torch::kBFloat16);
-  uint16_t* op = bf16_ptr(out);
-  attend_heads(q.data(), kp, vp, heads, kv, cap, hd, n + 1, static_cast<float>(scaling), op);
-  const uint16_t* gp = bf16_ptr(qo);
-  for (int64_t h = 0; h < heads; ++h) f.gate_mul(op + h * hd, gp + h * 2 * hd + hd, hd);
+  const AttnArgs at = attn_layer_args(qk_scale, keys, values, scaling, eps, qo.numel());
+  TORCH_CHECK(ko.numel() == at.kv * at.hd && vo.numel() == at.kv * at.hd && sin.numel() == cos.numel(),
+              "qk_attn_step: shapes do not fit");
+  torch::Tensor out = torch::empty({1, at.heads * at.hd}, torch::kBFloat16);
+  attn_into(at, bf16_ptr(qo), bf16_ptr(ko), bf16_ptr(vo), bf16_ptr(cos), bf16_ptr(sin), cos.numel(), n,
+            bf16_ptr(out));
   return out;
 }
+
+namespace qk {
+
+AttnArgs attn_layer_args(const torch::Tensor& qk_scale, const torch::Tensor& keys, const torch::Tensor& values,
+                         double scaling, double eps, int64_t q_width) {
+  check_bf16(keys, "qk_attn_step: keys");
+  check_bf16(values, "qk_attn_step: values");
+  TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes(), "qk_attn_step: keys and values [kv, cap, hd]");
+  AttnArgs at{};
+  at.kv = keys.size(0);
+  at.cap = keys.size(1);
+  at.hd = keys.size(2);
+  at.heads = q_width / (2 * at.hd);
+  TORCH_CHECK(at.hd % 16 == 0 && at.hd <= kMaxHeadDim && at.heads >= 1 && at.heads % at.kv == 0 &&
+              q_width == at.heads * 2 * at.hd, "qk_attn_step: shapes do not fit (head_dim a multiple of 16)");
+  check_f32(qk_scale, (at.heads + at.kv) * at.hd, "qk_attn_step: qk_scale");
+  at.qk_scale = qk_scale.data_ptr<float>();
+  at.keys = bf16_ptr(keys);
+  at.values = bf16_ptr(values);
+  at.scaling = static_cast<float>(scaling);
+  at.eps = static_cast<float>(eps);
+  return at;
+}
+
+void attn_into(const AttnArgs& at, const uint16_t* qo, const uint16_t* ko, const uint16_t* vo, const uint16_t* cos,
+               const uint16_t* sin, int64_t rot, int64_t n, uint16_t* op) {
+  TORCH_CHECK(rot % 2 == 0 && rot <= at.hd && n >= 0 && n < at.cap, "qk_attn_step: shapes do not fit (rotary width ", rot,
+              ", position ", n, " of a capacity of ", at.cap, ")");
+  const int64_t heads = at.heads, kv = at.kv, hd = at.hd, cap = at.cap;
+  thread_local std::vector<uint16_t> tl_q, tl_k;
+  std::vector<uint16_t>&q = tl_q, &k = tl_k;
+  q.resize(heads * hd);
+  k.resize(kv * hd);
+  uint16_t nrm[kMaxHeadDim];
+  const Ops& f = ops();
+  f.norm_rotate(qo, 2 * hd, heads, hd, at.qk_scale, cos, sin, rot, at.eps, nrm, q.data());
+  f.norm_rotate(ko, hd, kv, hd, at.qk_scale + heads * hd, cos, sin, rot, at.eps, nrm, k.data());
+  for (int64_t h = 0; h < kv; ++h) {
+    std::memcpy(at.keys + (h * cap + n) * hd, k.data() + h * hd, hd * sizeof(uint16_t));
+    std::memcpy(at.values + (h * cap + n) * hd, vo + h * hd, hd * sizeof(uint16_t));
+  }
+  attend_heads(q.data(), at.keys, at.values, heads, kv, cap, hd, n + 1, at.scaling, op);
+  for (int64_t h = 0; h < heads; ++h) f.gate_mul(op + h * hd, qo + h * 2 * hd + hd, hd);
+}
+
+}  // namespace qk
 
 // The index of the largest element of a contiguous bf16 or fp32 tensor, as torch.argmax gives it (the first of
 // equal maxima, -0 equal to 0, a NaN above everything): torch reads bf16 element by element, a few percent of a

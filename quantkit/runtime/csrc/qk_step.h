@@ -5,6 +5,8 @@
 
 #include <vector>
 
+#include "qk_ops.h"
+
 torch::Tensor qk_delta_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor decay,
                             torch::Tensor beta, torch::Tensor state);
 torch::Tensor qk_attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t n, double scaling);
@@ -23,3 +25,37 @@ torch::Tensor qk_attn_step(torch::Tensor qo, torch::Tensor ko, torch::Tensor vo,
                            torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values, int64_t n,
                            double scaling, double eps);
 int64_t qk_argmax(torch::Tensor x);
+
+// The pointer-level cores beneath the ops above, which run no torch op (qk_layers.cpp runs a decode step of them).
+namespace qk {
+
+constexpr int64_t kMaxRows = 4;       // tokens of one verify or draft in the kernel's stack
+constexpr int64_t kMaxHeadDim = 256;  // a head's width (Gated DeltaNet key / value, attention) at most
+
+// a gated attention layer's fixed arguments: (1 + w) of q_norm then k_norm fp32 [heads + kv, hd], its K/V
+// buffers [kv, cap, hd] bf16, the scaling and the norms' eps
+struct AttnArgs {
+  const float* qk_scale;
+  uint16_t *keys, *values;
+  int64_t heads, kv, cap, hd;
+  float scaling, eps;
+};
+
+AttnArgs attn_layer_args(const torch::Tensor& qk_scale, const torch::Tensor& keys, const torch::Tensor& values,
+                         double scaling, double eps, int64_t q_width);
+// one token at position n: qo [heads * 2 hd], ko and vo [kv * hd], cos and sin [rot] (bf16); out [heads * hd]
+void attn_into(const AttnArgs& at, const uint16_t* qo, const uint16_t* ko, const uint16_t* vo, const uint16_t* cos,
+               const uint16_t* sin, int64_t rot, int64_t n, uint16_t* out);
+// a Gated DeltaNet layer's fixed arguments (qkv, z, b, a are the caller's, per call)
+GdnArgs gdn_layer_args(const torch::Tensor& conv, const torch::Tensor& conv_w, const torch::Tensor& neg_a,
+                       const torch::Tensor& dt_bias, const torch::Tensor& norm_w, bool norm_w_bf16,
+                       const torch::Tensor& state, int64_t hk, double eps);
+// t tokens (g0's qkv, z, b, a point at the first of t contiguous rows) as qk_gdn_rows: the state after each but
+// the last into kept [t - 1, Hv, Dk, Dv], out [t, Hv * Dv] bf16
+void gdn_rows_into(const GdnArgs& g0, int64_t t, float* kept, uint16_t* out);
+// qk_route on a row of e bf16 logits: w [k] fp32, ids [k]
+void route_into(const uint16_t* logits, int64_t e, int64_t k, float* w, int64_t* ids);
+// the shared expert's gate bf16(sigmoid(sg)) as qk_moe_out applies it
+float moe_gate(uint16_t sg);
+
+}  // namespace qk

@@ -31,7 +31,8 @@ _SERIAL = itertools.count()
 class Trail:
     """What a keep-positions forward left for `rewind`: the first position it computed, the conv inputs it
     saw (the window before it, then its T inputs: [K + T, C]) and the recurrent state after each position (the
-    last may be left out: it is the cache's own, and a rewind to it is none)."""
+    last may be left out: it is the cache's own, and a rewind to it is none). The kernel's stack lends views of
+    its own buffers here, which its next verify writes again: a trail lasts until the cache's next forward."""
 
     start: int
     conv_inputs: torch.Tensor

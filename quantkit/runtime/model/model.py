@@ -177,6 +177,14 @@ class Model:
         cos, sin = self._rope[block]
         return cos, sin, row
 
+    def _rope_span(self, n: int, t: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(cos, sin, row): tables whose rows row .. row + t - 1 are the rotary of positions n .. n + t - 1, as
+        one-token steps read them (`_rope_table`'s block where the span fits in it, else `_rope_steps`)."""
+        cos, sin, row = self._rope_table(n)
+        if row + t <= cos.shape[0]:
+            return cos, sin, row
+        return (*self._rope_steps(n, t), 0)
+
     def _rope_steps(self, n: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [t, rot] for positions n .. n + t - 1, the rows of `_rope_table` one-token steps read (so
         the same rotary as t steps)."""
@@ -188,8 +196,8 @@ class Model:
         final norm's output [T, H], bit for bit what T one-token steps give; the Gated DeltaNet trail recorded
         and cache.n advanced."""
         t, n = x.shape[0], cache.n
-        cos, sin = self._rope_steps(n, t)
-        out = self._bound_stack(cache).verify(x.contiguous(), cos, sin, n)
+        cos, sin, row = self._rope_span(n, t)
+        out = self._bound_stack(cache).verify(x.contiguous(), cos, sin, row, n)
         gdn = [L.index for L in self.layers if isinstance(L.mixer, DeltaNet)]
         for j, i in enumerate(gdn):
             cache.trail[i] = Trail(n, out[2 + 2 * j], out[3 + 2 * j])

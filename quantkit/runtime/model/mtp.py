@@ -74,9 +74,9 @@ class MTP:
         e = model._embed(tokens).to(self.layer.device)
         head = self.head(model)
         if ops is not None and t <= STACK_PAIRS and self._stackable(model, head):
-            cos, sin = model._rope_steps(cache.n, t)
+            cos, sin, row = model._rope_span(cache.n, t)
             out = self._bound_stack(cache).draft(e.contiguous(), hidden.to(torch.bfloat16).contiguous(), cos, sin,
-                                                 cache.n, head.table)
+                                                 row, cache.n, head.table)
             cache.n += t
             return list(out[1:]), out[0], head
         norm = (lambda x, w: ops.rms(x.contiguous(), w, eps)) if ops is not None else (lambda x, w: rms(x, w, eps))
