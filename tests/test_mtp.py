@@ -121,7 +121,7 @@ def test_the_kernels_one_call_draft_is_the_python_path_bit_for_bit(tiny_model_mt
             out += [logits, h]
         return out + [cache.keys[0][:, :cache.n].clone(), cache.values[0][:, :cache.n].clone()]
 
-    stack_draft = type(mtp._bound_stack(mtp.new_cache(8)))
+    stack_draft = type(mtp._bound_stack(mtp.new_cache(8), m))
     real = stack_draft.draft
     want = run(False)
     stack_draft.draft = lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a)
@@ -139,7 +139,8 @@ def test_the_kernels_one_call_draft_is_the_python_path_bit_for_bit(tiny_model_mt
 @pytest.mark.parametrize("rows", [0, 64])
 def test_a_greedy_draft_is_the_argmax_of_the_drafts_logits(tiny_model_mtp, route, rows, one_thread):  # noqa: F811
     """`MTP.draft` (what speculative decoding calls) gives the first maximum of `forward`'s logits and the same
-    hidden, chained, with the whole head and with the draft's part of it (ids from both of its ends)."""
+    hidden, chained, with the whole head and with the draft's part of it (ids from both of its ends); a hidden of
+    more rows than tokens pairs its first rows (a verify's hidden rows, passed whole)."""
     rt = load_model(quantized(tiny_model_mtp, "int4"), forced_route=route)
     m, mtp = rt.model, rt.model.mtp
     mtp.draft_rows = rows
@@ -151,8 +152,8 @@ def test_a_greedy_draft_is_the_argmax_of_the_drafts_logits(tiny_model_mtp, route
     mtp.forward(m, toks[:8], hid[:8], b)
     got, h_a, h_b = [], hid[8:9], hid[8:9]
     for i in range(8, 48):
-        logits, h_a = mtp.forward(m, [toks[i]], h_a if i % 2 else hid[i:i + 1], a)
-        tok, h_b = mtp.draft(m, [toks[i]], h_b if i % 2 else hid[i:i + 1], b)
+        logits, h_a = mtp.forward(m, [toks[i]], h_a if i % 2 else hid[i:i + 1 + i % 4 // 2], a)
+        tok, h_b = mtp.draft(m, [toks[i]], h_b if i % 2 else hid[i:i + 1 + i % 4 // 2], b)
         assert tok == int(torch.argmax(logits)) and torch.equal(h_a, h_b)
         got.append(tok)
     if rows:

@@ -175,6 +175,13 @@ def test_layer_stack_misuse_is_one_line_errors(qk):
         stack.step(x, rot, rot, 4, 0)
     with pytest.raises(RuntimeError, match="verify takes 1..4 rows"):
         stack.verify(_bf16(5, H), rot, rot, 0, 0)
+    with pytest.raises(RuntimeError, match="token ids before set_embed"):
+        stack.step_ids([3], rot, rot, 0, 0)
+    table = _bf16(10, H, seed=45)
+    stack.set_embed(table)  # token ids read their rows from it: the same logits as the rows given
+    assert torch.equal(stack.step_ids([3], rot, rot, 1, 0), stack.step(table[3:4].clone(), rot, rot, 1, 0))
+    with pytest.raises(RuntimeError, match="token id 10 is outside the vocabulary of 10"):
+        stack.verify_ids([2, 10], rot, rot, 0, 0)
     with pytest.raises(RuntimeError, match="set_moe before any layer"):
         stack.set_moe(torch.zeros(4, 8, dtype=torch.int64), zeros, torch.zeros(4, 2, 8, dtype=torch.int64), 2)
     with pytest.raises(RuntimeError, match=r"in_proj table must be an int64 \[4, 8\]"):

@@ -186,7 +186,7 @@ def mtp_tokens(model: Any, cache: HybridCache, mtp_cache: HybridCache, logits: t
                 break
         cache.rewind(n0 + kept + 1)
         mtp_cache.rewind(mark)
-        pairs_tok, pairs_hid = [*ds[:kept], tok], hv[:kept + 1]
+        pairs_tok, pairs_hid = [*ds[:kept], tok], hv  # the MTP layer pairs the first kept + 1 rows
         if tuner is not None and not first:
             tuner.record(k, spent, kept + 1)
         first = False

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <tuple>
 #include <vector>
 
 #include "qk_common.h"
@@ -155,13 +156,16 @@ class Layers {
   torch::Tensor step(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t row, int64_t n) {
     TORCH_CHECK(head_.k, "qk Layers: step before set_head");
     check_rows(x, 1, hidden_, "x");
-    const int64_t rot = rope_width(cos, sin, row, 1);
     std::lock_guard<std::mutex> lock(mu_);
-    const uint16_t* h = run(bf16_ptr(x), 1, bf16_ptr(cos) + row * rot, bf16_ptr(sin) + row * rot, rot, n, false);
-    ops().rms_row(h, hidden_, head_scale_.data_ptr<float>(), head_eps_, w_.h.data());
-    torch::Tensor logits = torch::empty({head_.n(0)}, torch::kBFloat16);
-    linear(head_, w_.h.data(), 1, bf16_ptr(logits));
-    return logits;
+    return step_rows(bf16_ptr(x), cos, sin, row, n);
+  }
+
+  // `step` of a token id, its row read from the table `set_embed` gave
+  torch::Tensor step_ids(const std::vector<int64_t>& ids, torch::Tensor cos, torch::Tensor sin, int64_t row,
+                         int64_t n) {
+    TORCH_CHECK(ids.size() == 1, "qk Layers: a step takes one token");
+    std::lock_guard<std::mutex> lock(mu_);
+    return step_rows(embed(ids), cos, sin, row, n);
   }
 
   // A speculative verify: x [T, H] bf16 (T = 2..4 tokens at positions n .. n + T - 1; their rotary rows are
@@ -179,22 +183,24 @@ class Layers {
     const int64_t t = x.size(0);
     TORCH_CHECK(x.dim() == 2 && t >= 1 && t <= kMaxRows, "qk Layers: verify takes 1..", kMaxRows, " rows");
     check_rows(x, t, hidden_, "x");
-    const int64_t rot = rope_width(cos, sin, row, t);
     std::lock_guard<std::mutex> lock(mu_);
-    std::vector<torch::Tensor> out{torch::empty({t, head_.n(0)}, torch::kBFloat16),
-                                   torch::empty({t, hidden_}, torch::kBFloat16)};
-    for (Layer& L : layers_)
-      if (L.gdn) {
-        trail(L, t);
-        out.push_back(L.conv_views[t]);
-        out.push_back(L.state_views[t]);
-      }
-    const uint16_t* h = run(bf16_ptr(x), t, bf16_ptr(cos) + row * rot, bf16_ptr(sin) + row * rot, rot, n, true);
-    uint16_t* hn = bf16_ptr(out[1]);
-    for (int64_t j = 0; j < t; ++j)
-      ops().rms_row(h + j * hidden_, hidden_, head_scale_.data_ptr<float>(), head_eps_, hn + j * hidden_);
-    linear(head_, hn, t, bf16_ptr(out[0]));
-    return out;
+    return verify_rows(bf16_ptr(x), t, cos, sin, row, n);
+  }
+
+  // `verify` of token ids, their rows read from the table `set_embed` gave
+  std::vector<torch::Tensor> verify_ids(const std::vector<int64_t>& ids, torch::Tensor cos, torch::Tensor sin,
+                                        int64_t row, int64_t n) {
+    const int64_t t = static_cast<int64_t>(ids.size());
+    TORCH_CHECK(t >= 1 && t <= kMaxRows, "qk Layers: verify takes 1..", kMaxRows, " rows");
+    std::lock_guard<std::mutex> lock(mu_);
+    return verify_rows(embed(ids), t, cos, sin, row, n);
+  }
+
+  // the embedding table [V, H] bf16 that step_ids, verify_ids and draft_argmax read their rows from
+  void set_embed(torch::Tensor table) {
+    TORCH_CHECK(hidden_, "qk Layers: set_embed before any layer");
+    check_rows(table, table.size(0), hidden_, "the embedding");
+    embed_ = table;
   }
 
   // The MTP layer's own norms' (1 + w), fp32 (the two before fc, the final one), their eps and fc's table [1, 8].
@@ -220,23 +226,96 @@ class Layers {
   // vocabulary) on it.
   std::vector<torch::Tensor> draft(torch::Tensor e, torch::Tensor hid, torch::Tensor cos, torch::Tensor sin,
                                    int64_t row, int64_t n, torch::Tensor head) {
+    check_draft();
+    const int64_t t = e.size(0);
+    TORCH_CHECK(e.dim() == 2 && t >= 1 && t <= kMaxRows, "qk Layers: draft takes 1..", kMaxRows, " pairs");
+    check_rows(e, t, hidden_, "e");
+    check_rows(hid, t, hidden_, "hid");
+    const Mats hm(head, head.size(0), "the draft's head table");
+    TORCH_CHECK(hm.k == hidden_, "qk Layers: the draft's head does not take the hidden size");
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<torch::Tensor> out{torch::empty({1, hidden_}, torch::kBFloat16)};
+    std::vector<uint16_t*> dst;
+    for (size_t p = 0; p < hm.m.size(); ++p) {
+      out.push_back(torch::empty({1, hm.n(p)}, torch::kBFloat16));
+      dst.push_back(bf16_ptr(out.back()));
+    }
+    draft_rows(bf16_ptr(e), bf16_ptr(hid), t, cos, sin, row, n, hm, bf16_ptr(out[0]), dst.data());
+    return out;
+  }
+
+  // `draft` of token ids (rows from the table `set_embed` gave; hid's first T rows pair with them) that returns
+  // the argmax of the head's outputs taken as one row (their first maximum, as qk.argmax of their
+  // concatenation) and the final-normed hidden [1, H]: a greedy draft with no torch op
+  std::tuple<int64_t, torch::Tensor> draft_argmax(const std::vector<int64_t>& ids, torch::Tensor hid,
+                                                  torch::Tensor cos, torch::Tensor sin, int64_t row, int64_t n,
+                                                  torch::Tensor head) {
+    check_draft();
+    const int64_t t = static_cast<int64_t>(ids.size());
+    TORCH_CHECK(t >= 1 && t <= kMaxRows, "qk Layers: draft takes 1..", kMaxRows, " pairs");
+    TORCH_CHECK(hid.scalar_type() == torch::kBFloat16 && hid.is_contiguous() && hid.dim() == 2 &&
+                hid.size(0) >= t && hid.size(1) == hidden_, "qk Layers: hid must be contiguous bf16 [>= ", t,
+                ", ", hidden_, "]");
+    const Mats hm(head, head.size(0), "the draft's head table");
+    TORCH_CHECK(hm.k == hidden_, "qk Layers: the draft's head does not take the hidden size");
+    std::lock_guard<std::mutex> lock(mu_);
+    w_.logits.resize(hm.width);
+    std::vector<uint16_t*> dst;
+    for (size_t p = 0, at = 0; p < hm.m.size(); at += hm.n(p), ++p) dst.push_back(w_.logits.data() + at);
+    torch::Tensor h = torch::empty({1, hidden_}, torch::kBFloat16);
+    draft_rows(embed(ids), bf16_ptr(hid), t, cos, sin, row, n, hm, bf16_ptr(h), dst.data());
+    return {argmax_bf16(w_.logits.data(), hm.width), h};
+  }
+
+ private:
+  torch::Tensor step_rows(const uint16_t* x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t row,
+                          int64_t n) {
+    TORCH_CHECK(head_.k, "qk Layers: step before set_head");
+    const int64_t rot = rope_width(cos, sin, row, 1);
+    const uint16_t* h = run(x, 1, bf16_ptr(cos) + row * rot, bf16_ptr(sin) + row * rot, rot, n, false);
+    ops().rms_row(h, hidden_, head_scale_.data_ptr<float>(), head_eps_, w_.h.data());
+    torch::Tensor logits = torch::empty({head_.n(0)}, torch::kBFloat16);
+    linear(head_, w_.h.data(), 1, bf16_ptr(logits));
+    return logits;
+  }
+
+  std::vector<torch::Tensor> verify_rows(const uint16_t* x, int64_t t, const torch::Tensor& cos,
+                                         const torch::Tensor& sin, int64_t row, int64_t n) {
+    TORCH_CHECK(head_.k, "qk Layers: verify before set_head");
+    const int64_t rot = rope_width(cos, sin, row, t);
+    std::vector<torch::Tensor> out{torch::empty({t, head_.n(0)}, torch::kBFloat16),
+                                   torch::empty({t, hidden_}, torch::kBFloat16)};
+    for (Layer& L : layers_)
+      if (L.gdn) {
+        trail(L, t);
+        out.push_back(L.conv_views[t]);
+        out.push_back(L.state_views[t]);
+      }
+    const uint16_t* h = run(x, t, bf16_ptr(cos) + row * rot, bf16_ptr(sin) + row * rot, rot, n, true);
+    uint16_t* hn = bf16_ptr(out[1]);
+    for (int64_t j = 0; j < t; ++j)
+      ops().rms_row(h + j * hidden_, hidden_, head_scale_.data_ptr<float>(), head_eps_, hn + j * hidden_);
+    linear(head_, hn, t, bf16_ptr(out[0]));
+    return out;
+  }
+
+  void check_draft() const {
     TORCH_CHECK(fc_.k, "qk Layers: draft before set_draft");
     TORCH_CHECK(layers_.size() == 1 && !layers_[0].gdn && layers_[0].has_moe,
                 "qk Layers: draft runs a one-layer attention stack");
-    const int64_t t = e.size(0), H = hidden_;
-    TORCH_CHECK(e.dim() == 2 && t >= 1 && t <= kMaxRows, "qk Layers: draft takes 1..", kMaxRows, " pairs");
-    check_rows(e, t, H, "e");
-    check_rows(hid, t, H, "hid");
-    const int64_t rot = rope_width(cos, sin, row, t);
-    const Mats hm(head, head.size(0), "the draft's head table");
-    TORCH_CHECK(hm.k == H, "qk Layers: the draft's head does not take the hidden size");
-    std::lock_guard<std::mutex> lock(mu_);
+  }
+
+  // the draft of t pairs (e, hid [t, H] bf16): its final-normed hidden into hf [H], the head's outputs into dst
+  void draft_rows(const uint16_t* e, const uint16_t* hid, int64_t t, const torch::Tensor& cos,
+                  const torch::Tensor& sin, int64_t row, int64_t n, const Mats& hm, uint16_t* hf,
+                  uint16_t* const* dst) {
+    const int64_t H = hidden_, rot = rope_width(cos, sin, row, t);
     const Layer& L = layers_[0];
     const Ops& f = ops();
     uint16_t *in = w_.wide.data(), *x = w_.x[0].data(), *h = w_.h.data(), *core = w_.core.data();
     for (int64_t j = 0; j < t; ++j) {
-      f.rms_row(bf16_ptr(e) + j * H, H, emb_scale_.data_ptr<float>(), draft_eps_, in + j * 2 * H);
-      f.rms_row(bf16_ptr(hid) + j * H, H, hid_scale_.data_ptr<float>(), draft_eps_, in + j * 2 * H + H);
+      f.rms_row(e + j * H, H, emb_scale_.data_ptr<float>(), draft_eps_, in + j * 2 * H);
+      f.rms_row(hid + j * H, H, hid_scale_.data_ptr<float>(), draft_eps_, in + j * 2 * H + H);
     }
     linear(fc_, in, t, x);
     for (int64_t j = 0; j < t; ++j) f.rms_row(x + j * H, H, L.pre.data_ptr<float>(), L.eps, h + j * H);
@@ -248,19 +327,23 @@ class Layers {
                 n + j, core);
     uint16_t* y = w_.x[1].data();
     mix_out_and_moe(L, x + (t - 1) * H, core, 1, y);
-    torch::Tensor hf = torch::empty({1, H}, torch::kBFloat16);
-    f.rms_row(y, H, final_scale_.data_ptr<float>(), draft_eps_, bf16_ptr(hf));
-    std::vector<torch::Tensor> out{hf};
-    std::vector<uint16_t*> dst;
-    for (size_t p = 0; p < hm.m.size(); ++p) {
-      out.push_back(torch::empty({1, hm.n(p)}, torch::kBFloat16));
-      dst.push_back(bf16_ptr(out.back()));
+    f.rms_row(y, H, final_scale_.data_ptr<float>(), draft_eps_, hf);
+    linear(hm, hf, 1, nullptr, dst);
+  }
+
+  // the embedding rows of ids (the table `set_embed` gave) in the workspace
+  const uint16_t* embed(const std::vector<int64_t>& ids) {
+    TORCH_CHECK(embed_.defined(), "qk Layers: token ids before set_embed");
+    const int64_t V = embed_.size(0), H = hidden_;
+    TORCH_CHECK(static_cast<int64_t>(ids.size()) <= kMaxRows, "qk Layers: more than ", kMaxRows, " tokens");
+    uint16_t* out = w_.emb.data();
+    for (size_t j = 0; j < ids.size(); ++j) {
+      TORCH_CHECK(ids[j] >= 0 && ids[j] < V, "qk Layers: token id ", ids[j], " is outside the vocabulary of ", V);
+      std::memcpy(out + j * H, bf16_ptr(embed_) + ids[j] * H, H * sizeof(uint16_t));
     }
-    linear(hm, bf16_ptr(hf), 1, nullptr, dst.data());
     return out;
   }
 
- private:
   // the fields every layer has, checked; the workspace grown for its widths
   Layer base(const torch::Tensor& pre, const torch::Tensor& post, double eps, const torch::Tensor& in, int64_t n_in,
              const torch::Tensor& out, const char* what) {
@@ -295,7 +378,7 @@ class Layers {
     wide_ = std::max({wide_, wide, 2 * H});
     core_ = std::max({core_, core, H});
     k_ = std::max(k_, k);
-    for (auto* b : {&w.x[0], &w.x[1], &w.h, &w.o, &w.res, &w.nrm, &w.shared}) b->resize(R * H);
+    for (auto* b : {&w.x[0], &w.x[1], &w.h, &w.o, &w.res, &w.nrm, &w.shared, &w.emb}) b->resize(R * H);
     w.wide.resize(R * wide_);
     w.proj.resize(R * wide_);
     w.core.resize(R * core_);
@@ -402,7 +485,7 @@ class Layers {
   }
 
   struct Work {  // rows of up to kMaxRows tokens
-    std::vector<uint16_t> x[2], h, wide, proj, core, o, res, nrm, shared;
+    std::vector<uint16_t> x[2], h, wide, proj, core, o, res, nrm, shared, emb, logits;
     std::vector<float> xf, routed, wts;
     std::vector<int64_t> ids;
   };
@@ -412,7 +495,7 @@ class Layers {
   Work w_;
   std::mutex mu_;
   Mats head_, fc_;
-  torch::Tensor head_scale_, emb_scale_, hid_scale_, final_scale_;
+  torch::Tensor head_scale_, emb_scale_, hid_scale_, final_scale_, embed_;
   float head_eps_ = 0, draft_eps_ = 0;
 };
 
@@ -433,5 +516,10 @@ void qk_bind_layers(pybind11::module_& mod) {
       .def("draft", &Layers::draft, "the MTP layer's draft: the last pair's final-normed hidden and head outputs",
            py::call_guard<py::gil_scoped_release>())
       .def("step", &Layers::step, "x [1, H] bf16 through every layer, the final norm and the head: logits [V]",
-           py::call_guard<py::gil_scoped_release>());
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_embed", &Layers::set_embed, "the bf16 embedding table the *_ids calls read rows from")
+      .def("step_ids", &Layers::step_ids, "step of one token id", py::call_guard<py::gil_scoped_release>())
+      .def("verify_ids", &Layers::verify_ids, "verify of token ids", py::call_guard<py::gil_scoped_release>())
+      .def("draft_argmax", &Layers::draft_argmax, "a greedy draft of token ids: (argmax of the head's outputs, "
+           "the final-normed hidden)", py::call_guard<py::gil_scoped_release>());
 }

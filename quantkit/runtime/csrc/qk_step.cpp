@@ -432,6 +432,10 @@ int64_t argmax_bits(const U* x, int64_t n, void (*range)(const U*, int64_t, int3
 }
 }  // namespace
 
+namespace qk {
+int64_t argmax_bf16(const uint16_t* x, int64_t n) { return argmax_bits<int16_t>(x, n, ops().bit_range16); }
+}  // namespace qk
+
 int64_t qk_argmax(torch::Tensor x) {
   TORCH_CHECK(x.is_contiguous() && x.numel() > 0 && (x.scalar_type() == torch::kBFloat16 ||
               x.scalar_type() == torch::kFloat), "qk_argmax: x must be a non-empty contiguous bf16 or fp32 tensor");

@@ -57,5 +57,7 @@ void gdn_rows_into(const GdnArgs& g0, int64_t t, float* kept, uint16_t* out);
 void route_into(const uint16_t* logits, int64_t e, int64_t k, float* w, int64_t* ids);
 // the shared expert's gate bf16(sigmoid(sg)) as qk_moe_out applies it
 float moe_gate(uint16_t sg);
+// qk_argmax of n bf16 values
+int64_t argmax_bf16(const uint16_t* x, int64_t n);
 
 }  // namespace qk

@@ -99,7 +99,10 @@ class DraftHead:
     def argmax(self, outs: list[torch.Tensor]) -> int:
         """The argmax of `logits(outs)` (its first maximum), read from the outputs themselves."""
         y = outs[0].view(-1) if len(outs) == 1 else torch.cat([o.view(-1) for o in outs])
-        i = cpu_kernel.argmax(y)
+        return self.vocab_id(cpu_kernel.argmax(y))
+
+    def vocab_id(self, i: int) -> int:
+        """The vocabulary id of position i of the outputs on `table`, taken as one row."""
         return i if not self.rows or i < self.rows else self.tail + i - self.rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,7 @@ class Model:
         # a quantized embedding on the CPU: its one-token rows are kept (`_embed`)
         self.keep_rows = not isinstance(self.embed, torch.Tensor) and all(
             p.device.type == "cpu" for p in self.embed.parts.values())
+        self._gdn_layers = [L.index for L in self.layers if isinstance(L.mixer, DeltaNet)]
 
     # ---- facts ----
     @property
@@ -103,17 +104,25 @@ class Model:
             cache.n += 1
             return logits
         cache.pos = None
-        ops = cpu_kernel.module() if self.route.kind in ("stack", "fused") else None
-        x = self._embed(ids)
-        if t == 1 and self.route.kind == "stack" and not keep_positions and not hidden and x.device.type == "cpu":
+        stack = self.route.kind == "stack"
+        one = t == 1 and stack and not keep_positions and not hidden
+        verify = keep_positions and 1 < t <= STACK_VERIFY_ROWS and stack
+        if (one or verify) and isinstance(ids, list) and self.stack_embedding() is not None:
+            x: Any = ids  # the stack reads the rows itself
+        else:
+            x = self._embed(ids)
+            one, verify = one and x.device.type == "cpu", verify and x.device.type == "cpu"
+        if one:
             cos, sin, row = self._rope_table(cache.n)
-            logits = self._bound_stack(cache).step(x, cos, sin, row, cache.n).view(-1)
+            st = self._bound_stack(cache)
+            logits = st.step_ids(x, cos, sin, row, cache.n) if isinstance(x, list) else st.step(x, cos, sin, row, cache.n)
             cache.n += 1
             return logits
-        if keep_positions and 1 < t <= STACK_VERIFY_ROWS and self.route.kind == "stack" and x.device.type == "cpu":
+        if verify:
             logits, x = self._stack_verify(x, cache)
             logits = logits if all_logits else logits[-1]
             return (logits, x) if hidden else logits
+        ops = cpu_kernel.module() if self.route.kind in ("stack", "fused") else None
         cos, sin = self._rope_rows(torch.arange(cache.n, cache.n + t), x.dtype)
         for L in self.layers:
             x = L(x, cache, cos, sin, ops, keep_positions)
@@ -191,15 +200,16 @@ class Model:
         rows = [self._rope_table(p) for p in range(n, n + t)]
         return torch.stack([c[r] for c, _s, r in rows]), torch.stack([s[r] for _c, s, r in rows])
 
-    def _stack_verify(self, x: torch.Tensor, cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """A keep-positions forward of x [T, H] in the kernel's stack (`Layers.verify`): logits [T, V] and the
-        final norm's output [T, H], bit for bit what T one-token steps give; the Gated DeltaNet trail recorded
-        and cache.n advanced."""
-        t, n = x.shape[0], cache.n
+    def _stack_verify(self, x: torch.Tensor | list[int], cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """A keep-positions forward of x [T, H] (or T token ids, `stack_embedding`'s rows) in the kernel's stack
+        (`Layers.verify`): logits [T, V] and the final norm's output [T, H], bit for bit what T one-token steps
+        give; the Gated DeltaNet trail recorded and cache.n advanced."""
+        n = cache.n
+        t = len(x) if isinstance(x, list) else x.shape[0]
         cos, sin, row = self._rope_span(n, t)
-        out = self._bound_stack(cache).verify(x.contiguous(), cos, sin, row, n)
-        gdn = [L.index for L in self.layers if isinstance(L.mixer, DeltaNet)]
-        for j, i in enumerate(gdn):
+        st = self._bound_stack(cache)
+        out = st.verify_ids(x, cos, sin, row, n) if isinstance(x, list) else st.verify(x.contiguous(), cos, sin, row, n)
+        for j, i in enumerate(self._gdn_layers):
             cache.trail[i] = Trail(n, out[2 + 2 * j], out[3 + 2 * j])
         cache.n += t
         return out[0], out[1]
@@ -220,8 +230,17 @@ class Model:
         stack = stack_of(self.layers, cache)
         self._head_table = Projections([self.head]).table  # kept alive beside the stack that reads it
         stack.set_head(self.final, self.eps, self._head_table)
+        if self.stack_embedding() is not None:
+            stack.set_embed(self.embed)
         self._stack, self._stack_key = stack, key
         return stack
+
+    def stack_embedding(self) -> torch.Tensor | None:
+        """The embedding table the kernel's stack reads token rows from itself (a contiguous bf16 table on the
+        CPU), or None (the rows are made here, `_embed`)."""
+        e = self.embed
+        ok = isinstance(e, torch.Tensor) and e.dtype == torch.bfloat16 and e.device.type == "cpu" and e.is_contiguous()
+        return e if ok else None
 
 
 def layer_stackable(L: Layer) -> bool:

@@ -43,7 +43,7 @@ class MTP:
     use_stack: bool = True  # the kernel's one-call draft where it applies (False: the Python path, for tests)
     _head: DraftHead | None = field(default=None, init=False, repr=False)
     _stack: Any = field(default=None, init=False, repr=False)
-    _stack_key: tuple[int, int] | None = field(default=None, init=False, repr=False)
+    _stack_key: tuple[int, int, int] | None = field(default=None, init=False, repr=False)
     _layer_stacks: bool | None = field(default=None, init=False, repr=False)
 
     def new_cache(self, capacity: int) -> HybridCache:
@@ -52,14 +52,23 @@ class MTP:
     def forward(self, model: Any, tokens: list[int], hidden: torch.Tensor, cache: HybridCache
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [V] of the token after the last pair, the MTP's normed hidden [1, H] to chain on) for the
-        pairs (tokens[i], hidden[i]) appended to its cache; `model` lends the embedding, rotary and head."""
+        pairs (tokens[i], hidden[i]) appended to its cache (hidden [>= T, H]: its first T rows pair with the T
+        tokens); `model` lends the embedding, rotary and head."""
         outs, h, head = self._run(model, tokens, hidden, cache)
         return (head.logits(outs) if isinstance(outs, list) else outs), h
 
     def draft(self, model: Any, tokens: list[int], hidden: torch.Tensor, cache: HybridCache
               ) -> tuple[int, torch.Tensor]:
         """`forward`'s greedy draft: (the argmax of its logits, the hidden to chain on), without spreading the
-        draft head's outputs over the whole vocabulary first."""
+        draft head's outputs over the whole vocabulary first (on the stack route, with no torch op at all)."""
+        t, head = len(tokens), self.head(model)
+        if (t <= STACK_PAIRS and model.route.kind == "stack" and self._stackable(model, head)
+                and model.stack_embedding() is not None and hidden.dtype == torch.bfloat16 and hidden.is_contiguous()):
+            cache.reserve(cache.n + t)
+            cos, sin, row = model._rope_span(cache.n, t)
+            i, h = self._bound_stack(cache, model).draft_argmax(tokens, hidden, cos, sin, row, cache.n, head.table)
+            cache.n += t
+            return head.vocab_id(i), h
         outs, h, head = self._run(model, tokens, hidden, cache)
         return (head.argmax(outs) if isinstance(outs, list) else cpu_kernel.argmax(outs)), h
 
@@ -68,6 +77,7 @@ class MTP:
         """`forward` up to the head: (the kernel's head outputs on `head.table` as a list, or the logits [V]), the
         hidden, the head."""
         t = len(tokens)
+        hidden = hidden[:t] if hidden.shape[0] > t else hidden
         cache.reserve(cache.n + t)
         eps = self.cfg.rms_eps
         ops = cpu_kernel.module() if model.route.kind in ("stack", "fused") else None
@@ -75,8 +85,8 @@ class MTP:
         head = self.head(model)
         if ops is not None and t <= STACK_PAIRS and self._stackable(model, head):
             cos, sin, row = model._rope_span(cache.n, t)
-            out = self._bound_stack(cache).draft(e.contiguous(), hidden.to(torch.bfloat16).contiguous(), cos, sin,
-                                                 row, cache.n, head.table)
+            out = self._bound_stack(cache, model).draft(e.contiguous(), hidden.to(torch.bfloat16).contiguous(), cos,
+                                                        sin, row, cache.n, head.table)
             cache.n += t
             return list(out[1:]), out[0], head
         norm = (lambda x, w: ops.rms(x.contiguous(), w, eps)) if ops is not None else (lambda x, w: rms(x, w, eps))
@@ -98,13 +108,16 @@ class MTP:
             self._layer_stacks = Projections([self.fc]).fused and layer_stackable(self.layer)
         return self.use_stack and model.route.kind == "stack" and head.table is not None and self._layer_stacks
 
-    def _bound_stack(self, cache: HybridCache) -> Any:
-        """The kernel's one-layer `Layers` on this cache's K/V (made again when the cache or its buffers change)."""
-        key = (cache.serial, cache.version)
+    def _bound_stack(self, cache: HybridCache, model: Any) -> Any:
+        """The kernel's one-layer `Layers` on this cache's K/V and `model`'s embedding (made again when the cache
+        or its buffers change)."""
+        key = (cache.serial, cache.version, id(model.embed))
         if self._stack_key != key:
             self._fc_table = Projections([self.fc]).table  # kept alive beside the stack that reads it
             self._stack = stack_of([self.layer], cache)
             self._stack.set_draft(self.emb_scale, self.hid_scale, self.final, self.cfg.rms_eps, self._fc_table)
+            if model.stack_embedding() is not None:
+                self._stack.set_embed(model.embed)
             self._stack_key = key
         return self._stack
 
