@@ -313,16 +313,18 @@ def test_generate_json_reports_the_counts(tiny_model_mtp, capsys, monkeypatch):
 
 def test_the_tuner_keeps_the_fastest_draft_count_and_stops_drafting_that_does_not_pay():
     """DraftTuner on measured rates: counts are tried in turn while each beats the one before, the fastest kept;
-    one draft no faster than the plain step stops drafting."""
+    one draft no faster than the plain step stops drafting unless two could pay at its acceptance, and then
+    drafting stops only where no count tried beats the plain step."""
     from quantkit.runtime.speculative import AUTO_CYCLES, DraftTuner
 
-    def feed(t: DraftTuner, tok_s: dict[int, float]) -> list[int]:
+    def feed(t: DraftTuner, tok_s: dict[int, float], tokens: float = 2.0) -> list[int]:
+        """`tokens` per verify, at the rate `tok_s[k]` with k drafts."""
         seen = []
         for _ in range(4 * AUTO_CYCLES):
             k = t.draft()
             seen.append(k)
             if k:
-                t.record(k, 2.0 / tok_s[k], 2)
+                t.record(k, tokens / tok_s[k], tokens)
         return seen
 
     t = DraftTuner(step_s=1 / 40)
@@ -333,10 +335,22 @@ def test_the_tuner_keeps_the_fastest_draft_count_and_stops_drafting_that_does_no
     t = DraftTuner(step_s=1 / 40)
     feed(t, {1: 55.0, 2: 50.0, 3: 70.0})  # 2 no better than 1: 3 is not tried
     assert t.settled and t.draft() == 1 and 3 not in t.timed
+    # one draft at acceptance 0.2 loses; two could add at most 0.04 tokens to its 1.2: not tried
     t = DraftTuner(step_s=1 / 40)
-    seen = feed(t, {1: 30.0, 2: 90.0, 3: 90.0})
+    seen = feed(t, {1: 30.0, 2: 90.0, 3: 90.0}, tokens=1.2)
     assert t.off and t.draft() == 0 and seen == [1] * AUTO_CYCLES + [0] * 3 * AUTO_CYCLES
-    assert t.line().startswith("auto, off: one draft per step measured 0.75x decoding without drafts")
+    assert t.line().startswith("auto, off: 1 draft per step measured 0.75x decoding without drafts")
+    # a compute-bound verify: one draft at 0.88 loses a little, two win, three win less
+    t = DraftTuner(step_s=1 / 40)
+    seen = feed(t, {1: 38.0, 2: 43.0, 3: 41.0}, tokens=1.88)
+    assert seen[:3 * AUTO_CYCLES] == [1] * AUTO_CYCLES + [2] * AUTO_CYCLES + [3] * AUTO_CYCLES
+    assert t.settled and not t.off and t.draft() == 2
+    # ... and where two lose too, drafting stops after them
+    t = DraftTuner(step_s=1 / 40)
+    seen = feed(t, {1: 38.0, 2: 36.0, 3: 90.0}, tokens=1.88)
+    assert seen == [1] * AUTO_CYCLES + [2] * AUTO_CYCLES + [0] * 2 * AUTO_CYCLES
+    assert t.off and t.settled and 3 not in t.timed
+    assert t.line().startswith("auto, off: 1 draft per step measured 0.95x decoding without drafts")
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -356,7 +370,7 @@ def test_auto_drafting_stops_on_a_layer_that_is_never_right_and_changes_no_token
         assert resp.token_ids == want
         assert resp.mtp["auto"] is True and rt.tuner.off and resp.mtp["draft"] == 0
         assert resp.mtp["drafted"] == (AUTO_CYCLES + 1 if gen == 0 else 0)
-    assert rt.mtp_line().startswith("MTP: auto, off: one draft per step measured")
+    assert rt.mtp_line().startswith("MTP: auto, off: 1 draft per step measured")
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -479,5 +493,5 @@ def test_chat_says_what_the_mtp_layer_does_on_its_first_line_and_in_stats(tiny_m
 
     lines = run(tiny_model_mtp, ["tell me about rivers", "tell me more", "/stats"])
     assert "; MTP: auto: drafts 1-3 tokens per step where that measures faster than without" in lines[0]
-    assert any(line.startswith("MTP: auto, off: one draft per step measured") for line in lines)
+    assert any(line.startswith("MTP: auto, off: 1 draft per step measured") for line in lines)
     assert "MTP" not in run(tiny_model, [])[0]

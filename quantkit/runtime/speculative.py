@@ -46,9 +46,11 @@ class DraftTuner:
     """`--mtp` left to quantkit: the draft count that decodes fastest with this model on this machine, measured.
     A plain step is timed once (`step_s`); draft counts are tried for AUTO_CYCLES verifies each (1, then 2 and 3
     while each beats the one before), their tokens per second against the plain step's; the fastest is kept (and
-    its rate kept up to date). Where one draft does not beat the plain step, drafting stops, for the rest of the
-    generation and the next ones: an MTP layer that is rarely right (untrained, or another model's) costs no more
-    than a few verifies. Speculative decoding's output does not depend on the count, so changing it mid-way is safe."""
+    its rate kept up to date). Where one draft does not beat the plain step, two are tried only if they could
+    (`could_pay`: where a verify of several rows is compute-bound, one draft can lose and two win); where no count
+    beats the plain step, drafting stops, for the rest of the generation and the next ones: an MTP layer that is
+    rarely right (untrained, or another model's) costs no more than a few verifies. Speculative decoding's output
+    does not depend on the count, so changing it mid-way is safe."""
 
     step_s: float | None = None
     current: int = 1
@@ -74,19 +76,30 @@ class DraftTuner:
         rec[2] += 1
         if self.settled or self.off or k != self.current or rec[2] < AUTO_CYCLES or self.step_s is None:
             return
-        if k == 1 and self.rate(1) <= self.rate(0):
+        if k == 1 and self.rate(1) <= self.rate(0) and not self.could_pay():
             self.off = True
         elif k < MAX_DRAFT and (k == 1 or self.rate(k) > self.rate(k - 1)):
             self.current = k + 1
         else:
             self.current = max(self.timed, key=self.rate)
             self.settled = True
+            self.off = self.rate(self.current) <= self.rate(0)
+
+    def could_pay(self) -> bool:
+        """Whether two drafts could beat the plain step where one did not: at best a second draft adds a^2 tokens
+        to a verify's 1 + a (a: the acceptance measured with one) at no cost."""
+        _s, t, n = self.timed.get(1, (0.0, 0.0, 0.0))
+        if not n:
+            return False
+        a = t / n - 1.0
+        return self.rate(1) * (1.0 + a + a * a) / (1.0 + a) > self.rate(0)
 
     def line(self) -> str:
         """The auto mode's state in a few words (the load line and /stats)."""
         if self.off:
-            return (f"auto, off: one draft per step measured {self.rate(1) / self.rate(0):.2f}x decoding without "
-                    "drafts here (--mtp N forces N)")
+            best = max(self.timed, key=self.rate)
+            return (f"auto, off: {best} draft{'s' if best != 1 else ''} per step measured "
+                    f"{self.rate(best) / self.rate(0):.2f}x decoding without drafts here (--mtp N forces N)")
         if self.step_s is None or not self.timed:
             return "auto: drafts 1-3 tokens per step where that measures faster than without (--mtp 0: off)"
         how = "kept" if self.settled else "trying"
