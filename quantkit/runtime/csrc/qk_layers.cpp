@@ -226,13 +226,10 @@ class Layers {
   // vocabulary) on it.
   std::vector<torch::Tensor> draft(torch::Tensor e, torch::Tensor hid, torch::Tensor cos, torch::Tensor sin,
                                    int64_t row, int64_t n, torch::Tensor head) {
-    check_draft();
     const int64_t t = e.size(0);
-    TORCH_CHECK(e.dim() == 2 && t >= 1 && t <= kMaxRows, "qk Layers: draft takes 1..", kMaxRows, " pairs");
+    const Mats hm = draft_head(head, e.dim() == 2 ? t : 0);
     check_rows(e, t, hidden_, "e");
     check_rows(hid, t, hidden_, "hid");
-    const Mats hm(head, head.size(0), "the draft's head table");
-    TORCH_CHECK(hm.k == hidden_, "qk Layers: the draft's head does not take the hidden size");
     std::lock_guard<std::mutex> lock(mu_);
     std::vector<torch::Tensor> out{torch::empty({1, hidden_}, torch::kBFloat16)};
     std::vector<uint16_t*> dst;
@@ -250,14 +247,11 @@ class Layers {
   std::tuple<int64_t, torch::Tensor> draft_argmax(const std::vector<int64_t>& ids, torch::Tensor hid,
                                                   torch::Tensor cos, torch::Tensor sin, int64_t row, int64_t n,
                                                   torch::Tensor head) {
-    check_draft();
     const int64_t t = static_cast<int64_t>(ids.size());
-    TORCH_CHECK(t >= 1 && t <= kMaxRows, "qk Layers: draft takes 1..", kMaxRows, " pairs");
+    const Mats hm = draft_head(head, t);
     TORCH_CHECK(hid.scalar_type() == torch::kBFloat16 && hid.is_contiguous() && hid.dim() == 2 &&
                 hid.size(0) >= t && hid.size(1) == hidden_, "qk Layers: hid must be contiguous bf16 [>= ", t,
                 ", ", hidden_, "]");
-    const Mats hm(head, head.size(0), "the draft's head table");
-    TORCH_CHECK(hm.k == hidden_, "qk Layers: the draft's head does not take the hidden size");
     std::lock_guard<std::mutex> lock(mu_);
     w_.logits.resize(hm.width);
     std::vector<uint16_t*> dst;
@@ -299,10 +293,15 @@ class Layers {
     return out;
   }
 
-  void check_draft() const {
+  // a draft's checks for t pairs, and the matrices of its head table
+  Mats draft_head(const torch::Tensor& head, int64_t t) const {
     TORCH_CHECK(fc_.k, "qk Layers: draft before set_draft");
     TORCH_CHECK(layers_.size() == 1 && !layers_[0].gdn && layers_[0].has_moe,
                 "qk Layers: draft runs a one-layer attention stack");
+    TORCH_CHECK(t >= 1 && t <= kMaxRows, "qk Layers: draft takes 1..", kMaxRows, " pairs");
+    Mats hm(head, head.size(0), "the draft's head table");
+    TORCH_CHECK(hm.k == hidden_, "qk Layers: the draft's head does not take the hidden size");
+    return hm;
   }
 
   // the draft of t pairs (e, hid [t, H] bf16): its final-normed hidden into hf [H], the head's outputs into dst
