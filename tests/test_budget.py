@@ -193,11 +193,12 @@ def test_card_formula_uses_the_models_own_size_for_other_models() -> None:
 
 
 def test_mtp_budget_holds_the_runtimes_int4_copy_of_the_draft_rows() -> None:
-    """With the MTP layer used, an int8 or bf16 lm_head adds the runtime's int4 g128 copy of the draft's rows
-    (ids 0-32,767 and 248,032 up: 33,056 rows of 2048, 0.5 byte each plus a bf16 scale per 128); a 4-bit head none."""
+    """With the MTP layer used, the lm_head adds the runtime's int4 g128 copy of the draft's rows (32,768 ranked
+    ids and 248,032 up: 33,056 rows of 2048, 0.5 byte each plus a bf16 scale per 128), whatever its format: the
+    ranked rows lie scattered over a 4-bit head's tiles too."""
     rows = 32768 + 248320 - 248032
     copy = rows * 2048 // 2 + rows * 2048 // 128 * 2
-    for recipe, want in (("quality", copy), ("bf16", copy), ("int4", 0)):
+    for recipe, want in (("quality", copy), ("bf16", copy), ("int4", copy)):
         b = compute_budget(SPEC, RECIPES[recipe], RunSettings(include_mtp=True))
         assert b.mtp_draft_copy == want, recipe
         assert b.mtp == b.mtp_weights + want + b.kv_cache - compute_budget(SPEC, RECIPES[recipe], RunSettings()).kv_cache

@@ -1,15 +1,17 @@
 """`DraftHead`: the MTP layer's head over part of the vocabulary, as FR-Spec and EAGLE-3 draft.
 
 A draft need not be exact (the verify decides every token), and the head's 248k rows cost the draft about as
-much as the rest of a small model's step. So the draft scores only the first `rows` ids (Qwen's byte-level BPE
-numbers its tokens roughly in merge order, frequent ones first) and the top `TAIL` ids of the vocabulary, where
-Qwen puts its special tokens (`<|im_end|>`, `<think>`, the tool-call tags: 248044 and up), and the ids between
-get -inf. A target token among them is never drafted: that draft is rejected and nothing else changes.
+much as the rest of a small model's step. So the draft scores only the ids `model/draft.py` names (on Qwen3.5's
+vocabulary its most frequent ones, else the lowest) and the top `TAIL` ids, where Qwen puts its special tokens
+(`<|im_end|>`, `<think>`, the tool-call tags: 248044 and up); the ids between get -inf. A target token among
+them is never drafted: that draft is rejected and nothing else changes.
 
 The rows are read in one `linear_many` call: from a compact int4 copy of them where the loader made one
-(`compact_copy`: an int8 or bf16 head's rows cost the draft 2-4x the bytes of int4 ones, and the draft reads
-them right after a verify has streamed the whole head out of cache), else the head's own tiles (the kernel's
-layout keeps a matrix's rows in order, 16 to a tile). A head not on quantkit's CPU kernel is used whole.
+(`compact_copy`: an int8 or bf16 head's rows cost the draft 2-4x the bytes of int4 ones, the draft reads them
+right after a verify has streamed the whole head out of cache, and ranked ids are scattered over the head's
+tiles), else the head's own tiles for the lowest ids (the kernel's layout keeps a matrix's rows in order, 16 to a
+tile; a ranked draft without its copy, as `bench mtp --draft-vocab` asks for, scores the lowest ids instead). A
+head not on quantkit's CPU kernel is used whole.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from quantkit.formats import QuantSpec, get_format
-from quantkit.model.draft import COPY_SPEC, DRAFT_ROWS, TILE, copy_bytes, draft_span
+from quantkit.model.draft import COPY_SPEC, DRAFT_ROWS, TILE, copy_bytes, draft_ids, draft_span, ranked
 from quantkit.runtime import cpu_kernel
 from quantkit.runtime.kernels import Projections, QBf16Kernel, QKernel, prepare
 
@@ -26,29 +28,26 @@ COPY_CHUNK = 4096  # rows dequantized and quantized at a time
 
 def compact_copy(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | None, shape: tuple[int, int],
                  rows: int = DRAFT_ROWS) -> QKernel | None:
-    """An int4 (`COPY_SPEC`) kernel of the draft's rows of a stored head (an int8 head's parts, or a bf16
-    tensor), low ids then the top ones; None where it would not help (a head of 4 bits or fewer is read in
-    place) or the kernel cannot take it."""
+    """An int4 (`COPY_SPEC`) kernel of the draft's rows of a stored head (`draft_ids`, in their order); None
+    where it would not help (an id prefix of a 4-bit head is read in place), the kernel cannot take it, or the
+    head's stored parts are not row-major."""
     vocab, k = shape
     if not copy_bytes(vocab, k, spec.format if spec is not None else "bf16", rows):
         return None
-    rows, tail = draft_span(vocab, rows)
-    if not cpu_kernel.supports("int4", (rows, k), torch.device("cpu")):
+    ids = draft_ids(vocab, rows)
+    stored = {"weight": parts} if isinstance(parts, torch.Tensor) else parts
+    if ids is None or any(p.shape[0] != vocab for p in stored.values()) or not cpu_kernel.supports(
+            "int4", (len(ids), k), torch.device("cpu")):
         return None
-    spans = [(0, rows), (tail, vocab)]
+    index = torch.tensor(ids, dtype=torch.long)
     pieces: list[dict[str, torch.Tensor]] = []
-    for a, b in spans:  # a few thousand rows at a time: the fp32 rows of a whole copy would be ~270 MB of a load's peak
-        for c in range(a, b, COPY_CHUNK):
-            d = min(b, c + COPY_CHUNK)
-            if spec is None:
-                w = (parts if isinstance(parts, torch.Tensor) else parts["weight"])[c:d].to("cpu", torch.float32)
-            else:
-                assert isinstance(parts, dict)
-                w = get_format(spec.format).dequantize({n: p[c:d].cpu() for n, p in parts.items()}, spec, (d - c, k),
-                                                       torch.float32)
-            pieces.append(get_format("int4").quantize(w, COPY_SPEC))
-    n = rows + vocab - tail
-    kernel = prepare({name: torch.cat([p[name] for p in pieces]) for name in pieces[0]}, COPY_SPEC, (n, k))
+    for c in range(0, len(ids), COPY_CHUNK):  # a chunk at a time: a whole copy's fp32 rows would be ~270 MB
+        at = index[c:c + COPY_CHUNK].to(next(iter(stored.values())).device)
+        rows_of = {n: p.index_select(0, at).cpu() for n, p in stored.items()}
+        w = (rows_of["weight"].to(torch.float32) if spec is None else
+             get_format(spec.format).dequantize(rows_of, spec, (len(at), k), torch.float32))
+        pieces.append(get_format("int4").quantize(w, COPY_SPEC))
+    kernel = prepare({name: torch.cat([p[name] for p in pieces]) for name in pieces[0]}, COPY_SPEC, (len(ids), k))
     return kernel if isinstance(kernel, QKernel) else None
 
 
@@ -59,9 +58,14 @@ class DraftHead:
         rows, self.tail = draft_span(self.vocab, rows)
         mod = cpu_kernel.module()
         kernel = isinstance(head, (QKernel, QBf16Kernel)) and getattr(head, "device", torch.device("cpu")).type == "cpu"
-        self.rows = rows if mod is not None and kernel else 0
-        self.compact = compact if self.rows and compact is not None and (
-            compact.out_features == self.rows + self.vocab - self.tail) else None
+        ids = draft_ids(self.vocab, rows) if mod is not None and kernel else None
+        self.compact = compact if ids is not None and compact is not None and compact.out_features == len(ids) else None
+        self.ranked = ids is not None and ranked(self.vocab)
+        if self.ranked and self.compact is None:  # ranked rows lie scattered over the tiles: the lowest ids in place
+            ids, self.ranked = draft_ids(self.vocab, rows, by_rank=False), False
+        self.rows = rows if ids is not None else 0
+        self.ids = ids or []
+        self._index = torch.tensor(self.ids, dtype=torch.long)
         # the linear_many table of what the draft reads (None: a head off the kernel, called as it is)
         self.table = (self._descriptors() if self.compact is None else Projections([self.compact]).table
                       ) if self.rows else Projections([head]).table if kernel else None
@@ -72,7 +76,7 @@ class DraftHead:
         return self.rows > 0
 
     def _descriptors(self) -> torch.Tensor:
-        """The head's rows [0, rows) and [tail, V) as two matrices of one `linear_many` table."""
+        """The head's rows [0, rows) and [tail, V) (an id prefix) as two matrices of one `linear_many` table."""
         d = self.head.descriptor()  # type: ignore[attr-defined]
         fmt, group, k = d[3], d[4], d[6]
         low = [*d[:5], self.rows, k, 0]
@@ -92,8 +96,7 @@ class DraftHead:
         if not self.rows:
             return y
         out = torch.full((self.vocab,), float("-inf"), dtype=y.dtype)
-        out[:self.rows] = y[:self.rows]
-        out[self.tail:] = y[self.rows:]
+        out[self._index] = y
         return out
 
     def argmax(self, outs: list[torch.Tensor]) -> int:
@@ -103,7 +106,7 @@ class DraftHead:
 
     def vocab_id(self, i: int) -> int:
         """The vocabulary id of position i of the outputs on `table`, taken as one row."""
-        return i if not self.rows or i < self.rows else self.tail + i - self.rows
+        return self.ids[i] if self.rows else i
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Logits [V] of one row x [1, H]: the scored ids' own, -inf elsewhere."""
