@@ -213,7 +213,7 @@ def bench_mtp(
     rounds: int = typer.Option(2, "--rounds", parser=COUNT, help="rounds over every point (interleaved)"),
     threads: int = typer.Option(None, "--threads", help="CPU threads [default: every physical core]"),
     draft_vocab: int = typer.Option(None, "--draft-vocab", min=0, show_default=False,
-                                    help="ids the draft head scores from the bottom of the vocabulary, 0: all "
+                                    help="ids the draft head scores besides the top ones (Qwen3.5's most frequent at the default, else the lowest), 0: all "
                                          "[default: the runtime's]"),
     part: str = typer.Option("all", "--part", help="all; oracle: the realistic-shape checkpoint with an oracle "
                              "drafter; trained: a tiny model whose MTP layer is trained first (a real acceptance). "
