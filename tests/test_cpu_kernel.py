@@ -157,6 +157,23 @@ def test_outliers_and_zero_blocks(isa):
     assert torch.count_nonzero(k(torch.zeros(1, 256))) == 0
 
 
+def test_an_int8_code_of_minus_128_is_read_as_minus_127_in_any_batch(isa):
+    """quantkit writes int8 codes in -127..127; a foreign -128 is read as -127 on every table, so a row gets the
+    same bits alone (the AVX2 one-row tile, |x| against sign(w, x)) and in a batch (|w| against sign(x, w))."""
+    spec, shape = QuantSpec("int8"), (32, 256)
+    g = torch.Generator().manual_seed(5)
+    parts = get_format("int8").quantize((torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16), spec)
+    q = parts["qweight"]
+    q[::3, ::5] = -128
+    clamped = {**parts, "qweight": q.clamp(min=-127)}
+    x = torch.randn(5, shape[1], generator=g)
+    k, want = prepare(parts, spec, shape), prepare(clamped, spec, shape)
+    alone = torch.cat([k(x[i:i + 1]) for i in range(len(x))])
+    assert torch.equal(alone, torch.cat([want(x[i:i + 1]) for i in range(len(x))]))
+    for m in range(2, len(x) + 1):
+        assert torch.equal(k(x[:m]), alone[:m]), m
+
+
 E, H, INTER, TOPK = 8, 256, 128, 4
 
 

@@ -414,13 +414,15 @@ def repack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor |
 
 
 def repack_int8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q int8 [N, K], per-row scales [N] -> (codes + 128 as uint8 tiles, fp32 scales [NT*16])."""
+    """q int8 [N, K], per-row scales [N] -> (codes + 128 as uint8 tiles, fp32 scales [NT*16]). A code of -128
+    (quantkit's quantizer writes -127..127; a foreign file might hold one) is stored as -127: the AVX2 one-row
+    tile takes |x| against sign(w, x), which has no int8 for -(-128), and every table must give the same bits."""
     n, k = q.shape
     nt = -(-n // TILE)
     qw = hugepages.empty((nt, k // BLOCK, 8, TILE, 4), torch.uint8)
     for r0 in range(0, nt * TILE, _REPACK_ROWS):
         r1 = min(nt * TILE, r0 + _REPACK_ROWS)
-        u = q[r0:min(r1, n)].contiguous().view(torch.uint8) ^ 0x80  # two's complement + 128
+        u = q[r0:min(r1, n)].clamp(min=-127).view(torch.uint8) ^ 0x80  # two's complement + 128
         u = _pad_rows(u, r1 - r0, 128).view(-1, TILE, k // BLOCK, 8, 4)
         qw[r0 // TILE:r1 // TILE] = u.permute(0, 2, 3, 1, 4)
     return qw.view(-1), _pad_rows(scales.float().reshape(-1), nt * TILE, 0.0).contiguous()

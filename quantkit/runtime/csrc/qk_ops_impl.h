@@ -322,9 +322,9 @@ double sum_f32(const float* p, int64_t n) {
 // ran at a speed that changed from one run to the next, at worst far slower than one row, and the bf16 rows were
 // slower than with no hint at all; into L2 the speed is steady, two rows of the int8 head take the time of one,
 // and one-row tiles and bf16 rows beat both the L1 hint and none (A/B in alternating processes with each
-// QUANTKIT_CPU_ISA; the AVX2 units' int8 tiles gained nothing and go without; reports/bench-mtp.md,
-// bench-decode.md and bench-engines.md carry the end-to-end figures). A tile read in two 8-row passes asks in
-// the first.
+// QUANTKIT_CPU_ISA; reports/bench-mtp.md, bench-decode.md and bench-engines.md carry the end-to-end figures).
+// A tile read in two 8-row passes asks in the first. The AVX-VNNI unit's int8 tiles go without (nothing gained
+// where it was measured); the plain AVX2 unit's one- and two-row int8 tiles ask (reports/zen1-avx2/tile-ab.md).
 constexpr int64_t kPrefetch = 4096;
 
 // `lines` 64-byte lines of a stream, kPrefetch bytes ahead of p, asked for into L2
@@ -577,9 +577,9 @@ void tile_int8(const QMat& m, int64_t t, const QAct* a, float* out) {
 
 #elif QK_AVX2
 // Activation rows per pass over a tile. Without VNNI each product is a vpmaddubsw plus an add, so the
-// unpacked codes are worth sharing among as many rows as the 16 ymm registers hold: one 8-row half of the
-// tile at a time against four rows (four int16 block sums and four fp32 sums live, the codes and the
-// activation broadcasts transient). Both halves against two rows spilled under GCC and ran slower.
+// unpacked codes are worth sharing among as many rows as the 16 ymm registers hold. An int8 tile takes its
+// rows in one pass over both 8-row halves, an int4 tile one or two rows so and three or four one half at a
+// time (four int16 block sums and four fp32 sums live, the codes and the activation broadcasts transient).
 constexpr int kRowsPerCall = 4;
 
 // A running sum held in its register at this point: GCC otherwise reassociates a block's integer adds,
@@ -680,41 +680,50 @@ void tile_int4(const QMat& m, int64_t t, const QAct* a, float* out) {
   }
 }
 
-// Rows 8h .. 8h+7 of an int8 tile against MR activation rows: back to the signed code, then
-// |w| x sign(x, w), which vpmaddubsw's u8 x s8 cannot overflow (2 * 128 * 127); the int32 dots are exact
-// and the fp32 operations tile_int8<1>'s.
-template <int MR>
-__attribute__((always_inline)) inline void tile_int8_half(const QMat& m, int64_t t, const QAct* a, int h, float* out) {
-  const int64_t nb = m.k / kBlock;
-  const uint8_t* qw = m.qw + t * nb * 512 + 32 * h;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  const __m256i ones = _mm256_set1_epi16(1);
-  const Rows<MR> x = rows_of<MR>(a);
-  __m256 fs[MR];
-  for (int r = 0; r < MR; ++r) fs[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* p = qw + b * 512;
-    __m256i i32[MR];
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) {
-      const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c)), flip);
-      const __m256i aw = _mm256_sign_epi8(w, w);
-      for (int r = 0; r < MR; ++r) {
-        const __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(x.q[r] + b * kBlock + 4 * c)), w);
-        const __m256i d = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
-        i32[r] = c ? _mm256_add_epi32(i32[r], d) : d;
-        keep(i32[r]);
-      }
-    }
-    for (int r = 0; r < MR; ++r) fs[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32[r]), _mm256_set1_ps(x.d[r][b]), fs[r]);
-  }
-  const __m256 s = _mm256_loadu_ps(static_cast<const float*>(m.scales) + t * kTile + 8 * h);
-  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out + r * kTile + 8 * h, _mm256_mul_ps(s, fs[r]));
-}
-
+// MR activation rows of an int8 tile in one pass over both halves, so the codes stream once, in order and
+// prefetched (two 8-row passes left the memory idle during the second: reports/zen1-avx2/tile-ab.md). Back
+// to the signed code, then |w| x sign(x, w), which vpmaddubsw's u8 x s8 cannot overflow (2 * 128 * 127); the
+// int32 dots are exact and the fp32 operations tile_int8<1>'s.
 template <int MR>
 void tile_int8(const QMat& m, int64_t t, const QAct* a, float* out) {
-  for (int h = 0; h < 2; ++h) tile_int8_half<MR>(m, t, a, h, out);
+  const int64_t nb = m.k / kBlock;
+  const uint8_t* qw = m.qw + t * nb * 512;
+  const Rows<MR> x = rows_of<MR>(a);
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 f0[MR], f1[MR];
+  for (int r = 0; r < MR; ++r) f0[r] = f1[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = qw + b * 512;
+    prefetch_ahead(p, 8);
+    __m256i i0[MR], i1[MR];
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c)), flip);
+      const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c + 32)), flip);
+      const __m256i aw0 = _mm256_sign_epi8(w0, w0), aw1 = _mm256_sign_epi8(w1, w1);
+      for (int r = 0; r < MR; ++r) {
+        const __m256i xr = _mm256_set1_epi32(load_i32(x.q[r] + b * kBlock + 4 * c));
+        const __m256i d0 = _mm256_madd_epi16(_mm256_maddubs_epi16(aw0, _mm256_sign_epi8(xr, w0)), ones);
+        const __m256i d1 = _mm256_madd_epi16(_mm256_maddubs_epi16(aw1, _mm256_sign_epi8(xr, w1)), ones);
+        i0[r] = c ? _mm256_add_epi32(i0[r], d0) : d0;
+        i1[r] = c ? _mm256_add_epi32(i1[r], d1) : d1;
+        keep(i0[r]);
+        keep(i1[r]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      const __m256 d = _mm256_set1_ps(x.d[r][b]);
+      f0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0[r]), d, f0[r]);
+      f1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1[r]), d, f1[r]);
+    }
+  }
+  const float* s = static_cast<const float*>(m.scales) + t * kTile;
+  const __m256 s0 = _mm256_loadu_ps(s), s1 = _mm256_loadu_ps(s + 8);
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(out + r * kTile, _mm256_mul_ps(s0, f0[r]));
+    _mm256_storeu_ps(out + r * kTile + 8, _mm256_mul_ps(s1, f1[r]));
+  }
 }
 
 // One activation row (decode): both 8-row halves in one pass, so each 64-byte line of codes is used whole
@@ -769,8 +778,9 @@ void tile_int4<1>(const QMat& m, int64_t t, const QAct* a, float* out) {
   _mm256_storeu_ps(out + 8, acc1);
 }
 
-// One activation row: both halves in one pass, |x| made once per 4 codes for both (vpmaddubsw takes
-// |x| unsigned against sign(w, x) signed, which cannot overflow)
+// One activation row: |x| made once per 4 codes for both halves (vpmaddubsw takes |x| unsigned against
+// sign(w, x) signed, which cannot overflow: a code of -128, which would, is never stored, see repack_int8);
+// cheaper here than tile_int8<MR>'s |w| per code, and the same exact int32 dots.
 template <>
 void tile_int8<1>(const QMat& m, int64_t t, const QAct* a, float* out) {
   const int64_t nb = m.k / kBlock;
@@ -782,6 +792,7 @@ void tile_int8<1>(const QMat& m, int64_t t, const QAct* a, float* out) {
   __m256 fs0 = _mm256_setzero_ps(), fs1 = fs0;
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* p = qw + b * 512;
+    prefetch_ahead(p, 8);
     const int8_t* xb = xq + b * kBlock;
     __m256i i0, i1;
 #pragma GCC unroll 8
@@ -805,6 +816,79 @@ void tile_int8<1>(const QMat& m, int64_t t, const QAct* a, float* out) {
   _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_loadu_ps(s), fs0));
   _mm256_storeu_ps(out + 8, _mm256_mul_ps(_mm256_loadu_ps(s + 8), fs1));
 }
+
+// Two activation rows (a 2-token verify) of an int4 tile in one pass over both halves, as tile_int8 takes every
+// count of rows: the codes stream once, in order and prefetched (reports/zen1-avx2/tile-ab.md; three and four
+// rows, a prefill's, ran no faster so, and stay on the half passes). Each row's sums and their order are
+// tile_int4<1>'s.
+template <int MR>
+__attribute__((always_inline)) inline void tile_int4_pass(const QMat& m, int64_t t, const QAct* a, float* out) {
+  const int64_t nb = m.k / kBlock, bpg = m.group / kBlock, ng = m.k / m.group;
+  const uint8_t* qw = m.qw + t * nb * 256;
+  const uint16_t* sc = static_cast<const uint16_t*>(m.scales) + t * ng * kTile;
+  const uint16_t* zp = m.zeros ? m.zeros + t * ng * kTile : nullptr;
+  const Rows<MR> x = rows_of<MR>(a);
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  __m256 acc0[MR], acc1[MR];
+  for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; ++g) {
+    __m256 fs0[MR], fs1[MR];
+    for (int r = 0; r < MR; ++r) fs0[r] = fs1[r] = _mm256_setzero_ps();
+    for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
+      const uint8_t* p = qw + b * 256;
+      prefetch_ahead(p, 4);
+      __m256i s0[MR], s1[MR];
+      for (int c = 0; c < 4; ++c) {
+        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c));
+        const __m256i lo0 = _mm256_and_si256(v0, mask), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), mask);
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* xb = x.q[r] + b * kBlock + 8 * c;
+          const __m256i pr = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, _mm256_set1_epi32(load_i32(xb))),
+                                              _mm256_maddubs_epi16(hi0, _mm256_set1_epi32(load_i32(xb + 4))));
+          s0[r] = c ? _mm256_add_epi16(s0[r], pr) : pr;
+          keep(s0[r]);
+        }
+        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c + 32));
+        const __m256i lo1 = _mm256_and_si256(v1, mask), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask);
+        for (int r = 0; r < MR; ++r) {
+          const int8_t* xb = x.q[r] + b * kBlock + 8 * c;
+          const __m256i pr = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, _mm256_set1_epi32(load_i32(xb))),
+                                              _mm256_maddubs_epi16(hi1, _mm256_set1_epi32(load_i32(xb + 4))));
+          s1[r] = c ? _mm256_add_epi16(s1[r], pr) : pr;
+          keep(s1[r]);
+        }
+      }
+      const __m256i ones = _mm256_set1_epi16(1);
+      for (int r = 0; r < MR; ++r) {
+        const __m256i off = _mm256_set1_epi32(8 * x.s[r][b]);
+        const __m256 d = _mm256_set1_ps(x.d[r][b]);
+        fs0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(s0[r], ones), off)), d, fs0[r]);
+        fs1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(s1[r], ones), off)), d, fs1[r]);
+      }
+    }
+    const __m256 c0 = vld16(sc + g * kTile), c1 = vld16(sc + g * kTile + 8);
+    for (int r = 0; r < MR; ++r) {
+      acc0[r] = _mm256_fmadd_ps(c0, fs0[r], acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(c1, fs1[r], acc1[r]);
+    }
+    if (zp) {
+      const __m256 z0 = vld16(zp + g * kTile), z1 = vld16(zp + g * kTile + 8);
+      for (int r = 0; r < MR; ++r) {
+        float zs = 0.f;
+        for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) zs += x.ds[r][b];
+        acc0[r] = _mm256_fmadd_ps(z0, _mm256_set1_ps(zs), acc0[r]);
+        acc1[r] = _mm256_fmadd_ps(z1, _mm256_set1_ps(zs), acc1[r]);
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(out + r * kTile, acc0[r]);
+    _mm256_storeu_ps(out + r * kTile + 8, acc1[r]);
+  }
+}
+
+template <>
+void tile_int4<2>(const QMat& m, int64_t t, const QAct* a, float* out) { tile_int4_pass<2>(m, t, a, out); }
 
 #else
 constexpr int kRowsPerCall = 1;
