@@ -837,33 +837,26 @@ __attribute__((always_inline)) inline void tile_int4_pass(const QMat& m, int64_t
     for (int64_t b = g * bpg; b < (g + 1) * bpg; ++b) {
       const uint8_t* p = qw + b * 256;
       prefetch_ahead(p, 4);
-      __m256i s0[MR], s1[MR];
+      __m256i s[2][MR];  // per half, per row
       for (int c = 0; c < 4; ++c) {
-        const __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c));
-        const __m256i lo0 = _mm256_and_si256(v0, mask), hi0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), mask);
-        for (int r = 0; r < MR; ++r) {
-          const int8_t* xb = x.q[r] + b * kBlock + 8 * c;
-          const __m256i pr = _mm256_add_epi16(_mm256_maddubs_epi16(lo0, _mm256_set1_epi32(load_i32(xb))),
-                                              _mm256_maddubs_epi16(hi0, _mm256_set1_epi32(load_i32(xb + 4))));
-          s0[r] = c ? _mm256_add_epi16(s0[r], pr) : pr;
-          keep(s0[r]);
-        }
-        const __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c + 32));
-        const __m256i lo1 = _mm256_and_si256(v1, mask), hi1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), mask);
-        for (int r = 0; r < MR; ++r) {
-          const int8_t* xb = x.q[r] + b * kBlock + 8 * c;
-          const __m256i pr = _mm256_add_epi16(_mm256_maddubs_epi16(lo1, _mm256_set1_epi32(load_i32(xb))),
-                                              _mm256_maddubs_epi16(hi1, _mm256_set1_epi32(load_i32(xb + 4))));
-          s1[r] = c ? _mm256_add_epi16(s1[r], pr) : pr;
-          keep(s1[r]);
+        for (int h = 0; h < 2; ++h) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 64 * c + 32 * h));
+          const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+          for (int r = 0; r < MR; ++r) {
+            const int8_t* xb = x.q[r] + b * kBlock + 8 * c;
+            const __m256i pr = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(load_i32(xb))),
+                                                _mm256_maddubs_epi16(hi, _mm256_set1_epi32(load_i32(xb + 4))));
+            s[h][r] = c ? _mm256_add_epi16(s[h][r], pr) : pr;
+            keep(s[h][r]);
+          }
         }
       }
       const __m256i ones = _mm256_set1_epi16(1);
       for (int r = 0; r < MR; ++r) {
         const __m256i off = _mm256_set1_epi32(8 * x.s[r][b]);
         const __m256 d = _mm256_set1_ps(x.d[r][b]);
-        fs0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(s0[r], ones), off)), d, fs0[r]);
-        fs1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(s1[r], ones), off)), d, fs1[r]);
+        fs0[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(s[0][r], ones), off)), d, fs0[r]);
+        fs1[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_madd_epi16(s[1][r], ones), off)), d, fs1[r]);
       }
     }
     const __m256 c0 = vld16(sc + g * kTile), c1 = vld16(sc + g * kTile + 8);
