@@ -252,6 +252,8 @@ def test_a_verify_equals_one_token_steps_and_rewinds_to_any_position(tiny_model,
             m.forward(ids, fresh)
             for t in toks[:keep]:
                 m.forward([t], fresh)
+            assert all(torch.equal(cache.state[i], fresh.state[i]) and torch.equal(cache.conv[i], fresh.conv[i])
+                       for i in fresh.state)
             assert torch.equal(m.forward([toks[4]], cache), m.forward([toks[4]], fresh))
     with pytest.raises(ValueError, match="without the positions kept"):
         cache.rewind(n0)

@@ -73,12 +73,16 @@ struct Layer {
   torch::Tensor pre, post;  // the two norms' (1 + w), fp32
   float eps = 0;
   Mats in, out;  // the mixer's input projections, its output projection
-  // Gated DeltaNet: its tensors (kept alive), their pointers, and the trail a verify fills (grown on demand;
-  // views per token count, made once)
+  // Gated DeltaNet: its tensors (kept alive; held[5] the state), their pointers, the conv trail a verify fills
+  // (grown on demand; views per token count, made once); `spare`, the state buffer a verify writes its last
+  // state to (the two then trade places: `spare` keeps the state before it), and what `rewind` replays the
+  // verify's tokens from: their conv outputs, z, b and a rows (`replay_t` tokens; 0: nothing to replay)
   std::vector<torch::Tensor> held;
   GdnArgs g{};
-  torch::Tensor conv_trail, state_trail;
-  std::vector<torch::Tensor> conv_views, state_views;
+  torch::Tensor conv_trail, spare;
+  std::vector<torch::Tensor> conv_views;
+  std::vector<uint16_t> replay;
+  int64_t replay_t = 0;
   // gated attention
   AttnArgs at{};
   // the MoE block: shared gate, up, sigmoid gate and the router; the shared down; the routed experts
@@ -173,11 +177,13 @@ class Layers {
   // logits T calls of `step` give, bit for bit. Why here and not T steps: every matrix but the Gated DeltaNet
   // recurrence and the attention's scores is read once for the T rows (the multi-row tiles; a row's sums do
   // not depend on the others), and the routed experts once for the union of the rows' choices (moe_rows). The
-  // mixers' cores, norms, routing and the MoE sum run row by row as `step` runs them. Returns the logits [T, V],
-  // the final norm's output [T, H] (what the MTP layer drafts from) and, per Gated DeltaNet layer in order, its
-  // conv inputs (the window before, then the T qkv rows: [K + T, C]) and its state after each position but the
-  // last [T - 1, Hv, Dk, Dv], for HybridCache.rewind: views of this object's buffers, which the next verify
-  // writes again.
+  // mixers' cores, norms, routing and the MoE sum run row by row as `step` runs them. Each Gated DeltaNet layer
+  // writes its state after the T tokens to a second buffer, which becomes the layer's state, and keeps the one
+  // before, from which `rewind` replays the tokens kept (the state after every position, written out, cost 3-
+  // and 4-token verifies more: reports/mtp-verify-states/). Returns the logits [T, V], the final norm's output [T, H]
+  // (what the MTP layer drafts from) and, per Gated DeltaNet layer in order, its conv inputs (the window before,
+  // then the T qkv rows: [K + T, C], a view of this object's buffer, which the next verify writes again) and its
+  // state tensor now (the cache's `state` from here on).
   std::vector<torch::Tensor> verify(torch::Tensor x, torch::Tensor cos, torch::Tensor sin, int64_t row, int64_t n) {
     TORCH_CHECK(head_.k, "qk Layers: verify before set_head");
     const int64_t t = x.size(0);
@@ -241,6 +247,28 @@ class Layers {
     return out;
   }
 
+  // Back to the first j (1 <= j <= T) tokens of the last verify in every Gated DeltaNet layer's recurrent state:
+  // its T - j last tokens undone by replaying the first j from the state before (the conv window is the
+  // caller's, from the conv inputs `verify` returned). Bit for bit the state j steps leave.
+  void rewind(int64_t j) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (Layer& L : layers_) {
+      if (!L.gdn) continue;
+      const int64_t t = L.replay_t;
+      TORCH_CHECK(t > 0 && j >= 1 && j <= t, "qk Layers: rewind to ", j, " tokens, but the last call was not a "
+                  "verify of at least that many");
+      L.replay_t = 0;
+      if (j == t) continue;
+      GdnArgs g = L.g;
+      const int64_t C = g.channels, od = g.hv * g.dv;
+      const uint16_t* xs = L.replay.data();
+      g.z = xs + t * C;
+      g.b = g.z + t * od;
+      g.a = g.b + t * g.hv;
+      gdn_heads_into(g, j, xs, L.spare.data_ptr<float>(), nullptr, w_.core.data());
+    }
+  }
+
   // `draft` of token ids (rows from the table `set_embed` gave; hid's first T rows pair with them) that returns
   // the argmax of the head's outputs taken as one row (their first maximum, as qk.argmax of their
   // concatenation) and the final-normed hidden [1, H]: a greedy draft with no torch op
@@ -280,12 +308,13 @@ class Layers {
     std::vector<torch::Tensor> out{torch::empty({t, head_.n(0)}, torch::kBFloat16),
                                    torch::empty({t, hidden_}, torch::kBFloat16)};
     for (Layer& L : layers_)
-      if (L.gdn) {
-        trail(L, t);
-        out.push_back(L.conv_views[t]);
-        out.push_back(L.state_views[t]);
-      }
+      if (L.gdn) trail(L, t);
     const uint16_t* h = run(x, t, bf16_ptr(cos) + row * rot, bf16_ptr(sin) + row * rot, rot, n, true);
+    for (Layer& L : layers_)
+      if (L.gdn) {
+        out.push_back(L.conv_views[t]);
+        out.push_back(L.held[5]);
+      }
     uint16_t* hn = bf16_ptr(out[1]);
     for (int64_t j = 0; j < t; ++j)
       ops().rms_row(h + j * hidden_, hidden_, head_scale_.data_ptr<float>(), head_eps_, hn + j * hidden_);
@@ -387,19 +416,16 @@ class Layers {
     w.ids.resize(R * k_);
   }
 
-  // the trail buffers of a Gated DeltaNet layer for a verify of t tokens, and their views of t
+  // the buffers a verify of t tokens fills in a Gated DeltaNet layer (allocated once, for kMaxRows tokens)
   static void trail(Layer& L, int64_t t) {
     const GdnArgs& g = L.g;
-    if (!L.state_trail.defined() || L.state_trail.size(0) < t - 1) {
-      L.conv_trail = torch::empty({g.taps + t, g.channels}, torch::kBFloat16);
-      L.state_trail = torch::empty({t - 1, g.hv, g.dk, g.dv}, torch::kFloat);
+    if (!L.conv_trail.defined()) {
+      L.conv_trail = torch::empty({g.taps + kMaxRows, g.channels}, torch::kBFloat16);
       L.conv_views.assign(kMaxRows + 1, torch::Tensor());
-      L.state_views.assign(kMaxRows + 1, torch::Tensor());
+      L.spare = torch::empty_like(L.held[5]);
+      L.replay.resize(kMaxRows * (g.channels + g.hv * g.dv + 2 * g.hv));
     }
-    if (!L.conv_views[t].defined()) {
-      L.conv_views[t] = L.conv_trail.narrow(0, 0, g.taps + t);
-      L.state_views[t] = L.state_trail.narrow(0, 0, t - 1);
-    }
+    if (!L.conv_views[t].defined()) L.conv_views[t] = L.conv_trail.narrow(0, 0, g.taps + t);
   }
 
   // matrices M on t rows x [t, M.k] bf16 into out (their outputs one after the other) or into dst[p]
@@ -430,18 +456,28 @@ class Layers {
       const uint16_t *p1 = p + t * L.in.n(0), *p2 = p1 + t * L.in.n(1);
       if (L.gdn) {
         GdnArgs g = L.g;
-        float* kept = nullptr;
-        if (keep) {  // the window before, then the T inputs; the state after each position but the last
-          uint16_t* c = bf16_ptr(L.conv_trail);
-          std::memcpy(c, g.conv, g.taps * g.channels * sizeof(uint16_t));
-          std::memcpy(c + g.taps * g.channels, p, t * g.channels * sizeof(uint16_t));
-          kept = L.state_trail.data_ptr<float>();
-        }
         g.qkv = p;
         g.z = p1;
         g.b = p2;
         g.a = p2 + t * L.in.n(2);
-        gdn_rows_into(g, t, kept, core);
+        L.replay_t = 0;
+        if (keep) {  // the window before, then the T inputs; the replay's rows; the last state into `spare`
+          const int64_t C = g.channels, od = g.hv * g.dv;
+          uint16_t* c = bf16_ptr(L.conv_trail);
+          std::memcpy(c, g.conv, g.taps * C * sizeof(uint16_t));
+          std::memcpy(c + g.taps * C, p, t * C * sizeof(uint16_t));
+          uint16_t* r = L.replay.data() + t * C;
+          std::memcpy(r, g.z, t * od * sizeof(uint16_t));
+          std::memcpy(r + t * od, g.b, t * g.hv * sizeof(uint16_t));
+          std::memcpy(r + t * od + t * g.hv, g.a, t * g.hv * sizeof(uint16_t));
+          g.state = L.spare.data_ptr<float>();
+          gdn_rows_into(g, t, nullptr, core, L.g.state, L.replay.data());
+          std::swap(L.held[5], L.spare);
+          L.g.state = L.held[5].data_ptr<float>();
+          L.replay_t = t;
+        } else {
+          gdn_rows_into(g, t, nullptr, core);
+        }
       } else {
         for (int64_t j = 0; j < t; ++j)
           attn_into(L.at, p + j * L.in.n(0), p1 + j * L.in.n(1), p2 + j * L.in.n(2), cos + j * rot, sin + j * rot,
@@ -510,6 +546,8 @@ void qk_bind_layers(pybind11::module_& mod) {
       .def("__len__", &Layers::size)
       .def("set_head", &Layers::set_head, "the final norm and the head, for step and verify")
       .def("verify", &Layers::verify, "T tokens' logits as T steps give them, and the states to rewind to",
+           py::call_guard<py::gil_scoped_release>())
+      .def("rewind", &Layers::rewind, "back to the first j tokens of the last verify in the recurrent states",
            py::call_guard<py::gil_scoped_release>())
       .def("set_draft", &Layers::set_draft, "the MTP layer's pre-fc norms and fc, for draft")
       .def("draft", &Layers::draft, "the MTP layer's draft: the last pair's final-normed hidden and head outputs",

@@ -43,8 +43,7 @@ struct GdnArgs {
   uint16_t* conv;  // [K, C] bf16, oldest tap first
   const float *conv_w, *neg_a, *dt_bias, *norm_w;
   bool norm_w_bf16;
-  float* state;  // [Hv, Dk, Dv], written
-  const float* state_in;  // the state read: `state` itself, or the one before it (a verify keeps each)
+  float* state;  // [Hv, Dk, Dv], updated in place by one token (gdn_rows_into reads and writes others too)
   int64_t taps, channels, hk, hv, dk, dv;
   float eps;
 };
@@ -59,9 +58,10 @@ struct Ops {
   void (*to_bf16_row)(const float* x, int64_t n, uint16_t* out);
   void (*silu_mul32)(const float* g, const float* u, float* out);  // 32 values, fp32
   double (*sum_f32)(const float* p, int64_t n);                     // n % 64 == 0
-  // the gated delta rule of one head: S [K, V] fp32 = the state after Sin (Sin == S: in place); kv scratch of V
+  // the gated delta rule of one head: S [K, V] fp32 = the state after Sin (Sin == S: in place; `stream`: S out
+  // of place is written past the cache); kv scratch of V
   void (*delta_head)(const float* Sin, float* S, int64_t K, int64_t V, const float* q, const float* k, const float* v,
-                     float decay, float beta, float* kv, float* out);
+                     float decay, float beta, float* kv, float* out, bool stream);
   // G query heads (1, 2, 4, 8 or 16) against rows 0..n-1 of one kv head's k, v [cap, hd] (bf16); s scratch
   // of G * n floats, acc of G * hd; out [G, hd] bf16
   void (*attend_head)(int G, const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t n, int64_t hd,
@@ -74,11 +74,12 @@ struct Ops {
   void (*moe_out)(const uint16_t* x, const float* routed, const uint16_t* shared, float gate, int64_t n,
                   uint16_t* y);
   void (*gate_mul)(uint16_t* o, const uint16_t* g, int64_t n);  // o = bf16(o * bf16(sigmoid(g)))
-  // Gated DeltaNet: the conv window's shift and taps (x [C] bf16 out), then one value head
-  // (scratch: 2 * dk + 3 * dv floats and dv bf16)
+  // Gated DeltaNet: the conv window's shift and taps (x [C] bf16 out), then one value head h from its state
+  // s_in [Dk, Dv] to s (s == s_in: in place; `stream` as delta_head's; scratch: 2 * dk + 3 * dv floats and dv
+  // bf16)
   void (*gdn_conv)(const GdnArgs& g, uint16_t* x);
-  void (*gdn_head)(const GdnArgs& g, const uint16_t* x, int64_t h, float* scratch, uint16_t* scratch16,
-                   uint16_t* out);
+  void (*gdn_head)(const GdnArgs& g, const uint16_t* x, int64_t h, const float* s_in, float* s, bool stream,
+                   float* scratch, uint16_t* scratch16, uint16_t* out);
   // RMSNorm of `rows` rows then the rotary on the first `rot` dims (nrm scratch of hd)
   void (*norm_rotate)(const uint16_t* x, int64_t stride, int64_t rows, int64_t hd, const float* scale,
                       const uint16_t* cos, const uint16_t* sin, int64_t rot, float eps, uint16_t* nrm, uint16_t* y);

@@ -112,6 +112,9 @@ inline vf vexp(vf x) {
   return _mm512_scalef_ps(p, n);
 }
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+constexpr uintptr_t kStreamAlign = 64;
+inline void vstream(float* p, vf x) { _mm512_stream_ps(p, x); }  // p kStreamAlign-aligned
+inline void stream_fence() { _mm_sfence(); }
 
 #elif QK_AVX2
 constexpr int W = 8;
@@ -177,6 +180,9 @@ inline vf vexp(vf x) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+constexpr uintptr_t kStreamAlign = 32;
+inline void vstream(float* p, vf x) { _mm256_stream_ps(p, x); }
+inline void stream_fence() { _mm_sfence(); }
 
 #else  // generic: plain C++, correct on any CPU the compiler targets
 constexpr int W = 8;
@@ -191,6 +197,9 @@ inline vf vzero() { QK_LANES(0.f); }
 inline vf vset(float x) { QK_LANES(x); }
 inline vf vld(const float* p) { QK_LANES(p[i]); }
 inline void vst(float* p, vf x) { for (int i = 0; i < W; ++i) p[i] = x.v[i]; }
+constexpr uintptr_t kStreamAlign = 1;
+inline void vstream(float* p, vf x) { vst(p, x); }
+inline void stream_fence() {}
 inline vf vadd(vf a, vf b) { QK_LANES(a.v[i] + b.v[i]); }
 inline vf vsub(vf a, vf b) { QK_LANES(a.v[i] - b.v[i]); }
 inline vf vmul(vf a, vf b) { QK_LANES(a.v[i] * b.v[i]); }
@@ -324,7 +333,8 @@ double sum_f32(const float* p, int64_t n) {
 // and one-row tiles and bf16 rows beat both the L1 hint and none (A/B in alternating processes with each
 // QUANTKIT_CPU_ISA; reports/bench-mtp.md, bench-decode.md and bench-engines.md carry the end-to-end figures).
 // A tile read in two 8-row passes asks in the first. The AVX-VNNI unit's int8 tiles go without (nothing gained
-// where it was measured); the plain AVX2 unit's one- and two-row int8 tiles ask (reports/zen1-avx2/tile-ab.md).
+// where it was measured); the plain AVX2 unit's int8 tiles ask, at every count of rows
+// (reports/zen1-avx2/tile-ab.md).
 constexpr int64_t kPrefetch = 4096;
 
 // `lines` 64-byte lines of a stream, kPrefetch bytes ahead of p, asked for into L2
@@ -963,10 +973,13 @@ void tile(const QMat& m, int64_t t, const QAct* a, int64_t rows, float* out) {
 }
 
 // ---------------------------------------------------------------- the gated delta rule
-// One head for one token, state S [K, V] fp32 (read from Sin, which may be S): S = Sin * decay; kv = k^T S;
-// S += k (beta (v - kv))^T; out = q^T S. Two passes over S (the second from L2).
+// One head for one token, state S [K, V] fp32 from Sin: S = Sin * decay; kv = k^T S; S += k (beta (v - kv))^T;
+// out = q^T S. In place (Sin == S), two passes over S, the second from L2. Out of place, the first pass only
+// reads Sin and the second writes S, with non-temporal stores where `stream` (a state nothing reads before it
+// leaves the cache): its lines are then not read for ownership first, as plain stores to a buffer out of cache
+// read them (a verify writing its last state to a second buffer so spent more than one writing in place).
 void delta_head(const float* Sin, float* S, int64_t K, int64_t V, const float* q, const float* k, const float* v,
-                float decay, float beta, float* kv, float* out) {
+                float decay, float beta, float* kv, float* out, bool stream) {
   if (V % W) {  // a width no vector divides: plain loops
     for (int64_t j = 0; j < V; ++j) kv[j] = 0.f;
     for (int64_t i = 0; i < K; ++i)
@@ -985,6 +998,9 @@ void delta_head(const float* Sin, float* S, int64_t K, int64_t V, const float* q
       }
     return;
   }
+  const bool inplace = Sin == S;
+  stream = stream && !inplace && reinterpret_cast<uintptr_t>(S) % kStreamAlign == 0 &&
+           (V * sizeof(float)) % kStreamAlign == 0;
   const vf dv = vset(decay);
   for (int64_t j = 0; j < V; j += W) vst(kv + j, vzero());
   for (int64_t i = 0; i < K; ++i) {
@@ -993,7 +1009,7 @@ void delta_head(const float* Sin, float* S, int64_t K, int64_t V, const float* q
     const vf ki = vset(k[i]);
     for (int64_t j = 0; j < V; j += W) {
       const vf sv = vmul(vld(in + j), dv);
-      vst(row + j, sv);
+      if (inplace) vst(row + j, sv);
       vst(kv + j, vfma(ki, sv, vld(kv + j)));
     }
   }
@@ -1004,13 +1020,15 @@ void delta_head(const float* Sin, float* S, int64_t K, int64_t V, const float* q
   }
   for (int64_t i = 0; i < K; ++i) {
     float* row = S + i * V;
+    const float* in = Sin + i * V;
     const vf ki = vset(k[i]), qi = vset(q[i]);
     for (int64_t j = 0; j < V; j += W) {
-      const vf sv = vfma(ki, vld(kv + j), vld(row + j));
-      vst(row + j, sv);
+      const vf sv = vfma(ki, vld(kv + j), inplace ? vld(row + j) : vmul(vld(in + j), dv));
+      if (stream) vstream(row + j, sv); else vst(row + j, sv);
       vst(out + j, vfma(qi, sv, vld(out + j)));
     }
   }
+  if (stream) stream_fence();
 }
 
 // ---------------------------------------------------------------- attention over bf16 K/V
@@ -1242,7 +1260,8 @@ void l2norm_row(const uint16_t* x, int64_t n, float div, float* y) {
 }
 
 // one value head h: its q/k (of k-head h / (Hv/Hk)), v, gates, the state update, the gated RMSNorm
-void gdn_head(const GdnArgs& g, const uint16_t* x, int64_t h, float* scratch, uint16_t* ob, uint16_t* out) {
+void gdn_head(const GdnArgs& g, const uint16_t* x, int64_t h, const float* s_in, float* s, bool stream,
+              float* scratch, uint16_t* ob, uint16_t* out) {
   float *q = scratch, *k = q + g.dk, *v = k + g.dk, *kv = v + g.dv, *o = kv + g.dv;
   const int64_t kh = h / (g.hv / g.hk), key_dim = g.hk * g.dk;
   l2norm_row(x + kh * g.dk, g.dk, sqrtf(static_cast<float>(g.dk)), q);
@@ -1253,7 +1272,7 @@ void gdn_head(const GdnArgs& g, const uint16_t* x, int64_t h, float* scratch, ui
   const float sp = bf16_value(g.a[h]) + g.dt_bias[h];
   const float softplus = sp > 20.f ? sp : log1pf(expf(sp));
   const float decay = expf(g.neg_a[h] * softplus);
-  delta_head(g.state_in + h * g.dk * g.dv, g.state + h * g.dk * g.dv, g.dk, g.dv, q, k, v, decay, beta, kv, o);
+  delta_head(s_in, s, g.dk, g.dv, q, k, v, decay, beta, kv, o, stream);
   // gated RMSNorm: y = bf16(o * rsqrt(mean(o^2) + eps)) with o rounded to bf16 first; w * y (bf16 when w
   // is); times silu(z) in fp32; rounded to bf16
   for (int64_t i = 0; i < g.dv; ++i) ob[i] = to_bf16(o[i]);

@@ -80,7 +80,8 @@ torch::Tensor qk_delta_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
   at::parallel_for(0, H, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> kv(V);
     for (int64_t h = lo; h < hi; ++h)
-      f.delta_head(sp + h * K * V, sp + h * K * V, K, V, qp + h * K, kp + h * K, vp + h * V, dp[h], bp[h], kv.data(), op + h * V);
+      f.delta_head(sp + h * K * V, sp + h * K * V, K, V, qp + h * K, kp + h * K, vp + h * V, dp[h], bp[h], kv.data(),
+                   op + h * V, false);
   });
   return out;
 }
@@ -238,34 +239,54 @@ GdnArgs gdn_layer_args(const torch::Tensor& conv, const torch::Tensor& conv_w, c
   g.norm_w = norm_w.data_ptr<float>();
   g.norm_w_bf16 = norm_w_bf16;
   g.state = state.data_ptr<float>();
-  g.state_in = g.state;
   g.eps = static_cast<float>(eps);
   return g;
 }
 
-void gdn_rows_into(const GdnArgs& g0, int64_t t, float* kept, uint16_t* op) {
-  const int64_t n = g0.hv * g0.dk * g0.dv, od = g0.hv * g0.dv;
-  GdnArgs g[kMaxRows];
-  TORCH_CHECK(t >= 1 && t <= kMaxRows && (t == 1 || kept), "qk_gdn_rows: 1..", kMaxRows, " tokens");
+void gdn_rows_into(const GdnArgs& g0, int64_t t, float* kept, uint16_t* op, const float* from, uint16_t* xs) {
+  TORCH_CHECK(t >= 1 && t <= kMaxRows, "qk_gdn_rows: 1..", kMaxRows, " tokens");
   thread_local std::vector<uint16_t> tl_x;
-  std::vector<uint16_t>& x = tl_x;
-  x.resize(t * g0.channels);
+  if (!xs) {
+    tl_x.resize(t * g0.channels);
+    xs = tl_x.data();
+  }
   const Ops& f = ops();
   for (int64_t j = 0; j < t; ++j) {  // the conv window moves token by token
+    GdnArgs g = g0;
+    g.qkv = g0.qkv + j * g0.channels;
+    f.gdn_conv(g, xs + j * g0.channels);
+  }
+  gdn_heads_into(g0, t, xs, from ? from : g0.state, kept, op);
+}
+
+// Each head goes through the t tokens while its state is in cache. Where no state before the last is kept, they
+// stay in a per-thread scratch, so a verify writes to memory what one step writes; a last state written out of
+// place (a verify's, a replay's) streams past the cache.
+void gdn_heads_into(const GdnArgs& g0, int64_t t, const uint16_t* x, const float* from, float* kept, uint16_t* op) {
+  const int64_t hs = g0.dk * g0.dv, n = g0.hv * hs, od = g0.hv * g0.dv;
+  TORCH_CHECK(t >= 1 && t <= kMaxRows, "qk_gdn_rows: 1..", kMaxRows, " tokens");
+  GdnArgs g[kMaxRows];
+  for (int64_t j = 0; j < t; ++j) {
     g[j] = g0;
-    g[j].qkv = g0.qkv + j * g0.channels;
     g[j].z = g0.z + j * od;
     g[j].b = g0.b + j * g0.hv;
     g[j].a = g0.a + j * g0.hv;
-    g[j].state_in = j == 0 ? g0.state : kept + (j - 1) * n;
-    g[j].state = j + 1 < t ? kept + j * n : g0.state;
-    f.gdn_conv(g[j], x.data() + j * g0.channels);
   }
+  const Ops& f = ops();
   at::parallel_for(0, g0.hv, 1, [&](int64_t lo, int64_t hi) {
     float scratch[2 * kMaxHeadDim + 3 * kMaxHeadDim];
     uint16_t ob[kMaxHeadDim];
-    for (int64_t h = lo; h < hi; ++h)
-      for (int64_t j = 0; j < t; ++j) f.gdn_head(g[j], x.data() + j * g0.channels, h, scratch, ob, op + j * od);
+    thread_local std::vector<float> tl_s;
+    if (!kept && t > 1) tl_s.resize(hs);
+    for (int64_t h = lo; h < hi; ++h) {
+      const float* in = from + h * hs;
+      for (int64_t j = 0; j < t; ++j) {
+        const bool last = j + 1 == t;
+        float* s = last ? g0.state + h * hs : (kept ? kept + j * n + h * hs : tl_s.data());
+        f.gdn_head(g[j], x + j * g0.channels, h, in, s, last && !kept, scratch, ob, op + j * od);
+        in = s;
+      }
+    }
   });
 }
 

@@ -50,9 +50,14 @@ void attn_into(const AttnArgs& at, const uint16_t* qo, const uint16_t* ko, const
 GdnArgs gdn_layer_args(const torch::Tensor& conv, const torch::Tensor& conv_w, const torch::Tensor& neg_a,
                        const torch::Tensor& dt_bias, const torch::Tensor& norm_w, bool norm_w_bf16,
                        const torch::Tensor& state, int64_t hk, double eps);
-// t tokens (g0's qkv, z, b, a point at the first of t contiguous rows) as qk_gdn_rows: the state after each but
-// the last into kept [t - 1, Hv, Dk, Dv], out [t, Hv * Dv] bf16
-void gdn_rows_into(const GdnArgs& g0, int64_t t, float* kept, uint16_t* out);
+// t tokens (g0's qkv, z, b, a point at the first of t contiguous rows) as qk_gdn_rows, out [t, Hv * Dv] bf16:
+// the state read from `from` (nullptr: g0.state), the state after each token but the last into kept [t - 1, Hv,
+// Dk, Dv] (nullptr: never written out), after the last into g0.state; xs [t, C] (if given) receives the conv's
+// outputs, what `gdn_heads_into` replays the tokens from
+void gdn_rows_into(const GdnArgs& g0, int64_t t, float* kept, uint16_t* out, const float* from = nullptr,
+                   uint16_t* xs = nullptr);
+// the heads of t tokens whose conv outputs are x [t, C] (g0's z, b, a at their rows), as gdn_rows_into
+void gdn_heads_into(const GdnArgs& g0, int64_t t, const uint16_t* x, const float* from, float* kept, uint16_t* out);
 // qk_route on a row of e bf16 logits: w [k] fp32, ids [k]
 void route_into(const uint16_t* logits, int64_t e, int64_t k, float* w, int64_t* ids);
 // the shared expert's gate bf16(sigmoid(sg)) as qk_moe_out applies it

@@ -5,9 +5,10 @@ kernel's attention reads them in place; `reserve` grows them by copying). Per Ga
 window [K, C] (the last K inputs of the causal conv, oldest first, in the activations' dtype) and the recurrent
 state [Hv, Dk, Dv] in fp32, both updated in place. `n` counts the tokens the state has seen.
 
-A forward with `keep_positions` also records, per Gated DeltaNet layer, the state after every position it
-computed (`trail`); `rewind(n)` then keeps the first n tokens exactly (speculative decoding rolls a rejected
-draft back this way; the KV needs no trail, only its fill). `snapshot` / `from_snapshot` convert to and from
+A forward with `keep_positions` also records, per Gated DeltaNet layer, what takes its state back to any position
+it computed (`trail`: the states after each, or, from the kernel's stack, a `replay` of the first tokens from the
+state before); `rewind(n)` then keeps the first n tokens exactly (speculative decoding rolls a rejected draft back
+this way; the KV needs no trail, only its fill). `snapshot` / `from_snapshot` convert to and from
 the prompt cache's `Snapshot` (quantkit.runtime.state_cache), whose layout session files keep: conv [1, C, K],
 recurrent [1, Hv, Dk, Dv], keys and values [1, kv_heads, n, head_dim]. Snapshots are copies (the snapshots of one
 prefill share one copy of the KV): nothing a snapshot holds is ever written by a forward.
@@ -16,7 +17,7 @@ prefill share one copy of the KV): nothing a snapshot holds is ever written by a
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,12 +32,13 @@ _SERIAL = itertools.count()
 class Trail:
     """What a keep-positions forward left for `rewind`: the first position it computed, the conv inputs it
     saw (the window before it, then its T inputs: [K + T, C]) and the recurrent state after each position (the
-    last may be left out: it is the cache's own, and a rewind to it is none). The kernel's stack lends views of
-    its own buffers here, which its next verify writes again: a trail lasts until the cache's next forward."""
+    last may be left out: it is the cache's own, and a rewind to it is none), or None where the cache's `replay`
+    restores the states. The kernel's stack lends views of its own buffers here, which its next verify writes
+    again: a trail lasts until the cache's next forward."""
 
     start: int
     conv_inputs: torch.Tensor
-    states: torch.Tensor  # [T or T - 1, Hv, Dk, Dv] fp32
+    states: torch.Tensor | None  # [T or T - 1, Hv, Dk, Dv] fp32
 
 
 class HybridCache:
@@ -53,6 +55,7 @@ class HybridCache:
         self.conv: dict[int, torch.Tensor] = {}
         self.state: dict[int, torch.Tensor] = {}
         self.trail: dict[int, Trail] = {}
+        self.replay: Callable[[int], None] | None = None  # j -> every layer's state back to the trail's j-th token
         self.pos: torch.Tensor | None = None  # n on the device, for static steps (model/graph.py)
         self.serial = next(_SERIAL)  # never reused, unlike id(): what holds pointers into a cache keys on it
         self.version = 0  # bumped when the KV buffers move (whatever holds pointers into them rebinds)
@@ -85,7 +88,7 @@ class HybridCache:
     def rewind(self, n: int) -> None:
         """Keep the first `n` tokens: with a trail of the last forward, back to any position it computed."""
         if n == self.n:
-            self.trail.clear()
+            self.drop_trail()
             return
         if not self.conv and 0 <= n < self.n:  # attention alone: its KV is cut back by its fill
             self.n = n
@@ -99,9 +102,17 @@ class HybridCache:
         k = self.cfg.text.linear_conv_kernel_dim
         for i, tr in self.trail.items():
             self.conv[i].copy_(tr.conv_inputs[j:j + k])
-            self.state[i].copy_(tr.states[j - 1])
-        self.trail.clear()
+            if tr.states is not None:
+                self.state[i].copy_(tr.states[j - 1])
+        if self.replay is not None:
+            self.replay(j)
+        self.drop_trail()
         self.n = n
+
+    def drop_trail(self) -> None:
+        """Forget the last forward's positions (its states stand)."""
+        self.trail.clear()
+        self.replay = None
 
     def nbytes(self) -> int:
         """Bytes this cache holds (KV buffers at their capacity, conv windows, recurrent states)."""

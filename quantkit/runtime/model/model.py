@@ -95,7 +95,7 @@ class Model:
         if t == 0:
             raise ValueError("forward of no tokens")
         cache.reserve(cache.n + t)
-        cache.trail.clear()
+        cache.drop_trail()
         if t == 1 and self.route.kind == "cuda-graph" and not keep_positions and not hidden:
             g = self._graph
             if g is None or g.cache is not cache or g.version != cache.version:
@@ -203,14 +203,18 @@ class Model:
     def _stack_verify(self, x: torch.Tensor | list[int], cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
         """A keep-positions forward of x [T, H] (or T token ids, `stack_embedding`'s rows) in the kernel's stack
         (`Layers.verify`): logits [T, V] and the final norm's output [T, H], bit for bit what T one-token steps
-        give; the Gated DeltaNet trail recorded and cache.n advanced."""
+        give; the Gated DeltaNet trail recorded (the stack's `rewind` replays a rejected draft's tokens from the
+        state before, kept in the buffer the cache's state traded places with) and cache.n advanced."""
         n = cache.n
         t = len(x) if isinstance(x, list) else x.shape[0]
         cos, sin, row = self._rope_span(n, t)
         st = self._bound_stack(cache)
         out = st.verify_ids(x, cos, sin, row, n) if isinstance(x, list) else st.verify(x.contiguous(), cos, sin, row, n)
         for j, i in enumerate(self._gdn_layers):
-            cache.trail[i] = Trail(n, out[2 + 2 * j], out[3 + 2 * j])
+            cache.trail[i] = Trail(n, out[2 + 2 * j], None)
+            cache.state[i] = out[3 + 2 * j]
+        if self._gdn_layers:
+            cache.replay = st.rewind
         cache.n += t
         return out[0], out[1]
 
