@@ -101,8 +101,8 @@ def decode(rt: Any, prompt: list[int], n: int, draft: int | None, reps: int) -> 
 
 
 def verify_costs(rt: Any, prompt: list[int], steps: int) -> dict[str, float]:
-    """Median seconds of one decode step (the route's own) and of verifies of 2..4 tokens, each from the same
-    state (rewound after each call)."""
+    """Median seconds of one decode step (the route's own) and of verifies of 2..4 tokens, each at the same
+    position (every token kept, the KV's fill set back after each call)."""
     m = rt.model
     out: dict[str, float] = {}
     with torch.inference_mode():
@@ -119,7 +119,7 @@ def verify_costs(rt: Any, prompt: list[int], steps: int) -> dict[str, float]:
                     cache.n = n0  # attention reads up to n only; the linear states drift, which costs the same
                 else:
                     m.forward(toks, cache, all_logits=True, keep_positions=True)
-                    cache.rewind(n0 + 1)
+                    cache.rewind(n0 + t)  # all kept, as a step keeps its token: a verify's own cost
                     cache.n = n0
                 times.append(time.perf_counter() - t0)
             out[str(t)] = statistics.median(times)
