@@ -259,13 +259,12 @@ class Layers {
                   "verify of at least that many");
       L.replay_t = 0;
       if (j == t) continue;
+      const Replay r = replay_rows(L, t);
       GdnArgs g = L.g;
-      const int64_t C = g.channels, od = g.hv * g.dv;
-      const uint16_t* xs = L.replay.data();
-      g.z = xs + t * C;
-      g.b = g.z + t * od;
-      g.a = g.b + t * g.hv;
-      gdn_heads_into(g, j, xs, L.spare.data_ptr<float>(), nullptr, w_.core.data());
+      g.z = r.z;
+      g.b = r.b;
+      g.a = r.a;
+      gdn_heads_into(g, j, r.x, L.spare.data_ptr<float>(), nullptr, w_.core.data());
     }
   }
 
@@ -416,6 +415,17 @@ class Layers {
     w.ids.resize(R * k_);
   }
 
+  // where a verify of t tokens keeps, in a Gated DeltaNet layer, the rows `rewind` replays its tokens from
+  struct Replay {
+    uint16_t *x, *z, *b, *a;  // the conv's outputs [t, C], z [t, Hv * Dv], b and a [t, Hv]
+  };
+  static Replay replay_rows(Layer& L, int64_t t) {
+    uint16_t* x = L.replay.data();
+    uint16_t* z = x + t * L.g.channels;
+    uint16_t* b = z + t * L.g.hv * L.g.dv;
+    return {x, z, b, b + t * L.g.hv};
+  }
+
   // the buffers a verify of t tokens fills in a Gated DeltaNet layer (allocated once, for kMaxRows tokens)
   static void trail(Layer& L, int64_t t) {
     const GdnArgs& g = L.g;
@@ -462,16 +472,16 @@ class Layers {
         g.a = p2 + t * L.in.n(2);
         L.replay_t = 0;
         if (keep) {  // the window before, then the T inputs; the replay's rows; the last state into `spare`
-          const int64_t C = g.channels, od = g.hv * g.dv;
+          const int64_t C = g.channels;
           uint16_t* c = bf16_ptr(L.conv_trail);
           std::memcpy(c, g.conv, g.taps * C * sizeof(uint16_t));
           std::memcpy(c + g.taps * C, p, t * C * sizeof(uint16_t));
-          uint16_t* r = L.replay.data() + t * C;
-          std::memcpy(r, g.z, t * od * sizeof(uint16_t));
-          std::memcpy(r + t * od, g.b, t * g.hv * sizeof(uint16_t));
-          std::memcpy(r + t * od + t * g.hv, g.a, t * g.hv * sizeof(uint16_t));
+          const Replay r = replay_rows(L, t);
+          std::memcpy(r.z, g.z, t * g.hv * g.dv * sizeof(uint16_t));
+          std::memcpy(r.b, g.b, t * g.hv * sizeof(uint16_t));
+          std::memcpy(r.a, g.a, t * g.hv * sizeof(uint16_t));
           g.state = L.spare.data_ptr<float>();
-          gdn_rows_into(g, t, nullptr, core, L.g.state, L.replay.data());
+          gdn_rows_into(g, t, nullptr, core, L.g.state, r.x);
           std::swap(L.held[5], L.spare);
           L.g.state = L.held[5].data_ptr<float>();
           L.replay_t = t;
