@@ -462,13 +462,25 @@ void tile_int8(const QMat& m, int64_t t, const QAct* a, float* out) {
     for (int c = 0; c < 8; ++c) w[c] = _mm512_loadu_si512(p + 64 * c);
     for (int r = 0; r < MR; ++r) {
       const int8_t* xq = a[r].q + b * kBlock;
-      __m512i i[4];
-      for (int j = 0; j < 4; ++j)
-        i[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
-      for (int j = 0; j < 4; ++j)
-        i[j] = _mm512_dpbusd_epi32(i[j], w[j + 4], _mm512_set1_epi32(load_i32(xq + 4 * j + 16)));
-      __m512i is = _mm512_add_epi32(_mm512_add_epi32(i[0], i[1]), _mm512_add_epi32(i[2], i[3]));
-      is = _mm512_sub_epi32(is, _mm512_set1_epi32(128 * a[r].s[b]));
+      __m512i is;
+      if constexpr (MR == 1) {
+        __m512i i[4];
+        for (int j = 0; j < 4; ++j)
+          i[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
+        for (int j = 0; j < 4; ++j)
+          i[j] = _mm512_dpbusd_epi32(i[j], w[j + 4], _mm512_set1_epi32(load_i32(xq + 4 * j + 16)));
+        is = _mm512_add_epi32(_mm512_add_epi32(i[0], i[1]), _mm512_add_epi32(i[2], i[3]));
+        is = _mm512_sub_epi32(is, _mm512_set1_epi32(128 * a[r].s[b]));
+      } else {  // two chains starting at the -128 offset's correction: the same exact sums in fewer ops per
+                // row, which keeps a verify's rows of the int8 head at one row's pace (one row runs faster with
+                // four; reports/mtp-verify-states/)
+        __m512i i0 = _mm512_set1_epi32(-128 * a[r].s[b]), i1 = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j += 2) {
+          i0 = _mm512_dpbusd_epi32(i0, w[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
+          i1 = _mm512_dpbusd_epi32(i1, w[j + 1], _mm512_set1_epi32(load_i32(xq + 4 * j + 4)));
+        }
+        is = _mm512_add_epi32(i0, i1);
+      }
       fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_set1_ps(a[r].d[b]), fs[r]);
     }
   }
@@ -973,9 +985,47 @@ void tile(const QMat& m, int64_t t, const QAct* a, int64_t rows, float* out) {
 }
 
 // ---------------------------------------------------------------- the gated delta rule
+// Columns j0 .. j0 + CB * W - 1 of delta_head: a column's kv and out depend on that column alone, so a block of
+// them goes through both passes with kv and out in registers and the second pass reads the block's rows from L1
+// (the same operations in the same order per element as whole rows, so the same bits).
+constexpr int kDeltaCols = 4;
+template <int CB>
+inline void delta_cols(const float* Sin, float* S, int64_t K, int64_t V, int64_t j0, const float* q, const float* k,
+                       const float* v, float decay, float beta, float* kv, float* out, bool inplace, bool stream) {
+  const vf dv = vset(decay);
+  vf acc[CB], o[CB];
+  for (int c = 0; c < CB; ++c) acc[c] = vzero();
+  for (int64_t i = 0; i < K; ++i) {
+    const float* in = Sin + i * V + j0;
+    const vf ki = vset(k[i]);
+    for (int c = 0; c < CB; ++c) {
+      const vf sv = vmul(vld(in + c * W), dv);
+      if (inplace) vst(S + i * V + j0 + c * W, sv);
+      acc[c] = vfma(ki, sv, acc[c]);
+    }
+  }
+  const vf bv = vset(beta);
+  for (int c = 0; c < CB; ++c) {
+    acc[c] = vmul(vsub(vld(v + j0 + c * W), acc[c]), bv);
+    vst(kv + j0 + c * W, acc[c]);
+    o[c] = vzero();
+  }
+  for (int64_t i = 0; i < K; ++i) {
+    float* row = S + i * V + j0;
+    const float* in = Sin + i * V + j0;
+    const vf ki = vset(k[i]), qi = vset(q[i]);
+    for (int c = 0; c < CB; ++c) {
+      const vf sv = vfma(ki, acc[c], inplace ? vld(row + c * W) : vmul(vld(in + c * W), dv));
+      if (stream) vstream(row + c * W, sv); else vst(row + c * W, sv);
+      o[c] = vfma(qi, sv, o[c]);
+    }
+  }
+  for (int c = 0; c < CB; ++c) vst(out + j0 + c * W, o[c]);
+}
+
 // One head for one token, state S [K, V] fp32 from Sin: S = Sin * decay; kv = k^T S; S += k (beta (v - kv))^T;
-// out = q^T S. In place (Sin == S), two passes over S, the second from L2. Out of place, the first pass only
-// reads Sin and the second writes S, with non-temporal stores where `stream` (a state nothing reads before it
+// out = q^T S. Two passes over each block of columns (delta_cols), the second from L1. In place (Sin == S) the
+// first writes S * decay; out of place, the first pass only reads Sin and the second writes S, with non-temporal stores where `stream` (a state nothing reads before it
 // leaves the cache): its lines are then not read for ownership first, as plain stores to a buffer out of cache
 // read them (a verify writing its last state to a second buffer so spent more than one writing in place).
 void delta_head(const float* Sin, float* S, int64_t K, int64_t V, const float* q, const float* k, const float* v,
@@ -1001,33 +1051,10 @@ void delta_head(const float* Sin, float* S, int64_t K, int64_t V, const float* q
   const bool inplace = Sin == S;
   stream = stream && !inplace && reinterpret_cast<uintptr_t>(S) % kStreamAlign == 0 &&
            (V * sizeof(float)) % kStreamAlign == 0;
-  const vf dv = vset(decay);
-  for (int64_t j = 0; j < V; j += W) vst(kv + j, vzero());
-  for (int64_t i = 0; i < K; ++i) {
-    float* row = S + i * V;
-    const float* in = Sin + i * V;
-    const vf ki = vset(k[i]);
-    for (int64_t j = 0; j < V; j += W) {
-      const vf sv = vmul(vld(in + j), dv);
-      if (inplace) vst(row + j, sv);
-      vst(kv + j, vfma(ki, sv, vld(kv + j)));
-    }
-  }
-  const vf bv = vset(beta);
-  for (int64_t j = 0; j < V; j += W) {
-    vst(kv + j, vmul(vsub(vld(v + j), vld(kv + j)), bv));
-    vst(out + j, vzero());
-  }
-  for (int64_t i = 0; i < K; ++i) {
-    float* row = S + i * V;
-    const float* in = Sin + i * V;
-    const vf ki = vset(k[i]), qi = vset(q[i]);
-    for (int64_t j = 0; j < V; j += W) {
-      const vf sv = vfma(ki, vld(kv + j), inplace ? vld(row + j) : vmul(vld(in + j), dv));
-      if (stream) vstream(row + j, sv); else vst(row + j, sv);
-      vst(out + j, vfma(qi, sv, vld(out + j)));
-    }
-  }
+  int64_t j0 = 0;
+  for (; j0 + kDeltaCols * W <= V; j0 += kDeltaCols * W)
+    delta_cols<kDeltaCols>(Sin, S, K, V, j0, q, k, v, decay, beta, kv, out, inplace, stream);
+  for (; j0 < V; j0 += W) delta_cols<1>(Sin, S, K, V, j0, q, k, v, decay, beta, kv, out, inplace, stream);
   if (stream) stream_fence();
 }
 
