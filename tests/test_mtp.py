@@ -7,6 +7,7 @@ target's distribution; bad --mtp values and a folder without the layer get one l
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -399,6 +400,34 @@ def test_auto_drafting_that_pays_tries_every_count_and_changes_no_token(
     assert resp.token_ids == want
     assert rt.tuner.settled and set(rt.tuner.timed) == {1, 2, 3} and not rt.tuner.off and rt.tuner.draft() == 3
     assert resp.mtp["auto"] and resp.mtp["draft"] == 3 and resp.mtp["accepted"] > 0
+
+
+def test_decode_seconds_count_the_rewinds_of_rejected_drafts(tiny_model_mtp, one_thread, monkeypatch):  # noqa: F811
+    """Generation tok/s divides by the time of the forwards and of the rewinds a rejected draft needs (a replay of
+    the kept tokens' recurrent states is decode work): with each rewind made to take 50 ms, the decode seconds are
+    at least the rewinds' sum."""
+    from quantkit.runtime.model.cache import HybridCache
+
+    rt = load_model(quantized(tiny_model_mtp, "int4"))
+    want, _ = _generate(rt, 0)
+    monkeypatch.setattr(rt.model.mtp, "draft", Oracle(rt.render_ids(PROMPT)[1] + want, wrong_every=2))
+    slept = []
+    rewind = HybridCache.rewind
+
+    def slow_rewind(self, n):
+        if n != self.n:
+            time.sleep(0.05)
+            slept.append(0.05)
+        return rewind(self, n)
+
+    monkeypatch.setattr(HybridCache, "rewind", slow_rewind)
+    resp = None
+    for e in stream_tokens(rt.model, rt.tokenizer, rt.render_ids(PROMPT)[1], stop_ids=set(), context=512,
+                           sampling=SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True),
+                           devices=["cpu"], thinking=True, mtp=1):
+        resp = e.response or resp
+    assert resp.token_ids == want and len(slept) >= 5
+    assert resp.decode_seconds >= sum(slept)
 
 
 def test_mtp_on_a_folder_without_the_layer_is_one_line_and_decodes(tiny_model, capsys, monkeypatch):

@@ -108,7 +108,7 @@ class DraftTuner:
 
 
 class Clock:
-    """Seconds spent in forwards (what generation tok/s divides by)."""
+    """Seconds spent in forwards and rewinds (what generation tok/s divides by)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
@@ -186,7 +186,6 @@ def mtp_tokens(model: Any, cache: HybridCache, mtp_cache: HybridCache, logits: t
 
         t0 = clock.seconds
         ds, mark, lv, hv = clock.time(drafts_then_verify)
-        spent = clock.seconds - t0
         n0 = cache.n - (k + 1)
         stats.drafted += k
         kept = 0
@@ -197,8 +196,11 @@ def mtp_tokens(model: Any, cache: HybridCache, mtp_cache: HybridCache, logits: t
             yield tok, info
             if not ok:
                 break
-        cache.rewind(n0 + kept + 1)
+        t1 = time.perf_counter()
+        cache.rewind(n0 + kept + 1)  # a rejected draft's replay is decode time too
         mtp_cache.rewind(mark)
+        clock.seconds += time.perf_counter() - t1
+        spent = clock.seconds - t0
         pairs_tok, pairs_hid = [*ds[:kept], tok], hv  # the MTP layer pairs the first kept + 1 rows
         if tuner is not None and not first:
             tuner.record(k, spent, kept + 1)
