@@ -752,7 +752,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("route", &qk_route, "softmax, top-k and renormalisation of a router's logits: (weights, ids)");
   mod.def("moe_out", &qk_moe_out, "x + routed + sigmoid(sg) * shared, a MoE block's output on the residual");
   mod.def("gdn_step", &qk_gdn_step, "a Gated DeltaNet layer between its projections, one token");
-  mod.def("gdn_rows", &qk_gdn_rows, "T tokens of gdn_step, keeping the state after each but the last");
+  mod.def("gdn_rows", &qk_gdn_rows, "T tokens of gdn_step, keeping the state after each but the last (or none)");
   mod.def("attn_step", &qk_attn_step, "a gated attention layer between its projections, one token");
   mod.def("delta_step", &qk_delta_step, "one token of the gated delta rule, state updated in place");
   mod.def("argmax", &qk_argmax, "torch.argmax of a contiguous bf16 or fp32 tensor (its first maximum)");

@@ -48,6 +48,16 @@ struct GdnArgs {
   float eps;
 };
 
+// One token of the gated delta rule on one head (delta_rows): its q, k [dk], v [dv], decay and beta; kv [dv]
+// scratch; out [dv] its output
+struct DeltaTok {
+  const float *q, *k, *v;
+  float decay, beta;
+  float *kv, *out;
+};
+constexpr int kMaxDeltaRows = 4;      // tokens of one gdn_head_rows call at most
+constexpr int kDeltaBlockCols = 64;   // columns of the state a delta_rows block spans at most (its scratch)
+
 struct Ops {
   const char* name;  // "generic", "avx2", "avx2vnni", "avx512", "avx512bf16"
   int level;         // 0 generic, 1 avx2 (either AVX2 table), 2 avx512 (either AVX512 table)
@@ -80,6 +90,11 @@ struct Ops {
   void (*gdn_conv)(const GdnArgs& g, uint16_t* x);
   void (*gdn_head)(const GdnArgs& g, const uint16_t* x, int64_t h, const float* s_in, float* s, bool stream,
                    float* scratch, uint16_t* scratch16, uint16_t* out);
+  // t (1..kMaxDeltaRows) tokens of gdn_head on head h (token j: g[j], x + j * channels, out[j]; dv a multiple of
+  // 16) from s_in to s, the states between only in scratch (t * (2 * dk + 3 * dv) + dk * kDeltaBlockCols
+  // floats); the same bits as t calls of gdn_head
+  void (*gdn_head_rows)(const GdnArgs* g, int64_t t, const uint16_t* x, int64_t h, const float* s_in, float* s,
+                        bool stream, float* scratch, uint16_t* scratch16, uint16_t* const* out);
   // RMSNorm of `rows` rows then the rotary on the first `rot` dims (nrm scratch of hd)
   void (*norm_rotate)(const uint16_t* x, int64_t stride, int64_t rows, int64_t hd, const float* scale,
                       const uint16_t* cos, const uint16_t* sin, int64_t rot, float eps, uint16_t* nrm, uint16_t* y);

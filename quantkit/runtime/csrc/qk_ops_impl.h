@@ -29,6 +29,9 @@
 
 namespace {
 
+using qk::DeltaTok;
+using qk::kDeltaBlockCols;
+using qk::kMaxDeltaRows;
 using qk::GdnArgs;
 using qk::kBlock;
 using qk::kTile;
@@ -985,49 +988,65 @@ void tile(const QMat& m, int64_t t, const QAct* a, int64_t rows, float* out) {
 }
 
 // ---------------------------------------------------------------- the gated delta rule
-// Columns j0 .. j0 + CB * W - 1 of delta_head: a column's kv and out depend on that column alone, so a block of
-// them goes through both passes with kv and out in registers and the second pass reads the block's rows from L1
-// (the same operations in the same order per element as whole rows, so the same bits).
+// A block of CB * W columns of delta_head, from `in` to `dst` (rows ins and ds floats apart; v, kv and out at
+// the block's first column): a column's kv and out depend on that column alone, so the block goes through both
+// passes with kv and out in registers and the second pass reads the block's rows from L1 (the same operations in
+// the same order per element as whole rows, so the same bits).
 constexpr int kDeltaCols = 4;
+static_assert(kDeltaCols * W <= kDeltaBlockCols, "a delta rule block wider than its scratch");
 template <int CB>
-inline void delta_cols(const float* Sin, float* S, int64_t K, int64_t V, int64_t j0, const float* q, const float* k,
-                       const float* v, float decay, float beta, float* kv, float* out, bool inplace, bool stream) {
+inline void delta_cols(const float* in, int64_t ins, float* dst, int64_t ds, int64_t K, const float* q,
+                       const float* k, const float* v, float decay, float beta, float* kv, float* out, bool inplace,
+                       bool stream) {
   const vf dv = vset(decay);
   vf acc[CB], o[CB];
   for (int c = 0; c < CB; ++c) acc[c] = vzero();
   for (int64_t i = 0; i < K; ++i) {
-    const float* in = Sin + i * V + j0;
     const vf ki = vset(k[i]);
     for (int c = 0; c < CB; ++c) {
-      const vf sv = vmul(vld(in + c * W), dv);
-      if (inplace) vst(S + i * V + j0 + c * W, sv);
+      const vf sv = vmul(vld(in + i * ins + c * W), dv);
+      if (inplace) vst(dst + i * ds + c * W, sv);
       acc[c] = vfma(ki, sv, acc[c]);
     }
   }
   const vf bv = vset(beta);
   for (int c = 0; c < CB; ++c) {
-    acc[c] = vmul(vsub(vld(v + j0 + c * W), acc[c]), bv);
-    vst(kv + j0 + c * W, acc[c]);
+    acc[c] = vmul(vsub(vld(v + c * W), acc[c]), bv);
+    vst(kv + c * W, acc[c]);
     o[c] = vzero();
   }
   for (int64_t i = 0; i < K; ++i) {
-    float* row = S + i * V + j0;
-    const float* in = Sin + i * V + j0;
+    float* row = dst + i * ds;
     const vf ki = vset(k[i]), qi = vset(q[i]);
     for (int c = 0; c < CB; ++c) {
-      const vf sv = vfma(ki, acc[c], inplace ? vld(row + c * W) : vmul(vld(in + c * W), dv));
+      const vf sv = vfma(ki, acc[c], inplace ? vld(row + c * W) : vmul(vld(in + i * ins + c * W), dv));
       if (stream) vstream(row + c * W, sv); else vst(row + c * W, sv);
       o[c] = vfma(qi, sv, o[c]);
     }
   }
-  for (int c = 0; c < CB; ++c) vst(out + j0 + c * W, o[c]);
+  for (int c = 0; c < CB; ++c) vst(out + c * W, o[c]);
+}
+
+// the block of CB * W columns at j0 of delta_rows: token by token, the states between in tmp [K, CB * W]
+template <int CB>
+inline void delta_rows_cols(const float* Sin, float* S, int64_t K, int64_t V, int64_t j0, int64_t t,
+                            const DeltaTok* tok, float* tmp, bool stream) {
+  for (int64_t j = 0; j < t; ++j) {
+    const bool last = j + 1 == t;
+    const float* in = j == 0 ? Sin + j0 : tmp;
+    float* dst = last ? S + j0 : tmp;
+    const DeltaTok& d = tok[j];
+    delta_cols<CB>(in, j == 0 ? V : CB * W, dst, last ? V : CB * W, K, d.q, d.k, d.v + j0, d.decay, d.beta,
+                   d.kv + j0, d.out + j0, in == dst, last && stream);
+  }
 }
 
 // One head for one token, state S [K, V] fp32 from Sin: S = Sin * decay; kv = k^T S; S += k (beta (v - kv))^T;
 // out = q^T S. Two passes over each block of columns (delta_cols), the second from L1. In place (Sin == S) the
-// first writes S * decay; out of place, the first pass only reads Sin and the second writes S, with non-temporal stores where `stream` (a state nothing reads before it
-// leaves the cache): its lines are then not read for ownership first, as plain stores to a buffer out of cache
-// read them (a verify writing its last state to a second buffer so spent more than one writing in place).
+// first writes S * decay; out of place, the first pass only reads Sin and the second writes S, with non-temporal
+// stores where `stream` (a state nothing reads before it leaves the cache): its lines are then not read for
+// ownership first, as plain stores to a buffer out of cache read them (a verify writing its last state to a
+// second buffer so spent more than one writing in place).
 void delta_head(const float* Sin, float* S, int64_t K, int64_t V, const float* q, const float* k, const float* v,
                 float decay, float beta, float* kv, float* out, bool stream) {
   if (V % W) {  // a width no vector divides: plain loops
@@ -1053,8 +1072,23 @@ void delta_head(const float* Sin, float* S, int64_t K, int64_t V, const float* q
            (V * sizeof(float)) % kStreamAlign == 0;
   int64_t j0 = 0;
   for (; j0 + kDeltaCols * W <= V; j0 += kDeltaCols * W)
-    delta_cols<kDeltaCols>(Sin, S, K, V, j0, q, k, v, decay, beta, kv, out, inplace, stream);
-  for (; j0 < V; j0 += W) delta_cols<1>(Sin, S, K, V, j0, q, k, v, decay, beta, kv, out, inplace, stream);
+    delta_cols<kDeltaCols>(Sin + j0, V, S + j0, V, K, q, k, v + j0, decay, beta, kv + j0, out + j0, inplace, stream);
+  for (; j0 < V; j0 += W)
+    delta_cols<1>(Sin + j0, V, S + j0, V, K, q, k, v + j0, decay, beta, kv + j0, out + j0, inplace, stream);
+  if (stream) stream_fence();
+}
+
+// t tokens of delta_head on one head (V % W == 0), from Sin to S (which may be Sin), each block of columns
+// through every token while it is in L1; the states between stay in tmp [K, kDeltaBlockCols]. The same bits as t
+// calls of delta_head.
+void delta_rows(const float* Sin, float* S, int64_t K, int64_t V, int64_t t, const DeltaTok* tok, float* tmp,
+                bool stream) {
+  stream = stream && Sin != S && reinterpret_cast<uintptr_t>(S) % kStreamAlign == 0 &&
+           (V * sizeof(float)) % kStreamAlign == 0;
+  int64_t j0 = 0;
+  for (; j0 + kDeltaCols * W <= V; j0 += kDeltaCols * W)
+    delta_rows_cols<kDeltaCols>(Sin, S, K, V, j0, t, tok, tmp, stream);
+  for (; j0 < V; j0 += W) delta_rows_cols<1>(Sin, S, K, V, j0, t, tok, tmp, stream);
   if (stream) stream_fence();
 }
 
@@ -1286,22 +1320,31 @@ void l2norm_row(const uint16_t* x, int64_t n, float div, float* y) {
   }
 }
 
-// one value head h: its q/k (of k-head h / (Hv/Hk)), v, gates, the state update, the gated RMSNorm
-void gdn_head(const GdnArgs& g, const uint16_t* x, int64_t h, const float* s_in, float* s, bool stream,
-              float* scratch, uint16_t* ob, uint16_t* out) {
-  float *q = scratch, *k = q + g.dk, *v = k + g.dk, *kv = v + g.dv, *o = kv + g.dv;
+// one value head h of one token, before the state update: its q/k (of k-head h / (Hv/Hk)), v and gates, the
+// vectors in scratch (2 * dk + 3 * dv floats: q, k, v, kv, o)
+DeltaTok gdn_prep(const GdnArgs& g, const uint16_t* x, int64_t h, float* scratch) {
+  float *q = scratch, *k = q + g.dk, *v = k + g.dk;
+  DeltaTok d;
+  d.q = q;
+  d.k = k;
+  d.v = v;
+  d.kv = v + g.dv;
+  d.out = d.kv + g.dv;
   const int64_t kh = h / (g.hv / g.hk), key_dim = g.hk * g.dk;
   l2norm_row(x + kh * g.dk, g.dk, sqrtf(static_cast<float>(g.dk)), q);
   l2norm_row(x + key_dim + kh * g.dk, g.dk, 1.f, k);
   const uint16_t* xv = x + 2 * key_dim + h * g.dv;
   for (int64_t i = 0; i < g.dv; ++i) v[i] = bf16_value(xv[i]);
-  const float beta = through_bf16(sigmoid1(bf16_value(g.b[h])));
+  d.beta = through_bf16(sigmoid1(bf16_value(g.b[h])));
   const float sp = bf16_value(g.a[h]) + g.dt_bias[h];
   const float softplus = sp > 20.f ? sp : log1pf(expf(sp));
-  const float decay = expf(g.neg_a[h] * softplus);
-  delta_head(s_in, s, g.dk, g.dv, q, k, v, decay, beta, kv, o, stream);
-  // gated RMSNorm: y = bf16(o * rsqrt(mean(o^2) + eps)) with o rounded to bf16 first; w * y (bf16 when w
-  // is); times silu(z) in fp32; rounded to bf16
+  d.decay = expf(g.neg_a[h] * softplus);
+  return d;
+}
+
+// the gated RMSNorm of head h's update output o: y = bf16(o * rsqrt(mean(o^2) + eps)) with o rounded to bf16
+// first; w * y (bf16 when w is); times silu(z) in fp32; rounded to bf16 (ob: dv bf16 scratch)
+void gdn_post(const GdnArgs& g, int64_t h, const float* o, uint16_t* ob, uint16_t* out) {
   for (int64_t i = 0; i < g.dv; ++i) ob[i] = to_bf16(o[i]);
   const float ms = sum_sq(ob, g.dv) / static_cast<float>(g.dv);
   const vf r = vset(1.f / sqrtf(ms + g.eps));
@@ -1312,6 +1355,27 @@ void gdn_head(const GdnArgs& g, const uint16_t* x, int64_t h, const float* s_in,
     if (g.norm_w_bf16) wy = vround16(wy);
     st16(out + h * g.dv, vmul(wy, vsilu(ld16(zh, g.dv, i))), g.dv, i);
   }
+}
+
+// one value head h: gdn_prep, the state update from s_in to s, gdn_post
+void gdn_head(const GdnArgs& g, const uint16_t* x, int64_t h, const float* s_in, float* s, bool stream,
+              float* scratch, uint16_t* ob, uint16_t* out) {
+  const DeltaTok d = gdn_prep(g, x, h, scratch);
+  delta_head(s_in, s, g.dk, g.dv, d.q, d.k, d.v, d.decay, d.beta, d.kv, d.out, stream);
+  gdn_post(g, h, d.out, ob, out);
+}
+
+// gdn_head for t tokens of one head (g[j], x + j * g[0].channels and out[j] token j's; dv a multiple of 16), the
+// states between in scratch only (t * (2 * dk + 3 * dv) + dk * kDeltaBlockCols floats)
+void gdn_head_rows(const GdnArgs* g, int64_t t, const uint16_t* x, int64_t h, const float* s_in, float* s,
+                   bool stream, float* scratch, uint16_t* ob, uint16_t* const* out) {
+  const GdnArgs& g0 = g[0];
+  const int64_t per = 2 * g0.dk + 3 * g0.dv;
+  if (t == 1) return gdn_head(g0, x, h, s_in, s, stream, scratch, ob, out[0]);
+  DeltaTok tok[kMaxDeltaRows];
+  for (int64_t j = 0; j < t; ++j) tok[j] = gdn_prep(g[j], x + j * g0.channels, h, scratch + j * per);
+  delta_rows(s_in, s, g0.dk, g0.dv, t, tok, scratch + t * per, stream);
+  for (int64_t j = 0; j < t; ++j) gdn_post(g[j], h, tok[j].out, ob, out[j]);
 }
 
 // ---------------------------------------------------------------- gated attention layer
@@ -1425,7 +1489,7 @@ void bit_range(const U* __restrict x, int64_t n, int32_t* out) {
 // constant-initialised: loading the module runs none of this unit's code
 constexpr qk::Ops kOps = {QK_NAME,    QK_LEVEL,  quantize_row, tile,     to_bf16_row, silu_mul32,
                           sum_f32,    delta_head, attend_head, rms_row,  add_bf16,    silu_mul_bf16,
-                          exp_shifted, moe_out,   gate_mul,    gdn_conv, gdn_head,    norm_rotate,
+                          exp_shifted, moe_out,   gate_mul,    gdn_conv, gdn_head,    gdn_head_rows, norm_rotate,
                           quant_int4_sym, bit_range<int16_t, uint16_t>,
                           bit_range<int32_t, uint32_t>};
 

@@ -259,9 +259,10 @@ void gdn_rows_into(const GdnArgs& g0, int64_t t, float* kept, uint16_t* op, cons
   gdn_heads_into(g0, t, xs, from ? from : g0.state, kept, op);
 }
 
-// Each head goes through the t tokens while its state is in cache. Where no state before the last is kept, they
-// stay in a per-thread scratch, so a verify writes to memory what one step writes; a last state written out of
-// place (a verify's, a replay's) streams past the cache.
+// Each head goes through the t tokens while its state is in cache. Where no state before the last is kept, each
+// block of the state's columns goes through every token in L1 (gdn_head_rows) and only the last state is written,
+// so a verify writes to memory what one step writes; a last state written out of place (a verify's, a replay's)
+// streams past the cache.
 void gdn_heads_into(const GdnArgs& g0, int64_t t, const uint16_t* x, const float* from, float* kept, uint16_t* op) {
   const int64_t hs = g0.dk * g0.dv, n = g0.hv * hs, od = g0.hv * g0.dv;
   TORCH_CHECK(t >= 1 && t <= kMaxRows, "qk_gdn_rows: 1..", kMaxRows, " tokens");
@@ -273,6 +274,19 @@ void gdn_heads_into(const GdnArgs& g0, int64_t t, const uint16_t* x, const float
     g[j].a = g0.a + j * g0.hv;
   }
   const Ops& f = ops();
+  static_assert(kMaxRows <= kMaxDeltaRows, "gdn_head_rows takes fewer tokens than a verify");
+  if (!kept && t > 1 && g0.dv % 16 == 0) {  // every block of a head's state through the t tokens in L1
+    uint16_t* outs[kMaxRows];
+    for (int64_t j = 0; j < t; ++j) outs[j] = op + j * od;
+    at::parallel_for(0, g0.hv, 1, [&](int64_t lo, int64_t hi) {
+      thread_local std::vector<float> tl_scratch;
+      tl_scratch.resize(t * (2 * g0.dk + 3 * g0.dv) + g0.dk * kDeltaBlockCols);
+      uint16_t ob[kMaxHeadDim];
+      for (int64_t h = lo; h < hi; ++h)
+        f.gdn_head_rows(g, t, x, h, from + h * hs, g0.state + h * hs, true, tl_scratch.data(), ob, outs);
+    });
+    return;
+  }
   at::parallel_for(0, g0.hv, 1, [&](int64_t lo, int64_t hi) {
     float scratch[2 * kMaxHeadDim + 3 * kMaxHeadDim];
     uint16_t ob[kMaxHeadDim];
@@ -340,11 +354,12 @@ torch::Tensor qk_gdn_rows(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, t
   const int64_t t = qkv.size(0);
   TORCH_CHECK(qkv.dim() == 2 && t >= 1 && t <= kMaxRows, "qk_gdn_rows: qkv must be [T, C], T <= ", kMaxRows);
   const GdnArgs g0 = gdn_args(qkv, z, b, a, conv, conv_w, neg_a, dt_bias, norm_w, norm_w_bf16, state, hk, eps, t);
-  TORCH_CHECK(states.scalar_type() == torch::kFloat && states.is_contiguous() && states.dim() == 4 &&
-              states.size(0) == t - 1 && states.size(1) == g0.hv && states.size(2) == g0.dk && states.size(3) == g0.dv,
-              "qk_gdn_rows: states must be contiguous fp32 [T - 1, Hv, Dk, Dv]");
+  const bool keep = states.numel() > 0;
+  TORCH_CHECK(!keep || (states.scalar_type() == torch::kFloat && states.is_contiguous() && states.dim() == 4 &&
+              states.size(0) == t - 1 && states.size(1) == g0.hv && states.size(2) == g0.dk && states.size(3) == g0.dv),
+              "qk_gdn_rows: states must be contiguous fp32 [T - 1, Hv, Dk, Dv], or empty to keep none");
   torch::Tensor out = torch::empty({t, g0.hv * g0.dv}, torch::kBFloat16);
-  gdn_rows_into(g0, t, states.data_ptr<float>(), bf16_ptr(out));
+  gdn_rows_into(g0, t, keep ? states.data_ptr<float>() : nullptr, bf16_ptr(out));
   return out;
 }
 
