@@ -156,8 +156,9 @@ def mtp_tokens(model: Any, cache: HybridCache, mtp_cache: HybridCache, logits: t
                draft: int, limit: int, pick: Pick, clock: Clock, stats: DraftStats, tuner: DraftTuner | None = None
                ) -> Iterator[tuple[int, Any]]:
     """Tokens from speculative decoding with up to `draft` drafts per verify (or as many as `tuner` says, timing
-    each verify for it), never past `limit` positions in `cache` (see the module docstring). `last_hidden` [1, H]:
-    the final norm's output at the last cached position."""
+    each verify for it), none at or past position `limit` (the prompt and the token budget: no draft is made for a
+    token the budget would drop; see the module docstring). `last_hidden` [1, H]: the final norm's output at the last
+    cached position."""
     mtp = model.mtp
     tok, info, _ = pick(logits, None)
     yield tok, info
@@ -166,8 +167,9 @@ def mtp_tokens(model: Any, cache: HybridCache, mtp_cache: HybridCache, logits: t
     while True:
         if tuner is not None:
             draft = stats.draft = tuner.draft()
-        k = min(draft, limit - cache.n - 1)
-        if k <= 0:  # no room for drafts (or the tuner stopped them): a plain step
+        # `tok` is the cache's position n; a verify yields up to k + 1 tokens from it, none past `limit`
+        k = min(draft, limit - cache.n - 2)
+        if k <= 0:  # no drafts the budget would keep (or the tuner stopped them): a plain step
             logits = clock.time(lambda tok=tok: model.forward([tok], cache))
             tok, info, _ = pick(logits, None)
             yield tok, info
