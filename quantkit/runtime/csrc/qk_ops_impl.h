@@ -474,15 +474,11 @@ void tile_int8(const QMat& m, int64_t t, const QAct* a, float* out) {
           i[j] = _mm512_dpbusd_epi32(i[j], w[j + 4], _mm512_set1_epi32(load_i32(xq + 4 * j + 16)));
         is = _mm512_add_epi32(_mm512_add_epi32(i[0], i[1]), _mm512_add_epi32(i[2], i[3]));
         is = _mm512_sub_epi32(is, _mm512_set1_epi32(128 * a[r].s[b]));
-      } else {  // two chains starting at the -128 offset's correction: the same exact sums in fewer ops per
-                // row, which keeps a verify's rows of the int8 head at one row's pace (one row runs faster with
-                // four; reports/mtp-verify-states/)
-        __m512i i0 = _mm512_set1_epi32(-128 * a[r].s[b]), i1 = _mm512_setzero_si512();
-        for (int j = 0; j < 8; j += 2) {
-          i0 = _mm512_dpbusd_epi32(i0, w[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
-          i1 = _mm512_dpbusd_epi32(i1, w[j + 1], _mm512_set1_epi32(load_i32(xq + 4 * j + 4)));
-        }
-        is = _mm512_add_epi32(i0, i1);
+      } else {  // one chain per row starting at the -128 offset's correction (the rows' chains run side by
+                // side): the same exact sums in fewer ops per row, which keeps a verify's rows of the int8 head
+                // near one row's pace (one row runs faster with four chains; reports/mtp-verify-states/)
+        is = _mm512_set1_epi32(-128 * a[r].s[b]);
+        for (int j = 0; j < 8; ++j) is = _mm512_dpbusd_epi32(is, w[j], _mm512_set1_epi32(load_i32(xq + 4 * j)));
       }
       fs[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), _mm512_set1_ps(a[r].d[b]), fs[r]);
     }
