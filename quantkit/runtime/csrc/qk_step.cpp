@@ -356,7 +356,8 @@ torch::Tensor qk_gdn_rows(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, t
   const GdnArgs g0 = gdn_args(qkv, z, b, a, conv, conv_w, neg_a, dt_bias, norm_w, norm_w_bf16, state, hk, eps, t);
   const bool keep = states.numel() > 0;
   TORCH_CHECK(!keep || (states.scalar_type() == torch::kFloat && states.is_contiguous() && states.dim() == 4 &&
-              states.size(0) == t - 1 && states.size(1) == g0.hv && states.size(2) == g0.dk && states.size(3) == g0.dv),
+                        states.size(0) == t - 1 && states.size(1) == g0.hv && states.size(2) == g0.dk &&
+                        states.size(3) == g0.dv),
               "qk_gdn_rows: states must be contiguous fp32 [T - 1, Hv, Dk, Dv], or empty to keep none");
   torch::Tensor out = torch::empty({t, g0.hv * g0.dv}, torch::kBFloat16);
   gdn_rows_into(g0, t, keep ? states.data_ptr<float>() : nullptr, bf16_ptr(out));
