@@ -1037,6 +1037,20 @@ inline void delta_rows_cols(const float* Sin, float* S, int64_t K, int64_t V, in
   }
 }
 
+// t tokens of the gated delta rule (delta_head's) on one head (V % W == 0), from Sin to S (which may be Sin),
+// each block of columns through every token while it is in L1; the states between stay in tmp
+// [K, kDeltaBlockCols]. The same bits as t calls of delta_head.
+void delta_rows(const float* Sin, float* S, int64_t K, int64_t V, int64_t t, const DeltaTok* tok, float* tmp,
+                bool stream) {
+  stream = stream && Sin != S && reinterpret_cast<uintptr_t>(S) % kStreamAlign == 0 &&
+           (V * sizeof(float)) % kStreamAlign == 0;
+  int64_t j0 = 0;
+  for (; j0 + kDeltaCols * W <= V; j0 += kDeltaCols * W)
+    delta_rows_cols<kDeltaCols>(Sin, S, K, V, j0, t, tok, tmp, stream);
+  for (; j0 < V; j0 += W) delta_rows_cols<1>(Sin, S, K, V, j0, t, tok, tmp, stream);
+  if (stream) stream_fence();
+}
+
 // One head for one token, state S [K, V] fp32 from Sin: S = Sin * decay; kv = k^T S; S += k (beta (v - kv))^T;
 // out = q^T S. Two passes over each block of columns (delta_cols), the second from L1. In place (Sin == S) the
 // first writes S * decay; out of place, the first pass only reads Sin and the second writes S, with non-temporal
@@ -1063,29 +1077,8 @@ void delta_head(const float* Sin, float* S, int64_t K, int64_t V, const float* q
       }
     return;
   }
-  const bool inplace = Sin == S;
-  stream = stream && !inplace && reinterpret_cast<uintptr_t>(S) % kStreamAlign == 0 &&
-           (V * sizeof(float)) % kStreamAlign == 0;
-  int64_t j0 = 0;
-  for (; j0 + kDeltaCols * W <= V; j0 += kDeltaCols * W)
-    delta_cols<kDeltaCols>(Sin + j0, V, S + j0, V, K, q, k, v + j0, decay, beta, kv + j0, out + j0, inplace, stream);
-  for (; j0 < V; j0 += W)
-    delta_cols<1>(Sin + j0, V, S + j0, V, K, q, k, v + j0, decay, beta, kv + j0, out + j0, inplace, stream);
-  if (stream) stream_fence();
-}
-
-// t tokens of delta_head on one head (V % W == 0), from Sin to S (which may be Sin), each block of columns
-// through every token while it is in L1; the states between stay in tmp [K, kDeltaBlockCols]. The same bits as t
-// calls of delta_head.
-void delta_rows(const float* Sin, float* S, int64_t K, int64_t V, int64_t t, const DeltaTok* tok, float* tmp,
-                bool stream) {
-  stream = stream && Sin != S && reinterpret_cast<uintptr_t>(S) % kStreamAlign == 0 &&
-           (V * sizeof(float)) % kStreamAlign == 0;
-  int64_t j0 = 0;
-  for (; j0 + kDeltaCols * W <= V; j0 += kDeltaCols * W)
-    delta_rows_cols<kDeltaCols>(Sin, S, K, V, j0, t, tok, tmp, stream);
-  for (; j0 < V; j0 += W) delta_rows_cols<1>(Sin, S, K, V, j0, t, tok, tmp, stream);
-  if (stream) stream_fence();
+  const DeltaTok d = {q, k, v, decay, beta, kv, out};
+  delta_rows(Sin, S, K, V, 1, &d, nullptr, stream);  // one token: no state between, no scratch
 }
 
 // ---------------------------------------------------------------- attention over bf16 K/V
@@ -1367,7 +1360,6 @@ void gdn_head_rows(const GdnArgs* g, int64_t t, const uint16_t* x, int64_t h, co
                    bool stream, float* scratch, uint16_t* ob, uint16_t* const* out) {
   const GdnArgs& g0 = g[0];
   const int64_t per = 2 * g0.dk + 3 * g0.dv;
-  if (t == 1) return gdn_head(g0, x, h, s_in, s, stream, scratch, ob, out[0]);
   DeltaTok tok[kMaxDeltaRows];
   for (int64_t j = 0; j < t; ++j) tok[j] = gdn_prep(g[j], x + j * g0.channels, h, scratch + j * per);
   delta_rows(s_in, s, g0.dk, g0.dv, t, tok, scratch + t * per, stream);
