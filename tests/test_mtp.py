@@ -2,7 +2,7 @@
 tiny checkpoint with an MTP layer: greedy output identical to decoding without drafts for 1-3 drafts, with the
 layer's own (random, rarely accepted) drafts and with an oracle drafter that proposes the model's own
 continuation and is wrong at a set rate (so drafts are accepted, rejected and rolled back); sampling keeps the
-target's distribution; bad --mtp values and a folder without the layer get one line."""
+target's distribution, and a seed gives the same tokens with and without drafts; bad --mtp values and a folder without the layer get one line."""
 
 from __future__ import annotations
 
@@ -254,6 +254,21 @@ def test_oracle_drafts_are_accepted_rolled_back_and_change_nothing(tiny_model_mt
         assert stats["accepted"] < stats["drafted"]
 
 
+@pytest.mark.parametrize(("draft", "wrong_every"), [(1, 3), (2, 4), (3, 2)])
+def test_seeded_sampling_gives_the_tokens_of_decoding_without_drafts(tiny_model_mtp, draft, wrong_every,
+                                                                    one_thread, monkeypatch):  # noqa: F811
+    """Each row's token is drawn as without drafts, one draw per token kept, so a seed gives the same tokens with
+    and without drafts (the oracle drafts the seeded run's own tokens, a wrong one every `wrong_every`-th)."""
+    rt = load_model(quantized(tiny_model_mtp, "int4"))
+    kw = {"temperature": 1.0, "top_k": 8, "top_p": 0.95, "seed": 7}
+    want, _ = _generate(rt, 0, n=60, **kw)
+    assert want != _generate(rt, 0, n=60, **{**kw, "seed": 8})[0]  # the seed decides the tokens
+    monkeypatch.setattr(rt.model.mtp, "draft", Oracle(rt.render_ids(PROMPT)[1] + want, wrong_every))
+    got, stats = _generate(rt, draft, n=60, **kw)
+    assert got == want
+    assert 0 < stats["accepted"] < stats["drafted"]
+
+
 def test_a_stop_token_inside_an_accepted_run_ends_the_generation_there(tiny_model_mtp, one_thread, monkeypatch):  # noqa: F811
     rt = load_model(quantized(tiny_model_mtp, "int4"))
     want, _ = _generate(rt, 0)
@@ -312,6 +327,19 @@ def test_generate_json_reports_the_counts(tiny_model_mtp, capsys, monkeypatch):
                               "--max-tokens", "8"], capsys, monkeypatch)
     assert code == 0, err
     assert json.loads(out)["mtp"] is None
+
+
+def test_generate_with_a_seed_says_the_same_with_and_without_drafts(tiny_model_mtp, capsys, monkeypatch):
+    q = quantized(tiny_model_mtp, "int4")
+    texts = []
+    for mtp in (["--mtp", "2"], [], ["--mtp", "0"]):
+        code, out, err = run_cli(["generate", q, "--prompt", "hi", *mtp, "--json", "--temperature", "1",
+                                  "--seed", "3", "--max-tokens", "24"], capsys, monkeypatch)
+        assert code == 0, err
+        d = json.loads(out)
+        texts.append((d["thinking"], d["text"], d["generation_tokens"]))
+        assert (d["mtp"] is None) == (mtp == ["--mtp", "0"])
+    assert texts[0] == texts[1] == texts[2]
 
 
 def test_the_tuner_keeps_the_fastest_draft_count_and_stops_drafting_that_does_not_pay():

@@ -247,7 +247,7 @@ def stream_tokens(model: Model, tokenizer: Any, prompt_ids: list[int], *, sampli
                       prefix_cache=prefix_cache, boundary_ids=boundary_ids, cancel=cancel, hidden=bool(mtp))
         cache, logits = pre.cache, pre.logits
         budget = min(sampling.max_new_tokens, context - n_prompt) if logits is not None else 0
-        pick = picker(sampling, gen, sample, candidates)
+        pick = picker(sampling, gen, sample)
         if stats is not None and mtp and budget > 1:
             assert pre.hidden is not None
             mtp_cache = model.mtp.new_cache(n_prompt + budget)

@@ -1,16 +1,17 @@
-"""Where generated tokens come from: one forward per token (`plain_tokens`), or speculative decoding with the
-model's own MTP layer (`mtp_tokens`).
+"""Where generated tokens come from: one forward per token (`plain_tokens`), or speculative decoding with the model's
+own MTP layer (`mtp_tokens`).
 
 Speculative decoding: the MTP layer (runtime/model/mtp.py) drafts k tokens; the main model verifies the current
-token and the k drafts in one forward that computes exactly what k + 1 one-token steps would (bit for bit) and
-keeps its Gated DeltaNet states at every position; the longest prefix of drafts the target accepts is kept, plus
-the target's own next token, and the cache is rewound to it (`HybridCache.rewind`, no recompute). Acceptance:
-greedy, a draft is kept when it is the target's argmax, so the output equals decoding without drafts; sampling,
-the drafts are the MTP's argmax (a one-hot draft distribution), so the standard speculative-sampling rule is:
-keep draft d with probability p(d) under the target's sampling distribution, else draw from p with d removed
-and renormalised; the output distribution is the target's. Logits processors (`SamplingParams.hook`) see every
-row in order, as without drafts. How many drafts: `--mtp N`, or by default as many as `DraftTuner` measures to
-decode fastest (none where drafting does not pay).
+token and the k drafts in one forward that computes exactly what k + 1 one-token steps would (bit for bit) and keeps
+its Gated DeltaNet states at every position; the longest prefix of drafts the target accepts is kept, plus the
+target's own next token, and the cache is rewound to it (`HybridCache.rewind`, no recompute). Acceptance: each row's
+token is the target's own, picked as without drafts (its argmax, or drawn from its sampling distribution with the
+same random draws, one per token kept), and a draft is kept when it equals that token. The drafts are the MTP's
+argmax (a one-hot draft distribution), for which this is the standard speculative-sampling rule (keep draft d with
+probability p(d), else a token from p with d removed and renormalised), and the tokens are those of decoding without
+drafts, greedy or seeded (llama.cpp's speculative loop accepts the same way). Logits processors
+(`SamplingParams.hook`) see every row in order, as without drafts. How many drafts: `--mtp N`, or by default as many
+as `DraftTuner` measures to decode fastest (none where drafting does not pay).
 """
 
 from __future__ import annotations
@@ -209,29 +210,13 @@ def mtp_tokens(model: Any, cache: HybridCache, mtp_cache: HybridCache, logits: t
         first = False
 
 
-def picker(sampling: Any, gen: torch.Generator | None, sample: Callable[..., int],
-           candidates: Callable[..., tuple[torch.Tensor | None, torch.Tensor]]) -> Pick:
+def picker(sampling: Any, gen: torch.Generator | None, sample: Callable[..., int]) -> Pick:
     """The token for a row of logits, through the sampling hook, and whether it keeps the row's draft (module
-    docstring's rule)."""
+    docstring's rule: the token decoding without drafts would pick there, and the draft kept where they agree)."""
     hook = sampling.hook
 
     def pick(logits: torch.Tensor, draft: int | None) -> tuple[int, Any, bool]:
-        lg = logits if hook is None else hook.process(logits)
-        if draft is None or sampling.temperature == 0:
-            tok = sample(lg, sampling, gen)
-            kept = draft is not None and tok == draft
-        else:
-            ids, probs = candidates(lg, sampling)
-            where = (ids == draft).nonzero() if ids is not None else torch.tensor([[draft]])
-            p_draft = float(probs[where[0, 0]]) if where.numel() else 0.0
-            if float(torch.rand((), generator=gen)) < p_draft:
-                tok, kept = draft, True
-            else:
-                rest = probs.clone()
-                if where.numel():
-                    rest[where[0, 0]] = 0.0
-                j = int(torch.multinomial(rest / rest.sum(), 1, generator=gen))
-                tok, kept = (int(ids[j]) if ids is not None else j), False
-        return tok, (None if hook is None else hook.accept(tok)), kept
+        tok = sample(logits if hook is None else hook.process(logits), sampling, gen)
+        return tok, (None if hook is None else hook.accept(tok)), draft is not None and tok == draft
 
     return pick
