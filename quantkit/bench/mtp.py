@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -56,23 +57,25 @@ NEW_TOKENS = 96  # greedy tokens per generation: about 50 one-token drafts, the 
 
 class OracleDrafter:
     """The MTP layer's draft (its cost paid), then the reference token instead, replaced by a wrong one on a share
-    1 - acceptance of the drafts. Which drafts: draft i is wrong where frac(phase + i * 0.618...) >= acceptance
-    (the golden-ratio sequence, phase set by `seed`), so every run's share is the set one within about two drafts.
+    1 - acceptance of the drafts. Which drafts: the wrong ones among the first n are floor(n * (1 - acceptance) + u)
+    (a Bresenham schedule, phase u set by `seed`), so every prefix of a run is within one draft of the set share,
+    and exactly on it where n * (1 - acceptance) is whole (50 drafts at 0.88: 6 wrong, whatever the phase).
     Independent random draws (the textbook model) left the realised acceptance of a 48-token run 0.05 off either
     way, and the best of several runs picked the lucky ones."""
 
-    GOLDEN = (5 ** 0.5 - 1) / 2
-
     def __init__(self, real: Any, seq: list[int], acceptance: float, seed: int = 0):
         self.real, self.seq, self.acceptance = real, seq, acceptance
-        self.u = (seed * 0.3183098861837907) % 1.0  # 1/pi: a phase per seed
+        self.wrong = Fraction(1.0 - acceptance).limit_denominator(1000)
+        self.u = int(((seed * 0.3183098861837907) % 1.0) * self.wrong.denominator)  # 1/pi: a phase per seed
+        self.calls = 0
 
     def __call__(self, model: Any, tokens: list[int], hidden: torch.Tensor, cache: Any) -> tuple[int, Any]:
         _, h = self.real(model, tokens, hidden, cache)
         pos = cache.n + 1  # pair i carries the token at position i + 1: its draft is position n + 1
         want = self.seq[pos] if pos < len(self.seq) else 0
-        self.u = (self.u + self.GOLDEN) % 1.0
-        if self.u >= self.acceptance:
+        w, d, n = self.wrong.numerator, self.wrong.denominator, self.calls
+        self.calls += 1
+        if ((n + 1) * w + self.u) // d > (n * w + self.u) // d:
             want = (want + 1) % model.vocab
         return want, h
 
@@ -392,9 +395,9 @@ def render_oracle(d: dict[str, Any]) -> list[str]:
            f"prompt, best of {d['reps']} in each of {d['rounds']} rounds.", "",
            "Random weights give an MTP layer that never agrees with the model, so an oracle drafter sets the "
            "acceptance: it runs the real MTP layer (its cost is paid), then proposes the model's own continuation, "
-           "a share 1 - acceptance of its drafts wrong, spread evenly over the run (draft i where frac(phase + "
-           "0.618 i) >= acceptance: random draws left a run's share 0.05 off either way, and the best of several "
-           "runs kept the lucky ones). A real acceptance is measured apart, on a tiny model "
+           "a share 1 - acceptance of its drafts wrong, spread evenly over the run (floor(n (1 - acceptance) + "
+           "phase) of the first n drafts, so a run is within one draft of the set share: random draws left a "
+           "run's share 0.05 off either way, and the best of several runs kept the lucky ones). A real acceptance is measured apart, on a tiny model "
            "whose MTP layer was trained on its own greedy continuations (the last section, `--part trained`). "
            "llama.cpp's MTP is not beside it: quantkit's GGUF export writes the NextN block its MTP graph reads, "
            "and the graph runs on it (tests/test_export_gguf_llama.py drafts through llama-cpp-python's C API, "
