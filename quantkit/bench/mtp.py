@@ -27,6 +27,8 @@ call that chains a second draft (`llama_set_embeddings_nextn`, C++ only).
 from __future__ import annotations
 
 import json
+import math
+import random
 import statistics
 import time
 from fractions import Fraction
@@ -57,25 +59,34 @@ NEW_TOKENS = 96  # greedy tokens per generation: about 50 one-token drafts, the 
 
 class OracleDrafter:
     """The MTP layer's draft (its cost paid), then the reference token instead, replaced by a wrong one on a share
-    1 - acceptance of the drafts. Which drafts: the wrong ones among the first n are floor(n * (1 - acceptance) + u)
-    (a Bresenham schedule, phase u set by `seed`), so every prefix of a run is within one draft of the set share,
-    and exactly on it where n * (1 - acceptance) is whole (50 drafts at 0.88: 6 wrong, whatever the phase).
-    Independent random draws (the textbook model) left the realised acceptance of a 48-token run 0.05 off either
-    way, and the best of several runs picked the lucky ones."""
+    1 - acceptance of the drafts. Which drafts: in each block of BLOCK drafts, floor((j + 1) B w + u) -
+    floor(j B w + u) of them (block j, w = 1 - acceptance, phase u set by `seed`) at places a seeded shuffle picks.
+    So the first n drafts are on the set share at every block's end (within one draft where B w is not whole:
+    0.88 gives 6 wrong of every 50), with no period for a verify of several drafts to fall in step with (an even
+    schedule at 0.5 rejects every second draft: two drafts a verify then accept exactly one each time), and the
+    wrong drafts fall as independent draws would within a block. Independent draws over the whole run (the
+    textbook model) left the realised acceptance of a 48-token run 0.05 off either way, and the best of several
+    runs picked the lucky ones."""
+
+    BLOCK = 50  # about the drafts one generation of NEW_TOKENS makes with one draft a verify
 
     def __init__(self, real: Any, seq: list[int], acceptance: float, seed: int = 0):
         self.real, self.seq, self.acceptance = real, seq, acceptance
-        self.wrong = Fraction(1.0 - acceptance).limit_denominator(1000)
-        self.u = int(((seed * 0.3183098861837907) % 1.0) * self.wrong.denominator)  # 1/pi: a phase per seed
-        self.calls = 0
+        self.wrong = Fraction(1.0 - acceptance).limit_denominator(1000) * self.BLOCK
+        self.u = (seed * 0.3183098861837907) % 1.0  # 1/pi: a phase per seed
+        self.rng = random.Random(seed)
+        self.calls, self.block, self.places = 0, -1, frozenset()
 
     def __call__(self, model: Any, tokens: list[int], hidden: torch.Tensor, cache: Any) -> tuple[int, Any]:
         _, h = self.real(model, tokens, hidden, cache)
         pos = cache.n + 1  # pair i carries the token at position i + 1: its draft is position n + 1
         want = self.seq[pos] if pos < len(self.seq) else 0
-        w, d, n = self.wrong.numerator, self.wrong.denominator, self.calls
+        j, i = divmod(self.calls, self.BLOCK)
         self.calls += 1
-        if ((n + 1) * w + self.u) // d > (n * w + self.u) // d:
+        if j != self.block:
+            n = math.floor((j + 1) * self.wrong + self.u) - math.floor(j * self.wrong + self.u)
+            self.block, self.places = j, frozenset(self.rng.sample(range(self.BLOCK), n))
+        if i in self.places:
             want = (want + 1) % model.vocab
         return want, h
 
@@ -395,9 +406,10 @@ def render_oracle(d: dict[str, Any]) -> list[str]:
            f"prompt, best of {d['reps']} in each of {d['rounds']} rounds.", "",
            "Random weights give an MTP layer that never agrees with the model, so an oracle drafter sets the "
            "acceptance: it runs the real MTP layer (its cost is paid), then proposes the model's own continuation, "
-           "a share 1 - acceptance of its drafts wrong, spread evenly over the run (floor(n (1 - acceptance) + "
-           "phase) of the first n drafts, so a run is within one draft of the set share: random draws left a "
-           "run's share 0.05 off either way, and the best of several runs kept the lucky ones). A real acceptance is measured apart, on a tiny model "
+           "a share 1 - acceptance of its drafts wrong: that share of every 50 drafts (6 at 0.88; 0.95 alternates "
+           "2 and 3), at places a seeded shuffle picks (independent draws left a run's share 0.05 off either way, "
+           "and the best of several runs kept the lucky ones; an even schedule falls in step with verifies of "
+           "several drafts). A real acceptance is measured apart, on a tiny model "
            "whose MTP layer was trained on its own greedy continuations (the last section, `--part trained`). "
            "llama.cpp's MTP is not beside it: quantkit's GGUF export writes the NextN block its MTP graph reads, "
            "and the graph runs on it (tests/test_export_gguf_llama.py drafts through llama-cpp-python's C API, "
