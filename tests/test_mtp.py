@@ -2,7 +2,8 @@
 tiny checkpoint with an MTP layer: greedy output identical to decoding without drafts for 1-3 drafts, with the
 layer's own (random, rarely accepted) drafts and with an oracle drafter that proposes the model's own
 continuation and is wrong at a set rate (so drafts are accepted, rejected and rolled back); sampling keeps the
-target's distribution, and a seed gives the same tokens with and without drafts; bad --mtp values and a folder without the layer get one line."""
+target's distribution, and a seed gives the same tokens with and without drafts; bad --mtp values and a folder
+without the layer get one line."""
 
 from __future__ import annotations
 

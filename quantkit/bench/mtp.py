@@ -204,7 +204,8 @@ def run_oracle(workdir: Path, layers: int = 4, experts: int = 64, vocab: int = 2
         "shape": {"layers": t.num_hidden_layers, "experts": t.num_experts, "top_k": t.num_experts_per_tok,
                   "hidden": t.hidden_size, "vocab": t.vocab_size, "recipe": f"{rec.name} ({rec.description})"},
         "prompt_tokens": prompt_len, "new_tokens": new_tokens, "reps": reps, "rounds": rounds,
-        "baseline_tok_s": base["tok_s"], "baseline_rounds": base["rounds"], "rows": list(rows.values()), "auto_rows": list(auto.values()),
+        "baseline_tok_s": base["tok_s"], "baseline_rounds": base["rounds"], "rows": list(rows.values()),
+        "auto_rows": list(auto.values()),
         "verify_s": costs, "verify_ratio": {k: v / costs["1"] for k, v in costs.items()},
         "mtp_bytes": rt.model.mtp.nbytes(), "seconds": time.perf_counter() - t_all,
     }
