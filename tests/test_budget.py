@@ -201,5 +201,21 @@ def test_mtp_budget_holds_the_runtimes_int4_copy_of_the_draft_rows() -> None:
     for recipe, want in (("quality", copy), ("bf16", copy), ("int4", copy)):
         b = compute_budget(SPEC, RECIPES[recipe], RunSettings(include_mtp=True))
         assert b.mtp_draft_copy == want, recipe
-        assert b.mtp == b.mtp_weights + want + b.kv_cache - compute_budget(SPEC, RECIPES[recipe], RunSettings()).kv_cache
+        assert b.mtp == (b.mtp_weights - b.mtp_copy_saving + want + b.kv_cache
+                         - compute_budget(SPEC, RECIPES[recipe], RunSettings()).kv_cache)
     assert compute_budget(SPEC, RECIPES["quality"], RunSettings()).mtp_draft_copy == 0
+
+
+def test_mtp_budget_holds_the_layers_attention_and_shared_expert_as_int4() -> None:
+    """The runtime holds the MTP layer's int8 or bf16 fc, attention and shared expert as int4 g128 (0.5 byte a
+    weight and a bf16 scale per 128) and lets the stored ones go: the MTP figure counts that; 4-bit ones, its
+    router, norms, shared_expert_gate and routed experts are held as stored."""
+    dense = [(2048, 4096), (8192, 2048), (512, 2048), (512, 2048), (2048, 4096), (512, 2048), (512, 2048),
+             (2048, 512)]  # fc; q, k, v, o; the shared expert's gate, up, down
+    int4 = sum(n * k // 2 + n * k // 128 * 2 for n, k in dense)
+    for recipe, stored in (("quality", sum(n * k + n * 2 for n, k in dense)),  # int8: a bf16 scale per row
+                           ("bf16", sum(n * k * 2 for n, k in dense)), ("int4", int4)):
+        b = compute_budget(SPEC, RECIPES[recipe], RunSettings(include_mtp=True))
+        assert b.mtp_copy_saving == stored - int4, recipe
+        kv = b.kv_cache - compute_budget(SPEC, RECIPES[recipe], RunSettings()).kv_cache
+        assert b.mtp == b.mtp_weights - (stored - int4) + b.mtp_draft_copy + kv, recipe

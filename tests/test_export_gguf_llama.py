@@ -323,7 +323,7 @@ def quantkit_mtp(folder: Path, ids: list[int], hidden: np.ndarray) -> np.ndarray
     row of the head scored."""
     from quantkit.runtime import load_model
 
-    rt = load_model(folder, forced_route="torch")
+    rt = load_model(folder, forced_route="torch", mtp_copies=False)  # the layer's matrices as stored, not int4
     mtp = rt.model.mtp
     mtp.draft_rows = 0
     cache = mtp.new_cache(64)

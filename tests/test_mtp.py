@@ -65,6 +65,36 @@ def test_greedy_output_is_identical_with_the_layers_own_drafts(tiny_model_mtp, r
         assert stats["draft"] == draft and 0 <= stats["accepted"] <= stats["drafted"] <= draft * 39
 
 
+def _mtp_dense(rt) -> dict[str, object]:
+    m = rt.model.mtp
+    a, e = m.layer.mixer, m.layer.moe
+    return {"fc": m.fc, "q": a.q, "k": a.k, "v": a.v, "o": a.o, "gate": e.shared_gate, "up": e.shared_up,
+            "down": e.shared_down}
+
+
+@pytest.mark.parametrize("recipe", ["quality", "bf16", "int4"])
+def test_the_mtp_layer_holds_its_dense_matrices_as_int4(tiny_model_mtp, recipe, one_thread):  # noqa: F811
+    """The MTP layer only drafts, so it holds its int8 or bf16 fc, attention and shared expert as int4 copies
+    (model/draft.py), close to the stored matrices; `mtp_copies=False` holds them as stored, and 4-bit ones are
+    held as stored either way. The drafts change a little, the greedy output not at all."""
+    folder = tiny_model_mtp if recipe == "bf16" else quantized(tiny_model_mtp, recipe)
+    held, stored = (load_model(folder, mtp_copies=c) for c in (True, False))
+    want = {"quality": "int8", "bf16": "bf16", "int4": "int4"}[recipe]
+    g = torch.Generator().manual_seed(5)
+    for name, k in _mtp_dense(held).items():
+        s = _mtp_dense(stored)[name]
+        assert (k.format, s.format) == ("int4" if want != "int4" else want, want), name
+        assert (k.nbytes < s.nbytes) == (want != "int4"), name
+        x = torch.randn(4, k.in_features, generator=g).to(torch.bfloat16)
+        err = float((k(x).float() - s(x).float()).norm() / s(x).float().norm())
+        assert (err == 0) == (want == "int4") and err < 0.15, (name, err)
+    assert held.model.mtp.layer.moe.experts.format == stored.model.mtp.layer.moe.experts.format
+    ref, _ = _generate(held, 0)
+    for rt in (held, stored):
+        got, stats = _generate(rt, 2)
+        assert got == ref and stats["drafted"] > 0
+
+
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("pairs", [2, 3, 4])
 def test_a_draft_from_several_pairs_skips_only_what_nothing_reads(tiny_model_mtp, route, pairs, one_thread):  # noqa: F811

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 import quantkit.cli
 import quantkit.quantize.run as qz
+from quantkit.formats import QuantSpec, stored_bytes
 from quantkit.model.checkpoint import spec_from_path
 from quantkit.model.quantized import QuantizedFolder
 from quantkit.model.spec import Role
@@ -136,7 +137,15 @@ def test_planner_counts_the_stored_mtp_bytes(q_mtp: Path) -> None:
     assert with_mtp.weights - without.weights == with_mtp.mtp_weights
     kv = with_mtp.kv_cache - without.kv_cache  # the MTP layer's attention KV, per token of context
     assert kv > 0 and kv * len(spec.config.full_attention_layers) == without.kv_cache
-    assert with_mtp.mtp == with_mtp.mtp_weights + kv
+    # the runtime holds the layer's int8 attention, fc and shared expert as int4 (model/draft.py), at group 128 or
+    # the largest that divides the row
+    dense = [t for t in q.tensors() if t.role == Role.MTP and t.spec is not None and t.spec.format == "int8"]
+    assert {t.name.split(".")[-2] for t in dense} == {"fc", *(f"{n}_proj" for n in "qkvo"), "gate_proj", "up_proj",
+                                                      "down_proj"}
+    group = {t.name: next(g for g in (128, 64, 32) if t.shape[1] % g == 0) for t in dense}
+    saving = sum(q.stored_bytes(t.name) - stored_bytes(QuantSpec("int4", group[t.name]), t.shape) for t in dense)
+    assert with_mtp.mtp_copy_saving == saving > 0
+    assert with_mtp.mtp == with_mtp.mtp_weights - saving + kv
 
 
 def _plan(folder: Path, capsys, monkeypatch, *extra: str) -> tuple[int, dict | str]:

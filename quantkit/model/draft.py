@@ -1,5 +1,6 @@
 """The part of the vocabulary an MTP draft scores (runtime/model/draft_head.py) and the bytes of its int4 copy,
-which the runtime keeps beside the lm_head and the planner budgets with the MTP layer.
+which the runtime keeps beside the lm_head and the planner budgets with the MTP layer; and the int4 form the
+runtime holds the MTP layer's own dense matrices in (`layer_copy_spec`).
 
 A draft scores `rows` ids and the top `TAIL` ones (Qwen's special tokens). On Qwen3.5's vocabulary the `rows`
 are the most frequent ids of a shipped ranking (`IDS_FILE`, built and measured by scripts/draft_vocab.py:
@@ -15,12 +16,15 @@ from pathlib import Path
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_bytes_bounded
 from quantkit.formats import QuantSpec, stored_bytes
+from quantkit.model.spec import Role
+from quantkit.recipe import mtp_subrole
 
 DRAFT_ROWS = 32768  # ids the draft scores below the top ones (0: the whole head)
 TAIL = 288  # ids from the top: 248032 and up on Qwen3.5's 248,320, its special tokens among them
 TILE = 16
 COPY_SPEC = QuantSpec("int4", 128)  # the copy's format (what the quality recipe gives routed experts)
 COPIED = ("int8", "bf16")  # lm_head formats whose id-prefix rows the draft reads from a copy (4-bit: in place)
+LAYER_COPIED = (Role.ATTENTION, Role.SHARED_EXPERT)  # the MTP layer's dense roles (mtp.fc plays attention)
 RANKED_VOCAB = 248320  # Qwen3.5 / 3.6's vocabulary, the one the ranking was counted with
 IDS_FILE = "draft_ids_qwen3_5.bin"  # zlib of the ranked ids, uint32 little-endian, most frequent first
 IDS_LIMIT = 1 << 20  # bytes the file may hold, compressed and not
@@ -85,3 +89,17 @@ def copy_bytes(vocab: int, hidden: int, head_format: str, rows: int = DRAFT_ROWS
     if not rows or (head_format not in COPIED and not ranked(vocab)) or hidden % COPY_SPEC.group_size:  # type: ignore[operator]
         return 0
     return stored_bytes(COPY_SPEC, (rows + vocab - tail, hidden))
+
+
+def layer_copy_spec(name: str, stored_format: str, shape: tuple[int, ...]) -> QuantSpec | None:
+    """The int4 spec the runtime holds an MTP-layer matrix in, or None to hold it as stored.
+
+    The layer only drafts, and a verify decides every token, so its attention (`mtp.fc` with it) and shared
+    expert stored int8 or bf16 are held as int4 (the stored form is let go): they are most of what a draft reads
+    besides its head. COPY_SPEC's group, or the largest smaller one that divides the row (as the recipe does on
+    small models). bench mtp's trained part measures what this costs in acceptance."""
+    if (not name.startswith("mtp.") or stored_format not in COPIED or len(shape) != 2
+            or mtp_subrole(name) not in LAYER_COPIED):
+        return None
+    group = next((g for g in (COPY_SPEC.group_size, 64, 32) if shape[1] % g == 0), None)  # type: ignore[operator]
+    return QuantSpec(COPY_SPEC.format, group, COPY_SPEC.symmetric) if group else None

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec, ceil_div, stored_parts
-from quantkit.model.draft import copy_bytes
+from quantkit.model.draft import copy_bytes, layer_copy_spec
 from quantkit.model.spec import ModelSpec, Role, TensorSpec, TextConfig, dtype_bytes
 from quantkit.recipe import Recipe
 
@@ -174,6 +174,7 @@ class Budget:
     lm_head_params: int = 0
     mtp_weights: int = 0
     mtp_draft_copy: int = 0  # the runtime's int4 copy of the draft's lm_head rows (quantkit/model/draft.py)
+    mtp_copy_saving: int = 0  # what holding the MTP layer's dense matrices as int4 (`layer_copy_spec`) saves
     prompt_cache: int = 0  # snapshots of the conversation state (in layer_cache too, with their layers)
 
     @property
@@ -215,7 +216,7 @@ def compute_budget(spec: ModelSpec, recipe: Recipe, settings: RunSettings) -> Bu
     dense_params = [0] * n
     expert_params = [0] * n
     head_params = 0
-    embedding = lm_head = final_norm = mtp = kept = 0
+    embedding = lm_head = final_norm = mtp = mtp_copied = kept = 0
     for t in spec.tensors:
         if t.role == Role.VISION or (t.role == Role.MTP and not settings.include_mtp):
             continue
@@ -226,6 +227,9 @@ def compute_budget(spec: ModelSpec, recipe: Recipe, settings: RunSettings) -> Bu
             kept += tb.total
         if t.role == Role.MTP:
             mtp += tb.total
+            copy = layer_copy_spec(t.name, q.format if q is not None else "bf16", t.shape)
+            if copy is not None:
+                mtp_copied += tb.total - tensor_bytes(t, copy).total
         elif t.role == Role.EMBEDDING:
             embedding += tb.total
         elif t.role == Role.LM_HEAD:
@@ -271,6 +275,7 @@ def compute_budget(spec: ModelSpec, recipe: Recipe, settings: RunSettings) -> Bu
         lm_head_params=head_params,
         mtp_weights=mtp,
         mtp_draft_copy=draft_copy,
+        mtp_copy_saving=mtp_copied,
     )
     return with_settings(base, c, settings)
 
@@ -295,7 +300,7 @@ def with_settings(b: Budget, c: TextConfig, s: RunSettings) -> Budget:
         settings=s,
         layer_cache=layer_cache,
         kv_cache=kv_tok * s.context * s.batch * n_full + mtp_kv,
-        mtp=b.mtp_weights + b.mtp_draft_copy + mtp_kv,
+        mtp=b.mtp_weights - b.mtp_copy_saving + b.mtp_draft_copy + mtp_kv,
         recurrent_state=rec * n_lin * s.batch,
         conv_state=conv * n_lin * s.batch,
         prompt_cache=(rec + conv) * n_lin * snaps + kv_tok * s.context * n_full * kv_copies,

@@ -15,7 +15,8 @@ Flow of `load_model(path, plan=None)`:
    prepared once by `runtime.kernels.prepare` on its device; the whole model never sits in RAM twice: shards
    are read with plain reads (no memory map left behind; a folder above a quarter of RAM has its page cache
    dropped first and leaves none behind) and the heap's freed temporaries go back to the system as the load
-   goes. Then the one-token route is chosen (runtime/model/route.py).
+   goes. The MTP layer, which only drafts, holds its int8 / bf16 attention and shared expert as int4 copies
+   (model/draft.py `layer_copy_spec`). Then the one-token route is chosen (runtime/model/route.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from quantkit.fileio import read_text_bounded
 from quantkit.formats import QuantSpec, get_format
 from quantkit.model.checkpoint import Checkpoint, resolve_model
 from quantkit.model.contract import read_quant_config
+from quantkit.model.draft import layer_copy_spec
 from quantkit.model.quantized import QuantizedFolder
 from quantkit.model.spec import TextConfig, load_config, spec_from_config
 from quantkit.planner.fit import check_plan, hardware_here, plan_here
@@ -274,11 +276,25 @@ def _scale(src: TensorSource, name: str, dev: str, report: LoadReport) -> torch.
     return 1.0 + _vector(src, name, dev, report).float()
 
 
-def _attention(src: TensorSource, p: str, dev: str, mc: ModelConfig, report: LoadReport) -> Attention:
+def _draft_kernel(src: TensorSource, name: str, dev: str, report: LoadReport) -> Kernel:
+    """An MTP-layer matrix as the draft holds it: an int4 copy where `layer_copy_spec` names one (the stored
+    parts let go), else as stored."""
+    spec, shape = src.spec(name)
+    copy = layer_copy_spec(name, spec.format if spec else "bf16", shape)
+    if copy is None:
+        return _kernel(src, name, dev, report)
+    parts = src.read(name, "cpu")  # made on the CPU, where the quantizer is proven, then moved to `dev`
+    w = get_format(spec.format).dequantize(parts, spec, shape, torch.float32) if spec else parts.float()
+    held = {k: v.to(dev) for k, v in get_format(copy.format).quantize(w, copy).items()}
+    return _kernel_of(held, copy, shape, report)
+
+
+def _attention(src: TensorSource, p: str, dev: str, mc: ModelConfig, report: LoadReport,
+               kernel: Callable[..., Kernel] = _kernel) -> Attention:
     t = mc.text
     hd = t.head_dim
     qs, ks = _scale(src, f"{p}q_norm.weight", dev, report), _scale(src, f"{p}k_norm.weight", dev, report)
-    proj = [_kernel(src, f"{p}{n}_proj.weight", dev, report) for n in "qkvo"]
+    proj = [kernel(src, f"{p}{n}_proj.weight", dev, report) for n in "qkvo"]
     return Attention(*proj, torch.cat([qs.expand(t.num_attention_heads, hd), ks.expand(t.num_key_value_heads, hd)]),
                      t.num_attention_heads, t.num_key_value_heads, hd, mc.rotary_dims, mc.rms_eps,
                      kernel_attends=dev == "cpu" and cpu_kernel.module() is not None and hd % 16 == 0)
@@ -363,19 +379,23 @@ def _mtp_experts(src: TensorSource, p: str, dev: str, mc: ModelConfig, report: L
                         fmt=gs.format if gs else "bf16")
 
 
-def build_mtp(src: TensorSource, mc: ModelConfig, dev: str, report: LoadReport, route: str | None = None) -> MTP:
-    """The checkpoint's MTP layer (`mtp.*`) on `dev`."""
+def build_mtp(src: TensorSource, mc: ModelConfig, dev: str, report: LoadReport, route: str | None = None,
+              copies: bool = True) -> MTP:
+    """The checkpoint's MTP layer (`mtp.*`) on `dev`; `copies`: its dense matrices as the draft holds them
+    (`_draft_kernel`), else as stored."""
     t = mc.text
+    kernel = _draft_kernel if copies else _kernel
     one = ModelConfig(replace(t, num_hidden_layers=1, layer_types=("full_attention",)), mc.rms_eps, mc.rope_theta,
                       mc.partial_rotary)
     p = "mtp.layers.0."
     rw, router_kernel = _router(src, f"{p}mlp.gate.weight", dev, report)
-    shared = [_kernel(src, f"{p}mlp.shared_expert.{n}_proj.weight", dev, report) for n in ("gate", "up", "down")]
+    shared = [kernel(src, f"{p}mlp.shared_expert.{n}_proj.weight", dev, report) for n in ("gate", "up", "down")]
     moe = MoE(rw, router_kernel, t.num_experts_per_tok, _mtp_experts(src, f"{p}mlp.", dev, mc, report, route),
               *shared, _kernel(src, f"{p}mlp.shared_expert_gate.weight", dev, report))
     pre, post = (_scale(src, f"{p}{nm}.weight", dev, report) for nm in ("input_layernorm", "post_attention_layernorm"))
-    layer = Layer(0, torch.device(dev), pre, post, mc.rms_eps, _attention(src, f"{p}self_attn.", dev, mc, report), moe)
-    fc = _kernel(src, "mtp.fc.weight", dev, report)
+    layer = Layer(0, torch.device(dev), pre, post, mc.rms_eps,
+                  _attention(src, f"{p}self_attn.", dev, mc, report, kernel), moe)
+    fc = kernel(src, "mtp.fc.weight", dev, report)
     if (fc.out_features, fc.in_features) != (t.hidden_size, 2 * t.hidden_size):
         raise QuantkitError(f"mtp.fc.weight is {fc.out_features} x {fc.in_features}; this model's MTP layer "
                             f"takes {t.hidden_size} x {2 * t.hidden_size}")
@@ -385,8 +405,8 @@ def build_mtp(src: TensorSource, mc: ModelConfig, dev: str, report: LoadReport, 
 
 def build_model(src: TensorSource, config: dict[str, Any], placement: Placement, report: LoadReport,
                 progress: Callable[[str], None] | None = None, route: str | None = None,
-                gather: frozenset[int] | None = None) -> Model:
-    """quantkit's model from `src`, each tensor on the device `placement` names."""
+                gather: frozenset[int] | None = None, mtp_copies: bool = True) -> Model:
+    """quantkit's model from `src`, each tensor on the device `placement` names (`mtp_copies`: `build_mtp`'s)."""
     mc = model_config(config)
     t = mc.text
     n = t.num_hidden_layers
@@ -430,7 +450,7 @@ def build_model(src: TensorSource, config: dict[str, Any], placement: Placement,
     del h_parts
     model = Model(mc, embed, layers, final, head)
     if has_mtp:
-        model.mtp = build_mtp(src, mc, head_dev, report, route)
+        model.mtp = build_mtp(src, mc, head_dev, report, route, mtp_copies)
         model.mtp.compact = compact
         if compact is not None:
             report.add(head_dev, compact.nbytes)
@@ -493,10 +513,12 @@ def load_plan_file(path: str | Path) -> Plan:
 def load_model(path: str | Path, plan: str | Path | Plan | None = None, *, recipe: str | None = None,
                context: int | None = None, verify: str = "auto", placement: Placement | None = None,
                progress: Callable[[str], None] | None = None, route: str | None = None,
-               forced_route: str | None = None, gather: frozenset[int] | None = None) -> Runtime:
+               forced_route: str | None = None, gather: frozenset[int] | None = None,
+               mtp_copies: bool = True) -> Runtime:
     """Load a quantized (or bf16) checkpoint folder into a `Runtime`. See the module docstring.
     `forced_route`: a one-token route kind (runtime/model/route.py; None: QUANTKIT_ROUTE or the best);
-    `gather`: expert groups to compute as on a device (tests)."""
+    `gather`: expert groups to compute as on a device (tests); `mtp_copies`: False holds the MTP layer's
+    matrices as stored (to compare the layer with another engine's), not as int4 copies (model/draft.py)."""
     t0 = time.perf_counter()
     folder = resolve_model(path)
     if not folder.is_dir():
@@ -543,7 +565,7 @@ def load_model(path: str | Path, plan: str | Path | Plan | None = None, *, recip
         src = OnTheFlySource(Checkpoint.open(folder), rec)
 
     try:
-        model = build_model(src, config, placement, report, progress, route, gather)
+        model = build_model(src, config, placement, report, progress, route, gather, mtp_copies)
     finally:
         src.close()
     release_free_heap()

@@ -312,9 +312,9 @@ def train_mtp(folder: str | Path, options: TrainOptions | None = None) -> TrainR
         mtp = TorchMTP(ck.config)
         mtp.load_checkpoint(ck)
         embed, head = ck.read(EMBED).float(), ck.read(HEAD).float()
-        rt = load_model(folder, verify="quick")
+        rt = load_model(folder, verify="quick", mtp_copies=False)
         seqs = make_pairs(rt, o)
-        check = compare(rt.model, ck, seqs[0])  # what is trained must be what drafts
+        check = compare(rt.model, ck, seqs[0])  # what is trained must be the layer the runtime drafts with (as stored)
         del rt
         if check["close"] < MIN_CLOSE:
             raise QuantkitError(f"the torch copy of {folder.name}'s MTP layer does not compute what the runtime "
@@ -386,7 +386,7 @@ def agreement(folder: str | Path, new_tokens: int = 32, seed: int = 0) -> dict[s
     from quantkit.runtime import load_model
 
     with check_folder(Path(folder)) as ck, torch_threads(1), torch.inference_mode():
-        rt = load_model(folder, verify="quick")
+        rt = load_model(folder, verify="quick", mtp_copies=False)
         ids = chat_prompts(rt, 1, seed + EVAL_SEED)[0]
         return compare(rt.model, ck, sequence_pairs(rt.model, ids + greedy(rt, ids, new_tokens)))
 
