@@ -230,10 +230,12 @@ def test_bench_trained_part_keeps_the_oracle_rows(tmp_path: Path, monkeypatch: p
     assert {k: v for k, v in d.items() if k != "trained"} == oracle
     t = json.loads((reports / "bench-mtp.json").read_text())["trained"]
     assert t["training"]["options"]["steps"] == SMALL.steps and t["greedy_identical"]
-    rows = {(x["layer"], x["recipe"]): x["rows"] for x in t["layers"]}
+    rows = {(x["layer"], x["recipe"], x["copies"]): x["rows"] for x in t["layers"]}
     name = t["recipe"]["name"]
-    assert rows["trained", name][0]["acceptance"] > rows["untrained (random)", name][0]["acceptance"] + 0.3
+    for copies in (True, False):  # the layer's dense matrices held as int4 (the default) and as stored
+        assert rows["trained", name, copies][0]["acceptance"] > rows["untrained (random)", name, True][0]["acceptance"] + 0.3
     md = (reports / "bench-mtp.md").read_text()
     assert "## A trained MTP layer: a real acceptance" in md and "| drafts | acceptance |" in md
+    assert "MTP fc, attention, shared expert as stored | 1 |" in md and "as int4 against" in md
     assert "not measured yet" not in md and "interpolated over their accepted / drafted" in md
     assert not (reports / "bench-mtp.png").exists()  # the oracle's plot is not redrawn

@@ -264,10 +264,12 @@ def decode_prompts(rt: Any, prompts: list[list[int]], n: int, draft: int) -> dic
     return out
 
 
-def measure_layer(folder: Path, n_prompts: int, new_tokens: int, rounds: int, seed: int) -> dict[str, Any]:
+def measure_layer(folder: Path, n_prompts: int, new_tokens: int, rounds: int, seed: int, copies: bool = True
+                  ) -> dict[str, Any]:
     """Greedy decode of held-out prompts without drafts and with 1-3 drafts, in interleaved rounds: tok/s of the
-    best round, acceptance (accepted / drafted), whether the tokens equal those without drafts."""
-    rt = load_model(folder, verify="quick")
+    best round, acceptance (accepted / drafted), whether the tokens equal those without drafts. `copies`: the
+    MTP layer's dense matrices as the runtime holds them (int4), else as stored."""
+    rt = load_model(folder, verify="quick", mtp_copies=copies)
     prompts = chat_prompts(rt, n_prompts, seed + EVAL_SEED)  # never among the training prompts
     best: dict[int, float] = {}
     runs: dict[int, dict[str, Any]] = {}
@@ -299,12 +301,14 @@ def run_trained(workdir: Path, new_tokens: int = NEW_TOKENS, rounds: int = 2, pr
         folders = trained_folders(workdir, train, rec, log)
         side = json.loads((folders["trained-bf16"] / SIDECAR).read_text())
         layers = []
-        for key, layer, recipe in (("untrained-quantized", "untrained (random)", rec.name),
-                                   ("trained-quantized", "trained", rec.name),
-                                   ("trained-bf16", "trained", UNQUANTIZED)):
-            log(f"decoding {prompts} held-out prompts with the {layer} MTP layer, {recipe}")
-            layers.append({"layer": layer, "recipe": recipe,
-                           **measure_layer(folders[key], prompts, new_tokens, rounds, train.seed)})
+        for key, layer, recipe, copies in (("untrained-quantized", "untrained (random)", rec.name, True),
+                                           ("trained-quantized", "trained", rec.name, True),
+                                           ("trained-quantized", "trained", rec.name, False),
+                                           ("trained-bf16", "trained", UNQUANTIZED, True)):
+            log(f"decoding {prompts} held-out prompts with the {layer} MTP layer, {recipe}"
+                + ("" if copies else ", its matrices as stored"))
+            layers.append({"layer": layer, "recipe": recipe, "copies": copies,
+                           **measure_layer(folders[key], prompts, new_tokens, rounds, train.seed, copies)})
     return {"command": "quantkit bench mtp --part trained"
                        + (f" --new-tokens {new_tokens}" if new_tokens != NEW_TOKENS else "")
                        + (f" --rounds {rounds}" if rounds != 2 else ""),
@@ -405,8 +409,9 @@ def render_oracle(d: dict[str, Any]) -> list[str]:
            f"{m['ram_gb']} GB RAM, instruction sets {m['isa']}, torch {m['torch']}, {d['threads']} threads, route "
            f"{d['route']}; load average at start {m['load_avg_at_start']:.1f}.", "",
            f"Checkpoint: realistic shapes (hidden {s['hidden']}, vocab {s['vocab']:,}) with {s['layers']} layers of "
-           f"{s['experts']} experts, top-{s['top_k']}, and an MTP layer ({d['mtp_bytes'] / 1e6:.0f} MB), random "
-           f"weights, {s['recipe']}. Greedy decode of {d['new_tokens']} tokens after a {d['prompt_tokens']}-token "
+           f"{s['experts']} experts, top-{s['top_k']}, and an MTP layer ({d['mtp_bytes'] / 1e6:.0f} MB as the runtime "
+           "holds it: its fc, attention and shared expert as int4 copies, the draft head's rows too; the trained "
+           f"part below measures what that costs in acceptance), random weights, {s['recipe']}. Greedy decode of {d['new_tokens']} tokens after a {d['prompt_tokens']}-token "
            f"prompt, best of {d['reps']} in each of {d['rounds']} rounds.", "",
            "Random weights give an MTP layer that never agrees with the model, so an oracle drafter sets the "
            "acceptance: it runs the real MTP layer (its cost is paid), then proposes the model's own continuation, "
@@ -470,6 +475,11 @@ def oracle_speedup(rows: list[dict[str, Any]], draft: int, acceptance: float) ->
     return None
 
 
+def weights_label(x: dict[str, Any]) -> str:
+    """A trained-part row's weights: the recipe, and whether its MTP layer's dense matrices were held as stored."""
+    return x["recipe"] + ("" if x.get("copies", True) else "; MTP fc, attention, shared expert as stored")
+
+
 def render_trained(t: dict[str, Any], oracle: list[dict[str, Any]] | None) -> list[str]:
     m, s, tr = t["machine"], t["shape"], t["training"]
     o = tr["options"]
@@ -492,13 +502,16 @@ def render_trained(t: dict[str, Any], oracle: list[dict[str, Any]] | None) -> li
            "| MTP layer | weights | drafts | accepted / drafted | acceptance | decode tok/s | vs no MTP | same greedy "
            "tokens |", "|---|---|---:|---:|---:|---:|---:|---|"]
     for x in t["layers"]:
-        out.append(f"| {x['layer']} | {x['recipe']} | 0 | | | {x['baseline_tok_s']:.0f} | 1.00x | |")
+        w = weights_label(x)
+        out.append(f"| {x['layer']} | {w} | 0 | | | {x['baseline_tok_s']:.0f} | 1.00x | |")
         for r in x["rows"]:
-            out.append(f"| {x['layer']} | {x['recipe']} | {r['draft']} | {r['accepted']} / {r['drafted']} | "
+            out.append(f"| {x['layer']} | {w} | {r['draft']} | {r['accepted']} / {r['drafted']} | "
                        f"**{r['acceptance']:.2f}** | {r['tok_s']:.0f} | {r['speedup']:.2f}x | "
                        f"{'yes' if r['same_tokens'] else 'NO'} |")
-    q = next((x for x in t["layers"] if x["layer"] == "trained" and x["recipe"] != UNQUANTIZED), None)
-    bf = next((x for x in t["layers"] if x["layer"] == "trained" and x["recipe"] == UNQUANTIZED), None)
+    trained = [x for x in t["layers"] if x["layer"] == "trained" and x.get("copies", True)]
+    q = next((x for x in trained if x["recipe"] != UNQUANTIZED), None)
+    bf = next((x for x in trained if x["recipe"] == UNQUANTIZED), None)
+    kept = next((x for x in t["layers"] if x["layer"] == "trained" and not x.get("copies", True)), None)
     step_ms = 1e3 / q["baseline_tok_s"] if q and q["baseline_tok_s"] else float("nan")
     out += ["", "Greedy output identical with and without drafts, the trained drafter's included (drafts accepted, "
             f"and rolled back where rejected): **{'met' if t['greedy_identical'] else 'MISSED'}**.", "",
@@ -510,6 +523,15 @@ def render_trained(t: dict[str, Any], oracle: list[dict[str, Any]] | None) -> li
         out[-1] += (" The layer learned from the bf16 model; quantized, the main model's greedy tokens may differ "
                     f"from those: with one draft, acceptance {q['rows'][0]['acceptance']:.2f} quantized against "
                     f"{bf['rows'][0]['acceptance']:.2f} unquantized.")
+    if q and kept:
+        out += ["", "The runtime holds the MTP layer's int8 or bf16 fc, attention and shared expert as int4 copies "
+                "(model/draft.py `layer_copy_spec`: the layer only drafts, and those matrices are most of what a draft "
+                "reads besides its head); the row marked \"as stored\" drafts with them as the checkpoint stores them. "
+                "With one draft, acceptance " + " against ".join(
+                    f"{x['rows'][0]['accepted']} / {x['rows'][0]['drafted']} ({x['rows'][0]['acceptance']:.3f}) "
+                    + ("as int4" if x is q else "as stored") for x in (q, kept))
+                + "; with two, " + " against ".join(
+                    f"{x['rows'][1]['acceptance']:.3f}" for x in (q, kept)) + "."]
     if oracle and q:
         est = [(r["draft"], r["acceptance"], oracle_speedup(oracle, r["draft"], r["acceptance"])) for r in q["rows"]]
         parts = [f"{k} draft{'s' if k > 1 else ''} at {a:.2f}: " + (f"{e:.2f}x" if e is not None else "outside them")

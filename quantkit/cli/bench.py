@@ -229,7 +229,7 @@ def bench_mtp(
                       parts=mtp_bench.PARTS if part == "all" else (part,),
                       **({} if draft_vocab is None else {"draft_vocab": draft_vocab}))
     for x in d.get("trained", {}).get("layers", []) if part != "oracle" else []:
-        console.print(f"{x['layer']} MTP layer, {x['recipe']}: acceptance "
+        console.print(f"{x['layer']} MTP layer, {mtp_bench.weights_label(x)}: acceptance "
                       + ", ".join(f"{r['acceptance']:.2f} ({r['draft']} draft{'s' if r['draft'] > 1 else ''})"
                                   for r in x["rows"]))
     secs = (d["seconds"] if part != "trained" else 0) + (d["trained"]["seconds"] if part != "oracle" else 0)
