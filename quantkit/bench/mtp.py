@@ -411,8 +411,9 @@ def render_oracle(d: dict[str, Any]) -> list[str]:
            f"Checkpoint: realistic shapes (hidden {s['hidden']}, vocab {s['vocab']:,}) with {s['layers']} layers of "
            f"{s['experts']} experts, top-{s['top_k']}, and an MTP layer ({d['mtp_bytes'] / 1e6:.0f} MB as the runtime "
            "holds it: its fc, attention and shared expert as int4 copies, the draft head's rows too; the trained "
-           f"part below measures what that costs in acceptance), random weights, {s['recipe']}. Greedy decode of {d['new_tokens']} tokens after a {d['prompt_tokens']}-token "
-           f"prompt, best of {d['reps']} in each of {d['rounds']} rounds.", "",
+           f"part below measures what that costs in acceptance), random weights, {s['recipe']}. Greedy decode of "
+           f"{d['new_tokens']} tokens after a {d['prompt_tokens']}-token prompt, best of {d['reps']} in each of "
+           f"{d['rounds']} rounds.", "",
            "Random weights give an MTP layer that never agrees with the model, so an oracle drafter sets the "
            "acceptance: it runs the real MTP layer (its cost is paid), then proposes the model's own continuation, "
            "a share 1 - acceptance of its drafts wrong: that share of every 50 drafts (6 at 0.88; 0.95 alternates "
