@@ -48,7 +48,7 @@ from quantkit.runtime import cpu_kernel
 from quantkit.runtime.devices import available_bytes, check_device_exists, release_free_heap
 from quantkit.runtime.engine import Runtime
 from quantkit.runtime.kernels import Kernel, QBf16Kernel, QKernel, prepare, slice_parts
-from quantkit.runtime.model.draft_head import compact_copy
+from quantkit.runtime.model.draft_head import compact_copy, requantized
 from quantkit.runtime.model.experts import GatheredExperts
 from quantkit.runtime.model.layers import Attention, DeltaNet, Layer, MoE
 from quantkit.runtime.model.model import Model
@@ -283,9 +283,8 @@ def _draft_kernel(src: TensorSource, name: str, dev: str, report: LoadReport) ->
     copy = layer_copy_spec(name, spec.format if spec else "bf16", shape)
     if copy is None:
         return _kernel(src, name, dev, report)
-    parts = src.read(name, "cpu")  # made on the CPU, where the quantizer is proven, then moved to `dev`
-    w = get_format(spec.format).dequantize(parts, spec, shape, torch.float32) if spec else parts.float()
-    held = {k: v.to(dev) for k, v in get_format(copy.format).quantize(w, copy).items()}
+    # made on the CPU, where the quantizer is proven, then moved to `dev`
+    held = {k: v.to(dev) for k, v in requantized(src.read(name, "cpu"), spec, shape, copy).items()}
     return _kernel_of(held, copy, shape, report)
 
 

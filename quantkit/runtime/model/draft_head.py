@@ -26,6 +26,17 @@ from quantkit.runtime.kernels import Projections, QBf16Kernel, QKernel, prepare
 COPY_CHUNK = 4096  # rows dequantized and quantized at a time
 
 
+def requantized(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | None, shape: tuple[int, int],
+                to: QuantSpec) -> dict[str, torch.Tensor]:
+    """A stored matrix (`spec` None: dense, bare or as {"weight": ...}) quantized again as `to`, through fp32."""
+    if spec is None:
+        w = (parts["weight"] if isinstance(parts, dict) else parts).to(torch.float32)
+    else:
+        assert isinstance(parts, dict)
+        w = get_format(spec.format).dequantize(parts, spec, shape, torch.float32)
+    return get_format(to.format).quantize(w, to)
+
+
 def compact_copy(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | None, shape: tuple[int, int],
                  rows: int = DRAFT_ROWS) -> QKernel | None:
     """An int4 (`COPY_SPEC`) kernel of the draft's rows of a stored head (`draft_ids`, in their order); None
@@ -44,9 +55,7 @@ def compact_copy(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec 
     for c in range(0, len(ids), COPY_CHUNK):  # a chunk at a time: a whole copy's fp32 rows would be ~270 MB
         at = index[c:c + COPY_CHUNK].to(next(iter(stored.values())).device)
         rows_of = {n: p.index_select(0, at).cpu() for n, p in stored.items()}
-        w = (rows_of["weight"].to(torch.float32) if spec is None else
-             get_format(spec.format).dequantize(rows_of, spec, (len(at), k), torch.float32))
-        pieces.append(get_format("int4").quantize(w, COPY_SPEC))
+        pieces.append(requantized(rows_of, spec, (len(at), k), COPY_SPEC))
     kernel = prepare({name: torch.cat([p[name] for p in pieces]) for name in pieces[0]}, COPY_SPEC, (len(ids), k))
     return kernel if isinstance(kernel, QKernel) else None
 
