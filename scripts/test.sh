@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
-.venv/bin/ruff check quantkit tests cli.py
+.venv/bin/ruff check quantkit tests benchmarks cli.py
 # the llama.cpp proof of the GGUF export must run here, not skip
 QUANTKIT_REQUIRE_ENGINES=1 .venv/bin/python -m pytest -q
 lower=$(.venv/bin/python -c "from quantkit.runtime.cpu_kernel import main; raise SystemExit(main(['lower-isas']))")

@@ -1,4 +1,5 @@
-"""The plot of README.md: verify cost against one decode step, before and after, from ab-*.json."""
+"""The plot of reports/mtp-verify-states/README.md: verify cost against one decode step, before and after, from
+that folder's ab-*.json."""
 
 import json
 import statistics
@@ -9,7 +10,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-here = Path(__file__).parent
+here = Path(__file__).resolve().parents[2] / "reports" / "mtp-verify-states"
 fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
 for ax, name in zip(axes, ("ab-4-layers.json", "ab-16-layers.json"), strict=True):
     rows = json.loads((here / name).read_text())

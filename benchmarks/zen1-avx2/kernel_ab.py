@@ -2,7 +2,7 @@
 verifies' median seconds, and greedy decode tok/s without drafts and with the oracle drafter (1 and 2 drafts at
 acceptance 0.88), as `quantkit bench mtp` measures them. Run it from each checkout in turn, alternating:
 
-    PYTHONPATH=<checkout> python reports/zen1-avx2/kernel_ab.py OUT.json LABEL [THREADS]
+    PYTHONPATH=<checkout> python benchmarks/zen1-avx2/kernel_ab.py OUT.json LABEL [THREADS]
 
 (the checkpoint is the one `quantkit bench mtp --workdir /tmp/quantkit-bench-28` writes)."""
 

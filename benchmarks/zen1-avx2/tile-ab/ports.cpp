@@ -1,6 +1,6 @@
 // Throughput of the AVX2 instructions the int8 / int4 tiles use, in cycles per 256-bit instruction: 8
 // independent chains per loop, timed with rdtsc against a chain of dependent vpaddd (one cycle each).
-//   g++ -O2 -mavx2 -mfma reports/zen1-avx2/tile-ab/ports.cpp -o /tmp/ports && /tmp/ports
+//   g++ -O2 -mavx2 -mfma benchmarks/zen1-avx2/tile-ab/ports.cpp -o /tmp/ports && /tmp/ports
 #include <immintrin.h>
 #include <x86intrin.h>
 #include <cstdint>

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the AVX2 op table of BASE (a git revision) and of the working tree with the kernel's own flags, link
-# both into tile_ab, and run it:  bash reports/zen1-avx2/tile-ab/tile_ab.sh BASE N K FMT ROUNDS THREADS [MAXROWS] [GROUP]
+# both into tile_ab, and run it:  bash benchmarks/zen1-avx2/tile-ab/tile_ab.sh BASE N K FMT ROUNDS THREADS [MAXROWS] [GROUP]
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 base=$1; shift

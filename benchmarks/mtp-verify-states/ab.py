@@ -4,7 +4,7 @@ median seconds, and 2-4 token verifies' median seconds with every token kept and
 (the rollback a rejected draft costs). Timed here, not by the checkout's own bench code, so both sides time the
 same thing. Run it from each checkout in turn, alternating:
 
-    PYTHONPATH=<checkout> python reports/mtp-verify-states/ab.py OUT.json LABEL CHECKPOINT [THREADS]
+    PYTHONPATH=<checkout> python benchmarks/mtp-verify-states/ab.py OUT.json LABEL CHECKPOINT [THREADS]
 
 (CHECKPOINT: a folder `quantkit bench mtp --layers N --workdir DIR` writes, DIR/realistic-mtp-Nx64-v248320)."""
 
