@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from quantkit.runtime import cpu_kernel
 from quantkit.runtime.devices import HeapGuard
 from quantkit.runtime.kernels import Kernel, Projections
+from quantkit.runtime.model import batch_step
 from quantkit.runtime.model import route as routes
 from quantkit.runtime.model.cache import HybridCache, Trail
 from quantkit.runtime.model.graph import CudaGraphStep
@@ -140,6 +141,12 @@ class Model:
         logits = self.head(x if all_logits else x[-1:])
         logits = logits if all_logits else logits.view(-1)
         return (logits, x) if hidden else logits
+
+    def step_batch(self, ids: list[int], caches: list[HybridCache]) -> torch.Tensor:
+        """Logits [B, V]: token ids[j] stepped on caches[j] for every row j, each at its own position; row j
+        bit for bit `forward([ids[j]], caches[j])`, the dense matrices and the chosen experts read once for the
+        rows (model/batch_step.py says which ops run per row and why)."""
+        return batch_step.step_batch(self, ids, caches)
 
     def static_step(self, token: torch.Tensor, cache: HybridCache) -> torch.Tensor:
         """Logits [V] of one token given as a device tensor [1] at the device-side position cache.pos: the same
