@@ -6,10 +6,15 @@ generates alone, greedy and seeded."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from quantkit.errors import QuantkitError
 from quantkit.runtime import cpu_kernel, load_model
+from quantkit.runtime.batch import BatchGenerator
+from quantkit.runtime.generate import GenerationResponse, SamplingParams
 
 from test_runtime_common import one_thread, quantized  # noqa: F401
 
@@ -110,3 +115,112 @@ def test_the_routed_experts_run_once_per_layer_for_all_rows(tiny_model, monkeypa
 
 def _not_called(*a, **k):
     raise AssertionError("a row's experts ran alone")
+
+
+# ---- BatchGenerator: rows joining and leaving ----
+
+def _requests(rt) -> list[tuple[int, list[int], SamplingParams, set[int] | None]]:
+    """(step it joins at, prompt ids, sampling, stop ids): greedy and seeded rows of different budgets, one that
+    stops on a token its run alone generates, rows joining mid-batch."""
+    greedy = dict(temperature=0, ignore_eos=True)
+    seeded = dict(temperature=0.8, top_p=0.9, top_k=20, ignore_eos=True)
+    return [
+        (0, _ids(rt, PROMPTS[0]), SamplingParams(max_new_tokens=12, **greedy), None),
+        (0, _ids(rt, PROMPTS[1]), SamplingParams(max_new_tokens=5, seed=7, **seeded), None),
+        (0, _ids(rt, PROMPTS[2]), SamplingParams(max_new_tokens=9, seed=3, **seeded), None),
+        (2, _ids(rt, PROMPTS[3]), SamplingParams(max_new_tokens=8, **greedy), None),
+        (4, _ids(rt, PROMPTS[4]), SamplingParams(max_new_tokens=10, seed=11, **seeded), None),
+        (4, _ids(rt, PROMPTS[5]), SamplingParams(max_new_tokens=16, **greedy), "stop"),
+        (7, _ids(rt, PROMPTS[0]) + [17], SamplingParams(max_new_tokens=4, seed=5, **seeded), None),
+    ]
+
+
+def _alone(rt, ids, sp, stops) -> GenerationResponse:
+    """The request served alone, as the server and `generate` run it."""
+    return [e.response for e in rt.generate_ids(ids, sampling=sp, stop_ids=stops) if e.response is not None][0]
+
+
+def _check_batch(rt) -> None:
+    reqs = _requests(rt)
+    want, stops = [], []
+    for _at, ids, sp, stop in reqs:
+        ref = _alone(rt, ids, replace(sp), None)
+        s = None
+        if stop == "stop":  # stop on its 6th token: the row leaves early
+            s = {ref.token_ids[5]}
+            ref = _alone(rt, ids, replace(sp, ignore_eos=False), s)
+            assert ref.finish_reason == "stop"
+        want.append(ref)
+        stops.append(s)
+    batch = BatchGenerator(rt)
+    rows: dict[int, int] = {}
+    got: dict[int, list[int]] = {}
+    last: dict[int, GenerationResponse] = {}
+    sizes = []
+    step = 0
+    while step == 0 or batch:
+        for j, (at, ids, sp, _s) in enumerate(reqs):
+            if at == step:
+                sp = replace(sp, ignore_eos=False) if stops[j] is not None else replace(sp)
+                rows[batch.add(ids=ids, sampling=sp, stop_ids=stops[j])] = j
+        sizes.append(len(batch.rows))
+        for row, ev in batch.step():
+            if ev.response is None:
+                got.setdefault(rows[row], []).append(ev.token)
+            else:
+                last[rows[row]] = ev.response
+        step += 1
+    assert max(sizes) >= 4 and len(set(sizes)) > 2  # rows joined and left
+    for j, ref in enumerate(want):
+        r = last[j]
+        assert r.token_ids == ref.token_ids, f"request {j}"
+        assert r.finish_reason == ref.finish_reason and r.text == ref.text
+        emitted = ref.token_ids[:-1] if ref.finish_reason == "stop" else ref.token_ids
+        assert got.get(j, []) == emitted
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_batched_rows_generate_what_each_request_generates_alone(tiny_model, route, one_thread):  # noqa: F811
+    _check_batch(_load(tiny_model, "int4", route))
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "int4"])
+def test_batched_rows_on_every_op_table(tiny_model, recipe, kernel_table, one_thread):  # noqa: F811
+    _check_batch(_load(tiny_model, recipe, "stack"))
+
+
+def test_a_cancelled_row_leaves_and_the_others_go_on(tiny_model, one_thread):  # noqa: F811
+    rt = _load(tiny_model, "int4")
+    sp = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    refs = [_alone(rt, _ids(rt, p), sp, None).token_ids for p in PROMPTS[:3]]
+    batch = BatchGenerator(rt, max_rows=3)
+    rows = [batch.add(ids=_ids(rt, p), sampling=sp) for p in PROMPTS[:3]]
+    with pytest.raises(QuantkitError, match="batch is full"):
+        batch.add(ids=_ids(rt, PROMPTS[3]), sampling=sp)
+    last = {}
+    for k in range(20):
+        if k == 3:
+            batch.cancel(rows[1])
+        for row, ev in batch.step():
+            if ev.response is not None:
+                last[row] = ev.response
+        if not batch:
+            break
+    assert last[rows[1]].finish_reason == "cancelled" and last[rows[1]].token_ids == refs[1][:3]
+    assert [last[rows[j]].token_ids for j in (0, 2)] == [refs[0], refs[2]]
+
+
+def test_a_batch_refuses_bad_rows_in_one_line(tiny_model, one_thread):  # noqa: F811
+    rt = _load(tiny_model, "int4")
+    batch = BatchGenerator(rt)
+    with pytest.raises(QuantkitError, match="either messages or ids"):
+        batch.add()
+    with pytest.raises(QuantkitError, match="empty prompt"):
+        batch.add(ids=[])
+    with pytest.raises(QuantkitError, match="max-new-tokens"):
+        batch.add(ids=[1, 2], max_new_tokens=0)
+    with pytest.raises(QuantkitError, match="context holds"):
+        batch.add(ids=[1] * rt.context)
+    with pytest.raises(QuantkitError, match="at least one row"):
+        BatchGenerator(rt, max_rows=0)
+    assert not batch and batch.step() == []

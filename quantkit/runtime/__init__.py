@@ -29,6 +29,11 @@ off) keeps snapshots of the hybrid cache at message boundaries, so a prompt that
 prefilled only past the longest cached prefix, bit-exact with a full prefill; `resp.cached_tokens` counts the
 reused tokens, `rt.prompt_cache.summary()` the cache.
 
+Several conversations at once: `BatchGenerator(rt)` (quantkit/runtime/batch.py) decodes them together, one
+batched forward per token for all of them (`batch.add(messages, **sampling)` prefills one and returns its row id;
+`batch.step()` gives one (row id, TokenEvent) per row and each ended row's last event; a row leaves when it ends
+and a new one joins between steps), every row's tokens the ones `generate_stream` gives it alone.
+
 Modules: model (quantkit's own Qwen3.5-MoE: spec, hybrid cache, layers, the forward, its one-token route),
 kernels (per-format matmuls and their dequantize-then-matmul reference), qexperts (QuantExperts), loader
 (load_model, Placement), generate (prefill and sampling loop,
@@ -43,15 +48,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from quantkit.runtime.batch import BatchGenerator
     from quantkit.runtime.engine import Runtime
     from quantkit.runtime.generate import GenerationResponse, SamplingParams, TokenEvent
     from quantkit.runtime.loader import Placement, load_model
 
-__all__ = ["GenerationResponse", "Placement", "Runtime", "SamplingParams", "TokenEvent", "load_model"]
+__all__ = ["BatchGenerator", "GenerationResponse", "Placement", "Runtime", "SamplingParams", "TokenEvent", "load_model"]
 
 # Imported on first use (PEP 562): commands that only need a submodule (quantize's threads, the kernels)
 # do not pay for the engine, the model and the loader.
-_LAZY = {"Runtime": "engine", "GenerationResponse": "generate", "SamplingParams": "generate",
+_LAZY = {"BatchGenerator": "batch", "Runtime": "engine", "GenerationResponse": "generate", "SamplingParams": "generate",
          "TokenEvent": "generate", "Placement": "loader", "load_model": "loader"}
 
 

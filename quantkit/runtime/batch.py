@@ -1,0 +1,192 @@
+"""`BatchGenerator`: several conversations decoded together, one batched forward per token for all of them.
+
+    from quantkit.runtime import BatchGenerator, load_model
+
+    rt = load_model("/tmp/q4")
+    batch = BatchGenerator(rt)
+    a = batch.add(messages_a, temperature=0, max_new_tokens=64)          # prefilled alone, joins the next step
+    b = batch.add(messages_b, seed=1, max_new_tokens=32, stop_ids=set())
+    while batch:
+        for row, ev in batch.step():                                     # one token for every row
+            ...                                                          # ev as generate_stream yields it
+    batch.cancel(a)                                                      # the row ends at the next step
+
+Each row has its own sampling (temperature, top-k / top-p, seed, hook), stop tokens and token budget; a row
+leaves the batch when it ends (stop token, its max_new_tokens, the context, `cancel`) and a new one joins
+between steps, its prompt prefilled alone (through the prompt cache, as `Runtime.generate_ids`). A step is one
+`Model.step_batch` over every row still decoding (model/batch_step.py): the dense matrices and the chosen
+experts are read once for all rows, and each row's tokens are the ones the same request generates alone,
+greedy or seeded (tests/test_batch_decode.py). Rows decode without MTP drafts: a draft never changes a token,
+and the batch already reads each matrix once for several tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.runtime.channels import ANSWER, THINKING, ChannelSplitter
+from quantkit.runtime.generate import (
+    GenerationResponse,
+    SamplingParams,
+    TokenEvent,
+    peak_memory,
+    prefill,
+    sample,
+)
+from quantkit.runtime.model.cache import HybridCache
+from quantkit.runtime.speculative import Pick, picker
+
+if TYPE_CHECKING:
+    from quantkit.runtime.engine import Runtime
+
+
+@dataclass
+class _Row:
+    id: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    stops: set[int]
+    cache: HybridCache
+    logits: torch.Tensor | None  # the next token's, None when cancelled during the prefill
+    pick: Pick
+    budget: int
+    split: ChannelSplitter
+    cached_tokens: int
+    prefill_seconds: float
+    cancel: threading.Event | None
+    generated: list[int] = field(default_factory=list)
+    decode_seconds: float = 0.0
+
+
+class BatchGenerator:
+    """Conversations of one `Runtime` decoded together (module docstring)."""
+
+    def __init__(self, rt: Runtime, max_rows: int | None = None):
+        if max_rows is not None and max_rows < 1:
+            raise QuantkitError(f"max_rows {max_rows}: a batch needs at least one row")
+        self.rt, self.max_rows = rt, max_rows
+        self._rows: dict[int, _Row] = {}
+        self._ended: list[tuple[int, TokenEvent]] = []  # rows that ended outside a step (cancelled prefill)
+        self._ids = itertools.count()
+
+    def __len__(self) -> int:
+        """Rows still decoding (or with their last event not yet given out by `step`)."""
+        return len(self._rows) + len(self._ended)
+
+    @property
+    def rows(self) -> list[int]:
+        return list(self._rows)
+
+    def add(self, messages: list[dict[str, Any]] | None = None, *, ids: list[int] | None = None,
+            tools: list[dict[str, Any]] | None = None, enable_thinking: bool = True,
+            sampling: SamplingParams | None = None, stop_ids: set[int] | None = None,
+            cancel: threading.Event | None = None, **sampling_kw: Any) -> int:
+        """Prefill a conversation (chat `messages`, or prompt `ids` already rendered) and add it to the batch;
+        its first token comes at the next `step`. Sampling as `Runtime.generate_stream` takes it; `stop_ids`
+        as `Runtime.generate_ids`. Returns the row's id."""
+        rt = self.rt
+        if self.max_rows is not None and len(self._rows) >= self.max_rows:
+            raise QuantkitError(f"the batch is full ({self.max_rows} rows): wait for a row to end")
+        if (messages is None) == (ids is None):
+            raise QuantkitError("add takes either messages or ids")
+        if messages is not None:
+            if not messages:
+                raise QuantkitError("empty conversation: give at least one message")
+            ids = rt.render_ids(messages, tools, enable_thinking)[1]
+        assert ids is not None
+        sp = sampling or rt.sampling(**sampling_kw)
+        sp.validate()
+        n = len(ids)
+        if n == 0:
+            raise QuantkitError("empty prompt: give some text")
+        if n >= rt.context:
+            raise QuantkitError(f"the prompt is {n} tokens; the context holds {rt.context} "
+                                "(shorten it, or run with a larger --context)")
+        stops = set() if sp.ignore_eos else rt.stop_ids if stop_ids is None else set(stop_ids)
+        gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
+        with rt._lock, torch.inference_mode():
+            t0 = time.perf_counter()
+            pre = prefill(rt.model, list(ids), capacity=min(rt.context, n + sp.max_new_tokens),
+                          prefix_cache=rt.prompt_cache, boundary_ids=rt.boundary_ids, cancel=cancel)
+            spent = time.perf_counter() - t0
+        row = _Row(next(self._ids), list(ids), sp, stops, pre.cache, pre.logits, picker(sp, gen, sample),
+                   min(sp.max_new_tokens, rt.context - n) if pre.logits is not None else 0,
+                   ChannelSplitter(rt.tokenizer, rt.think_ids, enable_thinking), pre.cached_tokens, spent, cancel)
+        if row.budget == 0:
+            self._ended.append((row.id, self._last(row, "cancelled")))
+        else:
+            self._rows[row.id] = row
+        return row.id
+
+    def cancel(self, row: int) -> None:
+        """End a row: it gives its last event ("cancelled") at the next step and leaves the batch."""
+        r = self._rows.get(row)
+        if r is not None:
+            r.cancel = r.cancel or threading.Event()
+            r.cancel.set()
+
+    def step(self) -> list[tuple[int, TokenEvent]]:
+        """One token for every row, then one batched forward for the rows that go on. Returns (row id, event)
+        pairs: a token's event as `generate_stream` yields it, and a row's last event (response set) when it
+        ends."""
+        out, self._ended = self._ended, []
+        go: list[_Row] = []
+        for r in list(self._rows.values()):
+            finish = None
+            if r.cancel is not None and r.cancel.is_set():
+                finish = "cancelled"
+            else:
+                assert r.logits is not None
+                tok, info, _ = r.pick(r.logits, None)
+                r.generated.append(tok)
+                i = len(r.generated) - 1
+                if tok in r.stops:
+                    finish = "stop"
+                else:
+                    channel, delta = r.split.feed(tok)
+                    out.append((r.id, TokenEvent(delta, tok, channel, i, cached_tokens=r.cached_tokens, info=info)))
+                    if i == r.budget - 1:
+                        finish = "length" if r.budget == r.sampling.max_new_tokens else "context"
+            if finish is None:
+                go.append(r)
+            else:
+                del self._rows[r.id]
+                out.append((r.id, self._last(r, finish)))
+        if go:
+            with self.rt._lock, torch.inference_mode():
+                t0 = time.perf_counter()
+                logits = self.rt.model.step_batch([r.generated[-1] for r in go], [r.cache for r in go])
+                spent = time.perf_counter() - t0
+            for j, r in enumerate(go):
+                r.logits = logits[j]
+                r.decode_seconds += spent
+        return out
+
+    def run(self) -> Iterator[tuple[int, TokenEvent]]:
+        """`step` until every row has ended, its events one by one."""
+        while self:
+            yield from self.step()
+
+    def _last(self, r: _Row, finish: str) -> TokenEvent:
+        """A row's final event, its response counted as `stream_tokens` counts it."""
+        n_gen = len(r.generated)
+        steps = max(0, n_gen - 1) if finish != "cancelled" else n_gen
+        t_dec, t_pre = r.decode_seconds, r.prefill_seconds
+        n = len(r.prompt_ids)
+        resp = GenerationResponse(
+            text=r.split.text(ANSWER).strip(), thinking=r.split.text(THINKING),
+            token=r.generated[-1] if r.generated else None, prompt_tokens=n, generation_tokens=n_gen,
+            prompt_tps=(n - r.cached_tokens) / t_pre if t_pre > 0 else 0.0,
+            generation_tps=steps / t_dec if t_dec > 0 and steps else 0.0,
+            peak_memory=peak_memory(self.rt._io_devices()), finish_reason=finish, prefill_seconds=t_pre,
+            decode_seconds=t_dec, token_ids=list(r.generated), cached_tokens=r.cached_tokens)
+        r.cache = None  # type: ignore[assignment]  # the row's state is given back now, not when the batch goes
+        return TokenEvent("", None, r.split.channel, n_gen, resp, r.cached_tokens)
