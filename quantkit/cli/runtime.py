@@ -22,6 +22,7 @@ from quantkit.cli.options import (
     TOP_P,
     renamed,
 )
+from quantkit.cli.prompt_cache_options import CACHE_DIR, DISK_SIZE, parse_disk_cache
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_text_bounded
 from quantkit.outputs import guard_output
@@ -62,6 +63,11 @@ def parse_cache_size(text: str) -> int | None:
     return sizes.parse_size(text, "--prompt-cache-size")
 
 
+def warn_line(line: str) -> None:
+    """A one-line warning of the disk prompt cache (the run goes on)."""
+    err_console.print(f"warning: {line}", style="yellow", highlight=False, markup=False, soft_wrap=True)
+
+
 def _load(model: str, plan: Path | None, recipe: str | None, context: int | None, verify: str,
           threads: int | None = None):
 
@@ -95,6 +101,7 @@ def generate_cmd(
     as_json: bool = typer.Option(False, "--json", help="one JSON object: text, thinking, token counts, tok/s, "
                                  "finish reason, the CPU route (instruction set, fused ops, one call), MTP counts"),
     mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT, help=MTP_HELP),
+    prompt_cache_dir: Path = CACHE_DIR, prompt_cache_disk_size: str = DISK_SIZE,
     plan: Path = _PLAN, scheme: str = _SCHEME, old_recipe: str = _OLD_RECIPE, context: int = _CONTEXT,
     verify: str = _VERIFY,
     threads: int = _THREADS,
@@ -119,10 +126,13 @@ def generate_cmd(
         sp = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                             max_new_tokens=max_new_tokens)
         sp.validate()
+        disk_bytes = parse_disk_cache(prompt_cache_dir, prompt_cache_disk_size, model)
         rt = _load(model, plan, recipe, context, verify, threads)
         note = rt.set_mtp(mtp)
         if note:
             err_console.print(note, highlight=False, markup=False)
+        if prompt_cache_dir is not None:
+            rt.set_prompt_cache(None, prompt_cache_dir, disk_bytes, warn_line)
         msgs = ([{"role": "system", "content": sys_prompt}] if sys_prompt else []) + \
             [{"role": "user", "content": prompt}]
         resp = None
@@ -176,6 +186,7 @@ def chat_cmd(
     session_file: Path = typer.Option(None, "--session", help="keep the conversation and its cached state in this "
                                       "file after every turn, and resume from it (no re-prefill after a restart)"),
     prompt_cache_size: str = _CACHE_SIZE,
+    prompt_cache_dir: Path = CACHE_DIR, prompt_cache_disk_size: str = DISK_SIZE,
     plan: Path = _PLAN, scheme: str = _SCHEME, old_recipe: str = _OLD_RECIPE, context: int = _CONTEXT,
     verify: str = _VERIFY,
     threads: int = _THREADS,
@@ -200,6 +211,7 @@ def chat_cmd(
                             max_new_tokens=max_new_tokens)
         sp.validate()
         cache_bytes = parse_cache_size(prompt_cache_size)
+        disk_bytes = parse_disk_cache(prompt_cache_dir, prompt_cache_disk_size, model)
         session = ChatSession(system=world_prompt(world) if world else system, thinking=think)
         if load:
             session = ChatSession.from_json(read_text_bounded(load, "chat session", SESSION_LIMIT), str(load))
@@ -210,7 +222,7 @@ def chat_cmd(
         note = rt.set_mtp(mtp)
         if note:
             err_console.print(note, highlight=False, markup=False)
-        rt.set_prompt_cache(cache_bytes)
+        rt.set_prompt_cache(cache_bytes, prompt_cache_dir, disk_bytes, warn_line)
         autosave = None
         if session_file:
             resumed = load_session(session_file, rt)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -158,13 +158,21 @@ class Runtime:
         """Resident weight bytes per device (what the loader placed)."""
         return dict(self.report.bytes_by_device)
 
-    def set_prompt_cache(self, max_bytes: int | None = None) -> PrefixCache:
+    def set_prompt_cache(self, max_bytes: int | None = None, disk_dir: Path | None = None,
+                         disk_bytes: int | None = None, warn: Callable[[str], None] | None = None) -> PrefixCache:
         """Keep snapshots of the conversation state, up to `max_bytes` (0: off; None: a quarter of the memory
         free now on the device of the first linear-attention layer, which holds the states), so that a prompt
-        that extends an earlier one is prefilled only from where they part (quantkit.runtime.state_cache)."""
+        that extends an earlier one is prefilled only from where they part (quantkit.runtime.state_cache).
+        `disk_dir`: also keep them in files there, found again after a restart (quantkit.runtime.prompt_disk),
+        up to `disk_bytes` (None: a quarter of the free space there); `warn` prints its one-line warnings."""
         if max_bytes is None:
             max_bytes = available_bytes(self.state_device) // AUTO_CACHE_FRACTION
-        self.prompt_cache = PrefixCache(max_bytes)
+        disk = None
+        if disk_dir is not None:
+            from quantkit.runtime.prompt_disk import default_warn, open_store
+
+            disk = open_store(self, Path(disk_dir), disk_bytes, warn or default_warn)
+        self.prompt_cache = PrefixCache(max_bytes, disk=disk)
         return self.prompt_cache
 
     @property

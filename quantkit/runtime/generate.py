@@ -192,7 +192,7 @@ def prefill(model: Model, prompt_ids: list[int], *, capacity: int = 0, prefix_ca
     cache = (HybridCache.from_snapshot(snap, model.cfg, model.layer_devices, model.dtype, room) if snap is not None
              else model.new_cache(room))
     start = snap.length if snap is not None else 0
-    points = set(snapshot_points(prompt_ids, start, boundary_ids, prefix_cache.keep)) \
+    points = set(snapshot_points(prompt_ids, start, boundary_ids, prefix_cache.keep, prefix_cache.every)) \
         if prefix_cache is not None and prefix_cache.enabled else set()
     logits, taken, rows = None, [], []
     for a, b in prefill_plan(prompt_ids, start, boundary_ids, PREFILL_CHUNK):
@@ -208,7 +208,7 @@ def prefill(model: Model, prompt_ids: list[int], *, capacity: int = 0, prefix_ca
             taken.append((b, cache.linear_copies()))
     for snap in cache.snapshots(prompt_ids, taken):
         assert prefix_cache is not None
-        prefix_cache.put(snap)
+        prefix_cache.put(snap, persist=True)
     return Prefill(cache, logits, start, torch.cat(rows) if rows else None)
 
 
@@ -277,6 +277,8 @@ def stream_tokens(model: Model, tokenizer: Any, prompt_ids: list[int], *, sampli
                 break
         tokens.close()
     t_dec = clock.seconds
+    if prefix_cache is not None:
+        prefix_cache.flush()  # the disk store's writes, after the answer rather than before its first token
     n_gen = len(generated)
     steps = max(0, n_gen - 1) if finish != "cancelled" else n_gen
     resp = GenerationResponse(

@@ -19,6 +19,18 @@ answer), so the end of a prompt is rarely a prefix of the next one, while the bo
 generation prompt always is: snapshots are taken at the last `keep` boundaries of the new part of each
 prompt (the start of the generation prompt and of the last message).
 
+A raw prompt (/v1/completions, no chat template) may hold no boundary at all, so snapshots are also taken at
+checkpoints, as llama.cpp does: every `every` tokens from the start of the prompt's last segment (the last
+boundary, or 0), the last `keep` of them past the last boundary. `every` is a multiple of the prefill chunk,
+so a checkpoint is where a full prefill's chunk ends anyway: restoring it and prefilling from there cuts the
+same chunks, and the arithmetic stays that of a full prefill. (The very end of a prompt is not such a point
+unless it falls on one: a prompt that extends it would be prefilled in other chunks.) A repeated or
+extended raw prompt thus restores the last checkpoint before it and prefills fewer than `every` tokens.
+
+A `PrefixCache` may carry a disk store (quantkit.runtime.prompt_disk): every snapshot it is given with
+`persist` is written there too (after the generation, `flush`), and `lookup` restores from disk a longer
+prefix than memory holds, so a restarted process finds them again.
+
 `PrefixCache` holds snapshots up to `max_bytes` (0 disables it): `lookup(ids)` returns the longest one
 whose tokens are a proper prefix of `ids` (at least one token must remain to be prefilled, for the
 logits), least recently used ones are evicted first. Bytes count each linear state and each KV storage
@@ -36,11 +48,14 @@ from typing import Any
 
 import torch
 
-from quantkit.planner.budget import SNAPSHOTS_PER_PROMPT
+from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK, SNAPSHOTS_PER_PROMPT
 
 # boundaries snapshotted per prompt: the generation prompt's start and the last message's (the planner
 # budgets the prompt cache in these units)
 DEFAULT_KEEP = SNAPSHOTS_PER_PROMPT
+# checkpoints of a raw prompt: every prefill chunk (a multiple of it keeps the arithmetic; a smaller interval
+# leaves a repeated prompt fewer tokens to prefill)
+CHECKPOINT_EVERY = DEFAULT_PREFILL_CHUNK
 
 
 @dataclass
@@ -101,8 +116,8 @@ def _nbytes(t: torch.Tensor | None) -> int:
 def prefill_plan(ids: Sequence[int], start: int, boundary_ids: set[int] | frozenset[int],
                  chunk: int) -> list[tuple[int, int]]:
     """The chunks [a, b) that prefill ids[start:]: cut at every boundary token (a position p > 0 holding
-    one of `boundary_ids`), then every `chunk` tokens from each segment's start. `start` must be 0 or a
-    boundary for the arithmetic to equal a full prefill's."""
+    one of `boundary_ids`), then every `chunk` tokens from each segment's start. `start` must be 0, a
+    boundary or a checkpoint (`snapshot_points`) for the arithmetic to equal a full prefill's."""
     cuts = [p for p in range(start + 1, len(ids)) if ids[p] in boundary_ids]
     out = []
     for a, b in zip([start, *cuts], [*cuts, len(ids)], strict=True):
@@ -111,11 +126,20 @@ def prefill_plan(ids: Sequence[int], start: int, boundary_ids: set[int] | frozen
 
 
 def snapshot_points(ids: Sequence[int], start: int, boundary_ids: set[int] | frozenset[int],
-                    keep: int = DEFAULT_KEEP) -> list[int]:
-    """The last `keep` boundary positions after `start`: where a prefill from `start` takes snapshots."""
+                    keep: int = DEFAULT_KEEP, every: int = 0) -> list[int]:
+    """Where a prefill from `start` takes snapshots, in order: the last `keep` boundary positions after
+    `start`, then (with `every`, a multiple of the prefill chunk) the last `keep` checkpoints past them: the
+    positions p <= len(ids) that are a multiple of `every` from the last segment's start."""
     if keep <= 0:
         return []
-    return [p for p in range(start + 1, len(ids)) if ids[p] in boundary_ids][-keep:]
+    bounds = [p for p in range(1, len(ids)) if ids[p] in boundary_ids]
+    points = [p for p in bounds if p > start][-keep:]
+    if every > 0:
+        seg = bounds[-1] if bounds else 0
+        after = max(start, points[-1] if points else 0)
+        checks = range(seg + every, len(ids) + 1, every)
+        points += [p for p in checks if p > after][-keep:]
+    return points
 
 
 @dataclass
@@ -141,11 +165,15 @@ class _Entry:
 class PrefixCache:
     """Snapshots keyed by their token prefix, least recently used evicted past `max_bytes` (0: off)."""
 
-    def __init__(self, max_bytes: int, keep: int = DEFAULT_KEEP):
+    def __init__(self, max_bytes: int, keep: int = DEFAULT_KEEP, disk: Any = None):
         if max_bytes < 0:
             raise ValueError("max_bytes must be >= 0")
         self.max_bytes = int(max_bytes)
         self.keep = keep
+        self.every = CHECKPOINT_EVERY
+        # a quantkit.runtime.prompt_disk.DiskStore (or None): `persist` snapshots are written there at `flush`
+        self.disk = disk
+        self._pending: list[Snapshot] = []
         self.stats = CacheStats()
         self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
         self._storage_refs: dict[tuple[str, int], list[int]] = {}  # key -> [bytes, references]
@@ -154,7 +182,7 @@ class PrefixCache:
 
     @property
     def enabled(self) -> bool:
-        return self.max_bytes > 0
+        return self.max_bytes > 0 or self.disk is not None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -177,23 +205,37 @@ class PrefixCache:
             return self._entries[best].snap if best is not None else None
 
     def lookup(self, ids: Sequence[int]) -> Snapshot | None:
-        """The longest snapshot whose ids are a proper prefix of `ids` (marked most recently used)."""
+        """The longest snapshot whose ids are a proper prefix of `ids` (marked most recently used), from
+        memory or, where it holds a longer one, from the disk store (then kept in memory too)."""
         if not self.enabled:
             return None
+        self.flush()
         ids = tuple(ids)
         with self._lock:
             self.stats.lookups += 1
             best = self._longest(ids)
-            if best is None:
-                return None
-            self._entries.move_to_end(best)
+            snap = self._entries[best].snap if best is not None else None
+            if best is not None:
+                self._entries.move_to_end(best)
+        if self.disk is not None:
+            found = self.disk.lookup(ids, len(best) if best is not None else 0)
+            if found is not None:
+                snap = found
+                self.put(found)
+        if snap is None:
+            return None
+        with self._lock:
             self.stats.hits += 1
-            self.stats.reused_tokens += len(best)
-            return self._entries[best].snap
+            self.stats.reused_tokens += snap.length
+        return snap
 
-    def put(self, snap: Snapshot) -> bool:
-        """Store `snap` (replacing one of the same ids); evict LRU entries to fit. False if it cannot fit."""
-        if not self.enabled:
+    def put(self, snap: Snapshot, persist: bool = False) -> bool:
+        """Store `snap` (replacing one of the same ids); evict LRU entries to fit. False if it cannot fit.
+        `persist`: also write it to the disk store at the next `flush`."""
+        if persist and self.disk is not None:
+            with self._lock:
+                self._pending.append(snap)
+        if self.max_bytes <= 0:
             return False
         entry = _Entry(snap, snap.state_bytes(), snap.kv_storages())
         if entry.state_bytes + sum(entry.storages.values()) > self.max_bytes:
@@ -213,6 +255,15 @@ class PrefixCache:
                 self._drop(next(iter(self._entries)))
                 self.stats.evictions += 1
             return snap.ids in self._entries
+
+    def flush(self) -> None:
+        """Write the snapshots given with `persist` to the disk store (after a generation, not before its
+        first token: writing is never on the way to the answer)."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for snap in pending:
+            assert self.disk is not None
+            self.disk.write(snap)
 
     def clear(self) -> None:
         with self._lock:
@@ -240,4 +291,5 @@ class PrefixCache:
             return {"enabled": self.enabled, "max_bytes": self.max_bytes, "bytes": self._bytes,
                     "entries": len(self._entries), "lookups": self.stats.lookups, "hits": self.stats.hits,
                     "hit_rate": round(self.stats.hit_rate, 4), "reused_tokens": self.stats.reused_tokens,
-                    "evictions": self.stats.evictions}
+                    "evictions": self.stats.evictions,
+                    "disk": self.disk.summary() if self.disk is not None else None}

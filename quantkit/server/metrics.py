@@ -40,6 +40,22 @@ class Metrics:
         self.tps = Histogram(_P + "decode_tokens_per_second", "decode speed per generation",
                              buckets=(1, 2, 5, 10, 20, 30, 50, 75, 100, 150, 250), registry=r)
 
+    def watch_disk_cache(self, disk: Callable[[], dict[str, Any] | None]) -> None:
+        """Gauges of the disk prompt cache (quantkit/runtime/prompt_disk.py), read from `disk()` at scrape time:
+        bytes used and its bound, entries, restores from disk and the seconds they took, entries of other weights
+        ignored."""
+        r = self.registry
+        for key, name, doc in (("bytes", "bytes", "bytes of entry files in --prompt-cache-dir"),
+                               ("max_bytes", "max_bytes", "--prompt-cache-disk-size"),
+                               ("entries", "entries", "entries of these weights on disk"),
+                               ("hits", "hits", "prompts restored from disk instead of prefilled"),
+                               ("restored_tokens", "restored_tokens", "prompt tokens restored from disk"),
+                               ("restore_seconds", "restore_seconds", "seconds spent restoring states from disk"),
+                               ("ignored_other_weights", "ignored", "entries of other weights or recipes, never "
+                                                                    "restored")):
+            g = Gauge(f"{_P}prompt_cache_disk_{name}", doc, registry=r)
+            g.set_function(lambda k=key: float((disk() or {}).get(k, 0)))
+
     def generation(self, prompt_tokens: int, cached_tokens: int, tokens: int, ttft_s: float, decode_s: float) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(tokens)
