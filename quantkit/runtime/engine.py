@@ -228,14 +228,17 @@ class Runtime:
             self._cancel.clear()
             ev = _AnyEvent(self._cancel, cancel)
             stops = set() if sampling.ignore_eos else self.stop_ids if stop_ids is None else stop_ids
-            for e in stream_tokens(self.model, self.tokenizer, ids, sampling=sampling, stop_ids=stops,
-                                   context=self.context, devices=self._io_devices(), thinking=thinking,
-                                   think_ids=self.think_ids, cancel=ev, prefix_cache=self.prompt_cache,
-                                   boundary_ids=self.boundary_ids, mtp=self.mtp,
-                                   tuner=self.tuner):
-                if e.response is not None:
-                    self.last = e.response
-                yield e
+            try:
+                for e in stream_tokens(self.model, self.tokenizer, ids, sampling=sampling, stop_ids=stops,
+                                       context=self.context, devices=self._io_devices(), thinking=thinking,
+                                       think_ids=self.think_ids, cancel=ev, prefix_cache=self.prompt_cache,
+                                       boundary_ids=self.boundary_ids, mtp=self.mtp,
+                                       tuner=self.tuner):
+                    if e.response is not None:
+                        self.last = e.response
+                    yield e
+            finally:  # a consumer that stops reading (the server at max_tokens) still gets the disk writes
+                self.prompt_cache.flush()
 
     def generate(self, messages: list[dict[str, Any]], **kw: Any) -> GenerationResponse:
         resp = None
