@@ -13,7 +13,8 @@ import typer
 
 from quantkit.cli import app, console, err_console, fail
 from quantkit.cli.options import CONTEXT, COUNT, MAX_TOKENS, MTP_DRAFT, MTP_HELP, PORT, SECONDS, renamed
-from quantkit.cli.runtime import parse_cache_size
+from quantkit.cli.prompt_cache_options import CACHE_DIR, DISK_SIZE, parse_disk_cache
+from quantkit.cli.runtime import parse_cache_size, warn_line
 from quantkit.errors import QuantkitError
 from quantkit.runtime.threads import set_threads
 from quantkit.server.runtime_backend import load_backend
@@ -119,6 +120,7 @@ def serve(
                                           "resends the history: e.g. 2GB; 0 turns it off; auto = a quarter of "
                                           "the free memory of the device holding the states"),
     mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT, help=MTP_HELP),
+    prompt_cache_dir: Path = CACHE_DIR, prompt_cache_disk_size: str = DISK_SIZE,
 ) -> None:
     """Serve MODEL_DIR on an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics)."""
@@ -132,6 +134,7 @@ def serve(
     try:
         set_threads(threads)
         cache_bytes = parse_cache_size(prompt_cache_size)
+        disk_bytes = parse_disk_cache(prompt_cache_dir, prompt_cache_disk_size, model_dir)
         origins = tuple(check_origin(o) for o in cors_origins)
         names = tuple(check_alias(a) for a in aliases)
     except QuantkitError as e:
@@ -151,7 +154,8 @@ def serve(
                           highlight=False, soft_wrap=True)
     try:
         backend = load_backend(model_dir, plan=plan, model_id=model_name, max_context=context,
-                               prompt_cache_bytes=cache_bytes)
+                               prompt_cache_bytes=cache_bytes, prompt_cache_dir=prompt_cache_dir,
+                               prompt_cache_disk_bytes=disk_bytes, warn=warn_line)
         config = ServerConfig(max_queue=max_queue, max_body_bytes=body_limit, default_max_tokens=default_max_tokens,
                               bind_host=host, allowed_hosts=tuple(allowed_hosts), api_key=api_key or None,
                               body_timeout_s=body_timeout, aliases=names, cors_origins=origins, max_n=max_n)
@@ -159,6 +163,10 @@ def serve(
         console.print(f"serving [bold]{backend.model_id}[/] on http://{shown}:{port}/v1 (context "
                       f"{backend.max_context} tokens, up to {max_queue} waiting requests, prompt cache "
                       f"{backend.cache_summary()['max_bytes'] / 2**20:.0f} MiB)", highlight=False)
+        disk = backend.cache_summary().get("disk")
+        if disk:
+            console.print(f"prompt cache on disk: {disk['dir']} ({disk['entries']} entries of these weights, up "
+                          f"to {disk['max_bytes'] / 2**20:.0f} MiB)", highlight=False)
         note = backend.runtime.set_mtp(mtp)
         if note:
             err_console.print(note, highlight=False, markup=False)

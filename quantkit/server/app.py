@@ -143,6 +143,8 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
     app = FastAPI(title="quantkit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.backend = backend
     metrics = Metrics(lambda: state["queue"].stats if "queue" in state else None)
+    if callable(getattr(backend, "cache_summary", None)):
+        metrics.watch_disk_cache(lambda: (backend.cache_summary() or {}).get("disk"))
     app.state.metrics = metrics
     app.add_middleware(Guard, hosts=allowed_host_names(config.bind_host, config.allowed_hosts),
                        api_key=config.api_key, cors_origins=config.cors_origins)
