@@ -224,3 +224,35 @@ def test_a_batch_refuses_bad_rows_in_one_line(tiny_model, one_thread):  # noqa: 
     with pytest.raises(QuantkitError, match="at least one row"):
         BatchGenerator(rt, max_rows=0)
     assert not batch and batch.step() == []
+
+
+def test_running_rows_step_between_the_chunks_of_a_new_prompt(tiny_model, monkeypatch, one_thread):  # noqa: F811
+    """A long prompt joining the batch is prefilled chunk by chunk, the running rows taking a step between two
+    chunks (their tokens unchanged), so they wait one chunk at a time, not for the whole prompt."""
+    from quantkit.runtime import generate
+    from quantkit.runtime.state_cache import prefill_plan
+
+    rt = _load(tiny_model, "int4")
+    sp = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
+    long_ids = _ids(rt, " ".join(PROMPTS))
+    refs = [_alone(rt, _ids(rt, p), sp, None).token_ids for p in PROMPTS[:2]] + [_alone(rt, long_ids, sp, None).token_ids]
+    monkeypatch.setattr(generate, "PREFILL_CHUNK", 8)
+    chunks = len(list(prefill_plan(long_ids, 0, rt.boundary_ids, 8)))
+    assert chunks > 3
+    batch = BatchGenerator(rt)
+    rows = [batch.add(ids=_ids(rt, p), sampling=sp) for p in PROMPTS[:2]]
+    got: dict[int, list[int]] = {r: [] for r in rows}
+
+    def take(events):
+        for row, ev in events:
+            if ev.token is not None:
+                got[row].append(ev.token)
+
+    take(batch.step())
+    seen = []
+    new = batch.add(ids=long_ids, sampling=sp, between=lambda ev: (seen.append(len(ev)), take(ev)))
+    assert seen == [2] * (chunks - 1)  # one step of both running rows between every two chunks
+    got[new] = []
+    while batch:
+        take(batch.step())
+    assert [got[r] for r in (*rows, new)] == refs

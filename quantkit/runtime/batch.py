@@ -12,7 +12,8 @@
     batch.cancel(a)                                                      # the row ends at the next step
 
 Each row has its own sampling (temperature, top-k / top-p, seed, hook), stop tokens and token budget; a row
-leaves the batch when it ends (stop token, its max_new_tokens, the context, `cancel`) and a new one joins
+leaves the batch when it ends (stop token, its max_new_tokens, the context, `cancel`, or "error": its sampling
+hook raised, kept in `errors`, the other rows unaffected) and a new one joins
 between steps, its prompt prefilled alone (through the prompt cache, as `Runtime.generate_ids`). A step is one
 `Model.step_batch` over every row still decoding (model/batch_step.py): the dense matrices and the chosen
 experts are read once for all rows, and each row's tokens are the ones the same request generates alone,
@@ -25,7 +26,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -76,6 +77,7 @@ class BatchGenerator:
         self._rows: dict[int, _Row] = {}
         self._ended: list[tuple[int, TokenEvent]] = []  # rows that ended outside a step (cancelled prefill)
         self._ids = itertools.count()
+        self.errors: dict[int, Exception] = {}  # rows that ended with finish_reason "error": what their hook raised
 
     def __len__(self) -> int:
         """Rows still decoding (or with their last event not yet given out by `step`)."""
@@ -88,10 +90,13 @@ class BatchGenerator:
     def add(self, messages: list[dict[str, Any]] | None = None, *, ids: list[int] | None = None,
             tools: list[dict[str, Any]] | None = None, enable_thinking: bool = True,
             sampling: SamplingParams | None = None, stop_ids: set[int] | None = None,
-            cancel: threading.Event | None = None, **sampling_kw: Any) -> int:
+            cancel: threading.Event | None = None, between: Callable[[list[tuple[int, TokenEvent]]], None] | None = None,
+            **sampling_kw: Any) -> int:
         """Prefill a conversation (chat `messages`, or prompt `ids` already rendered) and add it to the batch;
         its first token comes at the next `step`. Sampling as `Runtime.generate_stream` takes it; `stop_ids`
-        as `Runtime.generate_ids`. Returns the row's id."""
+        as `Runtime.generate_ids`. `between`: the rows already decoding take one step between the prompt's
+        chunks, and their events go to `between` (a server's running requests are then held up for one chunk at
+        most, not the whole prompt). Returns the row's id."""
         rt = self.rt
         if self.max_rows is not None and len(self._rows) >= self.max_rows:
             raise QuantkitError(f"the batch is full ({self.max_rows} rows): wait for a row to end")
@@ -112,11 +117,12 @@ class BatchGenerator:
                                 "(shorten it, or run with a larger --context)")
         stops = set() if sp.ignore_eos else rt.stop_ids if stop_ids is None else set(stop_ids)
         gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
+        chunks = _Between(cancel, lambda: between(self._step())) if between is not None else cancel
         with rt._lock, torch.inference_mode():
             t0 = time.perf_counter()
             pre = prefill(rt.model, list(ids), capacity=min(rt.context, n + sp.max_new_tokens),
-                          prefix_cache=rt.prompt_cache, boundary_ids=rt.boundary_ids, cancel=cancel)
-            spent = time.perf_counter() - t0
+                          prefix_cache=rt.prompt_cache, boundary_ids=rt.boundary_ids, cancel=chunks)
+            spent = time.perf_counter() - t0  # with the steps run between its chunks, as a server sees it
         row = _Row(next(self._ids), list(ids), sp, stops, pre.cache, pre.logits, picker(sp, gen, sample),
                    min(sp.max_new_tokens, rt.context - n) if pre.logits is not None else 0,
                    ChannelSplitter(rt.tokenizer, rt.think_ids, enable_thinking), pre.cached_tokens, spent, cancel)
@@ -137,6 +143,11 @@ class BatchGenerator:
         """One token for every row, then one batched forward for the rows that go on. Returns (row id, event)
         pairs: a token's event as `generate_stream` yields it, and a row's last event (response set) when it
         ends."""
+        with self.rt._lock, torch.inference_mode():
+            return self._step()
+
+    def _step(self) -> list[tuple[int, TokenEvent]]:
+        """`step`, under the runtime's lock (held by the caller)."""
         out, self._ended = self._ended, []
         go: list[_Row] = []
         for r in list(self._rows.values()):
@@ -145,7 +156,13 @@ class BatchGenerator:
                 finish = "cancelled"
             else:
                 assert r.logits is not None
-                tok, info, _ = r.pick(r.logits, None)
+                try:
+                    tok, info, _ = r.pick(r.logits, None)
+                except Exception as e:  # the row's own sampling hook (a grammar, a penalty): it ends alone
+                    self.errors[r.id] = e
+                    del self._rows[r.id]
+                    out.append((r.id, self._last(r, "error")))
+                    continue
                 r.generated.append(tok)
                 i = len(r.generated) - 1
                 if tok in r.stops:
@@ -161,10 +178,9 @@ class BatchGenerator:
                 del self._rows[r.id]
                 out.append((r.id, self._last(r, finish)))
         if go:
-            with self.rt._lock, torch.inference_mode():
-                t0 = time.perf_counter()
-                logits = self.rt.model.step_batch([r.generated[-1] for r in go], [r.cache for r in go])
-                spent = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            logits = self.rt.model.step_batch([r.generated[-1] for r in go], [r.cache for r in go])
+            spent = time.perf_counter() - t0
             for j, r in enumerate(go):
                 r.logits = logits[j]
                 r.decode_seconds += spent
@@ -190,3 +206,19 @@ class BatchGenerator:
             decode_seconds=t_dec, token_ids=list(r.generated), cached_tokens=r.cached_tokens)
         r.cache = None  # type: ignore[assignment]  # the row's state is given back now, not when the batch goes
         return TokenEvent("", None, r.split.channel, n_gen, resp, r.cached_tokens)
+
+
+class _Between:
+    """What `prefill` is given as its `cancel`: it asks `is_set()` before each chunk of the prompt, so that is
+    where the rows already decoding take their step (none before the first chunk: the prompt was just admitted)."""
+
+    def __init__(self, cancel: threading.Event | None, step: Callable[[], None]):
+        self.cancel, self.step, self.asked = cancel, step, 0
+
+    def is_set(self) -> bool:
+        if self.cancel is not None and self.cancel.is_set():
+            return True
+        if self.asked:
+            self.step()
+        self.asked += 1
+        return False

@@ -1,0 +1,194 @@
+"""`BatchScheduler`: the server's queue with N slots decoded together (`quantkit serve --parallel N`).
+
+The same contract as `GenerationQueue` (quantkit/server/queue.py: `submit`, `close`, `stats`, `accepting`; a
+bounded FIFO of waiting requests, 429 beyond it; each job's cancel flag; events and a last `Done` or `Failed`
+through the job's asyncio queue), but up to `slots` requests generate at once: one worker thread runs a
+`BatchGenerator` (quantkit/runtime/batch.py) over the backend's runtime. A waiting request takes a free slot
+between two steps; its prompt is prefilled chunk by chunk with one batch step of the running slots between
+chunks, so a long prompt holds them up for one chunk at most; each step is one forward over the next token of
+every decoding slot; a slot is freed at the step after its request ends (stop, length, cancel, client gone).
+Every request's tokens are the ones it gets served alone (tests/test_batch_decode.py,
+tests/test_server_scheduler.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from quantkit.runtime.batch import BatchGenerator
+from quantkit.runtime.generate import TokenEvent
+from quantkit.server.backend import Backend
+from quantkit.server.queue import Done, Failed, Job, QueueClosed, QueueFull, QueueStats
+
+MAX_SLOTS = 64  # more rows per step than this only queue up behind the memory bandwidth
+
+
+@dataclass
+class SlotStats(QueueStats):
+    slots: int = 1  # requests decoded together at most
+    batch_size: int = 0  # rows in the last batch step
+
+    @property
+    def idle(self) -> int:
+        return self.slots - self.running
+
+
+@dataclass
+class _Slot:
+    job: Job
+    start: float
+    tokens: int = 0
+    first: float | None = None
+    last: float = 0.0
+    cached: int = 0
+
+
+class BatchScheduler:
+    def __init__(self, backend: Backend, max_waiting: int = 8, slots: int = 2):
+        if max_waiting < 1:
+            raise ValueError("max_waiting must be >= 1")
+        if not 1 <= slots <= MAX_SLOTS:
+            raise ValueError(f"slots must be 1..{MAX_SLOTS}")
+        runtime = getattr(backend, "runtime", None)
+        if runtime is None:
+            raise ValueError("a batch scheduler needs a backend on quantkit's runtime (RuntimeBackend)")
+        self.backend = backend
+        self.stats = SlotStats(max_waiting=max_waiting, slots=slots)
+        self._batch = BatchGenerator(runtime, max_rows=slots)
+        self._line: collections.deque[Job] = collections.deque()
+        self._slots: dict[int, _Slot] = {}  # by BatchGenerator row
+        self._cv = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name="quantkit-batch", daemon=True)
+        self._thread.start()
+
+    @property
+    def accepting(self) -> bool:
+        return not self._closed and self._thread.is_alive()
+
+    def submit(self, job: Job) -> None:
+        with self._cv:
+            if self._closed or not self._thread.is_alive():
+                raise QueueClosed("the server is shutting down")
+            if len(self._line) >= self.stats.max_waiting:
+                self.stats.rejected += 1
+                raise QueueFull(f"{len(self._line)} requests are already waiting (--max-queue "
+                                f"{self.stats.max_waiting}); retry later")
+            self._line.append(job)
+            self.stats.waiting = len(self._line)
+            self._cv.notify()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Refuse new jobs, cancel the waiting and running ones, and wait for the worker to end."""
+        with self._cv:
+            self._closed = True
+            for job in [*self._line, *(s.job for s in self._slots.values())]:
+                job.stop()
+            self._cv.notify_all()
+        self._thread.join(timeout)
+
+    # ---- the worker ----
+    def _next(self) -> Job | None:
+        """A waiting job for a free slot (blocking while nothing runs), or None."""
+        with self._cv:
+            while not self._line and not self._slots and not self._closed:
+                self._cv.wait()
+            if not self._line or len(self._slots) >= self.stats.slots:
+                return None
+            job = self._line.popleft()
+            self.stats.waiting = len(self._line)
+            return job
+
+    def _work(self) -> None:
+        while True:
+            while (job := self._next()) is not None:
+                self._admit(job)
+            with self._cv:
+                if self._closed and not self._slots and not self._line:
+                    return
+            if len(self._batch):
+                self._guarded(lambda: self._deliver(self._batch.step()))
+
+    def _admit(self, job: Job) -> None:
+        """Prefill the job's prompt alone (the running slots stepping between its chunks) into a free slot."""
+        start = time.perf_counter()
+        if self._closed:
+            job.stop()
+        if job.cancel.is_set():
+            self._finish(_Slot(job, start, last=start), None)
+            return
+        try:
+            row = self._batch.add(ids=job.prompt.ids, sampling=job.params, cancel=job.cancel,
+                                  enable_thinking=job.prompt.opens_reasoning, between=self._deliver)
+        except Exception as e:  # this request fails alone; the running slots go on
+            self._fail([job], e)
+            return
+        with self._cv:
+            self._slots[row] = _Slot(job, start, last=start)
+            self.stats.running = len(self._slots)
+
+    def _deliver(self, events: list[tuple[int, TokenEvent]]) -> None:
+        """A step's events to their jobs; an ended row's `Done`, its slot freed."""
+        self.stats.batch_size = sum(1 for _r, ev in events if ev.response is None)
+        for row, ev in events:
+            s = self._slots.get(row)
+            if s is None:
+                continue
+            s.cached = ev.cached_tokens
+            if ev.response is not None:
+                err = self._batch.errors.pop(row, None)
+                if err is not None:
+                    with self._cv:
+                        self._slots.pop(row, None)
+                        self.stats.running = len(self._slots)
+                    self._fail([s.job], err)
+                else:
+                    self._finish(s, row)
+                continue
+            s.tokens += 1
+            s.last = time.perf_counter()
+            s.first = s.first if s.first is not None else s.last
+            s.job._put(ev)
+
+    def _finish(self, s: _Slot, row: int | None) -> None:
+        job = s.job
+        if job.cancel.is_set():
+            reason = job.stop_reason
+        else:
+            reason = "length" if s.tokens >= job.params.max_new_tokens else "stop"
+        with self._cv:
+            if row is not None:
+                self._slots.pop(row, None)
+                self.stats.running = len(self._slots)
+            self.stats.generated_tokens += s.tokens
+            if reason == "cancelled":
+                self.stats.cancelled += 1
+                self.stats.last_cancelled_tokens = s.tokens
+            else:
+                self.stats.completed += 1
+        first = s.first if s.first is not None else s.last
+        job._put(Done(reason, len(job.prompt.ids), s.tokens, s.start - job.submitted, first - s.start, s.last - first,
+                      s.cached))
+
+    def _guarded(self, fn: Any) -> None:
+        """A failed step fails every running request (their states are no longer known good); the server keeps
+        serving the next ones from a fresh batch."""
+        try:
+            fn()
+        except Exception as e:
+            jobs = [s.job for s in self._slots.values()]
+            with self._cv:
+                self._slots.clear()
+                self.stats.running = 0
+            self._batch = BatchGenerator(self._batch.rt, max_rows=self.stats.slots)
+            self._fail(jobs, e)
+
+    def _fail(self, jobs: list[Job], e: Exception) -> None:
+        with self._cv:
+            self.stats.failed += len(jobs)
+        for job in jobs:
+            job._put(Failed(f"generation failed: {type(e).__name__}: {e}"))

@@ -1,0 +1,169 @@
+"""`BatchScheduler` (quantkit/server/scheduler.py), the server's queue with several slots decoded together, on the
+tiny decisive int4 checkpoint: every request's tokens are the ones it gets served alone, whatever else shares
+its steps, with requests joining as slots free up; a cancelled request or one whose sampling hook fails ends
+alone; bad slot counts are refused."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import replace
+
+import pytest
+
+from quantkit.runtime import load_model
+from quantkit.runtime.generate import SamplingParams
+from quantkit.server.backend import Prompt
+from quantkit.server.queue import Done, Failed, GenerationQueue, Job, QueueFull
+from quantkit.server.runtime_backend import RuntimeBackend
+from quantkit.server.scheduler import MAX_SLOTS, BatchScheduler
+
+from test_runtime_common import one_thread, quantized  # noqa: F401
+
+TEXTS = ["list the files in this folder", "write a haiku about rivers", "what is 17 times 23?",
+         "name three colours", "translate 'good morning' to French"]
+WAIT_S = 120
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model):
+    return RuntimeBackend(load_model(quantized(tiny_model, "int4")), "tiny")
+
+
+def _prompt(backend, text: str) -> Prompt:
+    return backend.render([{"role": "user", "content": text}], None, True)
+
+
+def _params() -> list[SamplingParams]:
+    greedy = dict(temperature=0, ignore_eos=True)
+    seeded = dict(temperature=0.8, top_p=0.9, top_k=20, ignore_eos=True)
+    return [SamplingParams(max_new_tokens=10, **greedy), SamplingParams(max_new_tokens=4, seed=1, **seeded),
+            SamplingParams(max_new_tokens=7, seed=2, **seeded), SamplingParams(max_new_tokens=6, **greedy),
+            SamplingParams(max_new_tokens=9, seed=3, **seeded)]
+
+
+def _alone(backend, prompt: Prompt, sp: SamplingParams) -> list[int]:
+    return [e.token for e in backend.generate(prompt, replace(sp), threading.Event()) if e.token is not None]
+
+
+async def _collect(job: Job, on_token=None) -> tuple[list[int], object]:
+    toks = []
+    while True:
+        item = await asyncio.wait_for(job.events.get(), WAIT_S)
+        if isinstance(item, (Done, Failed)):
+            return toks, item
+        toks.append(item.token)
+        if on_token is not None:
+            on_token(job, len(toks))
+
+
+def _serve(queue, prompts, params, on_token=None):
+    async def main():
+        loop = asyncio.get_running_loop()
+        jobs = [Job(p, replace(sp), loop) for p, sp in zip(prompts, params, strict=True)]
+        for j in jobs:
+            queue.submit(j)
+        return jobs, await asyncio.gather(*(_collect(j, on_token) for j in jobs))
+    try:
+        return asyncio.run(main())
+    finally:
+        queue.close()
+
+
+def test_every_request_gets_the_tokens_it_gets_alone(backend, one_thread):  # noqa: F811
+    prompts, params = [_prompt(backend, t) for t in TEXTS], _params()
+    want = [_alone(backend, p, sp) for p, sp in zip(prompts, params, strict=True)]
+    sched = BatchScheduler(backend, max_waiting=8, slots=3)
+    sizes = []
+    _jobs, got = _serve(sched, prompts, params, lambda job, n: sizes.append(sched.stats.batch_size))
+    for (toks, done), w, sp in zip(got, want, params, strict=True):
+        assert isinstance(done, Done) and toks == w
+        assert done.finish_reason == "length" and done.completion_tokens == sp.max_new_tokens
+    assert max(sizes) == 3  # three slots decoded together, and the last two requests joined as slots freed
+    assert sched.stats.completed == 5 and sched.stats.running == 0 and sched.stats.generated_tokens == sum(map(len, want))
+
+
+def test_one_slot_serves_as_the_one_request_queue(backend, one_thread):  # noqa: F811
+    prompts, params = [_prompt(backend, t) for t in TEXTS[:3]], _params()[:3]
+    _j, one = _serve(GenerationQueue(backend, 8), prompts, params)
+    _j, batch = _serve(BatchScheduler(backend, 8, slots=1), prompts, params)
+    assert [t for t, _d in one] == [t for t, _d in batch]
+    assert [(d.finish_reason, d.completion_tokens) for _t, d in one] == \
+        [(d.finish_reason, d.completion_tokens) for _t, d in batch]
+
+
+def test_a_cancelled_request_ends_alone(backend, one_thread):  # noqa: F811
+    prompts, params = [_prompt(backend, t) for t in TEXTS[:3]], _params()[:3]
+    params[1] = replace(params[1], max_new_tokens=20)
+    want = [_alone(backend, p, sp) for p, sp in zip(prompts, params, strict=True)]
+
+    def cancel_second(job, n):
+        if job.prompt is prompts[1] and n == 2:
+            job.stop()
+
+    _jobs, got = _serve(BatchScheduler(backend, 8, slots=3), prompts, params, cancel_second)
+    toks, done = got[1]
+    assert done.finish_reason == "cancelled" and toks == want[1][:len(toks)] and len(toks) < 20
+    assert [got[0][0], got[2][0]] == [want[0], want[2]]
+
+
+class _Breaks:
+    """A sampling hook that fails at its third token (a grammar that cannot go on)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def process(self, logits):
+        self.n += 1
+        if self.n == 3:
+            raise ValueError("the grammar has no way on")
+        return logits
+
+    def accept(self, token):
+        return None
+
+
+def test_a_request_whose_hook_fails_ends_alone(backend, one_thread):  # noqa: F811
+    prompts, params = [_prompt(backend, t) for t in TEXTS[:3]], _params()[:3]
+    want = [_alone(backend, p, sp) for p, sp in zip(prompts, params, strict=True)]
+    params[2] = replace(params[2], hook=_Breaks())
+    sched = BatchScheduler(backend, 8, slots=3)
+    _jobs, got = _serve(sched, prompts, params)
+    toks, failed = got[2]
+    assert isinstance(failed, Failed) and "no way on" in failed.message and toks == want[2][:2]
+    assert [got[0][0], got[1][0]] == [want[0], want[1]]
+    assert sched.stats.failed == 1 and sched.stats.completed == 2
+
+
+def test_a_full_line_is_refused(backend, one_thread):  # noqa: F811
+    sched = BatchScheduler(backend, max_waiting=1, slots=2)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        long = replace(_params()[0], max_new_tokens=200)
+        jobs = [Job(_prompt(backend, TEXTS[0]), replace(long), loop) for _ in range(6)]
+        refused = 0
+        for j in jobs:
+            try:
+                sched.submit(j)
+            except QueueFull:
+                refused += 1
+                j.stop()
+        for j in jobs:
+            j.stop()
+        return refused
+    try:
+        assert asyncio.run(main()) >= 3 and sched.stats.rejected >= 3  # two slots and one waiting at most
+    finally:
+        sched.close()
+
+
+@pytest.mark.parametrize("slots", [0, -1, MAX_SLOTS + 1])
+def test_bad_slot_counts_are_refused(backend, slots):
+    with pytest.raises(ValueError, match="slots must be"):
+        BatchScheduler(backend, 8, slots=slots)
+
+
+def test_a_backend_off_the_runtime_is_refused():
+    with pytest.raises(ValueError, match="RuntimeBackend"):
+        BatchScheduler(object(), 8, slots=2)
