@@ -1,12 +1,13 @@
 """The OpenAI-compatible HTTP app (FastAPI): /v1/chat/completions and /v1/completions (plain and SSE),
 /v1/models, /health, /metrics.
 
-`create_app(backend, config)` serves one loaded model through a `GenerationQueue`. Every error is an
-OpenAI error object (`{"error": {"message", "type", "param", "code"}}`) with its HTTP status: 400 for
-malformed JSON, a missing or wrong-typed field, an unknown role, `max_tokens` < 1, `n` over the limit, a
-schema the grammar engine cannot compile or a prompt that does not fit the context (with the numbers); 404
-for an unknown path; 408 for a body not received within --body-timeout; 413 for a body over the size limit;
-429 when the line of waiting requests is full; 503 while shutting down.
+`create_app(backend, config)` serves one loaded model through a `GenerationQueue`. Every error is an OpenAI
+error object (`{"error": {"message", "type", "param", "code"}}`) with its HTTP status: 400 for malformed
+JSON, a missing or wrong-typed field, an unknown role, `max_tokens` < 1, `n` over the limit, a tool or
+schema of the wrong shape (quantkit/server/schema_check.py), a schema the grammar engine cannot compile or a
+prompt that does not fit the context (with the numbers); 404 for an unknown path; 408 for a body not
+received within --body-timeout; 413 for a body over the size limit; 429 when the line of waiting requests is
+full; 503 while shutting down.
 
 Any model name is answered (as llama-server does: a client configured for `gpt-4o` works); /v1/models lists
 the served name and its aliases, and the answer names the model the request asked for.
@@ -46,7 +47,7 @@ from quantkit.server.backend import Backend, Prompt
 from quantkit.server.chat_request import enable_thinking, template_messages, text_bytes, tool_choice
 from quantkit.server.errors import ApiError, validation_error
 from quantkit.server.metrics import CONTENT_TYPE, CountRequests, Metrics
-from quantkit.server.options import MAX_N, GenOptions, response_format_schema
+from quantkit.server.options import MAX_N, GenOptions, response_format_schema, sampling_temperature
 from quantkit.server.parsing import OutputParser
 from quantkit.server.queue import GenerationQueue, Job, QueueClosed, QueueFull
 from quantkit.server.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
@@ -287,9 +288,9 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
               grammar: str | None, echo: bool = False) -> list[ans.ChoiceSpec]:
         out = []
         for pi, prompt in enumerate(prompts):
-            base = backend.sampling(max_new_tokens=max_tokens[pi], temperature=req.temperature, top_p=req.top_p,
-                                    top_k=None if req.top_k is None else max(req.top_k, 0), seed=req.seed,
-                                    ignore_eos=req.ignore_eos)
+            base = backend.sampling(max_new_tokens=max_tokens[pi], temperature=sampling_temperature(req.temperature),
+                                    top_p=req.top_p, top_k=None if req.top_k is None else max(req.top_k, 0),
+                                    seed=req.seed, ignore_eos=req.ignore_eos)
             for j in range(opts.n):
                 constraint = None
                 if grammar is not None:

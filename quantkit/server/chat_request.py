@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 from quantkit.server.errors import ApiError
+from quantkit.server.schema_check import check_tools
 from quantkit.server.schemas import ChatCompletionRequest
 
 
@@ -76,6 +77,8 @@ def tool_choice(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None
     call ("required"), a name = that function's call."""
     tc = req.tool_choice
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    if tools:  # whatever tool_choice says: the template renders them and the parser reads calls by them
+        check_tools(tools)
     if tc is None or tc == "auto":
         return tools, None
     if tc == "none":

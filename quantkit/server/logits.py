@@ -7,7 +7,12 @@ the token's `TokenLogprob` (None when logprobs were not asked for), which rides 
 The arithmetic is vLLM's (and OpenAI's documented one):
 - presence / frequency penalty over the tokens generated so far: `l -= presence * (count > 0) + frequency * count`;
 - repetition penalty (HF / vLLM / llama.cpp) over the prompt and the generated tokens: a positive logit is
-  divided by it, a negative one multiplied;
+  divided by it, a negative one multiplied (a factor below `MIN_REPETITION` acts as that one: float32 would
+  round it to 0 and divide by zero, and at that factor every seen token with a positive logit already
+  outranks every other);
+- the penalised logits stay finite (at most `MAX_LOGIT`, so that the runtime's division by a temperature of
+  at least MIN_TEMPERATURE (quantkit/server/options.py) stays within float32): whatever the values, sampling
+  never meets inf or NaN;
 - logit_bias added to the named token ids;
 - a grammar (quantkit/server/grammar.py) sets the logits of tokens it does not allow to -inf;
 - min_p drops tokens whose probability at the request's temperature is below `min_p` times the largest;
@@ -24,6 +29,8 @@ from typing import Any, Protocol
 import torch
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
+MIN_REPETITION = 1e-20  # a smaller repetition penalty acts as this one (see the module docstring)
+MAX_LOGIT = 1e33  # float32's largest is 3.4e38: a logit this large divided by a temperature of 1e-5 still fits
 
 
 class Constraint(Protocol):
@@ -85,10 +92,13 @@ class LogitsHook:
             self._state(x.numel(), x.device)
             assert self._counts is not None and self._seen is not None
             if p.repetition != 1:
+                r = max(p.repetition, MIN_REPETITION)
                 s = x[self._seen]
-                x[self._seen] = torch.where(s > 0, s / p.repetition, s * p.repetition)
+                x[self._seen] = torch.where(s > 0, s / r, s * r)
             if p.presence or p.frequency:
                 x -= p.presence * (self._counts > 0).float() + p.frequency * self._counts
+            # +inf (an overflow) is the largest logit allowed, NaN (-inf times 0) a token never drawn
+            torch.nan_to_num_(x, nan=float("-inf"), posinf=MAX_LOGIT).clamp_(max=MAX_LOGIT)
         if p.logit_bias:
             for t, b in p.logit_bias.items():
                 if 0 <= t < x.numel():

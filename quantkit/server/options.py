@@ -9,13 +9,24 @@ makes the per-generation logits hook (None when nothing needs one, so a plain re
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from quantkit.server.errors import ApiError
 from quantkit.server.logits import LogitsHook, Penalties
+from quantkit.server.schema_check import check_schema
 
 MAX_N = 8  # choices per request (generated one after another)
+_TOKEN_ID = re.compile(r"-?[0-9]{1,20}")
+# Below this a temperature samples greedily, as vLLM does (its _SAMPLING_EPS): logits divided by a smaller one
+# overflow float32 (1e-300 rounds to 0), and the distribution is already the argmax's.
+MIN_TEMPERATURE = 1e-5
+
+
+def sampling_temperature(t: float | None) -> float | None:
+    """The temperature the runtime samples at for a request's `temperature` (None: the model's default)."""
+    return 0.0 if t is not None and t < MIN_TEMPERATURE else t
 
 
 def _bias(raw: dict[str, float] | None, vocab: int) -> dict[int, float] | None:
@@ -23,10 +34,11 @@ def _bias(raw: dict[str, float] | None, vocab: int) -> dict[int, float] | None:
         return None
     out = {}
     for k, v in raw.items():
-        try:
-            t = int(k)
-        except ValueError:
-            raise ApiError(400, f"logit_bias key {k!r} is not a token id", param="logit_bias") from None
+        # decimal ASCII digits only: int() also reads " 5 ", "1_0" and other scripts' digits as a token id
+        if not _TOKEN_ID.fullmatch(k):
+            raise ApiError(400, f"logit_bias key {k[:40]!r} is not a token id (write it in decimal digits)",
+                           param="logit_bias")
+        t = int(k)
         if not 0 <= t < vocab:
             raise ApiError(400, f"logit_bias token id {t} is outside the vocabulary (0..{vocab - 1})",
                            param="logit_bias")
@@ -51,6 +63,7 @@ def response_format_schema(rf: dict[str, Any] | None) -> tuple[bool, dict[str, A
         if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
             raise ApiError(400, "response_format.json_schema.schema is missing or not a JSON object",
                            param="response_format")
+        check_schema(js["schema"], "response_format.json_schema.schema")
         return True, js["schema"]
     raise ApiError(400, f"response_format type {kind!r} is not one of text, json_object, json_schema",
                    param="response_format")
