@@ -18,7 +18,7 @@ from quantkit.cli.runtime import parse_cache_size, warn_line
 from quantkit.errors import QuantkitError
 from quantkit.runtime.threads import set_threads
 from quantkit.server.runtime_backend import load_backend
-from quantkit.server.security import API_KEY_ENV, is_loopback
+from quantkit.server.security import API_KEY_ENV, check_api_key, is_loopback
 from quantkit.sizes import parse_size
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -132,6 +132,8 @@ def serve(
     if api_key is not None and not api_key.strip():
         fail(f"--api-key (or {API_KEY_ENV}) is empty; give a key or leave it unset")
     try:
+        if api_key is not None:  # before the model loads: a key no client can send is refused at once
+            check_api_key(api_key, f"--api-key (or {API_KEY_ENV})")
         set_threads(threads)
         cache_bytes = parse_cache_size(prompt_cache_size)
         disk_bytes = parse_disk_cache(prompt_cache_dir, prompt_cache_disk_size, model_dir)

@@ -12,13 +12,13 @@ full; 503 while shutting down.
 Any model name is answered (as llama-server does: a client configured for `gpt-4o` works); /v1/models lists
 the served name and its aliases, and the answer names the model the request asked for.
 
-Before any route: CORS (off unless --cors-origin), the Host header, the API key and the content type
-(quantkit/server/security.py: 403, 401, 415). A request is admitted (429 otherwise) before its body is
-read: the requests being read or rendered count against --max-queue with those waiting, so memory per
-request is bounded by the body limit and at most --max-queue + 1 requests hold any, and a body that trickles
-in is cut off after --body-timeout seconds so slow clients cannot hold the line. Its length is bounded from
-the text's bytes before the tokenizer runs (no token covers more than `max_token_bytes` bytes), and
-rendering/tokenizing runs one request at a time.
+Before any route, in this order: the Host header, CORS (off unless --cors-origin), the API key and the
+content type (quantkit/server/security.py: 403, 400 for a refused preflight, 401, 415). A request is
+admitted (429 otherwise) before its body is read: the requests being read or rendered count against
+--max-queue with those waiting, so memory per request is bounded by the body limit and at most
+--max-queue + 1 requests hold any, and a body that trickles in is cut off after --body-timeout seconds so
+slow clients cannot hold the line. Its length is bounded from the text's bytes before the tokenizer runs (no
+token covers more than `max_token_bytes` bytes), and rendering/tokenizing runs one request at a time.
 
 Every OpenAI field that changes the answer is applied: sampling, penalties, min_p, logit_bias, logprobs,
 `n` (quantkit/server/options.py), `response_format` json_object / json_schema and `tool_choice` "required"
@@ -43,6 +43,7 @@ from starlette.requests import ClientDisconnect
 
 from quantkit.errors import QuantkitError
 from quantkit.server import answer as ans
+from quantkit.server import security
 from quantkit.server.backend import Backend, Prompt
 from quantkit.server.chat_request import enable_thinking, template_messages, text_bytes, tool_choice
 from quantkit.server.errors import ApiError, validation_error
@@ -51,7 +52,7 @@ from quantkit.server.options import MAX_N, GenOptions, response_format_schema, s
 from quantkit.server.parsing import OutputParser
 from quantkit.server.queue import GenerationQueue, Job, QueueClosed, QueueFull
 from quantkit.server.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from quantkit.server.security import Guard, allowed_host_names
+from quantkit.server.security import allowed_host_names
 
 __all__ = ["ApiError", "ServerConfig", "create_app", "template_messages"]
 
@@ -85,6 +86,8 @@ class ServerConfig:
             raise QuantkitError(f"body_timeout_s {self.body_timeout_s}: must be more than 0")
         if self.max_n < 1:
             raise QuantkitError(f"max_n {self.max_n}: must be at least 1")
+        if self.api_key is not None:
+            security.check_api_key(self.api_key)
 
 
 _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -147,13 +150,8 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
     if callable(getattr(backend, "cache_summary", None)):
         metrics.watch_disk_cache(lambda: (backend.cache_summary() or {}).get("disk"))
     app.state.metrics = metrics
-    app.add_middleware(Guard, hosts=allowed_host_names(config.bind_host, config.allowed_hosts),
-                       api_key=config.api_key, cors_origins=config.cors_origins)
-    if config.cors_origins:  # outside the Guard: a preflight carries no API key
-        from starlette.middleware.cors import CORSMiddleware
-
-        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type", "X-Api-Key"], max_age=600)
+    security.install(app, hosts=allowed_host_names(config.bind_host, config.allowed_hosts), api_key=config.api_key,
+                     cors_origins=config.cors_origins)
     app.add_middleware(CountRequests, metrics=metrics,  # outermost: refusals are counted too
                        endpoints=("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"))
     admitted = {"n": 0}  # requests being read or rendered (not yet in the queue)
