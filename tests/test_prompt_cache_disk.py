@@ -250,3 +250,15 @@ def test_bad_options_are_one_line(tiny_model, tmp_path, capsys, monkeypatch, arg
         code, out, err = run_cli([*cmd, *args], capsys, monkeypatch)
         expect_one_line(code, out, err, needle)
     assert not (tmp_path / "pc").exists() and not (tiny_model / "cache").exists()
+
+
+def test_plan_says_what_the_disk_cache_holds(capsys, monkeypatch):
+    from quantkit.model.checkpoint import spec_from_path
+    from quantkit.planner.budget import snapshot_bytes
+
+    code, out, err = run_cli(["plan", "--prompt-cache-disk-size", "20GB", "--context", "32k"], capsys, monkeypatch)
+    text = " ".join(out.split())
+    entry = snapshot_bytes(spec_from_path(None).config, 32768)
+    assert code == 0 and "prompt cache on disk" in text and f"holds {20 * 10**9 // entry:,} full-context" in text
+    code, out, err = run_cli(["plan", "--prompt-cache-disk-size", "0"], capsys, monkeypatch)
+    expect_one_line(code, out, err, "--prompt-cache-disk-size '0'")

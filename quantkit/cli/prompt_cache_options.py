@@ -7,10 +7,8 @@ from pathlib import Path
 
 import typer
 
-from quantkit import sizes
 from quantkit.errors import QuantkitError
-
-MIN_DISK_BYTES = 1 << 20  # below this not even a short prompt's state fits
+from quantkit.planner.disk_cache import parse_disk_size
 
 CACHE_DIR = typer.Option(None, "--prompt-cache-dir",
                          help="keep prompt-cache snapshots in files in this folder too, so a restart restores a "
@@ -33,4 +31,4 @@ def parse_disk_cache(folder: Path | None, size: str | None, model: str | Path) -
     if folder is None:
         raise QuantkitError(f"--prompt-cache-disk-size {size}: bounds the disk prompt cache; give "
                             "--prompt-cache-dir DIR too")
-    return sizes.parse_size(size, "--prompt-cache-disk-size", minimum=MIN_DISK_BYTES)
+    return parse_disk_size(size)
