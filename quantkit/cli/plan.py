@@ -31,6 +31,7 @@ from quantkit.model.gguf_file import read_gguf
 from quantkit.model.spec import DEFAULT_MODEL, ModelSpec, Role, load_config
 from quantkit.outputs import guard_output
 from quantkit.planner.budget import GB, GIB, SNAPSHOTS_PER_PROMPT, RunSettings, cache_dtype, compute_budget
+from quantkit.planner.disk_cache import disk_cache_note, parse_disk_size
 from quantkit.planner.hardware import DEFAULT_GPU_RESERVE, Hardware, build_hardware, load_catalog, parse_size
 from quantkit.planner.host_costs import profile_for_plan
 from quantkit.planner.placement import (
@@ -220,6 +221,8 @@ def plan_cmd(
     prompt_cache: int = typer.Option(SNAPSHOTS_PER_PROMPT, "--prompt-cache",
                                      help="conversation-state snapshots to budget for (2 per conversation kept "
                                      "across turns; 0: none)"),
+    disk_cache: str = typer.Option(None, "--prompt-cache-disk-size", help="also say what a prompt cache on disk "
+                                   "of this size holds (serve/chat --prompt-cache-dir), e.g. 20GB"),
     n_cpu_moe: int = typer.Option(None, "--n-cpu-moe", parser=COUNT0,
                                   help="keep the routed experts of the first N layers on the CPU (llama.cpp's "
                                   "flag), in the plan and the llama.cpp line, instead of the fewest that fit"),
@@ -269,6 +272,9 @@ def plan_cmd(
         hw = replace(hw, notes=(*hw.notes, "the MTP layer (speculative decoding's drafter) is budgeted: its weights "
                                 "and its KV cache; --mtp 0 leaves it out"))
     contexts = parse_contexts(context, spec.config.max_position_embeddings)
+    if disk_cache is not None:
+        hw = replace(hw, notes=(*hw.notes, disk_cache_note(spec.config, contexts[-1],
+                                                           parse_disk_size(disk_cache))))
     this_host = not (gpu or ram or cpu_bandwidth or nodes > 1)
     prof, prof_src, prof_note = profile_for_plan(profile, spec.config, this_host)
     kw = {"gpu_reserve": parse_size(gpu_reserve, "--gpu-reserve") if gpu_reserve else DEFAULT_GPU_RESERVE,
