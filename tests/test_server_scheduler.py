@@ -1,24 +1,29 @@
 """`BatchScheduler` (quantkit/server/scheduler.py), the server's queue with several slots decoded together, on the
 tiny decisive int4 checkpoint: every request's tokens are the ones it gets served alone, whatever else shares
 its steps, with requests joining as slots free up; a cancelled request or one whose sampling hook fails ends
-alone; bad slot counts are refused."""
+alone; bad slot counts are refused; `quantkit serve --parallel N` answers concurrent requests as it answers them
+one at a time."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
+import httpx
 import pytest
 
+from quantkit.errors import QuantkitError
 from quantkit.runtime import load_model
 from quantkit.runtime.generate import SamplingParams
+from quantkit.server.app import ServerConfig, create_app
 from quantkit.server.backend import Prompt
 from quantkit.server.queue import Done, Failed, GenerationQueue, Job, QueueFull
 from quantkit.server.runtime_backend import RuntimeBackend
 from quantkit.server.scheduler import MAX_SLOTS, BatchScheduler
 
-from test_runtime_common import one_thread, quantized  # noqa: F401
+from test_runtime_common import one_thread, quantized, run_cli  # noqa: F401
 
 TEXTS = ["list the files in this folder", "write a haiku about rivers", "what is 17 times 23?",
          "name three colours", "translate 'good morning' to French"]
@@ -167,3 +172,49 @@ def test_bad_slot_counts_are_refused(backend, slots):
 def test_a_backend_off_the_runtime_is_refused():
     with pytest.raises(ValueError, match="RuntimeBackend"):
         BatchScheduler(object(), 8, slots=2)
+
+
+# ---- `quantkit serve --parallel N` ----
+
+def _chat(url: str, text: str, max_tokens: int, seed: int | None) -> dict:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0 if seed is None else 0.8, "top_p": 0.9}
+    if seed is not None:
+        body["seed"] = seed
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _answers(backend, parallel: int) -> tuple[list[tuple[str, int]], dict]:
+    from test_server_api import ServerThread
+
+    app = create_app(backend, ServerConfig(max_queue=4, parallel=parallel))
+    reqs = [(t, 6 + j, None if j % 2 == 0 else j) for j, t in enumerate(TEXTS[:4])]
+    with ServerThread(app) as s, ThreadPoolExecutor(len(reqs)) as pool:
+        got = list(pool.map(lambda r: _chat(s.url, *r), reqs))
+        health = httpx.get(s.url + "/health").json()
+    return [(g["choices"][0]["message"]["content"] or "", g["usage"]["completion_tokens"]) for g in got], health
+
+
+def test_serve_parallel_answers_each_request_as_alone(backend, one_thread):  # noqa: F811
+    """Four concurrent requests on two slots answer what one-at-a-time serving answers; /health shows the
+    slots."""
+    one, _h = _answers(backend, 1)
+    two, health = _answers(backend, 2)
+    assert two == one
+    q = health["queue"]
+    assert q["slots"] == 2 and q["peak_batch"] == 2 and q["running"] == 0 and q["completed"] == 4
+
+
+@pytest.mark.parametrize("value, needle", [("0", "'0' is out of range"), ("-2", "'-2' is out of range"),
+                                           (str(MAX_SLOTS + 1), "is out of range"), ("lots", "'lots'")])
+def test_serve_refuses_a_bad_parallel_in_one_line(tmp_path, capsys, monkeypatch, value, needle):
+    code, out, err = run_cli(["serve", str(tmp_path), "--parallel", value], capsys, monkeypatch)
+    assert code == 2, (out, err)
+    assert "--parallel" in err and needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_bad_parallel_in_the_config_is_one_line():
+    with pytest.raises(QuantkitError, match=f"parallel 0: give 1 to {MAX_SLOTS} slots"):
+        ServerConfig(parallel=0)

@@ -12,15 +12,27 @@ from urllib.parse import urlsplit
 import typer
 
 from quantkit.cli import app, console, err_console, fail
-from quantkit.cli.options import CONTEXT, COUNT, MAX_TOKENS, MTP_DRAFT, MTP_HELP, PORT, SECONDS, renamed
+from quantkit.cli.options import (
+    CONTEXT,
+    COUNT,
+    MAX_TOKENS,
+    MTP_DRAFT,
+    MTP_HELP,
+    PORT,
+    SECONDS,
+    count,
+    renamed,
+)
 from quantkit.cli.prompt_cache_options import CACHE_DIR, DISK_SIZE, parse_disk_cache
 from quantkit.cli.runtime import parse_cache_size, warn_line
 from quantkit.errors import QuantkitError
 from quantkit.runtime.threads import set_threads
 from quantkit.server.runtime_backend import load_backend
+from quantkit.server.scheduler import MAX_SLOTS
 from quantkit.server.security import API_KEY_ENV, check_api_key, is_loopback
 from quantkit.sizes import parse_size
 
+PARALLEL = count(1, MAX_SLOTS)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$",
                        re.I)
@@ -104,6 +116,9 @@ def serve(
     body_timeout: float = typer.Option(30.0, "--body-timeout", parser=SECONDS,
                                        help="seconds a client has to send its request body (408 after)"),
     max_n: int = typer.Option(8, "--max-n", parser=COUNT, help="most choices (n) one request may ask for"),
+    parallel: int = typer.Option(1, "--parallel", parser=PARALLEL,
+                                 help="requests decoded together, each in its own slot, one forward per token "
+                                 "for all of them (1: one request at a time)"),
     context: int = typer.Option(None, "--context", "-c", parser=CONTEXT,
                                 help="context length to plan for, e.g. 32k (default: the plan's, or 4096)"),
     max_tokens: int = typer.Option(None, "--max-tokens", "-n", parser=MAX_TOKENS,
@@ -160,10 +175,11 @@ def serve(
                                prompt_cache_disk_bytes=disk_bytes, warn=warn_line)
         config = ServerConfig(max_queue=max_queue, max_body_bytes=body_limit, default_max_tokens=default_max_tokens,
                               bind_host=host, allowed_hosts=tuple(allowed_hosts), api_key=api_key or None,
-                              body_timeout_s=body_timeout, aliases=names, cors_origins=origins, max_n=max_n)
+                              body_timeout_s=body_timeout, aliases=names, cors_origins=origins, max_n=max_n,
+                              parallel=parallel)
         shown = f"[{host}]" if ":" in host else host
         console.print(f"serving [bold]{backend.model_id}[/] on http://{shown}:{port}/v1 (context "
-                      f"{backend.max_context} tokens, up to {max_queue} waiting requests, prompt cache "
+                      f"{backend.max_context} tokens, {parallel} decoding at once, up to {max_queue} waiting, prompt cache "
                       f"{backend.cache_summary()['max_bytes'] / 2**20:.0f} MiB)", highlight=False)
         disk = backend.cache_summary().get("disk")
         if disk:

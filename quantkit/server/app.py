@@ -51,6 +51,7 @@ from quantkit.server.metrics import CONTENT_TYPE, CountRequests, Metrics
 from quantkit.server.options import MAX_N, GenOptions, response_format_schema, sampling_temperature
 from quantkit.server.parsing import OutputParser
 from quantkit.server.queue import GenerationQueue, Job, QueueClosed, QueueFull
+from quantkit.server.scheduler import MAX_SLOTS, BatchScheduler
 from quantkit.server.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from quantkit.server.security import allowed_host_names
 
@@ -74,6 +75,7 @@ class ServerConfig:
     aliases: tuple[str, ...] = ()  # more model names listed by /v1/models
     cors_origins: tuple[str, ...] = ()  # origins a browser page may call from (none: CORS off)
     max_n: int = MAX_N  # choices per request
+    parallel: int = 1  # requests decoded together (quantkit/server/scheduler.py); 1: one at a time
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -86,6 +88,8 @@ class ServerConfig:
             raise QuantkitError(f"body_timeout_s {self.body_timeout_s}: must be more than 0")
         if self.max_n < 1:
             raise QuantkitError(f"max_n {self.max_n}: must be at least 1")
+        if not 1 <= self.parallel <= MAX_SLOTS:
+            raise QuantkitError(f"parallel {self.parallel}: give 1 to {MAX_SLOTS} slots")
         if self.api_key is not None:
             security.check_api_key(self.api_key)
 
@@ -138,7 +142,8 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        state["queue"] = app.state.queue = GenerationQueue(backend, config.max_queue)
+        state["queue"] = app.state.queue = GenerationQueue(backend, config.max_queue) if config.parallel == 1 \
+            else BatchScheduler(backend, config.max_queue, config.parallel)
         try:
             yield
         finally:
@@ -207,8 +212,8 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
     @contextlib.contextmanager
     def admission():
         q = state.get("queue")
-        # the one running plus --max-queue waiting, counting those still being read or rendered
-        if q is not None and admitted["n"] + q.stats.waiting + q.stats.running > config.max_queue:
+        # the one running (or --parallel) plus --max-queue waiting, counting those still being read or rendered
+        if q is not None and admitted["n"] + q.stats.waiting + q.stats.running > config.max_queue + config.parallel - 1:
             q.stats.rejected += 1
             raise ApiError(429, f"server busy: {admitted['n'] + q.stats.waiting} requests are already waiting "
                                 f"(--max-queue {config.max_queue}); retry later", "rate_limit_error",

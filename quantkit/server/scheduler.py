@@ -31,6 +31,7 @@ MAX_SLOTS = 64  # more rows per step than this only queue up behind the memory b
 class SlotStats(QueueStats):
     slots: int = 1  # requests decoded together at most
     batch_size: int = 0  # rows in the last batch step
+    peak_batch: int = 0  # the most rows a step has run
 
     @property
     def idle(self) -> int:
@@ -134,6 +135,7 @@ class BatchScheduler:
     def _deliver(self, events: list[tuple[int, TokenEvent]]) -> None:
         """A step's events to their jobs; an ended row's `Done`, its slot freed."""
         self.stats.batch_size = sum(1 for _r, ev in events if ev.response is None)
+        self.stats.peak_batch = max(self.stats.peak_batch, self.stats.batch_size)
         for row, ev in events:
             s = self._slots.get(row)
             if s is None:
