@@ -73,7 +73,7 @@ def _check_steps(rt, rows: int, steps: int = 3) -> None:
 def test_a_batch_step_equals_each_row_stepped_alone(tiny_model, recipe, route, one_thread):  # noqa: F811
     rt = _load(tiny_model, recipe, route)
     assert rt.model.route.kind == route
-    for rows in (1, 2, 4, 6):  # 6: more rows than one group of the kernels' multi-row tiles
+    for rows in (1, 2, 4, 6):  # 1: the route's own step; 6: more rows than one group of the multi-row tiles
         _check_steps(rt, rows)
 
 

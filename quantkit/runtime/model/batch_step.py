@@ -66,6 +66,8 @@ def step_batch(model: Model, ids: Sequence[int], caches: Sequence[HybridCache]) 
         raise ValueError(f"step_batch takes one cache per token; got {len(ids)} tokens, {len(caches)} caches")
     if len({id(c) for c in caches}) != len(caches):
         raise ValueError("step_batch: a cache appears twice in the batch (each row needs its own)")
+    if len(ids) == 1:  # one row: the route's own step (the stack's one call), the same logits with no per-row ops
+        return model.forward([int(ids[0])], caches[0]).view(1, -1)
     with cpu_kernel.denormals_flushed():
         return _step(model, [int(t) for t in ids], list(caches))
 
