@@ -135,6 +135,9 @@ def parse_text_config(cfg: dict[str, Any], source: str = "config.json") -> TextC
     layer_types = text.get("layer_types")
     if layer_types is None:
         interval = text.get("full_attention_interval", 4)
+        if not isinstance(interval, int) or isinstance(interval, bool) or not 1 <= interval <= n_layers:
+            raise QuantkitError(f"{source}: field '{prefix}full_attention_interval' must be an integer in "
+                                f"[1, {n_layers}] (num_hidden_layers), got {interval!r}")
         layer_types = [
             "full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n_layers)
         ]
@@ -151,6 +154,24 @@ def parse_text_config(cfg: dict[str, Any], source: str = "config.json") -> TextC
         raise QuantkitError(f"{source}: field '{prefix}num_experts_per_tok' exceeds num_experts")
     hidden = text["hidden_size"]
     heads = text["num_attention_heads"]
+    # the same rules as the runtime's model_config: a config whose heads do not divide is refused by every command
+    if heads % text["num_key_value_heads"]:
+        raise QuantkitError(f"{source}: field '{prefix}num_attention_heads' must be a multiple of "
+                            "num_key_value_heads")
+    if text["linear_num_value_heads"] % text["linear_num_key_heads"]:
+        raise QuantkitError(f"{source}: field '{prefix}linear_num_value_heads' must be a multiple of "
+                            "linear_num_key_heads")
+    head_dim = text.get("head_dim")
+    if head_dim is None and hidden % heads:
+        raise QuantkitError(f"{source}: field '{prefix}hidden_size' ({hidden}) is not a multiple of "
+                            f"num_attention_heads ({heads}); give head_dim")
+    if head_dim is not None and (not isinstance(head_dim, int) or isinstance(head_dim, bool)
+                                 or not 1 <= head_dim <= DEFAULT_FIELD_LIMIT):
+        raise QuantkitError(f"{source}: field '{prefix}head_dim' must be a positive integer, got {head_dim!r}")
+    shared = text.get("shared_expert_intermediate_size", text["moe_intermediate_size"])
+    if not isinstance(shared, int) or isinstance(shared, bool) or not 0 <= shared <= DEFAULT_FIELD_LIMIT:
+        raise QuantkitError(f"{source}: field '{prefix}shared_expert_intermediate_size' must be an integer in "
+                            f"[0, {DEFAULT_FIELD_LIMIT:,}], got {shared!r}")
     for key, default, lo, hi in _OPTIONAL_INTS:
         val = text.get(key, default)
         if val is None and default == 0:
@@ -164,7 +185,7 @@ def parse_text_config(cfg: dict[str, Any], source: str = "config.json") -> TextC
         layer_types=tuple(layer_types),
         num_attention_heads=heads,
         num_key_value_heads=text["num_key_value_heads"],
-        head_dim=int(text.get("head_dim") or hidden // heads),
+        head_dim=head_dim or hidden // heads,
         attn_output_gate=bool(text.get("attn_output_gate", True)),
         linear_num_key_heads=text["linear_num_key_heads"],
         linear_num_value_heads=text["linear_num_value_heads"],
@@ -174,9 +195,7 @@ def parse_text_config(cfg: dict[str, Any], source: str = "config.json") -> TextC
         num_experts=text["num_experts"],
         num_experts_per_tok=text["num_experts_per_tok"],
         moe_intermediate_size=text["moe_intermediate_size"],
-        shared_expert_intermediate_size=int(
-            text.get("shared_expert_intermediate_size", text["moe_intermediate_size"])
-        ),
+        shared_expert_intermediate_size=shared,
         mtp_num_hidden_layers=int(text.get("mtp_num_hidden_layers", 0) or 0),
         max_position_embeddings=int(text.get("max_position_embeddings", 262144)),
         tie_word_embeddings=bool(text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
