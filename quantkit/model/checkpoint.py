@@ -2,8 +2,8 @@
 
 A `Checkpoint` is a folder of safetensors shards (with or without `model.safetensors.index.json`) and a
 `config.json`. Headers are parsed here, without loading weights, and checked against the file sizes, so
-a truncated shard or a corrupt header is named before any tensor is read. Weights come through
-`safetensors.safe_open` (memory-mapped, one tensor or one slab of experts at a time).
+a truncated shard or a corrupt header is named before any tensor is read. `load` reads weights with plain
+file reads (one tensor or one slab of experts at a time); `get` maps them through `safetensors.safe_open`.
 
 Two source layouts are accepted and presented the same way, as CANONICAL tensors (the published names):
 - "published": `model.language_model.layers.N.*`, routed experts fused `mlp.experts.gate_up_proj`
@@ -141,6 +141,16 @@ def read_safetensors(path: Path) -> tuple[dict[str, str], dict[str, HeaderEntry]
     return meta, out
 
 
+FileIdentity = tuple[int, int, int, int, int]
+
+
+def file_identity(path: Path) -> FileIdentity:
+    """(size, mtime_ns, ctime_ns, inode, device) of a file: a rewrite in place keeps the size and the inode but
+    not the times, a replacement by rename changes the inode, a cut changes the size."""
+    st = os.stat(path)
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+
+
 def _allowed_roots(folder: Path) -> list[Path]:
     roots = [folder.resolve()]
     # An HF cache snapshot (models--org--name/snapshots/<rev>/) links its files into the repo's blobs/.
@@ -224,6 +234,9 @@ class Checkpoint:
         self.config = config
         self.files = files
         self._src = tensors
+        # each file's identity when it was opened (file_identity), taken before its header was read: a reader
+        # that must not mix two versions of a file (the quantizer) compares it again later
+        self.identities: dict[Path, FileIdentity] = {}
         self._handles: dict[Path, Any] = {}
         self._canon: dict[str, TensorSpec] | None = None
         self._recipe: dict[str, str | _Fused] = {}
@@ -251,7 +264,12 @@ class Checkpoint:
             raise QuantkitError(f"{folder}: no config.json beside the safetensors shards")
         config = load_config(cfg_path)
         tensors: dict[str, HeaderEntry] = {}
+        identities: dict[Path, FileIdentity] = {}
         for f in files:
+            try:
+                identities[f] = file_identity(f)
+            except OSError as e:
+                raise QuantkitError(f"{f}: cannot read ({e.strerror})") from None
             for name, st in read_safetensors_header(f).items():
                 if name in tensors:
                     raise QuantkitError(f"{f}: tensor {name} is also in {tensors[name].file.name}")
@@ -265,7 +283,9 @@ class Checkpoint:
                     raise QuantkitError(f"{index}: names {name} in {rel}, but that shard does not hold it")
         if not tensors:
             raise QuantkitError(f"no tensors in the safetensors of {folder}")
-        return cls(folder, config, files, tensors)
+        ckpt = cls(folder, config, files, tensors)
+        ckpt.identities = identities
+        return ckpt
 
     def _detect_layout(self) -> str:
         names = self._src.keys()
@@ -444,7 +464,7 @@ class Checkpoint:
 
     def _dequant_fp8(self, name: str, w: torch.Tensor, rows: slice | None) -> torch.Tensor:
         b0, b1 = self._fp8_block()
-        s = self.get(self._scale_name(name), rows).float()
+        s = self.read(self._scale_name(name), rows).float()
         out, inn = w.shape[-2], w.shape[-1]
         want = (-(-out // b0), -(-inn // b1))
         if tuple(s.shape[-2:]) != want or s.shape[:-2] != w.shape[:-2]:
@@ -454,7 +474,9 @@ class Checkpoint:
         return (w.float() * full).to(torch.bfloat16)
 
     def _read(self, src: str, rows: slice | None = None) -> torch.Tensor:
-        w = self.get(src, rows)
+        # plain reads, not the memory map of `get`: a file cut short while it is read is one line naming it
+        # (a short read), where a mapped page past the new end kills the process with SIGBUS
+        w = self.read(src, rows)
         if w.dtype in (torch.float8_e4m3fn,):
             w = self._dequant_fp8(src, w, rows)
         return w

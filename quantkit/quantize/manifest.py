@@ -133,9 +133,13 @@ class Journal:
 
     def save(self, folder: Path) -> None:
         atomic_write_json(
+    # the source files' identities the shards in `done` were read from (quantize/source_guard.py); empty in
+    # journals written before it was kept
+    sources: dict[str, list[int]] = field(default_factory=dict)
             folder / JOURNAL_NAME,
             {"key": self.key, "done": {k: asdict(v) for k, v in sorted(self.done.items())},
-             "stats": {k: v for k, v in sorted(self.stats.items())}, "files": sorted(self.files)},
+             "stats": {k: v for k, v in sorted(self.stats.items())}, "files": sorted(self.files),
+             "sources": {k: v for k, v in sorted(self.sources.items())}},
         )
 
     @classmethod
@@ -147,7 +151,8 @@ class Journal:
         try:
             done = {k: FileEntry(int(v["size"]), str(v["sha256"])) for k, v in d["done"].items()}
             stats = {str(k): list(v) for k, v in d.get("stats", {}).items()}
-            return cls(str(d["key"]), done, stats, [str(n) for n in d.get("files", [])])
+            sources = {str(k): [int(x) for x in v] for k, v in d.get("sources", {}).items()}
+            return cls(str(d["key"]), done, stats, [str(n) for n in d.get("files", [])], sources)
         except (KeyError, TypeError, ValueError, AttributeError):
             raise QuantkitError(f"{path}: malformed progress journal; rerun with --overwrite") from None
 

@@ -8,7 +8,9 @@ quantizing (and measuring) and writing on their own threads over reused buffers 
 where the memory bound is stated). Shards are written under temporary names; a journal records each
 finished shard (size, sha256) before it is renamed into place, so `--resume` reuses it; the manifest is
 written last. Output bytes depend only on the source and the options (no timestamps, not the thread
-count), so a resumed run is byte-identical to an uninterrupted one.
+count), so a resumed run is byte-identical to an uninterrupted one. A source file changed during the run
+(rewritten in place, cut short, replaced) ends it in one line naming the file, before the shard that read it is
+recorded and before the manifest (quantize/source_guard.py).
 
 The default 4-bit recipe (`quality` in quantkit/recipe.py) keeps lm_head at int8: measured on the
 realistic-shape checkpoint (reports/bench-quantize.md), int4 g128 on lm_head has ~20x the weight error
@@ -56,12 +58,12 @@ from quantkit.quantize.manifest import (
     fingerprint,
 )
 from quantkit.quantize.shards import ShardLayout, ShardWriter, TensorLayout, dtype_name, read_header
+from quantkit.quantize.source_guard import SourceGuard
 from quantkit.quantize.stream import (
     CHUNK_TEMP_BYTES,
     STAGE_OVERHEAD_BYTES,
     Block,
     BufferPool,
-    Mapped,
     Reader,
     StageTimes,
     Writer,
@@ -497,7 +499,7 @@ def _fused(tp: TensorPlan, cal: Calibration | None) -> bool:
     return cal is None and tp.spec is not None and getattr(get_format(tp.spec.format), "fills_buffers", False)
 
 
-def _emit(pipe: _Pipe, tp: TensorPlan, blk: Block, w: torch.Tensor, buf: torch.Tensor | Mapped | None,
+def _emit(pipe: _Pipe, tp: TensorPlan, blk: Block, w: torch.Tensor, buf: torch.Tensor | None,
           shard: ShardWriter, st: TensorStats, cal: Calibration | None = None, finite: bool = True) -> None:
     """Quantize (or keep) one block and hand its parts to the writer, which writes them at row
     `blk.start` of each part and frees the buffers after."""
@@ -556,7 +558,7 @@ def _quantize_slow(tp: TensorPlan, blk: Block, w: torch.Tensor, st: TensorStats,
 
 
 def _write_job(shard: ShardWriter, writes: list[tuple[str, torch.Tensor, int]],
-               frees: list[tuple[BufferPool, torch.Tensor | Mapped | None]], times: StageTimes) -> Callable[[], None]:
+               frees: list[tuple[BufferPool, torch.Tensor | None]], times: StageTimes) -> Callable[[], None]:
     def job() -> None:
         try:
             with times.stage("write"):
@@ -592,9 +594,11 @@ def peak_bound(b_in: int, b_out: int, threads: int) -> int:
 
 def _run_shards(ckpt: Checkpoint, out: Path, plan: QuantPlan, names: list[str], layouts: list[ShardLayout],
                 reused: list[str], opts: QuantizeOptions, progress: Progress, journal: Journal,
-                stats_by_shard: dict[str, list[TensorStats]], times: StageTimes) -> None:
+                stats_by_shard: dict[str, list[TensorStats]], times: StageTimes,
+                check_source: Callable[[], None] | None = None) -> None:
     """Read, quantize and write every shard not reused (quantize/stream.py); the writer thread commits
-    each shard, hashes it and records it in the journal while the next one is quantized."""
+    each shard, hashes it and records it in the journal while the next one is quantized (after
+    `check_source`: every block of the shard has been read by then)."""
     todo = [(sn, shard, lay) for sn, shard, lay in zip(names, plan.shards, layouts, strict=True) if sn not in reused]
     keep_small_allocations()
     b_in, b_out = block_sizes(plan, names, reused, opts.slab_bytes)
@@ -615,7 +619,7 @@ def _run_shards(ckpt: Checkpoint, out: Path, plan: QuantPlan, names: list[str], 
             w = ShardWriter(out / sn, lay)
             open_shards.append(w)
             shard_stats = [_quantize_tensor(pipe, tp, w, opts, progress) for tp in shard]
-            writer.submit(commit_job(out, sn, w, shard_stats, journal, stats_by_shard, times))
+            writer.submit(commit_job(out, sn, w, shard_stats, journal, stats_by_shard, times, check_source))
         with times.stage("wait for writes"):
             writer.finish()
     except BaseException:
@@ -664,11 +668,14 @@ def _sha256(path: Path, chunk: int = 4 << 20) -> str:
 
 
 def commit_job(out: Path, sn: str, w: ShardWriter, shard_stats: list[TensorStats], journal: Journal,
-                stats_by_shard: dict[str, list[TensorStats]], times: StageTimes) -> Callable[[], None]:
+                stats_by_shard: dict[str, list[TensorStats]], times: StageTimes,
+                check_source: Callable[[], None] | None = None) -> Callable[[], None]:
     def job() -> None:
         # journal first, rename second: a kill between leaves a journaled name with no file (resume redoes
         # it), never a finished-looking shard that no record lists
         entry = _finish_and_hash(w, times)
+        if check_source is not None:  # a source changed since it was opened: this shard is not recorded
+            check_source()
         journal.done[sn] = entry
         journal.stats[sn] = [s.to_dict() for s in shard_stats]
         stats_by_shard[sn] = shard_stats
@@ -679,12 +686,15 @@ def commit_job(out: Path, sn: str, w: ShardWriter, shard_stats: list[TensorStats
 
 def open_journal(out: Path, mode: str, key: str, names: list[str], layouts: list[ShardLayout],
                  extra_bytes: int, need_stats: bool = True,
-                 other_keys: dict[str, str] | None = None) -> tuple[Journal, list[str]]:
+                 other_keys: dict[str, str] | None = None,
+                 sources: dict[str, list[int]] | None = None) -> tuple[Journal, list[str]]:
     """The run's journal in `out` (a fresh one, or the interrupted run's when `key` matches) and the finished
     shards it lists that still check out (size and sha256); free disk for the rest is checked, leftover
     temporaries are removed. Refuses a finished folder under "resume" and another run's journal. `need_stats`:
     a shard is reused only with its recorded statistics (the quantizer's report needs them). `other_keys`:
-    the keys of runs that differ by one known option, each with the refusal that names it."""
+    the keys of runs that differ by one known option, each with the refusal that names it. `sources`: the source
+    files' identities (quantize/source_guard.py); shards an interrupted run read from files that have changed
+    since (same header, other bytes maybe: a restored or re-downloaded copy) are not reused."""
     journal = Journal.load(out) if out.is_dir() else None
     if mode == "resume" and (out / MANIFEST_NAME).is_file() and journal is None:
         raise QuantkitError(f"{out} is already complete; check it with `quantkit verify {out}`")
@@ -696,6 +706,11 @@ def open_journal(out: Path, mode: str, key: str, names: list[str], layouts: list
             "rerun with the same options, or pass --overwrite"
         )
     journal = journal or Journal(key)
+    if sources is not None:
+        if journal.sources and journal.sources != sources:
+            journal.done.clear()
+            journal.stats.clear()
+        journal.sources = dict(sources)
     # Reuse finished shards only after checking them; anything else is rewritten.
     reused: list[str] = []
     for sn in list(journal.done):
@@ -755,6 +770,8 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
     progress = progress or NoProgress()
     t_start = time.perf_counter()
     src = Path(ckpt.path)
+    guard = SourceGuard.of(ckpt)
+    ckpt.spec()  # the model validated by the rules plan, inspect and verify apply, before anything is written
     plan = make_plan(list(ckpt.canonical()), opts.recipe, opts.keep_mtp, opts.max_shard_size)
     if opts.calibration is not None and opts.calibration.stats is not None:
         opts.calibration.stats.check_model(ckpt)
@@ -777,7 +794,8 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
 
     copies = copyable_files(src)
     journal, reused = open_journal(out, opts.mode, key, names, layouts,
-                                   sum(p.stat().st_size for p in copies) + (1 << 20), other_keys=other_keys)
+                                   sum(p.stat().st_size for p in copies) + (1 << 20), other_keys=other_keys,
+                                   sources=guard.record())
     stats_by_shard: dict[str, list[TensorStats]] = {
         k: [TensorStats.from_dict(d) for d in v] for k, v in journal.stats.items() if k in reused
     }
@@ -790,7 +808,8 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
     times = StageTimes()
     try:
         with torch_threads(resolve_threads(opts.threads)), sigterm_as_interrupt():
-            _run_shards(ckpt, out, plan, names, layouts, reused, opts, progress, journal, stats_by_shard, times)
+            _run_shards(ckpt, out, plan, names, layouts, reused, opts, progress, journal, stats_by_shard, times,
+                        guard.check)
     except KeyboardInterrupt:
         for p in out.glob(".*.tmp"):
             p.unlink(missing_ok=True)
@@ -799,7 +818,8 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
             "run the same command with --resume to continue"
         ) from None
 
-    # Everything below is small; the manifest goes last.
+    # Everything below is small; the manifest goes last, each after the source is checked unchanged.
+    guard.check()
     stats = [s for sn in names for s in stats_by_shard[sn]]
     cal = None
     if opts.calibration is not None:
@@ -811,6 +831,7 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
     from quantkit.quantize.report import write_report  # lazy: report imports this module
 
     md, js = write_report(opts.report or (out / f"{REPORT_STEM}.md"), plan, stats, seconds, src, out, reused, cal)
+    guard.check()
     seal_folder(out, names, journal, files, {"path": str(src), **src_fp}, opts.fingerprint_data(has_mtp))
     return QuantizeResult(out, plan, stats, seconds, reused, md, js, copied, times.seconds)
 

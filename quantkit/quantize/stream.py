@@ -4,10 +4,10 @@ Profiled file to file (reports/bench-quantize.md), the one-thread loop spent its
 dequantize for the error figures, in page faults (every block's source, result and temporaries were fresh
 allocations: 5 million minor faults for a 1.9 GB model) and in waiting for reads, writes, fsync and the
 sha256 read-back. Here:
-- each block of a source tensor is mapped from its file (read-only in effect, unmapped when the block is done,
-  so nothing of the source stays resident; plain reads into one of two reused buffers where a file cannot be
-  mapped): a read copied every source byte once more in the kernel, 0.2 CPU-seconds per GB, where llama.cpp's
-  quantizer maps its source too;
+- each block of a source tensor is read with plain reads into one of two reused buffers, never mapped: a mapped
+  page of a file cut short during the run (a user restoring or re-downloading it) kills the process with SIGBUS,
+  where a read comes back short and the run ends in one line naming the file (the copy a read makes in the
+  kernel is small beside quantizing the block);
 - the formats quantize straight into one of two reused output arenas and measure the error inside their
   row chunks (formats/_common.ErrorSums), spread over `threads` workers;
 - a writer thread writes each block at its planned offset, then commits the shard (fsync, rename) and
@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import math
-import mmap
 import os
 import queue
 import threading
@@ -111,25 +110,6 @@ def stored_ranges(ckpt: Any) -> dict[str, tuple[Path, int, int]]:
     return out
 
 
-class Mapped:
-    """One block of a source file, mapped (copy-on-write, so torch gets the writable memory it asks for; nothing
-    writes it). It takes one of the pool's slots; `release` hands the slot back and drops the mapping, which is
-    unmapped once the last tensor over it is gone. The file's size is checked before each block is mapped (a file
-    cut short after that would fault, where a read would have failed with a line)."""
-
-    def __init__(self, fd: int, off: int, n: int, slot: torch.Tensor):
-        start = off - off % mmap.ALLOCATIONGRANULARITY
-        self.mm: mmap.mmap | None = mmap.mmap(fd, off - start + n, offset=start, access=mmap.ACCESS_COPY)
-        with contextlib.suppress(AttributeError, OSError):  # read ahead while the block waits its turn
-            self.mm.madvise(mmap.MADV_WILLNEED)
-        self.tensor: torch.Tensor | None = torch.frombuffer(self.mm, dtype=torch.uint8, count=n, offset=off - start)
-        self.slot = slot
-
-    def release(self) -> torch.Tensor:
-        self.mm = self.tensor = None
-        return self.slot
-
-
 class BufferPool:
     """`n` reusable byte buffers of `nbytes` each: acquire blocks until one is free (bounded memory)."""
 
@@ -157,9 +137,7 @@ class BufferPool:
                 if self.closed.is_set():
                     raise Stopped from None
 
-    def release(self, buf: torch.Tensor | Mapped | None) -> None:
-        if isinstance(buf, Mapped):
-            buf = buf.release()
+    def release(self, buf: torch.Tensor | None) -> None:
         if buf is not None:
             self._free.put(buf)
 
@@ -192,7 +170,6 @@ class Reader:
         self.stop = threading.Event()
         self.error: BaseException | None = None
         self._files: dict[Path, Any] = {}
-        self._unmappable: set[Path] = set()
         self._whole: tuple[str, torch.Tensor] | None = None
         self.ranges = stored_ranges(ckpt)
         self.t = threading.Thread(target=self._run, name="quantkit-read", daemon=True)
@@ -207,33 +184,23 @@ class Reader:
                 raise QuantkitError(f"{file}: cannot read ({e.strerror})") from None
         return f
 
-    def _map(self, file: Path, off: int, n: int, slot: torch.Tensor) -> Mapped | None:
-        """The block mapped, or None where this file cannot be mapped (it is read instead from then on)."""
-        if file in self._unmappable or n == 0:
-            return None
-        f = self._open(file)
-        if os.fstat(f.fileno()).st_size < off + n:  # mapping past the end would fault on first touch
-            raise QuantkitError(f"{file}: truncated while reading (the file changed during the run)")
-        try:
-            return Mapped(f.fileno(), off, n, slot)
-        except (OSError, ValueError):
-            self._unmappable.add(file)
-            return None
-
     def _read_into(self, file: Path, off: int, n: int, buf: torch.Tensor) -> None:
         f = self._open(file)
         mv = memoryview(buf.numpy())[:n]
-        f.seek(off)
         got = 0
-        while got < n:
-            k = f.readinto(mv[got:])
-            if not k:
-                raise QuantkitError(f"{file}: truncated while reading (the file changed during the run)")
-            got += k
+        try:
+            while got < n:
+                k = os.preadv(f.fileno(), [mv[got:]], off + got)
+                if not k:
+                    raise QuantkitError(f"{file}: cut short while it was being quantized (the file changed during "
+                                        "the run); restore it, then run the same command with --resume")
+                got += k
+        except OSError as e:
+            raise QuantkitError(f"{file}: cannot read ({e.strerror}); check the disk, then run the same command "
+                                "with --resume") from None
 
-    def _load(self, blk: Block, shape: tuple[int, ...], dtype: str) -> tuple[torch.Tensor, torch.Tensor | Mapped | None]:
-        """The block as a tensor, and what holds it for the pool (a buffer or a mapping; None when Checkpoint.load
-        made it)."""
+    def _load(self, blk: Block, shape: tuple[int, ...], dtype: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The block as a tensor, and the pool buffer that holds it (None when it is not the pool's)."""
         lead = (blk.rows,) + tuple(shape[1:]) if shape else ()
         rng = self.ranges.get(blk.name)
         tdt = getattr(torch, dtype)
@@ -244,9 +211,6 @@ class Reader:
             with self.times.stage("reader idle (buffers in use)"):
                 buf = self.pool.acquire() if n <= self.pool.nbytes else torch.empty(n, dtype=torch.uint8)
             with self.times.stage("read"):
-                m = self._map(file, start + blk.start * row, n, buf) if n <= self.pool.nbytes else None
-                if m is not None:  # the pool's buffer is only the slot: never touched, so never resident
-                    return view_as(m.tensor, lead if shape else (), tdt), m
                 self._read_into(file, start + blk.start * row, n, buf)
             return view_as(buf, lead if shape else (), tdt), buf if n <= self.pool.nbytes else None
         with self.times.stage("read"):
@@ -265,7 +229,7 @@ class Reader:
             w = self._whole[1] if blk.whole else self._whole[1][blk.start:blk.stop]
         if last:
             self._whole = None
-            self.ckpt.close()  # unmap what was read, so RSS does not grow to the checkpoint's size
+            self.ckpt.close()  # drop any handle the checkpoint opened, so RSS does not grow to the checkpoint's size
         return w, None
 
     def _run(self) -> None:
@@ -289,11 +253,11 @@ class Reader:
             for f in self._files.values():
                 f.close()
 
-    def get(self) -> tuple[Block, torch.Tensor, torch.Tensor | Mapped | None]:
+    def get(self) -> tuple[Block, torch.Tensor, torch.Tensor | None]:
         with self.times.stage("wait for reads"):
             return self._get()
 
-    def _get(self) -> tuple[Block, torch.Tensor, torch.Tensor | Mapped | None]:
+    def _get(self) -> tuple[Block, torch.Tensor, torch.Tensor | None]:
         while True:
             try:
                 item = self.q.get(timeout=0.2)
