@@ -262,3 +262,33 @@ def test_plan_says_what_the_disk_cache_holds(capsys, monkeypatch):
     assert code == 0 and "prompt cache on disk" in text and f"holds {20 * 10**9 // entry:,} full-context" in text
     code, out, err = run_cli(["plan", "--prompt-cache-disk-size", "0"], capsys, monkeypatch)
     expect_one_line(code, out, err, "--prompt-cache-disk-size '0'")
+
+
+def test_two_chats_with_one_system_prompt_prefill_it_once(tiny_model, tmp_path):
+    """The second chat (another process, another first question) restores the system prompt from disk, and chat's
+    /stats shows the disk cache."""
+    import io
+
+    from rich.console import Console
+
+    from quantkit.runtime.chat import Chat, ChatSession
+
+    d = tmp_path / "pc"
+    system = text(20)
+    out = io.StringIO()
+    feed = iter(["$ ls", "/stats"])
+
+    def read(_p):
+        try:
+            return next(feed)
+        except StopIteration:
+            raise EOFError from None
+    Chat(fresh(tiny_model, d), ChatSession(system=system), SP, Console(file=out, width=300), read).run()
+    assert "prompt cache on disk: " + str(d) in out.getvalue()
+    msgs = [{"role": "system", "content": system}, {"role": "user", "content": "$ cat notes.txt"}]
+    rt = fresh(tiny_model, d)
+    got = rt.generate(msgs, sampling=SP)
+    want = fresh(tiny_model, memory=0).generate(msgs, sampling=SP)
+    ids = rt.last_prompt_ids
+    system_end = snapshot_points(ids, 0, rt.boundary_ids, 2)[0]  # where the user's message starts
+    assert got.token_ids == want.token_ids and got.cached_tokens == system_end > 0

@@ -27,7 +27,9 @@ bytes per device, `rt.report.routes` the kernel each matrix uses.
 Prompt cache: `rt.set_prompt_cache(max_bytes)` (None: a quarter of the free memory where the states live; 0:
 off) keeps snapshots of the hybrid cache at message boundaries, so a prompt that extends an earlier one is
 prefilled only past the longest cached prefix, bit-exact with a full prefill; `resp.cached_tokens` counts the
-reused tokens, `rt.prompt_cache.summary()` the cache.
+reused tokens, `rt.prompt_cache.summary()` the cache. Raw prompts get checkpoints every prefill chunk;
+`rt.set_prompt_cache(max_bytes, disk_dir, disk_bytes)` also keeps the snapshots in files bound to these weights,
+restored after a restart (quantkit/runtime/prompt_disk.py, docs/prompt-cache.md).
 
 Several conversations at once: `BatchGenerator(rt)` (quantkit/runtime/batch.py) decodes them together, one
 batched forward per token for all of them (`batch.add(messages, **sampling)` prefills one and returns its row id;
