@@ -276,6 +276,10 @@ class Chat:
         self.say(f"prompt cache: {c['entries']} snapshots, {fmt_bytes(c['bytes'])} of {fmt_bytes(c['max_bytes'])}, "
                  f"hit rate {c['hit_rate']:.0%}, {c['evictions']} evicted; this session prefilled "
                  f"{self.totals['prefilled']} tokens, reused {self.totals['reused']}")
+        d = c.get("disk")
+        if d:
+            self.say(f"prompt cache on disk: {d['dir']}: {d['entries']} entries, {fmt_bytes(d['bytes'])} of "
+                     f"{fmt_bytes(d['max_bytes'])}, {d['hits']} restored ({d['restored_tokens']} tokens)")
 
     # ---- a turn ----
     def turn(self, text: str) -> None:
