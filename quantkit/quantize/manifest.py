@@ -114,11 +114,14 @@ def check_file(folder: Path, name: str, entry: FileEntry, hash_it: bool = True, 
     if not p.is_file():
         return f"{name}: missing"
     size = p.stat().st_size
-    if size != entry.size:
+    if size != entry.size and name.endswith(".safetensors"):
         what = "truncated" if size < entry.size else "larger than recorded"
         return f"{name}: {what} ({size} bytes, manifest says {entry.size})"
+    if size != entry.size:  # config.json re-indented, a tokenizer edited: changed, not necessarily cut short
+        return (f"{name}: differs from the manifest's record ({size:,} bytes, the manifest's {entry.size:,}; "
+                "edited after quantizing?): restore it, or quantize again")
     if hash_it and sha256_file(p, progress) != entry.sha256:
-        return f"{name}: altered (sha256 differs from the manifest)"
+        return f"{name}: altered (its sha256 differs from the manifest's)"
     return None
 
 
@@ -130,12 +133,12 @@ class Journal:
     done: dict[str, FileEntry] = field(default_factory=dict)
     stats: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # per shard, for the final report
     files: list[str] = field(default_factory=list)  # the other files the run writes, recorded before it writes them
-
-    def save(self, folder: Path) -> None:
-        atomic_write_json(
     # the source files' identities the shards in `done` were read from (quantize/source_guard.py); empty in
     # journals written before it was kept
     sources: dict[str, list[int]] = field(default_factory=dict)
+
+    def save(self, folder: Path) -> None:
+        atomic_write_json(
             folder / JOURNAL_NAME,
             {"key": self.key, "done": {k: asdict(v) for k, v in sorted(self.done.items())},
              "stats": {k: v for k, v in sorted(self.stats.items())}, "files": sorted(self.files),
