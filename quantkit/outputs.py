@@ -156,8 +156,11 @@ def free_disk(path: Path) -> int:
 def check_free(out: Path, need: int, flag: str) -> None:
     free = free_disk(out.parent if not out.exists() else out)
     if need > free:
-        raise QuantkitError(f"{flag}{out}: not enough free disk: the output needs {need / 1e9:.2f} GB, "
-                            f"{free / 1e9:.2f} GB free; free space or pick another location")
+        from quantkit.sizes import format_sizes  # in the unit that fits: a small output is not "0.00 GB"
+
+        need_s, free_s = format_sizes(need, free)
+        raise QuantkitError(f"{flag}{out}: not enough free disk: the output needs {need_s}, {free_s} free; "
+                            "free space or pick another location")
 
 
 def guard_output(out: Path, *, sources: Sequence[Path] = (), kind: str = "file", overwrite: bool = False,

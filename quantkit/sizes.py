@@ -29,3 +29,25 @@ def parse_size(text: str, what: str = "size", bare_unit: int = 1, minimum: int =
         raise QuantkitError(f"{what} {text!r} is out of range: give at least {minimum:,} bytes"
                             f" and at most {MAX_SIZE / 1e18:.1f} EB")
     return value
+
+
+def format_size(n: int) -> str:
+    """Bytes in the unit that fits, decimal as the size rule: `512 bytes`, `12.3 KB`, `4.56 MB`, `19.2 GB`."""
+    n = int(n)
+    sign = "-" if n < 0 else ""
+    if abs(n) < KB:
+        return f"{n:,} bytes"
+    for unit, scale in (("KB", KB), ("MB", MB), ("GB", GB), ("TB", TB)):
+        v = abs(n) / scale
+        text = f"{v:.2f}" if v < 10 else f"{v:.1f}" if v < 100 else f"{v:,.0f}"
+        if float(text.replace(",", "")) < 1000 or unit == "TB":
+            return f"{sign}{text} {unit}"
+    raise AssertionError("not reached")
+
+
+def format_sizes(*sizes: int) -> list[str]:
+    """Each size by `format_size`, or all in exact bytes where two would read the same but differ."""
+    out = [format_size(n) for n in sizes]
+    if len(set(out)) < len(set(sizes)):
+        return [f"{int(n):,} bytes" for n in sizes]
+    return out

@@ -24,6 +24,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.fileio import fsync_dir, temp_name
+from quantkit.sizes import format_size
 
 ST_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -91,7 +92,7 @@ def _reserve(fd: int, size: int) -> None:
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise QuantkitError(f"not enough free disk for a {size / 1e9:.2f} GB shard ({e.strerror})") from None
+            raise QuantkitError(f"not enough free disk for a {format_size(size)} shard ({e.strerror})") from None
         os.ftruncate(fd, size)
     except AttributeError:  # no posix_fallocate on this platform
         os.ftruncate(fd, size)
