@@ -7,6 +7,7 @@ one at a time."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -176,9 +177,9 @@ def test_a_backend_off_the_runtime_is_refused():
 
 # ---- `quantkit serve --parallel N` ----
 
-def _chat(url: str, text: str, max_tokens: int, seed: int | None) -> dict:
+def _chat(url: str, text: str, max_tokens: int, seed: int | None, extra: dict | None = None) -> dict:
     body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
-            "temperature": 0 if seed is None else 0.8, "top_p": 0.9}
+            "temperature": 0 if seed is None else 0.8, "top_p": 0.9, **(extra or {})}
     if seed is not None:
         body["seed"] = seed
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=WAIT_S)
@@ -189,22 +190,25 @@ def _chat(url: str, text: str, max_tokens: int, seed: int | None) -> dict:
 def _answers(backend, parallel: int) -> tuple[list[tuple[str, int]], dict]:
     from test_server_api import ServerThread
 
-    app = create_app(backend, ServerConfig(max_queue=4, parallel=parallel))
+    app = create_app(backend, ServerConfig(max_queue=6, parallel=parallel))
     reqs = [(t, 6 + j, None if j % 2 == 0 else j) for j, t in enumerate(TEXTS[:4])]
+    reqs += [(TEXTS[4], 12, None, {"response_format": {"type": "json_object"}}),  # structured output
+             (TEXTS[0], 5, 9, {"logprobs": True, "top_logprobs": 2, "presence_penalty": 1.5})]
     with ServerThread(app) as s, ThreadPoolExecutor(len(reqs)) as pool:
         got = list(pool.map(lambda r: _chat(s.url, *r), reqs))
         health = httpx.get(s.url + "/health").json()
-    return [(g["choices"][0]["message"]["content"] or "", g["usage"]["completion_tokens"]) for g in got], health
+    return [(g["choices"][0]["message"]["content"] or "", g["usage"]["completion_tokens"],
+             json.dumps(g["choices"][0].get("logprobs"))) for g in got], health
 
 
 def test_serve_parallel_answers_each_request_as_alone(backend, one_thread):  # noqa: F811
-    """Four concurrent requests on two slots answer what one-at-a-time serving answers; /health shows the
-    slots."""
+    """Concurrent requests on two slots (greedy, seeded, one with a JSON grammar, one with logprobs and a
+    penalty) answer what one-at-a-time serving answers; /health shows the slots."""
     one, _h = _answers(backend, 1)
     two, health = _answers(backend, 2)
-    assert two == one
+    assert two == one and one[5][2] != "null"  # the logprobs came back, and the same
     q = health["queue"]
-    assert q["slots"] == 2 and q["peak_batch"] == 2 and q["running"] == 0 and q["completed"] == 4
+    assert q["slots"] == 2 and q["peak_batch"] == 2 and q["running"] == 0 and q["completed"] == 6
 
 
 @pytest.mark.parametrize("value, needle", [("0", "'0' is out of range"), ("-2", "'-2' is out of range"),
