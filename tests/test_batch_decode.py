@@ -256,3 +256,30 @@ def test_running_rows_step_between_the_chunks_of_a_new_prompt(tiny_model, monkey
     while batch:
         take(batch.step())
     assert [got[r] for r in (*rows, new)] == refs
+
+
+def test_a_continued_conversation_reuses_the_prompt_cache_in_a_batch(tiny_model, one_thread):  # noqa: F811
+    """With the prompt cache on, a row whose conversation continues an earlier one is prefilled only past the
+    cached prefix, and still generates what the request generates alone without any cache."""
+    rt = _load(tiny_model, "int4")
+    sp = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    first = [{"role": "user", "content": PROMPTS[0]}]
+    alone = _alone(rt, rt.render_ids(first)[1], sp, None)
+    turn2 = [*first, {"role": "assistant", "content": alone.text or "ok"}, {"role": "user", "content": PROMPTS[1]}]
+    want = _alone(rt, rt.render_ids(turn2)[1], sp, None)
+    rt.set_prompt_cache(1 << 28)
+    batch = BatchGenerator(rt)
+    batch.add(first, sampling=sp)
+    batch.add(messages=[{"role": "user", "content": PROMPTS[2]}], sampling=sp)
+    last = {}
+    while batch:
+        for row, ev in batch.step():
+            if ev.response is not None:
+                last[row] = ev.response
+    row = batch.add(turn2, sampling=sp)
+    batch.add(messages=[{"role": "user", "content": PROMPTS[3]}], sampling=sp)
+    while batch:
+        for r, ev in batch.step():
+            if ev.response is not None:
+                last[r] = ev.response
+    assert last[row].cached_tokens > 0 and last[row].token_ids == want.token_ids

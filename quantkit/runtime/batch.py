@@ -184,6 +184,10 @@ class BatchGenerator:
             for j, r in enumerate(go):
                 r.logits = logits[j]
                 r.decode_seconds += spent
+        if any(ev.response is not None for _r, ev in out):
+            # the disk store's writes of the prompts prefilled since, after an answer as `stream_tokens` does
+            # (and after this step's forward: the other rows' next tokens are not held up by them)
+            self.rt.prompt_cache.flush()
         return out
 
     def run(self) -> Iterator[tuple[int, TokenEvent]]:
