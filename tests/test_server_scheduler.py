@@ -197,6 +197,8 @@ def _answers(backend, parallel: int) -> tuple[list[tuple[str, int]], dict]:
     with ServerThread(app) as s, ThreadPoolExecutor(len(reqs)) as pool:
         got = list(pool.map(lambda r: _chat(s.url, *r), reqs))
         health = httpx.get(s.url + "/health").json()
+        metrics = httpx.get(s.url + "/metrics").text
+    assert f"quantkit_slots {float(parallel)}" in metrics
     return [(g["choices"][0]["message"]["content"] or "", g["usage"]["completion_tokens"],
              json.dumps(g["choices"][0].get("logprobs"))) for g in got], health
 

@@ -1,8 +1,9 @@
 """`/metrics` in Prometheus' text format (prometheus_client, one registry per app).
 
 Counters: requests by endpoint and HTTP status, prompt and generated tokens, prompt tokens restored from the
-prompt cache and the requests that hit it; gauges: requests waiting and running (read from the queue at
-scrape time) and the last request's decode speed; histograms: time to first token and decode tok/s.
+prompt cache and the requests that hit it; gauges: requests waiting and running, the slots and the last batch
+step's rows (read from the queue at scrape time) and the last request's decode speed; histograms: time to
+first token and decode tok/s.
 Names follow vLLM's where one exists (`..._prompt_tokens_total`, `..._generation_tokens_total`).
 """
 
@@ -33,6 +34,11 @@ class Metrics:
         running = Gauge(_P + "queue_running", "requests being generated", registry=r)
         waiting.set_function(lambda: getattr(queue_stats(), "waiting", 0))
         running.set_function(lambda: getattr(queue_stats(), "running", 0))
+        # `serve --parallel N`: the slots and the rows of the last batch step (one slot, one row, without it)
+        slots = Gauge(_P + "slots", "requests that may be decoded together (--parallel)", registry=r)
+        batch = Gauge(_P + "batch_size", "requests decoded together in the last step", registry=r)
+        slots.set_function(lambda: getattr(queue_stats(), "slots", 1))
+        batch.set_function(lambda: getattr(queue_stats(), "batch_size", getattr(queue_stats(), "running", 0)))
         self.last_tps = Gauge(_P + "generation_tokens_per_second", "decode speed of the last generation",
                               registry=r)
         self.ttft = Histogram(_P + "time_to_first_token_seconds", "queue + prefill until the first token",
