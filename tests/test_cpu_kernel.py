@@ -25,6 +25,8 @@ from quantkit.runtime import cpu_kernel
 from quantkit.runtime.kernels import DenseKernel, Projections, QBf16Kernel, QKernel, prepare, reference_matmul
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 
+from conftest import ISA_VALUES, forced_isa_table
+
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernel is not built on this machine")
 
 TOL = 2e-2
@@ -253,6 +255,7 @@ class CountingModule:
         return self.mod.moe(*args)
 
 
+@pytest.mark.usefixtures("isa")
 def test_decode_is_one_call_and_independent_of_the_split():
     spec = QuantSpec("int4", 32)
     whole, _, _ = experts(spec)
@@ -268,6 +271,7 @@ def test_decode_is_one_call_and_independent_of_the_split():
 
 
 @pytest.mark.parametrize("spec", [QuantSpec("int4", 32), QuantSpec("int8"), None], ids=["int4-g32", "int8", "bf16"])
+@pytest.mark.usefixtures("isa")
 def test_fused_moe_is_the_same_on_any_thread_count(spec):
     """The gate_up phase reads runs of tiles whose length follows the thread count (whole experts on few
     threads, halved runs on many); every length gives the same sums, bit for bit."""
@@ -313,6 +317,7 @@ def test_moe_rows_is_moe_row_by_row_bit_for_bit(isa, spec):
         mod.moe_rows(x, table, torch.full((t, TOPK), E), wts)
 
 
+@pytest.mark.usefixtures("isa")
 def test_mixed_fused_and_unfused_experts():
     """Experts the kernel cannot take (here: forced onto torch's route) run beside one fused call."""
     spec = QuantSpec("int8")
@@ -326,6 +331,7 @@ def test_mixed_fused_and_unfused_experts():
     assert q._fused_table()[2] == [i not in (1, 4, 6) for i in range(E)]
 
 
+@pytest.mark.usefixtures("isa")
 def test_prefill_uses_the_same_kernels():
     spec = QuantSpec("int4", 32)
     q, gu_p, dn_p = experts(spec)
@@ -397,13 +403,11 @@ BF16_PROBE = ("import torch\nfrom quantkit.runtime.kernels import prepare\n"
               "print('ROUTE', prepare(torch.zeros(32, 64, dtype=torch.bfloat16), None, (32, 64)).route)\n")
 
 
-@pytest.mark.parametrize("level", ["avx2", "generic"])
+@pytest.mark.parametrize("level", ISA_VALUES)
 def test_forced_isa_runs_that_table_quietly(level):
-    """QUANTKIT_CPU_ISA=avx2|generic runs that level's table for every matrix, bf16 included, with nothing
-    on stderr."""
-    if level not in _levels():
-        pytest.skip(f"{level}: this CPU or build cannot run it")
-    table = cpu_kernel.best_table(level)  # avx2vnni where the CPU has AVX-VNNI
+    """QUANTKIT_CPU_ISA=LEVEL runs that level's table (LEVEL-plain: without its extension) for every matrix,
+    bf16 included, with nothing on stderr."""
+    table = forced_isa_table(level)  # avx2vnni for avx2 where the CPU has AVX-VNNI
     p = run_probe({"QUANTKIT_CPU_ISA": level})
     assert route_line(p) == f"ROUTE quantkit qk int4 ({table}, int8 activations) True"
     assert p.stderr.strip() == ""
@@ -447,6 +451,25 @@ def test_foreign_compiler_gets_its_own_cache(tmp_path, monkeypatch):
     assert cpu_kernel.cache_dir() != here
 
 
+def test_any_edited_added_or_removed_source_changes_the_cache_folder(tmp_path, monkeypatch):
+    """The cache folder is keyed by every file in csrc/ (the quantizer's header as much as the decode ops'):
+    a module built from other sources is never loaded."""
+    csrc = tmp_path / "csrc"
+    shutil.copytree(cpu_kernel.CSRC, csrc)
+    monkeypatch.setattr(cpu_kernel, "CSRC", csrc)
+    seen = {cpu_kernel.cache_dir()}
+    impl = csrc / "qk_quant_impl.h"
+    impl.write_text(impl.read_text() + "\n")
+    seen.add(cpu_kernel.cache_dir())
+    (csrc / "qk_new.h").write_text("#pragma once\n")
+    seen.add(cpu_kernel.cache_dir())
+    (csrc / "qk_new.h").rename(csrc / "qk_renamed.h")
+    seen.add(cpu_kernel.cache_dir())
+    (csrc / "qk_renamed.h").unlink()
+    seen.add(cpu_kernel.cache_dir())  # the edited header alone: the folder of the step before the new file
+    assert len(seen) == 4
+
+
 @pytest.mark.slow
 def test_a_unit_the_compiler_cannot_build_is_left_out(tmp_path):
     """A unit the compiler refuses is left out with one line naming it; the module still loads and runs the
@@ -476,9 +499,10 @@ def test_failed_build_is_one_line_and_torch_route(tmp_path):
     """No compiler (CXX points at `false`), empty cache: one notice line, torch's kernels, no traceback."""
     p = run_probe({"QUANTKIT_KERNEL_CACHE": str(tmp_path), "CXX": "false"})
     assert route_line(p) == "ROUTE torch _weight_int4pack_mm_for_cpu True"
-    notices = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    assert any("CPU kernel unavailable" in ln for ln in notices), p.stderr
-    assert all(ln.startswith("quantkit: ") for ln in notices), p.stderr
+    notices = [ln for ln in p.stderr.splitlines() if ln.strip() and "building the CPU kernel" not in ln]
+    # one line, though the probe both quantizes and multiplies: the quantizer's ops are the same module's
+    assert len(notices) == 1 and "CPU kernel unavailable" in notices[0], p.stderr
+    assert notices[0].startswith("quantkit: "), p.stderr
     build = subprocess.run([sys.executable, "-m", "quantkit.runtime.cpu_kernel", "build"], capture_output=True,
                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT), "QUANTKIT_KERNEL_CACHE": str(tmp_path),
                                            "CXX": "false"}, timeout=600)
@@ -524,11 +548,12 @@ def test_unwritable_cache_is_one_line_and_torch_route(tmp_path):
     p = run_probe({"QUANTKIT_KERNEL_CACHE": str(blocker / "kernels")})
     assert route_line(p) == "ROUTE torch _weight_int4pack_mm_for_cpu True"
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
-    # one line for the decode kernel and the quantizer's kernel alike, naming the folder and the way out
+    # one line for the decode ops and the quantizer's alike (one module), naming the folder and the way out
     assert len(lines) == 1 and lines[0].startswith(f"quantkit: kernel cache {blocker / 'kernels'}"), p.stderr
     assert "QUANTKIT_KERNEL_CACHE" in lines[0]
 
 
+@pytest.mark.usefixtures("isa")
 def test_bf16_weight_read_at_any_offset_is_used_in_place():
     """A bf16 tensor read from a shard is a view at any byte offset: the kernel uses it as it is (no
     copy that would double the resident bytes)."""

@@ -1,8 +1,8 @@
-"""The quantizer's kernels: the decode kernel's `quant_int4_sym` and the quantizer's own library
-(runtime/quant_kernel.py, formats/int4.py's and int8.py's route for bf16 rows). Each writes byte for byte the
-torch route's codes and scales on every unit this CPU runs, including the groups where candidates tie,
-all-zero groups of either sign and a chunk whose groups do not fill the last block of eight; quantize() gives
-the same parts and error sums on every route."""
+"""The quantizer's kernels (csrc/qk_quant_impl.h, ops of every table of the CPU kernel, called through
+runtime/quant_kernel.py: formats/int4.py's route for bf16 and fp32 rows, int8.py's for bf16 rows). Each table
+writes byte for byte the torch route's codes and scales, including the groups where candidates tie, all-zero
+groups of either sign and a chunk whose groups do not fill the last block of eight; quantize() gives the same
+parts and error sums on every route."""
 
 from __future__ import annotations
 
@@ -39,58 +39,54 @@ def _torch_route(w: torch.Tensor, g: int, grid: tuple[float, ...]) -> tuple[torc
 
 @pytest.mark.parametrize("g", [32, 64, 128])
 @pytest.mark.parametrize("grid", [I.CLIP_GRID, ()])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kernel_writes_the_torch_routes_bytes(kernel_table, g, grid, dtype):
-    mod = I._kernel()
-    w = _weights(96, 512, seed=g + len(grid))
-    packed, scales, err = torch.empty(96, 256, dtype=torch.uint8), torch.empty(96, 512 // g, dtype=torch.bfloat16), \
-        torch.empty(96, 512 // g)
-    mod.quant_int4_sym(w.to(dtype), g, list(grid), packed, scales, err)
-    want_p, want_s, want_e = _torch_route(w, g, grid)
-    assert torch.equal(packed, want_p)
-    assert torch.equal(scales.view(torch.int16), want_s.view(torch.int16))
-    assert torch.equal(err, want_e)
-    assert (scales[0] == 0).all() and (packed[0] == 0x88).all()
-
-
-def _units() -> list[str]:
-    return list(QK.tables()) or ["none"]
-
-
-@pytest.mark.parametrize("unit", _units())
-@pytest.mark.parametrize("g", [32, 64, 128])
-@pytest.mark.parametrize("grid", [I.CLIP_GRID, ()])
 @pytest.mark.parametrize("rows", [96, 3])  # 3 rows of 64: a chunk whose groups end mid-block
-def test_quant_library_writes_the_torch_routes_int4_bytes(unit, g, grid, rows):
-    if unit == "none":
-        pytest.skip("the quantizer's kernel is not built on this machine")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_each_table_writes_the_torch_routes_int4_bytes(kernel_table, g, grid, rows, dtype):
     cols = 512 if rows > 8 else 2 * g + (g if g < 128 else 0)
     w = _weights(96, 512, seed=g + len(grid))[:rows, :cols].contiguous() if rows > 8 else \
         _weights(96, 512, seed=g)[4:4 + rows, :cols].contiguous()
+    if dtype == torch.float32:  # past the special rows, values bf16 cannot hold: fp32 rows are quantized as they are
+        w = w.float()
+        w[7:] += torch.randn(w[7:].shape, generator=torch.Generator().manual_seed(g)) * 1e-4
     packed, scales = torch.empty(rows, cols // 2, dtype=torch.uint8), torch.empty(rows, cols // g, dtype=torch.bfloat16)
-    e, r = QK.int4_sym(QK.tables()[unit], w, g, grid, packed, scales)
+    e, r = QK.int4_sym(QK.ops(), w, g, grid, packed, scales)
     want_p, want_s, want_e = _torch_route(w, g, grid)
     assert torch.equal(packed, want_p)
     assert torch.equal(scales.view(torch.int16), want_s.view(torch.int16))
     assert e == pytest.approx(float(want_e.sum(dtype=torch.float64)), rel=1e-9)
     assert r == pytest.approx(row_sq(w), rel=1e-6)  # the torch route's reference is an fp32 norm per row
+    if rows > 8:
+        assert (scales[0] == 0).all() and (packed[0] == 0x88).all()
 
 
-@pytest.mark.parametrize("unit", _units())
 @pytest.mark.parametrize("cols", [512, 100])  # 100: a row that does not fill its last vector
-def test_quant_library_writes_the_torch_routes_int8_bytes(unit, cols, monkeypatch):
-    if unit == "none":
-        pytest.skip("the quantizer's kernel is not built on this machine")
+def test_each_table_writes_the_torch_routes_int8_bytes(kernel_table, cols, monkeypatch):
     w = _weights(96, 512, seed=7)[:, :cols].contiguous()
     w[8], w[9] = 0.0, -0.0
     q, scales = torch.empty(96, cols, dtype=torch.int8), torch.empty(96, dtype=torch.bfloat16)
-    e, r = QK.int8_row(QK.tables()[unit], w, q, scales)
+    e, r = QK.int8_row(QK.ops(), w, q, scales)
     monkeypatch.setattr(QK, "ops", lambda: None)
     sums = ErrorSums()
     want = Int8().quantize(w, QuantSpec("int8", None, True), sums=sums)
     assert torch.equal(q, want["qweight"])
     assert torch.equal(scales.view(torch.int16), want["scales"].view(torch.int16))
     assert (e, r) == pytest.approx(sums.total(), rel=1e-6)
+
+
+def test_bad_arguments_are_errors_not_crashes():
+    mod = QK.ops()
+    if mod is None:
+        pytest.skip("the CPU kernel is not built on this machine")
+    w = torch.zeros(4, 64, dtype=torch.bfloat16)
+    packed, scales = torch.empty(4, 32, dtype=torch.uint8), torch.empty(4, 2, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="group"):
+        QK.int4_sym(mod, w, 24, (), packed, scales)
+    with pytest.raises(RuntimeError, match="sized"):
+        QK.int4_sym(mod, w, 32, (), packed[:2], scales)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        QK.int4_sym(mod, w.t().contiguous().t(), 32, (), packed, scales)
+    with pytest.raises(RuntimeError, match="bf16"):
+        QK.int8_row(mod, w.float(), torch.empty(4, 64, dtype=torch.int8), torch.empty(4, dtype=torch.bfloat16))
 
 
 def _quantize(fmt, w: torch.Tensor, spec: QuantSpec) -> tuple[dict[str, torch.Tensor], ErrorSums]:
@@ -106,24 +102,24 @@ def _same(a: tuple[dict[str, torch.Tensor], ErrorSums], b: tuple[dict[str, torch
 
 
 def test_quantize_on_every_route_is_the_same(monkeypatch):
-    """The library (bf16 rows), the decode kernel and torch's ops: the same parts and error sums."""
+    """The kernel (bf16 and fp32 rows) and torch's ops: the same parts and error sums."""
     w = torch.stack([_weights(64, 256, seed=s) for s in range(3)])  # [experts, out, in], as the quantizer sees them
     spec = QuantSpec("int4", 32, True)
-    assert I._kernel() is not None and I._fast() is not None, "the suite builds both kernels"
+    assert QK.ops() is not None, "the suite builds the kernel"
     calls = []
-    real_fast, real_kernel = QK.ops, I._kernel
-    monkeypatch.setattr(QK, "ops", lambda: calls.append("fast") or real_fast())
+    real = QK.ops
+    monkeypatch.setattr(QK, "ops", lambda: calls.append("kernel") or real())
     fast = _quantize(I.Int4(), w, spec)
+    fast32 = _quantize(I.Int4(), w.float(), spec)
     fast8 = _quantize(Int8(), w, QuantSpec("int8", None, True))
     monkeypatch.setattr(QK, "ops", lambda: None)
-    monkeypatch.setattr(I, "_kernel", lambda: calls.append("kernel") or real_kernel())
-    kernel = _quantize(I.Int4(), w, spec)
-    slow8 = _quantize(Int8(), w, QuantSpec("int8", None, True))
-    monkeypatch.setattr(I, "_kernel", lambda: None)
     slow = _quantize(I.Int4(), w, spec)
-    assert calls == ["fast", "fast", "kernel"]
+    slow32 = _quantize(I.Int4(), w.float(), spec)
+    slow8 = _quantize(Int8(), w, QuantSpec("int8", None, True))
+    assert calls == ["kernel"] * 3
     _same(fast, slow)
-    _same(kernel, slow)
+    _same(fast32, slow32)
+    _same(fast32, slow)  # bf16 values in fp32 rows: the same bytes as the bf16 rows
     _same(fast8, slow8)
 
 

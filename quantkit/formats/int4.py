@@ -59,18 +59,10 @@ CLIP_GRID = (0.93, 0.86)
 _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _kernel() -> Any:
-    """quantkit's CPU kernel when it is built (its quant_int4_sym writes _sym's bytes in one pass per group;
-    torch's route below takes some 30 passes over each chunk), else None."""
-    from quantkit.runtime import cpu_kernel
-
-    mod = cpu_kernel.module()
-    return mod if mod is not None and hasattr(mod, "quant_int4_sym") else None
-
-
 def _fast() -> Any:
-    """The quantizer's own kernel (runtime/quant_kernel.py: bf16 rows in, codes, scales and both error sums
-    out, eight groups' scale search at once), else None."""
+    """The quantizer's kernel (runtime/quant_kernel.py: bf16 or fp32 rows in, codes, scales and both error sums
+    out, eight groups' scale search at once; torch's route below takes some 30 passes over each chunk), else
+    None."""
     from quantkit.runtime import quant_kernel
 
     return quant_kernel.ops()
@@ -116,7 +108,7 @@ def _pick(x: torch.Tensor, inv: torch.Tensor, off: torch.Tensor | None, scale: t
 
 
 def _lane_sum(sq: torch.Tensor) -> torch.Tensor:
-    """[..., g] -> [...]: the sum in the CPU kernel's order (quant_int4_sym: 8 lanes, each summed in turn, then
+    """[..., g] -> [...]: the sum in the CPU kernel's order (csrc/qk_quant_impl.h: 8 lanes, each summed in turn, then
     combined pairwise), so both routes choose the same candidate where two errors differ in the last bit."""
     v = sq.unflatten(-1, (-1, 8))
     acc = v[..., 0, :]
@@ -210,23 +202,16 @@ class Int4:
         zeros = None if spec.symmetric else out_buffer(out, "zeros", (rows, cols // g), torch.bfloat16)
 
         cpu = spec.symmetric and flat.device.type == "cpu" and packed.is_contiguous() and scales.is_contiguous()
-        fast = _fast() if cpu and flat.dtype == torch.bfloat16 and flat.is_contiguous() else None
-        kernel = _kernel() if cpu and fast is None and flat.dtype in _KERNEL_DTYPES else None
+        fast = _fast() if cpu and flat.dtype in _KERNEL_DTYPES and flat.is_contiguous() else None
 
         def work(sl: slice) -> None:
             xb = flat[sl]
-            if fast is not None:  # the same bytes as the routes below
+            if fast is not None:  # the same bytes as the route below
                 from quantkit.runtime.quant_kernel import int4_sym
 
                 e, r = int4_sym(fast, xb, g, grid, packed[sl], scales[sl])
                 if sums is not None:
                     sums.add(sl, e, r)
-                return
-            if kernel is not None:  # the same bytes as the torch route below, each group in registers
-                err = torch.empty(xb.shape[0], cols // g) if sums is not None else None
-                kernel.quant_int4_sym(xb.contiguous(), g, list(grid), packed[sl], scales[sl], err)
-                if sums is not None:
-                    sums.add(sl, float(err.sum(dtype=torch.float64)), row_sq(xb))
                 return
             x = xb.float().reshape(-1, cols // g, g)
             if spec.symmetric:

@@ -4,7 +4,8 @@ Why: torch's CPU int4 op is compute-bound at batch 1 and a MoE layer ran as 16 o
 ops from Python (reports/bench-kernel.md). The C++ kernel quantizes activations to int8 per block of 32 and
 dots them against the stored 4-bit / 8-bit codes, runs the k routed experts of a layer in one call, and
 fuses the rest of a decode step (norms, routing, the Gated DeltaNet and attention cores, the whole stack of
-layers in one call).
+layers in one call). The same op table holds the quantizer's int4 and int8 (csrc/qk_quant_impl.h, called
+through runtime/quant_kernel.py): one build, one CPU detector, one forced switch for both.
 
 Instruction sets: every op has a generic C++ version and AVX2+FMA, AVX2 with AVX-VNNI (Intel Core 12th gen
 on), AVX512 (F/BW/VL/VNNI) and AVX512-BF16 versions (csrc/qk_ops_impl.h), each compiled as its own unit with its own -m flags (`UNITS`) and linked
@@ -13,15 +14,12 @@ into one module, which picks one table once at load from cpuid and the OS's XSAV
 cannot build is left out with one line; the others still load. `QUANTKIT_CPU_ISA=generic|avx2|avx512`
 forces a lower one (a level the CPU or the build lacks gets one line and the best there is).
 
-Build: `main(["build"])` (scripts/setup.sh calls it) compiles into a cache folder keyed by the sources,
-the torch version, the compiler (path and version) and the units' flags (`$QUANTKIT_KERNEL_CACHE`, default
+Build: `main(["build"])` (scripts/setup.sh calls it) compiles into a cache folder keyed by every file in
+csrc/, the torch version, the compiler (path and version) and the units' flags (`$QUANTKIT_KERNEL_CACHE`, default
 `~/.cache/quantkit/kernels`), so an edited source, a new torch or another compiler never loads a stale
 module; a checksum written after the build guards against a truncated or corrupt file. Whatever goes wrong
 (no compiler, a failed build) costs one line on stderr and the runtime keeps torch's kernels.
 `QUANTKIT_CPU_ISA=none` keeps torch's kernels.
-
-The quantizer's own kernels (csrc/qk_quant_<isa>.cpp from csrc/qk_quant_impl.h, the same flags per level) are a
-separate plain-C library built and loaded by runtime/quant_kernel.py, so quantizing never waits on this build.
 
 Error of the int8 activations: each block of 32 is rounded to 127 levels of its largest magnitude, a
 relative error of about 2^-8 per element, the same order as the bf16 activations torch's route takes;
@@ -50,8 +48,7 @@ from quantkit.runtime import hugepages
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "qk_cpu.cpp", CSRC / "qk_step.cpp", CSRC / "qk_layers.cpp")  # torch-facing, baseline flags
-HEADERS = (CSRC / "qk_common.h", CSRC / "qk_cpu.h", CSRC / "qk_layers.h", CSRC / "qk_step.h", CSRC / "qk_ops.h",
-           CSRC / "qk_ops_impl.h", CSRC / "qk_bf16.h")
+HEADERS = tuple(sorted(CSRC.glob("*.h")))
 _AVX2 = ("-mavx2", "-mfma")
 _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni")
 # the ISA units (csrc/qk_ops_<name>.cpp) and their own flags; generic is required, the others optional
@@ -74,8 +71,7 @@ def notice(msg: str) -> None:
 
 
 def cache_root_usable(root: Path) -> bool:
-    """Whether the kernels' cache root can be created; if not, one line for every kernel that needs it (the
-    decode kernel and the quantizer's), and False: the caller keeps torch's route."""
+    """Whether the kernel's cache root can be created; if not, one line and False: torch's route is kept."""
     try:
         root.mkdir(parents=True, exist_ok=True)
         return True
@@ -117,25 +113,22 @@ def _compiler_id(cxx: str) -> str:
 def cache_dir() -> Path:
     """The cache folder for these sources, this torch, this compiler and these units' flags."""
     base = os.environ.get("QUANTKIT_KERNEL_CACHE") or str(Path.home() / ".cache" / "quantkit" / "kernels")
-    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS + tuple(_unit_source(u) for u in _units()))
+    # every source and header, named and read: an edited, added or removed file is a new build
+    text = b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))
     key = "\n".join([torch.__version__, _compiler_id(_cxx()), repr(sorted(_units().items())), repr(UNIT_CFLAGS),
                      platform.machine()])
     digest = hashlib.sha256(text + key.encode()).hexdigest()[:12]
     return Path(base) / f"qk_cpu-{digest}"
 
 
-def _unit_source(name: str) -> Path:
-    return CSRC / f"qk_ops_{name}.cpp"
-
-
-def compile_units(d: Path, units: dict[str, tuple[str, ...]], stem: str, what: str, left_out: list[str]) -> list[str]:
-    """Compile each ISA unit `CSRC/{stem}_{name}.cpp` with its own flags into d; the objects that built. A unit
-    that fails is left out (its table is then absent), with one line for it in `left_out` naming `what`; the
-    generic unit must build. The decode kernel's units and the quantizer's (runtime/quant_kernel.py)."""
+def _compile_units(d: Path, left_out: list[str]) -> list[str]:
+    """Compile each ISA unit csrc/qk_ops_NAME.cpp with its own flags into d; the objects that built. A unit
+    that fails is left out (its table is then absent), with one line for it in `left_out`; the generic unit
+    must build."""
     objs = []
-    for name, flags in units.items():
-        obj = d / f"{stem}_{name}.o"
-        cmd = [*shlex.split(_cxx()), *UNIT_CFLAGS, *flags, "-c", str(CSRC / f"{stem}_{name}.cpp"), "-o", str(obj)]
+    for name, flags in _units().items():
+        obj = d / f"qk_ops_{name}.o"
+        cmd = [*shlex.split(_cxx()), *UNIT_CFLAGS, *flags, "-c", str(CSRC / f"qk_ops_{name}.cpp"), "-o", str(obj)]
         try:
             p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
             ok, why = p.returncode == 0, next((ln for ln in p.stderr.splitlines() if "error" in ln), p.stderr[-200:])
@@ -146,21 +139,8 @@ def compile_units(d: Path, units: dict[str, tuple[str, ...]], stem: str, what: s
         elif name == "generic":
             raise RuntimeError(f"error: the generic unit did not build: {why.strip()[:200]}")
         else:
-            left_out.append(f"{what}: the {name} unit did not build ({why.strip()[:160]}); left out, the others load")
+            left_out.append(f"CPU kernel: the {name} unit did not build ({why.strip()[:160]}); left out, the others load")
     return objs
-
-
-def write_stamp(so: Path, stamp: Path) -> None:
-    """Record the sha256 of a built library beside it (atomically): the proof `stamp_matches` checks."""
-    tmp = stamp.with_suffix(".tmp")
-    tmp.write_text(_sha256(so))
-    tmp.replace(stamp)
-
-
-def stamp_matches(so: Path, stamp: Path) -> bool:
-    """Whether `so` is whole: present, with the sha256 written after its build (a truncated library loaded
-    with dlopen can kill the process with SIGBUS, so one that does not match is never loaded)."""
-    return so.exists() and stamp.exists() and stamp.read_text().strip() == _sha256(so)
 
 
 def _module_name(d: Path) -> str:
@@ -196,10 +176,12 @@ def _build(d: Path, left_out: list[str]) -> ModuleType:
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     d.mkdir(parents=True, exist_ok=True)
-    objs = compile_units(d, _units(), "qk_ops", "CPU kernel", left_out)
+    objs = _compile_units(d, left_out)
     mod = cpp_extension.load(name=_module_name(d), sources=[str(p) for p in SOURCES], build_directory=str(d),
                              extra_cflags=["-O3", "-fopenmp"], extra_ldflags=["-fopenmp", *objs], verbose=False)
-    write_stamp(*_paths(d))
+    so, stamp = _paths(d)
+    stamp.with_suffix(".tmp").write_text(_sha256(so))  # written whole, then renamed: the proof build() checks
+    stamp.with_suffix(".tmp").replace(stamp)
     return mod
 
 
@@ -217,7 +199,9 @@ def build(quiet: bool = False) -> ModuleType | None:
         # one process checks or builds at a time (two `quantkit` processes starting on a fresh cache)
         with open(d.parent / f"{d.name}.lock", "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            if stamp_matches(so, stamp):
+            # a truncated module loaded with dlopen can kill the process with SIGBUS: one whose sha256 does not
+            # match the one written after its build is never loaded
+            if so.exists() and stamp.exists() and stamp.read_text().strip() == _sha256(so):
                 try:
                     return _import(d)
                 except ImportError:

@@ -1,5 +1,6 @@
-// bf16 <-> fp32 in scalar C++, shared by the decode kernel's op units (qk_ops_impl.h) and the quantizer's
-// (qk_quant_impl.h). Internal linkage like them: each unit compiled with its own -m flags keeps its own copy.
+// bf16 <-> fp32 in scalar C++, the one definition for every source: the op units (qk_ops_impl.h, with the
+// quantizer's qk_quant_impl.h) and the torch-facing sources (through qk_common.h). Internal linkage: each unit
+// compiled with its own -m flags keeps its own copy.
 #pragma once
 
 #include <stdint.h>

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "qk_bf16.h"
 #include "qk_ops.h"
 
 namespace qk {
@@ -15,21 +16,8 @@ namespace qk {
 // The op table in use (set once at load; lowered by set_isa / set_table in tests and benches).
 const Ops& ops();
 
-// fp32 -> bf16, round to nearest even (NaN kept a NaN), as torch's .to(torch.bfloat16)
-inline uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
-
-// bf16 -> fp32 of one value (exact)
-inline float bf16_value(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using ::bf16_value;  // qk_bf16.h's, the one definition
+using ::to_bf16;
 
 inline float through_bf16(float f) { return bf16_value(to_bf16(f)); }
 

@@ -705,43 +705,55 @@ double qk_stream_sum(torch::Tensor x) {
   }, std::plus<double>());
 }
 
-// The quantizer's symmetric int4 (formats/int4.py): rows of x (bf16 or fp32 [R, K]) into packed [R, K/2],
-// scales [R, K/g] bf16 and, when given, err [R, K/g] fp32. One thread, the GIL released: the quantizer runs
-// row chunks on its own threads.
-void qk_quant_int4_sym(torch::Tensor x, int64_t group, std::vector<double> grid, torch::Tensor packed,
-                       torch::Tensor scales, c10::optional<torch::Tensor> err) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat),
-              "quant_int4_sym: x must be a contiguous bf16 or fp32 matrix");
-  const int64_t R = x.size(0), K = x.size(1);
-  TORCH_CHECK(group >= 8 && group % 8 == 0 && K % group == 0, "quant_int4_sym: group must divide K (multiple of 8)");
-  TORCH_CHECK(grid.size() <= 8, "quant_int4_sym: at most 8 clip factors");
-  TORCH_CHECK(packed.scalar_type() == torch::kUInt8 && packed.is_contiguous() && packed.numel() == R * K / 2,
-              "quant_int4_sym: packed must be contiguous uint8 [R, K/2]");
-  TORCH_CHECK(scales.scalar_type() == torch::kBFloat16 && scales.is_contiguous() && scales.numel() == R * K / group,
-              "quant_int4_sym: scales must be contiguous bf16 [R, K/group]");
-  float* e = nullptr;
-  if (err) {
-    TORCH_CHECK(err->scalar_type() == torch::kFloat && err->is_contiguous() && err->numel() == R * K / group,
-                "quant_int4_sym: err must be contiguous fp32 [R, K/group]");
-    e = err->data_ptr<float>();
-  }
+// The quantizer's kernels (qk_quant_impl.h, formats/int4.py and int8.py): rows of x [R, K] into the stored parts,
+// in place; returns (squared error of the stored weights, sum of x^2). One thread, the GIL released: the
+// quantizer runs row chunks on its own threads. The table in use (QUANTKIT_CPU_ISA, set_table) runs them.
+namespace {
+
+void check_quant(const torch::Tensor& x, const torch::Tensor& out, const torch::Tensor& scales, int64_t out_numel,
+                 int64_t scales_numel) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu() && out.is_contiguous() &&
+                  out.element_size() == 1 && out.numel() == out_numel && scales.scalar_type() == torch::kBFloat16 &&
+                  scales.is_contiguous() && scales.numel() == scales_numel,
+              "quant: x must be a contiguous matrix on the CPU, the outputs contiguous and sized for it");
+}
+
+}  // namespace
+
+std::tuple<double, double> qk_quant_int4(torch::Tensor x, int64_t group, std::vector<double> grid,
+                                         torch::Tensor packed, torch::Tensor scales) {
+  const int64_t R = x.dim() == 2 ? x.size(0) : 0, K = x.dim() == 2 ? x.size(1) : 0;
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat,
+              "quant_int4: x must be bf16 or fp32");
+  TORCH_CHECK(group % 16 == 0 && group > 0 && group <= 128 && K % group == 0 && grid.size() <= 8,
+              "quant_int4: group must be 16..128 in steps of 16 and divide K; at most 8 clip factors");
+  check_quant(x, packed, scales, R * K / 2, R * K / group);
   float f[8];
   for (size_t i = 0; i < grid.size(); ++i) f[i] = static_cast<float>(grid[i]);
-  const bool wide = x.scalar_type() == torch::kFloat;
-  const float* xf = wide ? x.data_ptr<float>() : nullptr;
-  const uint16_t* xb = wide ? nullptr : reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  uint8_t* pk = packed.data_ptr<uint8_t>();
-  uint16_t* sc = reinterpret_cast<uint16_t*>(scales.data_ptr<at::BFloat16>());
   const qk::Ops& t = ops();
+  double sums[2] = {0.0, 0.0};
+  uint8_t* pk = static_cast<uint8_t*>(packed.data_ptr());
+  uint16_t* sc = reinterpret_cast<uint16_t*>(scales.data_ptr<at::BFloat16>());
+  const int ng = static_cast<int>(grid.size());
   pybind11::gil_scoped_release no_gil;
-  std::vector<float> row(wide ? 0 : K);
-  for (int64_t r = 0; r < R; ++r) {
-    const float* xr = xf ? xf + r * K : row.data();
-    if (!xf)
-      for (int64_t i = 0; i < K; ++i) row[i] = bf16_value(xb[r * K + i]);
-    t.quant_int4_sym(xr, K, group, f, static_cast<int>(grid.size()), pk + r * K / 2, sc + r * K / group,
-                     e ? e + r * K / group : nullptr);
-  }
+  if (x.scalar_type() == torch::kFloat)
+    t.quant_int4_f32(x.data_ptr<float>(), R, K, group, f, ng, pk, sc, sums);
+  else
+    t.quant_int4_bf16(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), R, K, group, f, ng, pk, sc, sums);
+  return {sums[0], sums[1]};
+}
+
+std::tuple<double, double> qk_quant_int8(torch::Tensor x, torch::Tensor q, torch::Tensor scales) {
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "quant_int8: x must be bf16");
+  check_quant(x, q, scales, x.numel(), x.dim() == 2 ? x.size(0) : 0);
+  const qk::Ops& t = ops();
+  double sums[2] = {0.0, 0.0};
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  int8_t* qp = static_cast<int8_t*>(q.data_ptr());
+  uint16_t* sc = reinterpret_cast<uint16_t*>(scales.data_ptr<at::BFloat16>());
+  pybind11::gil_scoped_release no_gil;
+  t.quant_int8(xb, x.size(0), x.size(1), qp, sc, sums);
+  return {sums[0], sums[1]};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
@@ -772,6 +784,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("moe", &qk_moe, "one token through k routed experts in one call");
   mod.def("moe_rows", &qk_moe_rows, "T tokens through their routed experts, each expert read once for its rows");
   mod.def("linear_bf16", &qk_linear_bf16, "y [M, N] fp32 = x [M, K] @ W^T, W row-major bf16");
-  mod.def("quant_int4_sym", &qk_quant_int4_sym, "rows to symmetric int4 per group with the clip search (quantize)");
+  mod.def("quant_int4", &qk_quant_int4, "rows to symmetric int4 with the clip search: (squared error, sum x^2)");
+  mod.def("quant_int8", &qk_quant_int8, "bf16 rows to int8 per row: (squared error, sum x^2)");
   qk_bind_layers(mod);
 }

@@ -98,10 +98,15 @@ struct Ops {
   // RMSNorm of `rows` rows then the rotary on the first `rot` dims (nrm scratch of hd)
   void (*norm_rotate)(const uint16_t* x, int64_t stride, int64_t rows, int64_t hd, const float* scale,
                       const uint16_t* cos, const uint16_t* sin, int64_t rot, float eps, uint16_t* nrm, uint16_t* y);
-  // the quantizer: one row of k values to symmetric int4 per group of g with formats/int4.py's clip search
-  // (codes packed two per byte, bf16 scales, each group's squared error when err is not null)
-  void (*quant_int4_sym)(const float* x, int64_t k, int64_t g, const float* grid, int ngrid, uint8_t* packed,
-                         uint16_t* scales, float* err);
+  // the quantizer (qk_quant_impl.h): symmetric int4 with formats/int4.py's clip search, rows x [rows, k] (bf16
+  // or fp32) -> packed [rows, k/2] (element 2j in the low nibble), scales bf16 [rows, k/g]; int8 per row, bf16
+  // x -> q int8 [rows, k], scales bf16 [rows]; both add the squared error of the stored weights to sums[0] and
+  // the sum of x^2 to sums[1]
+  void (*quant_int4_bf16)(const uint16_t* x, int64_t rows, int64_t k, int64_t g, const float* grid, int ngrid,
+                          uint8_t* packed, uint16_t* scales, double* sums);
+  void (*quant_int4_f32)(const float* x, int64_t rows, int64_t k, int64_t g, const float* grid, int ngrid,
+                         uint8_t* packed, uint16_t* scales, double* sums);
+  void (*quant_int8)(const uint16_t* x, int64_t rows, int64_t k, int8_t* q, uint16_t* scales, double* sums);
   // the bits of n bf16 / fp32 values as signed integers: out = {max, min, max of the magnitude bits}
   // (qk_step.cpp's argmax)
   void (*bit_range16)(const uint16_t* x, int64_t n, int32_t* out);

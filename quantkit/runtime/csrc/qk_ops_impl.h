@@ -26,6 +26,7 @@
 
 #include "qk_bf16.h"
 #include "qk_ops.h"
+#include "qk_quant_impl.h"  // the quantizer's ops, in namespace qkq
 
 namespace {
 
@@ -1385,57 +1386,6 @@ void norm_rotate(const uint16_t* x, int64_t stride, int64_t rows, int64_t hd, co
   }
 }
 
-// ---------------------------------------------------------------- the quantizer's int4
-// formats/int4.py's symmetric int4 with its clip search, op for op in fp32 (no contraction: every unit
-// is built with -ffp-contract=off), so each table writes the same bytes: base = -m / 8 for the group's
-// value m of largest magnitude; candidate scales bf16(base * f) for f in 1 and the grid; each scored by
-// s^2 * sum (round(clamp(x / s)) - x / s)^2 (x / s as x * (1 / s)); the first least error wins. The sum runs
-// in 8 lanes, each in turn, then pairwise, and int4.py's _lane_sum keeps that order, so both routes pick
-// the same candidate where two errors differ in the last bit (tests/test_quant_kernel.py). torch runs
-// 30-odd passes over a chunk for this; here each group stays in registers.
-inline float round_even(float t) { return (t + 12582912.f) - 12582912.f; }  // |t| <= 2^22: ties to even
-inline float clamp_code(float t) { return t < -8.f ? -8.f : (t > 7.f ? 7.f : t); }
-
-void quant_int4_sym(const float* x, int64_t k, int64_t g, const float* grid, int ngrid, uint8_t* packed,
-                    uint16_t* scales, float* err) {
-  for (int64_t j = 0; j < k / g; ++j) {
-    const float* xg = x + j * g;
-    float mn = xg[0], mx = xg[0];
-    for (int64_t i = 1; i < g; ++i) {
-      mn = xg[i] < mn ? xg[i] : mn;
-      mx = xg[i] > mx ? xg[i] : mx;
-    }
-    const float base = (mx >= -mn ? mx : mn) * -0.125f;
-    float best_err = 0.f, best_inv = 0.f;
-    uint16_t best_s = 0;
-    for (int c = 0; c <= ngrid; ++c) {
-      const uint16_t sb = to_bf16(base * (c ? grid[c - 1] : 1.f));
-      const float s = bf16_value(sb), inv = s != 0.f ? 1.f / s : 0.f;
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int64_t i = 0; i < g; i += 8)
-        for (int l = 0; l < 8; ++l) {
-          const float t = xg[i + l] * inv;
-          const float r = round_even(clamp_code(t)) - t;
-          acc[l] += r * r;
-        }
-      const float e = (((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]))) * (s * s);
-      if (c == 0 || e < best_err) {
-        best_err = e;
-        best_s = sb;
-        best_inv = inv;
-      }
-    }
-    scales[j] = best_s;
-    if (err) err[j] = best_err;
-    uint8_t* pj = packed + j * g / 2;
-    for (int64_t i = 0; i < g; i += 2) {
-      const int lo = static_cast<int>(round_even(clamp_code(xg[i] * best_inv))) + 8;
-      const int hi = static_cast<int>(round_even(clamp_code(xg[i + 1] * best_inv))) + 8;
-      pj[i / 2] = static_cast<uint8_t>(lo | (hi << 4));
-    }
-  }
-}
-
 // the bits of n floats as signed integers I: {max, min, max of the magnitude bits} (qk_step.cpp's argmax)
 template <typename I, typename U>
 void bit_range(const U* __restrict x, int64_t n, int32_t* out) {
@@ -1478,7 +1428,7 @@ void bit_range(const U* __restrict x, int64_t n, int32_t* out) {
 constexpr qk::Ops kOps = {QK_NAME,    QK_LEVEL,  quantize_row, tile,     to_bf16_row, silu_mul32,
                           sum_f32,    delta_head, attend_head, rms_row,  add_bf16,    silu_mul_bf16,
                           exp_shifted, moe_out,   gate_mul,    gdn_conv, gdn_head,    gdn_head_rows, norm_rotate,
-                          quant_int4_sym, bit_range<int16_t, uint16_t>,
+                          qkq::int4_sym<uint16_t>, qkq::int4_sym<float>, qkq::int8_row, bit_range<int16_t, uint16_t>,
                           bit_range<int32_t, uint32_t>};
 
 }  // namespace

@@ -1,10 +1,14 @@
-// The quantizer's kernels, once per instruction set (QK_QUANT_TARGET 0 generic, 1 AVX2+FMA, 2 AVX512): each
-// unit includes this file under its own -m flags, in GCC/Clang vector extensions of 8 floats (SSE pairs in the
-// generic unit, ymm registers above), so every unit computes the same IEEE operations in the same order and
-// writes the same bytes (-ffp-contract=off: no fused multiply-adds).
+// The quantizer's kernels (formats/int4.py, formats/int8.py): bf16 (int4: or fp32) rows in, stored parts and
+// error sums out, one pass per group. Part of every op-table unit (qk_ops_impl.h includes this file under the
+// unit's -m flags), in GCC/Clang vector extensions of 8 floats (SSE pairs in the generic unit, ymm registers
+// above), so every table computes the same IEEE operations in the same order and writes the same bytes
+// (-ffp-contract=off: no fused multiply-adds).
+//
+// Why our own: torch's route takes some 30 passes over each chunk for int4's clip search, plus a separate
+// bf16 -> fp32 copy and an fp32 norm for the error figures; here the scale search runs on eight groups at once.
 //
 // The bytes are formats/int4.py's and formats/int8.py's (tests/test_quant_kernel.py holds them equal on every
-// unit this CPU runs):
+// table this CPU runs):
 // - int4: base = -m / 8 for the group's value m of largest magnitude (the first such value in index order,
 //   which only matters for the sign of an all-zero group's scale); candidates bf16(base * f) for f in 1 and the
 //   grid, each scored by s^2 * sum (round(clamp(x * (1/s), -8, 7)) - x * (1/s))^2 summed in 8 lanes, each in
@@ -14,9 +18,9 @@
 #include <string.h>
 
 #include "qk_bf16.h"
-#include "qk_quant.h"
 
 namespace {
+namespace qkq {  // apart from the op units' own vector helpers
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef uint32_t v8u __attribute__((vector_size(32)));
@@ -32,6 +36,14 @@ inline v8f load_bf16(const uint16_t* p) {
   v8h h;
   memcpy(&h, p, sizeof h);
   return (v8f)(__builtin_convertvector(h, v8u) << 16);
+}
+
+inline v8f load8(const uint16_t* p) { return load_bf16(p); }
+
+inline v8f load8(const float* p) {
+  v8f f;
+  memcpy(&f, p, sizeof f);
+  return f;
 }
 
 inline v8f vmin(v8f a, v8f b) { return b < a ? b : a; }
@@ -101,17 +113,18 @@ inline v8f clamp_code(v8f t) {  // t < -8 ? -8 : (t > 7 ? 7 : t), as min/max ins
 }
 
 // Eight groups of g (g / 8 vectors each) at x, one after another: their codes, scales and sums. The scale
-// search runs on all eight at once, lane j for group j.
-void int4_block8(const uint16_t* x, int n, const float* grid, int ngrid, uint8_t* packed, uint16_t* scales,
+// search runs on all eight at once, lane j for group j. T: uint16_t (bf16 bits) or float.
+template <typename T>
+void int4_block8(const T* x, int n, const float* grid, int ngrid, uint8_t* packed, uint16_t* scales,
                  double* err_total, double* ref_total) {
   v8f v[8 * kMaxVec], sq[8], lo[8], hi[8];
   for (int j = 0; j < 8; ++j) {
-    const uint16_t* xg = x + j * 8 * n;
+    const T* xg = x + j * 8 * n;
     v8f s = splat(0.f);
     for (int i = 0; i < n; ++i) {
-      const v8f a = load_bf16(xg + 8 * i);
+      const v8f a = load8(xg + 8 * i);
       v[j * n + i] = a;
-      s += a * a;  // bf16 squares are exact in fp32
+      s += a * a;  // bf16 squares are exact in fp32 (fp32 ones rounded: the reference sum is a figure only)
     }
     sq[j] = s;
     v8f l = v[j * n], h = v[j * n];
@@ -168,7 +181,8 @@ void int4_block8(const uint16_t* x, int n, const float* grid, int ngrid, uint8_t
   }
 }
 
-void int4_sym(const uint16_t* x, int64_t rows, int64_t k, int64_t g, const float* grid, int ngrid,
+template <typename T>
+void int4_sym(const T* x, int64_t rows, int64_t k, int64_t g, const float* grid, int ngrid,
               uint8_t* packed, uint16_t* scales, double* sums) {
   // rows are contiguous and k % g == 0, so group q of the chunk starts at x + q * g
   const int n = static_cast<int>(g / 8);
@@ -178,9 +192,10 @@ void int4_sym(const uint16_t* x, int64_t rows, int64_t k, int64_t g, const float
   for (; q + 8 <= groups; q += 8)
     int4_block8(x + q * g, n, grid, ngrid, packed + q * (g / 2), scales + q, &err_total, &ref_total);
   if (q < groups) {  // the last few groups, through zero-padded copies (zero groups add nothing to the sums)
-    uint16_t xt[8 * 8 * kMaxVec] = {0}, st[8];
+    T xt[8 * 8 * kMaxVec] = {0};
+    uint16_t st[8];
     uint8_t pt[8 * 4 * kMaxVec];
-    memcpy(xt, x + q * g, (groups - q) * g * sizeof(uint16_t));
+    memcpy(xt, x + q * g, (groups - q) * g * sizeof(T));
     int4_block8(xt, n, grid, ngrid, pt, st, &err_total, &ref_total);
     memcpy(packed + q * (g / 2), pt, (groups - q) * (g / 2));
     memcpy(scales + q, st, (groups - q) * sizeof(uint16_t));
@@ -239,34 +254,5 @@ void int8_row(const uint16_t* x, int64_t rows, int64_t k, int8_t* q, uint16_t* s
   sums[1] += ref_total;
 }
 
-#if QK_QUANT_TARGET == 0
-#define QK_QUANT_NAME "generic"
-#define QK_QUANT_ENTRY qk_quant_generic
-#elif QK_QUANT_TARGET == 1
-#define QK_QUANT_NAME "avx2"
-#define QK_QUANT_ENTRY qk_quant_avx2
-#else
-#define QK_QUANT_NAME "avx512"
-#define QK_QUANT_ENTRY qk_quant_avx512
-#endif
-
-constexpr QkQuantOps kQuantOps = {QK_QUANT_NAME, QK_QUANT_TARGET, int4_sym, int8_row};
-
+}  // namespace qkq
 }  // namespace
-
-extern "C" const QkQuantOps* QK_QUANT_ENTRY() { return &kQuantOps; }
-
-#if QK_QUANT_TARGET == 0
-// The generic unit is built for the baseline CPU, so it alone asks the CPU (and, through GCC's checks of
-// XGETBV, the OS) what the others may run.
-extern "C" int qk_quant_best_level() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
-    return 2;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return 1;
-#endif
-  return 0;
-}
-#endif

@@ -1,3 +1,0 @@
-// The avx512 unit of the quantizer's kernels: compiled with its own flags by runtime/quant_kernel.py.
-#define QK_QUANT_TARGET 2
-#include "qk_quant_impl.h"
