@@ -292,3 +292,18 @@ def test_two_chats_with_one_system_prompt_prefill_it_once(tiny_model, tmp_path):
     ids = rt.last_prompt_ids
     system_end = snapshot_points(ids, 0, rt.boundary_ids, 2)[0]  # where the user's message starts
     assert got.token_ids == want.token_ids and got.cached_tokens == system_end > 0
+
+
+def test_generate_restores_a_prompt_from_an_earlier_run(tiny_model, tmp_path, capsys, monkeypatch):
+    d = tmp_path / "pc"
+    args = ["generate", tiny_model, "--scheme", "bf16", "--prompt", text(30), "--json", "--temperature", "0",
+            "--max-tokens", "6", "--no-think"]
+    runs = []
+    for extra in ([], ["--prompt-cache-dir", d, "--prompt-cache-disk-size", "64MB"],
+                  ["--prompt-cache-dir", d, "--prompt-cache-disk-size", "64MB"]):
+        code, out, err = run_cli([*args, *extra], capsys, monkeypatch)
+        assert code == 0, err
+        runs.append(json.loads(out))
+    (plain, first, again) = runs
+    assert plain["text"] == first["text"] == again["text"] and plain["cached_tokens"] == first["cached_tokens"] == 0
+    assert again["prompt_tokens"] - 16 <= again["cached_tokens"] < again["prompt_tokens"]  # all but the gen. prompt
