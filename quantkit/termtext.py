@@ -1,7 +1,8 @@
 """Text for a terminal: generated text (and anything else quantkit echoes from a model or a file) goes
 through `printable` before chat and generate write it, so escape sequences in the output cannot move the
 cursor, rewrite the screen, set the window title or hide text. Newlines and tabs stay; other C0 controls,
-DEL, C1 controls and whole ESC sequences (CSI, OSC, ...) are removed. The server returns text as generated."""
+DEL, C1 controls and whole ESC sequences (CSI, OSC, ...) are removed. The server returns text as generated.
+Error lines, which name paths and values a user gave, show those bytes instead: `escaped`."""
 
 from __future__ import annotations
 
@@ -19,3 +20,13 @@ _CONTROL = re.compile(
 def printable(text: str) -> str:
     """`text` without terminal control bytes (see the module docstring)."""
     return _CONTROL.sub("", text)
+
+
+_CONTROL_CHAR = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def escaped(text: str) -> str:
+    """`text` with every control character but newline and tab written out as `\\xNN` (an ESC as `\\x1b`):
+    for error lines, which name paths and values as given: a name stays recognisable, a terminal runs none
+    of its escape sequences."""
+    return _CONTROL_CHAR.sub(lambda m: f"\\x{ord(m.group()):02x}", text)

@@ -75,13 +75,20 @@ def quiet_gc_while(load: Callable[..., Any], *args: Any) -> None:
 
 def fail(message: str, code: int = 2) -> None:
     """Print one clean error line and exit non-zero."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    error_line(message)
     raise typer.Exit(code)
 
 
-def _one_line(message: str) -> None:
-    err_console.print(f"[bold red]error:[/] {' '.join(str(message).split())}", highlight=False, soft_wrap=True,
-                      markup=True)
+def error_line(message: str) -> None:
+    """Print ONE `error: ...` line on stderr, the one way every error line is written: whitespace (a newline in
+    a path, click's wrapped text) folded to spaces, control bytes written out (`\\x1b`: a path or value a user
+    gave cannot drive the terminal) and brackets printed as they are (never read as rich markup)."""
+    from rich.markup import escape
+
+    from quantkit.termtext import escaped
+
+    text = " ".join(escaped(str(message)).split())
+    err_console.print(f"[bold red]error:[/] {escape(text)}", highlight=False, soft_wrap=True, markup=True)
 
 
 def _help_cache() -> Path | None:
@@ -137,25 +144,25 @@ def main() -> None:
         _root_help(sys.argv[1:])
     quiet_gc_while(_register, sys.argv[1] if len(sys.argv) > 1 else None)
     try:
-        rc = app(standalone_mode=False)
+        rc = app(standalone_mode=False, prog_name="quantkit")
     except QuantkitError as e:
-        _one_line(str(e))
+        error_line(str(e))
         sys.exit(2)
     except NoArgsIsHelpError as e:
         print(e.format_message())
         sys.exit(2)
     except UsageError as e:
         hint = f" (see `{' '.join(['quantkit', *e.ctx.command_path.split()[1:]])} --help`)" if e.ctx else ""
-        _one_line(e.format_message() + hint)
+        error_line(e.format_message() + hint)
         sys.exit(e.exit_code)
     except ClickException as e:
-        _one_line(e.format_message())
+        error_line(e.format_message())
         sys.exit(e.exit_code)
     except (KeyboardInterrupt, typer.Abort):
         err_console.print("interrupted")
         sys.exit(130)
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
-        _one_line(f"{where}{e.strerror or e}")
+        error_line(f"{where}{e.strerror or e}")
         sys.exit(1)
     sys.exit(rc if isinstance(rc, int) else 0)
