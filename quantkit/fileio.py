@@ -2,8 +2,9 @@
 
 Writing: every output quantkit writes goes to a hidden temporary name beside its target, is fsynced, then
 renamed into place; readers see the old file or the new one. `temp_name` / `pid_temp_name` are the only
-naming rules for those temporaries (`.NAME.tmp`, `.NAME.tmp-PID`, `.NAME.old-PID`), so `clean_leftovers` can
-find a killed run's leftovers and remove them (never those of a run still alive).
+naming rules for those temporaries (`.NAME.tmp`, `.NAME.tmp-PID`, `.NAME.old-PID`; NAME shortened with a hash
+when the name is near the file system's limit: `temp_stem`), so `clean_leftovers` can find a killed run's
+leftovers and remove them (never those of a run still alive).
 
 Reading: `read_bytes_bounded` / `read_text_bounded` / `read_json_bounded` read a user-named file with a size
 limit: `/dev/zero` or a 20 GB log given as `--plan` ends in one clear line, never in the OOM killer.
@@ -13,6 +14,7 @@ Where an output may go is decided by quantkit/outputs.py (`guard_output`), which
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -28,15 +30,54 @@ from quantkit.errors import QuantkitError
 DEFAULT_READ_LIMIT = 64 << 20
 
 
+# Most file systems allow names of 255 bytes (os.pathconf's PC_NAME_MAX); quantkit's temporaries add a dot
+# before the name and up to TEMP_ROOM bytes after it (`.tmp-` + a pid, at most 7 digits under Linux's pid_max
+# of 2^22, + a tag such as `probe`), so a name within the limit but near it gets a shorter stem.
+NAME_MAX = 255
+TEMP_ROOM = 24
+
+
+def temp_stem(name: str) -> str:
+    """The part of an output's name its temporaries carry: the name itself, or for a name too long to take a
+    temporary's dot and suffix, its head and a hash of the whole name (one stem per name, so a killed run's
+    leftovers are still found by `clean_leftovers`)."""
+    room = NAME_MAX - 1 - TEMP_ROOM
+    if len(os.fsencode(name)) <= room:
+        return name
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:16]
+    head = name
+    while len(os.fsencode(head)) > room - 1 - len(digest):
+        head = head[:-1]
+    return f"{head}~{digest}"
+
+
 def temp_name(path: Path) -> Path:
     """The hidden temporary name a file is written under before it is renamed into place."""
-    return path.with_name(f".{path.name}.tmp")
+    return path.with_name(f".{temp_stem(path.name)}.tmp")
 
 
 def pid_temp_name(path: Path, tag: str = "tmp") -> Path:
     """A per-process temporary beside `path` (`.NAME.tmp-PID`; tag "old" for a replaced output, "mid" for an
     intermediate file)."""
-    return path.with_name(f".{path.name}.{tag}-{os.getpid()}")
+    return path.with_name(f".{temp_stem(path.name)}.{tag}-{os.getpid()}")
+
+
+def check_name_length(path: Path, flag: str = "") -> None:
+    """Refuse, in one line, a name longer than the file system holding `path` allows (checked before any work:
+    the write would otherwise fail at its end)."""
+    limit = NAME_MAX
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        limit = os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        pass
+    for part in path.parts:
+        n = len(os.fsencode(part))
+        if n > limit:
+            raise QuantkitError(f"{flag}{path}: a name of {n} bytes, longer than this file system allows ({limit}); "
+                                "pick a shorter name")
 
 
 def _alive(pid: int) -> bool:
@@ -57,7 +98,7 @@ def clean_leftovers(path: Path) -> list[Path]:
     parent = path.parent
     if not parent.is_dir():
         return []
-    pat = re.compile(r"^\." + re.escape(path.name) + r"\.(?:tmp|(?:tmp|old|mid)-(\d+))(?:[A-Za-z0-9_]*)$")
+    pat = re.compile(r"^\." + re.escape(temp_stem(path.name)) + r"\.(?:tmp|(?:tmp|old|mid)-(\d+))(?:[A-Za-z0-9_]*)$")
     removed = []
     try:
         entries = list(parent.iterdir())
@@ -149,6 +190,23 @@ def open_regular(path: Path, what: str = "file") -> BinaryIO:
         raise QuantkitError(f"{path}: is not a regular file (a FIFO, socket or device); name the {what} itself")
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")
+
+
+def require_regular_file(path: str | Path, flag: str, what: str, make: str) -> None:
+    """Refuse, in one line naming the option and the path as given, an input file that is missing, a folder or
+    not a regular file (a device never ends, a FIFO blocks); `make` says how to get the right file (e.g. "make
+    it with `quantkit stats MODEL --out FILE`"). Never suggests writing to the path given."""
+    p = Path(path)
+    try:
+        mode = p.stat().st_mode
+    except FileNotFoundError:
+        raise QuantkitError(f"{flag} {p}: no such file; {make}") from None
+    except OSError as e:
+        raise QuantkitError(f"{flag} {p}: cannot read the {what} ({e.strerror})") from None
+    if stat.S_ISDIR(mode):
+        raise QuantkitError(f"{flag} {p}: is a folder; name the {what} itself")
+    if not stat.S_ISREG(mode):
+        raise QuantkitError(f"{flag} {p}: is not a regular file (a FIFO, socket or device); name the {what} itself")
 
 
 def read_bytes_bounded(path: str | Path, what: str = "file", limit: int = DEFAULT_READ_LIMIT) -> bytes:

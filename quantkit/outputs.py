@@ -2,6 +2,8 @@
 exporters). `guard_output` is called before any work and refuses, in one line naming the path and what to do:
 
 - a location equal to, inside, or holding a source (resolved through symlinks): a source is never written;
+- a name longer than the file system allows (a name up to that limit is fine: the temporaries beside it
+  shorten theirs, fileio.temp_stem);
 - a symbolic link (writing would replace the link), a FIFO, socket or device;
 - an existing output without the command's `--overwrite`; with it, a folder (or file) that quantkit did not
   write (`owned` says how to recognise its own: a manifest, a marker file, a GGUF magic) is still refused,
@@ -23,7 +25,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from quantkit.errors import QuantkitError
-from quantkit.fileio import atomic_write_json, clean_leftovers, read_json_bounded
+from quantkit.fileio import (
+    atomic_write_json,
+    check_name_length,
+    clean_leftovers,
+    read_json_bounded,
+    temp_stem,
+)
 
 MARKER = ".quantkit-output.json"
 # files that mark a folder as written by quantkit: the marker, the quantizer's manifest and journal, the tiny
@@ -132,7 +140,7 @@ def check_not_source(out: Path, sources: Sequence[Path], flag: str = "") -> None
 
 def check_writable(folder: Path, out: Path, flag: str) -> None:
     """Create and remove a probe file in `folder` (permission bits do not stop root; a read-only mount does)."""
-    probe = folder / f".{out.name}.tmp-{os.getpid()}probe"
+    probe = folder / f".{temp_stem(out.name)}.tmp-{os.getpid()}probe"
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -179,6 +187,7 @@ def guard_output(out: Path, *, sources: Sequence[Path] = (), kind: str = "file",
 
 def _guard(out: Path, sources: Sequence[Path], kind: str, overwrite: bool, owned: Callable[[Path], bool] | None,
            need_bytes: int, flag: str, create_parents: bool) -> None:
+    check_name_length(out, flag)
     check_not_source(out, sources, flag)
     if out.is_symlink():  # writing would replace the link (or, for a folder, fail to remove it)
         raise QuantkitError(f"{flag}{out}: is a symbolic link; name the location itself "
