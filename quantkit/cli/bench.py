@@ -20,7 +20,7 @@ from quantkit.bench import serve as serve_bench
 from quantkit.bench import session as session_bench
 from quantkit.bench import soak as soak_bench
 from quantkit.cli import app, console, fail
-from quantkit.cli.options import CONTEXT, COUNT, COUNT0, FRACTION, MAX_TOKENS, SECONDS, renamed
+from quantkit.cli.options import CONTEXT, COUNT, COUNT0, FRACTION, MAX_COUNT, MAX_TOKENS, SECONDS, renamed
 from quantkit.errors import QuantkitError
 from quantkit.outputs import guard_output, json_with_keys
 from quantkit.runtime.threads import resolve_threads
@@ -212,7 +212,7 @@ def bench_mtp(
     reps: int = typer.Option(2, "--reps", parser=COUNT, help="generations per point and round (best is reported)"),
     rounds: int = typer.Option(2, "--rounds", parser=COUNT, help="rounds over every point (interleaved)"),
     threads: int = typer.Option(None, "--threads", help="CPU threads [default: every physical core]"),
-    draft_vocab: int = typer.Option(None, "--draft-vocab", min=0, show_default=False,
+    draft_vocab: int = typer.Option(None, "--draft-vocab", min=0, max=MAX_COUNT, show_default=False,
                                     help="ids the draft head scores besides the top ones (Qwen3.5's most frequent at the default, else the lowest), 0: all "
                                          "[default: the runtime's]"),
     part: str = typer.Option("all", "--part", help="all; oracle: the realistic-shape checkpoint with an oracle "

@@ -42,6 +42,9 @@ def _own_recipe(model: str | None) -> list[Recipe]:
     return [Recipe.from_dict(qc["recipe"])] if qc else []
 
 
+MAX_WORKING_SET = 16 * sizes.GB
+
+
 @app.command("calibrate")
 def calibrate_cmd(
     model: str = typer.Option(None, "--model", "-m", help="config.json, checkpoint folder or cached HF id"),
@@ -60,6 +63,9 @@ def calibrate_cmd(
     spec = spec_from_path(model)
     recipes = [RECIPES[n] for n in parse_recipe_names(scheme)] or _own_recipe(model) or list(RECIPES.values())
     ws = sizes.parse_size(working_set, "--working-set (256MB defeats the CPU caches)", minimum=sizes.MB)
+    if ws > MAX_WORKING_SET:  # it is allocated: a bound keeps a typo from taking the machine's memory
+        raise QuantkitError(f"--working-set {working_set}: at most {MAX_WORKING_SET // sizes.GB} GB (the largest CPU "
+                            "caches hold a few hundred MB; 256MB already defeats them)")
     path = out or default_profile_path(spec.config)
     guard_output(path, kind="file", overwrite=True, create_parents=True, flag="--out " if out else "",
                  owned=json_with_keys("host", "dims", "matmul_s"))  # only a runtime profile is replaced

@@ -18,6 +18,8 @@ from typing import Any
 
 import typer
 
+from quantkit.planner.hardware import MAX_NODES
+
 
 def _fmt(x: float | None) -> str:
     if x is None:
@@ -107,7 +109,17 @@ CONTEXT = tokens()
 GROUP_SIZE = count(1, 1 << 16)
 PORT = count(0, 65535)
 TFLOPS = number(0, 1e7, lo_open=True)
-COUNT = count(1)
-COUNT0 = count(0)
+# The bound of a plain count (steps, passes, layers, experts, clients, requests, snapshots, sequences): what a
+# command loops over or allocates per unit, so no option may be unbounded. A million is beyond any real use of
+# each option that takes one; counts that multiply the work have tighter bounds of their own (NODES).
+MAX_COUNT = 1 << 20
+COUNT = count(1, MAX_COUNT)
+COUNT0 = count(0, MAX_COUNT)
+# `serve --max-n`: every choice of a request is a sequence decoded at once; OpenAI's API takes n up to 128
+MAX_N_CHOICES = count(1, 128)
+# `stats --chunk-size`: a calibration sequence, 16 tokens at least (quantize/calib_data.py), at most a context
+CHUNK = tokens(16, 1 << 18)
+# `plan --nodes`: the planner's bound (quantkit/planner/hardware.py says why; the GPUs in all have one too)
+NODES = count(1, MAX_NODES)
 SECONDS = number(1, 86400)
 FRACTION = number(0, 1, lo_open=True)

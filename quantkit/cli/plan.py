@@ -13,7 +13,7 @@ from rich import box
 from rich.table import Table
 
 from quantkit.cli import app, console
-from quantkit.cli.options import CONTEXT, COUNT, COUNT0, MTP_DRAFT, TFLOPS
+from quantkit.cli.options import CONTEXT, COUNT, COUNT0, MTP_DRAFT, NODES, TFLOPS
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf_types import check_type
 from quantkit.export.launch import (
@@ -25,6 +25,7 @@ from quantkit.export.launch import (
     llama_launch,
 )
 from quantkit.export.llama_placement import LlamaPlacement, LlamaSettings, model_from_gguf
+from quantkit.fileio import require_regular_file
 from quantkit.model.checkpoint import spec_from_path
 from quantkit.model.contract import read_quant_config
 from quantkit.model.gguf_file import read_gguf
@@ -48,12 +49,18 @@ from quantkit.planner.placement import (
 from quantkit.planner.routing import RoutingReport, read_profile
 from quantkit.recipe import Recipe, parse_recipe_names
 
+STATS_HINT = "make it with `quantkit stats MODEL --out FILE`"
+MAX_SWEEP = 64  # contexts in one `--context` sweep: a plan per scheme each; a table of 64 rows a scheme is plenty
+
 
 def parse_contexts(text: str, max_ctx: int) -> list[int]:
     """`4096`, `4k,32k,128k,262k`, `max`. k = 1024; `262k` (and any Nk that overshoots the model's
     maximum only because of the 1000/1024 difference) means the maximum."""
+    parts = text.split(",")
+    if len(parts) > MAX_SWEEP:  # each context plans every scheme again
+        raise QuantkitError(f"--context {text[:40]}...: a sweep of {len(parts)} contexts; give at most {MAX_SWEEP}")
     out = []
-    for part in text.split(","):
+    for part in parts:
         part = part.strip().lower()
         if part in ("max", "full"):
             out.append(max_ctx)
@@ -200,7 +207,7 @@ def plan_cmd(
     model: str = typer.Option(None, "--model", "-m", help="config.json, checkpoint folder or cached HF id"),
     gpu: list[str] = typer.Option(None, "--gpu", "-g", help="GPU name, e.g. rtx4090, 2x3090; none (or cpu): no "
                                   "GPU; custom:VRAM[,GB/s] for a card outside the catalog; repeatable"),
-    nodes: int = typer.Option(1, "--nodes", parser=COUNT, help="identical nodes (for multi-node vLLM)"),
+    nodes: int = typer.Option(1, "--nodes", parser=NODES, help="identical nodes (for multi-node vLLM)"),
     ram: str = typer.Option(None, "--ram",
                             help="host RAM, e.g. 64GiB, 64 (GiB) or 68.7GB (GB = 10^9) (default: this machine's)"),
     cpu_bandwidth: str = typer.Option(None, "--cpu-bandwidth", help="host memory bandwidth in GB/s"),
@@ -248,8 +255,20 @@ def plan_cmd(
                      overwrite=True, owned=is_plan_file, flag="--out ", create_parents=True)
     if gguf_type:
         gguf_type = check_type(gguf_type)
+        if model and model.lower().endswith(".gguf"):
+            raise QuantkitError(f"--gguf-type {gguf_type}: a GGUF --model is planned with its own types; drop "
+                                "--gguf-type")
+        if not export:
+            raise QuantkitError(f"--gguf-type {gguf_type} sizes the --export llama.cpp line: add --export llama.cpp "
+                                "or drop --gguf-type")
+        if ENGINES.get(export.lower()) == "vllm":
+            raise QuantkitError(f"--gguf-type {gguf_type} applies to --export llama.cpp only, not --export {export}: "
+                                "drop --gguf-type")
     if routing_heldout and not routing:
         raise QuantkitError("--routing-heldout needs --routing FILE (the profile the placement is made from)")
+    for flag, stats_path in (("--routing", routing), ("--routing-heldout", routing_heldout)):
+        if stats_path:
+            require_regular_file(stats_path, flag, "statistics file", STATS_HINT)
     if model and model.lower().endswith(".gguf"):
         if routing:
             raise QuantkitError("--routing applies to a safetensors model or config.json, not a GGUF file "
@@ -260,7 +279,7 @@ def plan_cmd(
     hw = build_hardware(gpu, ram, cpu_bandwidth, nodes, cpu_tflops)
     if export and export.lower() not in ENGINES:
         raise QuantkitError(f"--export {export!r}: use llama.cpp or vllm")
-    schemes: list[Any] = list(parse_recipe_names(scheme))
+    schemes: list[Any] = list(dict.fromkeys(parse_recipe_names(scheme)))  # a scheme named twice is planned once
     own = _own_recipe(model)
     if own is not None and not schemes:  # a quantized folder runs as it is stored: plan that, not the others
         schemes = [own]

@@ -8,9 +8,10 @@ import typer
 from rich import box
 from rich.table import Table
 
-from quantkit.cli import app, console, err_console, fail
+from quantkit.cli import app, console, err_console, error_line, fail
 from quantkit.cli.options import GROUP_SIZE
 from quantkit.cli.progress import RichProgress, tensor_progress
+from quantkit.fileio import require_regular_file
 from quantkit.model.checkpoint import Checkpoint, resolve_model
 from quantkit.model.spec import Role
 from quantkit.outputs import free_disk
@@ -114,6 +115,8 @@ def quantize(
     threads = resolve_threads(threads)  # a bad count is refused before anything is read
     recipe = build_recipe(4 if bits is None else bits, (fmt or "int").lower(), group_size, uniform, override,
                           recipe_file, scheme)
+    if stats_file:
+        require_regular_file(stats_file, "--stats", "statistics file", "make it with `quantkit stats MODEL --out FILE`")
     calibration = Calibration(method.lower(), Stats.open(stats_file) if stats_file else None, min_fraction)
     shard = parse_shard_size(max_shard_size)
     ckpt = Checkpoint.open(resolve_model(src))
@@ -169,7 +172,7 @@ def verify(
     res = verify_folder(folder, hash_files=not quick)
     if not res.ok:
         for p in res.problems:
-            err_console.print(f"[bold red]error:[/] {folder}: {p}", highlight=False, soft_wrap=True)
+            error_line(f"{folder}: {p}")
         raise typer.Exit(1)
     fm = ", ".join(f"{v} {k}" for k, v in sorted(res.formats.items())) or "none"
     console.print(

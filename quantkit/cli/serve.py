@@ -15,6 +15,7 @@ from quantkit.cli import app, console, err_console, fail
 from quantkit.cli.options import (
     CONTEXT,
     COUNT,
+    MAX_N_CHOICES,
     MAX_TOKENS,
     MTP_DRAFT,
     MTP_HELP,
@@ -115,7 +116,7 @@ def serve(
                                            "API (repeatable; e.g. http://localhost:3000, or *); off by default"),
     body_timeout: float = typer.Option(30.0, "--body-timeout", parser=SECONDS,
                                        help="seconds a client has to send its request body (408 after)"),
-    max_n: int = typer.Option(8, "--max-n", parser=COUNT, help="most choices (n) one request may ask for"),
+    max_n: int = typer.Option(8, "--max-n", parser=MAX_N_CHOICES, help="most choices (n) one request may ask for"),
     parallel: int = typer.Option(1, "--parallel", parser=PARALLEL,
                                  help="requests decoded together, each in its own slot, one forward per token "
                                  "for all of them (1: one request at a time)"),

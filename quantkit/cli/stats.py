@@ -8,6 +8,7 @@ import typer
 
 from quantkit.cli import app, console, err_console
 from quantkit.cli.export import export_app
+from quantkit.cli.options import CHUNK
 from quantkit.cli.progress import RichProgress, tensor_progress
 from quantkit.model.checkpoint import Checkpoint, resolve_model
 from quantkit.outputs import guard_output, has_magic
@@ -24,7 +25,8 @@ def stats(
     out: Path = typer.Option(..., "--out", "-o", help="statistics file to write (safetensors)"),
     data: Path = typer.Option(None, "--data", help="JSONL of chats or a plain-text file; default: quantkit's corpus"),
     max_tokens: int = typer.Option(16384, "--max-tokens", help="calibration tokens to use at most"),
-    chunk_size: int = typer.Option(512, "--chunk-size", help="tokens per sequence (llama.cpp's imatrix chunk)"),
+    chunk_size: int = typer.Option(512, "--chunk-size", parser=CHUNK,
+                                   help="tokens per sequence (llama.cpp's imatrix chunk)"),
     heldout: float = typer.Option(0.125, "--heldout", help="fraction of chunks held out for measuring"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing --out file"),
     imatrix: Path = typer.Option(None, "--imatrix", help="also write a llama.cpp imatrix GGUF here"),

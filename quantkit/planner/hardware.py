@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -30,6 +31,16 @@ DEFAULT_HOST_RESERVE = 3 * GIB
 # macOS wires at most about 75% of unified memory for the GPU by default (iogpu.wired_limit_mb).
 APPLE_GPU_FRACTION = 0.75
 _PCIE_LANE_GBS = {"3.0": 0.985, "4.0": 1.969, "5.0": 3.938}
+# Bounds on the hardware a plan models, checked before any work: the planner builds one device per node and
+# GPU and its placement walks all of them, so an unbounded count would make `plan` run and grow without end.
+# Each is above real clusters: a server holds 8-16 GPUs (64 per node leaves room for any chassis); the largest
+# deployments of a model this size span tens of nodes; 1024 GPUs in all already leave this model's 40 layers
+# of 256 experts about ten experts a card.
+MAX_NODES = 1024
+MAX_GPUS_PER_NODE = 64
+MAX_GPUS = 1024
+# a custom card's bandwidth (GB/s): ten times the fastest HBM stack of today
+MAX_BANDWIDTH_GBS = 100_000.0
 
 
 @dataclass(frozen=True)
@@ -180,7 +191,7 @@ _COUNT_RE = re.compile(r"^\s*(\d{1,2})\s*[x*]\s*(.+)$", re.I)
 
 NO_GPU = ("none", "cpu")  # `--gpu none` / `--gpu cpu`: plan for the CPU alone
 CUSTOM_BANDWIDTH_GBS = 500.0  # a custom card without a bandwidth (as for a detected card not in the catalog)
-_BANDWIDTH_RE = re.compile(r"^\s*-?\d+(?:\.\d+)?\s*(?:gb/?s)?\s*$", re.I)
+_BANDWIDTH_RE = re.compile(r"^\s*[-+]?(?:\d|\.\d|inf|nan)", re.I)
 
 
 def custom_gpu(spec: str) -> GPU:
@@ -194,10 +205,15 @@ def custom_gpu(spec: str) -> GPU:
     if mem <= 0:
         raise QuantkitError(f"--gpu {spec!r}: VRAM must be more than 0")
     if bw.strip():
-        m = re.match(r"^\s*(-?\d+(?:\.\d+)?)\s*(?:gb/?s)?\s*$", bw, re.I)
-        if not m or float(m.group(1)) <= 0:
-            raise QuantkitError(f"--gpu {spec!r}: bandwidth {bw.strip()!r} must be a number of GB/s above 0")
-        gbs, bw_text = float(m.group(1)), f"{float(m.group(1)):g} GB/s"
+        m = re.match(r"^\s*(\S+?)\s*(?:gb/?s)?\s*$", bw, re.I)
+        try:
+            gbs = float(m.group(1)) if m else math.nan
+        except ValueError:
+            gbs = math.nan
+        if not (math.isfinite(gbs) and 0 < gbs <= MAX_BANDWIDTH_GBS):
+            raise QuantkitError(f"--gpu {spec!r}: bandwidth {bw.strip()!r} must be a finite number of GB/s above 0 "
+                                f"and at most {MAX_BANDWIDTH_GBS:,.0f}, e.g. custom:24GiB,936")
+        bw_text = f"{gbs:g} GB/s"
     else:
         gbs, bw_text = CUSTOM_BANDWIDTH_GBS, f"bandwidth assumed {CUSTOM_BANDWIDTH_GBS:.0f} GB/s"
     gib = mem / GIB
@@ -207,14 +223,23 @@ def custom_gpu(spec: str) -> GPU:
 
 
 def _gpu_parts(arg: str) -> list[str]:
-    """`arg` split at commas, keeping `custom:VRAM,BANDWIDTH` together."""
+    """`arg` split at commas, keeping `custom:VRAM,BANDWIDTH` together: after a custom card, a part that reads
+    as a number (`936`, `936GB/s`, also `inf`, `-5` or `1e3`, which custom_gpu then refuses by name) is its
+    bandwidth, never a GPU name."""
     out: list[str] = []
     for part in arg.split(","):
-        if out and "custom:" in out[-1].lower() and "," not in out[-1] and _BANDWIDTH_RE.match(part):
+        if out and "custom:" in out[-1].lower() and "," not in out[-1] and _BANDWIDTH_RE.match(part) \
+                and not _COUNT_RE.match(part):
             out[-1] += "," + part
         else:
             out.append(part)
     return out
+
+
+def _check_per_node(n: int) -> None:
+    if n > MAX_GPUS_PER_NODE:
+        raise QuantkitError(f"--gpu names {n} GPUs per node; quantkit plans at most {MAX_GPUS_PER_NODE} per node "
+                            "(--nodes N repeats them)")
 
 
 def parse_gpu_arg(arg: str) -> list[GPU]:
@@ -231,9 +256,10 @@ def parse_gpu_arg(arg: str) -> list[GPU]:
             raise QuantkitError(f"--gpu {arg!r}: {part} means no GPU at all; give it alone")
         m = _COUNT_RE.match(part)
         n, name = (int(m.group(1)), m.group(2)) if m else (1, part)
-        if n <= 0 or n > 64:
-            raise QuantkitError(f"GPU count in {part!r} must be between 1 and 64")
+        if n <= 0 or n > MAX_GPUS_PER_NODE:
+            raise QuantkitError(f"GPU count in {part!r} must be between 1 and {MAX_GPUS_PER_NODE}")
         out += [custom_gpu(name) if name.strip().lower().startswith("custom") else find_gpu(name)] * n
+        _check_per_node(len(out))
     if not out:
         raise QuantkitError(f"no GPU named in {arg!r}")
     return out
@@ -310,12 +336,15 @@ def build_hardware(gpu_args: list[str] | None, ram: str | None = None, cpu_bandw
     """Hardware from CLI-style arguments (or `ram_bytes` measured by the caller); what is not given is detected,
     and the notes say so."""
     notes: list[str] = []
-    if nodes < 1:
-        raise QuantkitError(f"--nodes {nodes} must be at least 1")
+    if not 1 <= nodes <= MAX_NODES:
+        raise QuantkitError(f"--nodes {nodes} must be between 1 and {MAX_NODES}")
     if gpu_args:
         if len(gpu_args) > 1 and any(a.strip().lower() in NO_GPU for a in gpu_args):
             raise QuantkitError("--gpu none (or cpu) means no GPU at all; give it alone")
-        gpus = [g for a in gpu_args for g in parse_gpu_arg(a)]
+        gpus = []
+        for a in gpu_args:
+            gpus += parse_gpu_arg(a)
+            _check_per_node(len(gpus))
         if not gpus:
             notes.append("--gpu none: planning for the CPU alone")
     else:
@@ -323,6 +352,9 @@ def build_hardware(gpu_args: list[str] | None, ram: str | None = None, cpu_bandw
         notes += dnotes
         found = ", ".join(g.name for g in gpus) if gpus else "no GPU"
         notes.append(f"no --gpu given: detected {found}")
+    if len(gpus) * nodes > MAX_GPUS:
+        raise QuantkitError(f"--nodes {nodes} x {len(gpus)} GPUs is {len(gpus) * nodes} GPUs; quantkit plans at "
+                            f"most {MAX_GPUS} in all")
     if ram_bytes is not None:
         src = "free now"
     elif ram is not None:
