@@ -71,6 +71,11 @@ def warn_line(line: str) -> None:
 def _load(model: str, plan: Path | None, recipe: str | None, context: int | None, verify: str,
           threads: int | None = None):
 
+    import transformers
+
+    # transformers' own warnings (a prompt longer than the tokenizer's model_max_length, ...) would come raw
+    # before quantkit's line on the same case: the runtime checks the context itself and says so in one line
+    transformers.logging.set_verbosity_error()
     set_threads(threads)
     if verify not in ("auto", "full", "quick", "off"):
         raise QuantkitError(f"--verify {verify!r}: use auto, full, quick or off")

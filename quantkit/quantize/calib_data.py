@@ -3,8 +3,8 @@
 Contract:
 - `read_documents(path)` reads a JSONL file of chats (one JSON object per line with a `messages` list,
   or a bare list of messages) or a plain-text file (documents separated by blank lines), with a size
-  bound. A missing, empty, non-UTF-8 file or a `.jsonl` file with a line that is not a chat is refused
-  with one line naming the file (and the line).
+  bound. A missing, empty, non-UTF-8 file or a `.jsonl` file with a line that is not a chat (or a message
+  of a role the chat template does not render) is refused with one line naming the file (and the line).
 - `default_documents()` is the corpus that ships with quantkit: deterministic chats in AgentWorld's
   domains (tool calls in Qwen's XML form, terminal and file-system sessions, search results, web/OS
   observations) generated from text every Python installation carries (the standard library's module
@@ -92,6 +92,11 @@ def _read_text(path: Path) -> str:
         raise QuantkitError(f"calibration file {path} is not UTF-8 text (byte {e.start}); convert it to UTF-8") from None
 
 
+# the roles Qwen's chat template renders; it drops any other message without a word, so a chat of only such
+# messages would give no tokens
+ROLES = ("system", "user", "assistant", "tool")
+
+
 def _chat_of(obj: Any) -> list[dict[str, Any]] | None:
     msgs = obj.get("messages") if isinstance(obj, dict) else obj
     if isinstance(msgs, list) and msgs and all(
@@ -124,6 +129,10 @@ def read_documents(path: str | Path) -> list[Document]:
                 f"calibration file {p} line {i} is not a JSONL chat (want {{\"messages\": [{{\"role\": ..., "
                 "\"content\": ...}]}} or {\"text\": ...} per line); fix the line or pass plain text"
             ) from None
+        unknown = [m["role"] for m in chat or () if m["role"] not in ROLES]
+        if unknown:
+            raise QuantkitError(f"calibration file {p} line {i}: role {unknown[0][:40]!r} is not one the chat "
+                                f"template renders ({', '.join(ROLES)}); fix the role or drop the message")
         docs.append(chat if chat is not None else obj["text"])
     return docs
 

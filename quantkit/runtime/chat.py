@@ -6,7 +6,7 @@ generation tok/s and memory per device. Ctrl-C during a reply stops that reply (
 kept); Ctrl-C at the prompt does not end the session (/exit or Ctrl-D does).
 
 Context policy: before each turn the whole conversation is rendered by the chat template and counted. If
-it plus the room kept for the reply (`--max-new-tokens`, at most half the context) exceeds the context,
+it plus the room kept for the reply (`-n/--max-tokens`, at most half the context) exceeds the context,
 the oldest user/assistant exchanges are dropped, oldest first, and the chat says how many; the system
 prompt is never dropped. A message that does not fit even alone with the system prompt is refused.
 
@@ -110,7 +110,7 @@ def fit_context(count: Callable[[list[dict[str, Any]]], int], session: ChatSessi
         if len(session.messages) <= 1:
             raise QuantkitError(
                 f"this message is {n} tokens with the system prompt; with {room} kept for the reply it does "
-                f"not fit the {context}-token context: shorten it or lower --max-new-tokens")
+                f"not fit the {context}-token context: shorten it or lower -n/--max-tokens")
         # drop the oldest exchange (a user message and the assistant reply after it)
         cut = 2 if len(session.messages) > 2 and session.messages[1]["role"] == "assistant" else 1
         del session.messages[:cut]

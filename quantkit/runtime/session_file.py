@@ -148,8 +148,24 @@ def _metadata(path: Path, size: int) -> dict[str, str]:
     return meta if isinstance(meta, dict) else {}
 
 
+def _typed_metadata(path: Path, size: int) -> dict[str, str]:
+    """`_metadata`, every field text as safetensors and `save_session` write it (ValueError naming the first
+    field that is not: a JSON object or number there means the file was edited or forged)."""
+    meta = _metadata(path, size)
+    for key, value in meta.items():
+        if not isinstance(value, str):
+            raise ValueError(f"its metadata field {str(key)[:40]!r} is a JSON {_json_type(value)}, not text")
+    return meta
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "object", list: "array", bool: "boolean", int: "number", float: "number",
+            type(None): "null"}.get(type(value), type(value).__name__)
+
+
 def is_session_file(path: Path) -> bool:
-    """An `owned` test (quantkit/outputs.py): a session file quantkit chat wrote."""
+    """An `owned` test (quantkit/outputs.py): a session file quantkit chat wrote (one damaged since is still
+    quantkit's: `load_session` refuses it in one line, never replaces it unread)."""
     try:
         return _metadata(path, path.stat().st_size).get("quantkit_session") is not None
     except (OSError, ValueError):
@@ -200,9 +216,10 @@ def load_session(path: Path, rt: Any) -> Resumed:
         raise QuantkitError(f"{path}: {size} bytes, more than any session of this model can hold ({bound}); "
                             "not a quantkit chat session file")
     try:
-        meta = _metadata(path, size)
+        meta = _typed_metadata(path, size)
     except ValueError as e:  # never "ignored and overwritten": it may be a file the user cares about
-        raise QuantkitError(f"{path}: not a quantkit chat session file ({e}); pass another --session path") from None
+        raise QuantkitError(f"{path}: not a quantkit chat session file or damaged ({e}); pass another --session "
+                            "path") from None
     if meta.get("quantkit_session") != SESSION_VERSION:
         raise QuantkitError(f"{path}: not a quantkit chat session file (version {SESSION_VERSION}); pass another "
                             "--session path")
@@ -210,6 +227,9 @@ def load_session(path: Path, rt: Any) -> Resumed:
         theirs = json.loads(meta.get("identity", ""))
     except (ValueError, RecursionError):
         theirs = {}
+    if not isinstance(theirs, dict) or not all(isinstance(v, str) for v in theirs.values()):
+        raise QuantkitError(f"{path}: a damaged quantkit chat session file (its identity is not the model, weights, "
+                            "recipe and placement it was written for); pass another --session path")
     mine = identity(rt)
     for key in ("model", "recipe", "placement", "weights"):
         if not isinstance(theirs, dict) or theirs.get(key) != mine[key]:
