@@ -71,7 +71,7 @@ class SamplingParams:
         if self.top_k < 0:
             raise QuantkitError(f"--top-k {self.top_k}: must be >= 0 (0 = off)")
         if self.max_new_tokens < 1:
-            raise QuantkitError(f"--max-new-tokens {self.max_new_tokens}: must be at least 1")
+            raise QuantkitError(f"-n/--max-tokens {self.max_new_tokens}: must be at least 1")
 
 
 @dataclass
