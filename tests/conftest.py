@@ -9,7 +9,8 @@ They are shared by many test files: treat them as read-only (copy a folder befor
 - `tiny_model_mtp`: published layout with the MTP layer (`mtp.*`, per-expert), not decisive.
 - `kernel_table`: each op table of quantkit's CPU kernel (avx512bf16, avx512, avx2vnni, avx2, generic) at or below the
   level this run uses (QUANTKIT_CPU_ISA lowers it), forced in turn and restored; a table the CPU or the
-  build lacks is skipped with that reason.
+  build lacks is skipped with that reason. This is how one run proves every ISA path (no rerun per ISA).
+- `each_table`: the same for tests that also hold without the kernel (they then run once, on torch's).
 
 Plain helpers the tests import (`from conftest import run_cli, run_main`):
 - `run_cli`: the entry point quantkit.cli.main() in this process (monkeypatch applies), output captured;
@@ -102,10 +103,51 @@ KERNEL_TABLES = ("avx512bf16", "avx512", "avx2vnni", "avx2", "generic")
 def kernel_table(request: pytest.FixtureRequest):
     from quantkit.runtime import cpu_kernel
 
-    mod = cpu_kernel.module()
-    if mod is None:
+    if cpu_kernel.module() is None:
         pytest.skip("the CPU kernel is not built on this machine")
-    name = request.param
+    yield from _forced_table(request.param)
+
+
+@pytest.fixture(params=KERNEL_TABLES)
+def each_table(request: pytest.FixtureRequest):
+    """`kernel_table` for a test that also holds on torch's kernels (a whole model, a route comparison): each
+    op table in turn, forced after load as well as before (every kernel call reads the table in use, so a
+    model loaded once runs on the forced table); where the kernel is not built the test runs once, on torch's
+    kernels, and its other tables are skipped."""
+    from quantkit.runtime import cpu_kernel
+
+    if cpu_kernel.module() is None:
+        if request.param != KERNEL_TABLES[0]:
+            pytest.skip("the CPU kernel is not built on this machine: torch's kernels run once")
+        yield "none"
+        return
+    yield from _forced_table(request.param)
+
+
+# every QUANTKIT_CPU_ISA value that names a table: the forced-switch tests run each in a fresh process
+ISA_VALUES = ("avx512", "avx512-plain", "avx2", "avx2-plain", "generic")
+
+
+def forced_isa_table(value: str) -> str:
+    """The op table QUANTKIT_CPU_ISA=`value` runs on this machine. Skips the calling test where the CPU or the
+    build cannot run that level, or where LEVEL-plain is the level's own table (no extension to leave out)."""
+    from quantkit.runtime import cpu_kernel
+
+    mod = cpu_kernel.module()
+    level = value.removesuffix("-plain")
+    if mod is None or cpu_kernel.ISA_LEVELS[level] > mod.detect_isa() or cpu_kernel.best_table(level) is None:
+        pytest.skip(f"QUANTKIT_CPU_ISA={value}: this CPU or build cannot run it")
+    if value == level:
+        return cpu_kernel.best_table(level)
+    if level not in mod.tables() or cpu_kernel.best_table(level) == level:
+        pytest.skip(f"QUANTKIT_CPU_ISA={value}: {level} has no extension here, the same table as {level}")
+    return level
+
+
+def _forced_table(name: str):
+    from quantkit.runtime import cpu_kernel
+
+    mod = cpu_kernel.module()
     level = cpu_kernel.ISA_LEVELS[cpu_kernel.table_level(name)]
     if name not in mod.units():
         pytest.skip(f"{name}: this build has no such unit (the compiler could not build it)")
@@ -121,14 +163,56 @@ def kernel_table(request: pytest.FixtureRequest):
     mod.set_table(before)
 
 
-def pytest_terminal_summary(terminalreporter) -> None:
-    """The hostile-input probes count their cases (parametrized ids and hypothesis examples alike)."""
+def _probe_cases() -> int:
     try:
         from probe_util import CASES
     except ImportError:
+        return 0
+    return CASES["n"]
+
+
+class _WorkerProbes:
+    """Under pytest-xdist each worker counts its own probes: the workers hand their counts back as they
+    finish and the controller sums them."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def pytest_testnodedown(self, node, error) -> None:
+        self.n += getattr(node, "workeroutput", {}).get("probe_cases", 0)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_WorkerProbes(), "quantkit-worker-probes")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The fast tier (`-m "not slow"`) runs the whole-model `each_table` tests on the table this run uses; their
+    copies on the lower tables are `slow` (the op-level `kernel_table` tests still take every table there)."""
+    runs = [it for it in items if "each_table" in getattr(getattr(it, "callspec", None), "params", {})]
+    if not runs:
         return
-    if CASES["n"]:
-        terminalreporter.write_line(f"probe: {CASES['n']} bad inputs and faults checked")
+    from quantkit.runtime import cpu_kernel
+
+    top = cpu_kernel.loaded_table if cpu_kernel.module() is not None else KERNEL_TABLES[0]
+    for it in runs:
+        if it.callspec.params["each_table"] != top:
+            it.add_marker(pytest.mark.slow)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: the controller prints the sum
+        session.config.workeroutput["probe_cases"] = _probe_cases()
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    """The hostile-input probes count their cases (parametrized ids and hypothesis examples alike)."""
+    workers = config.pluginmanager.get_plugin("quantkit-worker-probes")
+    n = _probe_cases() + (workers.n if workers is not None else 0)
+    if n:
+        terminalreporter.write_line(f"probe: {n} bad inputs and faults checked")
 
 
 def interrupt_after(monkeypatch: pytest.MonkeyPatch, module: object, name: str, calls: int):

@@ -158,6 +158,7 @@ def _step_torch_ops(q, k, v, g, beta, state):
 
 
 @pytest.mark.parametrize("h,kd,vd", [(32, 128, 128), (4, 16, 24), (3, 8, 8)])
+@pytest.mark.usefixtures("each_table")
 def test_state_step_is_the_kernel_or_the_torch_ops(h, kd, vd):
     q, k, v, logd, beta, state = _step_inputs(h, kd, vd)
     mine, ref = state.clone(), state.clone()
@@ -192,6 +193,7 @@ SHAPES = [(2, 2, 32, 32), (2, 4, 32, 32), (2, 4, 8, 16)]  # (Hk, Hv, Dk, Dv): Hv
 
 @pytest.mark.parametrize("hk,hv,dk,dv", SHAPES)
 @pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.usefixtures("each_table")
 def test_one_token_matches_the_former_path_and_transformers(hk, hv, dk, dv, with_state):
     q, k, v, g, beta, state = _rule_inputs(1, hk, hv, dk, dv)
     if not with_state:
@@ -229,6 +231,7 @@ def test_chunked_is_bit_equal_to_transformers(t, hk, hv, dk, dv, with_state):
 
 
 @pytest.mark.parametrize("t", [1, 130])
+@pytest.mark.usefixtures("each_table")
 def test_realistic_layer_is_bit_equal(t):
     """Qwen3.5-MoE's layer dims: 16 key heads, 32 value heads, 128 wide."""
     if t == 1:
@@ -240,6 +243,7 @@ def test_realistic_layer_is_bit_equal(t):
         _chunked_against_transformers(t, 16, 32, 128, 128, True)
 
 
+@pytest.mark.usefixtures("each_table")
 def test_chunked_matches_the_token_loop():
     """The chunked rule against transformers' token loop on the same inputs: the UT transform reorders the
     fp32 arithmetic (triangular solve, chunk products), so agreement to fp32 noise, not bits."""
@@ -267,6 +271,7 @@ def test_inverse_route_is_close_to_the_exact_one(t):
 
 @pytest.mark.parametrize("t", [2, 3, 4, 7])
 @pytest.mark.parametrize("hk,hv,dk,dv", SHAPES[1:])
+@pytest.mark.usefixtures("each_table")
 def test_keep_states_is_one_token_calls(t, hk, hv, dk, dv):
     q, k, v, g, beta, state = _rule_inputs(t, hk, hv, dk, dv, seed=t)
     mine = state.clone()

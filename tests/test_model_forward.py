@@ -75,6 +75,7 @@ def _hf(ref, ids: list[int], steps: list[int]):
 
 @pytest.mark.parametrize("route", ["stack", "torch"])
 @pytest.mark.parametrize("recipe", ["bf16", "int8", "int4"])
+@pytest.mark.usefixtures("each_table")
 def test_bit_equal_to_transformers_eager_with_the_conv_in_fp32(tiny_model, recipe, route, one_thread):  # noqa: F811
     if route == "stack" and not cpu_kernel.available():
         pytest.skip("the CPU kernel is not built on this machine")
@@ -97,6 +98,7 @@ def test_bit_equal_to_transformers_eager_with_the_conv_in_fp32(tiny_model, recip
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "int4"])
+@pytest.mark.usefixtures("each_table")
 def test_tracks_plain_transformers_eager(tiny_model, recipe, one_thread):  # noqa: F811
     rt = _load(tiny_model, recipe)
     ref = reference_model(tiny_model if recipe == "bf16" else quantized(tiny_model, recipe))
@@ -111,6 +113,7 @@ def test_tracks_plain_transformers_eager(tiny_model, recipe, one_thread):  # noq
 
 @kernel
 @pytest.mark.parametrize("recipe", ["bf16", "int8", "int4"])
+@pytest.mark.usefixtures("kernel_table")
 def test_routes_agree_bit_for_bit(tiny_model, recipe, one_thread):  # noqa: F811
     """The one-call stack, the per-layer fused ops and the torch route: the same logits; the same cache states
     on the kernel's two routes, within FUSED_STATE_BOUND on torch's."""
@@ -146,6 +149,7 @@ def test_stack_runs_no_python_layer(tiny_model, one_thread):  # noqa: F811
 
 
 @pytest.mark.parametrize("route", ["fused", "torch"])
+@pytest.mark.usefixtures("each_table")
 def test_layers_match_transformers_with_expert_choice_fixed(tiny_model, route, one_thread):  # noqa: F811
     """Each layer fed transformers' own input (its conv in fp32) and routed to transformers' experts: the same
     output, bit for bit."""
@@ -192,6 +196,7 @@ def test_layers_match_transformers_with_expert_choice_fixed(tiny_model, route, o
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "int8"])
+@pytest.mark.usefixtures("each_table")
 def test_chunked_prompt_equals_one_forward(tiny_model, recipe, one_thread):  # noqa: F811
     """A prompt in two chunks makes the state one forward of it makes (the chunked delta rule carries its
     state across chunks; attention reads the cached keys), up to SDPA's summation order."""
@@ -216,6 +221,7 @@ def _not_called(*_a, **_k):
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("recipe", ["bf16", "int4"])
+@pytest.mark.usefixtures("each_table")
 def test_a_verify_equals_one_token_steps_and_rewinds_to_any_position(tiny_model, recipe, route, one_thread,  # noqa: F811
                                                                       monkeypatch):
     """A 4-token forward that keeps its positions (a speculative verify) gives the logits and states of 4 one-token
@@ -260,6 +266,7 @@ def test_a_verify_equals_one_token_steps_and_rewinds_to_any_position(tiny_model,
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "int8"])
+@pytest.mark.usefixtures("each_table")
 def test_greedy_generation_identical_across_routes(tiny_model, recipe, one_thread):  # noqa: F811
     prompts = [PROMPT, [{"role": "user", "content": "write a haiku about rivers"}]]
     got = {}
@@ -270,6 +277,7 @@ def test_greedy_generation_identical_across_routes(tiny_model, recipe, one_threa
     assert all(v == first for v in got.values()) and all(len(t) == 16 for t in first)
 
 
+@pytest.mark.usefixtures("each_table")
 def test_prompt_cache_second_turn(tiny_model, one_thread):  # noqa: F811
     """Turn 2 restores turn 1's snapshot and continues exactly as a cold run; decoding never writes into a
     snapshot."""
@@ -291,6 +299,7 @@ def test_prompt_cache_second_turn(tiny_model, one_thread):  # noqa: F811
     assert second.token_ids == cold.token_ids
 
 
+@pytest.mark.usefixtures("each_table")
 def test_prefill_restores_a_snapshot_into_a_cache_of_its_own(tiny_model, one_thread):  # noqa: F811
     rt = _load(tiny_model, "bf16")
     rt.set_prompt_cache(64 << 20)
@@ -310,6 +319,7 @@ def _split_placement(n_layers: int = 4) -> Placement:
 
 @pytest.mark.parametrize("recipe", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("gather", [frozenset({0}), frozenset({0, 1})])
+@pytest.mark.usefixtures("each_table")
 def test_gathered_experts_and_split(tiny_model, recipe, gather, one_thread):  # noqa: F811
     """Experts gathered by the routed ids (the device path) for group 0 with group 1 on the CPU path ({0}),
     or for every group: the same tokens as the plain CPU path, logits within fp32 summation order."""
@@ -383,6 +393,7 @@ def test_cuda_graphs_refuse_a_placement_off_one_cuda_device_in_one_line(tiny_mod
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "int4"])
+@pytest.mark.usefixtures("each_table")
 def test_the_static_step_a_cuda_graph_captures_tracks_the_dynamic_step(tiny_model, recipe, one_thread):  # noqa: F811
     """`Model.static_step` (K/V written by a device-side index, attention over the whole buffer masked; what
     the cuda-graph route captures) on the CPU, experts gathered by routed id: the same tokens as the dynamic

@@ -32,6 +32,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.format}-g{s.group_size}-{'s' if s.symmetric else 'a'}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("route", [None, "dequant", "torch"])
+@pytest.mark.usefixtures("each_table")
 def test_kernel_matches_dequantize_then_matmul(spec, shape, route):
     g = torch.Generator().manual_seed(zlib.crc32(repr((spec.format, spec.group_size, shape)).encode()))
     w = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
@@ -104,6 +105,7 @@ def test_int4_padding_rows_are_exact_zeros():
     assert rel(k(x), reference_matmul(x, parts, spec, (4, 64))) < 1e-2
 
 
+@pytest.mark.usefixtures("each_table")
 def test_zero_matrix_gives_zero():
     for spec in SPECS:
         w = torch.zeros(32, 128, dtype=torch.bfloat16)
@@ -112,6 +114,7 @@ def test_zero_matrix_gives_zero():
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"{s.format}-g{s.group_size}-{'s' if s.symmetric else 'a'}")
+@pytest.mark.usefixtures("each_table")
 def test_parts_at_any_byte_offset(spec):
     """Stored parts read from a shard can start at any byte offset (views into one buffer); torch's int8
     kernel crashed on a weight 8 bytes off, so every route must work on such views."""
