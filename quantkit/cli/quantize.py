@@ -120,6 +120,7 @@ def quantize(
     calibration = Calibration(method.lower(), Stats.open(stats_file) if stats_file else None, min_fraction)
     shard = parse_shard_size(max_shard_size)
     ckpt = Checkpoint.open(resolve_model(src))
+    ckpt.spec()  # the model is refused by the rules plan and inspect use, dry run or not
     if calibration.stats is not None:  # refused before the run: another model's shapes, NaN, forged counts
         calibration.stats.check_model(ckpt)
         calibration.stats.check_all()

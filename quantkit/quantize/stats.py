@@ -430,7 +430,7 @@ class Stats:
         """Open and validate (quantize/stats_check.py) a statistics file; one QuantkitError if it is unusable."""
         p = Path(path)
         if not p.is_file():
-            raise QuantkitError(f"statistics file {p} does not exist; make it with `quantkit stats SRC --out {p}`")
+            raise QuantkitError(f"statistics file {p} does not exist; make it with `quantkit stats MODEL --out FILE`")
         try:
             meta, entries = read_safetensors(p)
         except QuantkitError as e:  # the shard reader's words, said of a statistics file
