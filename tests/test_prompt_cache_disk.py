@@ -222,6 +222,9 @@ def test_an_unwritable_or_full_dir_warns_once_and_generation_goes_on(tiny_model,
         assert run(rt, ids)[0] == want and run(rt, rt.encode(text(51)))[0] == cold(tiny_model, rt.encode(text(51)))
         assert len(warnings) == 1 and ("cannot write" in warnings[0]), warnings
         assert not entries(d) and not [p for p in os.listdir(d) if p.startswith(".qkpc")]
+        if kind == "full":  # with the default bound (a quarter of the free space): off from the start
+            rt = fresh(tiny_model, d, disk_bytes=None, warn=warnings.append)
+            assert rt.prompt_cache.disk is None and len(warnings) == 2 and "bytes free there" in warnings[1]
 
 
 def test_a_full_disk_mid_run_warns_once(tiny_model, tmp_path, monkeypatch):

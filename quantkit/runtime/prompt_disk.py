@@ -421,5 +421,12 @@ def open_store(rt: Any, folder: Path, max_bytes: int | None, warn: Callable[[str
              "for this run")
         return None
     if max_bytes is None:
-        max_bytes = max(1, shutil.disk_usage(folder).free // 4)
+        from quantkit.planner.disk_cache import MIN_DISK_BYTES
+
+        free = shutil.disk_usage(folder).free
+        if free // 4 < MIN_DISK_BYTES:
+            warn(f"--prompt-cache-dir {folder}: {free:,} bytes free there; the disk prompt cache is off for this run "
+                 "(free some space, or bound it with --prompt-cache-disk-size)")
+            return None
+        max_bytes = free // 4
     return DiskStore(folder, max_bytes, layout_of(rt), warn)
