@@ -13,7 +13,8 @@ Which ops take all B rows and which run row by row, and why:
 - row by row: the attention core and the Gated DeltaNet conv + recurrent update (each row reads and writes its
   own cache: its K/V at its own position, its own states), the norms, the routing (a row's top-k of its own
   router logits; the router runs on one row as a step runs it: the fp32 GEMV has no multi-row form that keeps
-  the one-row sums) and the elementwise ops around the MoE sum (one row as a step runs them: torch's
+  the one-row sums; on the kernel's routes its bf16 product runs on all rows with the shared expert's inputs)
+  and the elementwise ops around the MoE sum (one row as a step runs them: torch's
   vectorised SiLU rounds its scalar tail otherwise). Routed experts on other kernels (bf16 experts, GPU
   gathered experts, a CPU+GPU split) also run row by row through the one-token path, which keeps each row's
   result; their batched form is left to the prefill path, whose sums are ordered otherwise.
@@ -117,10 +118,16 @@ def _layer(L: Layer, x: torch.Tensor, caches: list[HybridCache], cos: torch.Tens
 def _moe(moe: MoE, x: torch.Tensor, h: torch.Tensor, ops: Any) -> torch.Tensor:
     """x + the MoE block on h, [B, H] (`MoE.add_to` of one token, per row, its matrices on all rows)."""
     rows = _rows(h.shape[0])
-    gate, up, sg = _project(moe.shared_in, h)
-    picks = [moe.route(h[r], ops) for r in rows]
-    wts, ids = torch.cat([p[0] for p in picks]), torch.cat([p[1] for p in picks])
     fused = ops is not None and h.dtype == torch.bfloat16
+    if fused and moe.shared_and_router is not None:  # the router's logits beside the shared expert's inputs,
+        # on all rows (as the kernel's stack runs them), each row's top-k then taken alone
+        gate, up, sg, logits = _project(moe.shared_and_router, h)
+        picks = [ops.route(logits[r], moe.top_k) for r in rows]
+        wts, ids = torch.stack([p[0].view(-1) for p in picks]), torch.stack([p[1].view(-1) for p in picks])
+    else:
+        gate, up, sg = _project(moe.shared_in, h)
+        picks = [moe.route(h[r], ops) for r in rows]
+        wts, ids = torch.cat([p[0] for p in picks]), torch.cat([p[1] for p in picks])
     act = torch.cat([ops.silu_mul(gate[r], up[r]) if fused else F.silu(gate[r]) * up[r] for r in rows])
     shared = _linear(moe.shared_down, act)
     many = moe.experts._rows_call() if moe.fused_all else None
