@@ -195,7 +195,7 @@ def test_time_moe_gives_no_entry_for_formats_the_runtime_runs_unfused():
 
 def test_calibrate_cli_then_plan_reads_the_profile(tiny_model, tmp_path, capsys, monkeypatch):
     prof = tmp_path / "p.json"
-    code, out, err = run_cli(["calibrate", "--model", tiny_model, "--scheme", "int4", "--out", prof,
+    code, out, err = run_cli(["profile-host", "--model", tiny_model, "--scheme", "int4", "--out", prof,
                               "--working-set", "1MB", "--passes", "1", "--steps", "2"], capsys, monkeypatch)
     assert code == 0, err
     assert "profile saved to" in out and "int4" in out
@@ -218,7 +218,7 @@ def test_calibrate_cli_then_plan_reads_the_profile(tiny_model, tmp_path, capsys,
     assert rows["int8"]["runtime_decode_tok_s"] is None  # not calibrated for int8's kernels
     assert d["runtime_profile"].startswith(str(prof))
     # a second calibration of another scheme adds to the profile
-    code, _, err = run_cli(["calibrate", "--model", tiny_model, "--scheme", "int8", "--out", prof,
+    code, _, err = run_cli(["profile-host", "--model", tiny_model, "--scheme", "int8", "--out", prof,
                             "--working-set", "1MB", "--passes", "1", "--steps", "2"], capsys, monkeypatch)
     assert code == 0, err
     want8 = {spec_key(q) for _, q, _ in kernel_matrices(spec, get_recipe("int8"))}
@@ -227,7 +227,7 @@ def test_calibrate_cli_then_plan_reads_the_profile(tiny_model, tmp_path, capsys,
 
 def test_plan_refuses_a_profile_of_another_model(tiny_model, tmp_path, capsys, monkeypatch):
     prof = tmp_path / "p.json"
-    code, _, err = run_cli(["calibrate", "--model", tiny_model, "--scheme", "int4", "--out", prof,
+    code, _, err = run_cli(["profile-host", "--model", tiny_model, "--scheme", "int4", "--out", prof,
                             "--working-set", "1MB", "--passes", "1", "--steps", "2"], capsys, monkeypatch)
     assert code == 0, err
     code, out, err = run_cli(["plan", "--profile", prof], capsys, monkeypatch)  # the default 35B model
@@ -242,7 +242,7 @@ def test_a_quantized_folder_is_planned_from_its_config_and_calibrated_for_its_re
     assert code == 0, err
     assert json.loads(out)["schemes"][0]["fits"] is True
     prof = tmp_path / "p.json"
-    code, out, err = run_cli(["calibrate", "--model", q, "--out", prof, "--working-set", "1MB", "--passes", "1",
+    code, out, err = run_cli(["profile-host", "--model", q, "--out", prof, "--working-set", "1MB", "--passes", "1",
                               "--steps", "2"], capsys, monkeypatch)
     assert code == 0, err
     spec = spec_from_config(load_config(tiny_model / "config.json"))
@@ -260,7 +260,7 @@ def test_a_quantized_folder_is_planned_from_its_config_and_calibrated_for_its_re
      "/proc/no/such/p.json: cannot write"),
 ])
 def test_calibrate_bad_input_gets_one_line(tiny_model, capsys, monkeypatch, args, want):
-    code, out, err = run_cli(["calibrate", "--model", tiny_model, *args], capsys, monkeypatch)
+    code, out, err = run_cli(["profile-host", "--model", tiny_model, *args], capsys, monkeypatch)
     assert code == 2 and err.count("\n") == 1 and want in err and "Traceback" not in err
 
 
@@ -308,7 +308,7 @@ def test_time_moe_prefill_runs_the_experts_module_on_the_chunk(monkeypatch):
 
 def test_calibrate_times_a_prefill_chunk_for_the_plan(tiny_model, tmp_path, capsys, monkeypatch):
     prof = tmp_path / "p.json"
-    code, out, err = run_cli(["calibrate", "--model", tiny_model, "--scheme", "int4", "--out", prof,
+    code, out, err = run_cli(["profile-host", "--model", tiny_model, "--scheme", "int4", "--out", prof,
                               "--working-set", "1MB", "--passes", "1", "--steps", "2", "--prefill-tokens", "32"],
                              capsys, monkeypatch)
     assert code == 0, err

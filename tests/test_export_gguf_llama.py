@@ -7,7 +7,7 @@ loaded and run by `llama_cpp.Llama`, and compared with llama.cpp running the bf1
 top-1 agreement). Each file's tensor types are read back and must be the recipe's
 (quantkit.export.gguf_types.tensor_type), so the planner's byte sizes are the file's.
 
-The MTP layer: the tiny model with one (`quantkit tiny-model --mtp`) exports it as llama.cpp's NextN block,
+The MTP layer: the tiny model with one (`quantkit tiny-model --mtp-layer`) exports it as llama.cpp's NextN block,
 read back with the `gguf` reader (names, `nextn_predict_layers`, `block_count`, values against the checkpoint),
 loaded by `llama_cpp.Llama` (which leaves the block on disk: the trunk's logits are the --no-mtp file's, bit
 for bit), and its MTP graph run through llama-cpp-python's C API as llama-server's draft-mtp runs it (an

@@ -51,7 +51,7 @@ def test_launch_line_loads_what_the_export_line_writes(engine, model, mtp, draft
     assert export[:3] == ["quantkit", "export", "gguf" if engine == "llama.cpp" else "vllm"]
     assert export[3] == str(src)
     # no unused NextN block in the GGUF (the vLLM export keeps the layer whatever --mtp; its fit counts it when drafting)
-    assert ("--no-mtp" in export) == (engine == "llama.cpp" and model == "mtp" and not drafts)
+    assert ("--no-mtp-layer" in export) == (engine == "llama.cpp" and model == "mtp" and not drafts)
     monkeypatch.chdir(tmp_path)
     code, _, err = run_cli(export[1:], capsys, monkeypatch)
     assert code == 0, err

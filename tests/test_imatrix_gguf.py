@@ -82,7 +82,7 @@ def test_llama_cpp_quantizer_accepts_and_uses_the_imatrix(tiny_model, imatrix_fi
 
 def test_cli_writes_the_imatrix_beside_the_stats(tiny_model, tmp_path, capsys, monkeypatch):
     out, im = tmp_path / "s", tmp_path / "s.imatrix.gguf"
-    code, so, err = run_cli(["stats", tiny_model, "--out", out, "--max-tokens", "1024", "--chunk-size", "128",
+    code, so, err = run_cli(["stats", tiny_model, "--out", out, "--calib-tokens", "1024", "--chunk-size", "128",
                              "--imatrix", im], capsys, monkeypatch)
     assert code == 0, err
     imp = read_imatrix_gguf(im)

@@ -205,14 +205,14 @@ def test_cli_trains_and_refuses(tmp_path: Path, capsys, monkeypatch: pytest.Monk
     import quantkit.cli.tiny as cli_tiny
 
     monkeypatch.setattr(cli_tiny, "TrainOptions", Tiny)
-    code, out, err = run_cli(["tiny-model", tmp_path / "t", "--mtp", "--train-mtp", "--train-steps", "2"],
+    code, out, err = run_cli(["tiny-model", tmp_path / "t", "--mtp-layer", "--train-mtp", "--train-steps", "2"],
                              capsys, monkeypatch)
     assert code == 0, err
     assert "MTP layer trained: 2 steps" in " ".join(out.split())
     assert json.loads((tmp_path / "t" / "quantkit-tiny.json").read_text())["mtp_trained"]["options"]["steps"] == 2
     code, out, err = run_cli(["tiny-model", tmp_path / "u", "--train-mtp"], capsys, monkeypatch)
     one_line_error(code, out, err, "--train-mtp", "--mtp")
-    code, out, err = run_cli(["tiny-model", tmp_path / "u", "--mtp", "--train-steps", "5"], capsys, monkeypatch)
+    code, out, err = run_cli(["tiny-model", tmp_path / "u", "--mtp-layer", "--train-steps", "5"], capsys, monkeypatch)
     one_line_error(code, out, err, "--train-steps")
     assert not (tmp_path / "u").exists()
 

@@ -15,7 +15,7 @@ from probe_util import count, expect_one_line, limited_dir, tree_digest
 
 from conftest import run_cli
 
-STATS_ARGS = ["--max-tokens", "1024", "--chunk-size", "128"]
+STATS_ARGS = ["--calib-tokens", "1024", "--chunk-size", "128"]
 
 
 @pytest.fixture()
@@ -79,7 +79,7 @@ def quantized_folder(tiny_model: Path, tmp_path_factory) -> Path:
 
 
 def test_calibrate_out_never_replaces_an_unrelated_file(notes, capsys, monkeypatch):
-    code, out, err = run_cli(["calibrate", "--out", notes, "--passes", "1"], capsys, monkeypatch)
+    code, out, err = run_cli(["profile-host", "--out", notes, "--passes", "1"], capsys, monkeypatch)
     expect_one_line(code, out, err, "not a quantkit output")
     assert notes.read_text() == "not quantkit's"
 

@@ -52,7 +52,7 @@ NUMERIC = [
     (["tiny-model", "O"], "--layers", ["0", "-1"]),
     (["tiny-model", "O"], "--hidden", ["0"]),
     (["tiny-model", "O"], "--seed", ["-1", BIG]),
-    (["calibrate"], "--passes", ["0"]),
+    (["profile-host"], "--passes", ["0"]),
     (["bench", "gpu"], "--cpu-share", ["0", "-0.5", "1.5"]),
 ]
 SIZES = [
@@ -60,7 +60,7 @@ SIZES = [
     (["plan"], "--gpu-reserve", ["nan", "-1", "x"]),
     (["serve", "M"], "--max-body", ["0", "nan", "-8MB", "eight"]),
     (["quantize", "M", "--out", "O"], "--max-shard-size", ["0", "lots", "inf"]),
-    (["calibrate"], "--working-set", ["1KB", "nan"]),
+    (["profile-host"], "--working-set", ["1KB", "nan"]),
 ]
 CASES = [(pre, opt, v) for pre, opt, vals in NUMERIC for v in NUMBERS + vals] + \
         [(pre, opt, v) for pre, opt, vals in SIZES for v in vals]
@@ -200,7 +200,7 @@ def test_unwritable_or_full_locations_fail_before_the_work(kind, src, tmp_path, 
             (["export", "vllm", src, d / "v"], str(d / "v")),
             (["tiny-model", d / "t", "--layers", "2", "--hidden", "32"], str(d / "t")),
             (["plan", "--out", d / "p.json"], "--out"),
-            (["calibrate", "--out", d / "prof.json", "--passes", "1"], "--out"),
+            (["profile-host", "--out", d / "prof.json", "--passes", "1"], "--out"),
         ]
         for args, needle in cases:
             code, out, err = run_cli(args, capsys, monkeypatch)

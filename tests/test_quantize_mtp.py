@@ -81,7 +81,7 @@ def test_no_mtp_drops_it_and_the_old_flag_is_a_notice(tiny_model_mtp: Path, tiny
     assert code == 0, err
     assert not any(k.startswith("mtp.") for k in stored(out)) and qconfig(out)["mtp"] == "dropped"
     assert json.loads((out / "config.json").read_text())["text_config"]["mtp_num_hidden_layers"] == 0
-    assert "- MTP: dropped (--no-mtp)" in (out / "quantkit-report.md").read_text()
+    assert "- MTP: dropped (--no-mtp-layer)" in (out / "quantkit-report.md").read_text()
     assert Manifest.read(out).options["keep_mtp"] is False
     assert cli("verify", out).exit_code == 0
     # --keep-mtp: one notice, the layer kept as by default
@@ -103,7 +103,7 @@ def test_no_mtp_drops_it_and_the_old_flag_is_a_notice(tiny_model_mtp: Path, tiny
 @pytest.mark.parametrize("first,then,needle", [
     ([], ["--no-mtp"], "kept the MTP layer; resume it without --no-mtp"),
     # a run begun when dropping was the default (= --no-mtp now), resumed under the new default
-    (["--no-mtp"], [], "dropped the MTP layer (--no-mtp, the old default); resume it with --no-mtp"),
+    (["--no-mtp"], [], "dropped the MTP layer (--no-mtp-layer, the old default); resume it with --no-mtp-layer"),
 ])
 def test_resume_with_another_mtp_choice_is_refused(tiny_model_mtp: Path, tmp_path: Path, monkeypatch,
                                                    first: list[str], then: list[str], needle: str) -> None:
@@ -197,5 +197,5 @@ def test_a_kept_mtp_layer_exports(q_mtp: Path, tmp_path: Path) -> None:
         "without that flag llama.cpp does not load it)"]
     g = export_gguf(q_mtp, tmp_path / "n.gguf", "mixed", mtp=False)
     assert all(n.startswith("mtp.") for n in g.skipped) and not any(".nextn." in t.name for t in g.tensors)
-    assert [n for n in g.notes if "MTP" in n] == ["MTP layer not exported (--no-mtp, as llama.cpp's converter "
+    assert [n for n in g.notes if "MTP" in n] == ["MTP layer not exported (--no-mtp-layer, as llama.cpp's converter "
                                                   "with --no-mtp)"]

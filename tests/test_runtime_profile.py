@@ -158,7 +158,7 @@ def test_runtime_costs_compose_fused_experts_from_the_fused_call():
 def test_a_profile_without_the_schemes_kernels_names_what_to_run():
     spec = default_spec()
     p = _profile(spec, [get_recipe("int4")])
-    with pytest.raises(QuantkitError, match=r"no int8 .* kernel time; run `quantkit calibrate --scheme int8`"):
+    with pytest.raises(QuantkitError, match=r"no int8 .* kernel time; run `quantkit profile-host --scheme int8`"):
         runtime_costs(p, spec, get_recipe("int8"))
     p.argmax_s = {}
     with pytest.raises(QuantkitError, match="argmax"):
@@ -222,7 +222,7 @@ def test_profile_files_round_trip_and_bad_ones_get_one_line(tmp_path):
     for text, want in (("{", "not valid JSON"), (json.dumps({"version": 99}), f"version {PROFILE_VERSION}"),
                        (json.dumps({"version": PROFILE_VERSION, "host": {}}), "malformed"),
                        (json.dumps(old), r"version 1, measured before quantkit timed its fused MoE call .*"
-                                         r"run `quantkit calibrate` again")):
+                                         r"run `quantkit profile-host` again")):
         f.write_text(text)
         with pytest.raises(QuantkitError, match=want) as e:
             load_profile(f)
@@ -277,7 +277,7 @@ def test_profile_for_plan(tmp_path, monkeypatch):
     c = spec.config
     assert profile_for_plan(None, c, this_host=False) == (None, "", "")
     prof, src, note = profile_for_plan(None, c, this_host=True)
-    assert prof is None and "quantkit calibrate" in note
+    assert prof is None and "quantkit profile-host" in note
     path = default_profile_path(c)
     assert path.parent == tmp_path / "cache" / "runtime-profiles"
     path.parent.mkdir(parents=True)
@@ -296,7 +296,7 @@ def test_profile_for_plan(tmp_path, monkeypatch):
     old["version"] = 1  # a default profile from before the fused MoE timing: ignored, with the re-run line
     path.write_text(json.dumps(old))
     prof, _, note = profile_for_plan(None, c, this_host=True)
-    assert prof is None and "version 1" in note and "run `quantkit calibrate` again" in note
+    assert prof is None and "version 1" in note and "run `quantkit profile-host` again" in note
 
 
 def test_solve_carries_the_runtime_estimate_into_the_plan_file():
@@ -313,7 +313,7 @@ def test_solve_carries_the_runtime_estimate_into_the_plan_file():
     assert back.runtime_speed.decode_tok_s == pytest.approx(plan.runtime_speed.decode_tok_s, abs=0.05)
     # a scheme the profile has no kernels for: no estimate, and the plan says what to run
     other = solve(spec, get_recipe("nf4"), RunSettings(context=4096), hw, profile=_profile(spec, [r]))
-    assert other.runtime_speed is None and "quantkit calibrate --scheme nf4" in other.runtime_note
+    assert other.runtime_speed is None and "quantkit profile-host --scheme nf4" in other.runtime_note
 
 
 def _with_prefill(p: RuntimeProfile, spec, recipes, tokens: int = 512) -> RuntimeProfile:

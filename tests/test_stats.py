@@ -108,7 +108,7 @@ def test_an_interrupted_run_resumes_after_its_last_layer_to_identical_bytes(tiny
 
 def test_cli_default_corpus_then_refusals(tiny_model, tiny_model_mtp, tiny_stats, tmp_path, capsys, monkeypatch):
     out = tmp_path / "s"
-    code, so, err = run_cli(["stats", tiny_model, "--out", out, "--max-tokens", "1024", "--chunk-size", "128"],
+    code, so, err = run_cli(["stats", tiny_model, "--out", out, "--calib-tokens", "1024", "--chunk-size", "128"],
                             capsys, monkeypatch)
     assert code == 0, err
     assert "quantkit-default" in so and "tokens" in so and Stats.open(out).tokens == 896

@@ -223,7 +223,7 @@ def test_cli_writes_refuses_existing_and_overwrites(tmp_path: Path, capsys, monk
     assert "wrote" in o and Checkpoint.open(out).layout == "transformers"
     code, _, err = run_cli(["tiny-model", str(out)], capsys, monkeypatch)
     assert code == 2 and "exists; pass --overwrite" in err and len(err.strip().splitlines()) == 1
-    code, o, err = run_cli(["tiny-model", str(out), "--overwrite", "--layers", "2", "--mtp"], capsys, monkeypatch)
+    code, o, err = run_cli(["tiny-model", str(out), "--overwrite", "--layers", "2", "--mtp-layer"], capsys, monkeypatch)
     assert code == 0, err
     ck = Checkpoint.open(out)
     assert ck.layout == "published" and any(n.startswith("mtp.") for n in ck.names())

@@ -1,4 +1,5 @@
-"""`quantkit calibrate`: time quantkit's runtime kernels and layer ops on this host for the planner."""
+"""`quantkit profile-host` (formerly `calibrate`): time quantkit's runtime kernels and layer ops on this host for
+the planner. Calibration statistics of a model are `quantkit stats`, hence the new name."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from rich.progress import (
 from rich.table import Table
 
 from quantkit import sizes
-from quantkit.cli import app, console, err_console
-from quantkit.cli.options import COUNT
+from quantkit.cli import DEV_PANEL, app, console, err_console
+from quantkit.cli.options import COUNT, notice
 from quantkit.errors import QuantkitError
 from quantkit.fileio import write_atomic
 from quantkit.model.checkpoint import spec_from_path
@@ -34,7 +35,7 @@ from quantkit.runtime.calibrate import calibrate
 
 
 def _own_recipe(model: str | None) -> list[Recipe]:
-    """A quantkit output folder's own recipe: what `calibrate --model DIR` times by default."""
+    """A quantkit output folder's own recipe: what `profile-host --model DIR` times by default."""
     if not model or not (Path(model) / "config.json").is_file():
         return []
 
@@ -45,8 +46,9 @@ def _own_recipe(model: str | None) -> list[Recipe]:
 MAX_WORKING_SET = 16 * sizes.GB
 
 
-@app.command("calibrate")
+@app.command("profile-host", rich_help_panel=DEV_PANEL)
 def calibrate_cmd(
+    ctx: typer.Context,
     model: str = typer.Option(None, "--model", "-m", help="config.json, checkpoint folder or cached HF id"),
     scheme: list[str] = typer.Option(None, "--scheme", "-s", help="schemes whose kernels to time (default: a "
                                      "quantized folder's own recipe, else all)"),
@@ -59,6 +61,8 @@ def calibrate_cmd(
                                        help="tokens of the prefill chunk timed (the runtime's chunk)"),
 ) -> None:
     """Measure quantkit's CPU runtime on this host, part by part, so `quantkit plan` can estimate it."""
+    if ctx.info_name == "calibrate":
+        notice("quantkit calibrate", "quantkit profile-host")
 
     spec = spec_from_path(model)
     recipes = [RECIPES[n] for n in parse_recipe_names(scheme)] or _own_recipe(model) or list(RECIPES.values())
@@ -123,3 +127,6 @@ def calibrate_cmd(
                        + (f" (prefill {rs.prefill_tok_s:.0f})" if rs.prefill_tok_s is not None else ""))
     console.print(f"quantkit runtime decode on this CPU alone, tok/s: {', '.join(est)}")
     console.print(f"profile saved to {path} ({prof.seconds:.0f} s); `quantkit plan` reads it")
+
+
+app.command("calibrate", hidden=True)(calibrate_cmd)  # the old name, for one release

@@ -9,7 +9,7 @@ from rich import box
 from rich.table import Table
 
 from quantkit.cli import app, console, err_console
-from quantkit.cli.options import GROUP_SIZE
+from quantkit.cli.options import GROUP_SIZE, renamed
 from quantkit.cli.progress import RichProgress, tensor_progress
 from quantkit.export.compressed_tensors import export_vllm
 from quantkit.export.gguf import export_gguf
@@ -33,23 +33,28 @@ def export_gguf_cmd(
                              "and shared expert Q8_0)"),
     imatrix: Path = typer.Option(None, "--imatrix", help="llama.cpp importance-matrix GGUF (llama-imatrix, or "
                                  "quantkit's calibration statistics exported as one) for the llama.cpp types"),
-    experts: str = typer.Option(None, "--experts", help="routed experts' type in mixed: q4_0 (default; MXFP4 "
-                                "when the source experts are MXFP4), mxfp4 or q8_0"),
-    no_mtp: bool = typer.Option(False, "--no-mtp", help="leave out the MTP layer (by default a kept one is "
-                                "llama.cpp's NextN block, for llama-server --spec-type draft-mtp)"),
+    expert_type: str = typer.Option(None, "--expert-type", help="routed experts' type in mixed: q4_0 (default; "
+                                    "MXFP4 when the source experts are MXFP4), mxfp4 or q8_0"),
+    old_experts: str = typer.Option(None, "--experts", hidden=True),  # --experts elsewhere counts experts
+    mtp_layer: bool = typer.Option(None, "--mtp-layer/--no-mtp-layer", show_default=False,
+                                   help="write the MTP layer as llama.cpp's NextN block, for llama-server "
+                                   "--spec-type draft-mtp (default: kept, when the source has one)"),
+    old_no_mtp: bool = typer.Option(None, "--no-mtp", hidden=True),  # old --no-mtp-layer
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing output file"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="list every tensor"),
     threads: int = typer.Option(None, "--threads", help="CPU threads [default: every physical core]"),
 ) -> None:
     """Write a GGUF file for llama.cpp / Ollama / LM Studio (architecture qwen35moe)."""
     set_threads(threads)  # torch's pool and llama.cpp's quantizer; a bad count is one line
+    experts = renamed(expert_type, old_experts, "--expert-type", "--experts")
+    keep_mtp = renamed(mtp_layer, False if old_no_mtp else None, "--no-mtp-layer", "--no-mtp", True)
 
     note = ""
     if type is None:
         type, note = default_type()
     with tensor_progress(err_console) as p:
         res = export_gguf(src, out, type, overwrite=overwrite, progress=RichProgress(p, "exporting gguf"),
-                          expert_type=experts, imatrix=imatrix, mtp=not no_mtp)
+                          expert_type=experts, imatrix=imatrix, mtp=keep_mtp)
     t = Table(box=box.SIMPLE, title=f"{res.path} ({res.nbytes / 1e6:,.1f} MB, {res.seconds:.1f} s)")
     for col in ("tensors", "how", "types"):
         t.add_column(col)

@@ -5,9 +5,11 @@ message (`Invalid value for '--temperature': 'nan' is not a finite number in [0,
 
 `0` never silently means "default": an option whose default is "unset" is declared with `None`.
 
-One vocabulary across commands: `-c/--context` takes `64k` everywhere (`tokens`), `--max-tokens` is the one
-generation cap, `--scheme` names a quantization recipe (`--recipe FILE` is a JSON recipe). An old spelling keeps
-working for one release with a one-line notice (`renamed`)."""
+One vocabulary across commands (tests/test_cli_vocabulary.py holds every flag to one meaning): `-c/--context`
+takes `64k` everywhere (`tokens`), `--max-tokens` is the one generation cap, `--scheme NAME|FILE` names a
+quantization (a recipe's name or a JSON recipe file), `--mtp N` is always tokens drafted per step while
+`--mtp-layer/--no-mtp-layer` says whether a written file carries the layer, `--experts` counts experts. An old
+spelling keeps working for one release with a one-line notice (`renamed`, `notice`)."""
 
 from __future__ import annotations
 
@@ -86,14 +88,20 @@ def renamed(value: Any, old_value: Any, new: str, old: str, default: Any = None)
     """The option's value whichever name gave it: the old spelling works for one release, with a notice."""
     if old_value is None:
         return default if value is None else value
-    from quantkit.cli import err_console
     from quantkit.errors import QuantkitError
 
     if value is not None:
         raise QuantkitError(f"{old} is the old name of {new}: give {new} only")
-    err_console.print(f"[yellow]notice:[/] {old} is now {new}; the old name goes in the next release",
-                      highlight=False, soft_wrap=True)
+    notice(old, new)
     return old_value
+
+
+def notice(old: str, new: str) -> None:
+    """The one line an old spelling prints (stderr): what to write instead, and that the old one is going."""
+    from quantkit.cli import err_console
+
+    err_console.print(f"[yellow]notice:[/] {old} is now {new}; the old name goes in the next release",
+                      highlight=False, soft_wrap=True, markup=True)
 
 
 # `--mtp N`: tokens the MTP layer drafts per step (speculative decoding); 0 = the MTP layer is not used

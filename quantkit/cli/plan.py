@@ -13,7 +13,7 @@ from rich import box
 from rich.table import Table
 
 from quantkit.cli import app, console
-from quantkit.cli.options import CONTEXT, COUNT, COUNT0, MTP_DRAFT, NODES, TFLOPS
+from quantkit.cli.options import CONTEXT, COUNT, COUNT0, MTP_DRAFT, NODES, TFLOPS, renamed
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf_types import check_type
 from quantkit.export.launch import (
@@ -225,9 +225,10 @@ def plan_cmd(
                             help="tokens the MTP layer drafts per step (speculative decoding): 1-3 budget the "
                             "layer (weights and its KV cache) and draft that many in the --export lines, 0 leaves "
                             "it out (default: budgeted when the model has one, 1 drafted)"),
-    prompt_cache: int = typer.Option(SNAPSHOTS_PER_PROMPT, "--prompt-cache",
-                                     help="conversation-state snapshots to budget for (2 per conversation kept "
-                                     "across turns; 0: none)"),
+    prompt_snapshots: int = typer.Option(None, "--prompt-snapshots", parser=COUNT0, show_default=False,
+                                         help="conversation-state snapshots to budget for (2 per conversation kept "
+                                         f"across turns; 0: none) (default: {SNAPSHOTS_PER_PROMPT})"),
+    old_prompt_cache: int = typer.Option(None, "--prompt-cache", parser=COUNT0, hidden=True),  # a count, not bytes
     disk_cache: str = typer.Option(None, "--prompt-cache-disk-size", help="also say what a prompt cache on disk "
                                    "of this size holds (serve/chat --prompt-cache-dir), e.g. 20GB"),
     n_cpu_moe: int = typer.Option(None, "--n-cpu-moe", parser=COUNT0,
@@ -241,7 +242,7 @@ def plan_cmd(
     export: str = typer.Option(None, "--export", help="print launch flags: llama.cpp or vllm"),
     gguf_type: str = typer.Option(None, "--gguf-type", help="with --export llama.cpp: the GGUF --type to size the "
                                   "launch line for (default: the scheme's; e.g. q4_k_m)"),
-    profile: Path = typer.Option(None, "--profile", help="runtime profile from `quantkit calibrate` (default: "
+    profile: Path = typer.Option(None, "--profile", help="runtime profile from `quantkit profile-host` (default: "
                                  "this host's, when planning for this machine)"),
     routing: Path = typer.Option(None, "--routing", help="statistics file from `quantkit stats` of this model: "
                                  "the GPUs take the most-routed experts first, speed uses the measured routing"),
@@ -250,6 +251,8 @@ def plan_cmd(
                                          "(default: --routing's own held-out part)"),
 ) -> None:
     """Memory budget per scheme, a placement over GPUs and RAM, and the speed it should reach."""
+    prompt_cache = renamed(prompt_snapshots, old_prompt_cache, "--prompt-snapshots", "--prompt-cache",
+                           SNAPSHOTS_PER_PROMPT)
     if out:
         guard_output(out, sources=_model_sources(model), kind="file",
                      overwrite=True, owned=is_plan_file, flag="--out ", create_parents=True)
@@ -364,7 +367,7 @@ def _print_plan(spec: ModelSpec, hw: Hardware, contexts: list[int], rows: list[S
                   "caches, buffers and GPU reserve; max ctx = longest context that still fits; tok/s = "
                   "estimated decode (llama.cpp-grade), pp/s = estimated prefill tok/s; * = recommended: the fastest "
                   "that fits at --min-quality or better (default: the quality scheme)"
-                  + ("; qk tok/s, qk pp/s = quantkit's own runtime here, composed from `quantkit calibrate`'s "
+                  + ("; qk tok/s, qk pp/s = quantkit's own runtime here, composed from `quantkit profile-host`'s "
                      f"measured parts ({prof_src})" if runtime else "") + "[/]")
     console.print(_budget_table(spec, plan))
     console.print(_placement_table(plan))
@@ -473,7 +476,8 @@ def gpus_cmd(
                             help="host RAM available for offload (default 128GiB; GB = 10^9)"),
     scheme: list[str] = typer.Option(None, "--scheme", "-s"),
     mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT,
-                            help="as in `plan`: 0 leaves the MTP layer out (default: budgeted when the model has one)"),
+                            help="tokens the MTP layer drafts per step, as in `plan`: 0 leaves the MTP layer out "
+                            "(default: budgeted when the model has one)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Which catalog GPUs run each scheme on the GPU alone, with expert offload (RAM needed), or not at all."""

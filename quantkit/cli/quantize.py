@@ -9,7 +9,7 @@ from rich import box
 from rich.table import Table
 
 from quantkit.cli import app, console, err_console, error_line, fail
-from quantkit.cli.options import GROUP_SIZE
+from quantkit.cli.options import GROUP_SIZE, notice, renamed
 from quantkit.cli.progress import RichProgress, tensor_progress
 from quantkit.fileio import require_regular_file
 from quantkit.model.checkpoint import Checkpoint, resolve_model
@@ -60,8 +60,8 @@ def _roles_table(rows: list, title: str, measured: bool) -> Table:
 
 
 def _mtp_note(state: str, n: int) -> str:
-    return {"kept": f"MTP layer kept ({n} tensors; --no-mtp drops it)",
-            "dropped": f"MTP layer dropped ({n} tensors; without --no-mtp it is kept)"}.get(state, "no MTP layer")
+    return {"kept": f"MTP layer kept ({n} tensors; --no-mtp-layer drops it)",
+            "dropped": f"MTP layer dropped ({n} tensors; without --no-mtp-layer it is kept)"}.get(state, "no MTP layer")
 
 
 @app.command()
@@ -69,20 +69,22 @@ def quantize(
     src: str = typer.Argument(..., help="checkpoint folder (sharded safetensors) or a model in the local HF cache"),
     out: Path = typer.Option(None, "--out", "-o",
                              help="output folder (must not exist, unless --resume/--overwrite)"),
-    scheme: str = typer.Option(None, "--scheme", "-s", help="a recipe by the names `plan` compares: quality "
-                               "(routed experts int4, attention int8), int4, int8, nf4, fp4, mxfp4, bf16"),
-    bits: int = typer.Option(None, "--bits",
-                             help="4: the quality recipe (routed experts 4-bit, attention 8-bit); 8: int8 [default: 4]"),
-    fmt: str = typer.Option(None, "--format", help="4-bit format: int (int4), nf4, fp4, mxfp4 [default: int]"),
-    group_size: int = typer.Option(None, "--group-size", parser=GROUP_SIZE,
-                                   help="group/block size of the 4-bit format"),
-    uniform: bool = typer.Option(False, "--uniform", help="the same 4-bit format on every eligible matrix"),
+    scheme: str = typer.Option(None, "--scheme", "-s", metavar="NAME|FILE", help="the quantization: a name "
+                               "`plan` compares (quality: routed experts int4, attention int8; int4, int8, nf4, "
+                               "fp4, mxfp4, bf16) or a JSON recipe file (default: quality)"),
+    bits: int = typer.Option(None, "--bits", help="shorthand for --scheme: 4 = quality, 8 = int8"),
     override: list[str] = typer.Option([], "--override",
-                                       help="ROLE=SPEC, e.g. linear_attention=8, lm_head=bf16"),
-    recipe_file: str = typer.Option(None, "--recipe", help="a JSON recipe file (replaces --bits/--format)"),
-    no_mtp: bool = typer.Option(False, "--no-mtp", help="drop the MTP layer (speculative decoding's drafter; "
-                                "kept by default, quantized by the recipe of its roles)"),
-    old_keep_mtp: bool = typer.Option(False, "--keep-mtp", hidden=True),  # the MTP layer is kept by default now
+                                       help="ROLE=SPEC on top of the scheme, e.g. linear_attention=8, lm_head=bf16"),
+    # the old ways to name the quantization: each works for one release, with a notice to write --scheme
+    fmt: str = typer.Option(None, "--format", hidden=True),
+    group_size: int = typer.Option(None, "--group-size", parser=GROUP_SIZE, hidden=True),
+    uniform: bool = typer.Option(None, "--uniform", hidden=True),
+    recipe_file: str = typer.Option(None, "--recipe", hidden=True),
+    mtp_layer: bool = typer.Option(None, "--mtp-layer/--no-mtp-layer", show_default=False,
+                                   help="keep the MTP layer (speculative decoding's drafter), quantized by the "
+                                   "scheme of its roles (default: kept)"),
+    old_no_mtp: bool = typer.Option(None, "--no-mtp", hidden=True),  # old --no-mtp-layer
+    old_keep_mtp: bool = typer.Option(None, "--keep-mtp", hidden=True),  # the MTP layer is kept by default now
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted run in --out"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an earlier quantkit output in --out"),
     report: Path = typer.Option(None, "--report",
@@ -101,20 +103,29 @@ def quantize(
 
     if resume and overwrite:
         fail("--resume and --overwrite exclude each other")
-    if old_keep_mtp and no_mtp:
-        fail("--keep-mtp and --no-mtp exclude each other (the MTP layer is kept by default)")
+    if old_keep_mtp and (old_no_mtp or mtp_layer is False):
+        fail("--keep-mtp and --no-mtp-layer exclude each other (the MTP layer is kept by default)")
     if old_keep_mtp:
         err_console.print("[yellow]notice:[/] --keep-mtp does nothing now: the MTP layer is kept by default "
-                          "(--no-mtp drops it); the flag goes in the next release", highlight=False, soft_wrap=True)
-    keep_mtp = not no_mtp
+                          "(--no-mtp-layer drops it); the flag goes in the next release", highlight=False,
+                          soft_wrap=True)
+    keep_mtp = renamed(mtp_layer, False if old_no_mtp else None, "--no-mtp-layer", "--no-mtp", True)
+    old_ways = [flag for flag, value in (("--format", fmt), ("--group-size", group_size), ("--uniform", uniform),
+                                         ("--recipe", recipe_file)) if value is not None]
+    if scheme and (scheme.lower().endswith(".json") or Path(scheme).is_file()):
+        if recipe_file:
+            fail("--scheme FILE and --recipe FILE both name a recipe file: give --scheme only")
+        scheme, recipe_file = None, scheme
     if out is None and not dry_run:
         fail("--out DIR is required (or --dry-run)")
 
-    if scheme and (bits is not None or fmt is not None or uniform):
-        fail("--scheme names the whole recipe: drop --bits/--format/--uniform (or --scheme)")
+    if (scheme or recipe_file) and (bits is not None or fmt is not None or uniform or group_size):
+        fail("--scheme names the whole recipe: drop --bits/--format/--uniform/--group-size (or --scheme)")
     threads = resolve_threads(threads)  # a bad count is refused before anything is read
-    recipe = build_recipe(4 if bits is None else bits, (fmt or "int").lower(), group_size, uniform, override,
+    recipe = build_recipe(4 if bits is None else bits, (fmt or "int").lower(), group_size, bool(uniform), override,
                           recipe_file, scheme)
+    for flag in old_ways:  # once the recipe they name is known good: a bad value is its one error line
+        notice(flag, "--scheme NAME|FILE")
     if stats_file:
         require_regular_file(stats_file, "--stats", "statistics file", "make it with `quantkit stats MODEL --out FILE`")
     calibration = Calibration(method.lower(), Stats.open(stats_file) if stats_file else None, min_fraction)

@@ -8,7 +8,7 @@ import typer
 
 from quantkit.cli import app, console, err_console
 from quantkit.cli.export import export_app
-from quantkit.cli.options import CHUNK
+from quantkit.cli.options import CHUNK, COUNT, renamed
 from quantkit.cli.progress import RichProgress, tensor_progress
 from quantkit.model.checkpoint import Checkpoint, resolve_model
 from quantkit.outputs import guard_output, has_magic
@@ -24,7 +24,9 @@ def stats(
     src: str = typer.Argument(..., help="bf16 checkpoint folder (or a model in the local HF cache)"),
     out: Path = typer.Option(..., "--out", "-o", help="statistics file to write (safetensors)"),
     data: Path = typer.Option(None, "--data", help="JSONL of chats or a plain-text file; default: quantkit's corpus"),
-    max_tokens: int = typer.Option(16384, "--max-tokens", help="calibration tokens to use at most"),
+    calib_tokens: int = typer.Option(None, "--calib-tokens", parser=COUNT, show_default=False,
+                                     help="calibration tokens to use at most (default: 16384)"),
+    old_max_tokens: int = typer.Option(None, "--max-tokens", parser=COUNT, hidden=True),  # caps generation elsewhere
     chunk_size: int = typer.Option(512, "--chunk-size", parser=CHUNK,
                                    help="tokens per sequence (llama.cpp's imatrix chunk)"),
     heldout: float = typer.Option(0.125, "--heldout", help="fraction of chunks held out for measuring"),
@@ -35,6 +37,7 @@ def stats(
     """Collect activation statistics (Hessians, imatrix, routing counts), one decoder layer at a time;
     an interrupted run resumes when run again with the same arguments."""
 
+    max_tokens = renamed(calib_tokens, old_max_tokens, "--calib-tokens", "--max-tokens", 16384)
     set_threads(threads)  # a bad count is one line, before anything is read
     folder = resolve_model(src)
     if imatrix is not None:  # refused before the long run, not after it

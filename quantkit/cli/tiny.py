@@ -1,6 +1,6 @@
 """`quantkit tiny-model OUT_DIR`: parse, call quantkit.testing.tiny.make_tiny_model, render. `--full-size` is the
 published 35B shape; `--quantized RECIPE` writes the quantized folder directly (quantkit.testing.generated);
-`--mtp --train-mtp` trains the MTP layer on the model's own greedy continuations (quantkit.testing.mtp_train)."""
+`--mtp-layer --train-mtp` trains the MTP layer on the model's own greedy continuations (quantkit.testing.mtp_train)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from rich.progress import (
     TransferSpeedColumn,
 )
 
-from quantkit.cli import app, console, err_console, fail
-from quantkit.cli.options import COUNT, SEED
+from quantkit.cli import DEV_PANEL, app, console, err_console, fail
+from quantkit.cli.options import COUNT, SEED, renamed
 from quantkit.cli.progress import RichProgress, tensor_progress
 from quantkit.quantize.run import Interrupted
 from quantkit.recipe import build_recipe
@@ -26,20 +26,23 @@ from quantkit.testing.mtp_train import TrainOptions
 from quantkit.testing.tiny import FULL_SIZE, SIDECAR, TinyOptions, estimate_bytes, make_tiny_model
 
 
-@app.command("tiny-model")
+@app.command("tiny-model", rich_help_panel=DEV_PANEL)
 def tiny_model(
     out_dir: Path = typer.Argument(..., help="folder to write (refused if it exists and is not empty)"),
     layers: int = typer.Option(None, "--layers", parser=COUNT,
                                help="decoder layers (3 linear-attention + 1 full, repeated) [default: 4; 40 full size]"),
     experts: int = typer.Option(None, "--experts", parser=COUNT,
                                 help="routed experts per layer [default: 8; 32 realistic; 256 full size]"),
-    top_k: int = typer.Option(None, "--top-k", parser=COUNT,
-                              help="experts per token [default: 2; 8 realistic]"),
+    top_k: int = typer.Option(None, "--experts-per-token", parser=COUNT, show_default=False,
+                              help="routed experts each token uses (default: 2; 8 realistic)"),
+    old_top_k: int = typer.Option(None, "--top-k", parser=COUNT, hidden=True),  # old --experts-per-token
     hidden: int = typer.Option(64, "--hidden", parser=COUNT, help="hidden size (tiny mode; multiple of 16)"),
     intermediate: int = typer.Option(32, "--intermediate", parser=COUNT,
                                      help="expert intermediate size (tiny mode)"),
     layout: str = typer.Option("published", "--layout", help="published (fused experts) or transformers"),
-    mtp: bool = typer.Option(False, "--mtp/--no-mtp", help="include the MTP layer (published layout)"),
+    mtp_layer: bool = typer.Option(None, "--mtp-layer/--no-mtp-layer", show_default=False,
+                                   help="write the MTP layer (published layout) (default: no; yes full size)"),
+    old_mtp: bool = typer.Option(None, "--mtp/--no-mtp", hidden=True),  # old --mtp-layer (--mtp N: drafts)
     decisive: bool = typer.Option(False, "--decisive", help="routing and top-1 robust to quantization"),
     realistic: bool = typer.Option(False, "--realistic", help="real hidden/expert/head sizes, for benchmarks"),
     full_size: bool = typer.Option(False, "--full-size",
@@ -54,7 +57,7 @@ def tiny_model(
     seed: int = typer.Option(0, "--seed", parser=SEED),
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16, float16 or float32"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a non-empty OUT_DIR"),
-    train_mtp: bool = typer.Option(False, "--train-mtp", help="with --mtp: train the MTP layer on the model's own "
+    train_mtp: bool = typer.Option(False, "--train-mtp", help="with --mtp-layer: train the MTP layer on the model's own "
                                    "greedy continuations (seeded self-distillation), so its drafts are accepted"),
     train_steps: int = typer.Option(None, "--train-steps", parser=COUNT, show_default=False,
                                     help=f"optimizer steps of --train-mtp [default: {TrainOptions.steps}]"),
@@ -63,6 +66,9 @@ def tiny_model(
     import transformers
 
     transformers.logging.set_verbosity_error()  # its missing-fast-kernel notices are noise here
+    top_k = renamed(top_k, old_top_k, "--experts-per-token", "--top-k")
+    mtp = renamed(mtp_layer, old_mtp, "--mtp-layer" if old_mtp is not False else "--no-mtp-layer",
+                  "--mtp" if old_mtp is not False else "--no-mtp", False)
     if full_size:
         if decisive or layout != "published" or hidden != 64 or intermediate != 32:
             fail("--full-size is the published shape: drop --decisive/--layout/--hidden/--intermediate")

@@ -9,7 +9,7 @@ norms, the router, the shared-expert gate, conv1d, A_log and dt_bias stay F32 as
 Q4_0 over MXFP4 for experts is measured, not assumed: through llama.cpp on the tiny decisive model,
 mixed with Q4_0 experts has KL 3.7e-6 against the bf16 logits, with MXFP4 experts 4.7e-6 (expert weight
 SQNR 21.3 vs 18.9 dB: Q4_0's fp16 scale fits each block, MXFP4's is a power of two);
-tests/test_export_gguf.py re-measures it. `expert_type` (CLI `--experts`) overrides the choice.
+tests/test_export_gguf.py re-measures it. `expert_type` (CLI `--expert-type`) overrides the choice.
 
 Streaming: the tensor table is planned first (every type and byte size is known before a weight is
 read), then each tensor is read alone (an expert stack one slab of experts at a time), converted,
@@ -32,7 +32,7 @@ per-expert experts stacked, `{arch}.nextn_predict_layers` 1, `block_count` count
 `attention.recurrent_layers` marking it full attention. Its tensors take the recipe of the role each plays in a
 decoder layer (quantkit.recipe.mtp_subrole: experts as routed experts, `fc` and attention as attention), codes
 reused where the types match. llama.cpp loads the block only when asked to draft with it (`llama-server
---spec-type draft-mtp`); otherwise its bytes stay on disk. `mtp=False` (`--no-mtp`) leaves it out, as the
+--spec-type draft-mtp`); otherwise its bytes stay on disk. `mtp=False` (`--no-mtp-layer`) leaves it out, as the
 converter's --no-mtp does; an incomplete MTP layer is refused by name.
 
 Reuse: codes already in a GGUF block format are copied, not requantized: a quantkit MXFP4 tensor to
@@ -173,7 +173,7 @@ def plan_tensors(src: ExportSource, ftype: str, expert_type: str | None = None,
     if ftype not in TYPES:
         raise QuantkitError(f"--type {ftype!r}: use one of {', '.join(TYPES)}")
     if expert_type not in (None, *EXPERT_TYPES):
-        raise QuantkitError(f"--experts {expert_type!r}: use one of {', '.join(EXPERT_TYPES)}")
+        raise QuantkitError(f"--expert-type {expert_type!r}: use one of {', '.join(EXPERT_TYPES)}")
     out: list[GgufTensor] = []
     skipped: list[str] = []
     stacks: dict[str, dict[int, StoredTensor]] = {}
@@ -221,12 +221,12 @@ def plan_tensors(src: ExportSource, ftype: str, expert_type: str | None = None,
     for name, stack in stacks.items():
         if name not in names:
             raise QuantkitError(f"{src.path}: the MTP layer has {len(stack)} of the {src.text.num_experts} experts "
-                                f"of {name}; export with --no-mtp to leave it out")
+                                f"of {name}; export with --no-mtp-layer to leave it out")
     for blk in range(src.text.num_hidden_layers, src.text.num_hidden_layers + mtp_blocks(out)):
         missing = [n for n in MTP_REQUIRED if f"blk.{blk}.{n}" not in names]
         if missing:
             raise QuantkitError(f"{src.path}: the MTP layer is incomplete (nothing becomes blk.{blk}.{missing[0]}, "
-                                "which llama.cpp requires); export with --no-mtp to leave it out")
+                                "which llama.cpp requires); export with --no-mtp-layer to leave it out")
     return out, skipped
 
 
@@ -428,7 +428,7 @@ def export_gguf(src_path: str | Path, out_path: str | Path, type: str = "mixed",
 
         require_llama_cpp(f"--type {ftype}")
         if expert_type is not None:
-            raise QuantkitError(f"--experts applies to --type mixed only (got --type {ftype})")
+            raise QuantkitError(f"--expert-type applies to --type mixed only (got --type {ftype})")
         guard_output(out, sources=[Path(src_path)], kind="file", overwrite=overwrite, owned=has_magic(b"GGUF"))
         return _export_llama(Path(src_path), out, ftype, imatrix, progress or NoProgress(), slab_bytes, t0, mtp)
     src = ExportSource.open(src_path)
@@ -436,7 +436,7 @@ def export_gguf(src_path: str | Path, out_path: str | Path, type: str = "mixed",
     progress = progress or NoProgress()
     try:
         if expert_type is not None and ftype != "mixed":
-            raise QuantkitError(f"--experts applies to --type mixed only (got --type {ftype})")
+            raise QuantkitError(f"--expert-type applies to --type mixed only (got --type {ftype})")
         tensors, skipped = plan_tensors(src, ftype, expert_type, mtp)
         n_mtp = mtp_blocks(tensors)
         if not reuse:
@@ -485,7 +485,7 @@ def mtp_notes(n_layer: int, n_mtp: int, skipped: list[str]) -> list[str]:
         return [f"MTP layer exported as llama.cpp's NextN block blk.{n_layer} (llama-server --spec-type draft-mtp "
                 "drafts with it; without that flag llama.cpp does not load it)"]
     if any(n.startswith("mtp.") for n in skipped):
-        return ["MTP layer not exported (--no-mtp, as llama.cpp's converter with --no-mtp)"]
+        return ["MTP layer not exported (--no-mtp-layer, as llama.cpp's converter with --no-mtp)"]
     return []
 
 

@@ -13,7 +13,7 @@ MTP: when the plan keeps the model's MTP layer (`plan --mtp N`, by default when 
 draft with it, N tokens a step (DEFAULT_MTP_DRAFT unless --mtp says): llama-server with `--spec-type draft-mtp
 --spec-draft-n-max N` (common/arg.cpp of the llama.cpp llama-cpp-python 0.3.36 vendors) on the GGUF's NextN
 block, vLLM with `--speculative-config '{"method":"mtp","num_speculative_tokens":N}'`; each placement counts
-the layer. `--mtp 0` leaves it out: no draft flags, and the GGUF is exported with --no-mtp.
+the layer. `--mtp 0` leaves it out: no draft flags, and the GGUF is exported with --no-mtp-layer.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ def launch_plan(engine: str, plan: Plan, hw: Hardware, model: str, source: str, 
         if plan.scheme in ("nf4", "fp4") and not gguf_type:
             warns.append(f"GGUF has no {plan.scheme}: the export uses Q4_0 (same 4.5 bits per weight)")
         gm = model_from_spec(spec, ty, mtp=draft > 0)
-        drop = " --no-mtp" if not draft and any(t.role == Role.MTP for t in spec.tensors) else ""
+        drop = " --no-mtp-layer" if not draft and any(t.role == Role.MTP for t in spec.tensors) else ""
         return llama_launch(gm, llama_settings(plan, draft), hw, path, plan.gpus[0].reserve if plan.gpus else 0,
                             f"quantkit export gguf {source} {path} --type {ty}{drop}", warns, n_cpu_moe)
     if plan.scheme in FOUR_BIT:

@@ -94,7 +94,7 @@ class LlamaModel:
 
 
 def model_from_spec(spec: ModelSpec, ftype: str, mtp: bool = True) -> LlamaModel:
-    """The GGUF `quantkit export gguf --type ftype` writes for `spec` (`mtp=False`: with --no-mtp), sized
+    """The GGUF `quantkit export gguf --type ftype` writes for `spec` (`mtp=False`: with --no-mtp-layer), sized
     without writing it."""
 
     c = spec.config

@@ -88,7 +88,7 @@ class RunSettings:
     include_mtp: bool = False
     # prompt-cache snapshots kept (quantkit.runtime.state_cache): the runtime takes two per prompt (at the
     # start of the generation prompt and of the last message), so 2 = one conversation kept across turns;
-    # `quantkit plan` budgets 2 by default (--prompt-cache), the library 0 (the live cache alone)
+    # `quantkit plan` budgets 2 by default (--prompt-snapshots), the library 0 (the live cache alone)
     prompt_cache_snapshots: int = 0
 
     def validate(self, c: TextConfig) -> None:

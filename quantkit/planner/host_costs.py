@@ -1,4 +1,4 @@
-"""What quantkit's own CPU runtime costs on this host, measured by `quantkit calibrate`, and the
+"""What quantkit's own CPU runtime costs on this host, measured by `quantkit profile-host`, and the
 per-layer decode costs the planner composes from it.
 
 The planner's generic speed model (speed.py) has llama.cpp-grade rates: bytes over 60% of the memory
@@ -34,7 +34,7 @@ C++ kernel). A prefill chunk is the same sum over its prefill parts. Nothing her
 whole-model measurement; `quantkit bench decode` and `bench full-size` check the composition against one.
 
 Profiles of an older PROFILE_VERSION are refused (version 1 composed fused experts as 2k separate
-calls and counted a real bf16 fused call inside the layer ops): `quantkit calibrate` again.
+calls and counted a real bf16 fused call inside the layer ops): `quantkit profile-host` again.
 """
 
 from __future__ import annotations
@@ -146,10 +146,10 @@ class RuntimeProfile:
         if isinstance(version, int) and 0 < version < PROFILE_VERSION:
             raise QuantkitError(f"{source}: runtime profile of version {version}, measured before quantkit timed its "
                                 f"fused MoE call (this quantkit reads version {PROFILE_VERSION}); run `quantkit "
-                                "calibrate` again")
+                                "profile-host` again")
         if version != PROFILE_VERSION:
             raise QuantkitError(f"{source}: not a quantkit runtime profile of version {PROFILE_VERSION}; "
-                                "run `quantkit calibrate` again")
+                                "run `quantkit profile-host` again")
         try:
             return cls(host=dict(d["host"]), dims=dict(d["dims"]),
                        matmul_s=_table(d["matmul_s"]), moe_s=_table(d["moe_s"]),
@@ -163,7 +163,7 @@ class RuntimeProfile:
                        prefill_ops_s={k: float(v) for k, v in d.get("prefill_ops_s", {}).items()},
                        prefill_shell_s=float(d.get("prefill_shell_s", 0.0)))
         except (KeyError, TypeError, ValueError, AttributeError):
-            raise QuantkitError(f"{source}: malformed runtime profile; run `quantkit calibrate` again") from None
+            raise QuantkitError(f"{source}: malformed runtime profile; run `quantkit profile-host` again") from None
 
     def merged(self, other: RuntimeProfile) -> RuntimeProfile:
         """This profile with `other`'s matrix figures added (a later calibration of more formats)."""
@@ -327,7 +327,7 @@ def runtime_costs(p: RuntimeProfile, spec: ModelSpec, recipe: Recipe, source: st
     n, top_k = c.num_hidden_layers, c.num_experts_per_tok
     missing = sorted(set(c.layer_types) - set(p.layer_ops_s))
     if missing:
-        raise QuantkitError(f"the runtime profile has no {missing[0]} layer cost; run `quantkit calibrate` again")
+        raise QuantkitError(f"the runtime profile has no {missing[0]} layer cost; run `quantkit profile-host` again")
     layer = [p.layer_ops_s[c.layer_types[L]] for L in range(n)]
     expert = [0.0] * n
     head = p.shell_s
@@ -336,7 +336,7 @@ def runtime_costs(p: RuntimeProfile, spec: ModelSpec, recipe: Recipe, source: st
         sec = p.matmul_s.get(k, {}).get(shape_key(shape))
         if sec is None:
             raise QuantkitError(f"the runtime profile has no {k} {shape_key(shape)} kernel time; run "
-                                f"`quantkit calibrate --scheme {recipe.name}`")
+                                f"`quantkit profile-host --scheme {recipe.name}`")
         if t.layer is None:  # the lm_head (MTP is not among the kernel matrices)
             head += sec
         elif t.role == Role.ROUTED_EXPERT:
@@ -352,7 +352,7 @@ def runtime_costs(p: RuntimeProfile, spec: ModelSpec, recipe: Recipe, source: st
             expert[L] += p.expert_loop_s / top_k
     vocab = str(c.vocab_size)
     if vocab not in p.argmax_s:
-        raise QuantkitError(f"the runtime profile has no argmax time for vocabulary {vocab}; run `quantkit calibrate` again")
+        raise QuantkitError(f"the runtime profile has no argmax time for vocabulary {vocab}; run `quantkit profile-host` again")
     head += p.argmax_s[vocab]
     pre = prefill_costs(p, spec, recipe, head - p.shell_s)
     return RuntimeCosts(layer, expert, head, source, fused, *(pre or ()))
@@ -393,13 +393,13 @@ def profile_for_plan(path: Path | None, c: TextConfig, this_host: bool) -> tuple
         p = load_profile(path)
         why = mismatch(p, c, host_id())
         if why:
-            raise QuantkitError(f"{path}: runtime profile does not apply: {why}; run `quantkit calibrate`")
+            raise QuantkitError(f"{path}: runtime profile does not apply: {why}; run `quantkit profile-host`")
         return p, f"{path} ({p.measured_at})", ""
     if not this_host:
         return None, "", ""
     default = default_profile_path(c)
     if not default.is_file():
-        return None, "", ("quantkit's own runtime is not calibrated on this host: `quantkit calibrate` (about a "
+        return None, "", ("quantkit's own runtime is not calibrated on this host: `quantkit profile-host` (about a "
                           "minute) adds its measured-part estimate beside the llama.cpp-grade tok/s")
     try:
         p = load_profile(default)
@@ -407,5 +407,5 @@ def profile_for_plan(path: Path | None, c: TextConfig, this_host: bool) -> tuple
         return None, "", f"runtime profile ignored: {e}"
     why = mismatch(p, c, host_id())
     if why:
-        return None, "", f"runtime profile {default} ignored: {why}; run `quantkit calibrate` again"
+        return None, "", f"runtime profile {default} ignored: {why}; run `quantkit profile-host` again"
     return p, f"{default} ({p.measured_at})", ""

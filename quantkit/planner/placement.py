@@ -480,7 +480,7 @@ def solve(spec: ModelSpec, recipe: Recipe, settings: RunSettings, hw: Hardware, 
           profile_source: str = "", routing: RoutingProfile | None = None) -> Plan:
     """Place one scheme. `cpu_expert_layers` forces the experts of the first N layers onto the CPU
     (llama.cpp's --n-cpu-moe) instead of filling the GPUs greedily. With a runtime `profile` of this
-    host (`quantkit calibrate`), the plan also gets quantkit's own runtime decode estimate. With a
+    host (`quantkit profile-host`), the plan also gets quantkit's own runtime decode estimate. With a
     `routing` profile the GPUs take the most-routed experts first and the speed uses the measured traffic."""
     b = budget or compute_budget(spec, recipe, settings)
     c = spec.config

@@ -55,7 +55,7 @@ class SpeedModel:
             "weight pass per chunk); CPU experts computed on CPU or streamed over PCIe (at "
             f"{self.pcie_efficiency:.0%} of its nominal rate), whichever is faster",
             "these rates are llama.cpp-grade (its reported speeds set them); quantkit's own CPU runtime has "
-            "its own: on this machine `quantkit calibrate` measures it and plan shows it as qk tok/s",
+            "its own: on this machine `quantkit profile-host` measures it and plan shows it as qk tok/s",
         ]
 
     def to_dict(self) -> dict:

@@ -91,12 +91,12 @@ def _fmt_err(x: float | None, digits: int = 4) -> str:
 
 
 def _mtp_line(plan: Any) -> str:
-    """The report's MTP line: kept (quantized by the roles its tensors play), dropped (--no-mtp) or absent."""
+    """The report's MTP line: kept (quantized by the roles its tensors play), dropped (--no-mtp-layer) or absent."""
     if plan.mtp == "kept":
         n = sum(1 for t in plan.tensors if t.name.startswith("mtp."))
-        return f"kept, {n} tensors (quantized by the recipe of their decoder-layer roles; --no-mtp drops them)"
+        return f"kept, {n} tensors (quantized by the recipe of their decoder-layer roles; --no-mtp-layer drops them)"
     if plan.mtp == "dropped":
-        return f"dropped (--no-mtp), {len(plan.dropped)} tensors; config.json says mtp_num_hidden_layers 0"
+        return f"dropped (--no-mtp-layer), {len(plan.dropped)} tensors; config.json says mtp_num_hidden_layers 0"
     return "absent (the source has no MTP layer)"
 
 

@@ -143,7 +143,7 @@ class QuantPlan:
     @property
     def mtp(self) -> str:
         """"kept" (the source's MTP layer is in the plan, quantized by its decoder-layer roles), "dropped"
-        (--no-mtp) or "absent" (the source has none)."""
+        (--no-mtp-layer) or "absent" (the source has none)."""
         if self.dropped:
             return "dropped"
         return "kept" if any(t.role == Role.MTP for t in self.tensors) else "absent"
@@ -179,7 +179,7 @@ def make_plan(tensors: list[TensorSpec], recipe: Recipe, keep_mtp: bool = True,
               max_shard_size: int = 2_000_000_000) -> QuantPlan:
     """Decide every tensor and place it in a shard (greedy in checkpoint order; a tensor larger than the
     shard size gets a shard of its own). The MTP layer is kept (its tensors quantized by the recipe of the
-    role each plays in a decoder layer: recipe.mtp_subrole) unless `keep_mtp` is False (--no-mtp)."""
+    role each plays in a decoder layer: recipe.mtp_subrole) unless `keep_mtp` is False (--no-mtp-layer)."""
     if max_shard_size <= 0:
         raise QuantkitError("--max-shard-size must be positive")
     planned: list[TensorPlan] = []
@@ -294,7 +294,7 @@ def _error_sums(w: torch.Tensor, deq: torch.Tensor) -> tuple[float, float]:
 @dataclass
 class QuantizeOptions:
     recipe: Recipe
-    keep_mtp: bool = True  # False: --no-mtp drops the MTP layer
+    keep_mtp: bool = True  # False: --no-mtp-layer drops the MTP layer
     max_shard_size: int = 2_000_000_000
     mode: str = "new"  # "new", "resume", "overwrite"
     report: Path | None = None
@@ -787,10 +787,10 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
     if has_mtp:  # a run with the other MTP choice (runs begun when dropping was the default) is named
         other = replace(opts, keep_mtp=not opts.keep_mtp)
         other_plan = make_plan(list(ckpt.canonical()), other.recipe, other.keep_mtp, other.max_shard_size)
-        was = "dropped the MTP layer (--no-mtp, the old default)" if opts.keep_mtp else "kept the MTP layer"
+        was = "dropped the MTP layer (--no-mtp-layer, the old default)" if opts.keep_mtp else "kept the MTP layer"
         other_keys[_run_key(src_fp, other, True, other_plan.layouts())] = (
             f"{out} holds an interrupted run that {was}; resume it "
-            f"{'with --no-mtp' if opts.keep_mtp else 'without --no-mtp'}, or pass --overwrite to start again")
+            f"{'with --no-mtp-layer' if opts.keep_mtp else 'without --no-mtp-layer'}, or pass --overwrite to start again")
 
     copies = copyable_files(src)
     journal, reused = open_journal(out, opts.mode, key, names, layouts,

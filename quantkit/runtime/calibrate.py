@@ -1,4 +1,4 @@
-"""`quantkit calibrate`: measure what quantkit's CPU runtime costs on this host, part by part, for the
+"""`quantkit profile-host`: measure what quantkit's CPU runtime costs on this host, part by part, for the
 planner (quantkit/planner/host_costs.py says how the parts compose).
 
 Two measurements, each in isolation, on random weights of the model's real dimensions:

@@ -294,7 +294,7 @@ def check_folder(folder: Path) -> Checkpoint:
     if not text_config_dict(config).get("mtp_num_hidden_layers") or "mtp.fc.weight" not in ck.names():
         ck.close()
         raise QuantkitError(f"{folder} has no MTP layer (mtp.* tensors) to train; write one with "
-                            "`quantkit tiny-model OUT --mtp`")
+                            "`quantkit tiny-model OUT --mtp-layer`")
     return ck
 
 
