@@ -289,6 +289,7 @@ def test_keep_states_is_one_token_calls(t, hk, hv, dk, dv):
     assert states1 is not None and torch.equal(states1[0], one_state) and torch.equal(out1[0], out[0])
 
 
+@pytest.mark.usefixtures("each_table")
 def test_inputs_are_left_alone_and_views_are_taken():
     """Strided views (the layer slices q, k and v out of the conv output) and fp32 inputs: nothing but the
     state is written."""
