@@ -86,6 +86,6 @@ def test_llama_child_on_the_exported_gguf(folder, tmp_path):
 
 
 def test_bench_refuses_folder_with_shape_options(tmp_path, capsys, monkeypatch):
-    code, out, err = run_cli(["bench", "full-size", "--reports", tmp_path, "--folder", tmp_path, "--layers", "2"],
+    code, out, err = run_cli(["bench", "full-size", "--reports", tmp_path, "--model", tmp_path, "--layers", "2"],
                              capsys, monkeypatch)
-    one_line_error(code, out, err, "--folder")
+    one_line_error(code, out, err, "--model")

@@ -32,3 +32,21 @@ def test_root_help_is_fast_once_rendered(tmp_path: Path):
     bare, _ = _run(tmp_path)
     assert bare.stdout == first.stdout and bare.stderr.strip() == "NO-TORCH 2"  # a usage error, as before
     assert len(list((tmp_path / "quantkit" / "help").iterdir())) == 1
+
+
+def test_root_help_lists_the_users_commands_before_the_developer_tools(tmp_path: Path):
+    """Issue 46: what a user runs first, in the order of the job; bench, tiny-model, profile-host in their own
+    panel after them; `calibrate` (profile-host's old name) not listed."""
+    r, _ = _run(tmp_path, "--help")
+    lines = r.stdout.splitlines()
+    first = {}
+    for i, line in enumerate(lines):
+        words = line.strip("│ ").split()
+        if words and words[0] not in first:
+            first[words[0]] = i
+    user = ["plan", "quantize", "verify", "chat", "generate", "serve", "export", "inspect", "gpus", "stats"]
+    dev = ["bench", "tiny-model", "profile-host"]
+    panel = next(i for i, line in enumerate(lines) if "Developer tools" in line)
+    assert [first[c] for c in user] == sorted(first[c] for c in user) and max(first[c] for c in user) < panel
+    assert all(first[c] > panel for c in dev)
+    assert "calibrate" not in first

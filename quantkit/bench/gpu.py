@@ -338,8 +338,8 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
             runs.append(r)
     tc = cfg.get("text_config", cfg)
     res = GpuBenchResult(
-        command=f"quantkit bench gpu --layers {layers} --experts {experts} --prompt {prompt_len} --decode {decode} "
-                f"--recipe {recipe} --cpu-share {cpu_share}",
+        command=f"quantkit bench gpu --layers {layers} --experts {experts} --prompt-tokens {prompt_len} --new-tokens {decode} "
+                f"--scheme {recipe} --cpu-share {cpu_share}",
         machine={"gpu": info.name, "gpu_memory_bytes": info.memory_bytes, "gpus": info.count, "torch": info.torch,
                  "cuda": info.cuda, "cpu": cpu_name(), "cores": psutil.cpu_count(), "threads": torch.get_num_threads()},
         checkpoint={"layers": layers, "experts": experts, "top_k": tc.get("num_experts_per_tok"),
