@@ -2,7 +2,7 @@
 
 A `Recipe` maps every `Role` to a `QuantSpec` or to None (kept as is, in `keep_dtype`). Tensors that
 are not matrices (norms, conv1d, A_log, dt_bias) are always kept. MTP tensors follow the rule of the
-role they would have in a decoder layer (`mtp_subrole`), so a kept MTP layer is quantized like the rest.
+role they would have in a decoder layer (`model.spec.mtp_subrole`), so a kept MTP layer is quantized like the rest.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_json_bounded
 from quantkit.formats import QuantSpec, available_formats, default_group
-from quantkit.model.spec import Role, TensorSpec, role_of
+from quantkit.model.spec import Role, TensorSpec, mtp_subrole
 
 INT8 = QuantSpec("int8", None, True)
 INT4_G128 = QuantSpec("int4", 128, True)
@@ -67,14 +67,6 @@ class Recipe:
                        description=d.get("description", ""), nominal_bits=int(d.get("nominal_bits", 16)))
         except (KeyError, ValueError, TypeError, AttributeError):
             raise QuantkitError(f"malformed recipe {d!r}") from None
-
-
-def mtp_subrole(name: str) -> Role:
-    """The decoder-layer role an `mtp.*` tensor plays (`mtp.fc` counts as attention: a dense projection)."""
-    rest = name[len("mtp."):] if name.startswith("mtp.") else name
-    if rest.startswith("fc."):
-        return Role.ATTENTION
-    return role_of("model.language_model." + rest)
 
 
 def _uniform(name: str, q: QuantSpec, bits: int, desc: str) -> Recipe:

@@ -252,12 +252,12 @@ def test_timed_decode_runs_quantkit_model_as_generation_does(tiny_model):
 
     m = load_model(tiny_model, recipe="bf16").model
     prompt = list(range(5, 25))
-    t_pre, steps, toks = bd._timed(m, prompt, 6)
+    t_pre, steps, toks = bd.timed(m, prompt, 6)
     assert t_pre > 0 and len(steps) == 6 and len(toks) == 7 and all(s > 0 for s in steps)
     for route in ("torch", "fused", "stack"):
         m.set_route(route)  # one this machine cannot run falls back to the best one
-        assert bd._timed(m, prompt, 6)[2] == toks, m.route.name
-    _, ref_steps, ref_toks = bd._timed(load_reference_model(tiny_model, torch.bfloat16), prompt, 6)
+        assert bd.timed(m, prompt, 6)[2] == toks, m.route.name
+    _, ref_steps, ref_toks = bd.timed(load_reference_model(tiny_model, torch.bfloat16), prompt, 6)
     assert len(ref_steps) == 6 and ref_toks == toks
 
 

@@ -115,8 +115,7 @@ def test_llama_build_runs_in_its_own_process_as_the_in_process_rows(tiny_model, 
     import numpy as np
     import torch
 
-    from quantkit.bench.engines import llama_decode, llama_logits
-    from quantkit.bench.llama_worker import run_build
+    from quantkit.bench.llama_worker import llama_decode, llama_logits, run_build
 
     gguf = export_gguf(tiny_model, tmp_path / "t.gguf", "bf16").path
     lib = Path(llama_cpp.__file__).parent / "lib"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from quantkit.bench import spells
+from quantkit.bench import spell_poll, spells
 
 
 def _s(before: float, after: float, tok_s: float) -> dict:
@@ -37,7 +37,7 @@ def test_summarize_one_steady_spell_and_none():
 def test_poll_decodes_between_reads(tiny_model):
     from test_runtime_common import quantized
 
-    r = spells.poll(quantized(tiny_model, "int4"), 0.5, 8, 4)
+    r = spell_poll.poll(quantized(tiny_model, "int4"), 0.5, 8, 4)
     assert r["step_bytes"] > 0 and len(r["samples"]) >= 1
     first = r["samples"][0]
     assert first["read_before_gbs"] > 0 and first["read_after_gbs"] > 0 and first["decode_tok_s"] > 0

@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from quantkit.export.gguf import export_gguf
-from quantkit.export.gguf_layout import pieces_for
 from quantkit.export.source import ExportSource
+from quantkit.model.gguf_layout import pieces_for
 
 from conftest import run_cli
 

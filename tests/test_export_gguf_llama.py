@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import torch
 
-from quantkit.bench.engines import llama_logits
+from quantkit.bench.llama_worker import llama_logits
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf import export_gguf
 from quantkit.export.gguf_types import LLAMA_TYPES, tensor_bytes, tensor_type

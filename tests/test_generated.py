@@ -69,11 +69,11 @@ def test_generated_folder_loads_decodes_and_is_seeded(tmp_path):
         resp = ev.response or resp
     assert resp is not None and len(resp.token_ids) == 6
     # the stored codes are what the loader dequantizes: a kept tensor matches the generator's draw exactly
-    from quantkit.testing.tiny import _init_tensor
+    from quantkit.testing.generated import init_tensor
 
     cfg = full_config(text_config(TinyOptions(**SMALL)))
     norm = "model.language_model.norm.weight"
-    want = _init_tensor(norm, (SMALL["hidden"],), 0, torch.bfloat16)
+    want = init_tensor(norm, (SMALL["hidden"],), 0, torch.bfloat16)
     assert torch.equal(rt.model.final, 1.0 + want.float())  # the model keeps the norm's (1 + w) in fp32
     assert spec_from_config(cfg).config.num_experts == SMALL["experts"]
 

@@ -1,4 +1,4 @@
-"""The llama.cpp line's own decode and prefill estimates (quantkit.planner.llama_speed): the per-GPU-layer cost and
+"""The llama.cpp line's own decode and prefill estimates (quantkit.export.llama_speed): the per-GPU-layer cost and
 the PCIe efficiency fitted to the public data points, each point's error stated and held; `plan --n-cpu-moe N` fixes the line and the plan; a GGUF
 given with --model gets its speed too."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.planner.llama_speed import DATA_POINTS, fit_gpu_layer_cost, implied_bandwidth, predict
+from quantkit.export.llama_speed import DATA_POINTS, fit_gpu_layer_cost, implied_bandwidth, predict
 from quantkit.planner.speed import SpeedModel
 
 from conftest import run_cli
@@ -75,7 +75,7 @@ PREFILL_STATED = {"RTX 3060": -0.04, "RTX 3090, Q8_0": -0.32, "RTX 5080": 0.40}
 
 
 def test_the_pcie_efficiency_is_the_prefill_fit_and_each_point_within_its_stated_error():
-    from quantkit.planner.llama_speed import fit_pcie_efficiency
+    from quantkit.export.llama_speed import fit_pcie_efficiency
 
     eff, rows = fit_pcie_efficiency()
     assert eff == pytest.approx(SpeedModel().pcie_efficiency)  # the default is the fit
@@ -89,7 +89,7 @@ def test_the_pcie_efficiency_is_the_prefill_fit_and_each_point_within_its_stated
 def test_prefill_gains_from_larger_steps_and_loses_from_experts_in_ram():
     from dataclasses import replace
 
-    from quantkit.planner.llama_speed import PREFILL_POINTS, predict_prefill
+    from quantkit.export.llama_speed import PREFILL_POINTS, predict_prefill
 
     p = PREFILL_POINTS[0]  # every expert in RAM: each step streams them over PCIe once
     assert predict_prefill(replace(p, ubatch=2048)) > predict_prefill(p)

@@ -20,9 +20,9 @@ from quantkit.bench import mtp as mtp_bench
 from quantkit.errors import QuantkitError
 from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.model.cache import HybridCache
-from quantkit.runtime.threads import torch_threads
 from quantkit.testing import mtp_train
 from quantkit.testing.mtp_train import EVAL_SEED, TrainOptions, agreement, chat_prompts, train_mtp
+from quantkit.threads import torch_threads
 
 from conftest import one_line_error, run_cli
 from test_runtime_common import quantized

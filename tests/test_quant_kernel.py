@@ -11,7 +11,7 @@ import torch
 
 from quantkit.formats import QuantSpec
 from quantkit.formats import int4 as I
-from quantkit.formats._common import ErrorSums, pack_nibbles, row_sq
+from quantkit.formats.common import ErrorSums, pack_nibbles, row_sq
 from quantkit.formats.int8 import Int8
 from quantkit.runtime import quant_kernel as QK
 

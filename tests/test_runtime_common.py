@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.runtime.threads import torch_threads
+from quantkit.threads import torch_threads
 
 from conftest import run_cli  # noqa: F401  (re-exported to the runtime tests)
 

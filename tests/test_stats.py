@@ -10,8 +10,8 @@ from quantkit.model.checkpoint import Checkpoint
 from quantkit.quantize.calib_data import load_tokens
 from quantkit.quantize.stats import (
     LM,
+    LayerSums,
     Stats,
-    _Acc,
     _build_layer,
     _moe_forward,
     _run_layer,
@@ -39,7 +39,7 @@ def test_hessians_equal_xtx_computed_directly_and_heldout_is_apart(tiny_model):
     for path in ("self_attn.q_proj", "self_attn.o_proj", "mlp.shared_expert.down_proj"):
         layer.get_submodule(path).register_forward_pre_hook(
             lambda m, a, p=path: seen.setdefault(p, []).append(a[0].reshape(-1, a[0].shape[-1]).clone()))
-    acc = _Acc()
+    acc = LayerSums()
     _run_layer(layer, 3, hidden, 2, cfg, acc)  # chunks 0, 1 calibrate; chunk 2 is held out
     for path, xs in seen.items():
         name = f"{LM}layers.3.{path}.weight"
@@ -57,7 +57,7 @@ def test_all_expert_pass_keeps_the_routed_output_and_collects_per_expert_statist
     layer = _build_layer(ck, cfg, 0)
     x = layer.post_attention_layernorm(hidden)
     with torch.no_grad():
-        acc = _Acc()
+        acc = LayerSums()
         assert layer.mlp.experts.gate_up_proj.dtype == torch.bfloat16  # stacks stay as stored
         got = _moe_forward(layer.mlp, x, acc, f"{LM}layers.0.")
         layer.mlp.experts.float()  # what _moe_forward computes with, one expert at a time

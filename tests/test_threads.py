@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.runtime.threads import available_cpus, physical_cores, resolve_threads, set_threads
+from quantkit.threads import available_cpus, physical_cores, resolve_threads, set_threads
 
 from conftest import run_main
 

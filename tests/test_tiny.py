@@ -12,7 +12,6 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.model.checkpoint import Checkpoint
 from quantkit.model.spec import spec_from_config
-from quantkit.runtime.threads import torch_threads
 from quantkit.testing.tiny import (
     SIDECAR,
     TinyOptions,
@@ -27,6 +26,7 @@ from quantkit.testing.tiny import (
     text_config,
 )
 from quantkit.testing.tokenizer import N_TOKENS
+from quantkit.threads import torch_threads
 
 from conftest import run_cli
 

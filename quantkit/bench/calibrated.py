@@ -38,7 +38,7 @@ from quantkit.quantize.calibrated import Calibration
 from quantkit.quantize.gptq import gptq
 from quantkit.quantize.imatrix import imatrix_quantize, importance
 from quantkit.quantize.run import QuantizeOptions, run_quantize
-from quantkit.quantize.stats import Stats, _Acc, _linear_hook, collect_stats
+from quantkit.quantize.stats import LayerSums, Stats, collect_stats, linear_hook
 from quantkit.recipe import build_recipe
 from quantkit.runtime.engine import load_tokenizer
 
@@ -89,8 +89,8 @@ def _linears(model: Any) -> dict[str, torch.nn.Linear]:
 
 def collect(model: Any, chunks: torch.Tensor) -> dict[str, torch.Tensor]:
     """Hessian / in_sum2 / count per linear over `chunks` (quantize/stats.py's accumulator and hooks)."""
-    acc = _Acc()
-    handles = [m.register_forward_pre_hook(_linear_hook(acc, n)) for n, m in _linears(model).items()]
+    acc = LayerSums()
+    handles = [m.register_forward_pre_hook(linear_hook(acc, n)) for n, m in _linears(model).items()]
     try:
         with torch.no_grad():
             for c in chunks:

@@ -41,7 +41,7 @@ import torch
 
 from quantkit.bench import read_bandwidth_gbs, write_reports
 from quantkit.bench.decode import step_bytes
-from quantkit.bench.llama_worker import run_build
+from quantkit.bench.llama_worker import llama_decode, llama_logits, run_build
 from quantkit.export.gguf import export_gguf
 from quantkit.formats import QuantSpec
 from quantkit.model.checkpoint import Checkpoint
@@ -56,7 +56,7 @@ DEFAULTS = {"layers": 4, "experts": 64, "top_k": 8, "vocab": 248320, "prompt": 6
             "probe": (2, 64), "reps": 2, "rounds": 3}
 
 
-def _machine() -> dict[str, Any]:
+def describe_machine() -> dict[str, Any]:
     import psutil
 
     flags = ""
@@ -137,55 +137,6 @@ def _probe(vocab_tokens: int, n: int, length: int) -> torch.Tensor:
     return torch.randint(0, vocab_tokens, (n, length), generator=g)
 
 
-def _llama(path: Path, threads: int, n_ctx: int, logits_all: bool) -> Any:
-    import llama_cpp
-
-    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=min(n_ctx, 512), n_threads=threads,
-                           n_threads_batch=threads, logits_all=logits_all, verbose=False)
-
-
-def last_logits(llm: Any) -> np.ndarray:
-    """The last evaluated token's logits. Without logits_all, llama-cpp-python 0.3.36 leaves `llm.scores`
-    unwritten (sampling happens in llama.cpp), so they are read from the context itself."""
-    return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))
-
-
-def llama_decode(path: Path, prompt: list[int], new_tokens: int, threads: int, reps: int) -> dict[str, Any]:
-    llm = _llama(path, threads, len(prompt) + new_tokens + 8, False)
-    best = None
-    try:
-        for _ in range(reps):
-            llm.reset()
-            t0 = time.perf_counter()
-            llm.eval(prompt)
-            t1 = time.perf_counter()
-            toks = []
-            for _i in range(new_tokens):
-                tok = int(np.argmax(last_logits(llm)))
-                toks.append(tok)
-                llm.eval([tok])
-            t2 = time.perf_counter()
-            r = {"prefill_tps": len(prompt) / (t1 - t0), "decode_tps": new_tokens / (t2 - t1), "tokens": toks}
-            if best is None or r["decode_tps"] > best["decode_tps"]:
-                best = r
-    finally:
-        llm.close()
-    return best
-
-
-def llama_logits(path: Path, ids: torch.Tensor, threads: int) -> np.ndarray:
-    llm = _llama(path, threads, ids.shape[1] + 8, True)
-    out = []
-    try:
-        for row in ids.tolist():
-            llm.reset()
-            llm.eval(row)
-            out.append(np.array(llm.scores[: len(row)], dtype=np.float32))
-    finally:
-        llm.close()
-    return np.stack(out)
-
-
 def quantkit_decode(rt: Any, prompt: list[int], new_tokens: int, reps: int) -> dict[str, Any]:
 
     best = None
@@ -238,7 +189,7 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     reports.mkdir(parents=True, exist_ok=True)
-    machine = _machine()
+    machine = describe_machine()
     checkpoint, qdir = prepare(workdir, layers, experts, top_k, vocab, checkpoint, log)
     files = {"mixed": workdir / "engines-mixed.gguf", "bf16": workdir / "engines-bf16.gguf"}
     log("exporting GGUF")
@@ -309,11 +260,11 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
         r["bound_tps"] = bw * 1e9 / r["step_bytes"]
         r["of_bound"] = r["decode_tps"] / r["bound_tps"]
     data = {
-        "command": "quantkit bench engines" + (f" --model {checkpoint}" if given else
-                                               f" --layers {layers} --experts {experts} --experts-per-token {top_k} --vocab {vocab}")
+        "command": "quantkit bench engines" + (f" --checkpoint {checkpoint}" if given else
+                                               f" --layers {layers} --experts {experts} --top-k {top_k} --vocab {vocab}")
         + (f" --reps {reps}" if reps != DEFAULTS["reps"] else "")
         + (f" --rounds {rounds}" if rounds != DEFAULTS["rounds"] else "")
-        + (f" --prompt-tokens {prompt_tokens}" if prompt_tokens != DEFAULTS["prompt"] else "")
+        + (f" --prompt {prompt_tokens}" if prompt_tokens != DEFAULTS["prompt"] else "")
         + (f" --isa {','.join(isas)}" if isas != default_isas() else "")
         + "".join(f" --llama-build {k}={v}" for k, v in llama_builds.items()),
         "llama_builds": {k: str(v) for k, v in llama_builds.items()}, "machine": machine, "threads": threads, "checkpoint": str(checkpoint), "read_bandwidth_gbs": round(bw, 2),

@@ -4,7 +4,7 @@ Steps, each heavy one in its own process (so its memory goes back before the nex
 and llama.cpp do not both fit in 24 GB at once):
 1. the folder: `quantkit tiny-model --full-size --quantized quality` (random weights in the stored format;
    skipped when `folder` is given or already finished in `workdir`), timed, its peak RSS read;
-2. `quantkit verify` (every shard hashed), `quantkit profile-host` for the folder's recipe when this host has no
+2. `quantkit verify` (every shard hashed), `quantkit calibrate` for the folder's recipe when this host has no
    runtime profile for the shape, then `quantkit plan --gpu none --json`: the plan's bytes in RAM, whether it
    fits and up to what context, its llama.cpp-grade decode/prefill and quantkit's calibrated decode estimate;
 3. quantkit (a child process): load time, RSS after load and at the end (VmRSS) and peak (VmHWM), greedy decode
@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.bench import read_bandwidth_gbs, write_reports
-from quantkit.bench.engines import _machine, gguf_step_bytes, last_logits, llama_decode, quantkit_decode
+from quantkit.bench.engines import describe_machine, gguf_step_bytes, quantkit_decode
+from quantkit.bench.llama_worker import last_logits, llama_decode, open_llama
 from quantkit.errors import QuantkitError
 
 DEFAULTS = {"prompt_tokens": 2048, "short_prompt": 64, "new_tokens": 32, "reps": 4, "context": 4096}
@@ -129,13 +130,11 @@ def llama_worker(a: dict[str, Any]) -> dict[str, Any]:
     """llama.cpp on the GGUF: load, decode, the 2k prompt and its next turn (a full re-prefill)."""
     import numpy as np
 
-    from quantkit.bench.engines import _llama
-
     base = _memory()
     out: dict[str, Any] = {"baseline": base, "short": llama_decode(Path(a["gguf"]), a["short"], a["new_tokens"],
                                                                     a["threads"], a["reps"])}
     t0 = time.perf_counter()
-    llm = _llama(Path(a["gguf"]), a["threads"], a["context"], False)
+    llm = open_llama(Path(a["gguf"]), a["threads"], a["context"], False)
     out["load_s"] = time.perf_counter() - t0
     out["after_load"] = _memory()
     try:
@@ -287,14 +286,14 @@ def run(reports: Path, workdir: Path, folder: Path | None = None, threads: int |
     threads = threads or os.cpu_count() or 1
     workdir.mkdir(parents=True, exist_ok=True)
     reports.mkdir(parents=True, exist_ok=True)
-    machine = _machine()
+    machine = describe_machine()
     bandwidth = read_bandwidth_gbs()
     folder, made = ensure_folder(workdir, folder, {"layers": layers, "experts": experts, "vocab": vocab}, log)
     folder_bytes = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     ver = _run(_quantkit_cli("verify", str(folder)), log, "verify")
     profile = workdir / (folder.name + "-runtime-profile.json")
     cal_read = read_bandwidth_gbs(READ_GIB)
-    cal = _run(_quantkit_cli("profile-host", "--model", str(folder), "--out", str(profile)), log, "calibrate")
+    cal = _run(_quantkit_cli("calibrate", "--model", str(folder), "--out", str(profile)), log, "calibrate")
     cal_read = (cal_read + read_bandwidth_gbs(READ_GIB)) / 2
     context = max(DEFAULTS["context"], prompt_tokens + 4 * new_tokens + 256)
     plan = _plan(folder, context, profile, bandwidth, log)
@@ -328,7 +327,7 @@ def run(reports: Path, workdir: Path, folder: Path | None = None, threads: int |
             gguf.unlink()
             record.unlink(missing_ok=True)
     data = {
-        "command": f"quantkit bench full-size --workdir {workdir}" + (f" --model {folder}" if made.get("given") else "")
+        "command": f"quantkit bench full-size --workdir {workdir}" + (f" --folder {folder}" if made.get("given") else "")
         + "".join(f" --{k} {v}" for k, v in (("layers", layers), ("experts", experts), ("vocab", vocab)) if v)
         + (f" --threads {threads}" if threads != (os.cpu_count() or 1) else "")
         + ("" if llama else " --no-llama") + (" --drop-gguf" if not keep_gguf else ""),
@@ -402,7 +401,7 @@ def render(d: dict[str, Any]) -> str:
         f"Model: layers {s['layers']}, experts {s['experts']} (top-{s['top_k']}), hidden {s['hidden']}, vocab "
         f"{s['vocab']:,}; random weights generated in the stored format (a test fixture: speed and memory are the "
         f"model's, outputs mean nothing); recipe {p['scheme']}; {_gb(d['folder_bytes'])} GB of shards. Folder: {how}; "
-        f"`quantkit verify` (every shard hashed) {d['verify_s']:.0f} s; `quantkit profile-host` {d['calibrate_s']:.0f} s.",
+        f"`quantkit verify` (every shard hashed) {d['verify_s']:.0f} s; `quantkit calibrate` {d['calibrate_s']:.0f} s.",
         "",
         "## Plan (`quantkit plan --gpu none --cpu-bandwidth MEASURED --profile CALIBRATED`, this machine's free RAM)",
         "",

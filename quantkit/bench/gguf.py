@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from quantkit.bench import write_reports
-from quantkit.bench.engines import _machine, llama_decode, llama_logits
+from quantkit.bench.engines import describe_machine
+from quantkit.bench.llama_worker import llama_decode, llama_logits
 from quantkit.export.gguf import export_gguf
 from quantkit.export.gguf_types import LLAMA_TYPES
 from quantkit.export.llama_placement import model_from_spec
@@ -70,7 +71,7 @@ def run(reports: Path, workdir: Path, threads: int = 2, reps: int = 2, new_token
     t_start = time.perf_counter()
     workdir.mkdir(parents=True, exist_ok=True)
     reports.mkdir(parents=True, exist_ok=True)
-    machine = _machine()
+    machine = describe_machine()
     src = workdir / "decisive-h512"
     if not (src / "config.json").is_file():
         log(f"generating {src}")

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from quantkit.bench import read_bandwidth_gbs, write_reports
-from quantkit.bench.engines import _machine
+from quantkit.bench.engines import describe_machine
 from quantkit.formats import QuantSpec
 from quantkit.formats.int4 import int4_to_q4_0_blocks
 from quantkit.runtime import cpu_kernel
@@ -285,7 +285,7 @@ def run(reports: Path, threads: int, layers: int = DEFAULTS["layers"], tokens: i
     t0 = time.time()
     cfg = {**DEFAULTS, "layers": layers, "tokens": tokens, "reps": reps}
     torch.set_num_threads(threads)
-    machine = _machine()
+    machine = describe_machine()
     gbps = read_gbps(threads)
     log(f"read bandwidth {gbps:.1f} GB/s ({threads} threads)")
     h, i, e, k = cfg["hidden"], cfg["inter"], cfg["experts"], cfg["top_k"]
@@ -324,7 +324,7 @@ def run(reports: Path, threads: int, layers: int = DEFAULTS["layers"], tokens: i
         del lays
     log("attention over the cache: torch route vs qk.attend")
     attention = time_attention(reps)
-    d = {"command": f"quantkit bench kernel --threads {threads} --layers {layers} --new-tokens {tokens} --reps {reps}",
+    d = {"command": f"quantkit bench kernel --threads {threads} --layers {layers} --tokens {tokens} --reps {reps}",
          "machine": machine, "threads": threads, "read_gbps": gbps, "reference_gbps": REFERENCE_GBPS,
          "isa": cpu_kernel.isa_name(), "config": cfg, "rows": rows, "attention": attention, "seconds": time.time() - t0}
     reports.mkdir(parents=True, exist_ok=True)

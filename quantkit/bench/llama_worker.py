@@ -1,4 +1,5 @@
-"""llama.cpp from another build of its library, in a process of its own (for `bench engines --llama-build`).
+"""llama.cpp's decode and logits for the benches (`llama_decode`, `llama_logits`), and the same from another
+build of its library, in a process of its own (for `bench engines --llama-build`).
 
 llama-cpp-python loads its shared library once per process (`LLAMA_CPP_LIB_PATH`, read at import), so a
 second build (say one compiled for AVX2 only, what an AVX2 CPU's own build runs) needs a fresh interpreter.
@@ -14,6 +15,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +51,56 @@ def run_build(lib: Path, gguf: Path, prompt: list[int], new_tokens: int, threads
     return decode, logits
 
 
-def main() -> None:
-    from quantkit.bench.engines import llama_decode, llama_logits
+def open_llama(path: Path, threads: int, n_ctx: int, logits_all: bool) -> Any:
+    import llama_cpp
 
+    return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=min(n_ctx, 512), n_threads=threads,
+                           n_threads_batch=threads, logits_all=logits_all, verbose=False)
+
+
+def last_logits(llm: Any) -> np.ndarray:
+    """The last evaluated token's logits. Without logits_all, llama-cpp-python 0.3.36 leaves `llm.scores`
+    unwritten (sampling happens in llama.cpp), so they are read from the context itself."""
+    return np.ctypeslib.as_array(llm._ctx.get_logits_ith(-1), shape=(llm.n_vocab(),))
+
+
+def llama_decode(path: Path, prompt: list[int], new_tokens: int, threads: int, reps: int) -> dict[str, Any]:
+    llm = open_llama(path, threads, len(prompt) + new_tokens + 8, False)
+    best = None
+    try:
+        for _ in range(reps):
+            llm.reset()
+            t0 = time.perf_counter()
+            llm.eval(prompt)
+            t1 = time.perf_counter()
+            toks = []
+            for _i in range(new_tokens):
+                tok = int(np.argmax(last_logits(llm)))
+                toks.append(tok)
+                llm.eval([tok])
+            t2 = time.perf_counter()
+            r = {"prefill_tps": len(prompt) / (t1 - t0), "decode_tps": new_tokens / (t2 - t1), "tokens": toks}
+            if best is None or r["decode_tps"] > best["decode_tps"]:
+                best = r
+    finally:
+        llm.close()
+    return best
+
+
+def llama_logits(path: Path, ids: torch.Tensor, threads: int) -> np.ndarray:
+    llm = open_llama(path, threads, ids.shape[1] + 8, True)
+    out = []
+    try:
+        for row in ids.tolist():
+            llm.reset()
+            llm.eval(row)
+            out.append(np.array(llm.scores[: len(row)], dtype=np.float32))
+    finally:
+        llm.close()
+    return np.stack(out)
+
+
+def main() -> None:
     job = json.loads(sys.stdin.read())
     out, gguf = Path(job["out"]), Path(job["gguf"])
     d = llama_decode(gguf, job["prompt"], job["new_tokens"], job["threads"], job["reps"])

@@ -38,16 +38,16 @@ from typing import Any
 import torch
 
 from quantkit.bench import write_reports
-from quantkit.bench.engines import _machine
+from quantkit.bench.engines import describe_machine
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_json_bounded
 from quantkit.model.draft import DRAFT_ROWS
 from quantkit.recipe import Recipe, build_recipe
 from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.speculative import DraftTuner
-from quantkit.runtime.threads import torch_threads
 from quantkit.testing.mtp_train import EVAL_SEED, TrainOptions, chat_prompts
 from quantkit.testing.tiny import SIDECAR, make_tiny_model
+from quantkit.threads import torch_threads
 
 ACCEPTANCES = (0.5, 0.6, 0.7, 0.8, 0.88, 0.95, 1.0)
 DRAFTS = (1, 2, 3)
@@ -200,7 +200,7 @@ def run_oracle(workdir: Path, layers: int = 4, experts: int = 64, vocab: int = 2
                    + (f" --reps {reps}" if reps != 2 else "") + (f" --rounds {rounds}" if rounds != 2 else "")
                    + (f" --threads {threads}" if threads else ""),
         "draft_head": {"rows": head.rows, "top_from": head.tail, "reduced": head.reduced, "ranked": head.ranked},
-        "machine": _machine(), "threads": torch.get_num_threads(), "route": rt.route()["name"],
+        "machine": describe_machine(), "threads": torch.get_num_threads(), "route": rt.route()["name"],
         "shape": {"layers": t.num_hidden_layers, "experts": t.num_experts, "top_k": t.num_experts_per_tok,
                   "hidden": t.hidden_size, "vocab": t.vocab_size, "recipe": f"{rec.name} ({rec.description})"},
         "prompt_tokens": prompt_len, "new_tokens": new_tokens, "reps": reps, "rounds": rounds,
@@ -312,7 +312,7 @@ def run_trained(workdir: Path, new_tokens: int = NEW_TOKENS, rounds: int = 2, pr
     return {"command": "quantkit bench mtp --part trained"
                        + (f" --new-tokens {new_tokens}" if new_tokens != NEW_TOKENS else "")
                        + (f" --rounds {rounds}" if rounds != 2 else ""),
-            "machine": _machine(), "threads": 1, "shape": TRAINED_SHAPE, "training": side["mtp_trained"],
+            "machine": describe_machine(), "threads": 1, "shape": TRAINED_SHAPE, "training": side["mtp_trained"],
             "recipe": {"name": rec.name, "description": rec.description},
             "prompts": prompts, "new_tokens": new_tokens, "rounds": rounds, "layers": layers,
             "greedy_identical": all(r["same_tokens"] for x in layers for r in x["rows"]),
@@ -490,7 +490,7 @@ def render_trained(t: dict[str, Any], oracle: list[dict[str, Any]] | None) -> li
            f"{m['load_avg_at_start']:.1f}.", "",
            f"Checkpoint: the tests' tiny shape (hidden {s['hidden']}, {s['layers']} layers of {s['experts']} experts, "
            f"top-{s['top_k']}, random weights) with an MTP layer trained by self-distillation "
-           "(quantkit.testing.mtp_train, `quantkit tiny-model OUT --mtp-layer --train-mtp`): the model's own greedy "
+           "(quantkit.testing.mtp_train, `quantkit tiny-model OUT --mtp --train-mtp`): the model's own greedy "
            f"continuations of {o['prompts'] - o['held_out']} seeded chat prompts ({tr['pairs']:,} positions, "
            f"{o['new_tokens']} new tokens each), only `mtp.*` trained, teacher-forced on the model's final-normed "
            f"hidden states, {o['steps']} steps ({tr['seconds']:.0f} s on one thread, data included); its top-1 "

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.bench import write_reports
-from quantkit.bench.engines import DEFAULTS, _machine, prepare
+from quantkit.bench.engines import DEFAULTS, describe_machine, prepare
 
 LENGTHS = (2048, 16384)
 KINDS = ("chat", "raw")
@@ -87,7 +87,7 @@ def run(reports: Path, workdir: Path, lengths: tuple[int, ...] = LENGTHS, kinds:
         command: str = "") -> dict[str, Any]:
     t_start = time.perf_counter()
     threads = threads or os.cpu_count() or 1
-    machine = _machine()
+    machine = describe_machine()
     checkpoint, qdir = prepare(workdir, layers, experts, top_k, vocab, None, log)
     context = max(lengths) + 1024
     rows = []

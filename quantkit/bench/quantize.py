@@ -31,7 +31,7 @@ from quantkit.model.checkpoint import Checkpoint
 from quantkit.quantize.run import DEFAULT_SLAB_BYTES, block_sizes, make_plan, peak_bound
 from quantkit.quantize.stream import CHUNK_TEMP_BYTES, STAGE_OVERHEAD_BYTES
 from quantkit.recipe import build_recipe
-from quantkit.runtime.threads import resolve_threads
+from quantkit.threads import resolve_threads
 
 OUR_METHODS: list[tuple[str, QuantSpec]] = [
     ("int8", QuantSpec("int8", None, True)),

@@ -344,7 +344,7 @@ def direct_peer_process(model_dir: Path, prompt: str, max_tokens: int, reps: int
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def _prepare_model(workdir: Path, log) -> Path:
+def prepare_model(workdir: Path, log) -> Path:
     """A tiny checkpoint quantized to int4, as in the issue's done-when commands."""
     q4 = workdir / "q4"
     if (q4 / "quantkit-manifest.json").is_file():
@@ -367,7 +367,7 @@ def run(reports: Path, model_dir: Path | None, workdir: Path, clients: int, requ
     command = " ".join(["quantkit bench serve", *(shlex.quote(a) for a in sys.argv[3:])])
     machine = machine_info()
     workdir.mkdir(parents=True, exist_ok=True)
-    model = model_dir or _prepare_model(workdir, log)
+    model = model_dir or prepare_model(workdir, log)
     log("direct runtime (no HTTP, own process), same prompt and token count")
     peer_before = direct_peer_process(model, PROMPTS[0], max_tokens, 3, context)
     port = free_port()

@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from quantkit.bench import write_reports
-from quantkit.bench.engines import DEFAULTS, _llama, _machine, last_logits, prepare
+from quantkit.bench.engines import DEFAULTS, describe_machine, prepare
+from quantkit.bench.llama_worker import last_logits, open_llama
 from quantkit.export.gguf import export_gguf
 from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.state_cache import PrefixCache
@@ -111,7 +112,7 @@ def run(reports: Path, workdir: Path, turns: int = 12, obs_tokens: int = 250, ne
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     reports.mkdir(parents=True, exist_ok=True)
-    machine = _machine()
+    machine = describe_machine()
     checkpoint, qdir = prepare(workdir, layers, experts, top_k, vocab, checkpoint, log)
     rt = load_model(qdir, context=32768)
     ids = prompts(rt, turns, obs_tokens)
@@ -121,7 +122,7 @@ def run(reports: Path, workdir: Path, turns: int = 12, obs_tokens: int = 250, ne
         if not gguf.is_file():
             log("exporting GGUF mixed")
             export_gguf(qdir, gguf, "mixed", overwrite=True)
-        llm = _llama(gguf, threads, len(ids[-1]) + new_tokens + 8, False)
+        llm = open_llama(gguf, threads, len(ids[-1]) + new_tokens + 8, False)
     runs: dict[str, list[dict[str, Any]]] = {"reuse": [], "no_reuse": [], "llama.cpp": []}
     reuse_cache, off = PrefixCache(1 << 30), PrefixCache(0)
     # the re-prefilling runs (quantkit without reuse, llama.cpp) cost the whole history each turn: on a shared
@@ -156,8 +157,8 @@ def run(reports: Path, workdir: Path, turns: int = 12, obs_tokens: int = 250, ne
     data = {
         "command": f"quantkit bench session --turns {turns} --obs-tokens {obs_tokens} --new-tokens {new_tokens} "
                    f"--baseline-every {baseline_every}"
-                   + (f" --model {checkpoint}" if checkpoint.parent != workdir else
-                      f" --layers {layers} --experts {experts}"),
+                   + (f" --checkpoint {checkpoint}" if checkpoint.parent != workdir else
+                      f" --layers {layers} --experts {experts} --top-k {top_k} --vocab {vocab}"),
         "machine": machine, "threads": threads, "checkpoint": str(checkpoint), "quantized": str(qdir),
         "shape": {"layers": tc["num_hidden_layers"], "experts": tc["num_experts"], "top_k": tc["num_experts_per_tok"],
                   "hidden": tc["hidden_size"], "vocab": tc["vocab_size"]},

@@ -25,8 +25,8 @@ from quantkit.bench.serve import (
     RSS_SLACK_BYTES,
     RSS_SLACK_FRACTION,
     RssSampler,
-    _prepare_model,
     free_port,
+    prepare_model,
     stop_server,
     wait_for_health,
 )
@@ -115,7 +115,7 @@ def run_soak(model_dir: Path | None, workdir: Path, clients: int = 16, seconds: 
     import httpx
 
     workdir.mkdir(parents=True, exist_ok=True)
-    model = model_dir or _prepare_model(workdir, log)
+    model = model_dir or prepare_model(workdir, log)
     port = free_port()
     cmd = [sys.executable, "-m", "quantkit", "serve", str(model), "--port", str(port), "--max-queue", str(max_queue),
            "--log-level", "warning"]

@@ -7,49 +7,17 @@ configuration's process decodes again and again for S seconds, each time between
 and `summarize` groups the samples by the bandwidth beside them: per spell, the decode and its share
 of that bandwidth (bytes per step x tok/s over the mean of the two reads).
 
-`poll` runs in the configuration's own process (`python -m quantkit.bench.spells FOLDER SECONDS PROMPT
-DECODE THREADS` prints its samples as JSON); `summarize` and `render` are pure.
+The samples come from quantkit.bench.spell_poll, run in the configuration's own process; `summarize` and
+`render` here are pure.
 """
 
 from __future__ import annotations
 
-import json
 import statistics
-import sys
-import time
-from pathlib import Path
 from typing import Any
 
 READ_GIB = 0.25  # each read: 256 MiB, 8x the build machine's L3
 SPLIT = 1.3  # reads spread wider than this ratio split into a slow and a fast spell at their midpoint
-
-
-def poll(folder: Path, seconds: float, prompt_len: int, decode: int, threads: int | None = None) -> dict[str, Any]:
-    """Samples (read before, read after, decode tok/s) from `seconds` of decoding the quantkit checkpoint
-    at `folder` as generation decodes it (quantkit's model on the route chosen at load), and the bytes one
-    step reads."""
-    import torch
-
-    from quantkit.bench import read_bandwidth_gbs
-    from quantkit.bench.decode import _timed, decode_bytes, text_config
-    from quantkit.runtime import load_model
-
-    if threads:
-        torch.set_num_threads(threads)
-    model = load_model(folder, verify="quick").model
-    cfg = text_config(model)
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, min(cfg.vocab_size, 768), (prompt_len,), generator=g).tolist()
-    _timed(model, prompt, decode)  # warm-up
-    samples = []
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        before = read_bandwidth_gbs(gib=READ_GIB, reps=3)
-        _, steps, _ = _timed(model, prompt, decode)
-        after = read_bandwidth_gbs(gib=READ_GIB, reps=3)
-        samples.append({"read_before_gbs": round(before, 2), "read_after_gbs": round(after, 2),
-                        "decode_tok_s": round(len(steps) / sum(steps), 2)})
-    return {"seconds": seconds, "step_bytes": sum(decode_bytes(model, prompt_len, decode)), "samples": samples}
 
 
 def summarize(poll_result: dict[str, Any]) -> dict[str, Any]:
@@ -97,11 +65,3 @@ def render(name: str, summary: dict[str, Any], seconds: float) -> list[str]:
                        f"{s['share_of_read']:.0%} |")
     return out
 
-
-if __name__ == "__main__":
-    if len(sys.argv) != 6:
-        print("usage: python -m quantkit.bench.spells FOLDER SECONDS PROMPT DECODE THREADS (internal to "
-              "quantkit bench decode)", file=sys.stderr)
-        sys.exit(2)
-    folder, seconds, prompt, dec, threads = sys.argv[1:]
-    print(json.dumps(poll(Path(folder), float(seconds), int(prompt), int(dec), int(threads) or None)))

@@ -14,7 +14,7 @@ from quantkit.cli.progress import RichProgress, tensor_progress
 from quantkit.export.compressed_tensors import export_vllm
 from quantkit.export.gguf import export_gguf
 from quantkit.export.gguf_types import default_type
-from quantkit.runtime.threads import set_threads
+from quantkit.threads import set_threads
 
 export_app = typer.Typer(help="Export for other engines: GGUF (llama.cpp, Ollama, LM Studio), "
                               "compressed-tensors (vLLM, SGLang).", no_args_is_help=True)

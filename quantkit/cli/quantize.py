@@ -27,8 +27,8 @@ from quantkit.quantize.run import (
 from quantkit.quantize.stats import Stats
 from quantkit.quantize.verify import verify_folder
 from quantkit.recipe import build_recipe
-from quantkit.runtime.threads import resolve_threads
 from quantkit.sizes import parse_size
+from quantkit.threads import resolve_threads
 
 
 def parse_shard_size(text: str) -> int:

@@ -29,9 +29,9 @@ from quantkit.outputs import guard_output
 from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.chat import SESSION_LIMIT, Chat, ChatSession, check_text
 from quantkit.runtime.session_file import is_session_file, load_session, save_session
-from quantkit.runtime.threads import set_threads
 from quantkit.runtime.worlds import world_prompt
 from quantkit.termtext import printable
+from quantkit.threads import set_threads
 
 _PLAN = typer.Option(None, "--plan", help="a plan from `quantkit plan --out` (default: plan for this machine)")
 _SCHEME = typer.Option(None, "--scheme", "-s", help="quantize an unquantized checkpoint while loading (int8, "

@@ -27,11 +27,11 @@ from quantkit.cli.options import (
 from quantkit.cli.prompt_cache_options import CACHE_DIR, DISK_SIZE, parse_disk_cache
 from quantkit.cli.runtime import parse_cache_size, warn_line
 from quantkit.errors import QuantkitError
-from quantkit.runtime.threads import set_threads
 from quantkit.server.runtime_backend import load_backend
 from quantkit.server.scheduler import MAX_SLOTS
 from quantkit.server.security import API_KEY_ENV, check_api_key, is_loopback
 from quantkit.sizes import parse_size
+from quantkit.threads import set_threads
 
 PARALLEL = count(1, MAX_SLOTS)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")

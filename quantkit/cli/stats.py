@@ -16,7 +16,7 @@ from quantkit.quantize.calib_data import load_tokens
 from quantkit.quantize.imatrix import write_imatrix_gguf
 from quantkit.quantize.stats import Stats, collect_stats, routing_coverage
 from quantkit.runtime.engine import load_tokenizer
-from quantkit.runtime.threads import set_threads
+from quantkit.threads import set_threads
 
 
 @app.command()

@@ -32,6 +32,7 @@ import math
 from dataclasses import dataclass
 
 from quantkit.errors import QuantkitError
+from quantkit.model.gguf_layout import is_f32_only
 
 
 @dataclass(frozen=True)
@@ -91,9 +92,6 @@ ALL_TYPES = NATIVE_TYPES + tuple(LLAMA_TYPES)
 # llama.cpp's per-tensor fallback when a row does not split into the type's blocks (llama-quant.cpp)
 LLAMA_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0",
                   "IQ4_XS": "IQ4_NL"}
-# Kept in F32 whatever the file type, as llama.cpp's own converter does (its kernels take these in F32).
-F32_SUFFIXES = ("_norm.weight", "ssm_norm.weight", "ssm_a", "ssm_dt.bias", "ssm_conv1d.weight",
-                "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
 EXPERT_GATE_UP = ("ffn_gate_exps.weight", "ffn_up_exps.weight")
 EXPERT_DOWN = "ffn_down_exps.weight"
 
@@ -105,10 +103,6 @@ def check_type(ftype: str) -> str:
     if t not in ALL_TYPES:
         raise QuantkitError(f"--type {ftype!r}: use one of {', '.join(ALL_TYPES)}")
     return t
-
-
-def is_f32_only(name: str, shape: tuple[int, ...]) -> bool:
-    return name.endswith(F32_SUFFIXES) or len(shape) < 2
 
 
 def is_expert(name: str) -> bool:

@@ -31,6 +31,7 @@ from quantkit.export.llama_placement import (
     model_from_spec,
     solve_llama,
 )
+from quantkit.export.llama_speed import llama_decode_tok_s, llama_prefill_tok_s
 from quantkit.export.vllm_placement import VllmFit, vllm_fit
 from quantkit.model.spec import ModelSpec, Role, default_spec
 from quantkit.planner.hardware import Hardware
@@ -56,7 +57,7 @@ class LaunchPlan:
     warnings: list[str] = field(default_factory=list)
     placement: LlamaPlacement | None = None  # llama.cpp: what the line puts on each card
     vllm: VllmFit | None = None  # vLLM: what the line asks of each GPU
-    decode_tok_s: float | None = None  # llama.cpp: the line's own estimated decode (quantkit.planner.llama_speed)
+    decode_tok_s: float | None = None  # llama.cpp: the line's own estimated decode (quantkit.export.llama_speed)
     prefill_tok_s: float | None = None  # llama.cpp: and its prefill, in steps of the line's -ub
 
     def to_dict(self) -> dict[str, object]:
@@ -115,8 +116,6 @@ def llama_launch(gm: LlamaModel, st: LlamaSettings, hw: Hardware, path: str, res
         need = max(t - b for t, b in zip(pl.gpu_totals(), pl.budgets, strict=True))
         warns.append(f"{path} does not fit these GPUs even with every expert on the CPU ({need / 2**30:.2f} GiB "
                      "over): shorten the context, use a smaller type or a q8_0 KV cache")
-    from quantkit.planner.llama_speed import llama_decode_tok_s, llama_prefill_tok_s
-
     speed = llama_decode_tok_s(pl, gm, hw) if pl.fits else None
     prefill = llama_prefill_tok_s(pl, gm, hw) if pl.fits else None
     return LaunchPlan("llama.cpp", llama_cpp_command(pl, path), export, warns, pl, decode_tok_s=speed,

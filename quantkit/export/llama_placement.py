@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from quantkit.errors import QuantkitError
-from quantkit.export.gguf_layout import pieces_for
 from quantkit.export.gguf_types import tensor_bytes, tensor_type
+from quantkit.model.gguf_layout import pieces_for
 from quantkit.model.spec import ModelSpec, Role
 
 ARCH = "qwen35moe"

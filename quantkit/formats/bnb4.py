@@ -19,7 +19,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import Part, QuantSpec, ceil_div, register
-from quantkit.formats._common import check_matrix, pack_nibbles_hi_first, run_chunks, unpack_nibbles_hi_first
+from quantkit.formats.common import check_matrix, pack_nibbles_hi_first, run_chunks, unpack_nibbles_hi_first
 
 DEFAULT_BLOCK = 64
 LUT_BINS = 1024  # per unit of v; FP4's closest bounds are 0.0026 apart, more than a bin (0.001)

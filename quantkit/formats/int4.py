@@ -38,7 +38,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import Part, QuantSpec, ceil_div, register
-from quantkit.formats._common import (
+from quantkit.formats.common import (
     ErrorSums,
     check_matrix,
     out_buffer,

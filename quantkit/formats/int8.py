@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from quantkit.formats import Part, QuantSpec, register
-from quantkit.formats._common import ErrorSums, check_matrix, out_buffer, row_sq, run_chunks
+from quantkit.formats.common import ErrorSums, check_matrix, out_buffer, row_sq, run_chunks
 
 
 class Int8:

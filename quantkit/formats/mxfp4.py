@@ -13,7 +13,7 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.formats import Part, QuantSpec, ceil_div, register
-from quantkit.formats._common import check_matrix, run_chunks
+from quantkit.formats.common import check_matrix, run_chunks
 
 BLOCK = 32
 # E2M1 magnitudes, doubled (0, .5, 1, 1.5, 2, 3, 4, 6); codes 8..15 are the negatives.

@@ -159,7 +159,7 @@ def _allowed_roots(folder: Path) -> list[Path]:
     return roots
 
 
-def _safe_member(folder: Path, rel: str, source: str) -> Path:
+def safe_member(folder: Path, rel: str, source: str) -> Path:
     """`folder/rel`, refused when `rel` is absolute, climbs out with `..`, or links outside the folder."""
     if not isinstance(rel, str) or not rel or os.path.isabs(rel) or rel.startswith(("/", "\\")) \
             or re.match(r"^[A-Za-z]:", rel):
@@ -193,14 +193,14 @@ def find_shards(folder: Path) -> list[Path]:
             raise QuantkitError(f"{index}: field 'weight_map' is missing or empty")
         files: list[Path] = []
         for rel in dict.fromkeys(wm.values()):
-            p = _safe_member(folder, rel, str(index))
+            p = safe_member(folder, rel, str(index))
             if not p.is_file():
                 raise QuantkitError(f"{index}: names shard {rel}, which is missing; re-download the checkpoint")
             files.append(p)
         return files
     shards = sorted(p for p in folder.glob("*.safetensors") if p.is_file() or p.is_symlink())
     for p in shards:
-        _safe_member(folder, p.name, str(folder))
+        safe_member(folder, p.name, str(folder))
     return shards
 
 

@@ -299,6 +299,14 @@ def role_of(name: str) -> Role:
     return Role.NORM
 
 
+def mtp_subrole(name: str) -> Role:
+    """The decoder-layer role an `mtp.*` tensor plays (`mtp.fc` counts as attention: a dense projection)."""
+    rest = name[len("mtp."):] if name.startswith("mtp.") else name
+    if rest.startswith("fc."):
+        return Role.ATTENTION
+    return role_of("model.language_model." + rest)
+
+
 def layer_of(name: str) -> int | None:
     if name.startswith("mtp."):
         return None

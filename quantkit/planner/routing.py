@@ -21,7 +21,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from safetensors import SafetensorError
+
 from quantkit.errors import QuantkitError
+from quantkit.quantize.stats import LM, Stats
 
 Ranges = list[list[tuple[str, int, int]]]  # Plan.expert_ranges: per layer (device, first id, last id + 1)
 
@@ -124,10 +127,6 @@ def read_counts(path: str | Path, n_layers: int, n_experts: int, flag: str = "--
                 ) -> tuple[str, list[list[int]], list[list[int]] | None]:
     """(model fingerprint, calibration counts, held-out counts or None) of a `quantkit stats` file, checked
     to be one for a model of `n_layers` MoE layers of `n_experts` experts."""
-    from safetensors import SafetensorError
-
-    from quantkit.quantize.stats import LM, Stats  # torch: only when a profile is given
-
     p = Path(path)
     try:
         st = Stats.open(p)

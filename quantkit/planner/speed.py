@@ -28,7 +28,7 @@ class SpeedModel:
     gpu_bw_efficiency: float = 0.8  # batch-1 GEMV kernels reach ~80% of peak DRAM bandwidth
     cpu_bw_efficiency: float = 0.6  # llama.cpp CPU matvec: ~60% of peak (STREAM-like) DDR bandwidth
     # launches of ~30 small kernels per Gated DeltaNet/MoE layer: fitted to public llama.cpp decode figures by
-    # quantkit.planner.llama_speed.fit_gpu_layer_cost (84 us; the figures and each one's error are there)
+    # quantkit.export.llama_speed.fit_gpu_layer_cost (84 us; the figures and each one's error are there)
     gpu_layer_overhead_s: float = 84e-6
     cpu_layer_overhead_s: float = 50e-6  # thread-pool sync per layer that computes on the CPU
     transfer_latency_s: float = 10e-6  # one small PCIe copy + stream sync
@@ -36,7 +36,7 @@ class SpeedModel:
     # prefill data point calibrates this, so treat GPU prefill figures as rough
     gpu_compute_efficiency: float = 0.15
     # share of the link's nominal rate a stream of weights from host RAM reaches: fitted to public llama.cpp
-    # prefill figures by quantkit.planner.llama_speed.fit_pcie_efficiency (the figures and errors are there)
+    # prefill figures by quantkit.export.llama_speed.fit_pcie_efficiency (the figures and errors are there)
     pcie_efficiency: float = 0.68
     routing: str = "uniform"  # each expert equally likely; "measured (FILE)" with a routing profile
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from quantkit.formats import QuantSpec, get_format
-from quantkit.formats._common import pack_nibbles
+from quantkit.formats.common import pack_nibbles
 from quantkit.formats.int4 import DEFAULT_GROUP
 
 SUPPORTED = ("int4", "int8")

@@ -17,7 +17,7 @@ from typing import Any
 
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json, read_json_bounded
-from quantkit.model.checkpoint import _safe_member  # the loader's rule for the files a folder may name
+from quantkit.model.checkpoint import safe_member  # the loader's rule for the files a folder may name
 from quantkit.model.contract import JOURNAL_NAME, MANIFEST_NAME, MANIFEST_VERSION
 
 _HASH_BUF = 8 << 20
@@ -108,7 +108,7 @@ def file_entry(path: Path, progress: Any = None) -> FileEntry:
 def check_file(folder: Path, name: str, entry: FileEntry, hash_it: bool = True, progress: Any = None) -> str | None:
     """None if `folder/name` matches `entry`, else a one-line problem naming the file."""
     try:
-        p = _safe_member(folder, name, MANIFEST_NAME)
+        p = safe_member(folder, name, MANIFEST_NAME)
     except QuantkitError as e:
         return str(e)
     if not p.is_file():

@@ -10,7 +10,6 @@ from typing import Any
 
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_bytes
-from quantkit.quantize.run import report_paths
 
 
 @dataclass
@@ -55,6 +54,13 @@ class RoleRow:
                 "bits_per_weight": round(self.bits_per_weight, 4),
                 "rel_error": self.rel_error, "sqnr_db": self.sqnr_db, "seconds": round(self.seconds, 3),
                 "output_rel_error": self.out_rel_error, "rtn_fallbacks": self.fallbacks}
+
+
+def report_paths(report: Path) -> tuple[Path, Path]:
+    """The report's markdown and JSON paths (the JSON beside the markdown, same stem)."""
+    if report.suffix.lower() == ".json":
+        return report.with_suffix(".md"), report
+    return report.with_suffix(".md") if report.suffix.lower() != ".md" else report, report.with_suffix(".json")
 
 
 def role_rows(stats: list[Any]) -> list[RoleRow]:

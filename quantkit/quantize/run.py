@@ -40,7 +40,7 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json, fsync_dir, temp_name
 from quantkit.formats import QuantSpec, get_format, stored_parts
-from quantkit.formats._common import ErrorSums
+from quantkit.formats.common import ErrorSums
 from quantkit.model.checkpoint import Checkpoint, check_finite
 from quantkit.model.contract import INDEX_NAME, QUANT_METHOD, QUANT_VERSION, holds_quantize_run
 from quantkit.model.spec import Role, TensorSpec, role_of
@@ -57,6 +57,7 @@ from quantkit.quantize.manifest import (
     file_entry,
     fingerprint,
 )
+from quantkit.quantize.report import report_paths, write_report
 from quantkit.quantize.shards import ShardLayout, ShardWriter, TensorLayout, dtype_name, read_header
 from quantkit.quantize.source_guard import SourceGuard
 from quantkit.quantize.stream import (
@@ -72,6 +73,7 @@ from quantkit.quantize.stream import (
     view_as,
 )
 from quantkit.recipe import Recipe, decide
+from quantkit.threads import resolve_threads, torch_threads
 
 REPORT_STEM = "quantkit-report"
 # Input bytes per slab of experts / block of rows. Two are in flight (one read ahead), with two output arenas
@@ -179,7 +181,7 @@ def make_plan(tensors: list[TensorSpec], recipe: Recipe, keep_mtp: bool = True,
               max_shard_size: int = 2_000_000_000) -> QuantPlan:
     """Decide every tensor and place it in a shard (greedy in checkpoint order; a tensor larger than the
     shard size gets a shard of its own). The MTP layer is kept (its tensors quantized by the recipe of the
-    role each plays in a decoder layer: recipe.mtp_subrole) unless `keep_mtp` is False (--no-mtp-layer)."""
+    role each plays in a decoder layer: model.spec.mtp_subrole) unless `keep_mtp` is False (--no-mtp-layer)."""
     if max_shard_size <= 0:
         raise QuantkitError("--max-shard-size must be positive")
     planned: list[TensorPlan] = []
@@ -369,13 +371,6 @@ def prepare_out(out: Path, mode: str, sources: list[Path], flag: str = "--out ")
                  flag=flag, create_parents=True)
     if mode == "overwrite" and taken:
         shutil.rmtree(out)
-
-
-def report_paths(report: Path) -> tuple[Path, Path]:
-    """The report's markdown and JSON paths (the JSON beside the markdown, same stem)."""
-    if report.suffix.lower() == ".json":
-        return report.with_suffix(".md"), report
-    return report.with_suffix(".md") if report.suffix.lower() != ".md" else report, report.with_suffix(".json")
 
 
 def _is_report(p: Path) -> bool:
@@ -802,9 +797,6 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
 
     todo_bytes = sum(t.in_bytes for sn, s in zip(names, plan.shards, strict=True) if sn not in reused for t in s)
     progress.start(sum(len(s) for sn, s in zip(names, plan.shards, strict=True) if sn not in reused), todo_bytes)
-    # lazy: quantkit.runtime's package imports this module
-    from quantkit.runtime.threads import resolve_threads, torch_threads
-
     times = StageTimes()
     try:
         with torch_threads(resolve_threads(opts.threads)), sigterm_as_interrupt():
@@ -828,8 +820,6 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
     files = write_folder_files(out, plan, layouts, output_config(ckpt.config, plan, cal), copies, journal)
     copied = [p.name for p in copies]
     seconds = time.perf_counter() - t_start
-    from quantkit.quantize.report import write_report  # lazy: report imports this module
-
     md, js = write_report(opts.report or (out / f"{REPORT_STEM}.md"), plan, stats, seconds, src, out, reused, cal)
     guard.check()
     seal_folder(out, names, journal, files, {"path": str(src), **src_fp}, opts.fingerprint_data(has_mtp))

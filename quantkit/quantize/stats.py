@@ -88,7 +88,7 @@ def model_fingerprint(ckpt: Checkpoint) -> str:
 # --- accumulating ---------------------------------------------------------------------------------------
 
 @dataclass
-class _Acc:
+class LayerSums:
     """Running sums for one layer; `heldout` switches which Hessian/routing sums the hooks feed."""
 
     sums: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -112,13 +112,13 @@ class _Acc:
         self.add(f"{name}.count", torch.tensor([x.shape[0]], dtype=torch.int64))
 
 
-def _linear_hook(acc: _Acc, name: str) -> Callable:
+def linear_hook(acc: LayerSums, name: str) -> Callable:
     def hook(_mod: torch.nn.Module, args: tuple) -> None:
         acc.hessian(name, args[0])
     return hook
 
 
-def _moe_forward(block: Any, x: torch.Tensor, acc: _Acc, prefix: str) -> torch.Tensor:
+def _moe_forward(block: Any, x: torch.Tensor, acc: LayerSums, prefix: str) -> torch.Tensor:
     """Qwen3_5MoeSparseMoeBlock's output for x [B, T, H], with all-expert statistics (module docstring)."""
     shape = x.shape
     x = x.reshape(-1, shape[-1])
@@ -199,7 +199,7 @@ def _rotary(cfg: Any, n_tokens: int, batch: int) -> tuple[torch.Tensor, torch.Te
 
 
 def _run_layer(layer: torch.nn.Module, i: int, hidden: torch.Tensor, n_calib: int, cfg: Any,
-               acc: _Acc) -> torch.Tensor:
+               acc: LayerSums) -> torch.Tensor:
     prefix = f"{LM}layers.{i}."
     handles = []
     for path in DENSE_LINEARS:
@@ -207,7 +207,7 @@ def _run_layer(layer: torch.nn.Module, i: int, hidden: torch.Tensor, n_calib: in
             mod = layer.get_submodule(path)
         except AttributeError:
             continue
-        handles.append(mod.register_forward_pre_hook(_linear_hook(acc, f"{prefix}{path}.weight")))
+        handles.append(mod.register_forward_pre_hook(linear_hook(acc, f"{prefix}{path}.weight")))
     layer.mlp.forward = lambda x: _moe_forward(layer.mlp, x, acc, prefix)
     out = torch.empty_like(hidden)
     try:
@@ -349,7 +349,7 @@ def _collect(ckpt: Checkpoint, tokens: TokenData, out: Path, work: Path, meta: d
         if stop_after is not None and ran >= stop_after:
             return StatsResult(out, n_calib * tokens.chunks.shape[1], n_held * tokens.chunks.shape[1], n_layers,
                                resumed, time.perf_counter() - t0)
-        acc = _Acc()
+        acc = LayerSums()
         layer = _build_layer(ckpt, cfg, i)
         hidden = _run_layer(layer, i, hidden, n_calib, cfg, acc)
         del layer
@@ -377,7 +377,7 @@ def _final_stats(ckpt: Checkpoint, cfg: Any, hidden: torch.Tensor, n_calib: int)
 
     norm = Qwen3_5MoeRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
     norm.weight.data = ckpt.load(f"{LM}norm.weight").float()
-    acc = _Acc()
+    acc = LayerSums()
     with torch.no_grad():
         x = norm(hidden)
     acc.hessian("lm_head.weight", x[:n_calib])

@@ -9,7 +9,7 @@ sha256 read-back. Here:
   where a read comes back short and the run ends in one line naming the file (the copy a read makes in the
   kernel is small beside quantizing the block);
 - the formats quantize straight into one of two reused output arenas and measure the error inside their
-  row chunks (formats/_common.ErrorSums), spread over `threads` workers;
+  row chunks (formats/common.ErrorSums), spread over `threads` workers;
 - a writer thread writes each block at its planned offset, then commits the shard (fsync, rename) and
   hashes it for the journal while the next shard is being quantized.
 
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.formats._common import CHUNK_ELEMENTS
+from quantkit.formats.common import CHUNK_ELEMENTS
 
 # fp32 temporaries of one row chunk (x, t, r, candidates, codes...): measured under 16 per element
 CHUNK_TEMP_BYTES = 16 * CHUNK_ELEMENTS * 4

@@ -198,7 +198,7 @@ class LoadReport:
         self.add(k.device, k.nbytes)
 
 
-def _dense_dtype(t: torch.Tensor) -> torch.Tensor:
+def dense_dtype(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16) if t.is_floating_point() and t.dtype != torch.bfloat16 else t
 
 
@@ -230,7 +230,7 @@ def _kernel(src: TensorSource, name: str, dev: str, report: LoadReport) -> Kerne
 
 
 def _kernel_of(parts: Any, spec: QuantSpec | None, shape: tuple[int, ...], report: LoadReport) -> Kernel:
-    k = prepare(parts if spec else _dense_dtype(parts), spec, shape)
+    k = prepare(parts if spec else dense_dtype(parts), spec, shape)
     k.format = spec.format if spec else "bf16"
     report.add_kernel(k, k.format)
     return k
@@ -252,7 +252,7 @@ def build_experts(src: TensorSource, prefix: str, groups: list[tuple[str, list[i
                                                 (dn_name, dn_spec, dn_shape, g.down)):
                     slab = src.read(name, dev, slice(c0, c1))
                     for i in range(c1 - c0):
-                        p = slice_parts(slab, i) if spec else _dense_dtype(slab[i])
+                        p = slice_parts(slab, i) if spec else dense_dtype(slab[i])
                         k = prepare(p, spec, shape[1:], route=route)
                         dest.append(k)
                         report.add_kernel(k, spec.format if spec else "bf16")
@@ -266,7 +266,7 @@ def build_experts(src: TensorSource, prefix: str, groups: list[tuple[str, list[i
 
 
 def _vector(src: TensorSource, name: str, dev: str, report: LoadReport) -> torch.Tensor:
-    t = _dense_dtype(src.read(name, dev))
+    t = dense_dtype(src.read(name, dev))
     report.add(dev, t.numel() * t.element_size())
     return t
 
@@ -370,7 +370,7 @@ def _mtp_experts(src: TensorSource, p: str, dev: str, mc: ModelConfig, report: L
         if gs != us or gshape[1:] != ushape[1:]:
             raise QuantkitError(f"{q}gate_proj and up_proj are stored differently; re-run `quantkit quantize`")
         parts = _cat_rows(src.read(f"{q}gate_proj.weight", dev), src.read(f"{q}up_proj.weight", dev))
-        gu = prepare(parts if gs else _dense_dtype(parts), gs, (gshape[0] + ushape[0], gshape[1]), route=route)
+        gu = prepare(parts if gs else dense_dtype(parts), gs, (gshape[0] + ushape[0], gshape[1]), route=route)
         g.gate_up.append(gu)
         g.down.append(_kernel(src, f"{q}down_proj.weight", dev, report))
         report.add_kernel(gu, gs.format if gs else "bf16")

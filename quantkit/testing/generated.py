@@ -10,7 +10,7 @@ Weights: each quantized tensor's rows are drawn (seeded per tensor) from a pool 
 format itself quantized from Gaussian weights (std 0.02), so every stored row is a row the format can produce;
 this needs a format whose parts are stored row by row (each weight row's parts depend on that row alone, and
 an expert stack is stored as its rows are), which `gatherable` checks on the format rather than assumes. Kept
-tensors (embedding, norms, router, in_proj_a/b) are drawn as the tiny model draws them (`tiny._init_tensor`:
+tensors (embedding, norms, router, in_proj_a/b) are drawn as the tiny model draws them (`init_tensor` below:
 zero-centred norms, A_log, dt_bias). Random weights: the model's outputs mean nothing; its shapes, bytes and
 speed are the real model's.
 
@@ -63,6 +63,28 @@ POOL_ROWS = 256
 BASE_BYTES = 512 << 20
 
 
+def init_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """transformers-like init for one tensor, from a per-name seed (for streamed and MTP tensors)."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFFFFFF)
+    if name.endswith("A_log"):
+        return torch.empty(shape).uniform_(0.01, 16, generator=g).log_().to(dtype)
+    if name.endswith("dt_bias"):
+        return torch.ones(shape, dtype=dtype)
+    if name.endswith("linear_attn.norm.weight"):
+        return (1 + 0.05 * torch.randn(shape, generator=g)).to(dtype)
+    if len(shape) == 1:
+        return (0.05 * torch.randn(shape, generator=g)).to(dtype)
+    if name.endswith("conv1d.weight"):
+        b = 1 / math.sqrt(shape[-1])
+        return torch.empty(shape).uniform_(-b, b, generator=g).to(dtype)
+    out = torch.empty(shape, dtype=dtype)
+    rows = out.view(-1, shape[-1])
+    step = max(1, (1 << 24) // shape[-1])
+    for r in range(0, rows.shape[0], step):
+        rows[r:r + step] = (0.02 * torch.randn((min(step, rows.shape[0] - r), shape[-1]), generator=g)).to(dtype)
+    return out
+
+
 @lru_cache(maxsize=64)
 def gatherable(spec: QuantSpec, in_features: int) -> bool:
     """True when the parts of a matrix under `spec` are its rows' parts stacked (each row quantized alone gives
@@ -104,10 +126,8 @@ def _weight_rows(tp: TensorPlan, rows_dim0: int) -> int:
 
 def _write_tensor(shard: ShardWriter, tp: TensorPlan, seed: int, slab_bytes: int, progress: Progress) -> None:
     """Every block of one tensor, generated and written in place."""
-    from quantkit.testing.tiny import _init_tensor
-
     if tp.spec is None:
-        t = _init_tensor(tp.name, tp.shape, seed, getattr(torch, tp.dtype))
+        t = init_tensor(tp.name, tp.shape, seed, getattr(torch, tp.dtype))
         shard.write(tp.name, t)
         progress.advance(tp.name, t.numel() * t.element_size(), True)
         return

@@ -30,8 +30,8 @@ from quantkit.runtime.loader import (
     QuantEmbedding,
     QuantizedSource,
     TensorSource,
-    _dense_dtype,
     build_experts,
+    dense_dtype,
 )
 
 
@@ -65,7 +65,7 @@ def _set_param(module: nn.Module, name: str, t: torch.Tensor) -> None:
 def _linear(src: TensorSource, name: str) -> QuantLinear:
     spec, shape = src.spec(name)
     parts = src.read(name, "cpu")
-    return QuantLinear(prepare(parts if spec else _dense_dtype(parts), spec, shape))
+    return QuantLinear(prepare(parts if spec else dense_dtype(parts), spec, shape))
 
 
 def reference_model(folder: str | Path, recipe: str | None = None, fp32_conv: bool = False) -> Any:
@@ -94,7 +94,7 @@ def reference_model(folder: str | Path, recipe: str | None = None, fp32_conv: bo
     try:
         spec, shape = src.spec(f"{LM}embed_tokens.weight")
         if spec is None:
-            _set_param(tm, "embed_tokens.weight", _dense_dtype(src.read(f"{LM}embed_tokens.weight", "cpu")))
+            _set_param(tm, "embed_tokens.weight", dense_dtype(src.read(f"{LM}embed_tokens.weight", "cpu")))
         else:
             tm.embed_tokens = _Embedding(QuantEmbedding(src.read(f"{LM}embed_tokens.weight", "cpu"), spec, shape))
         for i, layer in enumerate(tm.layers):
@@ -105,9 +105,9 @@ def reference_model(folder: str | Path, recipe: str | None = None, fp32_conv: bo
             layer.mlp.experts = build_experts(src, f"{pre}mlp.experts", place.experts[i], cfg, report)
             for pn, p in list(layer.named_parameters()):
                 if p.device.type == "meta":
-                    t = _dense_dtype(src.read(f"{pre}{pn}", "cpu"))
+                    t = dense_dtype(src.read(f"{pre}{pn}", "cpu"))
                     _set_param(layer, pn, t.float() if fp32_conv and pn.endswith("conv1d.weight") else t)
-        _set_param(tm, "norm.weight", _dense_dtype(src.read(f"{LM}norm.weight", "cpu")))
+        _set_param(tm, "norm.weight", dense_dtype(src.read(f"{LM}norm.weight", "cpu")))
         if src.has("lm_head.weight"):
             model.lm_head = _linear(src, "lm_head.weight")
         else:

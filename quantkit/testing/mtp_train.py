@@ -44,8 +44,8 @@ from quantkit.fileio import pid_temp_name, replace_folder
 from quantkit.model.checkpoint import Checkpoint, read_safetensors_header
 from quantkit.model.contract import read_quant_config
 from quantkit.model.spec import load_config, text_config_dict
-from quantkit.runtime.threads import torch_threads
 from quantkit.testing.tokenizer import tiny_corpus
+from quantkit.threads import torch_threads
 
 EMBED = "model.language_model.embed_tokens.weight"
 HEAD = "lm_head.weight"

@@ -26,11 +26,9 @@ directly in the stored format (quantkit.testing.generated), never through bf16.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import tempfile
-import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -45,12 +43,12 @@ from quantkit.model.spec import dtype_bytes, spec_from_config
 from quantkit.outputs import check_free, guard_output
 from quantkit.progress import Progress
 from quantkit.recipe import Recipe
-from quantkit.runtime.threads import torch_threads
 from quantkit.testing import mtp_train
 from quantkit.testing.generated import (
     BASE_BYTES,
     check_ram,
     disk_bytes,
+    init_tensor,
     peak_bytes,
     plan_for,
     write_quantized,
@@ -63,6 +61,7 @@ from quantkit.testing.tokenizer import (
     tiny_corpus,
     write_tokenizer,
 )
+from quantkit.threads import torch_threads
 
 SIDECAR = "quantkit-tiny.json"
 
@@ -405,28 +404,6 @@ def perturbation_check(model: Any, rel_noise: float, seed: int = 0, gen_tokens: 
 
 
 # ---- writing ----
-def _init_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> torch.Tensor:
-    """transformers-like init for one tensor, from a per-name seed (for streamed and MTP tensors)."""
-    g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) & 0x7FFFFFFF)
-    if name.endswith("A_log"):
-        return torch.empty(shape).uniform_(0.01, 16, generator=g).log_().to(dtype)
-    if name.endswith("dt_bias"):
-        return torch.ones(shape, dtype=dtype)
-    if name.endswith("linear_attn.norm.weight"):
-        return (1 + 0.05 * torch.randn(shape, generator=g)).to(dtype)
-    if len(shape) == 1:
-        return (0.05 * torch.randn(shape, generator=g)).to(dtype)
-    if name.endswith("conv1d.weight"):
-        b = 1 / math.sqrt(shape[-1])
-        return torch.empty(shape).uniform_(-b, b, generator=g).to(dtype)
-    out = torch.empty(shape, dtype=dtype)
-    rows = out.view(-1, shape[-1])
-    step = max(1, (1 << 24) // shape[-1])
-    for r in range(0, rows.shape[0], step):
-        rows[r:r + step] = (0.02 * torch.randn((min(step, rows.shape[0] - r), shape[-1]), generator=g)).to(dtype)
-    return out
-
-
 def _write_shards(folder: Path, tensors: Iterator[tuple[str, torch.Tensor]], max_shard: int) -> None:
     """Write `tensors` in order into shards of at most `max_shard` bytes (a larger tensor gets its own),
     named model-0000i-of-0000N.safetensors, plus the index."""
@@ -468,7 +445,7 @@ def _published_tensors(model: Any, cfg: dict[str, Any], seed: int, dtype: torch.
     sd = model.state_dict()
     for t in spec_from_config(cfg, include_mtp=mtp).tensors:
         if t.name.startswith("mtp."):
-            yield t.name, _init_tensor(t.name, t.shape, seed, dtype)
+            yield t.name, init_tensor(t.name, t.shape, seed, dtype)
             continue
         src = "model." + t.name[len("model.language_model."):] if t.name.startswith("model.language_model.") \
             else t.name
@@ -481,7 +458,7 @@ def _published_tensors(model: Any, cfg: dict[str, Any], seed: int, dtype: torch.
 def _streamed_tensors(cfg: dict[str, Any], seed: int, dtype: torch.dtype, mtp: bool,
                       on_tensor: Callable[[str, int], None] | None) -> Iterator[tuple[str, torch.Tensor]]:
     for t in spec_from_config(cfg, include_mtp=mtp).tensors:
-        w = _init_tensor(t.name, t.shape, seed, dtype)
+        w = init_tensor(t.name, t.shape, seed, dtype)
         if on_tensor:
             on_tensor(t.name, w.numel() * w.element_size())
         yield t.name, w

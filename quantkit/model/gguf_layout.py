@@ -30,8 +30,16 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.export.gguf_types import is_f32_only
 from quantkit.model.spec import TextConfig
+
+# Kept in F32 whatever the file type, as llama.cpp's own converter does (its kernels take these in F32).
+F32_SUFFIXES = ("_norm.weight", "ssm_norm.weight", "ssm_a", "ssm_dt.bias", "ssm_conv1d.weight",
+                "ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+
+
+def is_f32_only(name: str, shape: tuple[int, ...]) -> bool:
+    return name.endswith(F32_SUFFIXES) or len(shape) < 2
+
 
 _LAYER = re.compile(r"^model\.language_model\.layers\.(\d+)\.(.+)$")
 _MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")

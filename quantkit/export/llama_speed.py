@@ -33,9 +33,11 @@ from quantkit.export.llama_placement import (
     LlamaPlacement,
     LlamaSettings,
     kv_layer_bytes,
+    model_from_spec,
     rs_layer_bytes,
 )
-from quantkit.planner.hardware import Hardware
+from quantkit.model.spec import default_spec
+from quantkit.planner.hardware import Hardware, build_hardware
 from quantkit.planner.speed import SpeedModel
 
 CPU = "cpu"
@@ -141,9 +143,6 @@ DATA_POINTS = (
 
 @cache
 def _setup(p: DataPoint) -> tuple[LlamaPlacement, LlamaModel]:
-    from quantkit.export.llama_placement import model_from_spec
-    from quantkit.model.spec import default_spec
-
     m = model_from_spec(default_spec(), p.gguf_type)
     n = m.n_layer
     pl = LlamaPlacement(model=p.gguf_type, settings=LlamaSettings(context=p.context), n_layer=n,
@@ -155,8 +154,6 @@ def _setup(p: DataPoint) -> tuple[LlamaPlacement, LlamaModel]:
 
 def predict(p: DataPoint, sm: SpeedModel | None = None, cpu_bandwidth_gbs: float | None = None) -> float:
     """The model's decode tok/s for a data point, its experts placed as the report says."""
-    from quantkit.planner.hardware import build_hardware
-
     hw = build_hardware([p.gpu], "128GB", str(cpu_bandwidth_gbs or p.cpu_bandwidth_gbs))
     pl, m = _setup(p)
     return llama_decode_tok_s(pl, m, hw, sm, p.filled)
@@ -203,8 +200,6 @@ PREFILL_POINTS = (
 
 def predict_prefill(p: PrefillPoint, sm: SpeedModel | None = None) -> float:
     """The model's prefill tok/s for a prefill point."""
-    from quantkit.planner.hardware import build_hardware
-
     hw = build_hardware([p.point.gpu], "128GB", str(p.point.cpu_bandwidth_gbs))
     pl, m = _setup(p.point)
     pl = replace(pl, settings=replace(pl.settings, ubatch=p.ubatch))
