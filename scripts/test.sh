@@ -8,5 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh test
 .venv/bin/ruff check quantkit tests benchmarks cli.py
+# the package graph runs one way (the contracts in pyproject.toml [tool.importlinter])
+.venv/bin/lint-imports
 # the llama.cpp proof of the GGUF export must run here, not skip
 QUANTKIT_REQUIRE_ENGINES=1 .venv/bin/python -m pytest -q -n auto --dist loadgroup --timeout 1200 --durations 20
