@@ -124,8 +124,11 @@ def each_table(request: pytest.FixtureRequest):
     yield from _forced_table(request.param)
 
 
-# every QUANTKIT_CPU_ISA value that names a table: the forced-switch tests run each in a fresh process
-ISA_VALUES = ("avx512", "avx512-plain", "avx2", "avx2-plain", "generic")
+# every QUANTKIT_CPU_ISA value that names a table: the forced-switch tests run each in a fresh process (the
+# fast tier keeps the plain levels below AVX512; the full run takes them all)
+_slow = pytest.mark.slow
+ISA_VALUES = (pytest.param("avx512", marks=_slow), pytest.param("avx512-plain", marks=_slow), "avx2",
+              pytest.param("avx2-plain", marks=_slow), "generic")
 
 
 def forced_isa_table(value: str) -> str:
