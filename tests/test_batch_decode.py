@@ -217,7 +217,7 @@ def test_a_batch_refuses_bad_rows_in_one_line(tiny_model, one_thread):  # noqa: 
         batch.add()
     with pytest.raises(QuantkitError, match="empty prompt"):
         batch.add(ids=[])
-    with pytest.raises(QuantkitError, match="max-new-tokens"):
+    with pytest.raises(QuantkitError, match="max-tokens 0: must be at least 1"):
         batch.add(ids=[1, 2], max_new_tokens=0)
     with pytest.raises(QuantkitError, match="context holds"):
         batch.add(ids=[1] * rt.context)
