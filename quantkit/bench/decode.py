@@ -73,8 +73,6 @@ FORCED_ISA = {"int4-avx2": "avx2", "int4-avx2-plain": "avx2-plain"}
 def default_configs() -> list[str]:
     """Every configuration; the forced-ISA ones only where they run a table below this CPU's: int4-avx2 on
     AVX512 CPUs, int4-avx2-plain (no AVX-VNNI, as AMD Zen 2/3) where AVX2 has AVX-VNNI."""
-    from quantkit.runtime import cpu_kernel
-
     level = cpu_kernel.ISA_LEVELS.get(cpu_kernel.isa(), -1)
     plain = cpu_kernel.best_table("avx2") == "avx2vnni"
     return [n for n in CONFIGS if n not in FORCED_ISA
@@ -554,15 +552,11 @@ def plot(d: dict[str, Any], path: Path) -> None:
 
 def _table() -> str:
     """The kernel table this process runs (QUANTKIT_CPU_ISA lowers it)."""
-    from quantkit.runtime import cpu_kernel
-
     return cpu_kernel.isa_name()
 
 
 def _isa_line() -> str:
     """This CPU's instruction sets and the kernel table the runs use."""
-    from quantkit.runtime import cpu_kernel
-
     mod = cpu_kernel.module()
     if mod is None:
         return "no CPU kernel"

@@ -45,11 +45,16 @@ import torch
 
 from quantkit.bench import write_reports
 from quantkit.errors import QuantkitError
+from quantkit.model.checkpoint import Checkpoint
 from quantkit.model.spec import ModelSpec, load_config, spec_from_config
 from quantkit.planner.budget import RunSettings
 from quantkit.planner.hardware import GIB, GPU, Hardware, Host, cpu_name, detect_gpus
 from quantkit.planner.placement import Plan, solve
+from quantkit.quantize.run import QuantizeOptions, run_quantize
 from quantkit.recipe import Recipe, get_recipe
+from quantkit.runtime import load_model
+from quantkit.runtime.generate import SamplingParams
+from quantkit.testing.tiny import make_tiny_model
 
 AGREE_MIN = 8  # leading greedy tokens a GPU placement must share with the CPU
 MEMORY_SLACK = 0.10  # a CUDA device's peak allocation may exceed the plan's bytes by this fraction
@@ -158,8 +163,7 @@ class DecodeRun:
 def load_runtime(folder: Path, plan: Path, graphs: bool | None, loader: Callable[..., Any] | None = None) -> Any:
     """`load_model(folder, plan=plan)` on the runtime's own route choice, or with `graphs` on the cuda-graph
     route; a placement that route cannot hold is this run's one-line error (the loader's note)."""
-    if loader is None:
-        from quantkit.runtime import load_model as loader
+    loader = loader or load_model
     if not graphs:
         return loader(folder, plan=plan, verify="quick")
     rt = loader(folder, plan=plan, verify="quick", forced_route="cuda-graph")
@@ -170,8 +174,6 @@ def load_runtime(folder: Path, plan: Path, graphs: bool | None, loader: Callable
 
 def greedy(rt: Any, prompt: list[int], n: int) -> Any:
     """The runtime's GenerationResponse for `n` greedy tokens from `prompt`, end-of-turn ignored."""
-    from quantkit.runtime.generate import SamplingParams
-
     sp = SamplingParams(temperature=0.0, max_new_tokens=n, ignore_eos=True)
     resp = None
     for e in rt.generate_ids(prompt, sampling=sp):
@@ -289,10 +291,6 @@ class GpuBenchResult:
 def ensure_checkpoint(workdir: Path, layers: int, experts: int, recipe: str,
                       log: Callable[[str], None]) -> Path:
     """The realistic-shape checkpoint quantized with `recipe`, made once in `workdir` (as bench decode does)."""
-    from quantkit.model.checkpoint import Checkpoint
-    from quantkit.quantize.run import QuantizeOptions, run_quantize
-    from quantkit.testing.tiny import make_tiny_model
-
     src = workdir / f"realistic-{layers}x{experts}"
     if not (src / "config.json").is_file():
         log(f"writing the realistic-shape checkpoint {src}")

@@ -34,6 +34,7 @@ from quantkit.formats import QuantSpec
 from quantkit.formats.int4 import int4_to_q4_0_blocks
 from quantkit.runtime import cpu_kernel
 from quantkit.runtime.kernels import prepare, slice_parts
+from quantkit.runtime.model.layers import attend
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 
 DEFAULTS = {"hidden": 2048, "inter": 512, "experts": 64, "top_k": 8, "layers": 4, "tokens": 24, "reps": 5}
@@ -251,8 +252,6 @@ def time_attention(reps: int, lengths: tuple[int, ...] = ATTENTION_TOKENS) -> li
     heads of 256, bf16): the model's torch route (`quantkit.runtime.model.layers.attend`) against
     quantkit's `qk.attend`, best of `reps` interleaved passes each; [] where the kernel has no AVX512-BF16
     route."""
-    from quantkit.runtime.model.layers import attend
-
     mod = cpu_kernel.module()
     if mod is None or not cpu_kernel.bf16_available():
         return []

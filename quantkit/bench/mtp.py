@@ -41,7 +41,9 @@ from quantkit.bench import write_reports
 from quantkit.bench.engines import describe_machine
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_json_bounded
+from quantkit.model.checkpoint import Checkpoint
 from quantkit.model.draft import DRAFT_ROWS
+from quantkit.quantize.run import QuantizeOptions, run_quantize
 from quantkit.recipe import Recipe, build_recipe
 from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.speculative import DraftTuner
@@ -229,9 +231,6 @@ UNQUANTIZED = "bf16 (unquantized)"
 def trained_folders(workdir: Path, train: TrainOptions, recipe: Recipe, log: Any) -> dict[str, Path]:
     """The tiny checkpoint with an MTP layer as written (random layer) and with its layer trained, each quantized
     with `recipe`; written again every run (seeded: the same bytes)."""
-    from quantkit.model.checkpoint import Checkpoint
-    from quantkit.quantize.run import QuantizeOptions, run_quantize
-
     out: dict[str, Path] = {}
     for name, opts in (("untrained", None), ("trained", train)):
         src = workdir / f"tiny-mtp-{name}"

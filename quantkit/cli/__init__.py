@@ -14,6 +14,7 @@ import typer.core
 from rich.console import Console
 
 from quantkit.errors import QuantkitError
+from quantkit.termtext import escaped
 
 try:  # typer >= 0.2x carries its own copy of click; its exceptions are those raised
     from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError
@@ -102,8 +103,6 @@ def error_line(message: str) -> None:
     gave cannot drive the terminal) and brackets printed as they are (never read as rich markup)."""
     from rich.markup import escape
 
-    from quantkit.termtext import escaped
-
     text = " ".join(escaped(str(message)).split())
     err_console.print(f"[bold red]error:[/] {escape(text)}", highlight=False, soft_wrap=True, markup=True)
 
@@ -146,7 +145,7 @@ def _root_help(args: list[str]) -> None:
         text = buf.getvalue()
         if cache is not None:
             with contextlib.suppress(OSError):
-                from quantkit.fileio import write_atomic
+                from quantkit.fileio import write_atomic  # lazy: only a help-cache miss writes a file
 
                 write_atomic(cache, text)
     sys.stdout.write(text)

@@ -20,6 +20,8 @@ from typing import Any
 
 import typer
 
+from quantkit.cli import err_console
+from quantkit.errors import QuantkitError
 from quantkit.planner.hardware import MAX_NODES
 
 
@@ -88,8 +90,6 @@ def renamed(value: Any, old_value: Any, new: str, old: str, default: Any = None)
     """The option's value whichever name gave it: the old spelling works for one release, with a notice."""
     if old_value is None:
         return default if value is None else value
-    from quantkit.errors import QuantkitError
-
     if value is not None:
         raise QuantkitError(f"{old} is the old name of {new}: give {new} only")
     notice(old, new)
@@ -98,8 +98,6 @@ def renamed(value: Any, old_value: Any, new: str, old: str, default: Any = None)
 
 def notice(old: str, new: str) -> None:
     """The one line an old spelling prints (stderr): what to write instead, and that the old one is going."""
-    from quantkit.cli import err_console
-
     err_console.print(f"[yellow]notice:[/] {old} is now {new}; the old name goes in the next release",
                       highlight=False, soft_wrap=True, markup=True)
 

@@ -26,9 +26,10 @@ from quantkit.export.launch import (
 )
 from quantkit.export.llama_placement import LlamaPlacement, LlamaSettings, model_from_gguf
 from quantkit.fileio import require_regular_file
-from quantkit.model.checkpoint import spec_from_path
+from quantkit.model.checkpoint import Checkpoint, spec_from_path
 from quantkit.model.contract import read_quant_config
 from quantkit.model.gguf_file import read_gguf
+from quantkit.model.quantized import QuantizedFolder
 from quantkit.model.spec import DEFAULT_MODEL, ModelSpec, Role, load_config
 from quantkit.outputs import guard_output
 from quantkit.planner.budget import GB, GIB, SNAPSHOTS_PER_PROMPT, RunSettings, cache_dtype, compute_budget
@@ -538,9 +539,6 @@ def _stored_by_role(model: str | None) -> dict[Role, int] | None:
     """Bytes on disk per role when `model` is a quantkit output folder (None otherwise)."""
     if not model or not Path(model).is_dir():
         return None
-    from quantkit.model.checkpoint import Checkpoint
-    from quantkit.model.quantized import QuantizedFolder
-
     ckpt = Checkpoint.open(model)
     try:
         q = QuantizedFolder.from_checkpoint(ckpt)

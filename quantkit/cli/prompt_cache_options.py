@@ -9,6 +9,7 @@ import typer
 
 from quantkit.errors import QuantkitError
 from quantkit.planner.disk_cache import parse_disk_size
+from quantkit.runtime.prompt_disk import check_outside
 
 CACHE_DIR = typer.Option(None, "--prompt-cache-dir",
                          help="keep prompt-cache snapshots in files in this folder too, so a restart restores a "
@@ -22,8 +23,6 @@ DISK_SIZE = typer.Option(None, "--prompt-cache-disk-size",
 def parse_disk_cache(folder: Path | None, size: str | None, model: str | Path) -> int | None:
     """The disk bound in bytes (None: the default) after checking the options (one line per mistake), before
     the model loads."""
-    from quantkit.runtime.prompt_disk import check_outside
-
     if folder is not None and Path(model).exists():
         check_outside(folder, Path(model))
     if size is None:

@@ -161,6 +161,7 @@ def serve(
 
     from quantkit.server.app import ServerConfig, create_app
 
+    # lazy: the web stack (uvicorn, fastapi) loads only once the options pass, not for --help or a refusal
     if not Path(model_dir).is_dir():  # before binding: the usual mistake gets its own line
         fail(f"{model_dir}: not a folder; pass a checkpoint folder made by `quantkit quantize`")
     sock = bind_socket(host, port)
