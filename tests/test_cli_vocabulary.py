@@ -103,6 +103,7 @@ MEANINGS: dict[str, tuple[set[str], tuple[str, ...]]] = {
     "--no-mtp-layer": ({"flag"}, ("mtp layer",)),
     "--out": ({"Path"}, ("write", "output", "save", "profile file")),
     "--overwrite": ({"flag"}, ("replace",)),
+    "--parallel": ({"integer"}, ("decode",)),  # plan budgets the slots serve decodes together
     "--plan": ({"Path"}, ("plan --out",)),
     "--prompt-cache-dir": ({"Path"}, ("folder",)),
     "--prompt-cache-disk-size": ({"str"}, ("bytes", "size")),

@@ -216,7 +216,9 @@ def plan_cmd(
                                      help="host prefill TFLOP/s (default 1.0)"),
     scheme: list[str] = typer.Option(None, "--scheme", "-s", help=f"one of {', '.join(RECIPES)}; repeatable"),
     context: str = typer.Option("4096", "--context", "-c", help="tokens; a sweep like 4k,32k,128k,262k"),
-    batch: int = typer.Option(1, "--batch", "-b", parser=COUNT, help="concurrent sequences"),
+    batch: int = typer.Option(1, "--parallel", "--batch", "-b", parser=COUNT,
+                              help="concurrent sequences, as `serve --parallel N` decodes them: K/V and recurrent "
+                              "+ conv state for each, and the batch's activations"),
     cache: str = typer.Option("fp16", "--cache-dtype", help="KV cache: fp16, bf16, fp8, q8_0, q4_0"),
     prefill_chunk: int = typer.Option(512, "--prefill-chunk", parser=COUNT,
                                       help="tokens per prefill step (llama.cpp's -ub): RAM-resident experts "

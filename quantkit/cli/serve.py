@@ -27,6 +27,8 @@ from quantkit.cli.options import (
 from quantkit.cli.prompt_cache_options import CACHE_DIR, DISK_SIZE, parse_disk_cache
 from quantkit.cli.runtime import parse_cache_size, warn_line
 from quantkit.errors import QuantkitError
+from quantkit.planner.slots import DEFAULT_PARALLEL_MAX
+from quantkit.server.parallel import choose_parallel
 from quantkit.server.runtime_backend import load_backend
 from quantkit.server.scheduler import MAX_SLOTS
 from quantkit.server.security import API_KEY_ENV, check_api_key, is_loopback
@@ -117,9 +119,11 @@ def serve(
     body_timeout: float = typer.Option(30.0, "--body-timeout", parser=SECONDS,
                                        help="seconds a client has to send its request body (408 after)"),
     max_n: int = typer.Option(8, "--max-n", parser=MAX_N_CHOICES, help="most choices (n) one request may ask for"),
-    parallel: int = typer.Option(1, "--parallel", parser=PARALLEL,
+    parallel: int = typer.Option(None, "--parallel", parser=PARALLEL, show_default=False,
                                  help="requests decoded together, each in its own slot, one forward per token "
-                                 "for all of them (1: one request at a time)"),
+                                 "for all of them (1: one request at a time); refused when the slots' K/V and "
+                                 f"recurrent state at --context do not fit the free memory [default: as many as "
+                                 f"fit, up to {DEFAULT_PARALLEL_MAX}; 1 where two do not fit]"),
     context: int = typer.Option(None, "--context", "-c", parser=CONTEXT,
                                 help="context length to plan for, e.g. 32k (default: the plan's, or 4096)"),
     max_tokens: int = typer.Option(None, "--max-tokens", "-n", parser=MAX_TOKENS,
@@ -175,6 +179,7 @@ def serve(
         backend = load_backend(model_dir, plan=plan, model_id=model_name, max_context=context,
                                prompt_cache_bytes=cache_bytes, prompt_cache_dir=prompt_cache_dir,
                                prompt_cache_disk_bytes=disk_bytes, warn=warn_line)
+        parallel = choose_parallel(backend.runtime, parallel, backend.max_context)
         config = ServerConfig(max_queue=max_queue, max_body_bytes=body_limit, default_max_tokens=default_max_tokens,
                               bind_host=host, allowed_hosts=tuple(allowed_hosts), api_key=api_key or None,
                               body_timeout_s=body_timeout, aliases=names, cors_origins=origins, max_n=max_n,

@@ -304,11 +304,28 @@ def with_settings(b: Budget, c: TextConfig, s: RunSettings) -> Budget:
         recurrent_state=rec * n_lin * s.batch,
         conv_state=conv * n_lin * s.batch,
         prompt_cache=(rec + conv) * n_lin * snaps + kv_tok * s.context * n_full * kv_copies,
-        activations=activation_bytes_per_token(c) * min(s.prefill_chunk, s.context) * s.batch,
+        activations=batch_activation_bytes(c, s),
         # the runtime computes logits for the last position of each sequence only (transformers'
         # generate passes logits_to_keep=1), in fp32
         logits=s.batch * c.vocab_size * 4,
     )
+
+
+def batch_activation_bytes(c: TextConfig, s: RunSettings) -> int:
+    """Peak activations of `s.batch` sequences: the runtime prefills one prompt at a time, chunk by chunk (the
+    others step between its chunks: quantkit/runtime/batch.py), and a decode step runs one token per sequence,
+    so the widest forward is a prefill chunk or the batch's rows, whichever is wider."""
+    return activation_bytes_per_token(c) * max(min(s.prefill_chunk, s.context), s.batch)
+
+
+def slot_state_bytes(c: TextConfig, s: RunSettings) -> list[int]:
+    """Per decoder layer, the state of `s.batch` sequences at `s.context` tokens: K/V of a full-attention layer,
+    recurrent + conv state of a Gated DeltaNet layer (what `with_settings` budgets in `layer_cache`, without the
+    prompt cache's snapshots)."""
+    kv_tok = kv_bytes_per_token(c, s.cache_dtype)
+    rec, conv = linear_state_bytes(c)
+    return [kv_tok * s.context * s.batch if kind == "full_attention" else (rec + conv) * s.batch
+            for kind in c.layer_types]
 
 
 CARD_PARAMS = 35.0e9  # the model card's parameter count for Qwen-AgentWorld-35B-A3B
