@@ -32,6 +32,7 @@ from quantkit.fileio import (
     read_json_bounded,
     temp_stem,
 )
+from quantkit.sizes import format_sizes
 
 MARKER = ".quantkit-output.json"
 # files that mark a folder as written by quantkit: the marker, the quantizer's manifest and journal, the tiny
@@ -164,9 +165,7 @@ def free_disk(path: Path) -> int:
 def check_free(out: Path, need: int, flag: str) -> None:
     free = free_disk(out.parent if not out.exists() else out)
     if need > free:
-        from quantkit.sizes import format_sizes  # in the unit that fits: a small output is not "0.00 GB"
-
-        need_s, free_s = format_sizes(need, free)
+        need_s, free_s = format_sizes(need, free)  # in the unit that fits: a small output is not "0.00 GB"
         raise QuantkitError(f"{flag}{out}: not enough free disk: the output needs {need_s}, {free_s} free; "
                             "free space or pick another location")
 

@@ -44,6 +44,7 @@ from quantkit.fileio import pid_temp_name, replace_folder
 from quantkit.model.checkpoint import Checkpoint, read_safetensors_header
 from quantkit.model.contract import read_quant_config
 from quantkit.model.spec import load_config, text_config_dict
+from quantkit.runtime import SamplingParams, load_model
 from quantkit.testing.tokenizer import tiny_corpus
 from quantkit.threads import torch_threads
 
@@ -206,8 +207,6 @@ def chat_prompts(rt: Any, n: int, seed: int) -> list[list[int]]:
 
 def greedy(rt: Any, ids: list[int], new_tokens: int) -> list[int]:
     """The runtime's greedy continuation of `ids` (no drafts, no stop token)."""
-    from quantkit.runtime import SamplingParams
-
     resp = None
     sp = SamplingParams(temperature=0, max_new_tokens=new_tokens, ignore_eos=True)
     for e in rt.generate_ids(ids, sp, thinking=False, stop_ids=set()):
@@ -301,8 +300,6 @@ def check_folder(folder: Path) -> Checkpoint:
 def train_mtp(folder: str | Path, options: TrainOptions | None = None) -> TrainReport:
     """Train the MTP layer of `folder` on its own model's greedy continuations and write it back (module
     docstring)."""
-    from quantkit.runtime import load_model
-
     o = options or TrainOptions()
     o.check()
     folder = Path(folder)
@@ -383,8 +380,6 @@ def write_back(ck: Checkpoint, tensors: dict[str, torch.Tensor], report: TrainRe
 # ---- the torch copy against the runtime ----
 def agreement(folder: str | Path, new_tokens: int = 32, seed: int = 0) -> dict[str, float]:
     """`compare` on the pairs of one greedy continuation of a held-out prompt of `folder`'s model."""
-    from quantkit.runtime import load_model
-
     with check_folder(Path(folder)) as ck, torch_threads(1), torch.inference_mode():
         rt = load_model(folder, verify="quick", mtp_copies=False)
         ids = chat_prompts(rt, 1, seed + EVAL_SEED)[0]
