@@ -133,7 +133,7 @@ Usage = namedtuple("Usage", "available")
 
 @pytest.mark.parametrize("args,patch,needles", [
     (["--full-size"], "disk", ["not enough free disk", "71.", "GB free"]),
-    (["--full-size", "--quantized", "quality"], "disk", ["not enough free disk", "20.05", "GB free"]),
+    (["--full-size", "--quantized", "quality"], "disk", ["not enough free disk", "needs 20.", "GB free"]),
     (["--full-size", "--quantized", "quality"], "ram", ["GB of RAM", "1.66", "0.10 GB is available"]),
     (["--quantized", "nonsense"], None, ["nonsense"]),
     (["--full-size", "--hidden", "128"], None, ["--full-size"]),

@@ -223,7 +223,7 @@ def test_bad_routing_files_are_refused_with_one_line(tiny_model, tmp_path, capsy
     truncated.write_bytes(truncated.read_bytes()[:-100])
     cases = [
         (["--routing", truncated], ["cut.stats", "is damaged", "rerun `quantkit stats`"]),
-        (["--routing", tmp_path / "missing.stats"], ["missing.stats", "does not exist", "quantkit stats"]),
+        (["--routing", tmp_path / "missing.stats"], ["missing.stats", "no such file", "quantkit stats"]),
         (["--routing", junk], ["junk.bin", "is not a quantkit statistics file"]),
         (["--routing", notes], ["notes.json", "is not a quantkit statistics file"]),
         (["--routing", no_routing], ["dense.stats", "holds no routing counts"]),
