@@ -236,6 +236,7 @@ def test_render_md_shows_the_calibration_the_estimate_came_from():
     assert "int4-g128 1024x2048+2048x512 0.42 ms" in md and "unfused experts' loop 0.30 ms" in md
 
 
+@pytest.mark.slow
 def test_plot_writes_png(tmp_path):
     d = _result(_rows())
     bd.plot(d, tmp_path / "p.png")

@@ -106,6 +106,7 @@ def test_bench_engines_llama_build_option_refuses_bad_values(value, why, capsys,
     assert code == 2 and "error:" in err and why in err and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_llama_build_runs_in_its_own_process_as_the_in_process_rows(tiny_model, tmp_path):
     """The worker with the installed library (a build like any other) gives the in-process greedy tokens and
     logits: the subprocess path loses nothing on the way."""
@@ -127,6 +128,7 @@ def test_llama_build_runs_in_its_own_process_as_the_in_process_rows(tiny_model, 
     assert run_build(lib, gguf, prompt, 2, 1, 1, None)[1] is None
 
 
+@pytest.mark.slow
 def test_a_llama_build_that_cannot_load_is_one_error_naming_it(tiny_model, tmp_path):
     from quantkit.bench.llama_worker import run_build
     from quantkit.errors import QuantkitError

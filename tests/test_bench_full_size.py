@@ -30,6 +30,7 @@ def test_prompts_share_the_first_turn_as_prefix(folder):
     assert p["turn2"][:len(p["turn1"]) - 8] == p["turn1"][:-8] and len(p["turn2"]) > len(p["turn1"])
 
 
+@pytest.mark.slow
 def test_quantkit_child_measures_load_decode_and_the_cached_next_turn(folder, tmp_path):
     ids = fs.prompts(folder, 300, 16)
     args = {"folder": str(folder), "threads": 1, "context": 1024, "new_tokens": 4, "reps": 2, **ids}
@@ -72,6 +73,7 @@ def test_quantkit_child_measures_load_decode_and_the_cached_next_turn(folder, tm
     assert f"{runs[0]['decode_tps']:.1f} at {runs[0]['read_gbs']} GB/s" in md
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
 def test_llama_child_on_the_exported_gguf(folder, tmp_path):
     from quantkit.export.gguf import export_gguf
