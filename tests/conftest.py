@@ -192,16 +192,17 @@ def pytest_configure(config: pytest.Config) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """The fast tier (`-m "not slow"`) runs the whole-model `each_table` tests on the table this run uses; their
-    copies on the lower tables are `slow` (the op-level `kernel_table` tests still take every table there)."""
-    runs = [it for it in items if "each_table" in getattr(getattr(it, "callspec", None), "params", {})]
+    """The fast tier (`-m "not slow"`) runs the `kernel_table` and `each_table` tests on the table this run uses;
+    their copies on the lower tables are `slow`: the full run proves every table."""
+    fixtures = ("kernel_table", "each_table")
+    runs = [it for it in items if any(f in getattr(getattr(it, "callspec", None), "params", {}) for f in fixtures)]
     if not runs:
         return
     from quantkit.runtime import cpu_kernel
 
     top = cpu_kernel.loaded_table if cpu_kernel.module() is not None else KERNEL_TABLES[0]
     for it in runs:
-        if it.callspec.params["each_table"] != top:
+        if any(it.callspec.params.get(f, top) != top for f in fixtures):
             it.add_marker(pytest.mark.slow)
 
 
