@@ -25,7 +25,7 @@ boundary, or 0), the last `keep` of them past the last boundary. `every` is a mu
 so a checkpoint is where a full prefill's chunk ends anyway: restoring it and prefilling from there cuts the
 same chunks, and the arithmetic stays that of a full prefill. (The very end of a prompt is not such a point
 unless it falls on one: a prompt that extends it would be prefilled in other chunks.) A repeated or
-extended raw prompt thus restores the last checkpoint before it and prefills fewer than `every` tokens.
+extended raw prompt thus restores the last checkpoint before it and prefills at most `every` tokens.
 
 A `PrefixCache` may carry a disk store (quantkit.runtime.prompt_disk): every snapshot it is given with
 `persist` is written there too (after the generation, `flush`), and `lookup` restores from disk a longer
