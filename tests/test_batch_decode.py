@@ -283,3 +283,36 @@ def test_a_continued_conversation_reuses_the_prompt_cache_in_a_batch(tiny_model,
             if ev.response is not None:
                 last[r] = ev.response
     assert last[row].cached_tokens > 0 and last[row].token_ids == want.token_ids
+
+
+def test_forked_choices_share_one_prefill_and_generate_what_each_generates_alone(tiny_model, monkeypatch,
+                                                                                   one_thread):  # noqa: F811
+    """`n` choices of one prompt: the prompt prefilled once, each choice a row in a copy of its state, decoded
+    together; each choice's tokens (greedy, and seeded per choice) are the ones it generates alone."""
+    import quantkit.runtime.batch as batch_mod
+
+    rt = _load(tiny_model, "int4")
+    ids = _ids(rt, PROMPTS[0])
+    seeded = dict(temperature=0.9, top_p=0.9, top_k=20, ignore_eos=True)
+    sps = [SamplingParams(max_new_tokens=9, seed=5, **seeded), SamplingParams(max_new_tokens=6, seed=6, **seeded),
+           SamplingParams(temperature=0, max_new_tokens=7, ignore_eos=True)]
+    want = [_alone(rt, ids, replace(sp), None).token_ids for sp in sps]
+    assert want[0] != want[1]  # the seeds differ, so do the choices
+    prefills = []
+    real = batch_mod.prefill
+    monkeypatch.setattr(batch_mod, "prefill", lambda *a, **k: prefills.append(1) or real(*a, **k))
+    batch = BatchGenerator(rt, max_rows=3)
+    first = batch.add(ids=ids, sampling=replace(sps[0]))
+    rows = [first, *(batch.fork(first, replace(sp)) for sp in sps[1:])]
+    with pytest.raises(QuantkitError, match="batch is full"):
+        batch.fork(first, replace(sps[0]))
+    last, sizes = {}, []
+    while batch:
+        sizes.append(len(batch.rows))
+        for row, ev in batch.step():
+            if ev.response is not None:
+                last[row] = ev.response
+    assert len(prefills) == 1 and sizes[0] == 3
+    assert [last[r].token_ids for r in rows] == want
+    with pytest.raises(QuantkitError, match="no prompt state left"):
+        batch.fork(first, replace(sps[0]))

@@ -224,3 +224,54 @@ def test_serve_refuses_a_bad_parallel_in_one_line(tmp_path, capsys, monkeypatch,
 def test_a_bad_parallel_in_the_config_is_one_line():
     with pytest.raises(QuantkitError, match=f"parallel 0: give 1 to {MAX_SLOTS} slots"):
         ServerConfig(parallel=0)
+
+
+# ---- `n` choices ----
+
+def test_the_choices_of_one_prompt_share_one_prefill(backend, monkeypatch, one_thread):  # noqa: F811
+    """`submit_group`: the prompt prefilled once, each choice decoded from a copy of its state, beside the
+    other request's; each choice's tokens (seeded per choice, as the server derives them) are its tokens alone."""
+    import quantkit.runtime.batch as batch_mod
+
+    prompt, other = _prompt(backend, TEXTS[1]), _prompt(backend, TEXTS[2])
+    seeded = _params()[1]
+    params = [replace(seeded, seed=7 + j, max_new_tokens=5 + j) for j in range(3)]
+    want = [_alone(backend, prompt, sp) for sp in params]
+    want_other = _alone(backend, other, _params()[0])
+    prefills = []
+    real = batch_mod.prefill
+    monkeypatch.setattr(batch_mod, "prefill", lambda *a, **k: prefills.append(len(a[1])) or real(*a, **k))
+    sched = BatchScheduler(backend, max_waiting=2, slots=4)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        group = object()
+        jobs = [Job(prompt, replace(sp), loop, group=group) for sp in params]
+        sched.submit_group(jobs)  # three choices: one request of the two the line holds
+        lone = Job(other, replace(_params()[0]), loop)
+        sched.submit(lone)
+        return await asyncio.gather(*(_collect(j) for j in [*jobs, lone]))
+    try:
+        got = asyncio.run(main())
+    finally:
+        sched.close()
+    assert [t for t, _d in got] == [*want, want_other]
+    assert all(isinstance(d, Done) and d.finish_reason == "length" for _t, d in got)
+    assert prefills == [len(prompt.ids), len(other.ids)]  # one prefill for the three choices
+    assert sched.stats.peak_batch == 4
+
+
+def test_n_choices_over_http_answer_as_one_at_a_time(backend, one_thread):  # noqa: F811
+    from test_server_api import ServerThread
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": TEXTS[3]}], "max_tokens": 6, "n": 3,
+            "temperature": 0.8, "top_p": 0.9, "seed": 11, "logprobs": True,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    got = []
+    for parallel in (1, 3):
+        with ServerThread(create_app(backend, ServerConfig(max_queue=2, parallel=parallel))) as s:
+            r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=WAIT_S)
+            assert r.status_code == 200, r.text
+            got.append([(c["index"], c["message"]["content"], json.dumps(c["logprobs"])) for c in r.json()["choices"]])
+    assert got[0] == got[1] and [i for i, _c, _l in got[0]] == [0, 1, 2]
+    assert len({c for _i, c, _l in got[0]}) > 1  # the seeds differ per choice, so do the choices

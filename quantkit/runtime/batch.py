@@ -6,6 +6,7 @@
     batch = BatchGenerator(rt)
     a = batch.add(messages_a, temperature=0, max_new_tokens=64)          # prefilled alone, joins the next step
     b = batch.add(messages_b, seed=1, max_new_tokens=32, stop_ids=set())
+    b2 = batch.fork(b, seed=2, max_new_tokens=32)                        # another choice, its prompt not prefilled again
     while batch:
         for row, ev in batch.step():                                     # one token for every row
             ...                                                          # ev as generate_stream yields it
@@ -131,6 +132,34 @@ class BatchGenerator:
         else:
             self._rows[row.id] = row
         return row.id
+
+    def fork(self, row: int, sampling: SamplingParams | None = None, *, stop_ids: set[int] | None = None,
+             cancel: threading.Event | None = None, **sampling_kw: Any) -> int:
+        """Another choice of `row`'s prompt, without prefilling it again: a new row in a copy of that row's prompt
+        state (HybridCache snapshot), with its own sampling (seed, hook, budget), stop tokens and cancel; its
+        tokens are the ones the same request generates alone. Only before `row` takes its first step (its state
+        is still the prompt's). Returns the new row's id."""
+        rt = self.rt
+        if self.max_rows is not None and len(self._rows) >= self.max_rows:
+            raise QuantkitError(f"the batch is full ({self.max_rows} rows): wait for a row to end")
+        r = self._rows.get(row)
+        if r is None or r.generated or r.logits is None:
+            raise QuantkitError(f"row {row} has no prompt state left to fork: fork before its first step")
+        sp = sampling or rt.sampling(**sampling_kw)
+        sp.validate()
+        n = len(r.prompt_ids)
+        stops = set() if sp.ignore_eos else rt.stop_ids if stop_ids is None else set(stop_ids)
+        gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
+        with rt._lock, torch.inference_mode():
+            src = r.cache
+            cache = HybridCache.from_snapshot(src.snapshot(r.prompt_ids), src.cfg, src.devices, src.dtype,
+                                              min(rt.context, n + sp.max_new_tokens))
+            logits = r.logits.clone()
+        new = _Row(next(self._ids), list(r.prompt_ids), sp, stops, cache, logits, picker(sp, gen, sample),
+                   min(sp.max_new_tokens, rt.context - n),
+                   ChannelSplitter(rt.tokenizer, rt.think_ids, r.split.channel == THINKING), n, 0.0, cancel)
+        self._rows[new.id] = new
+        return new.id
 
     def cancel(self, row: int) -> None:
         """End a row: it gives its last event ("cancelled") at the next step and leaves the batch."""

@@ -1,8 +1,9 @@
 """Running a request's choices through the queue and writing them as OpenAI objects or SSE chunks.
 
 One request asks for `n` choices of one or more prompts; each choice is one `Job` on the generation queue,
-run one after another (the queue generates one sequence at a time; later choices reuse the prompt's state
-from the prompt cache). `ChatFormat` and `CompletionFormat` write the two endpoints' shapes; the flow
+run one after another by the one-at-a-time queue (later choices reuse the prompt's state from the prompt
+cache), or all submitted at once to a scheduler with slots (`--parallel`), which prefills each prompt once for
+its choices and decodes them together. `ChatFormat` and `CompletionFormat` write the two endpoints' shapes; the flow
 (collect or stream, disconnects, failures, usage) is shared:
 - a streamed answer sends a role chunk per choice (chat), its text as it comes, one finish chunk per choice,
   then a usage-only chunk (`choices: []`) only when `stream_options.include_usage` is true, then `[DONE]`;
@@ -120,6 +121,7 @@ class Listener:
     def __init__(self, request: Request):
         self.request = request
         self.job: Job | None = None
+        self.others: list[Job] = []  # the request's other choices running beside `job` (stopped with it)
         self.gone = False
         self.task = asyncio.create_task(self._watch())
 
@@ -128,14 +130,16 @@ class Listener:
             msg = await self.request.receive()
             if msg["type"] == "http.disconnect":
                 self.gone = True
+                for other in self.others:
+                    other.stop("cancelled")
                 if self.job is not None:
                     self.job.stop("cancelled")
                     self.job.events.put_nowait(None)  # wake the consumer
                 return
 
     def close(self) -> None:
-        if self.job is not None:
-            self.job.stop()
+        for job in [*self.others, *([self.job] if self.job is not None else [])]:
+            job.stop()
         self.task.cancel()
 
 
@@ -252,8 +256,11 @@ class Run:
     submit: Submit
     on_done: OnDone
     first: Job | None = None  # the first choice's job, submitted before the response starts (429 there)
+    jobs: list[Job] = field(default_factory=list)  # every choice's job, when all were submitted at once
 
     def job(self, i: int, spec: ChoiceSpec) -> Job:
+        if self.jobs:
+            return self.jobs[i]
         if i == 0 and self.first is not None:
             return self.first
         return self.submit(spec)

@@ -273,14 +273,20 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
 
     def submit(spec: ans.ChoiceSpec) -> Job:
         job = Job(prompt=spec.prompt, params=spec.params, loop=asyncio.get_running_loop())
+        submit_jobs(state["queue"], [job])
+        return job
+
+    def submit_jobs(queue: Any, jobs: list[Job]) -> None:
         try:
-            state["queue"].submit(job)
+            if len(jobs) == 1:
+                queue.submit(jobs[0])
+            else:
+                queue.submit_group(jobs)
         except QueueFull as e:
             raise ApiError(429, f"server busy: {e}", "rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(config.retry_after_s)}) from None
         except QueueClosed as e:
             raise ApiError(503, str(e), "service_unavailable", code="shutting_down") from None
-        return job
 
     def on_done(a: ans.Answer) -> None:
         d = a.done
@@ -311,9 +317,19 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
         run = ans.Run(specs=specs_, fmt=fmt, rid=prefix + uuid.uuid4().hex, created=int(time.time()),
                       model=req.model, logprobs=want_lp, include_usage=req.include_usage, submit=submit,
                       on_done=on_done)
-        run.first = submit(specs_[0])
+        queue = state["queue"]
+        if len(specs_) > 1 and hasattr(queue, "submit_group"):
+            # slots: every choice at once, those of one prompt prefilled once and decoded together
+            groups = {pi: object() for pi in dict.fromkeys(sp.prompt_index for sp in specs_)}
+            run.jobs = [Job(prompt=sp.prompt, params=sp.params, loop=asyncio.get_running_loop(),
+                            group=groups[sp.prompt_index]) for sp in specs_]
+            submit_jobs(queue, run.jobs)
+            run.first = run.jobs[0]
+        else:
+            run.first = submit(specs_[0])
         listener = ans.Listener(request)
         listener.job = run.first
+        listener.others = run.jobs[1:]
         if req.stream:
             return StreamingResponse(ans.stream(run, listener), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

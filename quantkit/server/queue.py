@@ -56,6 +56,8 @@ class Job:
     cancel: threading.Event = field(default_factory=threading.Event)
     submitted: float = field(default_factory=time.perf_counter)
     stop_reason: str = "cancelled"
+    # the `n` choices of one prompt share one object here: a scheduler with slots prefills it once for them all
+    group: object | None = None
 
     def stop(self, reason: str = "cancelled") -> None:
         """End this job: "cancelled" (client gone) or "stop" (a stop string ended the answer)."""

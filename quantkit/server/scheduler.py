@@ -7,6 +7,8 @@ through the job's asyncio queue), but up to `slots` requests generate at once: o
 between two steps; its prompt is prefilled chunk by chunk with one batch step of the running slots between
 chunks, so a long prompt holds them up for one chunk at most; each step is one forward over the next token of
 every decoding slot; a slot is freed at the step after its request ends (stop, length, cancel, client gone).
+The `n` choices of one prompt (`submit_group`) are prefilled once: each choice that finds a free slot decodes
+from a copy of the first one's prompt state.
 Every request's tokens are the ones it gets served alone (tests/test_batch_decode.py,
 tests/test_server_scheduler.py).
 """
@@ -62,6 +64,7 @@ class BatchScheduler:
         self._batch = BatchGenerator(runtime, max_rows=slots)
         self._line: collections.deque[Job] = collections.deque()
         self._slots: dict[int, _Slot] = {}  # by BatchGenerator row
+        self._siblings: set[int] = set()  # id() of the waiting choices behind a request's first (not counted in 429)
         self._cv = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._work, name="quantkit-batch", daemon=True)
@@ -75,11 +78,22 @@ class BatchScheduler:
         with self._cv:
             if self._closed or not self._thread.is_alive():
                 raise QueueClosed("the server is shutting down")
-            if len(self._line) >= self.stats.max_waiting:
+            if (waiting := len(self._line) - len(self._siblings)) >= self.stats.max_waiting:
                 self.stats.rejected += 1
-                raise QueueFull(f"{len(self._line)} requests are already waiting (--max-queue "
+                raise QueueFull(f"{waiting} requests are already waiting (--max-queue "
                                 f"{self.stats.max_waiting}); retry later")
             self._line.append(job)
+            self.stats.waiting = len(self._line)
+            self._cv.notify()
+
+    def submit_group(self, jobs: list[Job]) -> None:
+        """The choices of one request, in order: the first waits as `submit` has it (429 when the line is full),
+        the others right behind it (they are one request); each choice of one prompt (`Job.group`) that finds a
+        free slot then takes a copy of the first one's prefilled state (`BatchGenerator.fork`)."""
+        self.submit(jobs[0])
+        with self._cv:
+            self._line.extend(jobs[1:])
+            self._siblings.update(id(j) for j in jobs[1:])
             self.stats.waiting = len(self._line)
             self._cv.notify()
 
@@ -101,6 +115,7 @@ class BatchScheduler:
             if not self._line or len(self._slots) >= self.stats.slots:
                 return None
             job = self._line.popleft()
+            self._siblings.discard(id(job))
             self.stats.waiting = len(self._line)
             return job
 
@@ -131,6 +146,30 @@ class BatchScheduler:
         with self._cv:
             self._slots[row] = _Slot(job, start, last=start)
             self.stats.running = len(self._slots)
+        self._fork_siblings(job, row)
+
+    def _fork_siblings(self, job: Job, row: int) -> None:
+        """The next waiting choices of `job`'s prompt, into free slots, each in a copy of `row`'s prompt state."""
+        while job.group is not None and row in self._batch.rows:  # not when its prefill was cancelled
+            with self._cv:
+                if not self._line or self._line[0].group is not job.group or len(self._slots) >= self.stats.slots:
+                    return
+                sib = self._line.popleft()
+                self._siblings.discard(id(sib))
+                self.stats.waiting = len(self._line)
+            start = time.perf_counter()
+            if sib.cancel.is_set() or self._closed:
+                sib.stop()
+                self._finish(_Slot(sib, start, last=start), None)
+                continue
+            try:
+                r = self._batch.fork(row, sib.params, cancel=sib.cancel)
+            except Exception as e:  # this choice fails alone; the running slots go on
+                self._fail([sib], e)
+                continue
+            with self._cv:
+                self._slots[r] = _Slot(sib, start, last=start)
+                self.stats.running = len(self._slots)
 
     def _deliver(self, events: list[tuple[int, TokenEvent]]) -> None:
         """A step's events to their jobs; an ended row's `Done`, its slot freed."""
