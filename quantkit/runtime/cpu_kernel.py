@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from quantkit.runtime import hugepages
+from quantkit.runtime.options import RuntimeOptions
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "qk_cpu.cpp", CSRC / "qk_step.cpp", CSRC / "qk_layers.cpp")  # torch-facing, baseline flags
@@ -81,9 +82,17 @@ def cache_root_usable(root: Path) -> bool:
         return False
 
 
+_asked: RuntimeOptions | None = None  # set by `configure` (a load given options); None: the environment's
+
+
+def asked() -> RuntimeOptions:
+    """The options the kernel's level follows: those of `configure`, else `RuntimeOptions.from_env()`."""
+    return _asked if _asked is not None else RuntimeOptions.from_env()
+
+
 def enabled_by_env() -> bool:
-    """False where QUANTKIT_CPU_ISA=none: torch's kernels only."""
-    return os.environ.get("QUANTKIT_CPU_ISA", "").strip().lower() not in ("none", "off")
+    """False where QUANTKIT_CPU_ISA=none (or the options' cpu_isa): torch's kernels only."""
+    return not asked().torch_only
 
 
 def _units() -> dict[str, tuple[str, ...]]:
@@ -256,12 +265,36 @@ def module() -> ModuleType | None:
     mod = build(quiet=True)
     if mod is None:
         return None
-    mod.set_isa(chosen_level(mod.detect_isa()))
-    if _plain_asked() and mod.table() != mod.isa_plain_name():
+    _set_level(mod, asked())
+    return mod
+
+
+def _set_level(mod: ModuleType, opts: RuntimeOptions) -> None:
+    mod.set_isa(chosen_level(mod.detect_isa(), opts.isa_level))
+    if opts.plain and mod.table() != mod.isa_plain_name():
         mod.set_table(mod.isa_plain_name())
     global loaded_table
     loaded_table = mod.table()
-    return mod
+
+
+def configure(opts: RuntimeOptions) -> None:
+    """Follow `opts.cpu_isa` (a load given options calls it; an empty one leaves the level to the environment).
+    Before the kernel loads it records the level the load will choose; once loaded, the level is set (the table
+    is process-wide: every model loaded runs on it); "none" cannot unload it (one line; torch's kernels run
+    where the kernel never loaded)."""
+    global _asked
+    if not opts.cpu_isa:
+        return
+    if module.cache_info().currsize == 0:
+        _asked = opts
+        return
+    mod = module()
+    if mod is None:
+        return
+    if opts.torch_only:
+        notice(f"cpu_isa={opts.cpu_isa}: the CPU kernel is already loaded in this process; it stays on")
+        return
+    _set_level(mod, opts)
 
 
 loaded_table = "none"  # the table module() chose at load (tests and benches may switch it for a while)
@@ -297,16 +330,12 @@ def denormals_flushed() -> Iterator[None]:
                 torch.set_flush_denormal(False)
 
 
-def _plain_asked() -> bool:
-    """QUANTKIT_CPU_ISA=LEVEL-plain: the level without its extension (AVX-VNNI, AVX512-BF16)."""
-    return os.environ.get("QUANTKIT_CPU_ISA", "").strip().lower().endswith("-plain")
-
-
-def chosen_level(best: int) -> int:
-    """The level to run: the best this CPU and build have, lowered by QUANTKIT_CPU_ISA (generic, avx2, avx512,
-    or LEVEL-plain for that level without its extension; one line when the value is unknown or above what
-    there is)."""
-    want = os.environ.get("QUANTKIT_CPU_ISA", "").strip().lower().removesuffix("-plain")
+def chosen_level(best: int, want: str | None = None) -> int:
+    """The level to run: the best this CPU and build have, lowered by `want` (generic, avx2, avx512; None:
+    the level `asked()` names, QUANTKIT_CPU_ISA without a load's options; LEVEL-plain there is that level
+    without its extension; one line when the value is unknown or above what there is)."""
+    if want is None:
+        want = asked().isa_level
     if not want:
         return best
     if want not in ISA_LEVELS:

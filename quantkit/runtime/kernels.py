@@ -25,14 +25,13 @@ Routes (the first that applies):
   0,1,2,3,4,6,8,12 and negatives) is split EXACTLY into lo + 4*hi with lo, hi in -3..3, and the two
   halves become one tinygemm int4 matrix over a doubled inner dimension: y = [x, x] @ [W_lo, W_hi]^T
   with group scales 2^(e-128) and 2^(e-126) (powers of two: exact in bf16). One int4 kernel call,
-  9 bits per weight resident instead of 4.25 (`MXFP4_ROUTE="dequant"` keeps the stored 4.25 bits and
-  dequantizes per call instead, slower).
+  9 bits per weight resident instead of 4.25 (`prepare(..., mxfp4="dequant")`, QUANTKIT_MXFP4_ROUTE through
+  runtime/options.py, keeps the stored 4.25 bits and dequantizes per call instead, slower).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,7 +48,6 @@ from quantkit.formats.mxfp4 import e8m0_to_fp32_half
 from quantkit.runtime import cpu_kernel, hugepages
 
 COMPUTE_DTYPE = torch.bfloat16
-MXFP4_ROUTE = os.environ.get("QUANTKIT_MXFP4_ROUTE", "int4x2")  # or "dequant"
 
 
 def reference_matmul(x: torch.Tensor, parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | None,
@@ -414,7 +412,7 @@ def _bnb4(parts: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, int
 
 
 def _mxfp4(parts: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, int], route: str | None) -> Kernel:
-    if (MXFP4_ROUTE if route in (None, "torch") else route) == "int4x2":
+    if route == "int4x2":
         c, s = mxfp4_to_int4x2(parts)
         try:
             k = Int4Kernel(c, s, None, 32, in_features=shape[1], dup_input=2)
@@ -433,11 +431,12 @@ KERNELS: dict[str, Callable[[dict[str, torch.Tensor], QuantSpec, tuple[int, int]
 
 
 def prepare(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | None, shape: tuple[int, ...],
-            route: str | None = None, shared: bool = False) -> Kernel:
+            route: str | None = None, shared: bool = False, mxfp4: str = "int4x2") -> Kernel:
     """The kernel for one matrix whose parts already sit on their device. `route` forces a route
     ("dequant" for the generic fallback, "torch" for torch's packed ops instead of quantkit's CPU
     kernel), for tests and benchmarks. `shared`: a dense tensor the model also uses elsewhere (kept as
-    it is, not copied)."""
+    it is, not copied). `mxfp4`: how an MXFP4 matrix runs where `route` leaves it open ("int4x2", the
+    exact int4 pair, or "dequant"; RuntimeOptions.mxfp4_route)."""
     if len(shape) != 2:
         raise QuantkitError(f"prepare takes one matrix [out, in]; got shape {list(shape)}")
     if spec is None:
@@ -456,7 +455,9 @@ def prepare(parts: dict[str, torch.Tensor] | torch.Tensor, spec: QuantSpec | Non
         if qk is not None:
             return qk
     if f in KERNELS:
-        return KERNELS[f](parts, spec, (shape[0], shape[1]), route)
+        # the mxfp4 kernel's only choice is int4x2 or dequant: torch's route leaves it to `mxfp4`
+        chosen = mxfp4 if f == "mxfp4" and route in (None, "torch") else route
+        return KERNELS[f](parts, spec, (shape[0], shape[1]), chosen)
     raise QuantkitError(f"no kernel for format {f!r}")
 
 

@@ -54,6 +54,7 @@ from quantkit.runtime.model.layers import Attention, DeltaNet, Layer, MoE
 from quantkit.runtime.model.model import Model
 from quantkit.runtime.model.mtp import MTP
 from quantkit.runtime.model.spec import ModelConfig, model_config
+from quantkit.runtime.options import RuntimeOptions
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 
 LM = "model.language_model."
@@ -180,7 +181,8 @@ class OnTheFlySource(TensorSource):
 
 @dataclass
 class LoadReport:
-    """What the loader did: bytes per device, kernel routes, the placement used, notes."""
+    """What the loader did: bytes per device, kernel routes, the placement used, notes, and the switches it
+    ran with (`options`: each matrix is prepared by them)."""
 
     bytes_by_device: dict[str, int] = field(default_factory=dict)
     routes: dict[str, int] = field(default_factory=dict)
@@ -188,6 +190,7 @@ class LoadReport:
     placement: Placement | None = None
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    options: RuntimeOptions = field(default_factory=RuntimeOptions)
 
     def add(self, dev: str | torch.device, nbytes: int) -> None:
         d = str(dev)
@@ -230,7 +233,7 @@ def _kernel(src: TensorSource, name: str, dev: str, report: LoadReport) -> Kerne
 
 
 def _kernel_of(parts: Any, spec: QuantSpec | None, shape: tuple[int, ...], report: LoadReport) -> Kernel:
-    k = prepare(parts if spec else dense_dtype(parts), spec, shape)
+    k = prepare(parts if spec else dense_dtype(parts), spec, shape, mxfp4=report.options.mxfp4_route)
     k.format = spec.format if spec else "bf16"
     report.add_kernel(k, k.format)
     return k
@@ -253,7 +256,7 @@ def build_experts(src: TensorSource, prefix: str, groups: list[tuple[str, list[i
                     slab = src.read(name, dev, slice(c0, c1))
                     for i in range(c1 - c0):
                         p = slice_parts(slab, i) if spec else dense_dtype(slab[i])
-                        k = prepare(p, spec, shape[1:], route=route)
+                        k = prepare(p, spec, shape[1:], route=route, mxfp4=report.options.mxfp4_route)
                         dest.append(k)
                         report.add_kernel(k, spec.format if spec else "bf16")
                     del slab
@@ -370,7 +373,8 @@ def _mtp_experts(src: TensorSource, p: str, dev: str, mc: ModelConfig, report: L
         if gs != us or gshape[1:] != ushape[1:]:
             raise QuantkitError(f"{q}gate_proj and up_proj are stored differently; re-run `quantkit quantize`")
         parts = _cat_rows(src.read(f"{q}gate_proj.weight", dev), src.read(f"{q}up_proj.weight", dev))
-        gu = prepare(parts if gs else dense_dtype(parts), gs, (gshape[0] + ushape[0], gshape[1]), route=route)
+        gu = prepare(parts if gs else dense_dtype(parts), gs, (gshape[0] + ushape[0], gshape[1]), route=route,
+                     mxfp4=report.options.mxfp4_route)
         g.gate_up.append(gu)
         g.down.append(_kernel(src, f"{q}down_proj.weight", dev, report))
         report.add_kernel(gu, gs.format if gs else "bf16")
@@ -513,12 +517,22 @@ def load_model(path: str | Path, plan: str | Path | Plan | None = None, *, recip
                context: int | None = None, verify: str = "auto", placement: Placement | None = None,
                progress: Callable[[str], None] | None = None, route: str | None = None,
                forced_route: str | None = None, gather: frozenset[int] | None = None,
-               mtp_copies: bool = True) -> Runtime:
+               mtp_copies: bool = True, options: RuntimeOptions | None = None) -> Runtime:
     """Load a quantized (or bf16) checkpoint folder into a `Runtime`. See the module docstring.
-    `forced_route`: a one-token route kind (runtime/model/route.py; None: QUANTKIT_ROUTE or the best);
+    `options`: every switch of the load (runtime/options.py; None: `RuntimeOptions.from_env()`, read here and
+    nowhere else); `route` and `forced_route` override its kernel_route and route.
+    `forced_route`: a one-token route kind (runtime/model/route.py; None: the options' or the best);
     `gather`: expert groups to compute as on a device (tests); `mtp_copies`: False holds the MTP layer's
     matrices as stored (to compare the layer with another engine's), not as int4 copies (model/draft.py)."""
     t0 = time.perf_counter()
+    if options is None:
+        options = RuntimeOptions.from_env()
+    else:
+        cpu_kernel.configure(options)  # before any matrix is prepared: the kernel's table follows the options
+    if forced_route is not None:
+        options = options.with_(route=forced_route, route_source="route")
+    if route is not None:
+        options = options.with_(kernel_route=route)
     folder = resolve_model(path)
     if not folder.is_dir():
         raise QuantkitError(f"{folder}: not a model folder")
@@ -534,7 +548,7 @@ def load_model(path: str | Path, plan: str | Path | Plan | None = None, *, recip
         rec = Recipe.from_dict(qc["recipe"])
     else:
         rec = get_recipe(recipe or "bf16")
-    report = LoadReport()
+    report = LoadReport(options=options)
     plan_obj = None
     if placement is None:
         if plan is not None:
@@ -564,11 +578,16 @@ def load_model(path: str | Path, plan: str | Path | Plan | None = None, *, recip
         src = OnTheFlySource(Checkpoint.open(folder), rec)
 
     try:
-        model = build_model(src, config, placement, report, progress, route, gather, mtp_copies)
+        model = build_model(src, config, placement, report, progress, options.kernel_route, gather, mtp_copies)
     finally:
         src.close()
     release_free_heap()
-    model.set_route(forced_route, report.notes)
+    model.set_route(options.route, report.notes, options.route_source)
     report.seconds = time.perf_counter() - t0
-    return Runtime(model, folder, config, placement, report, recipe=rec, plan=plan_obj)
+    rt = Runtime(model, folder, config, placement, report, recipe=rec, plan=plan_obj)
+    if options.mtp is not None:
+        note = rt.set_mtp(options.mtp)
+        if note:
+            report.notes.append(note)
+    return rt
 

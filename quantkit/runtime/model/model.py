@@ -69,9 +69,11 @@ class Model:
     def layer_devices(self) -> list[torch.device]:
         return [L.device for L in self.layers]
 
-    def set_route(self, forced: str | None = None, notes: list[str] | None = None) -> routes.Route:
-        """Choose the one-token route (see model/route.py); `forced` as QUANTKIT_ROUTE."""
-        self.route = routes.choose(self, forced, notes)
+    def set_route(self, forced: str | None = None, notes: list[str] | None = None,
+                  source: str = "route") -> routes.Route:
+        """Choose the one-token route (see model/route.py): `forced` (RuntimeOptions.route, named by
+        `source` in a refusal's note) or the best."""
+        self.route = routes.choose(self, forced, notes, source)
         self._stack, self._stack_key, self._graph = None, None, None
         if self.route.kind == "cuda-graph":
             self.inv_freq = self.inv_freq.to(self.layers[0].device)  # the rotary rows are made inside the graph

@@ -7,25 +7,25 @@
 - `cuda-graph`: the torch step captured once in a CUDA graph and replayed (model/graph.py), where the whole model
   sits on one CUDA device; only when asked for.
 Prompts run the layers' T-token path; a speculative verify of 2-4 tokens runs in the stack where the route is
-`stack` (`Layers.verify`), else the layers' verify. `QUANTKIT_ROUTE=stack|fused|torch|
-cuda-graph` (or `load_model(forced_route=)`) forces one; a route this machine or placement cannot run is
-refused in one line, naming the route used instead.
+`stack` (`Layers.verify`), else the layers' verify. `RuntimeOptions.route` (runtime/options.py: `load_model(
+options=)`, `forced_route=`, or QUANTKIT_ROUTE=stack|fused|torch|cuda-graph read by `RuntimeOptions.from_env`)
+forces one; a route this machine or placement cannot run is refused in one line, naming the route used instead.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from quantkit.runtime import cpu_kernel
+from quantkit.runtime.options import ROUTE_ENV
 
 if TYPE_CHECKING:
     from quantkit.runtime.model.model import Model
 
-ENV = "QUANTKIT_ROUTE"
+ENV = ROUTE_ENV
 KINDS = ("stack", "fused", "torch", "cuda-graph")
 
 
@@ -70,15 +70,16 @@ def graphable(model: Model) -> bool:
     return all(L.moe.gathered and not L.moe.cpu_groups and not L.moe.host_ids for L in model.layers)
 
 
-def choose(model: Model, forced: str | None = None, notes: list[str] | None = None) -> Route:
-    """The best route, or `forced` (None: QUANTKIT_ROUTE) where this model can take it."""
-    want = (forced if forced is not None else os.environ.get(ENV, "")).strip().lower()
+def choose(model: Model, forced: str | None = None, notes: list[str] | None = None, source: str = "route") -> Route:
+    """The best route, or `forced` (None: the best) where this model can take it; `source` names where a
+    refused `forced` came from in the note (RuntimeOptions.route_source: "route" or the variable)."""
+    want = (forced or "").strip().lower()
     can = possible(model)
     kind = can[0]
     if want and want in can:
         kind = want
     elif want:
-        why = f"{ENV}={want}" if forced is None else f"route {want!r}"
+        why = f"{source}={want}" if source != "route" else f"route {want!r}"
         cannot = ("needs every layer, expert, the embedding and the head on one CUDA device, experts in a format "
                   "it can gather (bf16, int8, int4)" if want == "cuda-graph" else "this model and machine cannot run it")
         line = (f"{why}: not one of {', '.join(KINDS)}" if want not in KINDS else f"{why}: {cannot}") + f"; using {kind}"
