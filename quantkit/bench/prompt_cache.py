@@ -1,12 +1,14 @@
-"""`quantkit bench prompt-cache`: time to first token of a long prompt after a restart, cold against restored from
-`--prompt-cache-dir` (quantkit/runtime/prompt_disk.py), on the realistic shape, quantized.
+"""`python -m quantkit.bench.prompt_cache`: time to first token of a long prompt after a restart, cold against
+restored from `--prompt-cache-dir` (quantkit/runtime/prompt_disk.py), on the realistic shape, quantized.
 
 For each prompt length and kind (a chat prompt: an agent's system prompt of tool logs and a question, rendered
-by the chat template; a raw prompt: the same text as /v1/completions sends it) three fresh processes run one after
-another on one cache folder: `cold` (empty folder: prefills everything, then writes its snapshots), `restored`
-(a restart: restores the longest cached prefix from disk, prefills the rest) and `cold again` without any
-cache (the reference tokens, and a second cold time). Each process loads the model first; TTFT is measured from
-the request to its first token, the load is not in it. Greedy, so restored and cold must give the same tokens.
+by the chat template; a raw prompt: the same text as /v1/completions sends it): `cold` runs with an empty cache
+folder (it prefills everything, then writes its snapshots), then a restart restores the longest cached prefix
+from the folder and prefills the rest. By default one process loads the model once and a restart is a new prompt
+cache and a new disk store (its index read again from the files' headers, nothing in memory): what a restarted
+process does after its load, which is not in the TTFT either way. `--processes` runs each in a fresh process
+instead (each loads the model). TTFT is measured from the request to its first token; greedy, so restored and
+cold must give the same tokens.
 """
 
 from __future__ import annotations
@@ -46,14 +48,15 @@ def prompt_ids(rt: Any, kind: str, tokens: int) -> list[int]:
                           {"role": "user", "content": "$ grep -c 404 access.log"}], enable_thinking=False)[1]
 
 
-def worker(qdir: str, kind: str, tokens: int, cache_dir: str | None, context: int) -> dict[str, Any]:
-    """One process's run: load, then one greedy request, timed to its first token."""
+def worker(qdir: str, kind: str, tokens: int, cache_dir: str | None, context: int, rt: Any = None) -> dict[str, Any]:
+    """One run (a restart): load (unless `rt` is given), a new prompt cache on `cache_dir`, then one greedy
+    request, timed to its first token."""
     from quantkit.runtime import SamplingParams, load_model
 
     t0 = time.perf_counter()
-    rt = load_model(Path(qdir), context=context)
-    if cache_dir is not None:
-        rt.set_prompt_cache(1 << 30, Path(cache_dir), 8 << 30)
+    rt = rt or load_model(Path(qdir), context=context)
+    rt.set_prompt_cache(1 << 30 if cache_dir is not None else 0, Path(cache_dir) if cache_dir else None,
+                        8 << 30 if cache_dir is not None else None)
     load_s = time.perf_counter() - t0
     ids = prompt_ids(rt, kind, tokens)
     sp = SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS)
@@ -84,45 +87,62 @@ def _run_worker(qdir: Path, kind: str, tokens: int, cache_dir: Path | None, cont
 def run(reports: Path, workdir: Path, lengths: tuple[int, ...] = LENGTHS, kinds: tuple[str, ...] = KINDS,
         layers: int = DEFAULTS["layers"], experts: int = DEFAULTS["experts"], top_k: int = DEFAULTS["top_k"],
         vocab: int = DEFAULTS["vocab"], threads: int | None = None, log: Any = print,
-        command: str = "") -> dict[str, Any]:
+        command: str = "", processes: bool = False) -> dict[str, Any]:
     t_start = time.perf_counter()
     threads = threads or os.cpu_count() or 1
     machine = describe_machine()
     checkpoint, qdir = prepare(workdir, layers, experts, top_k, vocab, None, log)
     context = max(lengths) + 1024
-    rows = []
+    rt = None
+    if not processes:
+        import torch
+
+        from quantkit.runtime import load_model
+
+        torch.set_num_threads(threads)
+        rt = load_model(qdir, context=context)
+    rows: list[dict[str, Any]] = []
+
+    def report() -> dict[str, Any]:
+        cfg = json.loads((checkpoint / "config.json").read_text())
+        tc = cfg.get("text_config", cfg)
+        big = [r for r in rows if r["prompt_tokens"] >= 16000]
+        checks = {"restored and cold give the same greedy tokens": all(r["same_tokens"] for r in rows),
+                  "the cold runs restored nothing": all(r["cold_cached_tokens"] == 0 for r in rows),
+                  "restored TTFT of the 16k prompts <= 0.1x cold": bool(big) and all(r["ratio"] <= 0.1 for r in big)}
+        data = {"command": command or "python -m quantkit.bench.prompt_cache", "machine": machine, "threads": threads,
+                "restart": "fresh processes" if processes else "a new prompt cache and disk store in the loaded process",
+                "checkpoint": str(checkpoint), "quantized": str(qdir),
+                "shape": {"layers": tc["num_hidden_layers"], "experts": tc["num_experts"],
+                          "top_k": tc["num_experts_per_tok"], "hidden": tc["hidden_size"], "vocab": tc["vocab_size"]},
+                "rows": rows, "checks": checks, "load_avg_at_end": os.getloadavg()[0],
+                "seconds": time.perf_counter() - t_start}
+        write_reports(reports, "bench-prompt-cache", data, render(data))
+        return data
+
     for kind in kinds:
         for n in lengths:
             folder = workdir / f"prompt-cache-{kind}-{n}"
             shutil.rmtree(folder, ignore_errors=True)
-            cold = _run_worker(qdir, kind, n, folder, context, threads)
-            restored = _run_worker(qdir, kind, n, folder, context, threads)
-            plain = _run_worker(qdir, kind, n, None, context, threads)
+            if processes:
+                cold = _run_worker(qdir, kind, n, folder, context, threads)
+                restored = _run_worker(qdir, kind, n, folder, context, threads)
+            else:
+                cold = worker(str(qdir), kind, n, str(folder), context, rt)
+                restored = worker(str(qdir), kind, n, str(folder), context, rt)
             row = {"kind": kind, "prompt_tokens": cold["prompt_tokens"], "cold_ttft_s": cold["ttft_s"],
-                   "cold_no_cache_ttft_s": plain["ttft_s"], "restored_ttft_s": restored["ttft_s"],
+                   "restored_ttft_s": restored["ttft_s"], "cold_cached_tokens": cold["cached_tokens"],
                    "restored_cached_tokens": restored["cached_tokens"],
                    "restore_s": restored["disk"]["last_restore_seconds"], "disk_bytes": restored["disk"]["bytes"],
                    "write_s_after_answer": cold["total_s"] - cold["ttft_s"],
-                   "ratio": restored["ttft_s"] / plain["ttft_s"],
-                   "same_tokens": cold["tokens"] == restored["tokens"] == plain["tokens"],
-                   "tokens": plain["tokens"]}
+                   "ratio": restored["ttft_s"] / cold["ttft_s"],
+                   "same_tokens": cold["tokens"] == restored["tokens"], "tokens": cold["tokens"]}
             rows.append(row)
-            log(f"{kind} {row['prompt_tokens']} tokens: cold {plain['ttft_s']:.2f} s, restored "
+            log(f"{kind} {row['prompt_tokens']} tokens: cold {cold['ttft_s']:.2f} s, restored "
                 f"{restored['ttft_s']:.3f} s ({row['ratio']:.3f}x, {row['restored_cached_tokens']} tokens from disk "
                 f"in {row['restore_s']:.3f} s), same tokens: {row['same_tokens']}")
-    cfg = json.loads((checkpoint / "config.json").read_text())
-    tc = cfg.get("text_config", cfg)
-    big = [r for r in rows if r["prompt_tokens"] >= 16000]
-    checks = {"restored and cold give the same greedy tokens": all(r["same_tokens"] for r in rows),
-              "restored TTFT of the 16k prompts <= 0.1x cold": bool(big) and all(r["ratio"] <= 0.1 for r in big)}
-    data = {"command": command or "quantkit bench prompt-cache", "machine": machine, "threads": threads,
-            "checkpoint": str(checkpoint), "quantized": str(qdir),
-            "shape": {"layers": tc["num_hidden_layers"], "experts": tc["num_experts"],
-                      "top_k": tc["num_experts_per_tok"], "hidden": tc["hidden_size"], "vocab": tc["vocab_size"]},
-            "rows": rows, "checks": checks, "load_avg_at_end": os.getloadavg()[0],
-            "seconds": time.perf_counter() - t_start}
-    write_reports(reports, "bench-prompt-cache", data, render(data))
-    return data
+            report()  # what is measured so far, in case a long row does not finish
+    return report()
 
 
 def render(d: dict[str, Any]) -> str:
@@ -135,20 +155,22 @@ def render(d: dict[str, Any]) -> str:
            f"Checkpoint: the realistic shape (`quantkit tiny-model --realistic`: hidden {s['hidden']}, "
            f"{s['layers']} layers, {s['experts']} experts top-{s['top_k']}, vocab {s['vocab']:,}) quantized "
            "(experts int4 g32, the rest int8).", "",
-           "Each row: three fresh processes on one `--prompt-cache-dir`: cold (an empty folder; prefills all, then "
-           "writes its snapshots), restored (a restart: the longest cached prefix read from disk, the rest "
-           "prefilled) and cold again without any cache. TTFT from the request to the first token (the model load "
-           f"is not in it); greedy, {NEW_TOKENS} tokens.", "",
-           "| prompt | tokens | cold TTFT (s) | cold, no cache (s) | restored TTFT (s) | restored / cold | "
-           "from disk (tokens) | restore (s) | disk (MB) | same tokens |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+           "Each row, on one `--prompt-cache-dir`: cold (an empty folder: prefills all, then writes its snapshots) "
+           f"and restored after a restart ({d['restart']}: nothing in memory, the longest cached prefix read from "
+           "disk, the rest prefilled). TTFT from the request to the first token (a model load is not in it); "
+           f"greedy, {NEW_TOKENS} tokens.", "",
+           "| prompt | tokens | cold TTFT (s) | restored TTFT (s) | restored / cold | from disk (tokens) | "
+           "restore (s) | disk (MB) | same tokens |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in d["rows"]:
-        out.append(f"| {r['kind']} | {r['prompt_tokens']:,} | {r['cold_ttft_s']:.2f} | {r['cold_no_cache_ttft_s']:.2f}"
-                   f" | {r['restored_ttft_s']:.3f} | {r['ratio']:.3f}x | {r['restored_cached_tokens']:,} | "
-                   f"{r['restore_s']:.3f} | {r['disk_bytes'] / 1e6:.1f} | {'yes' if r['same_tokens'] else 'NO'} |")
-    out += ["", "restored / cold = restored TTFT over the no-cache cold TTFT. A chat prompt restores the state at "
+        out.append(f"| {r['kind']} | {r['prompt_tokens']:,} | {r['cold_ttft_s']:.2f} | {r['restored_ttft_s']:.3f} | "
+                   f"{r['ratio']:.3f}x | {r['restored_cached_tokens']:,} | {r['restore_s']:.3f} | "
+                   f"{r['disk_bytes'] / 1e6:.1f} | {'yes' if r['same_tokens'] else 'NO'} |")
+    out += ["", "restore (s) = reading, checking and placing the state from disk (part of the restored TTFT). "
+            "A chat prompt restores the state at "
             "the start of the generation prompt (a few tokens to prefill); a raw prompt the last checkpoint "
-            "(every 512 tokens) before its end, so fewer than 512 tokens are prefilled. The cold run writes its "
+            "(every 512 tokens) before its end, so at most 512 tokens are prefilled (512 when its length is a "
+            "multiple of 512). The cold run writes its "
             "snapshots after its answer (not in its TTFT).", "", "Checks:", ""]
     out += [f"- {'PASS' if ok else 'FAIL'}: {name}" for name, ok in d["checks"].items()]
     return "\n".join(out) + "\n"
@@ -167,6 +189,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--kinds", default=",".join(KINDS), help="chat, raw or both")
     ap.add_argument("--experts", type=int, default=DEFAULTS["experts"])
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--processes", action="store_true", help="cold and restored each in a fresh process")
     a = ap.parse_args(argv)
     try:
         lengths = tuple(int(x) for x in a.lengths.split(",") if x.strip())
@@ -175,7 +198,7 @@ def main(argv: list[str]) -> int:
     kinds = tuple(k.strip() for k in a.kinds.split(",") if k.strip())
     if not lengths or min(lengths) < 64 or not kinds or set(kinds) - set(KINDS):
         ap.error("--lengths: counts of at least 64; --kinds: chat, raw")
-    d = run(a.reports, a.workdir, lengths, kinds, experts=a.experts, threads=a.threads,
+    d = run(a.reports, a.workdir, lengths, kinds, experts=a.experts, threads=a.threads, processes=a.processes,
             command="python -m quantkit.bench.prompt_cache " + " ".join(argv))
     print(f"wrote {a.reports / 'bench-prompt-cache.md'} ({d['seconds']:.0f} s)")
     return 0 if all(d["checks"].values()) else 1
