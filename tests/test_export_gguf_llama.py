@@ -101,6 +101,7 @@ def assert_types_are_the_plan(path: Path, ftype: str) -> None:
         assert t.nbytes == tensor_bytes(t.shape, t.type)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ftype", list(LLAMA_TYPES))
 def test_each_llama_type_loads_runs_and_stays_close(ftype: str, kmodel: Path, ids: torch.Tensor,
                                                     bf16_ref: np.ndarray, tmp_path: Path) -> None:
@@ -122,6 +123,7 @@ def test_each_llama_type_loads_runs_and_stays_close(ftype: str, kmodel: Path, id
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no intermediates left
 
 
+@pytest.mark.slow
 def test_more_bits_less_divergence(kmodel: Path, ids: torch.Tensor, bf16_ref: np.ndarray, tmp_path: Path) -> None:
     d = {t: kl(bf16_ref, llama_logits(export_gguf(kmodel, tmp_path / f"{t}.gguf", t).path, ids, 2))
          for t in ("q3_k_m", "q4_k_m", "q6_k")}

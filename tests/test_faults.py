@@ -71,6 +71,7 @@ def q8(tiny_model: Path, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["quantize", "gguf", "vllm", "tiny-model"])
 def test_kill_9_then_rerun_gives_the_uninterrupted_result(kind, tiny_model, q8, tmp_path, capsys, monkeypatch):
     rng = random.Random(f"{SEED}-{kind}")
@@ -125,6 +126,7 @@ def test_a_kill_before_the_journal_leaves_a_folder_any_rerun_takes(flag, tiny_mo
     assert not any(p.name.endswith(".tmp") or "progress" in p.name for p in out.iterdir())
 
 
+@pytest.mark.slow
 def test_kill_9_during_a_chat_session_then_resume(tiny_model, tmp_path):
     """chat --session rewrites its file after every turn; killed at a random point of a scripted session, the
     next start resumes from the file (or ignores a damaged one with a notice), with one line and no traceback,

@@ -21,6 +21,7 @@ def imatrix_file(tiny_stats, tmp_path_factory):
     return write_imatrix_gguf(tiny_stats, tmp_path_factory.mktemp("im") / "tiny.imatrix.gguf")
 
 
+@pytest.mark.slow
 def test_layout_and_values_follow_llama_cpp(imatrix_file, tiny_stats):
     import gguf
 
@@ -80,6 +81,7 @@ def test_llama_cpp_quantizer_accepts_and_uses_the_imatrix(tiny_model, imatrix_fi
     assert _quantize(f16, tmp_path / "c.gguf", q4_0, bad)[0] != 0
 
 
+@pytest.mark.slow
 def test_cli_writes_the_imatrix_beside_the_stats(tiny_model, tmp_path, capsys, monkeypatch):
     out, im = tmp_path / "s", tmp_path / "s.imatrix.gguf"
     code, so, err = run_cli(["stats", tiny_model, "--out", out, "--calib-tokens", "1024", "--chunk-size", "128",

@@ -62,6 +62,7 @@ def models() -> dict[str, LlamaModel]:
     return {t: model_from_spec(SPEC, t) for t in ALL_TYPES}
 
 
+@pytest.mark.slow
 def test_every_8_to_32gb_card_every_type_the_line_fits(models: dict[str, LlamaModel]) -> None:
     cards = [g for g in load_catalog() if 8 <= g.memory_gib <= 32 and not g.unified]
     assert len(cards) >= 5
