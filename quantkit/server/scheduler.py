@@ -83,7 +83,7 @@ class BatchScheduler:
                 raise QueueFull(f"{waiting} requests are already waiting (--max-queue "
                                 f"{self.stats.max_waiting}); retry later")
             self._line.append(job)
-            self.stats.waiting = len(self._line)
+            self.stats.waiting = len(self._line) - len(self._siblings)  # requests: choices count once
             self._cv.notify()
 
     def submit_group(self, jobs: list[Job]) -> None:
@@ -94,7 +94,7 @@ class BatchScheduler:
         with self._cv:
             self._line.extend(jobs[1:])
             self._siblings.update(id(j) for j in jobs[1:])
-            self.stats.waiting = len(self._line)
+            self.stats.waiting = len(self._line) - len(self._siblings)  # requests: choices count once
             self._cv.notify()
 
     def close(self, timeout: float = 10.0) -> None:
@@ -116,7 +116,7 @@ class BatchScheduler:
                 return None
             job = self._line.popleft()
             self._siblings.discard(id(job))
-            self.stats.waiting = len(self._line)
+            self.stats.waiting = len(self._line) - len(self._siblings)  # requests: choices count once
             return job
 
     def _work(self) -> None:
@@ -156,7 +156,7 @@ class BatchScheduler:
                     return
                 sib = self._line.popleft()
                 self._siblings.discard(id(sib))
-                self.stats.waiting = len(self._line)
+                self.stats.waiting = len(self._line) - len(self._siblings)  # requests: choices count once
             start = time.perf_counter()
             if sib.cancel.is_set() or self._closed:
                 sib.stop()
