@@ -122,8 +122,8 @@ def serve(
     parallel: int = typer.Option(None, "--parallel", parser=PARALLEL, show_default=False,
                                  help="requests decoded together, each in its own slot, one forward per token "
                                  "for all of them (1: one request at a time); refused when the slots' K/V and "
-                                 f"recurrent state at --context do not fit the free memory [default: as many as "
-                                 f"fit, up to {DEFAULT_PARALLEL_MAX}; 1 where two do not fit]"),
+                                 f"recurrent state at --context do not fit the free memory (default: as many as "
+                                 f"fit, up to {DEFAULT_PARALLEL_MAX}; 1 where two do not fit)"),
     context: int = typer.Option(None, "--context", "-c", parser=CONTEXT,
                                 help="context length to plan for, e.g. 32k (default: the plan's, or 4096)"),
     max_tokens: int = typer.Option(None, "--max-tokens", "-n", parser=MAX_TOKENS,
