@@ -79,7 +79,7 @@ def _step(model: Model, ids: list[int], caches: list[HybridCache]) -> torch.Tens
         c.drop_trail()
         c.pos = None
     x = torch.cat([model._embed([t]) for t in ids])
-    ops = cpu_kernel.module() if model.route.kind in ("stack", "fused") else None
+    ops = model.ops
     rope = [model._rope_rows(torch.tensor([c.n]), x.dtype) for c in caches]
     cos, sin = torch.cat([r[0] for r in rope]), torch.cat([r[1] for r in rope])
     for L in model.layers:

@@ -17,12 +17,13 @@ import torch.nn.functional as F
 
 from quantkit.runtime import cpu_kernel
 from quantkit.runtime.devices import HeapGuard
-from quantkit.runtime.kernels import Kernel, Projections
+from quantkit.runtime.kernels import Kernel
 from quantkit.runtime.model import batch_step
 from quantkit.runtime.model import route as routes
-from quantkit.runtime.model.cache import HybridCache, Trail
+from quantkit.runtime.model.cache import HybridCache
+from quantkit.runtime.model.executors import StackExecutor, stackable
 from quantkit.runtime.model.graph import CudaGraphStep
-from quantkit.runtime.model.layers import Attention, DeltaNet, Layer, rms
+from quantkit.runtime.model.layers import Layer, rms
 from quantkit.runtime.model.spec import ModelConfig
 
 ROPE_BLOCK = 256  # positions per table of rotary cos / sin for one-token steps
@@ -41,10 +42,11 @@ class Model:
     route: routes.Route = field(init=False)
     _rows: dict[int, torch.Tensor] = field(default_factory=dict, init=False)  # kept embedding rows, oldest first
     _rope: dict[Any, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, init=False)
-    _stack: Any = field(default=None, init=False)
-    _stack_key: tuple[int, int] | None = field(default=None, init=False)
+    _stack: StackExecutor | None = field(default=None, init=False)  # the one-call stack (model/executors.py)
     _graph: CudaGraphStep | None = field(default=None, init=False)
     mtp: Any = field(default=None, init=False)  # the checkpoint's MTP layer (model/mtp.py), where it has one
+    # the CPU kernel's fused one-token ops the layers call, bound with the route (None: torch ops)
+    ops: Any = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         t = self.cfg.text
@@ -58,7 +60,6 @@ class Model:
         # a quantized embedding on the CPU: its one-token rows are kept (`_embed`)
         self.keep_rows = not isinstance(self.embed, torch.Tensor) and all(
             p.device.type == "cpu" for p in self.embed.parts.values())
-        self._gdn_layers = [L.index for L in self.layers if isinstance(L.mixer, DeltaNet)]
 
     # ---- facts ----
     @property
@@ -74,7 +75,8 @@ class Model:
         """Choose the one-token route (see model/route.py): `forced` (RuntimeOptions.route, named by
         `source` in a refusal's note) or the best."""
         self.route = routes.choose(self, forced, notes, source)
-        self._stack, self._stack_key, self._graph = None, None, None
+        self.ops = cpu_kernel.module() if self.route.kind in ("stack", "fused") else None
+        self._stack, self._graph = None, None
         if self.route.kind == "cuda-graph":
             self.inv_freq = self.inv_freq.to(self.layers[0].device)  # the rotary rows are made inside the graph
         return self.route
@@ -116,16 +118,12 @@ class Model:
             x = self._embed(ids)
             one, verify = one and x.device.type == "cpu", verify and x.device.type == "cpu"
         if one:
-            cos, sin, row = self._rope_table(cache.n)
-            st = self._bound_stack(cache)
-            logits = st.step_ids(x, cos, sin, row, cache.n) if isinstance(x, list) else st.step(x, cos, sin, row, cache.n)
-            cache.n += 1
-            return logits
+            return self.stack().step(x, cache)
         if verify:
-            logits, x = self._stack_verify(x, cache)
+            logits, x = self.stack().verify(x, cache)
             logits = logits if all_logits else logits[-1]
             return (logits, x) if hidden else logits
-        ops = cpu_kernel.module() if self.route.kind in ("stack", "fused") else None
+        ops = self.ops
         cos, sin = self._rope_rows(torch.arange(cache.n, cache.n + t), x.dtype)
         for L in self.layers:
             x = L(x, cache, cos, sin, ops, keep_positions)
@@ -209,44 +207,17 @@ class Model:
         rows = [self._rope_table(p) for p in range(n, n + t)]
         return torch.stack([c[r] for c, _s, r in rows]), torch.stack([s[r] for _c, s, r in rows])
 
-    def _stack_verify(self, x: torch.Tensor | list[int], cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """A keep-positions forward of x [T, H] (or T token ids, `stack_embedding`'s rows) in the kernel's stack
-        (`Layers.verify`): logits [T, V] and the final norm's output [T, H], bit for bit what T one-token steps
-        give; the Gated DeltaNet trail recorded (the stack's `rewind` replays a rejected draft's tokens from the
-        state before, kept in the buffer the cache's state traded places with) and cache.n advanced."""
-        n = cache.n
-        t = len(x) if isinstance(x, list) else x.shape[0]
-        cos, sin, row = self._rope_span(n, t)
-        st = self._bound_stack(cache)
-        out = st.verify_ids(x, cos, sin, row, n) if isinstance(x, list) else st.verify(x.contiguous(), cos, sin, row, n)
-        for j, i in enumerate(self._gdn_layers):
-            cache.trail[i] = Trail(n, out[2 + 2 * j], None)
-            cache.state[i] = out[3 + 2 * j]
-        if self._gdn_layers:
-            cache.replay = st.rewind
-        cache.n += t
-        return out[0], out[1]
-
     # ---- the one-call stack ----
     def stackable(self) -> bool:
-        """Whether every layer can run in the kernel's one-call stack (`layer_stackable`), and the final norm and
-        head on the CPU kernel."""
-        if self.head_device.type != "cpu" or not Projections([self.head]).fused:
-            return False
-        return all(layer_stackable(L) for L in self.layers)
+        """Whether every layer, the final norm and the head can run in the kernel's one-call stack."""
+        return stackable(self)
 
-    def _bound_stack(self, cache: HybridCache) -> Any:
-        """The kernel's `Layers` pointed at this cache's tensors (rebuilt when the cache or its buffers change)."""
-        key = (cache.serial, cache.version)
-        if self._stack_key == key:
-            return self._stack
-        stack = stack_of(self.layers, cache)
-        self._head_table = Projections([self.head]).table  # kept alive beside the stack that reads it
-        stack.set_head(self.final, self.eps, self._head_table)
-        if self.stack_embedding() is not None:
-            stack.set_embed(self.embed)
-        self._stack, self._stack_key = stack, key
-        return stack
+    def stack(self) -> StackExecutor:
+        """The one-call stack's executor for this model (model/executors.py), made on first use after a route is
+        chosen."""
+        if self._stack is None:
+            self._stack = StackExecutor(self)
+        return self._stack
 
     def stack_embedding(self) -> torch.Tensor | None:
         """The embedding table the kernel's stack reads token rows from itself (a contiguous bf16 table on the
@@ -255,29 +226,3 @@ class Model:
         ok = isinstance(e, torch.Tensor) and e.dtype == torch.bfloat16 and e.device.type == "cpu" and e.is_contiguous()
         return e if ok else None
 
-
-def layer_stackable(L: Layer) -> bool:
-    """Whether a layer can run in the kernel's one-call stack: on the CPU, every projection a kernel table, the
-    routed experts in one `qk.moe` call, the router on the bf16 kernel and the kernel's attention."""
-    m, moe = L.mixer, L.moe
-    if L.device.type != "cpu" or not moe.fused_all or moe.shared_and_router is None:
-        return False
-    tables = [moe.shared_and_router, moe.down_one] + (
-        [m.proj_in, m.out_one] if isinstance(m, DeltaNet) else [m.qkv_in, m.o_one])
-    return all(p.fused for p in tables) and (not isinstance(m, Attention) or m.kernel_attends)
-
-
-def stack_of(layers: list[Layer], cache: HybridCache) -> Any:
-    """The kernel's `Layers` for these (stackable) layers, pointed at this cache's tensors."""
-    stack = cpu_kernel.module().Layers()
-    for L in layers:
-        m, moe = L.mixer, L.moe
-        if isinstance(m, DeltaNet):
-            stack.add_gdn(L.pre, L.post, L.eps, m.proj_in.table, m.out_one.table, cache.conv[L.index], m.conv_taps,
-                          m.neg_a, m.dt_bias, m.norm_wf, m.norm_w.dtype == torch.bfloat16, cache.state[L.index], m.hk)
-        else:
-            stack.add_attention(L.pre, L.post, L.eps, m.qkv_in.table, m.o_one.table, m.qk_scale,
-                                cache.keys[L.index], cache.values[L.index], m.scaling, m.eps)
-        assert moe.shared_and_router is not None
-        stack.set_moe(moe.shared_and_router.table, moe.down_one.table, moe.experts._fused_table()[1], moe.top_k)
-    return stack

@@ -23,8 +23,8 @@ from quantkit.runtime import cpu_kernel
 from quantkit.runtime.kernels import Kernel, Projections, QKernel
 from quantkit.runtime.model.cache import HybridCache
 from quantkit.runtime.model.draft_head import DraftHead
+from quantkit.runtime.model.executors import layer_stackable, stack_of
 from quantkit.runtime.model.layers import Layer, rms
-from quantkit.runtime.model.model import layer_stackable, stack_of
 from quantkit.runtime.model.spec import ModelConfig
 
 STACK_PAIRS = 4  # a draft of up to this many pairs runs in the kernel's one call (the row-by-row path's bound)
@@ -80,7 +80,7 @@ class MTP:
         hidden = hidden[:t] if hidden.shape[0] > t else hidden
         cache.reserve(cache.n + t)
         eps = self.cfg.rms_eps
-        ops = cpu_kernel.module() if model.route.kind in ("stack", "fused") else None
+        ops = model.ops
         e = model._embed(tokens).to(self.layer.device)
         head = self.head(model)
         if ops is not None and t <= STACK_PAIRS and self._stackable(model, head):
