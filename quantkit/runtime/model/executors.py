@@ -1,11 +1,13 @@
 """How a run of consecutive layers executes on the CPU kernel's one-call stack (`qk.Layers`, csrc/qk_layers.cpp).
 
-The stack is an executor, not a second definition of the model: it is handed the layers' own tensors (the
+A route's executor (`executor_for`, bound once when the route is chosen) takes the one-token steps and the
+short verifies it can run; what it leaves (None) runs in the layers. The CPU stack is an executor, not a second
+definition of the model: it is handed the layers' own tensors (the
 `Projections` tables, norms' constants, conv taps, the caches' K/V and states) and runs, in one call, the
 one-token step the layers (model/layers.py) compute with the kernel's fused ops; tests/test_model_forward.py
 holds the two bit for bit on every op table. The model (model/model.py) asks `StackExecutor` for a step or a
 verify where the route (model/route.py) is `stack`; the MTP layer (model/mtp.py) binds a one-layer stack the
-same way (`stack_of`).
+same way (`stack_of`). The cuda-graph route's executor replays a captured step (model/graph.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 from quantkit.runtime import cpu_kernel
 from quantkit.runtime.kernels import Projections
 from quantkit.runtime.model.cache import HybridCache, Trail
+from quantkit.runtime.model.graph import GraphExecutor
 from quantkit.runtime.model.layers import Attention, DeltaNet, Layer
 
 if TYPE_CHECKING:
@@ -83,20 +86,36 @@ class StackExecutor:
         self._stack, self._key = stack, key
         return stack
 
-    def step(self, x: torch.Tensor | list[int], cache: HybridCache) -> torch.Tensor:
-        """Logits [V] of one token (its row [1, H], or its id where the stack reads the embedding itself) at
-        cache.n; cache.n advanced."""
+    def _input(self, ids: list[int] | torch.Tensor) -> torch.Tensor | list[int] | None:
+        """The ids where the stack reads the embedding itself, else their rows [T, H]; None where the rows are
+        off the CPU (the layers run them)."""
+        m = self.model
+        if isinstance(ids, list) and m.stack_embedding() is not None:
+            return ids
+        x = m._embed(ids)
+        return x if x.device.type == "cpu" else None
+
+    def step(self, ids: list[int] | torch.Tensor, cache: HybridCache) -> torch.Tensor | None:
+        """Logits [V] of one token at cache.n, cache.n advanced (None: the layers take it)."""
+        cache.pos = None
+        x = self._input(ids)
+        if x is None:
+            return None
         cos, sin, row = self.model._rope_table(cache.n)
         st = self.bind(cache)
         logits = st.step_ids(x, cos, sin, row, cache.n) if isinstance(x, list) else st.step(x, cos, sin, row, cache.n)
         cache.n += 1
         return logits
 
-    def verify(self, x: torch.Tensor | list[int], cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """A keep-positions forward of x [T, H] (or T token ids, `stack_embedding`'s rows) (`Layers.verify`):
-        logits [T, V] and the final norm's output [T, H], bit for bit what T one-token steps give; the Gated
-        DeltaNet trail recorded (the stack's `rewind` replays a rejected draft's tokens from the state before,
-        kept in the buffer the cache's state traded places with) and cache.n advanced."""
+    def verify(self, ids: list[int] | torch.Tensor, cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A keep-positions forward of T tokens (`Layers.verify`): logits [T, V] and the final norm's output
+        [T, H], bit for bit what T one-token steps give; the Gated DeltaNet trail recorded (the stack's `rewind`
+        replays a rejected draft's tokens from the state before, kept in the buffer the cache's state traded
+        places with) and cache.n advanced (None: the layers take it)."""
+        cache.pos = None
+        x = self._input(ids)
+        if x is None:
+            return None
         n = cache.n
         t = len(x) if isinstance(x, list) else x.shape[0]
         cos, sin, row = self.model._rope_span(n, t)
@@ -109,3 +128,9 @@ class StackExecutor:
             cache.replay = st.rewind
         cache.n += t
         return out[0], out[1]
+
+
+def executor_for(model: Model) -> StackExecutor | GraphExecutor | None:
+    """The executor of the route chosen for `model` (None: every token runs in the layers)."""
+    kind = model.route.kind
+    return StackExecutor(model) if kind == "stack" else GraphExecutor(model) if kind == "cuda-graph" else None

@@ -62,3 +62,24 @@ class CudaGraphStep:
         self.graph.replay()
         assert self.logits is not None
         return self.logits
+
+
+class GraphExecutor:
+    """The cuda-graph route's one-token steps (model/executors.py `executor_for`): replayed from the graph
+    captured for the cache in use, captured again for another cache or moved buffers. Verifies run in the
+    layers."""
+
+    def __init__(self, model: Model):
+        self.model = model
+        self.graph: CudaGraphStep | None = None
+
+    def step(self, ids: list[int] | torch.Tensor, cache: HybridCache) -> torch.Tensor | None:
+        g = self.graph
+        if g is None or g.cache is not cache or g.version != cache.version:
+            g = self.graph = CudaGraphStep(self.model, cache)
+        logits = g.replay(int(ids[0]), cache.n)
+        cache.n += 1
+        return logits
+
+    def verify(self, ids: list[int] | torch.Tensor, cache: HybridCache) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None

@@ -21,8 +21,7 @@ from quantkit.runtime.kernels import Kernel
 from quantkit.runtime.model import batch_step
 from quantkit.runtime.model import route as routes
 from quantkit.runtime.model.cache import HybridCache
-from quantkit.runtime.model.executors import StackExecutor, stackable
-from quantkit.runtime.model.graph import CudaGraphStep
+from quantkit.runtime.model.executors import GraphExecutor, StackExecutor, executor_for, stackable
 from quantkit.runtime.model.layers import Layer, rms
 from quantkit.runtime.model.spec import ModelConfig
 
@@ -42,8 +41,8 @@ class Model:
     route: routes.Route = field(init=False)
     _rows: dict[int, torch.Tensor] = field(default_factory=dict, init=False)  # kept embedding rows, oldest first
     _rope: dict[Any, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, init=False)
-    _stack: StackExecutor | None = field(default=None, init=False)  # the one-call stack (model/executors.py)
-    _graph: CudaGraphStep | None = field(default=None, init=False)
+    # the route's executor for one-token steps and short verifies (model/executors.py; None: the layers)
+    executor: StackExecutor | GraphExecutor | None = field(default=None, init=False)
     mtp: Any = field(default=None, init=False)  # the checkpoint's MTP layer (model/mtp.py), where it has one
     # the CPU kernel's fused one-token ops the layers call, bound with the route (None: torch ops)
     ops: Any = field(default=None, init=False)
@@ -76,7 +75,7 @@ class Model:
         `source` in a refusal's note) or the best."""
         self.route = routes.choose(self, forced, notes, source)
         self.ops = cpu_kernel.module() if self.route.kind in ("stack", "fused") else None
-        self._stack, self._graph = None, None
+        self.executor = executor_for(self)
         if self.route.kind == "cuda-graph":
             self.inv_freq = self.inv_freq.to(self.layers[0].device)  # the rotary rows are made inside the graph
         return self.route
@@ -101,28 +100,18 @@ class Model:
             raise ValueError("forward of no tokens")
         cache.reserve(cache.n + t)
         cache.drop_trail()
-        if t == 1 and self.route.kind == "cuda-graph" and not keep_positions and not hidden:
-            g = self._graph
-            if g is None or g.cache is not cache or g.version != cache.version:
-                self._graph = CudaGraphStep(self, cache)  # captured again for a new cache or moved buffers
-            logits = self._graph.replay(int(ids[0]), cache.n)
-            cache.n += 1
-            return logits
+        ex = self.executor
+        if ex is not None and t == 1 and not keep_positions and not hidden:
+            logits = ex.step(ids, cache)
+            if logits is not None:
+                return logits
+        if ex is not None and keep_positions and 1 < t <= STACK_VERIFY_ROWS:
+            out = ex.verify(ids, cache)
+            if out is not None:
+                logits = out[0] if all_logits else out[0][-1]
+                return (logits, out[1]) if hidden else logits
         cache.pos = None
-        stack = self.route.kind == "stack"
-        one = t == 1 and stack and not keep_positions and not hidden
-        verify = keep_positions and 1 < t <= STACK_VERIFY_ROWS and stack
-        if (one or verify) and isinstance(ids, list) and self.stack_embedding() is not None:
-            x: Any = ids  # the stack reads the rows itself
-        else:
-            x = self._embed(ids)
-            one, verify = one and x.device.type == "cpu", verify and x.device.type == "cpu"
-        if one:
-            return self.stack().step(x, cache)
-        if verify:
-            logits, x = self.stack().verify(x, cache)
-            logits = logits if all_logits else logits[-1]
-            return (logits, x) if hidden else logits
+        x = self._embed(ids)
         ops = self.ops
         cos, sin = self._rope_rows(torch.arange(cache.n, cache.n + t), x.dtype)
         for L in self.layers:
@@ -211,13 +200,6 @@ class Model:
     def stackable(self) -> bool:
         """Whether every layer, the final norm and the head can run in the kernel's one-call stack."""
         return stackable(self)
-
-    def stack(self) -> StackExecutor:
-        """The one-call stack's executor for this model (model/executors.py), made on first use after a route is
-        chosen."""
-        if self._stack is None:
-            self._stack = StackExecutor(self)
-        return self._stack
 
     def stack_embedding(self) -> torch.Tensor | None:
         """The embedding table the kernel's stack reads token rows from itself (a contiguous bf16 table on the
