@@ -384,6 +384,34 @@ def test_a_route_the_model_cannot_take_falls_back_in_one_line(tiny_model):
     assert rt.report.notes == ["route 'stack': this model and machine cannot run it; using fused"]
 
 
+def test_the_graph_executor_captures_once_per_cache_and_buffers(monkeypatch):
+    """The cuda-graph route's executor replays the graph it captured for the cache in use and captures again
+    for another cache or moved buffers (the capture itself needs a CUDA device: a stand-in records it)."""
+    from types import SimpleNamespace
+
+    from quantkit.runtime.model import graph
+
+    captured = []
+
+    class Capture:
+        def __init__(self, model, cache):
+            self.cache, self.version = cache, cache.version
+            captured.append(cache)
+
+        def replay(self, token, n):
+            return torch.tensor([float(token), float(n)])
+
+    monkeypatch.setattr(graph, "CudaGraphStep", Capture)
+    ex = graph.GraphExecutor(SimpleNamespace())
+    a, b = SimpleNamespace(n=0, version=0), SimpleNamespace(n=0, version=0)
+    assert ex.step([5], a).tolist() == [5.0, 0.0] and ex.step([6], a).tolist() == [6.0, 1.0] and a.n == 2
+    assert captured == [a]
+    ex.step([7], b)
+    a.version += 1  # its buffers moved
+    ex.step([8], a)
+    assert captured == [a, b, a] and ex.verify([1, 2], a) is None
+
+
 def test_cuda_graphs_refuse_a_placement_off_one_cuda_device_in_one_line(tiny_model):
     rt = _load(tiny_model, "int8", forced_route="cuda-graph")
     best = "stack" if cpu_kernel.available() else "torch"
