@@ -52,7 +52,7 @@ def test_quantkit_child_measures_load_decode_and_the_cached_next_turn(folder, tm
             "est_prefill_tok_s": 100.0, "runtime_decode_tok_s": r["short"]["decode_tps"], "hardware": {},
             "runtime_prefill_tok_s": r["turn1"]["prefill_tps"] * 1.1,
             "components_bytes": {"prompt_cache": 1000}}
-    data = {"command": "quantkit bench full-size", "machine": fs._machine(), "threads": 1, "read_bandwidth_gbs": 1.0,
+    data = {"command": "quantkit bench full-size", "machine": fs.describe_machine(), "threads": 1, "read_bandwidth_gbs": 1.0,
             "folder": str(folder), "folder_bytes": stored, "made": {"given": True}, "shape": {
                 "layers": 4, "experts": 8, "top_k": 2, "hidden": 128, "vocab": 1024}, "verify_s": 0.0,
             "calibrate_s": 0.0, "plan": plan, "context": 1024, "prompt_tokens": {k: len(v) for k, v in ids.items()},

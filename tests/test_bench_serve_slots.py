@@ -12,6 +12,7 @@ import pytest
 from quantkit.bench import serve_slots
 from quantkit.errors import QuantkitError
 
+from conftest import run_cli
 from test_runtime_common import quantized
 
 
@@ -20,6 +21,13 @@ def test_client_counts_are_parsed_strictly():
     for bad in ("", "0", "1,,2", "two", "1,1", "65", str(2**40)):
         with pytest.raises(QuantkitError, match="--clients"):
             serve_slots.parse_clients(bad, 64)
+
+
+def test_a_missing_llama_server_is_one_line_and_nothing_is_made(tmp_path, capsys, monkeypatch):
+    code, out, err = run_cli(["bench", "--workdir", str(tmp_path / "w"), "--reports", str(tmp_path / "r"), "serve",
+                              "--clients", "1,2", "--llama-server", str(tmp_path / "nope")], capsys, monkeypatch)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "--llama-server" in err and "Traceback" not in err
+    assert not (tmp_path / "w").exists() and not (tmp_path / "r").exists()
 
 
 @pytest.mark.slow

@@ -88,7 +88,7 @@ def test_quantize_scheme_names_the_plan_recipes(tiny_model: Path, capsys, monkey
 # starts meaning something else in one command, fails here until this table says so.
 MEANINGS: dict[str, tuple[set[str], tuple[str, ...]]] = {
     "--calib-tokens": ({"integer"}, ("calibration tokens",)),
-    "--clients": ({"integer"}, ("clients",)),
+    "--clients": ({"integer", "str"}, ("clients",)),  # bench serve: one count, or a list of them
     "--context": ({"tokens", "str"}, ("context", "tokens")),
     "--experts": ({"integer"}, ("experts per layer",)),
     "--experts-per-token": ({"integer"}, ("experts each token",)),

@@ -12,7 +12,7 @@ caches (Gated DeltaNet recurrent and conv states read and written, K and V up to
 over the measured read bandwidth of this machine (the best of the streaming reads of a 1 GiB tensor at
 the start and before each round, and of 256 MiB in each configuration's process right after its decode).
 The planner's figures come from `quantkit.planner.placement.solve` for a CPU-only host with that bandwidth: its estimate for quantkit's own
-runtime, composed from `quantkit calibrate` runs made at the start of each round (parts timed in
+runtime, composed from `quantkit profile-host` runs made at the start of each round (parts timed in
 isolation: quantkit/planner/host_costs.py; each part at its fastest over the rounds, as each decode is its
 best round), which the target judges; and its llama.cpp-grade estimate.
 
@@ -270,18 +270,18 @@ def _child(cmd: list[str], isa: str | None = None) -> tuple[dict[str, Any] | Non
 
 
 def calibrate_subprocess(src: Path, recipes: list[str], out: Path, threads: int | None) -> Any:
-    """`quantkit calibrate` for the checkpoint's shapes and these recipes, in its own process (as the
+    """`quantkit profile-host` for the checkpoint's shapes and these recipes, in its own process (as the
     configurations run), into a fresh profile file."""
 
     out.unlink(missing_ok=True)
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
     if threads:
         env["OMP_NUM_THREADS"] = str(threads)
-    cmd = [sys.executable, "-m", "quantkit", "calibrate", "--model", str(src), "--scheme", ",".join(recipes),
+    cmd = [sys.executable, "-m", "quantkit", "profile-host", "--model", str(src), "--scheme", ",".join(recipes),
            "--out", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode != 0:
-        raise QuantkitError("quantkit calibrate failed: " + (p.stderr.strip().splitlines() or ["?"])[-1])
+        raise QuantkitError("quantkit profile-host failed: " + (p.stderr.strip().splitlines() or ["?"])[-1])
     return load_profile(out)
 
 
@@ -357,7 +357,7 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
         if rnd:
             bws.append(read_bandwidth_gbs())
         if recipes:
-            log(f"round {rnd + 1}/{rounds}: calibrating the runtime's parts for {', '.join(recipes)} (quantkit calibrate)")
+            log(f"round {rnd + 1}/{rounds}: calibrating the runtime's parts for {', '.join(recipes)} (quantkit profile-host)")
             t_cal = time.perf_counter()
             calibrations.append(calibrate_subprocess(src, recipes, workdir / f"profile-{tag}-{rnd}.json", threads))
             cal_s += time.perf_counter() - t_cal
@@ -422,8 +422,8 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
                    + (f" --spells {spells_s:g}" if spells_s > 0 else ""))
     sub = f" --configs {','.join(names)}" if configs else ""
     d = {
-        "command": f"quantkit bench decode --layers {layers} --experts {experts} --prompt {prompt_len} "
-                   f"--decode {decode} --reps {reps}{rounds_part}{sub}",
+        "command": f"quantkit bench decode --layers {layers} --experts {experts} --prompt-tokens {prompt_len} "
+                   f"--new-tokens {decode} --reps {reps}{rounds_part}{sub}",
         "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__,
                     "threads": threads or torch.get_num_threads(), "python": platform.python_version(),
                     "avx512_bf16": cpu_has_avx512_bf16(), "isa": _isa_line(),

@@ -260,11 +260,11 @@ def run(reports: Path, workdir: Path, layers: int = DEFAULTS["layers"], experts:
         r["bound_tps"] = bw * 1e9 / r["step_bytes"]
         r["of_bound"] = r["decode_tps"] / r["bound_tps"]
     data = {
-        "command": "quantkit bench engines" + (f" --checkpoint {checkpoint}" if given else
-                                               f" --layers {layers} --experts {experts} --top-k {top_k} --vocab {vocab}")
+        "command": "quantkit bench engines" + (f" --model {checkpoint}" if given else
+                                               f" --layers {layers} --experts {experts} --experts-per-token {top_k} --vocab {vocab}")
         + (f" --reps {reps}" if reps != DEFAULTS["reps"] else "")
         + (f" --rounds {rounds}" if rounds != DEFAULTS["rounds"] else "")
-        + (f" --prompt {prompt_tokens}" if prompt_tokens != DEFAULTS["prompt"] else "")
+        + (f" --prompt-tokens {prompt_tokens}" if prompt_tokens != DEFAULTS["prompt"] else "")
         + (f" --isa {','.join(isas)}" if isas != default_isas() else "")
         + "".join(f" --llama-build {k}={v}" for k, v in llama_builds.items()),
         "llama_builds": {k: str(v) for k, v in llama_builds.items()}, "machine": machine, "threads": threads, "checkpoint": str(checkpoint), "read_bandwidth_gbs": round(bw, 2),

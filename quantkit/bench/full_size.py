@@ -4,7 +4,7 @@ Steps, each heavy one in its own process (so its memory goes back before the nex
 and llama.cpp do not both fit in 24 GB at once):
 1. the folder: `quantkit tiny-model --full-size --quantized quality` (random weights in the stored format;
    skipped when `folder` is given or already finished in `workdir`), timed, its peak RSS read;
-2. `quantkit verify` (every shard hashed), `quantkit calibrate` for the folder's recipe when this host has no
+2. `quantkit verify` (every shard hashed), `quantkit profile-host` for the folder's recipe when this host has no
    runtime profile for the shape, then `quantkit plan --gpu none --json`: the plan's bytes in RAM, whether it
    fits and up to what context, its llama.cpp-grade decode/prefill and quantkit's calibrated decode estimate;
 3. quantkit (a child process): load time, RSS after load and at the end (VmRSS) and peak (VmHWM), greedy decode
@@ -293,7 +293,7 @@ def run(reports: Path, workdir: Path, folder: Path | None = None, threads: int |
     ver = _run(_quantkit_cli("verify", str(folder)), log, "verify")
     profile = workdir / (folder.name + "-runtime-profile.json")
     cal_read = read_bandwidth_gbs(READ_GIB)
-    cal = _run(_quantkit_cli("calibrate", "--model", str(folder), "--out", str(profile)), log, "calibrate")
+    cal = _run(_quantkit_cli("profile-host", "--model", str(folder), "--out", str(profile)), log, "calibrate")
     cal_read = (cal_read + read_bandwidth_gbs(READ_GIB)) / 2
     context = max(DEFAULTS["context"], prompt_tokens + 4 * new_tokens + 256)
     plan = _plan(folder, context, profile, bandwidth, log)
@@ -327,7 +327,7 @@ def run(reports: Path, workdir: Path, folder: Path | None = None, threads: int |
             gguf.unlink()
             record.unlink(missing_ok=True)
     data = {
-        "command": f"quantkit bench full-size --workdir {workdir}" + (f" --folder {folder}" if made.get("given") else "")
+        "command": f"quantkit bench full-size --workdir {workdir}" + (f" --model {folder}" if made.get("given") else "")
         + "".join(f" --{k} {v}" for k, v in (("layers", layers), ("experts", experts), ("vocab", vocab)) if v)
         + (f" --threads {threads}" if threads != (os.cpu_count() or 1) else "")
         + ("" if llama else " --no-llama") + (" --drop-gguf" if not keep_gguf else ""),
@@ -401,7 +401,7 @@ def render(d: dict[str, Any]) -> str:
         f"Model: layers {s['layers']}, experts {s['experts']} (top-{s['top_k']}), hidden {s['hidden']}, vocab "
         f"{s['vocab']:,}; random weights generated in the stored format (a test fixture: speed and memory are the "
         f"model's, outputs mean nothing); recipe {p['scheme']}; {_gb(d['folder_bytes'])} GB of shards. Folder: {how}; "
-        f"`quantkit verify` (every shard hashed) {d['verify_s']:.0f} s; `quantkit calibrate` {d['calibrate_s']:.0f} s.",
+        f"`quantkit verify` (every shard hashed) {d['verify_s']:.0f} s; `quantkit profile-host` {d['calibrate_s']:.0f} s.",
         "",
         "## Plan (`quantkit plan --gpu none --cpu-bandwidth MEASURED --profile CALIBRATED`, this machine's free RAM)",
         "",

@@ -323,7 +323,7 @@ def run(reports: Path, threads: int, layers: int = DEFAULTS["layers"], tokens: i
         del lays
     log("attention over the cache: torch route vs qk.attend")
     attention = time_attention(reps)
-    d = {"command": f"quantkit bench kernel --threads {threads} --layers {layers} --tokens {tokens} --reps {reps}",
+    d = {"command": f"quantkit bench kernel --threads {threads} --layers {layers} --new-tokens {tokens} --reps {reps}",
          "machine": machine, "threads": threads, "read_gbps": gbps, "reference_gbps": REFERENCE_GBPS,
          "isa": cpu_kernel.isa_name(), "config": cfg, "rows": rows, "attention": attention, "seconds": time.time() - t0}
     reports.mkdir(parents=True, exist_ok=True)

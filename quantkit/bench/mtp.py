@@ -489,7 +489,7 @@ def render_trained(t: dict[str, Any], oracle: list[dict[str, Any]] | None) -> li
            f"{m['load_avg_at_start']:.1f}.", "",
            f"Checkpoint: the tests' tiny shape (hidden {s['hidden']}, {s['layers']} layers of {s['experts']} experts, "
            f"top-{s['top_k']}, random weights) with an MTP layer trained by self-distillation "
-           "(quantkit.testing.mtp_train, `quantkit tiny-model OUT --mtp --train-mtp`): the model's own greedy "
+           "(quantkit.testing.mtp_train, `quantkit tiny-model OUT --mtp-layer --train-mtp`): the model's own greedy "
            f"continuations of {o['prompts'] - o['held_out']} seeded chat prompts ({tr['pairs']:,} positions, "
            f"{o['new_tokens']} new tokens each), only `mtp.*` trained, teacher-forced on the model's final-normed "
            f"hidden states, {o['steps']} steps ({tr['seconds']:.0f} s on one thread, data included); its top-1 "

@@ -100,7 +100,7 @@ def wait_for_health(base: str, proc: subprocess.Popen, server_log: Path, timeout
         time.sleep(0.3)
 
 
-def _pct(xs: list[float], q: float) -> float | None:
+def percentile(xs: list[float], q: float) -> float | None:
     if not xs:
         return None
     xs = sorted(xs)
@@ -426,7 +426,7 @@ def run(reports: Path, model_dir: Path | None, workdir: Path, clients: int, requ
 
     def lat(stream: bool) -> dict[str, float | None]:
         xs = [o.latency_s for o in oks if o.stream == stream]
-        return {"n": len(xs), "p50": _pct(xs, 0.5), "p90": _pct(xs, 0.9), "p99": _pct(xs, 0.99),
+        return {"n": len(xs), "p50": percentile(xs, 0.5), "p90": percentile(xs, 0.9), "p99": percentile(xs, 0.99),
                 "max": max(xs) if xs else None}
 
     ttfts = [o.ttft_s for o in oks if o.stream and o.ttft_s is not None]
@@ -455,7 +455,7 @@ def run(reports: Path, model_dir: Path | None, workdir: Path, clients: int, requ
         "throughput": {"completion_tok_s": round(tokens / load.wall_s, 2) if load.wall_s else None,
                        "requests_s": round(len(oks) / load.wall_s, 3) if load.wall_s else None},
         "latency_s": {"plain": lat(False), "stream": lat(True)},
-        "ttft_s": {"p50": _pct(ttfts, 0.5), "p90": _pct(ttfts, 0.9), "p99": _pct(ttfts, 0.99)},
+        "ttft_s": {"p50": percentile(ttfts, 0.5), "p90": percentile(ttfts, 0.9), "p99": percentile(ttfts, 0.99)},
         "peer_direct_runtime": {**peer, "server_tok_s_vs_direct": round((tokens / load.wall_s) / peer["tok_s"], 3)
                                 if load.wall_s and peer["tok_s"] else None},
         "faults": faults,

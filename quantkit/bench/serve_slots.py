@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from quantkit.bench.quantize import machine_info
-from quantkit.bench.serve import _pct, free_port, prepare_model, stop_server
+from quantkit.bench.serve import free_port, percentile, prepare_model, stop_server
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json
 from quantkit.server.scheduler import MAX_SLOTS
@@ -130,7 +130,7 @@ def _gaps(r: dict[str, Any]) -> list[float]:
 
 
 def _summary(xs: list[float]) -> dict[str, float | None]:
-    return {"p50": _pct(xs, 0.5), "p95": _pct(xs, 0.95), "max": max(xs) if xs else None}
+    return {"p50": percentile(xs, 0.5), "p95": percentile(xs, 0.95), "max": max(xs) if xs else None}
 
 
 def round_of(url: str, clients: int, max_tokens: int, tag: str) -> dict[str, Any]:

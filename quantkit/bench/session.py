@@ -157,8 +157,8 @@ def run(reports: Path, workdir: Path, turns: int = 12, obs_tokens: int = 250, ne
     data = {
         "command": f"quantkit bench session --turns {turns} --obs-tokens {obs_tokens} --new-tokens {new_tokens} "
                    f"--baseline-every {baseline_every}"
-                   + (f" --checkpoint {checkpoint}" if checkpoint.parent != workdir else
-                      f" --layers {layers} --experts {experts} --top-k {top_k} --vocab {vocab}"),
+                   + (f" --model {checkpoint}" if checkpoint.parent != workdir else
+                      f" --layers {layers} --experts {experts}"),
         "machine": machine, "threads": threads, "checkpoint": str(checkpoint), "quantized": str(qdir),
         "shape": {"layers": tc["num_hidden_layers"], "experts": tc["num_experts"], "top_k": tc["num_experts_per_tok"],
                   "hidden": tc["hidden_size"], "vocab": tc["vocab_size"]},

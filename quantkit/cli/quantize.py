@@ -136,7 +136,6 @@ def quantize(
         calibration.stats.check_model(ckpt)
         calibration.stats.check_all()
     if dry_run:
-
         plan = make_plan(list(ckpt.canonical()), recipe, keep_mtp, shard)
         console.print(f"recipe [bold]{recipe.name}[/]: {recipe.description}")
         for role, q in recipe.rules.items():

@@ -161,11 +161,11 @@ def serve(
         names = tuple(check_alias(a) for a in aliases)
     except QuantkitError as e:
         fail(str(e))
+    # lazy: the web stack (uvicorn, fastapi) loads only once the options pass, not for --help or a refusal
     import uvicorn
 
     from quantkit.server.app import ServerConfig, create_app
 
-    # lazy: the web stack (uvicorn, fastapi) loads only once the options pass, not for --help or a refusal
     if not Path(model_dir).is_dir():  # before binding: the usual mistake gets its own line
         fail(f"{model_dir}: not a folder; pass a checkpoint folder made by `quantkit quantize`")
     sock = bind_socket(host, port)
