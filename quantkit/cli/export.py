@@ -67,7 +67,8 @@ def export_gguf_cmd(
     console.print(t)
     for x in res.tensors:
         if verbose or x.how == "fallback":
-            console.print(f"  {x.name}: {x.qtype.name} ({x.how}; {x.note})", highlight=False)
+            console.print(f"  {x.name}: {x.qtype.name} ({x.how}; {x.note})", highlight=False,
+                          soft_wrap=True)  # one line a tensor, whatever the width: people grep it
     tok = res.tokenizer
     console.print(f"tokenizer: {tok['tokens']} tokens, {tok['merges']} merges, pre-tokenizer {tok['pre']}, "
                   f"chat template {'yes' if tok['chat_template'] else 'no'}", highlight=False)
