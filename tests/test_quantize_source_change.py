@@ -64,7 +64,6 @@ def _reference(src: Path, tmp_path: Path, capsys, monkeypatch) -> dict[str, str]
 @pytest.mark.parametrize("when", ["before a shard is recorded", "before the manifest"])
 def test_a_shard_rewritten_in_place_mid_run_is_named_and_resume_restores_the_bytes(
         when, tiny_model, tmp_path, capsys, monkeypatch):
-    import quantkit.quantize.report as report_mod
     import quantkit.quantize.run as qz
 
     src = tmp_path / "src"
@@ -91,13 +90,13 @@ def test_a_shard_rewritten_in_place_mid_run_is_named_and_resume_restores_the_byt
 
         monkeypatch.setattr(qz, "_finish_and_hash", finish_then_rewrite)
     else:  # every shard journaled; the folder's files and the report are next, the manifest last
-        real_report = report_mod.write_report
+        real_report = qz.write_report  # run.py's own binding: patching the report module would miss it
 
         def report_then_rewrite(*a, **k):
             rewrite_once()
             return real_report(*a, **k)
 
-        monkeypatch.setattr(report_mod, "write_report", report_then_rewrite)
+        monkeypatch.setattr(qz, "write_report", report_then_rewrite)
     code, stdout, err = run_cli(_quantize(src, out), capsys, monkeypatch)
     line = expect_one_line(code, stdout, err, victim.name)
     assert hit["n"] >= 1 and "rewritten in place" in line and "--resume" in line, line
