@@ -84,6 +84,8 @@ def stream_request(url: str, prompt: str, max_tokens: int, on_token: Callable[[]
     """One streamed chat request: when it was sent, each text chunk's arrival, the tokens it generated."""
     body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            # every token comes with its logprob: a token that decodes to no text still marks its arrival
+            "logprobs": True,
             "chat_template_kwargs": {"enable_thinking": False}}
     sent, times, usage = time.perf_counter(), [], None
     with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=900) as r:
@@ -96,7 +98,8 @@ def stream_request(url: str, prompt: str, max_tokens: int, on_token: Callable[[]
             usage = ev.get("usage") or usage
             for c in ev.get("choices") or []:
                 d = c.get("delta") or {}
-                if d.get("content") or d.get("reasoning_content") or d.get("tool_calls"):
+                if (d.get("content") or d.get("reasoning_content") or d.get("tool_calls")
+                        or (c.get("logprobs") or {}).get("content")):
                     times.append(time.perf_counter())
                     if on_token is not None:
                         on_token()
