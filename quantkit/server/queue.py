@@ -88,18 +88,29 @@ class QueueStats:
         return dict(self.__dict__)
 
 
-class GenerationQueue:
-    def __init__(self, backend: Backend, max_waiting: int = 8):
-        if max_waiting < 1:
-            raise ValueError("max_waiting must be >= 1")
-        self.backend = backend
-        self.stats = QueueStats(max_waiting=max_waiting)
+class JobLine:
+    """What both schedulers share: a line of waiting jobs, one worker thread, a 429 (`QueueFull`) past
+    `stats.max_waiting` requests and a close that cancels everything. A subclass fills `stats`, then calls
+    `_start`; it says how many requests wait (`_waiting`) and which jobs run (`_running_jobs`)."""
+
+    stats: QueueStats
+
+    def _start(self, name: str) -> None:
         self._line: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
-        self._current: Job | None = None
-        self._thread = threading.Thread(target=self._work, name="quantkit-generate", daemon=True)
+        self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
+
+    def _work(self) -> None:
+        raise NotImplementedError
+
+    def _waiting(self) -> int:
+        """Requests in the line (under the lock)."""
+        return len(self._line)
+
+    def _running_jobs(self) -> list[Job]:
+        raise NotImplementedError
 
     @property
     def accepting(self) -> bool:
@@ -109,22 +120,35 @@ class GenerationQueue:
         with self._cv:
             if self._closed or not self._thread.is_alive():
                 raise QueueClosed("the server is shutting down")
-            if len(self._line) >= self.stats.max_waiting:
+            if (waiting := self._waiting()) >= self.stats.max_waiting:
                 self.stats.rejected += 1
-                raise QueueFull(f"{len(self._line)} requests are already waiting (--max-queue "
+                raise QueueFull(f"{waiting} requests are already waiting (--max-queue "
                                 f"{self.stats.max_waiting}); retry later")
             self._line.append(job)
-            self.stats.waiting = len(self._line)
+            self.stats.waiting = self._waiting()
             self._cv.notify()
 
     def close(self, timeout: float = 10.0) -> None:
         """Refuse new jobs, cancel the waiting and running ones, and wait for the worker to end."""
         with self._cv:
             self._closed = True
-            for job in [*self._line, *([self._current] if self._current else [])]:
+            for job in [*self._line, *self._running_jobs()]:
                 job.stop()
             self._cv.notify_all()
         self._thread.join(timeout)
+
+
+class GenerationQueue(JobLine):
+    def __init__(self, backend: Backend, max_waiting: int = 8):
+        if max_waiting < 1:
+            raise ValueError("max_waiting must be >= 1")
+        self.backend = backend
+        self.stats = QueueStats(max_waiting=max_waiting)
+        self._current: Job | None = None
+        self._start("quantkit-generate")
+
+    def _running_jobs(self) -> list[Job]:
+        return [self._current] if self._current else []
 
     def _next(self) -> Job | None:
         with self._cv:

@@ -15,8 +15,6 @@ tests/test_server_scheduler.py).
 
 from __future__ import annotations
 
-import collections
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +22,7 @@ from typing import Any
 from quantkit.runtime.batch import BatchGenerator
 from quantkit.runtime.generate import TokenEvent
 from quantkit.server.backend import Backend
-from quantkit.server.queue import Done, Failed, Job, QueueClosed, QueueFull, QueueStats
+from quantkit.server.queue import Done, Failed, Job, JobLine, QueueStats
 
 MAX_SLOTS = 64  # more rows per step than this only queue up behind the memory bandwidth
 
@@ -50,7 +48,7 @@ class _Slot:
     cached: int = 0
 
 
-class BatchScheduler:
+class BatchScheduler(JobLine):
     def __init__(self, backend: Backend, max_waiting: int = 8, slots: int = 2):
         if max_waiting < 1:
             raise ValueError("max_waiting must be >= 1")
@@ -62,29 +60,15 @@ class BatchScheduler:
         self.backend = backend
         self.stats = SlotStats(max_waiting=max_waiting, slots=slots)
         self._batch = BatchGenerator(runtime, max_rows=slots)
-        self._line: collections.deque[Job] = collections.deque()
         self._slots: dict[int, _Slot] = {}  # by BatchGenerator row
         self._siblings: set[int] = set()  # id() of the waiting choices behind a request's first (not counted in 429)
-        self._cv = threading.Condition()
-        self._closed = False
-        self._thread = threading.Thread(target=self._work, name="quantkit-batch", daemon=True)
-        self._thread.start()
+        self._start("quantkit-batch")
 
-    @property
-    def accepting(self) -> bool:
-        return not self._closed and self._thread.is_alive()
+    def _waiting(self) -> int:
+        return len(self._line) - len(self._siblings)  # requests: a request's choices count once
 
-    def submit(self, job: Job) -> None:
-        with self._cv:
-            if self._closed or not self._thread.is_alive():
-                raise QueueClosed("the server is shutting down")
-            if (waiting := len(self._line) - len(self._siblings)) >= self.stats.max_waiting:
-                self.stats.rejected += 1
-                raise QueueFull(f"{waiting} requests are already waiting (--max-queue "
-                                f"{self.stats.max_waiting}); retry later")
-            self._line.append(job)
-            self.stats.waiting = len(self._line) - len(self._siblings)  # requests: choices count once
-            self._cv.notify()
+    def _running_jobs(self) -> list[Job]:
+        return [s.job for s in self._slots.values()]
 
     def submit_group(self, jobs: list[Job]) -> None:
         """The choices of one request, in order: the first waits as `submit` has it (429 when the line is full),
@@ -94,17 +78,8 @@ class BatchScheduler:
         with self._cv:
             self._line.extend(jobs[1:])
             self._siblings.update(id(j) for j in jobs[1:])
-            self.stats.waiting = len(self._line) - len(self._siblings)  # requests: choices count once
+            self.stats.waiting = self._waiting()
             self._cv.notify()
-
-    def close(self, timeout: float = 10.0) -> None:
-        """Refuse new jobs, cancel the waiting and running ones, and wait for the worker to end."""
-        with self._cv:
-            self._closed = True
-            for job in [*self._line, *(s.job for s in self._slots.values())]:
-                job.stop()
-            self._cv.notify_all()
-        self._thread.join(timeout)
 
     # ---- the worker ----
     def _next(self) -> Job | None:
@@ -116,7 +91,7 @@ class BatchScheduler:
                 return None
             job = self._line.popleft()
             self._siblings.discard(id(job))
-            self.stats.waiting = len(self._line) - len(self._siblings)  # requests: choices count once
+            self.stats.waiting = self._waiting()
             return job
 
     def _work(self) -> None:
@@ -156,7 +131,7 @@ class BatchScheduler:
                     return
                 sib = self._line.popleft()
                 self._siblings.discard(id(sib))
-                self.stats.waiting = len(self._line) - len(self._siblings)  # requests: choices count once
+                self.stats.waiting = self._waiting()
             start = time.perf_counter()
             if sib.cancel.is_set() or self._closed:
                 sib.stop()
