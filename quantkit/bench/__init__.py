@@ -33,3 +33,15 @@ def write_reports(reports: Path, stem: str, data: dict[str, Any], markdown: str,
     """reports/STEM.json and reports/STEM.md, each written atomically."""
     write_atomic(reports / f"{stem}.json", json.dumps(data, indent=indent) + "\n")
     write_atomic(reports / f"{stem}.md", markdown)
+
+
+def write_section(md: Path, section: str, markers: tuple[str, str]) -> None:
+    """Put `section` (which starts with markers[0] and ends with markers[1]) into the report `md`: in place of the
+    marked section it already holds, else at its end; written atomically, the rest of the report kept."""
+    old = md.read_text() if md.is_file() else ""
+    if markers[0] in old and markers[1] in old:
+        head, rest = old.split(markers[0], 1)
+        new = head + section.rstrip("\n") + rest.split(markers[1], 1)[1]
+    else:
+        new = (old.rstrip("\n") + "\n\n" if old else "") + section
+    write_atomic(md, new)

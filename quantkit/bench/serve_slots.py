@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from quantkit.bench import write_section
 from quantkit.bench.quantize import machine_info
 from quantkit.bench.serve import free_port, percentile, prepare_model, stop_server
 from quantkit.errors import QuantkitError
@@ -271,11 +272,4 @@ def write_report(reports: Path, d: dict[str, Any]) -> None:
                          f"{_s(lp['gap_during_prefill_max_s'])} | {_s(lp['tbt_s']['p50'])} | {_s(lp['tbt_s']['p95'])} |")
     lines.append(SECTION[1])
     section = "\n".join(lines) + "\n"
-    md = reports / "bench-serve.md"
-    old = md.read_text() if md.is_file() else ""
-    if SECTION[0] in old and SECTION[1] in old:
-        head, rest = old.split(SECTION[0], 1)
-        new = head + section.rstrip("\n") + rest.split(SECTION[1], 1)[1]
-    else:
-        new = (old.rstrip("\n") + "\n\n" if old else "") + section
-    md.write_text(new)
+    write_section(reports / "bench-serve.md", section, SECTION)

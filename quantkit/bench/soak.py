@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from quantkit.bench import write_section
 from quantkit.bench.serve import (
     RSS_SLACK_BYTES,
     RSS_SLACK_FRACTION,
@@ -201,11 +202,4 @@ def write_report(reports: Path, d: dict[str, Any]) -> None:
              "| kind and status | count |", "|---|---:|",
              *[f"| {k} | {v} |" for k, v in d["by_kind_and_status"].items()], "", SECTION[1]]
     section = "\n".join(lines) + "\n"
-    md = reports / "bench-serve.md"
-    old = md.read_text() if md.is_file() else ""
-    if SECTION[0] in old and SECTION[1] in old:
-        head, rest = old.split(SECTION[0], 1)
-        new = head + section.rstrip("\n") + rest.split(SECTION[1], 1)[1]
-    else:
-        new = old.rstrip("\n") + "\n\n" + section
-    write_atomic(md, new)
+    write_section(reports / "bench-serve.md", section, SECTION)
