@@ -61,17 +61,21 @@ def _reference(src: Path, tmp_path: Path, capsys, monkeypatch) -> dict[str, str]
     return _digest(tmp_path / "ref")
 
 
+def _source_and_reference(tiny_model, tmp_path, capsys, monkeypatch) -> tuple[Path, Path, bytes, dict[str, str]]:
+    """A copy of the tiny model, the shard holding GATE_UP with its bytes, and the digest of an uninterrupted run."""
+    src = tmp_path / "src"
+    shutil.copytree(tiny_model, src)
+    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    victim = src / index[GATE_UP]
+    return src, victim, victim.read_bytes(), _reference(src, tmp_path, capsys, monkeypatch)
+
+
 @pytest.mark.parametrize("when", ["before a shard is recorded", "before the manifest"])
 def test_a_shard_rewritten_in_place_mid_run_is_named_and_resume_restores_the_bytes(
         when, tiny_model, tmp_path, capsys, monkeypatch):
     import quantkit.quantize.run as qz
 
-    src = tmp_path / "src"
-    shutil.copytree(tiny_model, src)
-    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
-    victim = src / index[GATE_UP]
-    original = victim.read_bytes()
-    reference = _reference(src, tmp_path, capsys, monkeypatch)
+    src, victim, original, reference = _source_and_reference(tiny_model, tmp_path, capsys, monkeypatch)
     out = tmp_path / "q"
     hit = {"n": 0}
 
@@ -121,12 +125,7 @@ def test_a_source_changed_between_runs_is_not_mixed_into_a_resume(tiny_model, tm
     of keeping shards read from the old bytes beside shards read from the new."""
     from conftest import interrupt_quantizer_after
 
-    src = tmp_path / "src"
-    shutil.copytree(tiny_model, src)
-    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
-    victim = src / index[GATE_UP]
-    original = victim.read_bytes()
-    reference = _reference(src, tmp_path, capsys, monkeypatch)
+    src, victim, original, reference = _source_and_reference(tiny_model, tmp_path, capsys, monkeypatch)
     out = tmp_path / "q"
     interrupt_quantizer_after(monkeypatch, 40)
     code, _, err = run_cli(_quantize(src, out), capsys, monkeypatch)
