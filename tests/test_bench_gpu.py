@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from quantkit.bench import gpu as bg
+from quantkit.checkpoint.spec import load_config, spec_from_config
 from quantkit.errors import QuantkitError
-from quantkit.model.spec import load_config, spec_from_config
 from quantkit.planner.hardware import GIB, find_gpu
 from quantkit.recipe import get_recipe
 

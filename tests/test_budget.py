@@ -8,9 +8,9 @@ import importlib
 import pytest
 import torch
 
+from quantkit.checkpoint.spec import Role, TensorSpec, default_spec, spec_from_config
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec
-from quantkit.model.spec import Role, TensorSpec, default_spec, spec_from_config
 from quantkit.planner.budget import (
     RunSettings,
     bits_per_weight,
@@ -179,7 +179,7 @@ def test_bytes_match_the_format_implementation(fmt: str, mod: str) -> None:
 
 
 def test_card_formula_uses_the_models_own_size_for_other_models() -> None:
-    from quantkit.model.spec import default_spec, spec_from_config
+    from quantkit.checkpoint.spec import default_spec, spec_from_config
     from quantkit.planner.budget import CARD_PARAMS, card_params
 
     assert card_params(default_spec()) == CARD_PARAMS

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from quantkit.model.spec import default_spec, load_config, spec_from_config
+from quantkit.checkpoint.spec import default_spec, load_config, spec_from_config
 from quantkit.planner.host_costs import (
     expert_pairs,
     kernel_matrices,

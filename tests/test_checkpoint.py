@@ -13,9 +13,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from quantkit.checkpoint.reader import Checkpoint, check_finite, resolve_model, spec_from_path
+from quantkit.checkpoint.spec import load_config, spec_from_config
 from quantkit.errors import QuantkitError
-from quantkit.model.checkpoint import Checkpoint, check_finite, resolve_model, spec_from_path
-from quantkit.model.spec import load_config, spec_from_config
 
 from conftest import run_cli
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.model.spec import default_config_path, load_config
+from quantkit.checkpoint.spec import default_config_path, load_config
 from quantkit.planner.placement import Plan
 
 from conftest import run_cli, run_main

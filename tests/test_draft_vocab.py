@@ -1,4 +1,4 @@
-"""The MTP draft's vocabulary on Qwen3.5's 248,320 ids (quantkit/model/draft.py, runtime/model/draft_head.py):
+"""The MTP draft's vocabulary on Qwen3.5's 248,320 ids (quantkit/checkpoint/draft.py, runtime/model/draft_head.py):
 the shipped frequency ranking is read with its checks, a draft scores its ids through an int4 copy of their
 rows (for every head format), falls back to the lowest ids in place without that copy, and greedy decoding
 with it drafts ids from all over the ranking and changes no token."""
@@ -10,10 +10,8 @@ import zlib
 import pytest
 import torch
 
-from quantkit.errors import QuantkitError
-from quantkit.formats import QuantSpec, get_format
-from quantkit.model import draft
-from quantkit.model.draft import (
+from quantkit.checkpoint import draft
+from quantkit.checkpoint.draft import (
     DRAFT_ROWS,
     RANKED_VOCAB,
     copy_bytes,
@@ -22,6 +20,8 @@ from quantkit.model.draft import (
     load_ranking,
     ranked_ids,
 )
+from quantkit.errors import QuantkitError
+from quantkit.formats import QuantSpec, get_format
 from quantkit.runtime import cpu_kernel, load_model
 from quantkit.runtime.kernels import prepare
 from quantkit.runtime.model.draft_head import DraftHead, compact_copy

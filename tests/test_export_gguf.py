@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 import torch
 
+from quantkit.checkpoint.gguf_layout import pieces_for
 from quantkit.export.gguf import export_gguf
 from quantkit.export.source import ExportSource
-from quantkit.model.gguf_layout import pieces_for
 
 from conftest import run_cli
 
@@ -224,9 +224,9 @@ def test_quantkit_codes_are_reused(tiny_model: Path, tmp_path: Path) -> None:
     """A quantkit MXFP4 folder exports its bytes as they are (the same file as exporting the bf16 source to
     MXFP4, since quantkit's MXFP4 is byte-identical to ggml's), and int4 g32 becomes Q4_0 without
     requantizing: llama.cpp then matches transformers on the quantkit folder's own dequantized weights."""
+    from quantkit.checkpoint.reader import Checkpoint
+    from quantkit.checkpoint.spec import Role
     from quantkit.formats import QuantSpec
-    from quantkit.model.checkpoint import Checkpoint
-    from quantkit.model.spec import Role
     from quantkit.quantize.run import QuantizeOptions, run_quantize
     from quantkit.recipe import Recipe
 
@@ -337,9 +337,9 @@ def test_incomplete_mtp_layer_is_refused_and_no_mtp_leaves_it_out(drop: str, tin
 def test_mtp_expert_codes_are_reused_in_stack_order(tiny_model_mtp: Path, tmp_path: Path) -> None:
     """A quantkit MXFP4 folder's MTP experts are copied into the NextN block's stacks, expert e at row e: the same
     bytes as the bf16 source's MTP experts quantized to MXFP4 by the export (quantkit's MXFP4 is ggml's)."""
+    from quantkit.checkpoint.reader import Checkpoint
+    from quantkit.checkpoint.spec import Role
     from quantkit.formats import QuantSpec
-    from quantkit.model.checkpoint import Checkpoint
-    from quantkit.model.spec import Role
     from quantkit.quantize.run import QuantizeOptions, run_quantize
     from quantkit.recipe import Recipe
 

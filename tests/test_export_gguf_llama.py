@@ -31,10 +31,10 @@ import pytest
 import torch
 
 from quantkit.bench.llama_worker import llama_logits
+from quantkit.checkpoint.gguf_file import read_gguf
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf import export_gguf
 from quantkit.export.gguf_types import LLAMA_TYPES, tensor_bytes, tensor_type
-from quantkit.model.gguf_file import read_gguf
 
 from conftest import TINY_KW, run_cli
 
@@ -339,9 +339,9 @@ def quantkit_mtp(folder: Path, ids: list[int], hidden: np.ndarray) -> np.ndarray
 def mtp_int4(tiny_model_mtp: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny_model_mtp quantized with its MTP layer kept: experts (the MTP layer's too) int4 symmetric g32 (Q4_0's
     own codes), attention, shared expert and MTP fc int8."""
+    from quantkit.checkpoint.reader import Checkpoint
+    from quantkit.checkpoint.spec import Role
     from quantkit.formats import QuantSpec
-    from quantkit.model.checkpoint import Checkpoint
-    from quantkit.model.spec import Role
     from quantkit.quantize.run import QuantizeOptions, run_quantize
     from quantkit.recipe import INT8, Recipe
 
@@ -353,7 +353,7 @@ def mtp_int4(tiny_model_mtp: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 
 
 def test_mtp_layer_is_llama_cpps_nextn_block(tiny_model_mtp: Path, tmp_path: Path) -> None:
-    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
 
     res = export_gguf(tiny_model_mtp, tmp_path / "mtp.gguf", "f32")
     rd = gguf.GGUFReader(str(res.path))

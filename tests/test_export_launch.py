@@ -11,8 +11,8 @@ import shlex
 
 import pytest
 
+from quantkit.checkpoint.spec import default_spec
 from quantkit.export.launch import GGUF_TYPES, launch_plan
-from quantkit.model.spec import default_spec
 from quantkit.planner.budget import RunSettings
 from quantkit.planner.hardware import build_hardware
 from quantkit.planner.placement import solve
@@ -59,7 +59,7 @@ def test_launch_line_loads_what_the_export_line_writes(engine, model, mtp, draft
     launch = shlex.split(d["command"])
     assert mtp_drafts(engine, launch) == drafts
     if engine == "llama.cpp":
-        from quantkit.model.gguf_file import read_gguf
+        from quantkit.checkpoint.gguf_file import read_gguf
 
         assert written.is_file() and written.read_bytes()[:4] == b"GGUF"
         assert launch[0] == "llama-server" and launch[launch.index("-m") + 1] == export[4]
@@ -150,8 +150,8 @@ def test_plan_of_a_gguf_drafts_when_it_has_the_nextn_block(tiny_model, tiny_mode
                                  monkeypatch)
         return code, (shlex.split(json.loads(out)["export"]["command"]) if code == 0 else err)
 
+    from quantkit.checkpoint.gguf_file import read_gguf
     from quantkit.export.llama_placement import model_from_gguf
-    from quantkit.model.gguf_file import read_gguf
 
     gm = model_from_gguf(read_gguf(with_mtp))  # the NextN block is not taken for a fifth trunk layer
     assert (gm.n_layer, gm.n_mtp, gm.full_attention) == (4, 1, (False, False, False, True)) and gm.mtp_bytes > 0

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from quantkit.checkpoint.reader import Checkpoint
+from quantkit.checkpoint.spec import Role
 from quantkit.export.compressed_tensors import export_vllm, pack_int32
 from quantkit.formats import QuantSpec, get_format
-from quantkit.model.checkpoint import Checkpoint
-from quantkit.model.spec import Role
 from quantkit.quantize.run import QuantizeOptions, run_quantize
 from quantkit.recipe import INT8, Recipe
 

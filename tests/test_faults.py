@@ -62,7 +62,7 @@ def _kill_during(args: list, out: Path, delay: float, timeout: float = 120) -> i
 
 @pytest.fixture(scope="module")
 def q8(tiny_model: Path, tmp_path_factory) -> Path:
-    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.quantize.run import QuantizeOptions, run_quantize
     from quantkit.recipe import build_recipe
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from quantkit.checkpoint.reader import Checkpoint
+from quantkit.checkpoint.spec import spec_from_config
 from quantkit.errors import QuantkitError
-from quantkit.model.checkpoint import Checkpoint
-from quantkit.model.spec import spec_from_config
 from quantkit.quantize.manifest import Manifest
 from quantkit.quantize.run import Interrupted, QuantizeOptions, run_quantize
 from quantkit.quantize.verify import verify_folder

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from probe_util import count, expect_one_line
 
+from quantkit.checkpoint.gguf_file import read_gguf
 from quantkit.errors import QuantkitError
 from quantkit.export.llama_placement import ARCH, model_from_gguf
-from quantkit.model.gguf_file import read_gguf
 
 from conftest import run_cli
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.formats import QuantSpec, get_format
-from quantkit.model.checkpoint import Checkpoint
 from quantkit.quantize.calibrated import Calibration
 from quantkit.quantize.gptq import gptq, inverse_cholesky
 from quantkit.quantize.imatrix import imatrix_quantize

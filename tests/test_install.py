@@ -43,7 +43,7 @@ def test_wheel_installs_and_runs_outside_the_repo(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(target)
     code = (
-        "import quantkit, quantkit.model.spec as s; "
+        "import quantkit, quantkit.checkpoint.spec as s; "
         f"assert quantkit.__file__.startswith({str(target)!r}), quantkit.__file__; "
         "print(s.default_spec().text_params)"
     )

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from quantkit.checkpoint.spec import default_spec
 from quantkit.export.gguf_types import ALL_TYPES
 from quantkit.export.launch import llama_launch
 from quantkit.export.llama_placement import (
@@ -28,7 +29,6 @@ from quantkit.export.llama_placement import (
     model_from_spec,
     rs_layer_bytes,
 )
-from quantkit.model.spec import default_spec
 from quantkit.planner.hardware import DEFAULT_GPU_RESERVE, Hardware, Host, load_catalog
 
 from conftest import run_cli
@@ -113,10 +113,10 @@ def test_buffer_model_matches_llama_cpps_own_report(tmp_path: Path) -> None:
 
     import llama_cpp
 
+    from quantkit.checkpoint.gguf_file import read_gguf
     from quantkit.export.gguf import export_gguf
     from quantkit.export.gguf_quantize import llama_log
     from quantkit.export.llama_placement import model_from_gguf
-    from quantkit.model.gguf_file import read_gguf
     from quantkit.testing.tiny import make_tiny_model
 
     src = make_tiny_model(tmp_path / "r", realistic=True, layers=4, experts=8, top_k=8)

@@ -22,8 +22,8 @@ from quantkit.runtime import cpu_kernel, load_model
 from quantkit.runtime.generate import prefill
 from quantkit.runtime.loader import Placement
 from quantkit.runtime.model import model as model_mod
+from quantkit.runtime.model.config import model_config
 from quantkit.runtime.model.route import ENV
-from quantkit.runtime.model.spec import model_config
 from quantkit.testing.hf_reference import reference_model
 
 from test_runtime_common import one_thread, quantized  # noqa: F401

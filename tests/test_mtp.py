@@ -75,7 +75,7 @@ def _mtp_dense(rt) -> dict[str, object]:
 @pytest.mark.parametrize("recipe", ["quality", "bf16", "int4"])
 def test_the_mtp_layer_holds_its_dense_matrices_as_int4(tiny_model_mtp, recipe, one_thread):  # noqa: F811
     """The MTP layer only drafts, so it holds its int8 or bf16 fc, attention and shared expert as int4 copies
-    (model/draft.py), close to the stored matrices; `mtp_copies=False` holds them as stored, and 4-bit ones are
+    (checkpoint/draft.py), close to the stored matrices; `mtp_copies=False` holds them as stored, and 4-bit ones are
     held as stored either way. The drafts change a little, the greedy output not at all."""
     folder = tiny_model_mtp if recipe == "bf16" else quantized(tiny_model_mtp, recipe)
     held, stored = (load_model(folder, mtp_copies=c) for c in (True, False))

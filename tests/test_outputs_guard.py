@@ -68,7 +68,7 @@ def test_export_imatrix_never_replaces_a_shard_or_an_unrelated_file(tiny_stats, 
 
 @pytest.fixture(scope="module")
 def quantized_folder(tiny_model: Path, tmp_path_factory) -> Path:
-    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.quantize.run import QuantizeOptions, run_quantize
     from quantkit.recipe import build_recipe
 
@@ -121,8 +121,8 @@ def test_stats_on_a_full_disk_is_one_line_and_leaves_nothing(src, tmp_path, caps
 
 def test_a_write_failing_mid_run_removes_the_work_folder(tiny_model, tmp_path, monkeypatch):
     """A disk that fills during the run (after the guard's free-space check): one line, no `.NAME.partial`."""
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.errors import QuantkitError
-    from quantkit.model.checkpoint import Checkpoint
     from quantkit.quantize import stats as stats_mod
     from quantkit.quantize.calib_data import load_tokens
     from quantkit.runtime.engine import load_tokenizer

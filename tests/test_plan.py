@@ -8,9 +8,9 @@ import json
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from quantkit.checkpoint.spec import Role, default_config_path, default_spec, load_config, spec_from_config
 from quantkit.export.launch import launch_plan, vllm_command
 from quantkit.formats import QuantSpec
-from quantkit.model.spec import Role, default_config_path, default_spec, load_config, spec_from_config
 from quantkit.planner.budget import GB, RunSettings, compute_budget
 from quantkit.planner.hardware import GIB, Hardware, Host, build_hardware, find_gpu, load_catalog
 from quantkit.planner.placement import (

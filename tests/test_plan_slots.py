@@ -9,8 +9,8 @@ import json
 
 import pytest
 
+from quantkit.checkpoint.spec import default_spec, parse_text_config
 from quantkit.errors import QuantkitError
-from quantkit.model.spec import default_spec, parse_text_config
 from quantkit.planner.budget import RunSettings, batch_activation_bytes, slot_state_bytes
 from quantkit.planner.slots import (
     DEFAULT_PARALLEL_MAX,

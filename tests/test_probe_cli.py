@@ -266,7 +266,7 @@ def test_bounded_reader_reads_at_most_the_limit(tmp_path):
 # --- wrong answers ----------------------------------------------------------------------------------------
 
 def test_absurd_config_is_refused_fast(tmp_path, capsys, monkeypatch):
-    from quantkit.model.spec import default_config_path
+    from quantkit.checkpoint.spec import default_config_path
 
     cfg = json.loads(default_config_path().read_text())
     for key, val in [("num_hidden_layers", 200_000), ("num_experts", 10**9), ("vocab_size", 2**40),
@@ -283,7 +283,7 @@ def test_absurd_config_is_refused_fast(tmp_path, capsys, monkeypatch):
 
 @pytest.fixture(scope="module")
 def quantized(tiny_model: Path, tmp_path_factory) -> Path:
-    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.quantize.run import QuantizeOptions, run_quantize
     from quantkit.recipe import build_recipe
 

@@ -256,7 +256,7 @@ def test_bad_options_are_one_line(tiny_model, tmp_path, capsys, monkeypatch, arg
 
 
 def test_plan_says_what_the_disk_cache_holds(capsys, monkeypatch):
-    from quantkit.model.checkpoint import spec_from_path
+    from quantkit.checkpoint.reader import spec_from_path
     from quantkit.planner.budget import snapshot_bytes
 
     code, out, err = run_cli(["plan", "--prompt-cache-disk-size", "20GB", "--context", "32k"], capsys, monkeypatch)

@@ -17,10 +17,10 @@ from typer.testing import CliRunner
 
 import quantkit.cli
 import quantkit.quantize.run as qz
+from quantkit.checkpoint.contract import INDEX_NAME
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec, get_format
-from quantkit.model.checkpoint import Checkpoint
-from quantkit.model.contract import INDEX_NAME
 from quantkit.quantize.manifest import JOURNAL_NAME, MANIFEST_NAME
 
 from conftest import interrupt_quantizer_after, run_main, sigkill_mid_run

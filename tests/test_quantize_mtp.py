@@ -12,10 +12,10 @@ from typer.testing import CliRunner
 
 import quantkit.cli
 import quantkit.quantize.run as qz
+from quantkit.checkpoint.quantized import QuantizedFolder
+from quantkit.checkpoint.reader import spec_from_path
+from quantkit.checkpoint.spec import Role
 from quantkit.formats import QuantSpec, stored_bytes
-from quantkit.model.checkpoint import spec_from_path
-from quantkit.model.quantized import QuantizedFolder
-from quantkit.model.spec import Role
 from quantkit.planner.budget import RunSettings, compute_budget
 from quantkit.quantize.manifest import JOURNAL_NAME, Manifest
 from quantkit.recipe import Recipe
@@ -137,7 +137,7 @@ def test_planner_counts_the_stored_mtp_bytes(q_mtp: Path) -> None:
     assert with_mtp.weights - without.weights == with_mtp.mtp_weights
     kv = with_mtp.kv_cache - without.kv_cache  # the MTP layer's attention KV, per token of context
     assert kv > 0 and kv * len(spec.config.full_attention_layers) == without.kv_cache
-    # the runtime holds the layer's int8 attention, fc and shared expert as int4 (model/draft.py), at group 128 or
+    # the runtime holds the layer's int8 attention, fc and shared expert as int4 (checkpoint/draft.py), at group 128 or
     # the largest that divides the row
     dense = [t for t in q.tensors() if t.role == Role.MTP and t.spec is not None and t.spec.format == "int8"]
     assert {t.name.split(".")[-2] for t in dense} == {"fc", *(f"{n}_proj" for n in "qkvo"), "gate_proj", "up_proj",

@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import load_file
 
 import quantkit.quantize.shards as shards_mod
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec, get_format
-from quantkit.model.checkpoint import Checkpoint
 from quantkit.quantize.manifest import JOURNAL_NAME, MANIFEST_NAME
 from quantkit.quantize.run import QuantizeOptions, run_quantize
 from quantkit.recipe import build_recipe
@@ -126,7 +126,7 @@ def test_memory_stays_under_the_bound(tmp_path):
     code = textwrap.dedent(f"""
         import json, torch
         from pathlib import Path
-        from quantkit.model.checkpoint import Checkpoint
+        from quantkit.checkpoint.reader import Checkpoint
         from quantkit.quantize.run import QuantizeOptions, run_quantize, block_sizes, make_plan, peak_bound
         from quantkit.recipe import build_recipe
         from quantkit.formats import QuantSpec, get_format

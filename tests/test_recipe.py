@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from quantkit.checkpoint.spec import Role, TensorSpec, default_spec, role_of
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec
-from quantkit.model.spec import Role, TensorSpec, default_spec, role_of
 from quantkit.recipe import (
     INT4_G128,
     INT8,

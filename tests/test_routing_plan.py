@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from quantkit.checkpoint.reader import Checkpoint, spec_from_path
 from quantkit.errors import QuantkitError
-from quantkit.model.checkpoint import Checkpoint, spec_from_path
 from quantkit.planner.budget import SNAPSHOTS_PER_PROMPT, RunSettings, compute_budget
 from quantkit.planner.hardware import build_hardware
 from quantkit.planner.placement import RECIPES, Plan, solve

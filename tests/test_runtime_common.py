@@ -20,7 +20,7 @@ _ROOT: list[Path] = []
 
 def quantized(src: Path, recipe: str) -> Path:
     """`src` quantized with a built-in recipe (int8, int4, nf4, fp4, mxfp4, quality) by quantkit.quantize.run."""
-    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.quantize.run import QuantizeOptions, run_quantize
     from quantkit.recipe import get_recipe
 

@@ -179,7 +179,7 @@ def test_loaded_model_keeps_no_shard_mapped_and_reads_match_safetensors(tmp_path
     the process (a memory map left behind counted the folder a second time in RSS), and slabs equal
     safetensors' own reads. Experts are prepared a few at a time (SLAB_EXPERTS) with the same logits."""
     import quantkit.runtime.loader as loader
-    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.recipe import get_recipe
     from quantkit.testing.tiny import make_tiny_model
 

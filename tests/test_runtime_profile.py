@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import pytest
 
+from quantkit.checkpoint.spec import default_spec
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec
-from quantkit.model.spec import default_spec
 from quantkit.planner.budget import RunSettings, compute_budget
 from quantkit.planner.host_costs import (
     PROFILE_VERSION,

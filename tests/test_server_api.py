@@ -38,7 +38,7 @@ TOOLS = [{"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def q4(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.quantize.run import QuantizeOptions, run_quantize
     from quantkit.recipe import build_recipe
 

@@ -14,7 +14,7 @@ from quantkit.bench.soak import write_report
 
 def test_short_soak(tiny_model: Path, tmp_path: Path) -> None:
     from quantkit.bench.soak import run_soak
-    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
     from quantkit.quantize.run import QuantizeOptions, run_quantize
     from quantkit.recipe import build_recipe
 

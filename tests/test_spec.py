@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantkit.model.checkpoint import Checkpoint, spec_from_path
-from quantkit.model.spec import (
+from quantkit.checkpoint.reader import Checkpoint, spec_from_path
+from quantkit.checkpoint.spec import (
     Role,
     default_config_path,
     default_spec,

@@ -177,7 +177,7 @@ def test_prefix_cache_lru_bytes_and_proper_prefix():
 def test_planned_snapshot_bytes_match_the_cache(rt):
     """The plan's prompt-cache budget (2 snapshots = one conversation, their KV shared, up to the context) is
     what the runtime's cache holds when the longest snapshot fills the context."""
-    from quantkit.model.spec import parse_text_config, spec_from_config
+    from quantkit.checkpoint.spec import parse_text_config, spec_from_config
     from quantkit.planner.budget import RunSettings, compute_budget
     from quantkit.recipe import get_recipe
 

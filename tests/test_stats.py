@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from quantkit.model.checkpoint import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.quantize.calib_data import load_tokens
 from quantkit.quantize.stats import (
     LM,

@@ -158,7 +158,7 @@ def test_hostile_statistics_file_is_one_line_and_writes_nothing(case, tiny_model
 
 def test_the_real_statistics_file_passes_every_check(tiny_model, tiny_stats):
     """The checks refuse nothing `quantkit stats` writes (else the cases above would prove nothing)."""
-    from quantkit.model.checkpoint import Checkpoint
+    from quantkit.checkpoint.reader import Checkpoint
 
     count()
     st = Stats.open(tiny_stats)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from quantkit.checkpoint.spec import default_spec
 from quantkit.export.vllm_placement import UTILIZATION, vllm_fit
-from quantkit.model.spec import default_spec
 from quantkit.planner.budget import RunSettings
 
 from conftest import run_cli
@@ -30,8 +30,8 @@ def folder_tensor_bytes(folder: Path) -> int:
 
 
 def test_weights_are_the_export_folders_bytes(tiny_model: Path, tmp_path: Path, capsys, monkeypatch) -> None:
+    from quantkit.checkpoint.reader import spec_from_path
     from quantkit.export.vllm_placement import export_recipe
-    from quantkit.model.checkpoint import spec_from_path
     from quantkit.planner.budget import compute_budget
 
     code, _, err = run_cli(["export", "vllm", str(tiny_model), str(tmp_path / "ct"), "--rest", "int8"], capsys,

@@ -29,10 +29,10 @@ import torch.nn.functional as F
 
 from quantkit.bench import write_reports
 from quantkit.bench.quantize import machine_info
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.errors import QuantkitError
 from quantkit.fileio import temp_name
 from quantkit.formats import QuantSpec, get_format
-from quantkit.model.checkpoint import Checkpoint
 from quantkit.quantize.calib_data import default_documents, load_tokens, tokenize_documents
 from quantkit.quantize.calibrated import Calibration
 from quantkit.quantize.gptq import gptq

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from quantkit.bench import read_bandwidth_gbs, spells, write_reports
+from quantkit.checkpoint.reader import Checkpoint
+from quantkit.checkpoint.spec import load_config, spec_from_config
 from quantkit.errors import QuantkitError
-from quantkit.model.checkpoint import Checkpoint
-from quantkit.model.spec import load_config, spec_from_config
 from quantkit.planner.budget import RunSettings
 from quantkit.planner.hardware import build_hardware, cpu_name
 from quantkit.planner.host_costs import fastest, load_profile

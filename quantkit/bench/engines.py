@@ -42,11 +42,11 @@ import torch
 from quantkit.bench import read_bandwidth_gbs, write_reports
 from quantkit.bench.decode import step_bytes
 from quantkit.bench.llama_worker import llama_decode, llama_logits, run_build
+from quantkit.checkpoint.gguf_file import read_gguf
+from quantkit.checkpoint.reader import Checkpoint
+from quantkit.checkpoint.spec import Role
 from quantkit.export.gguf import export_gguf
 from quantkit.formats import QuantSpec
-from quantkit.model.checkpoint import Checkpoint
-from quantkit.model.gguf_file import read_gguf
-from quantkit.model.spec import Role
 from quantkit.quantize.run import QuantizeOptions, run_quantize
 from quantkit.recipe import INT8, Recipe
 from quantkit.runtime import SamplingParams, cpu_kernel, load_model

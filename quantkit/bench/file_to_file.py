@@ -40,7 +40,7 @@ _STAGES = """
 import json, sys, time
 t0 = time.perf_counter()
 from pathlib import Path
-from quantkit.model.checkpoint import Checkpoint
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.quantize.run import QuantizeOptions, run_quantize
 from quantkit.recipe import build_recipe
 bits, group, threads = int(sys.argv[3]), (int(sys.argv[4]) or None), int(sys.argv[5])

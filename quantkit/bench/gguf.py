@@ -30,10 +30,10 @@ import torch
 from quantkit.bench import write_reports
 from quantkit.bench.engines import describe_machine
 from quantkit.bench.llama_worker import llama_decode, llama_logits
+from quantkit.checkpoint.spec import default_spec
 from quantkit.export.gguf import export_gguf
 from quantkit.export.gguf_types import LLAMA_TYPES
 from quantkit.export.llama_placement import model_from_spec
-from quantkit.model.spec import default_spec
 from quantkit.testing.imatrix import collect_expert_imatrix, write_imatrix_gguf
 from quantkit.testing.tiny import load_reference_model, make_tiny_model, probe_ids
 from quantkit.testing.tokenizer import build_tokenizer, tiny_corpus

@@ -44,9 +44,9 @@ from typing import Any
 import torch
 
 from quantkit.bench import write_reports
+from quantkit.checkpoint.reader import Checkpoint
+from quantkit.checkpoint.spec import ModelSpec, load_config, spec_from_config
 from quantkit.errors import QuantkitError
-from quantkit.model.checkpoint import Checkpoint
-from quantkit.model.spec import ModelSpec, load_config, spec_from_config
 from quantkit.planner.budget import RunSettings
 from quantkit.planner.hardware import GIB, GPU, Hardware, Host, cpu_name, detect_gpus
 from quantkit.planner.placement import Plan, solve

@@ -39,10 +39,10 @@ import torch
 
 from quantkit.bench import write_reports
 from quantkit.bench.engines import describe_machine
+from quantkit.checkpoint.draft import DRAFT_ROWS
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_json_bounded
-from quantkit.model.checkpoint import Checkpoint
-from quantkit.model.draft import DRAFT_ROWS
 from quantkit.quantize.run import QuantizeOptions, run_quantize
 from quantkit.recipe import Recipe, build_recipe
 from quantkit.runtime import SamplingParams, load_model
@@ -381,7 +381,7 @@ def draft_head_line(d: dict[str, Any]) -> str:
     if not h.get("reduced"):
         return f"Draft head: the whole lm_head ({v:,} ids)."
     rows, top = h["rows"], h["top_from"]
-    which = (f"the {rows:,} ids most frequent in text of the kinds an agent writes (model/draft.py's ranking)"
+    which = (f"the {rows:,} ids most frequent in text of the kinds an agent writes (checkpoint/draft.py's ranking)"
              if h.get("ranked") else f"ids 0-{rows - 1:,}")
     share = ("these ids hold 95-99% of the tokens of English, code, JSON, Chinese and other languages' text"
              if h.get("ranked") else "the lowest ids hold 91-96% of the tokens of English, code and JSON text but 46% "
@@ -525,7 +525,7 @@ def render_trained(t: dict[str, Any], oracle: list[dict[str, Any]] | None) -> li
                     f"{bf['rows'][0]['acceptance']:.2f} unquantized.")
     if q and kept:
         out += ["", "The runtime holds the MTP layer's int8 or bf16 fc, attention and shared expert as int4 copies "
-                "(model/draft.py `layer_copy_spec`: the layer only drafts, and those matrices are most of what a draft "
+                "(checkpoint/draft.py `layer_copy_spec`: the layer only drafts, and those matrices are most of what a draft "
                 "reads besides its head); the row marked \"as stored\" drafts with them as the checkpoint stores them. "
                 "With one draft, acceptance " + " against ".join(
                     f"{x['rows'][0]['accepted']} / {x['rows'][0]['drafted']} ({x['rows'][0]['acceptance']:.3f}) "

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from quantkit.bench import file_to_file, write_reports
+from quantkit.checkpoint.reader import Checkpoint
 from quantkit.formats import QuantSpec, get_format
-from quantkit.model.checkpoint import Checkpoint
 from quantkit.quantize.run import DEFAULT_SLAB_BYTES, block_sizes, make_plan, peak_bound
 from quantkit.quantize.stream import CHUNK_TEMP_BYTES, STAGE_OVERHEAD_BYTES
 from quantkit.recipe import build_recipe

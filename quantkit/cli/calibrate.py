@@ -18,13 +18,13 @@ from rich.progress import (
 from rich.table import Table
 
 from quantkit import sizes
+from quantkit.checkpoint.contract import read_quant_config
+from quantkit.checkpoint.reader import spec_from_path
+from quantkit.checkpoint.spec import load_config
 from quantkit.cli import DEV_PANEL, app, console, err_console
 from quantkit.cli.options import COUNT, notice
 from quantkit.errors import QuantkitError
 from quantkit.fileio import write_atomic
-from quantkit.model.checkpoint import spec_from_path
-from quantkit.model.contract import read_quant_config
-from quantkit.model.spec import load_config
 from quantkit.outputs import guard_output, json_with_keys
 from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK, RunSettings
 from quantkit.planner.hardware import Hardware, Host

@@ -12,6 +12,11 @@ import typer
 from rich import box
 from rich.table import Table
 
+from quantkit.checkpoint.contract import read_quant_config
+from quantkit.checkpoint.gguf_file import read_gguf
+from quantkit.checkpoint.quantized import QuantizedFolder
+from quantkit.checkpoint.reader import Checkpoint, spec_from_path
+from quantkit.checkpoint.spec import DEFAULT_MODEL, ModelSpec, Role, load_config
 from quantkit.cli import app, console
 from quantkit.cli.options import CONTEXT, COUNT, COUNT0, MTP_DRAFT, NODES, TFLOPS, renamed
 from quantkit.errors import QuantkitError
@@ -26,11 +31,6 @@ from quantkit.export.launch import (
 )
 from quantkit.export.llama_placement import LlamaPlacement, LlamaSettings, model_from_gguf
 from quantkit.fileio import require_regular_file
-from quantkit.model.checkpoint import Checkpoint, spec_from_path
-from quantkit.model.contract import read_quant_config
-from quantkit.model.gguf_file import read_gguf
-from quantkit.model.quantized import QuantizedFolder
-from quantkit.model.spec import DEFAULT_MODEL, ModelSpec, Role, load_config
 from quantkit.outputs import guard_output
 from quantkit.planner.budget import GB, GIB, SNAPSHOTS_PER_PROMPT, RunSettings, cache_dtype, compute_budget
 from quantkit.planner.disk_cache import disk_cache_note, parse_disk_size

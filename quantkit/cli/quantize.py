@@ -8,12 +8,12 @@ import typer
 from rich import box
 from rich.table import Table
 
+from quantkit.checkpoint.reader import Checkpoint, resolve_model
+from quantkit.checkpoint.spec import Role
 from quantkit.cli import app, console, err_console, error_line, fail
 from quantkit.cli.options import GROUP_SIZE, notice, renamed
 from quantkit.cli.progress import RichProgress, tensor_progress
 from quantkit.fileio import require_regular_file
-from quantkit.model.checkpoint import Checkpoint, resolve_model
-from quantkit.model.spec import Role
 from quantkit.outputs import free_disk
 from quantkit.quantize.calibrated import Calibration
 from quantkit.quantize.report import role_rows, total_row

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import typer
 
+from quantkit.checkpoint.reader import Checkpoint, resolve_model
 from quantkit.cli import app, console, err_console
 from quantkit.cli.export import export_app
 from quantkit.cli.options import CHUNK, COUNT, renamed
 from quantkit.cli.progress import RichProgress, tensor_progress
-from quantkit.model.checkpoint import Checkpoint, resolve_model
 from quantkit.outputs import guard_output, has_magic
 from quantkit.quantize.calib_data import load_tokens
 from quantkit.quantize.imatrix import write_imatrix_gguf

@@ -42,15 +42,15 @@ from typing import Any
 
 import torch
 
+from quantkit.checkpoint.contract import INDEX_NAME
+from quantkit.checkpoint.quantized import StoredTensor
+from quantkit.checkpoint.reader import check_finite
+from quantkit.checkpoint.spec import Role
 from quantkit.errors import QuantkitError
 from quantkit.export.source import ExportSource
 from quantkit.fileio import fsync_dir, pid_temp_name, replace_folder
 from quantkit.formats import QuantSpec, get_format
 from quantkit.formats.int4 import codes as int4_codes
-from quantkit.model.checkpoint import check_finite
-from quantkit.model.contract import INDEX_NAME
-from quantkit.model.quantized import StoredTensor
-from quantkit.model.spec import Role
 from quantkit.outputs import check_free, guard_output, write_marker
 from quantkit.progress import NoProgress, Progress
 from quantkit.quantize.run import copyable_files

@@ -27,10 +27,10 @@ intermediate and the partial output are removed on success, failure and Ctrl-C. 
 tensor's type as llama.cpp wrote it, read back from the file, and every per-tensor fallback.
 
 MTP: a source that keeps its MTP layer (`mtp.*`, as `quantkit quantize` does by default) exports it as llama.cpp's
-NextN block, as llama.cpp's own converter writes it (quantkit.model.gguf_layout): block num_hidden_layers, its
+NextN block, as llama.cpp's own converter writes it (quantkit.checkpoint.gguf_layout): block num_hidden_layers, its
 per-expert experts stacked, `{arch}.nextn_predict_layers` 1, `block_count` counting the block and
 `attention.recurrent_layers` marking it full attention. Its tensors take the recipe of the role each plays in a
-decoder layer (quantkit.model.spec.mtp_subrole: experts as routed experts, `fc` and attention as attention), codes
+decoder layer (quantkit.checkpoint.spec.mtp_subrole: experts as routed experts, `fc` and attention as attention), codes
 reused where the types match. llama.cpp loads the block only when asked to draft with it (`llama-server
 --spec-type draft-mtp`); otherwise its bytes stay on disk. `mtp=False` (`--no-mtp-layer`) leaves it out, as the
 converter's --no-mtp does; an incomplete MTP layer is refused by name.
@@ -54,6 +54,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from quantkit.checkpoint.gguf_file import read_gguf
+from quantkit.checkpoint.gguf_layout import MTP_REQUIRED, Piece, convert, permute_blocks, pieces_for
+from quantkit.checkpoint.quantized import StoredTensor
+from quantkit.checkpoint.reader import check_finite
+from quantkit.checkpoint.spec import Role, mtp_subrole
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf_imatrix import load_imatrix
 from quantkit.export.gguf_quantize import quantize_gguf, require_llama_cpp
@@ -64,11 +69,6 @@ from quantkit.fileio import pid_temp_name
 from quantkit.formats import QuantSpec, get_format
 from quantkit.formats.int4 import int4_to_q4_0_blocks
 from quantkit.formats.mxfp4 import to_gguf_blocks
-from quantkit.model.checkpoint import check_finite
-from quantkit.model.gguf_file import read_gguf
-from quantkit.model.gguf_layout import MTP_REQUIRED, Piece, convert, permute_blocks, pieces_for
-from quantkit.model.quantized import StoredTensor
-from quantkit.model.spec import Role, mtp_subrole
 from quantkit.outputs import check_free, guard_output, has_magic
 from quantkit.progress import NoProgress, Progress
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from quantkit.checkpoint.gguf_file import read_gguf
 from quantkit.errors import QuantkitError
-from quantkit.model.gguf_file import read_gguf
 
 # the real model's imatrix is about 0.2 GB (experts: 40 layers x (2 x 2048 + 512) x 256 floats)
 MAX_IMATRIX_BYTES = 4 << 30

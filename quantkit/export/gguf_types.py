@@ -31,8 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from quantkit.checkpoint.gguf_layout import is_f32_only
 from quantkit.errors import QuantkitError
-from quantkit.model.gguf_layout import is_f32_only
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from quantkit.checkpoint.spec import ModelSpec, Role, default_spec
 from quantkit.export.gguf_types import DEFAULT_TYPE
 from quantkit.export.llama_placement import (
     LlamaModel,
@@ -33,7 +34,6 @@ from quantkit.export.llama_placement import (
 )
 from quantkit.export.llama_speed import llama_decode_tok_s, llama_prefill_tok_s
 from quantkit.export.vllm_placement import VllmFit, vllm_fit
-from quantkit.model.spec import ModelSpec, Role, default_spec
 from quantkit.planner.hardware import Hardware
 from quantkit.planner.placement import Plan
 

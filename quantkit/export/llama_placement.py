@@ -35,13 +35,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from quantkit.checkpoint.gguf_layout import pieces_for
+from quantkit.checkpoint.spec import ModelSpec, Role
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf_types import tensor_bytes, tensor_type
-from quantkit.model.gguf_layout import pieces_for
-from quantkit.model.spec import ModelSpec, Role
 
 ARCH = "qwen35moe"
-# bounds on a GGUF header's hyperparameters (as quantkit.model.spec bounds a config.json's)
+# bounds on a GGUF header's hyperparameters (as quantkit.checkpoint.spec bounds a config.json's)
 MAX_LAYERS = 1024
 MAX_DIM = 1 << 22
 COMPUTE_PER_TOKEN_HIDDEN = 72  # bytes per ubatch token per hidden unit, besides the logits (measured: 70.4)
@@ -119,7 +119,7 @@ def _block(name: str) -> int | None:
 
 
 def model_from_gguf(info: Any) -> LlamaModel:
-    """The model of an existing GGUF (quantkit.model.gguf_file.GgufInfo): its own tensor bytes."""
+    """The model of an existing GGUF (quantkit.checkpoint.gguf_file.GgufInfo): its own tensor bytes."""
     if info.arch != ARCH:
         raise QuantkitError(f"{info.path}: architecture {info.arch or 'unknown'!r}, not {ARCH} "
                             "(Qwen3.5-MoE); quantkit plans this model family only")

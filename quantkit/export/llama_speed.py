@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import cache
 
+from quantkit.checkpoint.spec import default_spec
 from quantkit.export.llama_placement import (
     LlamaModel,
     LlamaPlacement,
@@ -36,7 +37,6 @@ from quantkit.export.llama_placement import (
     model_from_spec,
     rs_layer_bytes,
 )
-from quantkit.model.spec import default_spec
 from quantkit.planner.hardware import Hardware, build_hardware
 from quantkit.planner.speed import SpeedModel
 

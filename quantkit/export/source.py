@@ -3,9 +3,9 @@
 Both are presented the same way, as canonical tensors (published names, routed experts fused, each a
 `StoredTensor`) that can be read dense (fp32, dequantized where stored quantized) or, for a quantized
 folder, as the stored parts so an exporter can reuse codes instead of requantizing. A quantized folder is
-read through the one reader of quantkit folders (`quantkit.model.quantized.QuantizedFolder`) after it has
+read through the one reader of quantkit folders (`quantkit.checkpoint.quantized.QuantizedFolder`) after it has
 been checked against its manifest and config (`quantkit.quantize.verify.verify_folder`, sizes only); a
-source checkpoint through `quantkit.model.checkpoint.Checkpoint` (validated headers and index paths, never
+source checkpoint through `quantkit.checkpoint.reader.Checkpoint` (validated headers and index paths, never
 unpickled).
 """
 
@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
+from quantkit.checkpoint.contract import quant_method
+from quantkit.checkpoint.quantized import QuantizedFolder, StoredTensor
+from quantkit.checkpoint.reader import Checkpoint
+from quantkit.checkpoint.spec import TextConfig, parse_text_config
 from quantkit.errors import QuantkitError
 from quantkit.formats import get_format
-from quantkit.model.checkpoint import Checkpoint
-from quantkit.model.contract import quant_method
-from quantkit.model.quantized import QuantizedFolder, StoredTensor
-from quantkit.model.spec import TextConfig, parse_text_config
 from quantkit.quantize.verify import verify_folder
 
 

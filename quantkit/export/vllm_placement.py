@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from quantkit.model.spec import ModelSpec, Role
+from quantkit.checkpoint.spec import ModelSpec, Role
 from quantkit.planner.budget import (
     RunSettings,
     activation_bytes_per_token,

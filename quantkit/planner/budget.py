@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from quantkit.checkpoint.draft import copy_bytes, layer_copy_spec
+from quantkit.checkpoint.spec import ModelSpec, Role, TensorSpec, TextConfig, dtype_bytes
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec, ceil_div, stored_parts
-from quantkit.model.draft import copy_bytes, layer_copy_spec
-from quantkit.model.spec import ModelSpec, Role, TensorSpec, TextConfig, dtype_bytes
 from quantkit.recipe import Recipe
 
 # KV cache element types: (bytes per block, elements per block). q8_0/q4_0 are llama.cpp's blocks
@@ -173,7 +173,7 @@ class Budget:
     expert_params: list[int] = field(default_factory=list)  # one routed expert of each layer
     lm_head_params: int = 0
     mtp_weights: int = 0
-    mtp_draft_copy: int = 0  # the runtime's int4 copy of the draft's lm_head rows (quantkit/model/draft.py)
+    mtp_draft_copy: int = 0  # the runtime's int4 copy of the draft's lm_head rows (quantkit/checkpoint/draft.py)
     mtp_copy_saving: int = 0  # what holding the MTP layer's dense matrices as int4 (`layer_copy_spec`) saves
     prompt_cache: int = 0  # snapshots of the conversation state (in layer_cache too, with their layers)
 

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from quantkit import sizes
-from quantkit.model.spec import TextConfig
+from quantkit.checkpoint.spec import TextConfig
 from quantkit.planner.budget import snapshot_bytes
 
 MIN_DISK_BYTES = 1 << 20  # below this not even a short prompt's state fits

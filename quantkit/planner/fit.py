@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from quantkit.checkpoint.spec import ModelSpec
 from quantkit.errors import QuantkitError
-from quantkit.model.spec import ModelSpec
 from quantkit.planner.budget import RunSettings
 from quantkit.planner.hardware import Hardware, build_hardware
 from quantkit.planner.placement import Plan, solve, spec_fingerprint, suggestions

@@ -46,10 +46,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantkit.checkpoint.spec import ModelSpec, Role, TensorSpec, TextConfig
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_json_bounded
 from quantkit.formats import QuantSpec
-from quantkit.model.spec import ModelSpec, Role, TensorSpec, TextConfig
 from quantkit.planner.hardware import cpu_name
 from quantkit.recipe import Recipe, decide
 

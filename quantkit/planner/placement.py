@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from quantkit.checkpoint.spec import ModelSpec, Role
 from quantkit.errors import QuantkitError
 from quantkit.fileio import write_atomic
-from quantkit.model.spec import ModelSpec, Role
 from quantkit.planner.budget import (
     GB,
     GIB,

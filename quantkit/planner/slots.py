@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from quantkit.checkpoint.spec import TextConfig
 from quantkit.errors import QuantkitError
-from quantkit.model.spec import TextConfig
 from quantkit.planner.budget import (
     DEFAULT_PREFILL_CHUNK,
     RunSettings,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from quantkit.model.spec import TextConfig
+from quantkit.checkpoint.spec import TextConfig
 from quantkit.planner.budget import Budget, kv_bytes_per_token
 from quantkit.planner.host_costs import RuntimeCosts
 

@@ -14,7 +14,7 @@ rounding error d_j on column j grows with E[x_j^2] d_j^2 (the diagonal of the He
   `imatrix.datasets`, `imatrix.chunk_count`, `imatrix.chunk_size`, and per weight tensor under its GGUF
   name `<name>.in_sum2` F32 (numpy [n_mat, n_per_row]) and `<name>.counts` F32 ([n_mat, 1]). The fused
   gate_up stack gives both `ffn_gate_exps` and `ffn_up_exps` (same input); the columns of
-  `ssm_out` follow the value-head reorder of the GGUF export (model/gguf_layout.py).
+  `ssm_out` follow the value-head reorder of the GGUF export (checkpoint/gguf_layout.py).
 - `read_imatrix_gguf(path)`: {gguf name: importance [n_mat * n_per_row]} as llama.cpp's quantizer
   derives it (in_sum2 / count per matrix, 1 where a matrix saw no token): what a caller hands to
   `llama_model_quantize` through `llama_model_quantize_params.imatrix`.
@@ -29,13 +29,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from quantkit.checkpoint.gguf_file import check_header_bounds
+from quantkit.checkpoint.gguf_layout import pieces_for
+from quantkit.checkpoint.spec import parse_text_config, spec_from_config
 from quantkit.errors import QuantkitError
 from quantkit.fileio import fsync_dir, temp_name
 from quantkit.formats import QuantSpec, get_format
 from quantkit.formats.int4 import DEFAULT_GROUP
-from quantkit.model.gguf_file import check_header_bounds
-from quantkit.model.gguf_layout import pieces_for
-from quantkit.model.spec import parse_text_config, spec_from_config
 from quantkit.outputs import guard_output, has_magic
 from quantkit.quantize.grid import Grid
 from quantkit.quantize.stats import Stats

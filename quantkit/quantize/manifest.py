@@ -15,10 +15,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantkit.checkpoint.contract import JOURNAL_NAME, MANIFEST_NAME, MANIFEST_VERSION
+from quantkit.checkpoint.reader import safe_member  # the loader's rule for the files a folder may name
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json, read_json_bounded
-from quantkit.model.checkpoint import safe_member  # the loader's rule for the files a folder may name
-from quantkit.model.contract import JOURNAL_NAME, MANIFEST_NAME, MANIFEST_VERSION
 
 _HASH_BUF = 8 << 20
 

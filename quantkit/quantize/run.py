@@ -37,13 +37,13 @@ from typing import Any
 
 import torch
 
+from quantkit.checkpoint.contract import INDEX_NAME, QUANT_METHOD, QUANT_VERSION, holds_quantize_run
+from quantkit.checkpoint.reader import Checkpoint, check_finite
+from quantkit.checkpoint.spec import Role, TensorSpec, role_of
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json, fsync_dir, temp_name
 from quantkit.formats import QuantSpec, get_format, stored_parts
 from quantkit.formats.common import ErrorSums
-from quantkit.model.checkpoint import Checkpoint, check_finite
-from quantkit.model.contract import INDEX_NAME, QUANT_METHOD, QUANT_VERSION, holds_quantize_run
-from quantkit.model.spec import Role, TensorSpec, role_of
 from quantkit.outputs import check_free, check_not_source, guard_output, occupied
 from quantkit.progress import NoProgress, Progress
 from quantkit.quantize.calibrated import Calibration

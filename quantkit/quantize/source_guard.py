@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from quantkit.checkpoint.reader import FileIdentity, file_identity
 from quantkit.errors import QuantkitError
-from quantkit.model.checkpoint import FileIdentity, file_identity
 
 
 def _change(was: FileIdentity, now: FileIdentity) -> str:

@@ -52,10 +52,10 @@ import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from quantkit.checkpoint.reader import Checkpoint, read_safetensors
+from quantkit.checkpoint.spec import text_config_dict
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json, fsync_dir
-from quantkit.model.checkpoint import Checkpoint, read_safetensors
-from quantkit.model.spec import text_config_dict
 from quantkit.outputs import guard_output
 from quantkit.progress import NoProgress, Progress
 from quantkit.quantize import stats_check

@@ -3,7 +3,7 @@
 A statistics file is user input like any other: `quantize --stats`, `plan --routing` and `export imatrix`
 read it. Before use:
 - the safetensors header is checked as a shard's is (offsets within the file, known dtypes, metadata a map
-  of strings: quantkit.model.checkpoint.read_safetensors);
+  of strings: quantkit.checkpoint.reader.read_safetensors);
 - the metadata's token counts are decimal integers and its `config` a JSON object of a valid model;
 - every tensor is one `quantkit stats` writes for that model, with its shape and dtype (a Hessian of another
   size, counts cut short, a tensor of another model are refused by name);
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from quantkit.checkpoint.spec import spec_from_config
 from quantkit.errors import QuantkitError
-from quantkit.model.spec import spec_from_config
 
 COUNT_FIELDS = ("tokens", "heldout_tokens", "chunk_size", "chunk_count", "heldout_chunks", "layers")
 MAX_COUNT = 10**15

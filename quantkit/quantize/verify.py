@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from quantkit.checkpoint.contract import INDEX_NAME, QUANT_METHOD, quant_method
+from quantkit.checkpoint.spec import spec_from_config
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec
-from quantkit.model.contract import INDEX_NAME, QUANT_METHOD, quant_method
-from quantkit.model.spec import spec_from_config
 from quantkit.quantize.manifest import Manifest, check_file, read_json
 from quantkit.quantize.run import part_layouts
 from quantkit.quantize.shards import ST_DTYPES, read_header

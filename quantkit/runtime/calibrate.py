@@ -42,8 +42,8 @@ from typing import Any
 
 import torch
 
+from quantkit.checkpoint.spec import ModelSpec, Role, spec_from_config
 from quantkit.formats import QuantSpec, get_format
-from quantkit.model.spec import ModelSpec, Role, spec_from_config
 from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK
 from quantkit.planner.host_costs import (
     ExpertPair,

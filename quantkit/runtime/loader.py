@@ -4,7 +4,7 @@ from safetensors straight onto the device the plan names and prepared there.
 Flow of `load_model(path, plan=None)`:
 1. config.json: a quantkit output (quantization_config.quant_method == "quantkit") must have a version
    this code knows and pass `quantkit.quantize.verify.verify_folder`; any other folder is read as an
-   unquantized source through `quantkit.model.checkpoint.Checkpoint` (both layouts, FP8 dequantized) and
+   unquantized source through `quantkit.checkpoint.reader.Checkpoint` (both layouts, FP8 dequantized) and
    quantized on the fly with `recipe` (default "bf16": kept as is).
 2. Placement: from a plan file (`quantkit plan --out`; its fingerprint must match this model and it
    must fit the detected hardware, checked before anything is read) or planned on the spot for the
@@ -16,7 +16,7 @@ Flow of `load_model(path, plan=None)`:
    are read with plain reads (no memory map left behind; a folder above a quarter of RAM has its page cache
    dropped first and leaves none behind) and the heap's freed temporaries go back to the system as the load
    goes. The MTP layer, which only drafts, holds its int8 / bf16 attention and shared expert as int4 copies
-   (model/draft.py `layer_copy_spec`). Then the one-token route is chosen (runtime/model/route.py).
+   (checkpoint/draft.py `layer_copy_spec`). Then the one-token route is chosen (runtime/model/route.py).
 """
 
 from __future__ import annotations
@@ -31,14 +31,14 @@ from typing import Any
 
 import torch
 
+from quantkit.checkpoint.contract import read_quant_config
+from quantkit.checkpoint.draft import layer_copy_spec
+from quantkit.checkpoint.quantized import QuantizedFolder
+from quantkit.checkpoint.reader import Checkpoint, resolve_model
+from quantkit.checkpoint.spec import TextConfig, load_config, spec_from_config
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_text_bounded
 from quantkit.formats import QuantSpec, get_format
-from quantkit.model.checkpoint import Checkpoint, resolve_model
-from quantkit.model.contract import read_quant_config
-from quantkit.model.draft import layer_copy_spec
-from quantkit.model.quantized import QuantizedFolder
-from quantkit.model.spec import TextConfig, load_config, spec_from_config
 from quantkit.planner.fit import check_plan, hardware_here, plan_here
 from quantkit.planner.hardware import Hardware
 from quantkit.planner.placement import Plan, contiguous_runs
@@ -48,12 +48,12 @@ from quantkit.runtime import cpu_kernel
 from quantkit.runtime.devices import available_bytes, check_device_exists, release_free_heap
 from quantkit.runtime.engine import Runtime
 from quantkit.runtime.kernels import Kernel, QBf16Kernel, QKernel, prepare, slice_parts
+from quantkit.runtime.model.config import ModelConfig, model_config
 from quantkit.runtime.model.draft_head import compact_copy, requantized
 from quantkit.runtime.model.experts import GatheredExperts
 from quantkit.runtime.model.layers import Attention, DeltaNet, Layer, MoE
 from quantkit.runtime.model.model import Model
 from quantkit.runtime.model.mtp import MTP
-from quantkit.runtime.model.spec import ModelConfig, model_config
 from quantkit.runtime.options import RuntimeOptions
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 
@@ -523,7 +523,7 @@ def load_model(path: str | Path, plan: str | Path | Plan | None = None, *, recip
     nowhere else); `route` and `forced_route` override its kernel_route and route.
     `forced_route`: a one-token route kind (runtime/model/route.py; None: the options' or the best);
     `gather`: expert groups to compute as on a device (tests); `mtp_copies`: False holds the MTP layer's
-    matrices as stored (to compare the layer with another engine's), not as int4 copies (model/draft.py)."""
+    matrices as stored (to compare the layer with another engine's), not as int4 copies (checkpoint/draft.py)."""
     t0 = time.perf_counter()
     if options is None:
         options = RuntimeOptions.from_env()

@@ -381,7 +381,7 @@ def _write_file(path: Path, data: bytes) -> None:
 def layout_of(rt: Any) -> Layout:
     """The layout of `rt`'s states: its identity without the placement (a state is the same wherever its
     layers ran) plus the state layout (layer kinds and shapes, dtype)."""
-    from quantkit.model.spec import parse_text_config
+    from quantkit.checkpoint.spec import parse_text_config
     from quantkit.planner.budget import snapshot_bytes
     from quantkit.runtime.session_file import identity, state_shapes
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from quantkit.model.spec import parse_text_config
+from quantkit.checkpoint.spec import parse_text_config
 from quantkit.planner.slots import check_parallel, default_parallel, slots_fit, slots_need
 from quantkit.runtime.devices import available_bytes
 from quantkit.server.scheduler import MAX_SLOTS

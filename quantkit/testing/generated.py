@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
+from quantkit.checkpoint.spec import spec_from_config
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec, get_format
-from quantkit.model.spec import spec_from_config
 from quantkit.progress import NoProgress, Progress
 from quantkit.quantize.manifest import fingerprint
 from quantkit.quantize.run import (

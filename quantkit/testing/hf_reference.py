@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from quantkit.model.checkpoint import Checkpoint, resolve_model
-from quantkit.model.contract import read_quant_config
-from quantkit.model.quantized import QuantizedFolder
-from quantkit.model.spec import load_config, text_config_dict
+from quantkit.checkpoint.contract import read_quant_config
+from quantkit.checkpoint.quantized import QuantizedFolder
+from quantkit.checkpoint.reader import Checkpoint, resolve_model
+from quantkit.checkpoint.spec import load_config, text_config_dict
 from quantkit.recipe import Recipe, get_recipe
 from quantkit.runtime.kernels import Kernel, prepare
 from quantkit.runtime.loader import (

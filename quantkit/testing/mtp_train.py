@@ -39,11 +39,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from quantkit.checkpoint.contract import read_quant_config
+from quantkit.checkpoint.reader import Checkpoint, read_safetensors_header
+from quantkit.checkpoint.spec import load_config, text_config_dict
 from quantkit.errors import QuantkitError
 from quantkit.fileio import pid_temp_name, replace_folder
-from quantkit.model.checkpoint import Checkpoint, read_safetensors_header
-from quantkit.model.contract import read_quant_config
-from quantkit.model.spec import load_config, text_config_dict
 from quantkit.runtime import SamplingParams, load_model
 from quantkit.testing.tokenizer import tiny_corpus
 from quantkit.threads import torch_threads

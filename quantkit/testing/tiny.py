@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
+from quantkit.checkpoint.contract import INDEX_NAME
+from quantkit.checkpoint.spec import dtype_bytes, spec_from_config
 from quantkit.errors import QuantkitError
 from quantkit.fileio import pid_temp_name, replace_folder
-from quantkit.model.contract import INDEX_NAME
-from quantkit.model.spec import dtype_bytes, spec_from_config
 from quantkit.outputs import check_free, guard_output
 from quantkit.progress import Progress
 from quantkit.recipe import Recipe

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.runtime.model.spec import ModelConfig
+from quantkit.runtime.model.config import ModelConfig
 from quantkit.runtime.state_cache import Snapshot
 
 _SERIAL = itertools.count()

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from quantkit.checkpoint.draft import COPY_SPEC, DRAFT_ROWS, TILE, copy_bytes, draft_ids, draft_span, ranked
 from quantkit.formats import QuantSpec, get_format
-from quantkit.model.draft import COPY_SPEC, DRAFT_ROWS, TILE, copy_bytes, draft_ids, draft_span, ranked
 from quantkit.runtime import cpu_kernel
 from quantkit.runtime.kernels import Projections, QBf16Kernel, QKernel, prepare
 

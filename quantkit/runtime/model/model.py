@@ -21,9 +21,9 @@ from quantkit.runtime.kernels import Kernel
 from quantkit.runtime.model import batch_step
 from quantkit.runtime.model import route as routes
 from quantkit.runtime.model.cache import HybridCache
+from quantkit.runtime.model.config import ModelConfig
 from quantkit.runtime.model.executors import GraphExecutor, StackExecutor, executor_for, stackable
 from quantkit.runtime.model.layers import Layer, rms
-from quantkit.runtime.model.spec import ModelConfig
 
 ROPE_BLOCK = 256  # positions per table of rotary cos / sin for one-token steps
 EMBED_ROWS = 4096  # dequantized embedding rows kept (16 MiB at hidden 2048 in bf16)

@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from quantkit.model.draft import DRAFT_ROWS
+from quantkit.checkpoint.draft import DRAFT_ROWS
 from quantkit.runtime import cpu_kernel
 from quantkit.runtime.kernels import Kernel, Projections, QKernel
 from quantkit.runtime.model.cache import HybridCache
+from quantkit.runtime.model.config import ModelConfig
 from quantkit.runtime.model.draft_head import DraftHead
 from quantkit.runtime.model.executors import layer_stackable, stack_of
 from quantkit.runtime.model.layers import Layer, rms
-from quantkit.runtime.model.spec import ModelConfig
 
 STACK_PAIRS = 4  # a draft of up to this many pairs runs in the kernel's one call (the row-by-row path's bound)
 

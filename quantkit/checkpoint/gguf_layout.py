@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from quantkit.model.spec import TextConfig
+from quantkit.checkpoint.spec import TextConfig
 
 # Kept in F32 whatever the file type, as llama.cpp's own converter does (its kernels take these in F32).
 F32_SUFFIXES = ("_norm.weight", "ssm_norm.weight", "ssm_a", "ssm_dt.bias", "ssm_conv1d.weight",

@@ -1,6 +1,6 @@
 """The model's shape and constants as the runtime needs them, read from config.json: `ModelConfig`.
 
-Extends the planner's `TextConfig` (quantkit.model.spec: sizes, layer types, experts) with the numbers of the
+Extends the planner's `TextConfig` (quantkit.checkpoint.spec: sizes, layer types, experts) with the numbers of the
 forward: norm epsilon, rotary base and share, activation. A config this model cannot compute (another
 activation, a rotary that depends on the length, attention with biases or without its output gate) is refused
 in one line that names the field.
@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from quantkit.checkpoint.spec import TextConfig, parse_text_config
 from quantkit.errors import QuantkitError
-from quantkit.model.spec import TextConfig, parse_text_config
 
 
 @dataclass(frozen=True)

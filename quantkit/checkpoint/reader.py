@@ -32,9 +32,8 @@ from typing import Any
 
 import torch
 
-from quantkit.errors import QuantkitError
-from quantkit.model.contract import INDEX_NAME, is_quantkit_output, quant_method
-from quantkit.model.spec import (
+from quantkit.checkpoint.contract import INDEX_NAME, is_quantkit_output, quant_method
+from quantkit.checkpoint.spec import (
     ModelSpec,
     TensorSpec,
     default_spec,
@@ -44,6 +43,7 @@ from quantkit.model.spec import (
     role_of,
     spec_from_config,
 )
+from quantkit.errors import QuantkitError
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit

@@ -13,10 +13,10 @@ import functools
 import zlib
 from pathlib import Path
 
+from quantkit.checkpoint.spec import Role, mtp_subrole
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_bytes_bounded
 from quantkit.formats import QuantSpec, stored_bytes
-from quantkit.model.spec import Role, mtp_subrole
 
 DRAFT_ROWS = 32768  # ids the draft scores below the top ones (0: the whole head)
 TAIL = 288  # ids from the top: 248032 and up on Qwen3.5's 248,320, its special tokens among them

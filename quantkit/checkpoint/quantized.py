@@ -1,6 +1,6 @@
 """The one reader of quantkit output folders, shared by the runtime loader, verify's callers and both exporters.
 
-`QuantizedFolder.open(path)` checks the contract (quantkit/model/contract.py: method and version), reads the
+`QuantizedFolder.open(path)` checks the contract (quantkit/checkpoint/contract.py: method and version), reads the
 shard headers through `Checkpoint` (index paths validated, never unpickled) and lists every tensor under its
 canonical name as a `StoredTensor`: quantized ones with their `QuantSpec` and original shape (their parts
 `N.<suffix>` grouped), dense ones as stored. `parts(name, experts)` and `dense(name, experts)` read one
@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
+from quantkit.checkpoint.contract import read_quant_config
+from quantkit.checkpoint.reader import Checkpoint
+from quantkit.checkpoint.spec import Role, dtype_bytes, role_of
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec
-from quantkit.model.checkpoint import Checkpoint
-from quantkit.model.contract import read_quant_config
-from quantkit.model.spec import Role, dtype_bytes, role_of
 
 
 @dataclass(frozen=True)
