@@ -18,6 +18,7 @@ from quantkit.runtime.generate import (
     TokenEvent,
     stream_tokens,
 )
+from quantkit.runtime.prompt_disk import default_warn, open_store
 from quantkit.runtime.safe_prompt import render_ids
 from quantkit.runtime.speculative import MAX_DRAFT, DraftTuner
 from quantkit.runtime.state_cache import PrefixCache
@@ -169,8 +170,6 @@ class Runtime:
             max_bytes = available_bytes(self.state_device) // AUTO_CACHE_FRACTION
         disk = None
         if disk_dir is not None:
-            from quantkit.runtime.prompt_disk import default_warn, open_store
-
             disk = open_store(self, Path(disk_dir), disk_bytes, warn or default_warn)
         self.prompt_cache = PrefixCache(max_bytes, disk=disk)
         return self.prompt_cache

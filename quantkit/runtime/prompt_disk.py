@@ -41,8 +41,12 @@ from typing import Any
 
 import torch
 
+from quantkit.checkpoint.spec import parse_text_config
 from quantkit.errors import QuantkitError
 from quantkit.fileio import clean_leftovers, fsync_dir
+from quantkit.planner.budget import snapshot_bytes
+from quantkit.planner.disk_cache import MIN_DISK_BYTES
+from quantkit.runtime.session_file import identity, state_shapes
 from quantkit.runtime.state_cache import Snapshot
 
 MAGIC, VERSION = "quantkit_prompt_cache", "1"
@@ -381,10 +385,6 @@ def _write_file(path: Path, data: bytes) -> None:
 def layout_of(rt: Any) -> Layout:
     """The layout of `rt`'s states: its identity without the placement (a state is the same wherever its
     layers ran) plus the state layout (layer kinds and shapes, dtype)."""
-    from quantkit.checkpoint.spec import parse_text_config
-    from quantkit.planner.budget import snapshot_bytes
-    from quantkit.runtime.session_file import identity, state_shapes
-
     ident = {k: v for k, v in identity(rt).items() if k != "placement"}
     ident["layout"] = _hash([state_shapes(rt, 0), str(getattr(rt.model, "dtype", ""))])[:16]
     cfg = parse_text_config(rt.config)
@@ -421,8 +421,6 @@ def open_store(rt: Any, folder: Path, max_bytes: int | None, warn: Callable[[str
              "for this run")
         return None
     if max_bytes is None:
-        from quantkit.planner.disk_cache import MIN_DISK_BYTES
-
         free = shutil.disk_usage(folder).free
         if free // 4 < MIN_DISK_BYTES:
             warn(f"--prompt-cache-dir {folder}: {free:,} bytes free there; the disk prompt cache is off for this run "

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from quantkit.checkpoint.contract import MANIFEST_NAME
+from quantkit.checkpoint.reader import find_shards
 from quantkit.checkpoint.spec import parse_text_config
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_bytes, clean_leftovers, read_json_bounded
@@ -61,8 +62,6 @@ def _shard_digest(path: Path, size: int) -> str:
 def weights_fingerprint(folder: Path) -> str:
     """What identifies the weights: a quantized folder's manifest entries (size and sha256 of every shard), or
     for a source checkpoint its shards' names, sizes, and header-and-sample digests. Memoized per file state."""
-    from quantkit.checkpoint.reader import find_shards
-
     man = folder / MANIFEST_NAME
     files = [man] if man.is_file() else find_shards(folder)
     key = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)

@@ -47,6 +47,7 @@ from quantkit.server import security
 from quantkit.server.backend import Backend, Prompt
 from quantkit.server.chat_request import enable_thinking, template_messages, text_bytes, tool_choice
 from quantkit.server.errors import ApiError, validation_error
+from quantkit.server.grammar import GrammarError
 from quantkit.server.metrics import CONTENT_TYPE, CountRequests, Metrics
 from quantkit.server.options import MAX_N, GenOptions, response_format_schema, sampling_temperature
 from quantkit.server.parsing import OutputParser
@@ -243,8 +244,6 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
             return await asyncio.to_thread(fn, *args)
 
     async def grammar_for(schema_or_tools: Any, kind: str, name: str | None = None) -> str:
-        from quantkit.server.grammar import GrammarError
-
         def build() -> str:
             g = state.get("grammars")
             if g is None:

@@ -15,6 +15,8 @@ from quantkit.errors import QuantkitError
 from quantkit.runtime import load_model
 from quantkit.runtime.generate import SamplingParams, TokenEvent
 from quantkit.server.backend import Prompt
+from quantkit.server.grammar import Grammars
+from quantkit.server.logits import TokenPieces
 
 
 class RuntimeBackend:
@@ -61,16 +63,12 @@ class RuntimeBackend:
 
     def token_piece(self, token: int) -> tuple[str, list[int]]:
         if self._pieces is None:
-            from quantkit.server.logits import TokenPieces
-
             self._pieces = TokenPieces(self.tokenizer)
         return self._pieces(token)
 
     def grammars(self) -> Any:
-        """The grammar engine on this tokenizer (quantkit/server/grammar.py; built on first use: about 3.5 s
-        for a 248k vocabulary)."""
-        from quantkit.server.grammar import Grammars
-
+        """The grammar engine on this tokenizer (quantkit/server/grammar.py; built on first use: it walks
+        the whole vocabulary)."""
         return Grammars(self.tokenizer, sorted(self.runtime.stop_ids), self.runtime.think_ids[1])
 
 
