@@ -51,7 +51,7 @@ _COMMAND_MODULES = ["plan", "quantize", "stats", "runtime", "serve", "export", "
 
 
 # The module each command lives in: `quantkit quantize ...` imports that module alone (every module costs its
-# imports on every run: the others measured 0.2-0.4 s). tests/test_cli_lazy.py holds this map to the modules.
+# imports on every run: the others measured 0.2-0.4 s). tests/cli/test_cli_lazy.py holds this map to the modules.
 COMMAND_MODULE = {"plan": "plan", "gpus": "plan", "inspect": "plan", "tiny-model": "tiny", "quantize": "quantize",
                   "verify": "quantize", "stats": "stats", "chat": "runtime", "generate": "runtime",
                   "export": "export", "serve": "serve", "bench": "bench", "profile-host": "calibrate",

@@ -5,7 +5,7 @@ message (`Invalid value for '--temperature': 'nan' is not a finite number in [0,
 
 `0` never silently means "default": an option whose default is "unset" is declared with `None`.
 
-One vocabulary across commands (tests/test_cli_vocabulary.py holds every flag to one meaning): `-c/--context`
+One vocabulary across commands (tests/cli/test_cli_vocabulary.py holds every flag to one meaning): `-c/--context`
 takes `64k` everywhere (`tokens`), `--max-tokens` is the one generation cap, `--scheme NAME|FILE` names a
 quantization (a recipe's name or a JSON recipe file), `--mtp N` is always tokens drafted per step while
 `--mtp-layer/--no-mtp-layer` says whether a written file carries the layer, `--experts` counts experts. An old

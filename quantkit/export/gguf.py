@@ -9,7 +9,7 @@ norms, the router, the shared-expert gate, conv1d, A_log and dt_bias stay F32 as
 Q4_0 over MXFP4 for experts is measured, not assumed: through llama.cpp on the tiny decisive model,
 mixed with Q4_0 experts has KL 3.7e-6 against the bf16 logits, with MXFP4 experts 4.7e-6 (expert weight
 SQNR 21.3 vs 18.9 dB: Q4_0's fp16 scale fits each block, MXFP4's is a power of two);
-tests/test_export_gguf.py re-measures it. `expert_type` (CLI `--expert-type`) overrides the choice.
+tests/export/test_export_gguf.py re-measures it. `expert_type` (CLI `--expert-type`) overrides the choice.
 
 Streaming: the tensor table is planned first (every type and byte size is known before a weight is
 read), then each tensor is read alone (an expert stack one slab of experts at a time), converted,

@@ -5,7 +5,7 @@ The model side (`LlamaModel`) is every GGUF tensor's bytes plus the shapes llama
 either predicted for a `--type` from the model spec (quantkit.export.gguf_types, the same table the
 exporter writes by, so the numbers are the file's) or read from an existing GGUF's header
 (`model_from_gguf`, no weights loaded). The buffers are llama.cpp's own, as it reports them when it loads
-a model (checked against the CPU build's report on a realistic-shape model in tests/test_llama_placement.py):
+a model (checked against the CPU build's report on a realistic-shape model in tests/export/test_llama_placement.py):
 - KV cache: full-attention layers only, context x 2 (K, V) x kv heads x head dim at the cache type
   (-ctk/-ctv; f16, q8_0 = 34 bytes per 32, q4_0 = 18 per 32), on its layer's device;
 - recurrent state, per Gated DeltaNet layer and parallel sequence: fp32 conv state (kernel - 1) x

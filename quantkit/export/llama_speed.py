@@ -19,7 +19,7 @@ at 71 tok/s with any CPU). The hosts' RAM bandwidth is not reported; at an assum
 (predicted / reported - 1): 5060 Ti 14 CPU layers +24% (a 48 GB/s host would match), 3060 all experts on
 CPU -4%, 3090 Q8_0 --n-cpu-moe 22 -40% (ik_llama.cpp, faster than llama.cpp; no host bandwidth reaches it),
 3090 all on the GPU -1% (no host in it: the point that pins the cost), 5080 --cpu-moe +39% (56 GB/s would
-match). tests/test_llama_speed.py holds each error to these figures and prints the fit.
+match). tests/planner/test_llama_speed.py holds each error to these figures and prints the fit.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ one with the least squared error, all groups at once. Measured on Gaussian weigh
     asym, search      22.29   21.24   20.46
 
 The search quantizes each group 1 + len(CLIP_GRID) times; its throughput cost is in the quantizer
-benchmark (reports/bench-quantize.md) and the module docstring of tests/test_formats.py.
+benchmark (reports/bench-quantize.md) and the module docstring of tests/quantize/test_formats.py.
 """
 
 from __future__ import annotations
@@ -256,7 +256,7 @@ def to_torch_int4pack_cpu(
 
     `packed` = `_convert_weight_to_int4pack_for_cpu(codes int32 [out, in], inner_k_tiles)` and
     `scales_and_zeros` = bf16 [in/g, out, 2] (scale, zero): the kernel computes (q - 8) * scale + zero,
-    our convention (checked in tests/test_formats.py). The CPU kernel needs out % 16 == 0 (torch 2.13:
+    our convention (checked in tests/quantize/test_formats.py). The CPU kernel needs out % 16 == 0 (torch 2.13:
     "expect N to be dividable by 16"); pad other matrices' rows first (code 8 with scale 0 is an exact
     zero row). `inner_k_tiles` only matters to the CUDA layout; the CPU op accepts it for symmetry."""
     q = codes(parts)

@@ -10,7 +10,7 @@ experts are either computed on the CPU or streamed to the GPU over PCIe (llama.c
 batch >= 32), whichever is faster.
 
 The efficiency factors below were set with users' published llama.cpp decode figures in view (listed with
-their sources in tests/test_plan.py, which checks the model against them within a stated factor); they are
+their sources in tests/planner/test_plan.py, which checks the model against them within a stated factor); they are
 assumptions, printed with each plan.
 """
 

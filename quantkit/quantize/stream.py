@@ -18,7 +18,7 @@ the largest block read (max(slab size, one expert matrix, one row block), or a w
 split: a 1D tensor, or a format whose parts do not split by rows), B_out its quantized size (at most
 B_in for every format), C the fp32 temporaries of one row chunk (16 x 2^18 x 4 bytes = 16 MiB) and 16 MiB
 for the stages' own objects. With the default 32 MB slab and 2 threads: about 0.15 GB whatever the model.
-`peak_bound` in quantize/run.py computes it; tests/test_quantize_stream.py holds a run under it.
+`peak_bound` in quantize/run.py computes it; tests/quantize/test_quantize_stream.py holds a run under it.
 
 Output bytes do not depend on the thread count or the timing: every block lands at an offset fixed by
 the plan, and the error sums are added in chunk order.

@@ -18,7 +18,7 @@ hook raised, kept in `errors`, the other rows unaffected) and a new one joins
 between steps, its prompt prefilled alone (through the prompt cache, as `Runtime.generate_ids`). A step is one
 `Model.step_batch` over every row still decoding (model/batch_step.py): the dense matrices and the chosen
 experts are read once for all rows, and each row's tokens are the ones the same request generates alone,
-greedy or seeded (tests/test_batch_decode.py). Rows decode without MTP drafts: a draft never changes a token,
+greedy or seeded (tests/runtime/test_batch_decode.py). Rows decode without MTP drafts: a draft never changes a token,
 and the batch already reads each matrix once for several tokens.
 """
 

@@ -23,7 +23,7 @@ module; a checksum written after the build guards against a truncated or corrupt
 
 Error of the int8 activations: each block of 32 is rounded to 127 levels of its largest magnitude, a
 relative error of about 2^-8 per element, the same order as the bf16 activations torch's route takes;
-tests/test_cpu_kernel.py holds the fused route within 2e-2 relative of the fp32 reference on every ISA.
+tests/kernels/test_cpu_kernel.py holds the fused route within 2e-2 relative of the fp32 reference on every ISA.
 """
 
 from __future__ import annotations

@@ -262,7 +262,7 @@ class Projections:
     shared expert's gate/up/gate): one `linear_many` call of quantkit's CPU kernel, which quantizes the
     input once and runs every matrix's tiles in one parallel region, where every one of them is a
     `QKernel` or `QBf16Kernel`; else each kernel in turn. Either way the outputs equal the kernels' own,
-    bit for bit (tests/test_cpu_kernel.py)."""
+    bit for bit (tests/kernels/test_cpu_kernel.py)."""
 
     def __init__(self, kernels: list[Any]):
         self.kernels = kernels

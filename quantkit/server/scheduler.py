@@ -9,8 +9,8 @@ chunks, so a long prompt holds them up for one chunk at most; each step is one f
 every decoding slot; a slot is freed at the step after its request ends (stop, length, cancel, client gone).
 The `n` choices of one prompt (`submit_group`) are prefilled once: each choice that finds a free slot decodes
 from a copy of the first one's prompt state.
-Every request's tokens are the ones it gets served alone (tests/test_batch_decode.py,
-tests/test_server_scheduler.py).
+Every request's tokens are the ones it gets served alone (tests/runtime/test_batch_decode.py,
+tests/server/test_server_scheduler.py).
 """
 
 from __future__ import annotations

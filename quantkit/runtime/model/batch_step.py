@@ -1,7 +1,7 @@
 """One decode step over B sequences at once, each at its own position with its own `HybridCache`.
 
 `step_batch(model, ids, caches)` feeds token ids[j] to caches[j] for every row j and returns the logits [B, V],
-row j bit for bit what `model.forward([ids[j]], caches[j])` gives (tests/test_batch_decode.py), on every route.
+row j bit for bit what `model.forward([ids[j]], caches[j])` gives (tests/runtime/test_batch_decode.py), on every route.
 
 Which ops take all B rows and which run row by row, and why:
 - all rows at once: every dense matrix (the mixers' input and output projections, the shared expert's gate / up
@@ -19,7 +19,7 @@ Which ops take all B rows and which run row by row, and why:
   gathered experts, a CPU+GPU split) also run row by row through the one-token path, which keeps each row's
   result; their batched form is left to the prefill path, whose sums are ordered otherwise.
 The route (model/route.py) decides the ops as a one-token step does: the CPU kernel's fused ops on the `stack` and
-`fused` routes (the stack's one-call step computes the same logits as the fused ops, tests/test_model_forward.py),
+`fused` routes (the stack's one-call step computes the same logits as the fused ops, tests/runtime/test_model_forward.py),
 torch ops otherwise; nothing here looks at the device or the instruction set.
 """
 

@@ -4,7 +4,7 @@ A route's executor (`executor_for`, bound once when the route is chosen) takes t
 short verifies it can run; what it leaves (None) runs in the layers. The CPU stack is an executor, not a second
 definition of the model: it is handed the layers' own tensors (the
 `Projections` tables, norms' constants, conv taps, the caches' K/V and states) and runs, in one call, the
-one-token step the layers (model/layers.py) compute with the kernel's fused ops; tests/test_model_forward.py
+one-token step the layers (model/layers.py) compute with the kernel's fused ops; tests/runtime/test_model_forward.py
 holds the two bit for bit on every op table. The model (model/model.py) asks `StackExecutor` for a step or a
 verify where the route (model/route.py) is `stack`; the MTP layer (model/mtp.py) binds a one-layer stack the
 same way (`stack_of`). The cuda-graph route's executor replays a captured step (model/graph.py).

@@ -1,0 +1,111 @@
+"""Slots budgeted (quantkit/planner/slots.py, quantkit/server/parallel.py): `quantkit plan --parallel N` counts
+each conversation's K/V and Gated DeltaNet recurrent + conv state and the batch's activations; `serve` refuses
+a --parallel that does not fit what is free, in one line naming the memory, and picks its default from what
+fits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from quantkit.checkpoint.spec import default_spec, parse_text_config
+from quantkit.errors import QuantkitError
+from quantkit.planner.budget import RunSettings, batch_activation_bytes, slot_state_bytes
+from quantkit.planner.slots import (
+    DEFAULT_PARALLEL_MAX,
+    check_parallel,
+    default_parallel,
+    slots_fit,
+    slots_need,
+)
+from quantkit.runtime import load_model
+from quantkit.server.parallel import choose_parallel
+from quantkit.server.scheduler import MAX_SLOTS
+from quantkit.sizes import format_size
+
+from helpers.cli import run_cli
+from helpers.runtime import quantized
+
+C = default_spec().config
+CPU = ["cpu"] * len(C.layer_types)
+
+
+def test_slots_need_counts_each_conversation_state_and_the_batch():
+    one, four = slots_need(C, 1, 4096, CPU, "cpu"), slots_need(C, 4, 4096, CPU, "cpu")
+    s = RunSettings(context=4096, batch=4, cache_dtype="bf16")
+    assert four.total == sum(slot_state_bytes(C, s)) + batch_activation_bytes(C, s) + 4 * C.vocab_size * 4
+    assert one.per_slot == four.per_slot > 0
+    # four rows are narrower than one prefill chunk: the extra slots add their states and logits alone
+    assert four.total - one.total == 3 * one.per_slot + 3 * C.vocab_size * 4
+    # a longer context holds more K/V per slot; the recurrent state does not grow with it
+    assert slots_need(C, 1, 8192, CPU, "cpu").per_slot > one.per_slot
+    # each layer's state lies on its layer's device, the activations and logits on the lm_head's
+    half = len(CPU) // 2
+    split = slots_need(C, 4, 4096, ["cuda:0"] * half + ["cpu"] * (len(CPU) - half), "cpu")
+    assert split.by_device["cuda:0"] == sum(slot_state_bytes(C, s)[:half])
+    assert split.total == four.total
+
+
+def test_a_budget_that_fits_two_slots_refuses_64_in_one_line():
+    free = {"cpu": slots_need(C, 2, 4096, CPU, "cpu").total}
+    assert slots_fit(C, free, 4096, CPU, "cpu", MAX_SLOTS) == 2
+    check_parallel(slots_need(C, 2, 4096, CPU, "cpu"), free, 2)  # fits: no refusal
+    with pytest.raises(QuantkitError) as e:
+        check_parallel(slots_need(C, MAX_SLOTS, 4096, CPU, "cpu"), free, 2)
+    msg = str(e.value)
+    assert "\n" not in msg and f"--parallel {MAX_SLOTS} needs" in msg and "on cpu" in msg
+    assert f"{format_size(free['cpu'])} is free there" in msg and "use --parallel 2 or fewer" in msg
+    assert slots_fit(C, {"cpu": 0}, 4096, CPU, "cpu", MAX_SLOTS) == 0
+    with pytest.raises(QuantkitError, match="not even one slot fits"):
+        check_parallel(slots_need(C, 1, 4096, CPU, "cpu"), {"cpu": 0}, 0)
+
+
+def test_the_default_parallel_is_what_fits_at_least_two_where_memory_allows():
+    assert [default_parallel(f) for f in (0, 1, 2, 3, 4, 5, MAX_SLOTS)] == [1, 1, 2, 3, 4, 4, DEFAULT_PARALLEL_MAX]
+    room = slots_need(C, 2, 4096, CPU, "cpu").total
+    assert default_parallel(slots_fit(C, {"cpu": room}, 4096, CPU, "cpu", MAX_SLOTS)) == 2
+    assert default_parallel(slots_fit(C, {"cpu": room - 1}, 4096, CPU, "cpu", MAX_SLOTS)) == 1
+    assert default_parallel(slots_fit(C, {"cpu": 1 << 50}, 4096, CPU, "cpu", MAX_SLOTS)) == DEFAULT_PARALLEL_MAX
+
+
+def test_plan_parallel_budgets_every_slot(capsys, monkeypatch):
+    got = {}
+    for n in (1, 4):
+        code, out, err = run_cli(["plan", "--gpu", "none", "--ram", "512GB", "--scheme", "int4", "--json",
+                                  "--parallel", str(n)], capsys, monkeypatch)
+        assert code == 0, err
+        got[n] = json.loads(out)["plan"]
+    assert got[4]["settings"]["batch"] == 4
+    for part in ("kv_cache", "recurrent_state", "conv_state"):
+        assert got[4]["components"][part] == 4 * got[1]["components"][part] > 0
+    assert got[4]["total_bytes"] > got[1]["total_bytes"]
+
+
+@pytest.fixture(scope="module")
+def q4(tiny_model):
+    return quantized(tiny_model, "int4")
+
+
+def test_serve_refuses_a_parallel_that_does_not_fit_in_one_line(q4, capsys, monkeypatch):
+    c = parse_text_config(json.loads((q4 / "config.json").read_text()))
+    room = slots_need(c, 2, 256, ["cpu"] * len(c.layer_types), "cpu").total
+    monkeypatch.setattr("quantkit.server.parallel.available_bytes", lambda dev: room)
+    code, out, err = run_cli(["serve", str(q4), "--port", "0", "--context", "256", "--prompt-cache-size", "0",
+                              "--parallel", str(MAX_SLOTS)], capsys, monkeypatch)
+    assert code == 2, (out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err and f"--parallel {MAX_SLOTS} needs" in lines[0]
+    assert f"{format_size(room)} is free there" in lines[0] and "--parallel 2 or fewer" in lines[0]
+    assert "serving" not in out
+
+
+def test_serve_picks_the_slots_that_fit_and_keeps_one_where_two_do_not(q4):
+    rt = load_model(q4, context=256)
+    c = parse_text_config(rt.config)
+    room = slots_need(c, 3, 256, rt.placement.layer_device, rt.placement.lm_head).total
+    assert choose_parallel(rt, None, 256, {"cpu": room}) == 3
+    assert choose_parallel(rt, None, 256, {"cpu": room // 10}) == 1
+    assert choose_parallel(rt, 2, 256, {"cpu": room}) == 2
+    with pytest.raises(QuantkitError, match="use --parallel 3 or fewer"):
+        choose_parallel(rt, 4, 256, {"cpu": room})

@@ -1,0 +1,318 @@
+"""Batched decode (quantkit/runtime/model/batch_step.py, quantkit/runtime/batch.py) against single-request runs,
+on the tiny decisive checkpoint (routing robust to rounding): every row of a batch step gives the logits and the
+cache states of the same token stepped alone, bit for bit, on every route and every forced op table of the CPU
+kernel; a `BatchGenerator`'s rows, joining and leaving mid-batch, generate exactly the tokens each request
+generates alone, greedy and seeded."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from quantkit.errors import QuantkitError
+from quantkit.runtime import cpu_kernel, load_model
+from quantkit.runtime.batch import BatchGenerator
+from quantkit.runtime.generate import GenerationResponse, SamplingParams
+
+from helpers.runtime import quantized
+
+PROMPTS = ["list the files in this folder, then count them", "write a haiku about rivers",
+           "what is 17 times 23?", "name three colours", "summarise the plot of a short story in one line",
+           "translate 'good morning' to French"]
+ROUTES = ["stack", "fused", "torch"]
+
+
+def _load(tiny_model, recipe: str, route: str | None = None):
+    if route not in (None, "torch") and not cpu_kernel.available():
+        pytest.skip("the CPU kernel is not built on this machine")
+    return load_model(tiny_model if recipe == "bf16" else quantized(tiny_model, recipe), forced_route=route)
+
+
+def _ids(rt, text: str) -> list[int]:
+    return rt.encode(rt.render([{"role": "user", "content": text}]))
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return [int(t) for t in torch.randint(0, 700, (n,), generator=g)]
+
+
+def _same_state(a, b) -> bool:
+    if a.n != b.n:
+        return False
+    lin = all(torch.equal(a.conv[i], b.conv[i]) and torch.equal(a.state[i], b.state[i]) for i in a.conv)
+    return lin and all(torch.equal(a.keys[i][:, :a.n], b.keys[i][:, :b.n]) and
+                       torch.equal(a.values[i][:, :a.n], b.values[i][:, :b.n]) for i in a.keys)
+
+
+def _check_steps(rt, rows: int, steps: int = 3) -> None:
+    """`rows` caches at different positions (prompts of different lengths), stepped together and alone."""
+    m = rt.model
+    with torch.inference_mode():
+        prompts = [_ids(rt, PROMPTS[j % len(PROMPTS)]) + _tokens(j, 10 + j) for j in range(rows)]
+        batch, alone = [], []
+        for p in prompts:
+            for group in (batch, alone):
+                c = m.new_cache(len(p) + 1)  # too small on purpose: the step grows it
+                m.forward(p, c)
+                group.append(c)
+        for s in range(steps):
+            toks = _tokens(rows, 100 + s)
+            got = m.step_batch(toks, batch)
+            assert got.shape == (rows, m.vocab)
+            for j in range(rows):
+                want = m.forward([toks[j]], alone[j])
+                assert torch.equal(got[j], want), f"row {j} of {rows}, step {s}"
+                assert _same_state(batch[j], alone[j])
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("recipe", ["bf16", "int8", "int4"])
+def test_a_batch_step_equals_each_row_stepped_alone(tiny_model, recipe, route, one_thread):  # noqa: F811
+    rt = _load(tiny_model, recipe, route)
+    assert rt.model.route.kind == route
+    for rows in (1, 2, 4, 6):  # 1: the route's own step; 6: more rows than one group of the multi-row tiles
+        _check_steps(rt, rows)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "int4"])
+def test_a_batch_step_equals_each_row_on_every_op_table(tiny_model, recipe, kernel_table, one_thread):  # noqa: F811
+    rt = _load(tiny_model, recipe, "stack")
+    _check_steps(rt, 5, steps=2)
+
+
+def test_a_batch_step_refuses_mismatched_rows(tiny_model, one_thread):  # noqa: F811
+    rt = _load(tiny_model, "int4")
+    m = rt.model
+    c = m.new_cache(8)
+    with pytest.raises(ValueError, match="one cache per token"):
+        m.step_batch([1, 2], [c])
+    with pytest.raises(ValueError, match="appears twice"):
+        m.step_batch([1, 2], [c, c])
+    assert c.n == 0
+
+
+def test_the_routed_experts_run_once_per_layer_for_all_rows(tiny_model, monkeypatch, one_thread):  # noqa: F811
+    """int4 experts on the CPU kernel: one multi-row expert call per layer for the whole batch, no one-token
+    expert call."""
+    if not cpu_kernel.available():
+        pytest.skip("the CPU kernel is not built on this machine")
+    rt = _load(tiny_model, "int4", "stack")
+    m = rt.model
+    calls = []
+    for L in m.layers:
+        many = L.moe.experts._rows_call()
+        assert many is not None
+        monkeypatch.setattr(L.moe.experts, "_rows", lambda x, ids, wts, f=many: calls.append(x.shape[0]) or f(x, ids, wts))
+        monkeypatch.setattr(L.moe, "routed", _not_called)
+    caches = [m.new_cache(4) for _ in range(3)]
+    with torch.inference_mode():
+        m.step_batch([5, 6, 7], caches)
+    assert calls == [3] * len(m.layers)
+
+
+def _not_called(*a, **k):
+    raise AssertionError("a row's experts ran alone")
+
+
+# ---- BatchGenerator: rows joining and leaving ----
+
+def _requests(rt) -> list[tuple[int, list[int], SamplingParams, set[int] | None]]:
+    """(step it joins at, prompt ids, sampling, stop ids): greedy and seeded rows of different budgets, one that
+    stops on a token its run alone generates, rows joining mid-batch."""
+    greedy = dict(temperature=0, ignore_eos=True)
+    seeded = dict(temperature=0.8, top_p=0.9, top_k=20, ignore_eos=True)
+    return [
+        (0, _ids(rt, PROMPTS[0]), SamplingParams(max_new_tokens=12, **greedy), None),
+        (0, _ids(rt, PROMPTS[1]), SamplingParams(max_new_tokens=5, seed=7, **seeded), None),
+        (0, _ids(rt, PROMPTS[2]), SamplingParams(max_new_tokens=9, seed=3, **seeded), None),
+        (2, _ids(rt, PROMPTS[3]), SamplingParams(max_new_tokens=8, **greedy), None),
+        (4, _ids(rt, PROMPTS[4]), SamplingParams(max_new_tokens=10, seed=11, **seeded), None),
+        (4, _ids(rt, PROMPTS[5]), SamplingParams(max_new_tokens=16, **greedy), "stop"),
+        (7, _ids(rt, PROMPTS[0]) + [17], SamplingParams(max_new_tokens=4, seed=5, **seeded), None),
+    ]
+
+
+def _alone(rt, ids, sp, stops) -> GenerationResponse:
+    """The request served alone, as the server and `generate` run it."""
+    return [e.response for e in rt.generate_ids(ids, sampling=sp, stop_ids=stops) if e.response is not None][0]
+
+
+def _check_batch(rt) -> None:
+    reqs = _requests(rt)
+    want, stops = [], []
+    for _at, ids, sp, stop in reqs:
+        ref = _alone(rt, ids, replace(sp), None)
+        s = None
+        if stop == "stop":  # stop on its 6th token: the row leaves early
+            s = {ref.token_ids[5]}
+            ref = _alone(rt, ids, replace(sp, ignore_eos=False), s)
+            assert ref.finish_reason == "stop"
+        want.append(ref)
+        stops.append(s)
+    batch = BatchGenerator(rt)
+    rows: dict[int, int] = {}
+    got: dict[int, list[int]] = {}
+    last: dict[int, GenerationResponse] = {}
+    sizes = []
+    step = 0
+    while step == 0 or batch:
+        for j, (at, ids, sp, _s) in enumerate(reqs):
+            if at == step:
+                sp = replace(sp, ignore_eos=False) if stops[j] is not None else replace(sp)
+                rows[batch.add(ids=ids, sampling=sp, stop_ids=stops[j])] = j
+        sizes.append(len(batch.rows))
+        for row, ev in batch.step():
+            if ev.response is None:
+                got.setdefault(rows[row], []).append(ev.token)
+            else:
+                last[rows[row]] = ev.response
+        step += 1
+    assert max(sizes) >= 4 and len(set(sizes)) > 2  # rows joined and left
+    for j, ref in enumerate(want):
+        r = last[j]
+        assert r.token_ids == ref.token_ids, f"request {j}"
+        assert r.finish_reason == ref.finish_reason and r.text == ref.text
+        emitted = ref.token_ids[:-1] if ref.finish_reason == "stop" else ref.token_ids
+        assert got.get(j, []) == emitted
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_batched_rows_generate_what_each_request_generates_alone(tiny_model, route, one_thread):  # noqa: F811
+    _check_batch(_load(tiny_model, "int4", route))
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "int4"])
+def test_batched_rows_on_every_op_table(tiny_model, recipe, kernel_table, one_thread):  # noqa: F811
+    _check_batch(_load(tiny_model, recipe, "stack"))
+
+
+def test_a_cancelled_row_leaves_and_the_others_go_on(tiny_model, one_thread):  # noqa: F811
+    rt = _load(tiny_model, "int4")
+    sp = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+    refs = [_alone(rt, _ids(rt, p), sp, None).token_ids for p in PROMPTS[:3]]
+    batch = BatchGenerator(rt, max_rows=3)
+    rows = [batch.add(ids=_ids(rt, p), sampling=sp) for p in PROMPTS[:3]]
+    with pytest.raises(QuantkitError, match="batch is full"):
+        batch.add(ids=_ids(rt, PROMPTS[3]), sampling=sp)
+    last = {}
+    for k in range(20):
+        if k == 3:
+            batch.cancel(rows[1])
+        for row, ev in batch.step():
+            if ev.response is not None:
+                last[row] = ev.response
+        if not batch:
+            break
+    assert last[rows[1]].finish_reason == "cancelled" and last[rows[1]].token_ids == refs[1][:3]
+    assert [last[rows[j]].token_ids for j in (0, 2)] == [refs[0], refs[2]]
+
+
+def test_a_batch_refuses_bad_rows_in_one_line(tiny_model, one_thread):  # noqa: F811
+    rt = _load(tiny_model, "int4")
+    batch = BatchGenerator(rt)
+    with pytest.raises(QuantkitError, match="either messages or ids"):
+        batch.add()
+    with pytest.raises(QuantkitError, match="empty prompt"):
+        batch.add(ids=[])
+    with pytest.raises(QuantkitError, match="max-tokens 0: must be at least 1"):
+        batch.add(ids=[1, 2], max_new_tokens=0)
+    with pytest.raises(QuantkitError, match="context holds"):
+        batch.add(ids=[1] * rt.context)
+    with pytest.raises(QuantkitError, match="at least one row"):
+        BatchGenerator(rt, max_rows=0)
+    assert not batch and batch.step() == []
+
+
+def test_running_rows_step_between_the_chunks_of_a_new_prompt(tiny_model, monkeypatch, one_thread):  # noqa: F811
+    """A long prompt joining the batch is prefilled chunk by chunk, the running rows taking a step between two
+    chunks (their tokens unchanged), so they wait one chunk at a time, not for the whole prompt."""
+    from quantkit.runtime import generate
+    from quantkit.runtime.state_cache import prefill_plan
+
+    rt = _load(tiny_model, "int4")
+    sp = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
+    long_ids = _ids(rt, " ".join(PROMPTS))
+    refs = [_alone(rt, _ids(rt, p), sp, None).token_ids for p in PROMPTS[:2]] + [_alone(rt, long_ids, sp, None).token_ids]
+    monkeypatch.setattr(generate, "PREFILL_CHUNK", 8)
+    chunks = len(list(prefill_plan(long_ids, 0, rt.boundary_ids, 8)))
+    assert chunks > 3
+    batch = BatchGenerator(rt)
+    rows = [batch.add(ids=_ids(rt, p), sampling=sp) for p in PROMPTS[:2]]
+    got: dict[int, list[int]] = {r: [] for r in rows}
+
+    def take(events):
+        for row, ev in events:
+            if ev.token is not None:
+                got[row].append(ev.token)
+
+    take(batch.step())
+    seen = []
+    new = batch.add(ids=long_ids, sampling=sp, between=lambda ev: (seen.append(len(ev)), take(ev)))
+    assert seen == [2] * (chunks - 1)  # one step of both running rows between every two chunks
+    got[new] = []
+    while batch:
+        take(batch.step())
+    assert [got[r] for r in (*rows, new)] == refs
+
+
+def test_a_continued_conversation_reuses_the_prompt_cache_in_a_batch(tiny_model, one_thread):  # noqa: F811
+    """With the prompt cache on, a row whose conversation continues an earlier one is prefilled only past the
+    cached prefix, and still generates what the request generates alone without any cache."""
+    rt = _load(tiny_model, "int4")
+    sp = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    first = [{"role": "user", "content": PROMPTS[0]}]
+    alone = _alone(rt, rt.render_ids(first)[1], sp, None)
+    turn2 = [*first, {"role": "assistant", "content": alone.text or "ok"}, {"role": "user", "content": PROMPTS[1]}]
+    want = _alone(rt, rt.render_ids(turn2)[1], sp, None)
+    rt.set_prompt_cache(1 << 28)
+    batch = BatchGenerator(rt)
+    batch.add(first, sampling=sp)
+    batch.add(messages=[{"role": "user", "content": PROMPTS[2]}], sampling=sp)
+    last = {}
+    while batch:
+        for row, ev in batch.step():
+            if ev.response is not None:
+                last[row] = ev.response
+    row = batch.add(turn2, sampling=sp)
+    batch.add(messages=[{"role": "user", "content": PROMPTS[3]}], sampling=sp)
+    while batch:
+        for r, ev in batch.step():
+            if ev.response is not None:
+                last[r] = ev.response
+    assert last[row].cached_tokens > 0 and last[row].token_ids == want.token_ids
+
+
+def test_forked_choices_share_one_prefill_and_generate_what_each_generates_alone(tiny_model, monkeypatch,
+                                                                                   one_thread):  # noqa: F811
+    """`n` choices of one prompt: the prompt prefilled once, each choice a row in a copy of its state, decoded
+    together; each choice's tokens (greedy, and seeded per choice) are the ones it generates alone."""
+    import quantkit.runtime.batch as batch_mod
+
+    rt = _load(tiny_model, "int4")
+    ids = _ids(rt, PROMPTS[0])
+    seeded = dict(temperature=0.9, top_p=0.9, top_k=20, ignore_eos=True)
+    sps = [SamplingParams(max_new_tokens=9, seed=5, **seeded), SamplingParams(max_new_tokens=6, seed=6, **seeded),
+           SamplingParams(temperature=0, max_new_tokens=7, ignore_eos=True)]
+    want = [_alone(rt, ids, replace(sp), None).token_ids for sp in sps]
+    assert want[0] != want[1]  # the seeds differ, so do the choices
+    prefills = []
+    real = batch_mod.prefill
+    monkeypatch.setattr(batch_mod, "prefill", lambda *a, **k: prefills.append(1) or real(*a, **k))
+    batch = BatchGenerator(rt, max_rows=3)
+    first = batch.add(ids=ids, sampling=replace(sps[0]))
+    rows = [first, *(batch.fork(first, replace(sp)) for sp in sps[1:])]
+    with pytest.raises(QuantkitError, match="batch is full"):
+        batch.fork(first, replace(sps[0]))
+    last, sizes = {}, []
+    while batch:
+        sizes.append(len(batch.rows))
+        for row, ev in batch.step():
+            if ev.response is not None:
+                last[row] = ev.response
+    assert len(prefills) == 1 and sizes[0] == 3
+    assert [last[r].token_ids for r in rows] == want
+    with pytest.raises(QuantkitError, match="no prompt state left"):
+        batch.fork(first, replace(sps[0]))

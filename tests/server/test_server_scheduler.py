@@ -1,0 +1,278 @@
+"""`BatchScheduler` (quantkit/server/scheduler.py), the server's queue with several slots decoded together, on the
+tiny decisive int4 checkpoint: every request's tokens are the ones it gets served alone, whatever else shares
+its steps, with requests joining as slots free up; a cancelled request or one whose sampling hook fails ends
+alone; bad slot counts are refused; `quantkit serve --parallel N` answers concurrent requests as it answers them
+one at a time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import httpx
+import pytest
+
+from quantkit.errors import QuantkitError
+from quantkit.runtime import load_model
+from quantkit.runtime.generate import SamplingParams
+from quantkit.server.app import ServerConfig, create_app
+from quantkit.server.backend import Prompt
+from quantkit.server.queue import Done, Failed, GenerationQueue, Job, QueueFull
+from quantkit.server.runtime_backend import RuntimeBackend
+from quantkit.server.scheduler import MAX_SLOTS, BatchScheduler
+
+from helpers.cli import run_cli  # noqa: F401
+from helpers.runtime import quantized
+
+TEXTS = ["list the files in this folder", "write a haiku about rivers", "what is 17 times 23?",
+         "name three colours", "translate 'good morning' to French"]
+WAIT_S = 120
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_model):
+    return RuntimeBackend(load_model(quantized(tiny_model, "int4")), "tiny")
+
+
+def _prompt(backend, text: str) -> Prompt:
+    return backend.render([{"role": "user", "content": text}], None, True)
+
+
+def _params() -> list[SamplingParams]:
+    greedy = dict(temperature=0, ignore_eos=True)
+    seeded = dict(temperature=0.8, top_p=0.9, top_k=20, ignore_eos=True)
+    return [SamplingParams(max_new_tokens=10, **greedy), SamplingParams(max_new_tokens=4, seed=1, **seeded),
+            SamplingParams(max_new_tokens=7, seed=2, **seeded), SamplingParams(max_new_tokens=6, **greedy),
+            SamplingParams(max_new_tokens=9, seed=3, **seeded)]
+
+
+def _alone(backend, prompt: Prompt, sp: SamplingParams) -> list[int]:
+    return [e.token for e in backend.generate(prompt, replace(sp), threading.Event()) if e.token is not None]
+
+
+async def _collect(job: Job, on_token=None) -> tuple[list[int], object]:
+    toks = []
+    while True:
+        item = await asyncio.wait_for(job.events.get(), WAIT_S)
+        if isinstance(item, (Done, Failed)):
+            return toks, item
+        toks.append(item.token)
+        if on_token is not None:
+            on_token(job, len(toks))
+
+
+def _serve(queue, prompts, params, on_token=None):
+    async def main():
+        loop = asyncio.get_running_loop()
+        jobs = [Job(p, replace(sp), loop) for p, sp in zip(prompts, params, strict=True)]
+        for j in jobs:
+            queue.submit(j)
+        return jobs, await asyncio.gather(*(_collect(j, on_token) for j in jobs))
+    try:
+        return asyncio.run(main())
+    finally:
+        queue.close()
+
+
+def test_every_request_gets_the_tokens_it_gets_alone(backend, one_thread):  # noqa: F811
+    prompts, params = [_prompt(backend, t) for t in TEXTS], _params()
+    want = [_alone(backend, p, sp) for p, sp in zip(prompts, params, strict=True)]
+    sched = BatchScheduler(backend, max_waiting=8, slots=3)
+    sizes = []
+    _jobs, got = _serve(sched, prompts, params, lambda job, n: sizes.append(sched.stats.batch_size))
+    for (toks, done), w, sp in zip(got, want, params, strict=True):
+        assert isinstance(done, Done) and toks == w
+        assert done.finish_reason == "length" and done.completion_tokens == sp.max_new_tokens
+    assert max(sizes) == 3  # three slots decoded together, and the last two requests joined as slots freed
+    assert sched.stats.completed == 5 and sched.stats.running == 0 and sched.stats.generated_tokens == sum(map(len, want))
+
+
+def test_one_slot_serves_as_the_one_request_queue(backend, one_thread):  # noqa: F811
+    prompts, params = [_prompt(backend, t) for t in TEXTS[:3]], _params()[:3]
+    _j, one = _serve(GenerationQueue(backend, 8), prompts, params)
+    _j, batch = _serve(BatchScheduler(backend, 8, slots=1), prompts, params)
+    assert [t for t, _d in one] == [t for t, _d in batch]
+    assert [(d.finish_reason, d.completion_tokens) for _t, d in one] == \
+        [(d.finish_reason, d.completion_tokens) for _t, d in batch]
+
+
+def test_a_cancelled_request_ends_alone(backend, one_thread):  # noqa: F811
+    prompts, params = [_prompt(backend, t) for t in TEXTS[:3]], _params()[:3]
+    params[1] = replace(params[1], max_new_tokens=20)
+    want = [_alone(backend, p, sp) for p, sp in zip(prompts, params, strict=True)]
+
+    def cancel_second(job, n):
+        if job.prompt is prompts[1] and n == 2:
+            job.stop()
+
+    _jobs, got = _serve(BatchScheduler(backend, 8, slots=3), prompts, params, cancel_second)
+    toks, done = got[1]
+    assert done.finish_reason == "cancelled" and toks == want[1][:len(toks)] and len(toks) < 20
+    assert [got[0][0], got[2][0]] == [want[0], want[2]]
+
+
+class _Breaks:
+    """A sampling hook that fails at its third token (a grammar that cannot go on)."""
+
+    def __init__(self):
+        self.n = 0
+
+    def process(self, logits):
+        self.n += 1
+        if self.n == 3:
+            raise ValueError("the grammar has no way on")
+        return logits
+
+    def accept(self, token):
+        return None
+
+
+def test_a_request_whose_hook_fails_ends_alone(backend, one_thread):  # noqa: F811
+    prompts, params = [_prompt(backend, t) for t in TEXTS[:3]], _params()[:3]
+    want = [_alone(backend, p, sp) for p, sp in zip(prompts, params, strict=True)]
+    params[2] = replace(params[2], hook=_Breaks())
+    sched = BatchScheduler(backend, 8, slots=3)
+    _jobs, got = _serve(sched, prompts, params)
+    toks, failed = got[2]
+    assert isinstance(failed, Failed) and "no way on" in failed.message and toks == want[2][:2]
+    assert [got[0][0], got[1][0]] == [want[0], want[1]]
+    assert sched.stats.failed == 1 and sched.stats.completed == 2
+
+
+def test_a_full_line_is_refused(backend, one_thread):  # noqa: F811
+    sched = BatchScheduler(backend, max_waiting=1, slots=2)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        long = replace(_params()[0], max_new_tokens=200)
+        jobs = [Job(_prompt(backend, TEXTS[0]), replace(long), loop) for _ in range(6)]
+        refused = 0
+        for j in jobs:
+            try:
+                sched.submit(j)
+            except QueueFull:
+                refused += 1
+                j.stop()
+        for j in jobs:
+            j.stop()
+        return refused
+    try:
+        assert asyncio.run(main()) >= 3 and sched.stats.rejected >= 3  # two slots and one waiting at most
+    finally:
+        sched.close()
+
+
+@pytest.mark.parametrize("slots", [0, -1, MAX_SLOTS + 1])
+def test_bad_slot_counts_are_refused(backend, slots):
+    with pytest.raises(ValueError, match="slots must be"):
+        BatchScheduler(backend, 8, slots=slots)
+
+
+def test_a_backend_off_the_runtime_is_refused():
+    with pytest.raises(ValueError, match="RuntimeBackend"):
+        BatchScheduler(object(), 8, slots=2)
+
+
+# ---- `quantkit serve --parallel N` ----
+
+def _chat(url: str, text: str, max_tokens: int, seed: int | None, extra: dict | None = None) -> dict:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "max_tokens": max_tokens,
+            "temperature": 0 if seed is None else 0.8, "top_p": 0.9, **(extra or {})}
+    if seed is not None:
+        body["seed"] = seed
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=WAIT_S)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _answers(backend, parallel: int) -> tuple[list[tuple[str, int]], dict]:
+    from helpers.server import ServerThread
+
+    app = create_app(backend, ServerConfig(max_queue=6, parallel=parallel))
+    reqs = [(t, 6 + j, None if j % 2 == 0 else j) for j, t in enumerate(TEXTS[:4])]
+    reqs += [(TEXTS[4], 12, None, {"response_format": {"type": "json_object"}}),  # structured output
+             (TEXTS[0], 5, 9, {"logprobs": True, "top_logprobs": 2, "presence_penalty": 1.5})]
+    with ServerThread(app) as s, ThreadPoolExecutor(len(reqs)) as pool:
+        got = list(pool.map(lambda r: _chat(s.url, *r), reqs))
+        health = httpx.get(s.url + "/health").json()
+        metrics = httpx.get(s.url + "/metrics").text
+    assert f"quantkit_slots {float(parallel)}" in metrics
+    return [(g["choices"][0]["message"]["content"] or "", g["usage"]["completion_tokens"],
+             json.dumps(g["choices"][0].get("logprobs"))) for g in got], health
+
+
+def test_serve_parallel_answers_each_request_as_alone(backend, one_thread):  # noqa: F811
+    """Concurrent requests on two slots (greedy, seeded, one with a JSON grammar, one with logprobs and a
+    penalty) answer what one-at-a-time serving answers; /health shows the slots."""
+    one, _h = _answers(backend, 1)
+    two, health = _answers(backend, 2)
+    assert two == one and one[5][2] != "null"  # the logprobs came back, and the same
+    q = health["queue"]
+    assert q["slots"] == 2 and q["peak_batch"] == 2 and q["running"] == 0 and q["completed"] == 6
+
+
+@pytest.mark.parametrize("value, needle", [("0", "'0' is out of range"), ("-2", "'-2' is out of range"),
+                                           (str(MAX_SLOTS + 1), "is out of range"), ("lots", "'lots'")])
+def test_serve_refuses_a_bad_parallel_in_one_line(tmp_path, capsys, monkeypatch, value, needle):
+    code, out, err = run_cli(["serve", str(tmp_path), "--parallel", value], capsys, monkeypatch)
+    assert code == 2, (out, err)
+    assert "--parallel" in err and needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_bad_parallel_in_the_config_is_one_line():
+    with pytest.raises(QuantkitError, match=f"parallel 0: give 1 to {MAX_SLOTS} slots"):
+        ServerConfig(parallel=0)
+
+
+# ---- `n` choices ----
+
+def test_the_choices_of_one_prompt_share_one_prefill(backend, monkeypatch, one_thread):  # noqa: F811
+    """`submit_group`: the prompt prefilled once, each choice decoded from a copy of its state, beside the
+    other request's; each choice's tokens (seeded per choice, as the server derives them) are its tokens alone."""
+    import quantkit.runtime.batch as batch_mod
+
+    prompt, other = _prompt(backend, TEXTS[1]), _prompt(backend, TEXTS[2])
+    seeded = _params()[1]
+    params = [replace(seeded, seed=7 + j, max_new_tokens=5 + j) for j in range(3)]
+    want = [_alone(backend, prompt, sp) for sp in params]
+    want_other = _alone(backend, other, _params()[0])
+    prefills = []
+    real = batch_mod.prefill
+    monkeypatch.setattr(batch_mod, "prefill", lambda *a, **k: prefills.append(len(a[1])) or real(*a, **k))
+    sched = BatchScheduler(backend, max_waiting=2, slots=4)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        group = object()
+        jobs = [Job(prompt, replace(sp), loop, group=group) for sp in params]
+        sched.submit_group(jobs)  # three choices: one request of the two the line holds
+        lone = Job(other, replace(_params()[0]), loop)
+        sched.submit(lone)
+        return await asyncio.gather(*(_collect(j) for j in [*jobs, lone]))
+    try:
+        got = asyncio.run(main())
+    finally:
+        sched.close()
+    assert [t for t, _d in got] == [*want, want_other]
+    assert all(isinstance(d, Done) and d.finish_reason == "length" for _t, d in got)
+    assert prefills == [len(prompt.ids), len(other.ids)]  # one prefill for the three choices
+    assert sched.stats.peak_batch == 4
+
+
+def test_n_choices_over_http_answer_as_one_at_a_time(backend, one_thread):  # noqa: F811
+    from helpers.server import ServerThread
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": TEXTS[3]}], "max_tokens": 6, "n": 3,
+            "temperature": 0.8, "top_p": 0.9, "seed": 11, "logprobs": True,
+            "chat_template_kwargs": {"enable_thinking": False}}
+    got = []
+    for parallel in (1, 3):
+        with ServerThread(create_app(backend, ServerConfig(max_queue=2, parallel=parallel))) as s:
+            r = httpx.post(s.url + "/v1/chat/completions", json=body, timeout=WAIT_S)
+            assert r.status_code == 200, r.text
+            got.append([(c["index"], c["message"]["content"], json.dumps(c["logprobs"])) for c in r.json()["choices"]])
+    assert got[0] == got[1] and [i for i, _c, _l in got[0]] == [0, 1, 2]
+    assert len({c for _i, c, _l in got[0]}) > 1  # the seeds differ per choice, so do the choices
