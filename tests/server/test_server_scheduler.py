@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -24,8 +25,9 @@ from quantkit.server.queue import Done, Failed, GenerationQueue, Job, QueueFull
 from quantkit.server.runtime_backend import RuntimeBackend
 from quantkit.server.scheduler import MAX_SLOTS, BatchScheduler
 
-from helpers.cli import run_cli  # noqa: F401
+from helpers.cli import run_cli
 from helpers.runtime import quantized
+from helpers.server import ServerThread
 
 TEXTS = ["list the files in this folder", "write a haiku about rivers", "what is 17 times 23?",
          "name three colours", "translate 'good morning' to French"]
@@ -77,7 +79,7 @@ def _serve(queue, prompts, params, on_token=None):
         queue.close()
 
 
-def test_every_request_gets_the_tokens_it_gets_alone(backend, one_thread):  # noqa: F811
+def test_every_request_gets_the_tokens_it_gets_alone(backend, one_thread):
     prompts, params = [_prompt(backend, t) for t in TEXTS], _params()
     want = [_alone(backend, p, sp) for p, sp in zip(prompts, params, strict=True)]
     sched = BatchScheduler(backend, max_waiting=8, slots=3)
@@ -90,7 +92,7 @@ def test_every_request_gets_the_tokens_it_gets_alone(backend, one_thread):  # no
     assert sched.stats.completed == 5 and sched.stats.running == 0 and sched.stats.generated_tokens == sum(map(len, want))
 
 
-def test_one_slot_serves_as_the_one_request_queue(backend, one_thread):  # noqa: F811
+def test_one_slot_serves_as_the_one_request_queue(backend, one_thread):
     prompts, params = [_prompt(backend, t) for t in TEXTS[:3]], _params()[:3]
     _j, one = _serve(GenerationQueue(backend, 8), prompts, params)
     _j, batch = _serve(BatchScheduler(backend, 8, slots=1), prompts, params)
@@ -99,7 +101,7 @@ def test_one_slot_serves_as_the_one_request_queue(backend, one_thread):  # noqa:
         [(d.finish_reason, d.completion_tokens) for _t, d in batch]
 
 
-def test_a_cancelled_request_ends_alone(backend, one_thread):  # noqa: F811
+def test_a_cancelled_request_ends_alone(backend, one_thread):
     prompts, params = [_prompt(backend, t) for t in TEXTS[:3]], _params()[:3]
     params[1] = replace(params[1], max_new_tokens=20)
     want = [_alone(backend, p, sp) for p, sp in zip(prompts, params, strict=True)]
@@ -130,7 +132,7 @@ class _Breaks:
         return None
 
 
-def test_a_request_whose_hook_fails_ends_alone(backend, one_thread):  # noqa: F811
+def test_a_request_whose_hook_fails_ends_alone(backend, one_thread):
     prompts, params = [_prompt(backend, t) for t in TEXTS[:3]], _params()[:3]
     want = [_alone(backend, p, sp) for p, sp in zip(prompts, params, strict=True)]
     params[2] = replace(params[2], hook=_Breaks())
@@ -142,7 +144,7 @@ def test_a_request_whose_hook_fails_ends_alone(backend, one_thread):  # noqa: F8
     assert sched.stats.failed == 1 and sched.stats.completed == 2
 
 
-def test_a_full_line_is_refused(backend, one_thread):  # noqa: F811
+def test_a_full_line_is_refused(backend, one_thread):
     sched = BatchScheduler(backend, max_waiting=1, slots=2)
 
     async def main():
@@ -189,8 +191,6 @@ def _chat(url: str, text: str, max_tokens: int, seed: int | None, extra: dict | 
 
 
 def _answers(backend, parallel: int) -> tuple[list[tuple[str, int]], dict]:
-    from helpers.server import ServerThread
-
     app = create_app(backend, ServerConfig(max_queue=6, parallel=parallel))
     reqs = [(t, 6 + j, None if j % 2 == 0 else j) for j, t in enumerate(TEXTS[:4])]
     reqs += [(TEXTS[4], 12, None, {"response_format": {"type": "json_object"}}),  # structured output
@@ -204,7 +204,7 @@ def _answers(backend, parallel: int) -> tuple[list[tuple[str, int]], dict]:
              json.dumps(g["choices"][0].get("logprobs"))) for g in got], health
 
 
-def test_serve_parallel_answers_each_request_as_alone(backend, one_thread):  # noqa: F811
+def test_serve_parallel_answers_each_request_as_alone(backend, one_thread):
     """Concurrent requests on two slots (greedy, seeded, one with a JSON grammar, one with logprobs and a
     penalty) answer what one-at-a-time serving answers; /health shows the slots."""
     one, _h = _answers(backend, 1)
@@ -212,6 +212,45 @@ def test_serve_parallel_answers_each_request_as_alone(backend, one_thread):  # n
     assert two == one and one[5][2] != "null"  # the logprobs came back, and the same
     q = health["queue"]
     assert q["slots"] == 2 and q["peak_batch"] == 2 and q["running"] == 0 and q["completed"] == 6
+
+
+def test_a_schema_that_cannot_compile_is_refused_alone_while_others_decode(backend, monkeypatch, one_thread):
+    """While a request decodes on one slot, a request whose json_schema the grammar engine cannot compile gets
+    its own 400 naming the schema; the running request goes on and answers what it answers alone. (Each step is
+    slowed so that the tiny model is still decoding when the second request arrives.)"""
+    model = backend.runtime.model
+    step = model.step_batch
+
+    def slow_step(*a, **kw):
+        time.sleep(0.01)
+        return step(*a, **kw)
+
+    monkeypatch.setattr(model, "step_batch", slow_step)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": TEXTS[1]}], "max_tokens": 300,
+            "temperature": 0, "ignore_eos": True}
+    bad = {"model": "tiny", "messages": [{"role": "user", "content": TEXTS[2]}], "max_tokens": 4,
+           "response_format": {"type": "json_schema", "json_schema": {
+               "name": "s", "schema": {"type": "string", "pattern": "(?<=a)b"}}}}
+    app = create_app(backend, ServerConfig(max_queue=4, parallel=2))
+    with ServerThread(app) as s, httpx.Client(timeout=WAIT_S) as http:
+        alone = http.post(s.url + "/v1/chat/completions", json=body).json()["choices"][0]["message"]
+        text, running = [], None
+        with http.stream("POST", s.url + "/v1/chat/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                for c in json.loads(line[6:])["choices"]:
+                    text.append((c["delta"].get("reasoning_content") or "") + (c["delta"].get("content") or ""))
+                if running is None:  # the first request is decoding: send the bad one now
+                    refused = http.post(s.url + "/v1/chat/completions", json=bad)
+                    running = http.get(s.url + "/health").json()["queue"]["running"]
+        health = http.get(s.url + "/health").json()["queue"]
+    assert refused.status_code == 400, refused.text
+    err = refused.json()["error"]
+    assert err["type"] == "invalid_request_error" and "look-around" in err["message"]
+    assert running == 1  # refused while the other request was still decoding
+    assert "".join(text) == (alone.get("reasoning_content") or "") + (alone["content"] or "")
+    assert health["completed"] == 2 and health["running"] == 0
 
 
 @pytest.mark.parametrize("value, needle", [("0", "'0' is out of range"), ("-2", "'-2' is out of range"),
@@ -229,7 +268,7 @@ def test_a_bad_parallel_in_the_config_is_one_line():
 
 # ---- `n` choices ----
 
-def test_the_choices_of_one_prompt_share_one_prefill(backend, monkeypatch, one_thread):  # noqa: F811
+def test_the_choices_of_one_prompt_share_one_prefill(backend, monkeypatch, one_thread):
     """`submit_group`: the prompt prefilled once, each choice decoded from a copy of its state, beside the
     other request's; each choice's tokens (seeded per choice, as the server derives them) are its tokens alone."""
     import quantkit.runtime.batch as batch_mod
@@ -262,7 +301,7 @@ def test_the_choices_of_one_prompt_share_one_prefill(backend, monkeypatch, one_t
     assert sched.stats.peak_batch == 4
 
 
-def test_n_choices_over_http_answer_as_one_at_a_time(backend, one_thread):  # noqa: F811
+def test_n_choices_over_http_answer_as_one_at_a_time(backend, one_thread):
     from helpers.server import ServerThread
 
     body = {"model": "tiny", "messages": [{"role": "user", "content": TEXTS[3]}], "max_tokens": 6, "n": 3,
