@@ -130,7 +130,7 @@ def qwen_vocab_model(tmp_path_factory):
 @pytest.mark.parametrize("route", MTP_ROUTES)
 @pytest.mark.parametrize("recipe", ["int4", "quality"])
 def test_greedy_decoding_with_the_ranked_draft_drafts_across_it_and_changes_no_token(qwen_vocab_model, recipe, route,
-                                                                                     one_thread):  # noqa: F811
+                                                                                     one_thread):
     rt = load_model(quantized(qwen_vocab_model, recipe), forced_route=route)
     m, mtp = rt.model, rt.model.mtp
     head = mtp.head(m)

@@ -70,7 +70,7 @@ def _check_steps(rt, rows: int, steps: int = 3) -> None:
 
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("recipe", ["bf16", "int8", "int4"])
-def test_a_batch_step_equals_each_row_stepped_alone(tiny_model, recipe, route, one_thread):  # noqa: F811
+def test_a_batch_step_equals_each_row_stepped_alone(tiny_model, recipe, route, one_thread):
     rt = _load(tiny_model, recipe, route)
     assert rt.model.route.kind == route
     for rows in (1, 2, 4, 6):  # 1: the route's own step; 6: more rows than one group of the multi-row tiles
@@ -78,12 +78,12 @@ def test_a_batch_step_equals_each_row_stepped_alone(tiny_model, recipe, route, o
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "int4"])
-def test_a_batch_step_equals_each_row_on_every_op_table(tiny_model, recipe, kernel_table, one_thread):  # noqa: F811
+def test_a_batch_step_equals_each_row_on_every_op_table(tiny_model, recipe, kernel_table, one_thread):
     rt = _load(tiny_model, recipe, "stack")
     _check_steps(rt, 5, steps=2)
 
 
-def test_a_batch_step_refuses_mismatched_rows(tiny_model, one_thread):  # noqa: F811
+def test_a_batch_step_refuses_mismatched_rows(tiny_model, one_thread):
     rt = _load(tiny_model, "int4")
     m = rt.model
     c = m.new_cache(8)
@@ -94,7 +94,7 @@ def test_a_batch_step_refuses_mismatched_rows(tiny_model, one_thread):  # noqa: 
     assert c.n == 0
 
 
-def test_the_routed_experts_run_once_per_layer_for_all_rows(tiny_model, monkeypatch, one_thread):  # noqa: F811
+def test_the_routed_experts_run_once_per_layer_for_all_rows(tiny_model, monkeypatch, one_thread):
     """int4 experts on the CPU kernel: one multi-row expert call per layer for the whole batch, no one-token
     expert call."""
     if not cpu_kernel.available():
@@ -180,16 +180,16 @@ def _check_batch(rt) -> None:
 
 
 @pytest.mark.parametrize("route", ROUTES)
-def test_batched_rows_generate_what_each_request_generates_alone(tiny_model, route, one_thread):  # noqa: F811
+def test_batched_rows_generate_what_each_request_generates_alone(tiny_model, route, one_thread):
     _check_batch(_load(tiny_model, "int4", route))
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "int4"])
-def test_batched_rows_on_every_op_table(tiny_model, recipe, kernel_table, one_thread):  # noqa: F811
+def test_batched_rows_on_every_op_table(tiny_model, recipe, kernel_table, one_thread):
     _check_batch(_load(tiny_model, recipe, "stack"))
 
 
-def test_a_cancelled_row_leaves_and_the_others_go_on(tiny_model, one_thread):  # noqa: F811
+def test_a_cancelled_row_leaves_and_the_others_go_on(tiny_model, one_thread):
     rt = _load(tiny_model, "int4")
     sp = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
     refs = [_alone(rt, _ids(rt, p), sp, None).token_ids for p in PROMPTS[:3]]
@@ -210,7 +210,7 @@ def test_a_cancelled_row_leaves_and_the_others_go_on(tiny_model, one_thread):  #
     assert [last[rows[j]].token_ids for j in (0, 2)] == [refs[0], refs[2]]
 
 
-def test_a_batch_refuses_bad_rows_in_one_line(tiny_model, one_thread):  # noqa: F811
+def test_a_batch_refuses_bad_rows_in_one_line(tiny_model, one_thread):
     rt = _load(tiny_model, "int4")
     batch = BatchGenerator(rt)
     with pytest.raises(QuantkitError, match="either messages or ids"):
@@ -226,7 +226,7 @@ def test_a_batch_refuses_bad_rows_in_one_line(tiny_model, one_thread):  # noqa: 
     assert not batch and batch.step() == []
 
 
-def test_running_rows_step_between_the_chunks_of_a_new_prompt(tiny_model, monkeypatch, one_thread):  # noqa: F811
+def test_running_rows_step_between_the_chunks_of_a_new_prompt(tiny_model, monkeypatch, one_thread):
     """A long prompt joining the batch is prefilled chunk by chunk, the running rows taking a step between two
     chunks (their tokens unchanged), so they wait one chunk at a time, not for the whole prompt."""
     from quantkit.runtime import generate
@@ -258,7 +258,7 @@ def test_running_rows_step_between_the_chunks_of_a_new_prompt(tiny_model, monkey
     assert [got[r] for r in (*rows, new)] == refs
 
 
-def test_a_continued_conversation_reuses_the_prompt_cache_in_a_batch(tiny_model, one_thread):  # noqa: F811
+def test_a_continued_conversation_reuses_the_prompt_cache_in_a_batch(tiny_model, one_thread):
     """With the prompt cache on, a row whose conversation continues an earlier one is prefilled only past the
     cached prefix, and still generates what the request generates alone without any cache."""
     rt = _load(tiny_model, "int4")
@@ -286,7 +286,7 @@ def test_a_continued_conversation_reuses_the_prompt_cache_in_a_batch(tiny_model,
 
 
 def test_forked_choices_share_one_prefill_and_generate_what_each_generates_alone(tiny_model, monkeypatch,
-                                                                                   one_thread):  # noqa: F811
+                                                                                   one_thread):
     """`n` choices of one prompt: the prompt prefilled once, each choice a row in a copy of its state, decoded
     together; each choice's tokens (greedy, and seeded per choice) are the ones it generates alone."""
     import quantkit.runtime.batch as batch_mod

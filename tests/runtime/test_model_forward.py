@@ -76,7 +76,7 @@ def _hf(ref, ids: list[int], steps: list[int]):
 @pytest.mark.parametrize("route", ["stack", "torch"])
 @pytest.mark.parametrize("recipe", ["bf16", "int8", "int4"])
 @pytest.mark.usefixtures("each_table")
-def test_bit_equal_to_transformers_eager_with_the_conv_in_fp32(tiny_model, recipe, route, one_thread):  # noqa: F811
+def test_bit_equal_to_transformers_eager_with_the_conv_in_fp32(tiny_model, recipe, route, one_thread):
     if route == "stack" and not cpu_kernel.available():
         pytest.skip("the CPU kernel is not built on this machine")
     rt = _load(tiny_model, recipe, forced_route=route)
@@ -99,7 +99,7 @@ def test_bit_equal_to_transformers_eager_with_the_conv_in_fp32(tiny_model, recip
 
 @pytest.mark.parametrize("recipe", ["bf16", "int4"])
 @pytest.mark.usefixtures("each_table")
-def test_tracks_plain_transformers_eager(tiny_model, recipe, one_thread):  # noqa: F811
+def test_tracks_plain_transformers_eager(tiny_model, recipe, one_thread):
     rt = _load(tiny_model, recipe)
     ref = reference_model(tiny_model if recipe == "bf16" else quantized(tiny_model, recipe))
     ids = _prompt(rt)
@@ -114,7 +114,7 @@ def test_tracks_plain_transformers_eager(tiny_model, recipe, one_thread):  # noq
 @kernel
 @pytest.mark.parametrize("recipe", ["bf16", "int8", "int4"])
 @pytest.mark.usefixtures("kernel_table")
-def test_routes_agree_bit_for_bit(tiny_model, recipe, one_thread):  # noqa: F811
+def test_routes_agree_bit_for_bit(tiny_model, recipe, one_thread):
     """The one-call stack, the per-layer fused ops and the torch route: the same logits; the same cache states
     on the kernel's two routes, within FUSED_STATE_BOUND on torch's."""
     runs = {}
@@ -136,7 +136,7 @@ def test_routes_agree_bit_for_bit(tiny_model, recipe, one_thread):  # noqa: F811
 
 
 @kernel
-def test_stack_runs_no_python_layer(tiny_model, one_thread):  # noqa: F811
+def test_stack_runs_no_python_layer(tiny_model, one_thread):
     """On the stack route a step calls no layer from Python; a prompt still goes through them."""
     rt = _load(tiny_model, "int8")
     assert rt.model.route.kind == "stack" and rt.route()["one_call"]
@@ -150,7 +150,7 @@ def test_stack_runs_no_python_layer(tiny_model, one_thread):  # noqa: F811
 
 @pytest.mark.parametrize("route", ["fused", "torch"])
 @pytest.mark.usefixtures("each_table")
-def test_layers_match_transformers_with_expert_choice_fixed(tiny_model, route, one_thread):  # noqa: F811
+def test_layers_match_transformers_with_expert_choice_fixed(tiny_model, route, one_thread):
     """Each layer fed transformers' own input (its conv in fp32) and routed to transformers' experts: the same
     output, bit for bit."""
     if route == "fused" and not cpu_kernel.available():
@@ -197,7 +197,7 @@ def test_layers_match_transformers_with_expert_choice_fixed(tiny_model, route, o
 
 @pytest.mark.parametrize("recipe", ["bf16", "int8"])
 @pytest.mark.usefixtures("each_table")
-def test_chunked_prompt_equals_one_forward(tiny_model, recipe, one_thread):  # noqa: F811
+def test_chunked_prompt_equals_one_forward(tiny_model, recipe, one_thread):
     """A prompt in two chunks makes the state one forward of it makes (the chunked delta rule carries its
     state across chunks; attention reads the cached keys), up to SDPA's summation order."""
     rt = _load(tiny_model, recipe)
@@ -222,7 +222,7 @@ def _not_called(*_a, **_k):
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("recipe", ["bf16", "int4"])
 @pytest.mark.usefixtures("each_table")
-def test_a_verify_equals_one_token_steps_and_rewinds_to_any_position(tiny_model, recipe, route, one_thread,  # noqa: F811
+def test_a_verify_equals_one_token_steps_and_rewinds_to_any_position(tiny_model, recipe, route, one_thread,
                                                                       monkeypatch):
     """A 4-token forward that keeps its positions (a speculative verify) gives the logits and states of 4 one-token
     steps, bit for bit; rewound to any of its positions, the next step equals a cache that only ever saw the
@@ -267,7 +267,7 @@ def test_a_verify_equals_one_token_steps_and_rewinds_to_any_position(tiny_model,
 
 @pytest.mark.parametrize("recipe", ["bf16", "int8"])
 @pytest.mark.usefixtures("each_table")
-def test_greedy_generation_identical_across_routes(tiny_model, recipe, one_thread):  # noqa: F811
+def test_greedy_generation_identical_across_routes(tiny_model, recipe, one_thread):
     prompts = [PROMPT, [{"role": "user", "content": "write a haiku about rivers"}]]
     got = {}
     for route in ROUTES if cpu_kernel.available() else ["torch"]:
@@ -278,7 +278,7 @@ def test_greedy_generation_identical_across_routes(tiny_model, recipe, one_threa
 
 
 @pytest.mark.usefixtures("each_table")
-def test_prompt_cache_second_turn(tiny_model, one_thread):  # noqa: F811
+def test_prompt_cache_second_turn(tiny_model, one_thread):
     """Turn 2 restores turn 1's snapshot and continues exactly as a cold run; decoding never writes into a
     snapshot."""
     rt = _load(tiny_model, "int8")
@@ -300,7 +300,7 @@ def test_prompt_cache_second_turn(tiny_model, one_thread):  # noqa: F811
 
 
 @pytest.mark.usefixtures("each_table")
-def test_prefill_restores_a_snapshot_into_a_cache_of_its_own(tiny_model, one_thread):  # noqa: F811
+def test_prefill_restores_a_snapshot_into_a_cache_of_its_own(tiny_model, one_thread):
     rt = _load(tiny_model, "bf16")
     rt.set_prompt_cache(64 << 20)
     ids = _prompt(rt)
@@ -320,7 +320,7 @@ def _split_placement(n_layers: int = 4) -> Placement:
 @pytest.mark.parametrize("recipe", ["bf16", "int8", "int4"])
 @pytest.mark.parametrize("gather", [frozenset({0}), frozenset({0, 1})])
 @pytest.mark.usefixtures("each_table")
-def test_gathered_experts_and_split(tiny_model, recipe, gather, one_thread):  # noqa: F811
+def test_gathered_experts_and_split(tiny_model, recipe, gather, one_thread):
     """Experts gathered by the routed ids (the device path) for group 0 with group 1 on the CPU path ({0}),
     or for every group: the same tokens as the plain CPU path, logits within fp32 summation order."""
     plain = _load(tiny_model, recipe, placement=_split_placement(), route="torch", forced_route="torch")
@@ -353,7 +353,7 @@ class _NoHostReads:
             setattr(torch.Tensor, n, f)
 
 
-def test_device_path_reads_nothing_back(tiny_model, one_thread):  # noqa: F811
+def test_device_path_reads_nothing_back(tiny_model, one_thread):
     """With every expert group on the gathered (device) path, a step reads no tensor value on the host."""
     rt = _load(tiny_model, "bf16", placement=_split_placement(), route="torch", forced_route="torch",
                gather=frozenset({0, 1}))
@@ -422,7 +422,7 @@ def test_cuda_graphs_refuse_a_placement_off_one_cuda_device_in_one_line(tiny_mod
 
 @pytest.mark.parametrize("recipe", ["bf16", "int4"])
 @pytest.mark.usefixtures("each_table")
-def test_the_static_step_a_cuda_graph_captures_tracks_the_dynamic_step(tiny_model, recipe, one_thread):  # noqa: F811
+def test_the_static_step_a_cuda_graph_captures_tracks_the_dynamic_step(tiny_model, recipe, one_thread):
     """`Model.static_step` (K/V written by a device-side index, attention over the whole buffer masked; what
     the cuda-graph route captures) on the CPU, experts gathered by routed id: the same tokens as the dynamic
     torch step, logits within the summation order of the longer masked attention."""

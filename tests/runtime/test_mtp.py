@@ -42,7 +42,7 @@ class Oracle:
 
 @pytest.mark.parametrize("route", MTP_ROUTES)
 @pytest.mark.parametrize("recipe", ["bf16", "int4"])
-def test_greedy_output_is_identical_with_the_layers_own_drafts(tiny_model_mtp, recipe, route, one_thread):  # noqa: F811
+def test_greedy_output_is_identical_with_the_layers_own_drafts(tiny_model_mtp, recipe, route, one_thread):
     rt = load_model(tiny_model_mtp if recipe == "bf16" else quantized(tiny_model_mtp, recipe), forced_route=route)
     assert rt.model.mtp is not None and rt.tuner is not None  # auto unless asked for
     want, none = generate_tokens(rt, 0)
@@ -61,7 +61,7 @@ def _mtp_dense(rt) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("recipe", ["quality", "bf16", "int4"])
-def test_the_mtp_layer_holds_its_dense_matrices_as_int4(tiny_model_mtp, recipe, one_thread):  # noqa: F811
+def test_the_mtp_layer_holds_its_dense_matrices_as_int4(tiny_model_mtp, recipe, one_thread):
     """The MTP layer only drafts, so it holds its int8 or bf16 fc, attention and shared expert as int4 copies
     (checkpoint/draft.py), close to the stored matrices; `mtp_copies=False` holds them as stored, and 4-bit ones are
     held as stored either way. The drafts change a little, the greedy output not at all."""
@@ -85,7 +85,7 @@ def test_the_mtp_layer_holds_its_dense_matrices_as_int4(tiny_model_mtp, recipe, 
 
 @pytest.mark.parametrize("route", MTP_ROUTES)
 @pytest.mark.parametrize("pairs", [2, 3, 4])
-def test_a_draft_from_several_pairs_skips_only_what_nothing_reads(tiny_model_mtp, route, pairs, one_thread):  # noqa: F811
+def test_a_draft_from_several_pairs_skips_only_what_nothing_reads(tiny_model_mtp, route, pairs, one_thread):
     """The MTP layer's forward of a few pairs (after accepted drafts) runs the MoE block on the last row alone:
     its logits, the hidden it chains on and the K/V every pair leaves are those of the whole layer on every row."""
     rt = load_model(quantized(tiny_model_mtp, "int4"), forced_route=route)
@@ -117,7 +117,7 @@ def test_a_draft_from_several_pairs_skips_only_what_nothing_reads(tiny_model_mtp
 
 @pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernel is not built on this machine")
 @pytest.mark.parametrize("rows", [0, 64])
-def test_the_kernels_one_call_draft_is_the_python_path_bit_for_bit(tiny_model_mtp, rows, one_thread):  # noqa: F811
+def test_the_kernels_one_call_draft_is_the_python_path_bit_for_bit(tiny_model_mtp, rows, one_thread):
     """On the stack route a draft of 1-4 pairs is one kernel call (`Layers.draft`): the logits, the hidden it
     chains on and the K/V every pair leaves equal the Python path's on the kernel's ops, chained over a run of
     drafts; more pairs than that (a prompt) take the Python path."""
@@ -157,7 +157,7 @@ def test_the_kernels_one_call_draft_is_the_python_path_bit_for_bit(tiny_model_mt
 
 @pytest.mark.parametrize("route", MTP_ROUTES)
 @pytest.mark.parametrize("rows", [0, 64])
-def test_a_greedy_draft_is_the_argmax_of_the_drafts_logits(tiny_model_mtp, route, rows, one_thread):  # noqa: F811
+def test_a_greedy_draft_is_the_argmax_of_the_drafts_logits(tiny_model_mtp, route, rows, one_thread):
     """`MTP.draft` (what speculative decoding calls) gives the first maximum of `forward`'s logits and the same
     hidden, chained, with the whole head and with the draft's part of it (ids from both of its ends); a hidden of
     more rows than tokens pairs its first rows (a verify's hidden rows, passed whole)."""
@@ -241,7 +241,7 @@ def test_the_draft_head_scores_its_rows_as_the_whole_head_does(spec):
 
 
 @pytest.mark.parametrize("route", MTP_ROUTES)
-def test_greedy_output_is_identical_with_a_reduced_draft_head(tiny_model_mtp, route, one_thread):  # noqa: F811
+def test_greedy_output_is_identical_with_a_reduced_draft_head(tiny_model_mtp, route, one_thread):
     """Drafts over 64 ids of the tiny vocabulary (and its top): rejected more often, the output unchanged."""
     rt = load_model(quantized(tiny_model_mtp, "int4"), forced_route=route)
     want, _ = generate_tokens(rt, 0)
@@ -255,7 +255,7 @@ def test_greedy_output_is_identical_with_a_reduced_draft_head(tiny_model_mtp, ro
 @pytest.mark.parametrize("route", MTP_ROUTES)
 @pytest.mark.parametrize(("draft", "wrong_every"), [(1, 0), (1, 3), (2, 4), (3, 2), (3, 7)])
 def test_oracle_drafts_are_accepted_rolled_back_and_change_nothing(tiny_model_mtp, route, draft, wrong_every,
-                                                                   one_thread, monkeypatch):  # noqa: F811
+                                                                   one_thread, monkeypatch):
     rt = load_model(quantized(tiny_model_mtp, "int4"), forced_route=route)
     want, _ = generate_tokens(rt, 0)
     ids = rt.render_ids(PROMPT)[1]
@@ -275,7 +275,7 @@ def test_oracle_drafts_are_accepted_rolled_back_and_change_nothing(tiny_model_mt
 
 @pytest.mark.parametrize(("draft", "wrong_every"), [(1, 3), (2, 4), (3, 2)])
 def test_seeded_sampling_gives_the_tokens_of_decoding_without_drafts(tiny_model_mtp, draft, wrong_every,
-                                                                    one_thread, monkeypatch):  # noqa: F811
+                                                                    one_thread, monkeypatch):
     """Each row's token is drawn as without drafts, one draw per token kept, so a seed gives the same tokens with
     and without drafts (the oracle drafts the seeded run's own tokens, a wrong one every `wrong_every`-th)."""
     rt = load_model(quantized(tiny_model_mtp, "int4"))
@@ -288,7 +288,7 @@ def test_seeded_sampling_gives_the_tokens_of_decoding_without_drafts(tiny_model_
     assert 0 < stats["accepted"] < stats["drafted"]
 
 
-def test_a_stop_token_inside_an_accepted_run_ends_the_generation_there(tiny_model_mtp, one_thread, monkeypatch):  # noqa: F811
+def test_a_stop_token_inside_an_accepted_run_ends_the_generation_there(tiny_model_mtp, one_thread, monkeypatch):
     rt = load_model(quantized(tiny_model_mtp, "int4"))
     want, _ = generate_tokens(rt, 0)
     stop = want[10]
@@ -303,7 +303,7 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_generation_there(tiny_mode
     assert resp.finish_reason == "stop" and resp.token_ids == want[:first + 1]
 
 
-def test_sampling_keeps_the_targets_distribution(tiny_model_mtp, one_thread, monkeypatch):  # noqa: F811
+def test_sampling_keeps_the_targets_distribution(tiny_model_mtp, one_thread, monkeypatch):
     """The second token (the first a verify decides) drawn 600 times with and without drafts of a fixed token:
     the same distribution (total variation under 0.1; drafts kept whenever offered would put all the mass on
     the drafted token)."""
@@ -404,7 +404,7 @@ def test_the_tuner_keeps_the_fastest_draft_count_and_stops_drafting_that_does_no
 
 
 @pytest.mark.parametrize("route", MTP_ROUTES)
-def test_auto_drafting_stops_on_a_layer_that_is_never_right_and_changes_no_token(tiny_model_mtp, route, one_thread):  # noqa: F811
+def test_auto_drafting_stops_on_a_layer_that_is_never_right_and_changes_no_token(tiny_model_mtp, route, one_thread):
     """The default (no --mtp): the tiny model's random MTP layer is almost never accepted, so after the tuner's
     first verifies decoding goes on without drafts, in this generation and the next; the tokens are those of
     decoding without drafts, and the counts say auto."""
@@ -425,7 +425,7 @@ def test_auto_drafting_stops_on_a_layer_that_is_never_right_and_changes_no_token
 
 @pytest.mark.parametrize("route", MTP_ROUTES)
 def test_auto_drafting_that_pays_tries_every_count_and_changes_no_token(
-        tiny_model_mtp, route, one_thread, monkeypatch):  # noqa: F811
+        tiny_model_mtp, route, one_thread, monkeypatch):
     """With drafts that pay (the oracle's, every forward said to take a second, so more accepted tokens per verify
     is faster), the tuner moves from 1 to 3 drafts within a generation and keeps the fastest; the tokens are those
     of decoding without drafts."""
@@ -451,7 +451,7 @@ def test_auto_drafting_that_pays_tries_every_count_and_changes_no_token(
     assert resp.mtp["auto"] and resp.mtp["draft"] == 3 and resp.mtp["accepted"] > 0
 
 
-def test_decode_seconds_count_the_rewinds_of_rejected_drafts(tiny_model_mtp, one_thread, monkeypatch):  # noqa: F811
+def test_decode_seconds_count_the_rewinds_of_rejected_drafts(tiny_model_mtp, one_thread, monkeypatch):
     """Generation tok/s divides by the time of the forwards and of the rewinds a rejected draft needs (a replay of
     the kept tokens' recurrent states is decode work): with each rewind made to take 50 ms, the decode seconds are
     at least the rewinds' sum."""
@@ -556,7 +556,7 @@ def test_the_benchs_oracle_gets_the_share_it_is_set_to(acceptance):
         assert abs(pairs / 500 - acceptance ** 2) < 0.06, pairs
 
 
-def test_chat_says_what_the_mtp_layer_does_on_its_first_line_and_in_stats(tiny_model_mtp, tiny_model, one_thread):  # noqa: F811
+def test_chat_says_what_the_mtp_layer_does_on_its_first_line_and_in_stats(tiny_model_mtp, tiny_model, one_thread):
     """The chat's opening line says the MTP mode (auto, until it has measured); /stats says what it decided; a
     model without the layer says nothing of it on the first line."""
     import io

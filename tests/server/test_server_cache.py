@@ -19,7 +19,7 @@ SYSTEM = {"role": "system", "content": "You are a terminal world model. Print wh
 
 
 @pytest.fixture(scope="module")
-def backend(q4):  # noqa: F811
+def backend(q4):
     b = load(q4)
     b.runtime.set_prompt_cache(1 << 28)
     return b
@@ -120,7 +120,7 @@ def test_client_gone_mid_request_corrupts_nothing(client, server, backend):
     assert ask(client, backend, long)[0] == ref
 
 
-def test_prompt_cache_size_option(q4, capsys, monkeypatch):  # noqa: F811
+def test_prompt_cache_size_option(q4, capsys, monkeypatch):
     from quantkit.cli.runtime import parse_cache_size
 
     from helpers.cli import run_cli

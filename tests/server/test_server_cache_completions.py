@@ -21,7 +21,7 @@ LOG = "\n".join(f"[{i:03d}] GET /api/items/{i * 13 % 97} 200 {i * 7 % 50}ms" for
 SYSTEM = {"role": "system", "content": "You are a terminal world model.\n" + LOG}
 
 
-def backend_on(q4, cache_bytes: int = 1 << 28, folder=None):  # noqa: F811
+def backend_on(q4, cache_bytes: int = 1 << 28, folder=None):
     return load_backend(q4, max_context=MAX_CONTEXT, prompt_cache_bytes=cache_bytes, prompt_cache_dir=folder,
                         prompt_cache_disk_bytes=(1 << 30) if folder is not None else None)
 
@@ -46,7 +46,7 @@ def serve(backend, fn):
         return fn(s, client_of(s))
 
 
-def test_repeated_and_extended_completions_prompts_reuse_the_cache(q4):  # noqa: F811
+def test_repeated_and_extended_completions_prompts_reuse_the_cache(q4):
     prompts = [LOG + "\n[060] GET", LOG + "\n[060] GET", LOG + "\n[060] POST /api/login"]
     cold = serve(backend_on(q4, 0), lambda s, c: [complete(c, p) for p in prompts])
     got = serve(backend_on(q4), lambda s, c: [complete(c, p) for p in prompts])
@@ -57,7 +57,7 @@ def test_repeated_and_extended_completions_prompts_reuse_the_cache(q4):  # noqa:
     assert 0 < got[2][2] <= got[1][2]
 
 
-def test_a_conversation_resumes_across_a_server_restart(q4, tmp_path):  # noqa: F811
+def test_a_conversation_resumes_across_a_server_restart(q4, tmp_path):
     d = tmp_path / "prompt-cache"
     turn1 = [SYSTEM, {"role": "user", "content": "$ tail -n 3 access.log"}]
 
@@ -79,7 +79,7 @@ def test_a_conversation_resumes_across_a_server_restart(q4, tmp_path):  # noqa: 
     assert f"quantkit_prompt_cache_disk_restored_tokens {float(got[2])}" in metrics
 
 
-def test_a_dir_shared_with_another_model_is_not_restored(q4, tiny_model, tmp_path):  # noqa: F811
+def test_a_dir_shared_with_another_model_is_not_restored(q4, tiny_model, tmp_path):
     """The bf16 checkpoint and its 4-bit folder share a DIR: neither restores the other's entries."""
     d = tmp_path / "prompt-cache"
     prompt = LOG + "\n[060] GET"

@@ -35,7 +35,7 @@ BODY_TIMEOUT = 1.5
 
 
 @pytest.fixture(scope="module")
-def backend(q4):  # noqa: F811
+def backend(q4):
     return load(q4)
 
 
@@ -259,7 +259,7 @@ def test_metrics_count_requests_and_tokens(client, server):
     assert "quantkit_queue_waiting" in after and "quantkit_time_to_first_token_seconds_bucket" in after
 
 
-def test_cors_answers_only_the_allowed_origin(server, client, q4):  # noqa: F811
+def test_cors_answers_only_the_allowed_origin(server, client, q4):
     pre = {"access-control-request-method": "POST", "access-control-request-headers": "authorization,content-type"}
     ok = httpx.options(server.url + "/v1/chat/completions", headers={"origin": "http://localhost:3000", **pre})
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://localhost:3000"
