@@ -33,5 +33,5 @@ else
   PY=.venv/bin/python
 fi
 # the CPU kernel the GPU+CPU placement computes its experts with: built once, outside the time limit
-"$PY" -c "from quantkit.runtime.cpu_kernel import main; raise SystemExit(main(['build']))" || true
+"$PY" -c "from quantkit.kernels.cpu import main; raise SystemExit(main(['build']))" || true
 exec timeout --signal=INT --kill-after=30 "$LIMIT" "$PY" -m quantkit bench gpu "$@"

@@ -15,7 +15,7 @@ fi
 # (or $QUANTKIT_KERNEL_CACHE). A failed build prints one line and set-up goes on: the runtime then keeps
 # torch's kernels.
 # (called as a function: `python -m` on a module the package itself imports makes runpy warn)
-.venv/bin/python -c "from quantkit.runtime.cpu_kernel import main; raise SystemExit(main(['build']))" || true
+.venv/bin/python -c "from quantkit.kernels.cpu import main; raise SystemExit(main(['build']))" || true
 # The tests prove the GGUF export with llama.cpp itself: llama-cpp-python builds from its sdist (about
 # 4 minutes on 2 cores, once). Pinned to the release whose llama.cpp knows qwen35moe. Built without AMX: on
 # Sapphire Rapids-class CPUs its AMX matmul segfaults on the first multiplication (ggml-org/llama.cpp#20824;

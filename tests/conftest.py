@@ -150,7 +150,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     runs = [it for it in items if any(f in getattr(getattr(it, "callspec", None), "params", {}) for f in fixtures)]
     if not runs:
         return
-    from quantkit.runtime import cpu_kernel
+    from quantkit.kernels import cpu as cpu_kernel
 
     top = cpu_kernel.loaded_table if cpu_kernel.module() is not None else KERNEL_TABLES[0]
     for it in runs:

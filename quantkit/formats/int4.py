@@ -48,6 +48,7 @@ from quantkit.formats.common import (
     to_codes,
     unpack_nibbles,
 )
+from quantkit.kernels import quant as quant_kernel
 
 DEFAULT_GROUP = 128
 GROUPS = (32, 64, 128)
@@ -60,11 +61,9 @@ _KERNEL_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def _fast() -> Any:
-    """The quantizer's kernel (runtime/quant_kernel.py: bf16 or fp32 rows in, codes, scales and both error sums
+    """The quantizer's kernel (kernels/quant.py: bf16 or fp32 rows in, codes, scales and both error sums
     out, eight groups' scale search at once; torch's route below takes some 30 passes over each chunk), else
     None."""
-    from quantkit.runtime import quant_kernel
-
     return quant_kernel.ops()
 
 
@@ -207,9 +206,7 @@ class Int4:
         def work(sl: slice) -> None:
             xb = flat[sl]
             if fast is not None:  # the same bytes as the route below
-                from quantkit.runtime.quant_kernel import int4_sym
-
-                e, r = int4_sym(fast, xb, g, grid, packed[sl], scales[sl])
+                e, r = quant_kernel.int4_sym(fast, xb, g, grid, packed[sl], scales[sl])
                 if sums is not None:
                     sums.add(sl, e, r)
                 return

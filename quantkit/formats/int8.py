@@ -11,6 +11,7 @@ import torch
 
 from quantkit.formats import Part, QuantSpec, register
 from quantkit.formats.common import ErrorSums, check_matrix, out_buffer, row_sq, run_chunks
+from quantkit.kernels import quant as quant_kernel
 
 
 class Int8:
@@ -32,13 +33,11 @@ class Int8:
         q = out_buffer(out, "qweight", tuple(flat.shape), torch.int8)
         scales = out_buffer(out, "scales", (flat.shape[0],), torch.bfloat16)
 
-        from quantkit.runtime import quant_kernel
-
         fast = quant_kernel.ops() if flat.dtype == torch.bfloat16 and flat.is_contiguous() and flat.device.type == "cpu" \
             else None
 
         def work(sl: slice) -> None:
-            if fast is not None:  # the same bytes as below, in one pass (runtime/quant_kernel.py)
+            if fast is not None:  # the same bytes as below, in one pass (kernels/quant.py)
                 e, r = quant_kernel.int8_row(fast, flat[sl], q[sl], scales[sl])
                 if sums is not None:
                     sums.add(sl, e, r)

@@ -7,7 +7,7 @@ environment variable at import time, so importing the package never depends on (
 Environment inputs (kept for scripts and tests):
 - QUANTKIT_ROUTE: the one-token route kind (stack, fused, torch, cuda-graph; runtime/model/route.py);
 - QUANTKIT_CPU_ISA: the CPU kernel's level (generic, avx2, avx512, LEVEL-plain without its extension, or
-  none/off for torch's kernels only; runtime/cpu_kernel.py), applied when the kernel module first loads;
+  none/off for torch's kernels only; kernels/cpu.py), applied when the kernel module first loads;
 - QUANTKIT_MXFP4_ROUTE: int4x2 (an exact int4 pair, the default) or dequant (runtime/kernels.py).
 """
 
@@ -17,8 +17,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from quantkit.kernels import cpu as cpu_kernel
+from quantkit.kernels.cpu import CPU_ISA_ENV
+
 ROUTE_ENV = "QUANTKIT_ROUTE"
-CPU_ISA_ENV = "QUANTKIT_CPU_ISA"
 MXFP4_ROUTE_ENV = "QUANTKIT_MXFP4_ROUTE"
 MXFP4_ROUTES = ("int4x2", "dequant")
 
@@ -56,14 +58,14 @@ class RuntimeOptions:
     @property
     def torch_only(self) -> bool:
         """QUANTKIT_CPU_ISA=none (or off): quantkit's CPU kernel is not loaded, torch's kernels run."""
-        return self.cpu_isa in ("none", "off")
+        return cpu_kernel.torch_only(self.cpu_isa)
 
     @property
     def plain(self) -> bool:
         """LEVEL-plain: the level without its extension (AVX-VNNI, AVX512-BF16)."""
-        return self.cpu_isa.endswith("-plain")
+        return cpu_kernel.plain(self.cpu_isa)
 
     @property
     def isa_level(self) -> str:
         """The level asked for without the -plain suffix ("" for the best)."""
-        return "" if self.torch_only else self.cpu_isa.removesuffix("-plain")
+        return cpu_kernel.isa_level(self.cpu_isa)

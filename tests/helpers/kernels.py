@@ -33,7 +33,7 @@ def forced_isa_table(value: str) -> str:
 
 
 def forced_table(name: str):
-    from quantkit.runtime import cpu_kernel
+    from quantkit.kernels import cpu as cpu_kernel
 
     mod = cpu_kernel.module()
     level = cpu_kernel.ISA_LEVELS[cpu_kernel.table_level(name)]

@@ -1,7 +1,8 @@
-"""quantkit's C++ CPU kernel (runtime/cpu_kernel.py, csrc/qk_cpu.cpp): every path on every op table
-(generic, AVX2, AVX512, AVX512-BF16: the `kernel_table` fixture) against the fp32 reference, the fused MoE
-decode against the per-expert route, the forced instruction set, and the fallbacks (switched off, a unit
-or the whole build failing, a corrupt or foreign cached module) each costing one line.
+"""quantkit's C++ CPU kernel (kernels/csrc/qk_cpu.cpp; built and loaded by kernels/, repacked and called by
+runtime/cpu_kernel.py): every path on every op table (generic, AVX2, AVX512, AVX512-BF16: the `kernel_table`
+fixture) against the fp32 reference, the fused MoE decode against the per-expert route, the forced instruction
+set, and the fallbacks (switched off, a unit or the whole build failing, a corrupt or foreign cached module)
+each costing one line.
 
 Error bound: activations are rounded to int8 per block of 32 (scale = the block's largest magnitude /
 127): about 0.6% rms per element on Gaussian inputs, so a matmul lands within ~0.6% of the fp32 result
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from quantkit.formats import QuantSpec, get_format
+from quantkit.kernels import build as kernel_build
 from quantkit.runtime import cpu_kernel
 from quantkit.runtime.kernels import DenseKernel, Projections, QBf16Kernel, QKernel, prepare, reference_matmul
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
@@ -423,7 +425,7 @@ def test_isa_switch_values(monkeypatch, capsys, value, best, want, why):
     """QUANTKIT_CPU_ISA against what the CPU has (`best`, as a CPU without AVX2 or AVX512 reports it): a level
     at or below it is taken as asked; an unknown one or one above it costs one line and runs the best."""
     monkeypatch.setenv("QUANTKIT_CPU_ISA", value)
-    monkeypatch.setattr(cpu_kernel, "_notice_given", set())
+    monkeypatch.setattr(kernel_build, "_notice_given", set())
     assert cpu_kernel.chosen_level(best) == want
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [] if why is None else (len(err) == 1 and err[0].startswith("quantkit: ") and why in err[0])
@@ -440,33 +442,33 @@ def test_bad_isa_switch_in_a_fresh_process():
 def test_foreign_compiler_gets_its_own_cache(tmp_path, monkeypatch):
     """The cache folder is keyed by the compiler (its path and version) and the units' flags: a module
     another compiler built is never loaded, it is rebuilt in a folder of its own."""
-    here = cpu_kernel.cache_dir()
+    here = kernel_build.cache_dir()
     fake = tmp_path / "c++"
     fake.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo 'c++ (Other) 99.1' && exit 0\nexec g++ \"$@\"\n")
     fake.chmod(0o755)
     monkeypatch.setenv("CXX", str(fake))
-    assert cpu_kernel.cache_dir() != here
+    assert kernel_build.cache_dir() != here
     monkeypatch.delenv("CXX")
-    monkeypatch.setattr(cpu_kernel, "UNIT_CFLAGS", (*cpu_kernel.UNIT_CFLAGS, "-DQK_OTHER=1"))
-    assert cpu_kernel.cache_dir() != here
+    monkeypatch.setattr(kernel_build, "UNIT_CFLAGS", (*kernel_build.UNIT_CFLAGS, "-DQK_OTHER=1"))
+    assert kernel_build.cache_dir() != here
 
 
 def test_any_edited_added_or_removed_source_changes_the_cache_folder(tmp_path, monkeypatch):
     """The cache folder is keyed by every file in csrc/ (the quantizer's header as much as the decode ops'):
     a module built from other sources is never loaded."""
     csrc = tmp_path / "csrc"
-    shutil.copytree(cpu_kernel.CSRC, csrc)
-    monkeypatch.setattr(cpu_kernel, "CSRC", csrc)
-    seen = {cpu_kernel.cache_dir()}
+    shutil.copytree(kernel_build.CSRC, csrc)
+    monkeypatch.setattr(kernel_build, "CSRC", csrc)
+    seen = {kernel_build.cache_dir()}
     impl = csrc / "qk_quant_impl.h"
     impl.write_text(impl.read_text() + "\n")
-    seen.add(cpu_kernel.cache_dir())
+    seen.add(kernel_build.cache_dir())
     (csrc / "qk_new.h").write_text("#pragma once\n")
-    seen.add(cpu_kernel.cache_dir())
+    seen.add(kernel_build.cache_dir())
     (csrc / "qk_new.h").rename(csrc / "qk_renamed.h")
-    seen.add(cpu_kernel.cache_dir())
+    seen.add(kernel_build.cache_dir())
     (csrc / "qk_renamed.h").unlink()
-    seen.add(cpu_kernel.cache_dir())  # the edited header alone: the folder of the step before the new file
+    seen.add(kernel_build.cache_dir())  # the edited header alone: the folder of the step before the new file
     assert len(seen) == 4
 
 
@@ -483,13 +485,13 @@ def test_a_unit_the_compiler_cannot_build_is_left_out(tmp_path):
     assert route_line(p) == "ROUTE quantkit qk int4 (generic, int8 activations) True"
     lines = [ln for ln in p.stderr.splitlines() if ln.strip() and "building the CPU kernel" not in ln]
     named = sorted(ln.split("the ")[1].split(" unit")[0] for ln in lines)
-    assert named == sorted(u for u in cpu_kernel._units() if u != "generic"), p.stderr
+    assert named == sorted(u for u in kernel_build.units() if u != "generic"), p.stderr
     assert all(ln.startswith("quantkit: CPU kernel: the ") and "did not build" in ln for ln in lines), p.stderr
 
 
 def copy_cache(tmp_path: Path) -> Path:
     """A copy of the built cache (ninja's logs included, so ninja sees it up to date)."""
-    src = cpu_kernel.cache_dir()
+    src = kernel_build.cache_dir()
     dst = tmp_path / "cache" / src.name
     shutil.copytree(src, dst)
     return dst
@@ -503,7 +505,7 @@ def test_failed_build_is_one_line_and_torch_route(tmp_path):
     # one line, though the probe both quantizes and multiplies: the quantizer's ops are the same module's
     assert len(notices) == 1 and "CPU kernel unavailable" in notices[0], p.stderr
     assert notices[0].startswith("quantkit: "), p.stderr
-    build = subprocess.run([sys.executable, "-m", "quantkit.runtime.cpu_kernel", "build"], capture_output=True,
+    build = subprocess.run([sys.executable, "-m", "quantkit.kernels.cpu", "build"], capture_output=True,
                            text=True, env={**os.environ, "PYTHONPATH": str(ROOT), "QUANTKIT_KERNEL_CACHE": str(tmp_path),
                                            "CXX": "false"}, timeout=600)
     assert build.returncode == 0 and "Traceback" not in build.stderr

@@ -1,5 +1,5 @@
 """The quantizer's kernels (csrc/qk_quant_impl.h, ops of every table of the CPU kernel, called through
-runtime/quant_kernel.py: formats/int4.py's route for bf16 and fp32 rows, int8.py's for bf16 rows). Each table
+kernels/quant.py: formats/int4.py's route for bf16 and fp32 rows, int8.py's for bf16 rows). Each table
 writes byte for byte the torch route's codes and scales, including the groups where candidates tie, all-zero
 groups of either sign and a chunk whose groups do not fill the last block of eight; quantize() gives the same
 parts and error sums on every route."""
@@ -13,7 +13,7 @@ from quantkit.formats import QuantSpec
 from quantkit.formats import int4 as I
 from quantkit.formats.common import ErrorSums, pack_nibbles, row_sq
 from quantkit.formats.int8 import Int8
-from quantkit.runtime import quant_kernel as QK
+from quantkit.kernels import quant as QK
 
 
 def _weights(rows: int, cols: int, seed: int) -> torch.Tensor:

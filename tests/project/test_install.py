@@ -24,10 +24,10 @@ def test_wheel_installs_and_runs_outside_the_repo(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     assert "quantkit/profiles/models/Qwen-AgentWorld-35B-A3B/config.json" in names
     # the CPU kernel builds from the installed sources
-    from quantkit.runtime import cpu_kernel
+    from quantkit.kernels import build as kernel_build
 
-    for src in cpu_kernel.SOURCES + cpu_kernel.HEADERS:
-        assert f"quantkit/runtime/csrc/{src.name}" in names
+    for src in kernel_build.SOURCES + kernel_build.HEADERS:
+        assert f"quantkit/kernels/csrc/{src.name}" in names
     assert any(n.endswith("entry_points.txt") for n in names)
     entry_points = next(zipfile.ZipFile(wheel).read(n) for n in names if n.endswith("entry_points.txt"))
     assert b"quantkit = quantkit.cli:main" in entry_points

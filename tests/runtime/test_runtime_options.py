@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from quantkit.kernels import cpu as kernel_cpu
 from quantkit.runtime import cpu_kernel, load_model
 from quantkit.runtime.options import RuntimeOptions
 
@@ -88,11 +89,11 @@ def test_a_load_takes_the_route_from_its_options(tiny_model, monkeypatch):
 def test_a_load_takes_the_cpu_table_from_its_options(tiny_model, monkeypatch):
     mod = cpu_kernel.module()
     before = mod.table()
-    monkeypatch.setattr(cpu_kernel, "_asked", cpu_kernel._asked)
-    monkeypatch.setattr(cpu_kernel, "loaded_table", cpu_kernel.loaded_table)
+    monkeypatch.setattr(kernel_cpu, "_asked", kernel_cpu._asked)
+    monkeypatch.setattr(kernel_cpu, "loaded_table", kernel_cpu.loaded_table)
     try:
         rt = load_model(tiny_model, recipe="int4", options=RuntimeOptions(cpu_isa="generic"))
-        assert mod.table() == "generic" and cpu_kernel.loaded_table == "generic"
+        assert mod.table() == "generic" and kernel_cpu.loaded_table == "generic"
         assert rt.route()["table"] == "generic" and rt.route()["isa"] == "generic"
     finally:
         mod.set_table(before)

@@ -1,7 +1,7 @@
 """The quantizer's kernels: formats/int4.py's and int8.py's route through the CPU kernel's op table.
 
-They are ops of runtime/cpu_kernel.py's module (csrc/qk_quant_impl.h, one copy in every ISA unit), so the
-quantizer shares its one build, its CPU detection and its QUANTKIT_CPU_ISA switch (`none`: torch's route).
+They are ops of the CPU kernel's module (csrc/qk_quant_impl.h, one copy in every ISA unit), so the quantizer
+shares its one build, its CPU detection and its QUANTKIT_CPU_ISA switch (`none`: torch's route; kernels/cpu.py).
 Each call runs one row chunk on the table in use with the GIL released, so the quantizer's chunks run on its
 threads in parallel, and returns (squared error of the stored weights, sum of x^2).
 """
@@ -12,12 +12,12 @@ from types import ModuleType
 
 import torch
 
-from quantkit.runtime import cpu_kernel
+from quantkit.kernels import cpu
 
 
 def ops() -> ModuleType | None:
     """The kernel module that quantizes, or None: torch's route (no kernel, or QUANTKIT_CPU_ISA=none)."""
-    return cpu_kernel.module()
+    return cpu.module()
 
 
 def int4_sym(mod: ModuleType, x: torch.Tensor, group: int, grid: tuple[float, ...], packed: torch.Tensor,
