@@ -208,8 +208,8 @@ def check_finite(name: str, t: torch.Tensor) -> None:
     """Raise a QuantkitError naming `name` if the floating tensor holds NaN or Inf."""
     if not t.is_floating_point() or t.numel() == 0:
         return
-    # min and max propagate NaN and carry +-Inf: one vectorized pass, 30x faster than isfinite(t).all()
-    # on bf16 (measured: 15 ms vs 508 ms for 268 MB); the count is only taken when something is wrong
+    # min and max propagate NaN and carry +-Inf: one vectorized pass, far cheaper on bf16 than
+    # isfinite(t).all(), which makes a bool tensor of the whole input; the count is only taken when something is wrong
     if t.element_size() == 1:
         t = t.float()  # torch has no aminmax or isfinite kernels for the 8-bit floats
     if all(bool(torch.isfinite(v)) for v in torch.aminmax(t)):

@@ -51,7 +51,7 @@ _COMMAND_MODULES = ["plan", "quantize", "stats", "runtime", "serve", "export", "
 
 
 # The module each command lives in: `quantkit quantize ...` imports that module alone (every module costs its
-# imports on every run: the others measured 0.2-0.4 s). tests/cli/test_cli_lazy.py holds this map to the modules.
+# imports on every run, and torch's dominate start-up). tests/cli/test_cli_lazy.py holds this map to the modules.
 COMMAND_MODULE = {"plan": "plan", "gpus": "plan", "inspect": "plan", "tiny-model": "tiny", "quantize": "quantize",
                   "verify": "quantize", "stats": "stats", "chat": "runtime", "generate": "runtime",
                   "export": "export", "serve": "serve", "bench": "bench", "profile-host": "calibrate",
@@ -125,8 +125,9 @@ def _help_cache() -> Path | None:
 
 
 def _root_help(args: list[str]) -> None:
-    """`quantkit` and `quantkit --help`: the command list without importing the commands' modules (torch, about
-    2 s) when it was rendered before for the same sources and terminal width; rendered and kept otherwise."""
+    """`quantkit` and `quantkit --help`: the command list without importing the commands' modules (torch: the
+    slow part of start-up) when it was rendered before for the same sources and terminal width; rendered and
+    kept otherwise."""
     cache = _help_cache()
     try:
         text = cache.read_text() if cache is not None else None

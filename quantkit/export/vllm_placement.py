@@ -11,7 +11,7 @@ int8 per channel; lm_head, embedding, routers, norms bf16), or the bf16 source f
 (fp8 on load for int8: one byte per weight). Drafting with the MTP layer (`--speculative-config` method mtp)
 adds its weights, as exported, and its KV cache (one more full-attention layer).
 
-Assumed, not measured here (no GPU on the build machine; stated in the plan's assumptions): the CUDA-graph
+Assumed, not measured here (stated in the plan's assumptions): the CUDA-graph
 pool `CUDA_GRAPH_BYTES` and vLLM's profiling batch `MAX_BATCHED_TOKENS` times the per-token activation
 peak of the budget module.
 """

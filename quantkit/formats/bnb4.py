@@ -6,8 +6,8 @@ Parts: `qweight` uint8 [..., out*in/2] and `absmax` fp32 [..., out*in/blocksize]
 packed tensor flattened, its `state.absmax`), so a QuantState built from them dequantizes bit-identically
 with `dequantize_4bit`, and ours dequantizes bit-identically to it (fp32 code * fp32 absmax, then cast).
 
-Why not call bitsandbytes: its CPU `quantize_4bit` finds codes with `torch.bucketize` (about 10 ms per
-256K elements here, ~124 MB/s of bf16 on two cores). We pick the same codes exactly with a lookup table:
+Why not call bitsandbytes: its CPU `quantize_4bit` finds codes with `torch.bucketize`, a binary search per
+element that dominates its time (formats/common.py). We pick the same codes exactly with a lookup table:
 bucketize(v, bounds) is the count of bounds below v; v in [-1, 1] falls in one of 2K+1 bins
 [i/K, (i+1)/K) (K a power of two, so floor(v*K) is exact), each holding at most one bound, so the count
 is table[bin] + (v > bound_in_bin).
@@ -82,7 +82,7 @@ class Bnb4:
         binf = (scaled * k).floor_().add_(k)  # exact: k is a power of two
         idx = binf.to(torch.int32).view(-1)
         bound = torch.index_select(self.bound_in_bin, 0, idx)
-        above = torch.gt(scaled.view(-1), bound, out=bound)  # float 0/1: a bool result is 3x slower
+        above = torch.gt(scaled.view(-1), bound, out=bound)  # float 0/1: an op with a bool result is slow (formats/common.py)
         idx2 = above.add_(binf.view(-1), alpha=2).to(torch.int32)
         return torch.index_select(self.code_of, 0, idx2).view(x.shape), am
 

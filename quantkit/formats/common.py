@@ -1,10 +1,10 @@
 """Helpers shared by the formats: shape checks, chunked iteration over matrix rows, nibble packing.
 
-Speed notes (torch 2.13 CPU, measured per 256K elements on one core): float elementwise ops cost
-40-100 us, but a float -> uint8 cast or any op producing bool costs 250-300 us and strided pair
-slicing (q[..., 0::2]) about 400 us; `torch.bucketize` costs 10 ms. So codes are made as int8 (fast
-cast) and packed through an int16/int64 view of adjacent bytes, comparisons write float outputs, and
-non-uniform code books go through a lookup table (`torch.index_select`) instead of a search.
+Speed notes (torch's CPU ops): a float -> uint8 cast, any op producing bool and strided pair slicing
+(q[..., 0::2]) each cost several times a float elementwise op, and `torch.bucketize` (a search per element)
+far more. So codes are made as int8 (fast cast) and packed through an int16/int64 view of adjacent bytes,
+comparisons write float outputs, and non-uniform code books go through a lookup table (`torch.index_select`)
+instead of a search.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from quantkit.errors import QuantkitError
 assert sys.byteorder == "little", "quantkit.formats packs nibbles through little-endian views"
 
 # Rows are processed in chunks of about this many elements: the fp32 temporaries of a chunk stay in
-# the L2 cache, which measured 2-3x faster than 8M-element chunks, and memory stays bounded.
+# the L2 cache (chunks that spill it run markedly slower), and memory stays bounded.
 CHUNK_ELEMENTS = 1 << 18
 
 
@@ -77,7 +77,7 @@ class ErrorSums:
 
 def row_sq(x: torch.Tensor) -> float:
     """Sum of squares of a chunk [rows, cols]: fp32 norms per row, squared and summed in float64 (as exact
-    as one float64 sum for rows a few thousand wide, and 3x faster)."""
+    as one float64 sum for rows a few thousand wide, and cheaper: float64 runs on the row sums alone)."""
     rows = torch.linalg.vector_norm(x.reshape(-1, x.shape[-1]), dim=1, dtype=torch.float32)
     return float(rows.double().pow_(2).sum())
 
@@ -96,8 +96,8 @@ def run_chunks(rows: int, cols: int, work: Callable[[slice], None]) -> None:
     """Call `work(rows_slice)` for every row chunk, chunks spread over torch's thread count.
 
     Each chunk runs ~20 small ops; with torch's intra-op threads every op is a barrier, and on a busy
-    machine (2 cores shared with other jobs) a descheduled thread stalls all of them: wall time measured
-    up to 10x worse than one thread. So intra-op threading is off while whole chunks run in parallel in
+    machine (cores shared with other jobs) a descheduled thread stalls all of them, worse than one thread
+    alone. So intra-op threading is off while whole chunks run in parallel in
     a thread pool (torch ops release the GIL); the thread count is restored afterwards. Chunks write
     disjoint rows of preallocated outputs."""
     slices = list(row_chunks(rows, cols))

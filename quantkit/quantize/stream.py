@@ -54,8 +54,8 @@ def keep_small_allocations() -> None:
     """Let glibc's malloc reuse freed blocks under 8 MiB instead of unmapping them.
 
     The formats allocate fp32 temporaries of about 1 MiB per op per row chunk; above glibc's default
-    mmap threshold every one was a fresh mapping, zero-filled page by page: 1.5 million minor faults and
-    4.4 s of system time on a 1.9 GB model, 1.0 s with this (reports/bench-quantize.md). The freed
+    mmap threshold every one was a fresh mapping, zero-filled page by page: millions of minor faults and
+    most of the quantizer's system time (reports/bench-quantize.md). The freed
     blocks stay in the arenas, bounded by the chunk temporaries (threads x CHUNK_TEMP_BYTES). Process-wide
     and idempotent; a no-op where the C library is not glibc."""
     try:

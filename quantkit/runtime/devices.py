@@ -52,7 +52,7 @@ class HeapGuard:
     `slack` since the last time (or since this guard was made), checked between a prefill's layers. Each layer
     frees its temporaries into the heap in pieces it does not reuse whole: without this the resident memory
     grew by about 3 GB over a 2k-token prompt at 35B (reports/bench-full-size.md), out of the plan; trimming
-    after every layer instead costs a prefill about 10% (its pages faulted in again)."""
+    after every layer instead slows a prefill (its pages faulted in again)."""
 
     def __init__(self, slack: int = HEAP_SLACK):
         self.slack, self.floor = slack, resident_bytes()

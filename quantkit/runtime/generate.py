@@ -122,8 +122,8 @@ def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor | 
     """The tokens `sample` may draw and their probabilities: (ids or None for all of [V], probs).
     Top-p never sorts the vocabulary: after top-k only those k tokens (and ties with the k-th) remain;
     without top-k, the largest probabilities are taken 64, 512, ... at a time until they hold more than
-    top_p (then no token outside them can be in the nucleus). At 248k tokens: 0.7 ms instead of 14.5 ms
-    (top_k 20) and 22 ms (top_k 0) per token on a 2-core CPU."""
+    top_p (then no token outside them can be in the nucleus): a sort of a 248k vocabulary per token would
+    cost more than the rest of sampling."""
     logits = logits.float()
     ids = None
     if p.top_k and p.top_k < logits.numel():

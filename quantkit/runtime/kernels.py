@@ -106,8 +106,8 @@ class QBf16Kernel(DenseKernel):
     def __init__(self, w: torch.Tensor, shared: bool = False):
 
         # the kernel's loads are unaligned: no `aligned` copy. A large matrix moves to 2 MiB pages
-        # (runtime/hugepages.py: the kernel streams it every token; a bf16 model decoded 21-25 tok/s from
-        # the copies against 12-19 from the shard's mapped pages on the build machine). The loader drops
+        # (runtime/hugepages.py: the kernel streams it every token, and a bf16 model decodes faster from the
+        # copies than from the shard's mapped pages). The loader drops
         # the source and a mapped shard's pages are unmapped, so the copy does not count twice; a `shared`
         # tensor (the tied embedding) stays where it is
         super().__init__(w if shared else hugepages.copy(w))

