@@ -27,8 +27,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import torch
-
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "qk_cpu.cpp", CSRC / "qk_step.cpp", CSRC / "qk_layers.cpp")  # torch-facing, baseline flags
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
@@ -86,6 +84,8 @@ def _compiler_id(cxx: str) -> str:
 
 def cache_dir() -> Path:
     """The cache folder for these sources, this torch, this compiler and these units' flags."""
+    import torch  # here, not at the top: kernels/cpu.py's switch parsing (RuntimeOptions) needs no torch
+
     base = os.environ.get("QUANTKIT_KERNEL_CACHE") or str(Path.home() / ".cache" / "quantkit" / "kernels")
     # every source and header, named and read: an edited, added or removed file is a new build
     text = b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))
