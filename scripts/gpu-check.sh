@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check in one command (quantkit/bench/gpu.py says what it does): set up if needed, then
-# `quantkit bench gpu` under a time limit; writes reports/bench-gpu.{md,json}. Extra arguments go to
+# The GPU check in one command (benchmarks/gpu.py says what it does): set up if needed, then
+# `python -m benchmarks.gpu` (from this checkout's root) under a time limit; writes reports/bench-gpu.{md,json}. Extra arguments go to
 # the bench (e.g. --new-tokens 64). Exit: the bench's (0 all checks pass, 1 a check failed, 2 an error such
 # as no CUDA GPU), 124 when it ran past the limit ($QUANTKIT_GPU_CHECK_SECONDS, default 480).
 # Each plan loads on the route the runtime chooses; the all-GPU plan also on the cuda-graph route.
@@ -34,4 +34,4 @@ else
 fi
 # the CPU kernel the GPU+CPU placement computes its experts with: built once, outside the time limit
 "$PY" -c "from quantkit.kernels.cpu import main; raise SystemExit(main(['build']))" || true
-exec timeout --signal=INT --kill-after=30 "$LIMIT" "$PY" -m quantkit bench gpu "$@"
+exec timeout --signal=INT --kill-after=30 "$LIMIT" "$PY" -m benchmarks.gpu "$@"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit.bench.mtp import OracleDrafter, checkpoint, decode
+from benchmarks.mtp import OracleDrafter, checkpoint, decode
 from quantkit.runtime import load_model
 from quantkit.runtime.model import model as mm
 

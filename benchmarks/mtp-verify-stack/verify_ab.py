@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from quantkit.bench.mtp import checkpoint
+from benchmarks.mtp import checkpoint
 from quantkit.runtime import load_model
 from quantkit.runtime.model import model as mm
 

@@ -1,12 +1,12 @@
 """One side of an A/B of two checkouts on a realistic-shape MTP checkpoint: greedy decode tok/s without drafts and
-with the oracle drafter (1 and 2 drafts at acceptance 0.88, as `quantkit bench mtp` runs them), a decode step's
+with the oracle drafter (1 and 2 drafts at acceptance 0.88, as `python -m benchmarks.mtp` runs them), a decode step's
 median seconds, and 2-4 token verifies' median seconds with every token kept and with all but the first undone
 (the rollback a rejected draft costs). Timed here, not by the checkout's own bench code, so both sides time the
 same thing. Run it from each checkout in turn, alternating:
 
     PYTHONPATH=<checkout> python benchmarks/mtp-verify-states/ab.py OUT.json LABEL CHECKPOINT [THREADS]
 
-(CHECKPOINT: a folder `quantkit bench mtp --layers N --workdir DIR` writes, DIR/realistic-mtp-Nx64-v248320)."""
+(CHECKPOINT: a folder `python -m benchmarks.mtp --layers N --workdir DIR` writes, DIR/realistic-mtp-Nx64-v248320)."""
 
 import json
 import statistics
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 import quantkit
-from quantkit.bench.mtp import OracleDrafter, decode
+from benchmarks.mtp import OracleDrafter, decode
 from quantkit.recipe import build_recipe
 from quantkit.runtime import cpu_kernel, load_model
 

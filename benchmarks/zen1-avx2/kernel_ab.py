@@ -1,10 +1,10 @@
 """One side of an A/B of two kernel builds on the realistic-shape MTP checkpoint: a decode step's and 2-4 token
 verifies' median seconds, and greedy decode tok/s without drafts and with the oracle drafter (1 and 2 drafts at
-acceptance 0.88), as `quantkit bench mtp` measures them. Run it from each checkout in turn, alternating:
+acceptance 0.88), as `python -m benchmarks.mtp` measures them. Run it from each checkout in turn, alternating:
 
     PYTHONPATH=<checkout> python benchmarks/zen1-avx2/kernel_ab.py OUT.json LABEL [THREADS]
 
-(the checkpoint is the one `quantkit bench mtp --workdir /tmp/quantkit-bench-28` writes)."""
+(the checkpoint is the one `python -m benchmarks.mtp --workdir /tmp/quantkit-bench-28` writes)."""
 
 import json
 import sys
@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 import quantkit
-from quantkit.bench.mtp import OracleDrafter, decode, verify_costs
+from benchmarks.mtp import OracleDrafter, decode, verify_costs
 from quantkit.recipe import build_recipe
 from quantkit.runtime import cpu_kernel, load_model
 

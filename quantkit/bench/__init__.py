@@ -1,4 +1,5 @@
-"""Benchmarks that write reports/ (markdown + json); `quantkit bench <name>` runs them."""
+"""The benchmarks a user runs (`quantkit bench decode|engines|serve`: this machine, against llama.cpp where it is
+installed), writing reports/ (markdown + json), and what they share. The lab's drivers live in benchmarks/."""
 
 from __future__ import annotations
 

@@ -1,29 +1,20 @@
-"""`quantkit bench <name>`: benchmarks that write reports/ (markdown + JSON, peers side by side)."""
+"""`quantkit bench decode|engines|serve`: measure this machine (against llama.cpp where it is installed) and
+write reports/ (markdown + JSON, peers side by side). The lab's drivers and A/B scripts live in benchmarks/."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import typer
 
-from quantkit.bench import calibrated as calibrated_bench
 from quantkit.bench import decode as decode_bench
 from quantkit.bench import engines as engines_bench
-from quantkit.bench import full_size as full_size_bench
-from quantkit.bench import gguf as gguf_bench
-from quantkit.bench import gpu as gpu_bench
-from quantkit.bench import kernel as kernel_bench
-from quantkit.bench import mtp as mtp_bench
-from quantkit.bench import quantize as quantize_bench
 from quantkit.bench import serve as serve_bench
 from quantkit.bench import serve_slots as serve_slots_bench
-from quantkit.bench import session as session_bench
-from quantkit.bench import soak as soak_bench
 from quantkit.cli import DEV_PANEL, app, console, fail
 from quantkit.cli.bench_options import BenchGroup, command, shared
-from quantkit.cli.options import CONTEXT, COUNT, COUNT0, FRACTION, MAX_COUNT, MAX_TOKENS, SECONDS, count
+from quantkit.cli.options import CONTEXT, COUNT, COUNT0, MAX_TOKENS
 from quantkit.errors import QuantkitError
 from quantkit.outputs import guard_output, json_with_keys
 from quantkit.threads import resolve_threads
@@ -81,28 +72,8 @@ def bench_options(
     prompt_tokens: int = typer.Option(None, "--prompt-tokens", parser=COUNT, help="prompt tokens (the prefill "
                                       "timed)"),
     new_tokens: int = typer.Option(None, "--new-tokens", parser=COUNT, help="greedy tokens generated per run"),
-    llama: bool = typer.Option(None, "--llama/--no-llama", show_default=False,
-                               help="run llama.cpp beside quantkit"),
 ) -> None:
     """Benchmarks that write reports/ (markdown + json)."""
-
-
-@command(bench_app, "quantize", workdir=Path("/tmp/quantkit-bench"), experts=128, layers=4, reps=2, model=None)
-def bench_quantize(
-    ctx: typer.Context,
-    slab: int = typer.Option(16, "--slab", parser=COUNT, help="experts of layer 0 the format timings run on"),
-    large_layers: int = typer.Option(0, "--large-layers", parser=COUNT0,
-                                     help="also time file to file on a generated checkpoint of this many layers "
-                                          "(same experts), where fixed start-up costs amortise; 0: not"),
-) -> None:
-    """Quantizer throughput and error vs bitsandbytes and gguf, peak RSS of a full run, and file to file against
-    llama.cpp's quantizer.
-
-    --model: a realistic-shape checkpoint instead of the generated one."""
-    o = _shared(ctx)
-    d = quantize_bench.run(o.reports, o.workdir, o.experts, o.layers, slab, o.reps, o.model, log=console.print,
-                           large_layers=large_layers)
-    console.print(f"wrote {o.reports / 'bench-quantize.md'} ({d['seconds']:.0f} s)")
 
 
 @command(bench_app, "serve", workdir=Path("/tmp/quantkit-bench-serve"), model=None, threads=None)
@@ -123,15 +94,23 @@ def bench_serve(
     disconnects: int = typer.Option(3, "--disconnects", parser=COUNT0,
                                     help="clients that hang up mid-stream in the fault phase"),
     context: int = typer.Option(None, "--context", "-c", parser=CONTEXT, help="the server's --context (e.g. 32k)"),
+    long_prompt: int = typer.Option(serve_slots_bench.LONG_PROMPT_TOKENS, "--long-prompt", parser=COUNT0,
+                                    help="with a --clients list: tokens of the prompt a fifth client sends while four "
+                                    "decode (0: skip that round)"),
+    single_rounds: int = typer.Option(serve_slots_bench.SINGLE_ROUNDS, "--single-rounds", parser=COUNT0,
+                                      help="with a --clients list: 1-client rounds of the default --parallel against "
+                                      "--parallel 1, alternated (0: skip)"),
 ) -> None:
     """Load and fault test of `quantkit serve`: latency percentiles, throughput, RSS before/after.
 
-    --model: the checkpoint to serve (default: a tiny int4 one made in --workdir)."""
+    --model: the checkpoint to serve (default: a tiny int4 one made in --workdir; with a --clients list, a
+    realistic-shape one with the real Qwen tokenizer)."""
     o = _shared(ctx)
     counts = serve_slots_bench.parse_clients(clients)
     if len(counts) > 1 or llama_server is not None:
         d = serve_slots_bench.run(o.reports, o.model, o.workdir, counts, max_tokens, context or 4096,
-                                  None if o.threads is None else _threads(o.threads), llama_server, log=console.print)
+                                  None if o.threads is None else _threads(o.threads), llama_server,
+                                  long_tokens=long_prompt, single_rounds=single_rounds, log=console.print)
         console.print(f"wrote {o.reports / 'bench-serve.md'} and {o.reports / 'bench-serve-slots.json'}")
         return
     d = serve_bench.run(o.reports, o.model, o.workdir, counts[0], requests, max_tokens, max_queue, retries,
@@ -189,28 +168,6 @@ def _isas(value: str | None) -> list[str] | None:
     return list(dict.fromkeys(names))
 
 
-@command(bench_app, "soak", workdir=Path("/tmp/quantkit-bench-serve"), model=None)
-def bench_soak(
-    ctx: typer.Context,
-    clients: int = typer.Option(16, "--clients", parser=COUNT, help="concurrent clients"),
-    seconds: float = typer.Option(120, "--seconds", parser=SECONDS, help="how long the soak runs"),
-    max_queue: int = typer.Option(8, "--max-queue", parser=COUNT, help="the server's --max-queue"),
-) -> None:
-    """Soak `quantkit serve`: clients, hang-ups, oversized bodies, foreign hosts; /health and RSS watched.
-
-    Writes bench-soak.json and its section of bench-serve.md."""
-    o = _shared(ctx)
-    d = soak_bench.run_soak(o.model, o.workdir, clients, seconds, max_queue, log=console.print)
-    soak_bench.write_report(o.reports, d)
-    for name, ok in d["checks"].items():
-        console.print(f"{'PASS' if ok else 'FAIL'} {name}")
-    r = d["rss"]
-    console.print(f"{d['requests']} requests; RSS {r['start'] / 1e6:.0f} -> peak {r['peak'] / 1e6:.0f} -> "
-                  f"{r['end'] / 1e6:.0f} MB; wrote {o.reports / 'bench-serve.md'}")
-    if not all(d["checks"].values()):
-        raise typer.Exit(1)
-
-
 @command(bench_app, "engines", workdir=Path("/tmp/quantkit-bench"), layers=4, experts=64, vocab=248320,
          threads=None, reps=2, rounds=3, model=None, prompt_tokens=64)
 def bench_engines(
@@ -234,79 +191,6 @@ def bench_engines(
     console.print(f"wrote {o.reports / 'bench-engines.md'} ({d['seconds']:.0f} s)")
 
 
-@command(bench_app, "mtp", workdir=Path("/tmp/quantkit-bench"), layers=4, experts=64, vocab=248320,
-         new_tokens=mtp_bench.NEW_TOKENS, reps=2, rounds=2, threads=None)
-def bench_mtp(
-    ctx: typer.Context,
-    draft_vocab: int = typer.Option(None, "--draft-vocab", min=0, max=MAX_COUNT, show_default=False,
-                                    help="ids the draft head scores besides the top ones (Qwen3.5's most frequent "
-                                         "at the default, else the lowest), 0: all (default: the runtime's)"),
-    part: str = typer.Option("all", "--part", help="all; oracle: the realistic-shape checkpoint with an oracle "
-                             "drafter; trained: a tiny model whose MTP layer is trained first (a real acceptance). "
-                             "A part not run keeps its rows from the report already there"),
-) -> None:
-    """MTP speculative decoding: decode tok/s against draft acceptance (an oracle drafter), a verify's cost, and the
-    acceptance of an MTP layer trained on its own model (a tiny one)."""
-    if part not in ("all", *mtp_bench.PARTS):
-        fail(f"--part {part!r}: use all, {', '.join(mtp_bench.PARTS)}")
-    o = _shared(ctx)
-    threads = _threads(o.threads)
-    d = mtp_bench.run(o.reports, o.workdir, o.layers, o.experts, o.vocab, new_tokens=o.new_tokens, reps=o.reps,
-                      rounds=o.rounds, threads=threads, log=console.print,
-                      parts=mtp_bench.PARTS if part == "all" else (part,),
-                      **({} if draft_vocab is None else {"draft_vocab": draft_vocab}))
-    for x in d.get("trained", {}).get("layers", []) if part != "oracle" else []:
-        console.print(f"{x['layer']} MTP layer, {mtp_bench.weights_label(x)}: acceptance "
-                      + ", ".join(f"{r['acceptance']:.2f} ({r['draft']} draft{'s' if r['draft'] > 1 else ''})"
-                                  for r in x["rows"]))
-    secs = (d["seconds"] if part != "trained" else 0) + (d["trained"]["seconds"] if part != "oracle" else 0)
-    console.print(f"wrote {o.reports / 'bench-mtp.md'} ({secs:.0f} s)")
-
-
-@command(bench_app, "full-size", workdir=Path("/tmp/quantkit-bench-full-size"), model=None, threads=None,
-         layers=None, experts=None, vocab=None, prompt_tokens=full_size_bench.DEFAULTS["prompt_tokens"],
-         new_tokens=full_size_bench.DEFAULTS["new_tokens"], reps=full_size_bench.DEFAULTS["reps"], llama=True)
-def bench_full_size(
-    ctx: typer.Context,
-    drop_gguf: bool = typer.Option(False, "--drop-gguf", help="delete the GGUF afterwards (disk)"),
-) -> None:
-    """The whole 35B shape on this CPU: generated, verified, planned, loaded and measured against the plan and
-    llama.cpp, one engine process after the other.
-
-    The generated folder (about 20 GB at full size) and its GGUF (21 GB) go in --workdir; --layers, --experts
-    and --vocab shrink it for a trial run; --model: a quantized folder to run instead of generating one."""
-    o = _shared(ctx)
-    threads = _threads(o.threads)
-    if o.model is not None and (o.layers or o.experts or o.vocab):
-        fail("--model runs that folder: drop --layers/--experts/--vocab")
-    d = full_size_bench.run(o.reports, o.workdir, o.model, threads, o.layers, o.experts, o.vocab, o.prompt_tokens,
-                            o.new_tokens, o.reps, o.llama, not drop_gguf, log=console.print)
-    for t in d["targets"]:
-        console.print(f"{'met' if t['met'] else 'MISSED'}: {t['target']} ({t['ratio']:.2f}x)")
-    console.print(f"wrote {o.reports / 'bench-full-size.md'}")
-
-
-@command(bench_app, "gguf", min_reps=0, workdir=Path("/tmp/quantkit-bench-gguf"), threads=None, reps=2)
-def bench_gguf(ctx: typer.Context) -> None:
-    """KL divergence per GGUF type through llama.cpp (with and without an imatrix), size and decode tok/s.
-
-    --reps 0: KL only."""
-    o = _shared(ctx)
-    d = gguf_bench.run(o.reports, o.workdir, _threads(o.threads), o.reps, log=console.print)
-    console.print(f"default type: {d['default']}; wrote {o.reports / 'bench-gguf.md'} ({d['seconds']:.0f} s)")
-
-
-@command(bench_app, "kernel", threads=None, layers=4, new_tokens=24, reps=5)
-def bench_kernel(ctx: typer.Context) -> None:
-    """One MoE layer at batch-1 decode: quantkit's CPU kernel vs torch's ops vs ggml, and the bandwidth bound.
-
-    --layers: MoE layers with their own weights (tokens read them from DRAM); --new-tokens: tokens per timed
-    pass."""
-    o = _shared(ctx)
-    d = kernel_bench.run(o.reports, _threads(o.threads), o.layers, o.new_tokens, o.reps, log=console.print)
-    console.print(f"wrote {o.reports / 'bench-kernel.md'} ({d['seconds']:.0f} s)")
-
-
 @command(bench_app, "decode", workdir=Path("/tmp/quantkit-bench"), layers=4, experts=64, vocab=None,
          prompt_tokens=128, new_tokens=16, reps=1, rounds=2, threads=None)
 def bench_decode(
@@ -328,62 +212,3 @@ def bench_decode(
     d = decode_bench.run(o.reports, o.workdir, o.layers, o.experts, o.prompt_tokens, o.new_tokens, o.reps, names,
                          o.rounds, threads, o.vocab, log=console.print, spells_s=spells)
     console.print(f"wrote {o.reports / 'bench-decode.md'} ({d['seconds']:.0f} s)")
-
-
-@command(bench_app, "session", workdir=Path("/tmp/quantkit-bench"), layers=4, experts=64, threads=None,
-         new_tokens=8, llama=True, model=None)
-def bench_session(
-    ctx: typer.Context,
-    turns: int = typer.Option(12, "--turns", parser=count(2), help="agent turns (action + observation) in the "
-                              "session"),
-    obs_tokens: int = typer.Option(250, "--obs-tokens", parser=COUNT, help="tokens of each recorded observation"),
-    baseline_every: int = typer.Option(1, "--baseline-every", parser=COUNT, help="run the re-prefilling baselines "
-                                       "(quantkit without reuse, llama.cpp) every N turns, and at the first and last"),
-) -> None:
-    """A multi-turn agent session: time to first token per turn with and without the prompt cache, and llama.cpp.
-
-    --new-tokens: generated per turn; --model: a bf16 realistic-shape checkpoint instead of the generated one."""
-    o = _shared(ctx)
-    d = session_bench.run(o.reports, o.workdir, turns, obs_tokens, o.new_tokens, o.layers, o.experts,
-                          checkpoint=o.model, threads=_threads(o.threads), llama=o.llama,
-                          baseline_every=baseline_every, log=console.print)
-    for name, ok in d["checks"].items():
-        console.print(f"{'PASS' if ok else 'FAIL'} {name}")
-    console.print(f"wrote {o.reports / 'bench-session.md'} ({d['seconds']:.0f} s)")
-
-
-@command(bench_app, "calibrated")
-def bench_calibrated(
-    ctx: typer.Context,
-    calib_tokens: int = typer.Option(8192, "--calib-tokens", parser=COUNT, help="calibration tokens (default "
-                                     "corpus)"),
-    eval_tokens: int = typer.Option(4096, "--eval-tokens", parser=COUNT,
-                                    help="held-out tokens for perplexity and KLD"),
-    realistic_dir: Path = typer.Option(None, "--realistic-dir", help="also time stats + GPTQ per layer on a "
-                                       "realistic-shape checkpoint generated here, extrapolated to the 35B"),
-) -> None:
-    """RTN vs imatrix vs GPTQ on SmolLM2-135M (a real trained model): perplexity and KLD, int4 g128/g32, int8."""
-    o = _shared(ctx)
-    d = calibrated_bench.run(o.reports, calib_tokens, eval_tokens, log=console.print, realistic_dir=realistic_dir,
-                             command="quantkit " + " ".join(sys.argv[1:]))
-    console.print(f"wrote {o.reports / 'bench-calibrated.md'} ({d['seconds']:.0f} s)")
-
-
-@command(bench_app, "gpu", workdir=Path("/tmp/quantkit-bench-gpu"), layers=4, experts=64, prompt_tokens=32,
-         new_tokens=32)
-def bench_gpu(
-    ctx: typer.Context,
-    scheme: str = typer.Option("int4", "--scheme", "-s", help="the quantization of the checkpoint (int4: experts "
-                               "int4)"),
-    cpu_share: float = typer.Option(0.5, "--cpu-share", parser=FRACTION,
-                                    help="share of the expert bytes the GPU+CPU plan leaves in RAM, in (0, 1]"),
-) -> None:
-    """On a CUDA GPU: plan GPU alone and GPU+CPU, load, decode with and without CUDA graphs, check against the CPU."""
-    o = _shared(ctx)
-    d = gpu_bench.run(o.reports, o.workdir, o.layers, o.experts, o.prompt_tokens, o.new_tokens, scheme, cpu_share,
-                      log=console.print)
-    for name, ok in d.checks.items():
-        console.print(f"{'PASS' if ok else 'FAIL'} {name}")
-    console.print(f"wrote {o.reports / 'bench-gpu.md'} ({d.seconds:.0f} s)")
-    if not all(d.checks.values()):
-        raise typer.Exit(1)

@@ -24,12 +24,11 @@ from quantkit.errors import QuantkitError
 # parameter name of the group's callback -> its flag
 FLAGS = {"reports": "--reports", "workdir": "--workdir", "threads": "--threads", "reps": "--reps",
          "rounds": "--rounds", "layers": "--layers", "experts": "--experts", "vocab": "--vocab",
-         "model": "--model", "prompt_tokens": "--prompt-tokens", "new_tokens": "--new-tokens", "llama": "--llama"}
+         "model": "--model", "prompt_tokens": "--prompt-tokens", "new_tokens": "--new-tokens"}
 
 # a bench's old spelling -> the one now (bench-wide: one name per concept across the benches)
-OLD_SPELLINGS = {"--prompt": "--prompt-tokens", "--decode": "--new-tokens", "--tokens": "--new-tokens",
-                 "--checkpoint": "--model", "--folder": "--model", "--top-k": "--experts-per-token",
-                 "--recipe": "--scheme"}
+OLD_SPELLINGS = {"--prompt": "--prompt-tokens", "--decode": "--new-tokens", "--checkpoint": "--model",
+                 "--top-k": "--experts-per-token"}
 
 # bench name -> {parameter: default} of the shared options it takes ("reports" always)
 BENCHES: dict[str, dict[str, Any]] = {}

@@ -82,7 +82,7 @@ LLAMA_TYPES: dict[str, LlamaType] = {
     "iq4_nl": LlamaType(25, "IQ4_NL", "IQ4_NL"),
     "iq4_xs": LlamaType(30, "IQ4_XS", "IQ4_XS"),
 }
-# The default `quantkit export gguf --type`, chosen by reports/bench-gguf.md (`quantkit bench gguf`): the lowest
+# The default `quantkit export gguf --type`, chosen by reports/bench-gguf.md (`python -m benchmarks.gguf`): the lowest
 # KL against bf16 through llama.cpp among the 4-bit-class types. Written by llama.cpp's quantizer, so without
 # llama-cpp-python the CLI falls back to FALLBACK_TYPE (quantkit's own writer) and says so.
 DEFAULT_TYPE = "q4_k_m"

@@ -31,7 +31,7 @@ routed experts, the lm_head and the shell (`runtime_costs`). The routed experts 
 measured fused call where the profile has one for their format and shapes, else top_k x (gate_up +
 down kernel calls) + the loop's ops (the runtime's unfused path: nf4/fp4/mxfp4, or a host without the
 C++ kernel). A prefill chunk is the same sum over its prefill parts. Nothing here is fitted to a
-whole-model measurement; `quantkit bench decode` and `bench full-size` check the composition against one.
+whole-model measurement; `quantkit bench decode` and benchmarks/full_size.py check the composition against one.
 
 Profiles of an older PROFILE_VERSION are refused (version 1 composed fused experts as 2k separate
 calls and counted a real bf16 fused call inside the layer ops): `quantkit profile-host` again.

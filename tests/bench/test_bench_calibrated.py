@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from quantkit.bench.calibrated import quantize_weight
+from benchmarks.calibrated import quantize_weight
 from quantkit.formats import QuantSpec
 from quantkit.quantize.stats import LayerSums
 

@@ -1,4 +1,4 @@
-"""`quantkit bench full-size` on a small generated folder: its engine children (quantkit; llama.cpp where the
+"""`python -m benchmarks.full_size` on a small generated folder: its engine children (quantkit; llama.cpp where the
 package is installed) load, decode and time the 2k-style prompt and its next turn, the prompt cache restores the
 first turn, and the report states the plan's bytes against the measured RSS. The full-size run itself is a
 benchmark (README), not a test."""
@@ -10,11 +10,11 @@ import json
 
 import pytest
 
-from quantkit.bench import full_size as fs
+from benchmarks import full_size as fs
 from quantkit.recipe import get_recipe
 from quantkit.testing.tiny import make_tiny_model
 
-from helpers.cli import TINY_KW, one_line_error, run_cli
+from helpers.cli import TINY_KW, one_line_error, run_driver
 
 SMALL = {**TINY_KW, "hidden": 128, "intermediate": 64}
 
@@ -52,7 +52,7 @@ def test_quantkit_child_measures_load_decode_and_the_cached_next_turn(folder, tm
             "est_prefill_tok_s": 100.0, "runtime_decode_tok_s": r["short"]["decode_tps"], "hardware": {},
             "runtime_prefill_tok_s": r["turn1"]["prefill_tps"] * 1.1,
             "components_bytes": {"prompt_cache": 1000}}
-    data = {"command": "quantkit bench full-size", "machine": fs.describe_machine(), "threads": 1, "read_bandwidth_gbs": 1.0,
+    data = {"command": "python -m benchmarks.full_size", "machine": fs.describe_machine(), "threads": 1, "read_bandwidth_gbs": 1.0,
             "folder": str(folder), "folder_bytes": stored, "made": {"given": True}, "shape": {
                 "layers": 4, "experts": 8, "top_k": 2, "hidden": 128, "vocab": 1024}, "verify_s": 0.0,
             "calibrate_s": 0.0, "plan": plan, "context": 1024, "prompt_tokens": {k: len(v) for k, v in ids.items()},
@@ -88,6 +88,6 @@ def test_llama_child_on_the_exported_gguf(folder, tmp_path):
 
 
 def test_bench_refuses_folder_with_shape_options(tmp_path, capsys, monkeypatch):
-    code, out, err = run_cli(["bench", "full-size", "--reports", tmp_path, "--model", tmp_path, "--layers", "2"],
-                             capsys, monkeypatch)
+    code, out, err = run_driver("full_size", ["--reports", tmp_path, "--model", tmp_path, "--layers", "2"], capsys,
+                                monkeypatch)
     one_line_error(code, out, err, "--model")

@@ -1,4 +1,4 @@
-"""`quantkit bench gpu` (quantkit/bench/gpu.py) without a GPU: the one-line refusal, the plans onto a
+"""`python -m benchmarks.gpu` (benchmarks/gpu.py) without a GPU: the one-line refusal, the plans onto a
 simulated GPU of given memory, the graph run on the cuda-graph route for the all-GPU plan only, the checks and
 the report from synthetic runs. The GPU runs themselves need a CUDA device (scripts/gpu-check.sh)."""
 
@@ -9,27 +9,26 @@ import json
 import pytest
 import torch
 
-from quantkit.bench import gpu as bg
+from benchmarks import gpu as bg
 from quantkit.checkpoint.spec import load_config, spec_from_config
 from quantkit.errors import QuantkitError
 from quantkit.planner.hardware import GIB, find_gpu
 from quantkit.recipe import get_recipe
 
-from helpers.cli import run_cli
+from helpers.cli import run_driver
 
 
 def test_without_cuda_the_command_says_so_in_one_line_and_does_nothing(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     work = tmp_path / "work"
-    code, out, err = run_cli(["bench", "gpu", "--workdir", work, "--reports", tmp_path / "reports"], capsys,
-                             monkeypatch)
+    code, out, err = run_driver("gpu", ["--workdir", work, "--reports", tmp_path / "reports"], capsys, monkeypatch)
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
     assert err.startswith("error: no CUDA GPU: ") and "scripts/gpu-check.sh" in err
     assert not work.exists() and not (tmp_path / "reports").exists()  # nothing generated first
 
 
 def test_an_unknown_recipe_is_refused_before_anything_else(tmp_path, capsys, monkeypatch):
-    code, _, err = run_cli(["bench", "gpu", "--scheme", "int3", "--workdir", tmp_path / "w"], capsys, monkeypatch)
+    code, _, err = run_driver("gpu", ["--scheme", "int3", "--workdir", tmp_path / "w"], capsys, monkeypatch)
     assert code == 2 and err.count("\n") == 1 and "int3" in err
 
 
@@ -183,7 +182,7 @@ def _result() -> bg.GpuBenchResult:
                    "planned_bytes": {"cuda:0": 1_000_000_000, "cpu": 900_000_000}, "gpu_limit_bytes": 2 * GIB,
                    "experts_on_cpu": 128, "experts_total": 256}]
     return bg.GpuBenchResult(
-        command="quantkit bench gpu --layers 4", machine={"gpu": "NVIDIA H200", "gpu_memory_bytes": 140 * GIB,
+        command="python -m benchmarks.gpu --layers 4", machine={"gpu": "NVIDIA H200", "gpu_memory_bytes": 140 * GIB,
                                                           "gpus": 1, "torch": "2.13.0", "cuda": "12.8",
                                                           "cpu": "Test CPU", "cores": 16, "threads": 16},
         checkpoint={"layers": 4, "experts": 64, "top_k": 8, "hidden": 2048, "vocab": 832, "folder": "/tmp/q"},
@@ -205,7 +204,7 @@ def test_report_from_synthetic_runs(tmp_path):
     assert "| gpu+cpu | GPU + 128/256 experts in RAM (0.8 GB) | cpu 0.90 GB, cuda:0 1.00 GB | 2.00 GiB (cut) |" in md
     assert "| gpu | GPU | cuda:0 2.00 GB | the card's own |" in md
     assert "- FAIL gpu+cpu, graphs: ran" in md and "- PASS gpu: graphs on and off give the same tokens" in md
-    assert "NVIDIA H200 (140 GiB" in md and "`quantkit bench gpu --layers 4`" in md
+    assert "NVIDIA H200 (140 GiB" in md and "`python -m benchmarks.gpu --layers 4`" in md
     write_reports(tmp_path, "bench-gpu", d, md)
     back = json.loads((tmp_path / "bench-gpu.json").read_text())
     assert back["runs"][1]["decode_peak_bytes"] == {"cuda:0": 1_500_000_000} and back["checks"] == d["checks"]

@@ -1,4 +1,4 @@
-"""`quantkit bench kernel` on a small layer: every route runs on the same draws and the report holds them
+"""`python -m benchmarks.kernel` on a small layer: every route runs on the same draws and the report holds them
 side by side (the timings themselves belong to reports/, not to tests)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from quantkit.bench import kernel as bk
+from benchmarks import kernel as bk
 from quantkit.runtime import cpu_kernel
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from quantkit.bench import file_to_file
-from quantkit.bench.quantize import BEFORE, render_file_to_file
+from benchmarks import file_to_file
+from benchmarks.quantize import BEFORE, render_file_to_file
 
 
 def test_timed_measures_the_child_alone():

@@ -1,4 +1,4 @@
-"""`quantkit bench session` end to end on the tiny model (3 turns): the report's structure and the facts that do
+"""`python -m benchmarks.session` end to end on the tiny model (3 turns): the report's structure and the facts that do
 not depend on speed (reuse from the second turn on, same tokens with and without reuse, llama.cpp beside us)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from quantkit.bench.session import run
+from benchmarks.session import run
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

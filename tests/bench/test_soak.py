@@ -1,4 +1,4 @@
-"""A short soak of `quantkit serve` in its own process (issue 14; the long one is `quantkit bench soak`, whose
+"""A short soak of `quantkit serve` in its own process (issue 14; the long one is `python -m benchmarks.soak`, whose
 figures are in reports/bench-serve.md): 8 clients for 10 s with hang-ups, oversized and too-long bodies and
 foreign hosts mixed in. /health keeps answering, nothing gets a 500, RSS stays within its bound and returns
 to its start."""
@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from quantkit.bench.soak import write_report
+from benchmarks.soak import write_report
 
 from helpers.probe import count
 
 
 def test_short_soak(tiny_model: Path, tmp_path: Path) -> None:
-    from quantkit.bench.soak import run_soak
+    from benchmarks.soak import run_soak
     from quantkit.checkpoint.reader import Checkpoint
     from quantkit.quantize.run import QuantizeOptions, run_quantize
     from quantkit.recipe import build_recipe

@@ -43,7 +43,7 @@ def test_every_command_spells_the_shared_options_the_same():
         assert "-c" in cmds[name], f"{name}: --context without -c"
     for name in ("generate", "chat", "serve"):
         assert "--max-tokens" in cmds[name] and cmds[name]["--max-tokens"].opts[-1] in ("-n", "--max-tokens")
-    for name in ("plan", "gpus", "quantize", "generate", "chat", "bench gpu"):
+    for name in ("plan", "gpus", "quantize", "generate", "chat"):
         assert "--scheme" in cmds[name], name
     for name, opts in cmds.items():  # old spellings stay, hidden
         for old in ("--max-new-tokens", "--default-max-tokens"):
@@ -213,10 +213,10 @@ def _root_command(name: str):
     (["calibrate", "--model", "MISSING", "--out", "OUT/p.json"], "quantkit calibrate is now quantkit profile-host",
      "MISSING"),
     (["bench", "decode", "--prompt", "8", "--threads", "0"], "--prompt is now --prompt-tokens", "--threads 0"),
-    (["bench", "gguf", "--decode", "8"], "--decode is now --new-tokens",
-     "bench gguf does not take --new-tokens"),
-    (["bench", "full-size", "--folder", "OUT", "--layers", "2"], "--folder is now --model", "--model runs that folder"),
-    (["bench", "gpu", "--recipe", "int3"], "--recipe is now --scheme", "int3"),
+    (["bench", "serve", "--decode", "8"], "--decode is now --new-tokens",
+     "bench serve does not take --new-tokens"),
+    (["bench", "engines", "--checkpoint", "MISSING", "--threads", "0"], "--checkpoint is now --model", "--threads 0"),
+    (["bench", "engines", "--top-k", "0"], "--top-k is now --experts-per-token", "--experts-per-token"),
 ])
 def test_an_old_spelling_prints_one_notice_then_does_what_the_new_one_does(tmp_path: Path, capsys, monkeypatch,
                                                                          args, notice, then):
@@ -297,7 +297,7 @@ def test_bench_shares_its_common_options_once():
     (["engines", "--threads", "2", "--isa", "avx2"], ["--threads", "2", "engines", "--isa", "avx2"]),
     (["--reps", "3", "decode", "--layers=2", "--configs", "int4"], ["--reps", "3", "--layers=2", "decode",
                                                                     "--configs", "int4"]),
-    (["full-size", "--no-llama", "--drop-gguf"], ["--no-llama", "full-size", "--drop-gguf"]),
+    (["serve", "--model", "M", "--clients", "4"], ["--model", "M", "serve", "--clients", "4"]),
     (["decode", "--configs", "--layers", "--", "--layers", "1"], ["decode", "--configs", "--layers", "--",
                                                                  "--layers", "1"]),
     (["nosuch", "--layers", "2"], ["nosuch", "--layers", "2"]),
@@ -310,10 +310,10 @@ def test_shared_bench_options_move_in_front_of_the_benchs_name(given, want):
 
 
 def test_a_benchs_help_names_the_shared_options_it_takes(capsys, monkeypatch):
-    code, out, _ = run_cli(["bench", "kernel", "--help"], capsys, monkeypatch)
+    code, out, _ = run_cli(["bench", "decode", "--help"], capsys, monkeypatch)
     flat = " ".join(out.split())
-    assert code == 0 and "--threads (auto)" in flat and "--layers (4)" in flat and "--new-tokens (24)" in flat
-    assert "--workdir" not in flat  # kernel generates no files
+    assert code == 0 and "--threads (auto)" in flat and "--layers (4)" in flat and "--new-tokens (16)" in flat
+    assert "--model" not in flat  # decode generates the checkpoints it runs
 
 
 def test_user_commands_come_before_the_developer_tools():

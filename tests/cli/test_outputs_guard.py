@@ -192,12 +192,12 @@ def test_a_folder_with_a_stray_tiny_sidecar_is_not_quantkits(tmp_path, capsys, m
 
 
 def test_bench_reports_never_replace_a_file_no_bench_wrote(tmp_path, capsys, monkeypatch):
-    mine = tmp_path / "bench-quantize.md"
-    mine.write_text("my own notes on quantizing")
-    code, out, err = run_cli(["bench", "quantize", "--reports", tmp_path, "--workdir", tmp_path / "w"], capsys,
+    mine = tmp_path / "bench-decode.md"
+    mine.write_text("my own notes on decoding")
+    code, out, err = run_cli(["bench", "decode", "--reports", tmp_path, "--workdir", tmp_path / "w"], capsys,
                              monkeypatch)
     expect_one_line(code, out, err, "not a quantkit output")
-    assert mine.read_text() == "my own notes on quantizing" and not (tmp_path / "w").exists()
+    assert mine.read_text() == "my own notes on decoding" and not (tmp_path / "w").exists()
 
 
 def test_the_repositorys_own_bench_reports_may_be_replaced():

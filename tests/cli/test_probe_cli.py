@@ -53,7 +53,6 @@ NUMERIC = [
     (["tiny-model", "O"], "--hidden", ["0"]),
     (["tiny-model", "O"], "--seed", ["-1", BIG]),
     (["profile-host"], "--passes", ["0"]),
-    (["bench", "gpu"], "--cpu-share", ["0", "-0.5", "1.5"]),
 ]
 SIZES = [
     (["plan"], "--ram", ["nan", "-1GB", "0", "lots", "1e400GB", "64XB", ""]),

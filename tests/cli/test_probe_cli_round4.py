@@ -203,7 +203,6 @@ def test_chat_does_not_fit_line_names_max_tokens_and_no_raw_warning(tiny_model, 
     (["stats", "M", "--out", "O", "--chunk-size", "1000000000"], "--chunk-size"),
     (["tiny-model", "O", "--layers", BIG], "--layers"),
     (["tiny-model", "O", "--experts", BIG], "--experts"),
-    (["bench", "mtp", "--draft-vocab", BIG], "--draft-vocab"),
     (["bench", "serve", "--clients", BIG], "--clients"),
 ])
 def test_every_count_is_bounded_before_any_work(args, needle, tmp_path, capsys, monkeypatch):

@@ -44,12 +44,12 @@ def test_unknown_type_lists_the_known_ones() -> None:
 
 
 def test_default_type_is_the_measured_one() -> None:
-    """The default --type is what reports/bench-gguf.json measured (re-run `quantkit bench gguf` to change it),
+    """The default --type is what reports/bench-gguf.json measured (re-run `python -m benchmarks.gguf` to change it),
     and its selection rule picks it from the rows recorded there."""
     import json
     from pathlib import Path
 
-    from quantkit.bench.gguf import choose_default
+    from benchmarks.gguf import choose_default
     from quantkit.export.gguf_types import DEFAULT_TYPE
 
     d = json.loads((Path(__file__).parents[2] / "reports" / "bench-gguf.json").read_text())

@@ -29,6 +29,17 @@ def run_cli(args: list, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.
     return code, out.out, out.err
 
 
+def run_driver(name: str, args: list, capsys: pytest.CaptureFixture[str],
+               monkeypatch: pytest.MonkeyPatch) -> tuple[int, str, str]:
+    """`python -m benchmarks.NAME *args` in this process (its `main`): (exit code, stdout, stderr)."""
+    import importlib
+
+    monkeypatch.setenv("COLUMNS", "200")
+    code = importlib.import_module(f"benchmarks.{name}").main([*map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def run_main(*args: object, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
     """`python -m quantkit *args` in a fresh process, stdout and stderr captured as text."""
     return subprocess.run([sys.executable, "-m", "quantkit", *map(str, args)], capture_output=True, text=True,

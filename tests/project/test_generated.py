@@ -1,7 +1,7 @@
 """Quantized folders generated in the stored format (quantkit.testing.generated; `tiny-model --quantized`):
 the same folder `quantkit quantize` writes (config, index, shard headers byte for byte), loadable and decodable,
 verified, resumable after an interruption, refused with one line when disk or RAM is short. Small shapes only:
-the full-size run is `quantkit bench full-size` (README)."""
+the full-size run is `python -m benchmarks.full_size` (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from quantkit.bench import mtp as mtp_bench
+from benchmarks import mtp as mtp_bench
 from quantkit.errors import QuantkitError
 from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.model.cache import HybridCache
@@ -218,7 +218,7 @@ def test_cli_trains_and_refuses(tmp_path: Path, capsys, monkeypatch: pytest.Monk
 
 
 def test_bench_trained_part_keeps_the_oracle_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`bench mtp --part trained` on a small budget: the oracle part of the report already there is kept, the
+    """`benchmarks.mtp --part trained` on a small budget: the oracle part of the report already there is kept, the
     trained section added with the measured acceptances and an estimate read off the oracle rows."""
     reports = tmp_path / "reports"
     reports.mkdir()

@@ -1,4 +1,4 @@
-"""`quantkit bench calibrated`: RTN vs importance-weighted (imatrix) vs GPTQ on a real trained model.
+"""`python -m benchmarks.calibrated`: RTN vs importance-weighted (imatrix) vs GPTQ on a real trained model.
 
 Random-weight checkpoints cannot say whether calibration helps (their routers are nearly tied, so rounding flips expert choice), so this runs
 the SAME code quantkit's quantizer uses (quantize/stats.py's accumulator hooks, imatrix.imatrix_quantize,
@@ -20,16 +20,20 @@ import importlib.util
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+import typer
 
+from benchmarks.cli import command_line, guard_reports, run_command, shared
 from quantkit.bench import write_reports
-from quantkit.bench.quantize import machine_info
+from quantkit.bench.machine import machine_info
 from quantkit.checkpoint.reader import Checkpoint
+from quantkit.cli.options import COUNT
 from quantkit.errors import QuantkitError
 from quantkit.fileio import temp_name
 from quantkit.formats import QuantSpec, get_format
@@ -202,7 +206,7 @@ def render_markdown(d: dict[str, Any]) -> str:
     lines = [
         "# Calibrated quantization on a real trained model (SmolLM2-135M-Instruct)",
         "",
-        f"Command: `{d.get('command', 'quantkit bench calibrated')}`; "
+        f"Command: `{d.get('command', 'python -m benchmarks.calibrated')}`; "
         f"machine: {m.get('cpu')} ({m.get('logical_cores')} cores), load average at start "
         f"{m.get('load_avg_at_start')}" + (f", at end {d['load_avg_at_end']}" if d.get("load_avg_at_end") else "")
         + f"; {d['seconds']:.0f} s in all (the seconds grow with other work on the machine; the quality figures "
@@ -345,7 +349,7 @@ def measure_realistic(work: Path, experts: int = 32, layers: int = 2, tokens: in
                         str(experts), "--layers", str(layers)], check=True, capture_output=True)
     out: dict[str, Any] = {"experts": experts, "layers": layers}
     for step in ("stats", "gptq"):
-        code = ("import json,sys; from pathlib import Path; from quantkit.bench.calibrated import measure_step; "
+        code = ("import json,sys; from pathlib import Path; from benchmarks.calibrated import measure_step; "
                 f"print(json.dumps(measure_step({step!r}, Path({str(src)!r}), Path({str(work)!r}), {tokens})))")
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         if p.returncode:
@@ -368,3 +372,27 @@ def measure_realistic(work: Path, experts: int = 32, layers: int = 2, tokens: in
         "peak_rss_gb_gptq": out["gptq"]["peak_rss_gb"] + 2 * 256 * 512 * 512 * 4 / 1e9,
     }
     return out
+
+
+def cli(
+    reports: Path = shared("reports", Path("reports")),
+    calib_tokens: int = typer.Option(8192, "--calib-tokens", parser=COUNT, help="calibration tokens (default "
+                                     "corpus)"),
+    eval_tokens: int = typer.Option(4096, "--eval-tokens", parser=COUNT,
+                                    help="held-out tokens for perplexity and KLD"),
+    realistic_dir: Path = typer.Option(None, "--realistic-dir", help="also time stats + GPTQ per layer on a "
+                                       "realistic-shape checkpoint generated here, extrapolated to the 35B"),
+) -> None:
+    """RTN vs imatrix vs GPTQ on SmolLM2-135M (a real trained model): perplexity and KLD, int4 g128/g32, int8."""
+    guard_reports(reports, "calibrated")
+    d = run(reports, calib_tokens, eval_tokens, realistic_dir=realistic_dir,
+            command=command_line("calibrated", sys.argv[1:]))
+    print(f"wrote {reports / 'bench-calibrated.md'} ({d['seconds']:.0f} s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(cli, argv, "calibrated")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

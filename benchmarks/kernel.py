@@ -1,4 +1,4 @@
-"""`quantkit bench kernel`: one MoE layer at batch-1 decode, route by route, ms per layer-token.
+"""`python -m benchmarks.kernel`: one MoE layer at batch-1 decode, route by route, ms per layer-token.
 
 The layer of the real model (hidden 2048, experts of 512, top-8 of `experts`), `layers` such layers with
 their own weights so every token reads its experts from DRAM, not a cache (each token draws new experts;
@@ -11,16 +11,16 @@ every route sees the same draws). Routes, one run, same threads:
   `ggml_graph_compute_with_ctx` on the same expert codes (our int4 g32 codes ARE Q4_0; int8 per-channel
   codes written as Q8_0 blocks with the row's scale). Plain Q4_0/Q8_0 rows: llama.cpp's model loader may
   also repack Q4_0 into interleaved rows, which `quantkit bench engines` measures end to end.
-The bound: bytes of the k experts' codes and scales / read bandwidth, for the reference 37.6 GB/s (the
-best 2-thread streaming read measured on the build machine: 0.42 ms at int4 g32) and for the bandwidth measured in this run (a
-streaming read of 512 MB, same threads; other jobs on the machine lower it).
+The bound: bytes of the k experts' codes and scales / read bandwidth, for a fixed reference bandwidth
+(`REFERENCE_GBPS`, so runs on different days compare) and for the bandwidth measured in this run (a streaming
+read of 512 MB, same threads; other jobs on the machine lower it).
 Then one decode token's attention over 64-8192 cached tokens: the model's torch route against `qk.attend`.
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.cli import guard_reports, run_command, shared
+from benchmarks.cli import threads as resolve_threads
 from quantkit.bench import read_bandwidth_gbs, write_reports
 from quantkit.bench.engines import describe_machine
 from quantkit.formats import QuantSpec
@@ -39,7 +41,7 @@ from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 
 DEFAULTS = {"hidden": 2048, "inter": 512, "experts": 64, "top_k": 8, "layers": 4, "tokens": 24, "reps": 5}
 GGML_KERNEL = {"int4": "Q4_0 x Q8_0", "int8": "Q8_0 x Q8_0", "bf16": "BF16 x BF16"}
-REFERENCE_GBPS = 37.6  # best 2-thread streaming read measured on the build machine
+REFERENCE_GBPS = 37.6  # the bound's fixed reference: a 2-thread streaming read where the first reports ran
 
 
 def _parts(fmt: str, e: int, n: int, k: int, g: torch.Generator) -> Any:
@@ -323,7 +325,7 @@ def run(reports: Path, threads: int, layers: int = DEFAULTS["layers"], tokens: i
         del lays
     log("attention over the cache: torch route vs qk.attend")
     attention = time_attention(reps)
-    d = {"command": f"quantkit bench kernel --threads {threads} --layers {layers} --new-tokens {tokens} --reps {reps}",
+    d = {"command": f"python -m benchmarks.kernel --threads {threads} --layers {layers} --new-tokens {tokens} --reps {reps}",
          "machine": machine, "threads": threads, "read_gbps": gbps, "reference_gbps": REFERENCE_GBPS,
          "isa": cpu_kernel.isa_name(), "config": cfg, "rows": rows, "attention": attention, "seconds": time.time() - t0}
     reports.mkdir(parents=True, exist_ok=True)
@@ -392,5 +394,25 @@ def render(d: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-if __name__ == "__main__":  # pragma: no cover
-    run(Path("reports"), int(os.environ.get("THREADS", "2")))
+def cli(
+    reports: Path = shared("reports", Path("reports")),
+    threads: int = shared("threads", None),
+    layers: int = shared("layers", 4),
+    new_tokens: int = shared("new_tokens", 24),
+    reps: int = shared("reps", 5),
+) -> None:
+    """One MoE layer at batch-1 decode: quantkit's CPU kernel vs torch's ops vs ggml, and the bandwidth bound.
+
+    --layers: MoE layers with their own weights (tokens read them from DRAM); --new-tokens: tokens per timed
+    pass."""
+    guard_reports(reports, "kernel")
+    d = run(reports, resolve_threads(threads), layers, new_tokens, reps)
+    print(f"wrote {reports / 'bench-kernel.md'} ({d['seconds']:.0f} s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(cli, argv, "kernel")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

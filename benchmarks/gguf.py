@@ -1,4 +1,4 @@
-"""`quantkit bench gguf`: KL divergence per GGUF type through llama.cpp itself, with and without an importance
+"""`python -m benchmarks.gguf`: KL divergence per GGUF type through llama.cpp itself, with and without an importance
 matrix, the file size it implies for the real model and llama.cpp's decode speed; it picks the default type.
 
 On a decisive-routing tiny checkpoint of the real architecture whose rows take K-quant blocks (hidden and
@@ -20,6 +20,7 @@ Reports: reports/bench-gguf.md, .json, .png (KL vs real-model size).
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.cli import guard_reports, run_command, shared
+from benchmarks.cli import threads as resolve_threads
 from quantkit.bench import write_reports
 from quantkit.bench.engines import describe_machine
 from quantkit.bench.llama_worker import llama_decode, llama_logits
@@ -104,7 +107,7 @@ def run(reports: Path, workdir: Path, threads: int = 2, reps: int = 2, new_token
             res.path.unlink()
     default = choose_default(rows)
     data = {
-        "command": f"quantkit bench gguf --threads {threads} --reps {reps}",
+        "command": f"python -m benchmarks.gguf --threads {threads} --reps {reps}",
         "machine": machine, "threads": threads, "shape": SHAPE, "probe": list(PROBE), "new_tokens": new_tokens,
         "reps": reps, "real_model_bf16_gb": real["bf16"], "rows": rows, "default": default,
         "size_slack": SIZE_SLACK, "seconds": time.perf_counter() - t_start,
@@ -172,3 +175,25 @@ def plot(d: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def cli(
+    reports: Path = shared("reports", Path("reports")),
+    workdir: Path = shared("workdir", Path("/tmp/quantkit-bench-gguf")),
+    threads: int = shared("threads", None),
+    reps: int = shared("reps", 2, zero=True),
+) -> None:
+    """KL divergence per GGUF type through llama.cpp (with and without an imatrix), size and decode tok/s.
+
+    --reps 0: KL only."""
+    guard_reports(reports, "gguf")
+    d = run(reports, workdir, resolve_threads(threads), reps)
+    print(f"default type: {d['default']}; wrote {reports / 'bench-gguf.md'} ({d['seconds']:.0f} s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(cli, argv, "gguf")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""`quantkit bench session`: a scripted AgentWorld session with a growing history, time to first token per
+"""`python -m benchmarks.session`: a scripted AgentWorld session with a growing history, time to first token per
 turn with and without quantkit's prompt cache, and llama.cpp on the same conversation.
 
 The session: the `terminal` world's system prompt, then `turns` exchanges; each user message is an agent
@@ -23,16 +23,21 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import typer
 
+from benchmarks.cli import guard_reports, llama_option, run_command, shared
+from benchmarks.cli import threads as resolve_threads
 from quantkit.bench import write_reports
 from quantkit.bench.engines import DEFAULTS, describe_machine, prepare
 from quantkit.bench.llama_worker import last_logits, open_llama
+from quantkit.cli.options import COUNT, count
 from quantkit.export.gguf import export_gguf
 from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.state_cache import PrefixCache
@@ -155,7 +160,7 @@ def run(reports: Path, workdir: Path, turns: int = 12, obs_tokens: int = 250, ne
     cfg = json.loads((checkpoint / "config.json").read_text())
     tc = cfg.get("text_config", cfg)
     data = {
-        "command": f"quantkit bench session --turns {turns} --obs-tokens {obs_tokens} --new-tokens {new_tokens} "
+        "command": f"python -m benchmarks.session --turns {turns} --obs-tokens {obs_tokens} --new-tokens {new_tokens} "
                    f"--baseline-every {baseline_every}"
                    + (f" --model {checkpoint}" if checkpoint.parent != workdir else
                       f" --layers {layers} --experts {experts}"),
@@ -261,3 +266,37 @@ def render(d: dict[str, Any]) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def cli(
+    reports: Path = shared("reports", Path("reports")),
+    workdir: Path = shared("workdir", Path("/tmp/quantkit-bench")),
+    layers: int = shared("layers", 4),
+    experts: int = shared("experts", 64),
+    threads: int = shared("threads", None),
+    new_tokens: int = shared("new_tokens", 8),
+    llama: bool = llama_option(True),
+    model: Path = shared("model", None),
+    turns: int = typer.Option(12, "--turns", parser=count(2), help="agent turns (action + observation) in the "
+                              "session"),
+    obs_tokens: int = typer.Option(250, "--obs-tokens", parser=COUNT, help="tokens of each recorded observation"),
+    baseline_every: int = typer.Option(1, "--baseline-every", parser=COUNT, help="run the re-prefilling baselines "
+                                       "(quantkit without reuse, llama.cpp) every N turns, and at the first and last"),
+) -> None:
+    """A multi-turn agent session: time to first token per turn with and without the prompt cache, and llama.cpp.
+
+    --new-tokens: generated per turn; --model: a bf16 realistic-shape checkpoint instead of the generated one."""
+    guard_reports(reports, "session")
+    d = run(reports, workdir, turns, obs_tokens, new_tokens, layers, experts, checkpoint=model,
+            threads=resolve_threads(threads), llama=llama, baseline_every=baseline_every)
+    for name, ok in d["checks"].items():
+        print(f"{'PASS' if ok else 'FAIL'} {name}")
+    print(f"wrote {reports / 'bench-session.md'} ({d['seconds']:.0f} s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(cli, argv, "session")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

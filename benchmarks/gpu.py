@@ -1,5 +1,5 @@
-"""`quantkit bench gpu`: the check to run when a CUDA GPU is at hand (`bash scripts/gpu-check.sh`, one
-command, under 8 minutes on one GPU). Writes reports/bench-gpu.{md,json}.
+"""`python -m benchmarks.gpu`: the check to run when a CUDA GPU is at hand (`bash scripts/gpu-check.sh`, one
+command under a time limit). Writes reports/bench-gpu.{md,json}.
 
 What it does, in this order:
 
@@ -28,13 +28,14 @@ What it does, in this order:
    divergence is reported, not failed); each CUDA device's load and decode peaks stay within the plan's
    bytes for it plus `MEMORY_SLACK`.
 
-Defaults (4 layers x 64 experts, 32-token prompt, 32 decode tokens, 5 loads) keep the
-whole command to a few minutes on an H200 host; the checkpoint and its quantization are most of it on a first run.
+Defaults (4 layers x 64 experts, 32-token prompt, 32 decode tokens, 5 loads) keep the whole command short
+enough for a lent GPU's time; the checkpoint and its quantization are most of it on a first run.
 """
 
 from __future__ import annotations
 
 import gc
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -42,10 +43,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import typer
 
+from benchmarks.cli import guard_reports, run_command, shared
 from quantkit.bench import write_reports
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.checkpoint.spec import ModelSpec, load_config, spec_from_config
+from quantkit.cli.options import FRACTION
 from quantkit.errors import QuantkitError
 from quantkit.planner.budget import RunSettings
 from quantkit.planner.hardware import GIB, GPU, Hardware, Host, cpu_name, detect_gpus
@@ -78,7 +82,7 @@ def detect_cuda() -> CudaInfo:
     if not torch.cuda.is_available():
         why = ("this torch is a CPU-only build" if torch.version.cuda is None
                else f"torch {torch.__version__} (CUDA {torch.version.cuda}) finds no device")
-        raise QuantkitError(f"no CUDA GPU: {why}; `quantkit bench gpu` checks the runtime on a CUDA GPU, run it "
+        raise QuantkitError(f"no CUDA GPU: {why}; `python -m benchmarks.gpu` checks the runtime on a CUDA GPU, run it "
                             "on a machine with one (scripts/gpu-check.sh)")
     p = torch.cuda.get_device_properties(0)
     return CudaInfo(p.name, int(p.total_memory), torch.cuda.device_count(), torch.__version__,
@@ -336,7 +340,7 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, prompt
             runs.append(r)
     tc = cfg.get("text_config", cfg)
     res = GpuBenchResult(
-        command=f"quantkit bench gpu --layers {layers} --experts {experts} --prompt-tokens {prompt_len} --new-tokens {decode} "
+        command=f"python -m benchmarks.gpu --layers {layers} --experts {experts} --prompt-tokens {prompt_len} --new-tokens {decode} "
                 f"--scheme {recipe} --cpu-share {cpu_share}",
         machine={"gpu": info.name, "gpu_memory_bytes": info.memory_bytes, "gpus": info.count, "torch": info.torch,
                  "cuda": info.cuda, "cpu": cpu_name(), "cores": psutil.cpu_count(), "threads": torch.get_num_threads()},
@@ -417,3 +421,33 @@ def render_md(d: dict[str, Any]) -> str:
             f"allowed {MEMORY_SLACK:.0%} over the plan's bytes for the device; CPU figures are the loader's "
             "resident weights.", ""]
     return "\n".join(out)
+
+
+def cli(
+    reports: Path = shared("reports", Path("reports")),
+    workdir: Path = shared("workdir", Path("/tmp/quantkit-bench-gpu")),
+    layers: int = shared("layers", 4),
+    experts: int = shared("experts", 64),
+    prompt_tokens: int = shared("prompt_tokens", 32),
+    new_tokens: int = shared("new_tokens", 32),
+    scheme: str = typer.Option("int4", "--scheme", "-s", help="the quantization of the checkpoint (int4: experts "
+                               "int4)"),
+    cpu_share: float = typer.Option(0.5, "--cpu-share", parser=FRACTION,
+                                    help="share of the expert bytes the GPU+CPU plan leaves in RAM, in (0, 1]"),
+) -> None:
+    """On a CUDA GPU: plan GPU alone and GPU+CPU, load, decode with and without CUDA graphs, check against the CPU."""
+    guard_reports(reports, "gpu")
+    d = run(reports, workdir, layers, experts, prompt_tokens, new_tokens, scheme, cpu_share)
+    for name, ok in d.checks.items():
+        print(f"{'PASS' if ok else 'FAIL'} {name}")
+    print(f"wrote {reports / 'bench-gpu.md'} ({d.seconds:.0f} s)")
+    if not all(d.checks.values()):
+        raise typer.Exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(cli, argv, "gpu")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

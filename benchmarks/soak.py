@@ -1,4 +1,4 @@
-"""`quantkit bench soak`: the server under a bounded soak (issue 14). `quantkit serve` runs in its own process
+"""`python -m benchmarks.soak`: the server under a bounded soak (issue 14). `quantkit serve` runs in its own process
 on loopback; N clients hammer it for a fixed time with a mix of ordinary requests, streams hung up after the
 first chunks, bodies over the size limit (declared and chunked), bodies just under it whose text cannot fit
 the context (refused before tokenizing), and foreign Host headers; a poller asks /health twice a second.
@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import json
 import random
-import shlex
 import subprocess
 import sys
 import threading
@@ -21,6 +20,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+import typer
+
+from benchmarks.cli import command_line, guard_reports, run_command, shared
 from quantkit.bench import write_section
 from quantkit.bench.serve import (
     RSS_SLACK_BYTES,
@@ -31,6 +33,7 @@ from quantkit.bench.serve import (
     stop_server,
     wait_for_health,
 )
+from quantkit.cli.options import COUNT, SECONDS
 from quantkit.fileio import write_atomic
 
 MAX_BODY = 8 * 10**6  # the server's default --max-body (8MB)
@@ -171,7 +174,7 @@ def run_soak(model_dir: Path | None, workdir: Path, clients: int = 16, seconds: 
         "rss back to start": rss_end <= rss_start + slack,
     }
     return {
-        "command": " ".join(["quantkit bench soak", *(shlex.quote(a) for a in sys.argv[3:])]),
+        "command": command_line("soak", sys.argv[1:]),
         "server": " ".join(cmd[2:]).replace("-m quantkit", "quantkit"),
         "clients": clients, "seconds": seconds, "max_queue": max_queue, "max_body": MAX_BODY, "seed": seed,
         "requests": sum(counts.values()), "by_kind_and_status": dict(sorted(counts.items())),
@@ -203,3 +206,34 @@ def write_report(reports: Path, d: dict[str, Any]) -> None:
              *[f"| {k} | {v} |" for k, v in d["by_kind_and_status"].items()], "", SECTION[1]]
     section = "\n".join(lines) + "\n"
     write_section(reports / "bench-serve.md", section, SECTION)
+
+
+def cli(
+    reports: Path = shared("reports", Path("reports")),
+    workdir: Path = shared("workdir", Path("/tmp/quantkit-bench-serve")),
+    model: Path = shared("model", None),
+    clients: int = typer.Option(16, "--clients", parser=COUNT, help="concurrent clients"),
+    seconds: float = typer.Option(120, "--seconds", parser=SECONDS, help="how long the soak runs"),
+    max_queue: int = typer.Option(8, "--max-queue", parser=COUNT, help="the server's --max-queue"),
+) -> None:
+    """Soak `quantkit serve`: clients, hang-ups, oversized bodies, foreign hosts; /health and RSS watched.
+
+    Writes bench-soak.json and its section of bench-serve.md."""
+    guard_reports(reports, "soak")
+    d = run_soak(model, workdir, clients, seconds, max_queue)
+    write_report(reports, d)
+    for name, ok in d["checks"].items():
+        print(f"{'PASS' if ok else 'FAIL'} {name}")
+    r = d["rss"]
+    print(f"{d['requests']} requests; RSS {r['start'] / 1e6:.0f} -> peak {r['peak'] / 1e6:.0f} -> "
+          f"{r['end'] / 1e6:.0f} MB; wrote {reports / 'bench-serve.md'}")
+    if not all(d["checks"].values()):
+        raise typer.Exit(1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(cli, argv, "soak")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

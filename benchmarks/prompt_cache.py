@@ -1,4 +1,4 @@
-"""`python -m quantkit.bench.prompt_cache`: time to first token of a long prompt after a restart, cold against
+"""`python -m benchmarks.prompt_cache`: time to first token of a long prompt after a restart, cold against
 restored from `--prompt-cache-dir` (quantkit/runtime/prompt_disk.py), on the realistic shape, quantized.
 
 For each prompt length and kind (a chat prompt: an agent's system prompt of tool logs and a question, rendered
@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.cli import child_env
 from quantkit.bench import write_reports
 from quantkit.bench.engines import DEFAULTS, describe_machine, prepare
 
@@ -76,8 +77,8 @@ def worker(qdir: str, kind: str, tokens: int, cache_dir: str | None, context: in
 
 def _run_worker(qdir: Path, kind: str, tokens: int, cache_dir: Path | None, context: int, threads: int) -> dict:
     args = json.dumps([str(qdir), kind, tokens, str(cache_dir) if cache_dir else None, context])
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    r = subprocess.run([sys.executable, "-m", "quantkit.bench.prompt_cache", "--worker", args], capture_output=True,
+    env = {**child_env(), "OMP_NUM_THREADS": str(threads)}
+    r = subprocess.run([sys.executable, "-m", "benchmarks.prompt_cache", "--worker", args], capture_output=True,
                        text=True, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"bench worker failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r}")
@@ -110,7 +111,7 @@ def run(reports: Path, workdir: Path, lengths: tuple[int, ...] = LENGTHS, kinds:
         checks = {"restored and cold give the same greedy tokens": all(r["same_tokens"] for r in rows),
                   "the cold runs restored nothing": all(r["cold_cached_tokens"] == 0 for r in rows),
                   "restored TTFT of the 16k prompts <= 0.1x cold": bool(big) and all(r["ratio"] <= 0.1 for r in big)}
-        data = {"command": command or "python -m quantkit.bench.prompt_cache", "machine": machine, "threads": threads,
+        data = {"command": command or "python -m benchmarks.prompt_cache", "machine": machine, "threads": threads,
                 "restart": "fresh processes" if processes else "a new prompt cache and disk store in the loaded process",
                 "checkpoint": str(checkpoint), "quantized": str(qdir),
                 "shape": {"layers": tc["num_hidden_layers"], "experts": tc["num_experts"],
@@ -182,7 +183,7 @@ def main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "--worker":
         print(json.dumps(worker(*json.loads(argv[1]))))
         return 0
-    ap = argparse.ArgumentParser(prog="python -m quantkit.bench.prompt_cache", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.prompt_cache", description=__doc__.split("\n\n")[0])
     ap.add_argument("--reports", type=Path, default=Path("reports"))
     ap.add_argument("--workdir", type=Path, default=Path("/tmp/quantkit-bench-prompt-cache"))
     ap.add_argument("--lengths", default=",".join(map(str, LENGTHS)), help="prompt tokens, comma-separated")
@@ -199,7 +200,7 @@ def main(argv: list[str]) -> int:
     if not lengths or min(lengths) < 64 or not kinds or set(kinds) - set(KINDS):
         ap.error("--lengths: counts of at least 64; --kinds: chat, raw")
     d = run(a.reports, a.workdir, lengths, kinds, experts=a.experts, threads=a.threads, processes=a.processes,
-            command="python -m quantkit.bench.prompt_cache " + " ".join(argv))
+            command="python -m benchmarks.prompt_cache " + " ".join(argv))
     print(f"wrote {a.reports / 'bench-prompt-cache.md'} ({d['seconds']:.0f} s)")
     return 0 if all(d["checks"].values()) else 1
 

@@ -1,7 +1,7 @@
-"""`quantkit bench full-size`: the whole 35B shape on this machine's CPU, against the plan and llama.cpp.
+"""`python -m benchmarks.full_size`: the whole 35B shape on this machine's CPU, against the plan and llama.cpp.
 
 Steps, each heavy one in its own process (so its memory goes back before the next starts; the quantkit runtime
-and llama.cpp do not both fit in 24 GB at once):
+and llama.cpp need not both fit in RAM at once):
 1. the folder: `quantkit tiny-model --full-size --quantized quality` (random weights in the stored format;
    skipped when `folder` is given or already finished in `workdir`), timed, its peak RSS read;
 2. `quantkit verify` (every shard hashed), `quantkit profile-host` for the folder's recipe when this host has no
@@ -30,6 +30,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import typer
+
+from benchmarks.cli import child_env, guard_reports, llama_option, run_command, shared
+from benchmarks.cli import threads as resolve_threads
 from quantkit.bench import read_bandwidth_gbs, write_reports
 from quantkit.bench.engines import describe_machine, gguf_step_bytes, quantkit_decode
 from quantkit.bench.llama_worker import last_logits, llama_decode, open_llama
@@ -198,7 +202,7 @@ def _run(cmd: list[str], log: Any, what: str) -> dict[str, Any]:
     log(f"{what}: {' '.join(cmd)}")
     t0 = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "COLUMNS": "200"})
+                         env={**child_env(), "COLUMNS": "200"})
     s = _Sampler(p.pid)
     stdout, stderr = p.communicate()
     peak = s.close()
@@ -212,7 +216,7 @@ def _child(worker: str, args: dict[str, Any], workdir: Path, log: Any) -> dict[s
     inp, out = workdir / f"{worker}-args.json", workdir / f"{worker}-result.json"
     inp.write_text(json.dumps(args))
     out.unlink(missing_ok=True)
-    r = _run([sys.executable, "-m", "quantkit.bench.full_size", worker, str(inp), str(out)], log, worker)
+    r = _run([sys.executable, "-m", "benchmarks.full_size", worker, str(inp), str(out)], log, worker)
     return {**json.loads(out.read_text()), "peak_rss_sampled": r["peak_rss_sampled"], "wall_s": r["seconds"]}
 
 
@@ -223,7 +227,7 @@ def _quantkit_cli(*args: str) -> list[str]:
 def prompts(folder: Path, n_tokens: int, short: int) -> dict[str, list[int]]:
     """The token ids both engines run: a short prompt, a chat prompt of about `n_tokens` (the terminal world's
     system prompt and one large observation) and the next turn (that history, a reply, a new action)."""
-    from quantkit.bench.session import observation
+    from benchmarks.session import observation
     from quantkit.runtime.engine import load_tokenizer
     from quantkit.runtime.worlds import world_prompt
 
@@ -327,7 +331,7 @@ def run(reports: Path, workdir: Path, folder: Path | None = None, threads: int |
             gguf.unlink()
             record.unlink(missing_ok=True)
     data = {
-        "command": f"quantkit bench full-size --workdir {workdir}" + (f" --model {folder}" if made.get("given") else "")
+        "command": f"python -m benchmarks.full_size --workdir {workdir}" + (f" --model {folder}" if made.get("given") else "")
         + "".join(f" --{k} {v}" for k, v in (("layers", layers), ("experts", experts), ("vocab", vocab)) if v)
         + (f" --threads {threads}" if threads != (os.cpu_count() or 1) else "")
         + ("" if llama else " --no-llama") + (" --drop-gguf" if not keep_gguf else ""),
@@ -461,12 +465,46 @@ def render(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str]) -> None:
-    """`python -m quantkit.bench.full_size WORKER ARGS.json OUT.json` (the children of `run`)."""
-    worker, inp, out = argv
-    res = WORKERS[worker](json.loads(Path(inp).read_text()))
-    Path(out).write_text(json.dumps(res))
+def cli(
+    reports: Path = shared("reports", Path("reports")),
+    workdir: Path = shared("workdir", Path("/tmp/quantkit-bench-full-size")),
+    model: Path = shared("model", None),
+    threads: int = shared("threads", None),
+    layers: int = shared("layers", None),
+    experts: int = shared("experts", None),
+    vocab: int = shared("vocab", None),
+    prompt_tokens: int = shared("prompt_tokens", DEFAULTS["prompt_tokens"]),
+    new_tokens: int = shared("new_tokens", DEFAULTS["new_tokens"]),
+    reps: int = shared("reps", DEFAULTS["reps"]),
+    llama: bool = llama_option(True),
+    drop_gguf: bool = typer.Option(False, "--drop-gguf", help="delete the GGUF afterwards (disk)"),
+) -> None:
+    """The whole 35B shape on this CPU: generated, verified, planned, loaded and measured against the plan and
+    llama.cpp, one engine process after the other.
+
+    The generated folder and its GGUF (each tens of GB at full size) go in --workdir; --layers, --experts and
+    --vocab shrink it for a trial run; --model: a quantized folder to run instead of generating one."""
+    guard_reports(reports, "full-size")
+    n = resolve_threads(threads)
+    if model is not None and (layers or experts or vocab):
+        raise QuantkitError("--model runs that folder: drop --layers/--experts/--vocab")
+    d = run(reports, workdir, model, n, layers, experts, vocab, prompt_tokens, new_tokens, reps, llama,
+            not drop_gguf)
+    for t in d["targets"]:
+        print(f"{'met' if t['met'] else 'MISSED'}: {t['target']} ({t['ratio']:.2f}x)")
+    print(f"wrote {reports / 'bench-full-size.md'}")
+
+
+def main(argv: list[str]) -> int:
+    """`python -m benchmarks.full_size [OPTIONS]`: the bench; `python -m benchmarks.full_size WORKER ARGS.json
+    OUT.json`: one of its children (`run` starts them)."""
+    if argv and argv[0] in WORKERS:
+        worker, inp, out = argv
+        res = WORKERS[worker](json.loads(Path(inp).read_text()))
+        Path(out).write_text(json.dumps(res))
+        return 0
+    return run_command(cli, argv, "full_size")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    sys.exit(main(sys.argv[1:]))

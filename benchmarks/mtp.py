@@ -1,4 +1,4 @@
-"""`quantkit bench mtp`: what speculative decoding with the MTP layer gains. Writes reports/bench-mtp.{md,json,png};
+"""`python -m benchmarks.mtp`: what speculative decoding with the MTP layer gains. Writes reports/bench-mtp.{md,json,png};
 `--part oracle` or `--part trained` runs one part and keeps the other's rows from the report already there.
 
 Oracle part, on a realistic-shape checkpoint with an MTP layer (real hidden, expert and head sizes; fewer layers and
@@ -20,7 +20,7 @@ quantizing the main model costs the acceptance). Where the oracle rows are in th
 acceptance is also read off them as a realistic-shape speed-up estimate.
 
 llama.cpp's MTP is not timed here: the GGUF export writes its NextN block and its MTP graph runs on it
-(tests/test_export_gguf_llama.py), but llama-cpp-python binds neither llama-server's speculative loop nor the
+(tests/export/test_export_gguf_llama.py), but llama-cpp-python binds neither llama-server's speculative loop nor the
 call that chains a second draft (`llama_set_embeddings_nextn`, C++ only).
 """
 
@@ -30,17 +30,22 @@ import json
 import math
 import random
 import statistics
+import sys
 import time
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import torch
+import typer
 
+from benchmarks.cli import guard_reports, run_command, shared
+from benchmarks.cli import threads as resolve_threads
 from quantkit.bench import write_reports
 from quantkit.bench.engines import describe_machine
 from quantkit.checkpoint.draft import DRAFT_ROWS
 from quantkit.checkpoint.reader import Checkpoint
+from quantkit.cli.options import MAX_COUNT
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_json_bounded
 from quantkit.quantize.run import QuantizeOptions, run_quantize
@@ -196,7 +201,7 @@ def run_oracle(workdir: Path, layers: int = 4, experts: int = 64, vocab: int = 2
         r["measured_acceptance"] = r["accepted"] / r["drafted"] if r.get("drafted") else 0.0
     t = rt.model.cfg.text
     data = {
-        "command": f"quantkit bench mtp --layers {layers} --experts {experts} --vocab {vocab}"
+        "command": f"python -m benchmarks.mtp --layers {layers} --experts {experts} --vocab {vocab}"
                    + (f" --draft-vocab {draft_vocab}" if draft_vocab != DRAFT_ROWS else "")
                    + (f" --new-tokens {new_tokens}" if new_tokens != NEW_TOKENS else "")
                    + (f" --reps {reps}" if reps != 2 else "") + (f" --rounds {rounds}" if rounds != 2 else "")
@@ -308,7 +313,7 @@ def run_trained(workdir: Path, new_tokens: int = NEW_TOKENS, rounds: int = 2, pr
                 + ("" if copies else ", its matrices as stored"))
             layers.append({"layer": layer, "recipe": recipe, "copies": copies,
                            **measure_layer(folders[key], prompts, new_tokens, rounds, train.seed, copies)})
-    return {"command": "quantkit bench mtp --part trained"
+    return {"command": "python -m benchmarks.mtp --part trained"
                        + (f" --new-tokens {new_tokens}" if new_tokens != NEW_TOKENS else "")
                        + (f" --rounds {rounds}" if rounds != 2 else ""),
             "machine": describe_machine(), "threads": 1, "shape": TRAINED_SHAPE, "training": side["mtp_trained"],
@@ -345,7 +350,7 @@ def run(reports: Path, workdir: Path, layers: int = 4, experts: int = 64, vocab:
         data["trained"] = run_trained(workdir, new_tokens, rounds, log=log)
     elif "trained" in old:
         data["trained"] = old["trained"]
-    data.setdefault("command", data.get("trained", {}).get("command", "quantkit bench mtp"))
+    data.setdefault("command", data.get("trained", {}).get("command", "python -m benchmarks.mtp"))
     reports.mkdir(parents=True, exist_ok=True)
     if "oracle" in parts:
         plot(data, reports / "bench-mtp.png")
@@ -421,7 +426,7 @@ def render_oracle(d: dict[str, Any]) -> list[str]:
            "several drafts). A real acceptance is measured apart, on a tiny model "
            "whose MTP layer was trained on its own greedy continuations (the last section, `--part trained`). "
            "llama.cpp's MTP is not beside it: quantkit's GGUF export writes the NextN block its MTP graph reads, "
-           "and the graph runs on it (tests/test_export_gguf_llama.py drafts through llama-cpp-python's C API, "
+           "and the graph runs on it (tests/export/test_export_gguf_llama.py drafts through llama-cpp-python's C API, "
            "as quantkit's MTP layer does), but the binding has neither llama-server's speculative loop nor the "
            "call that chains a second draft (`llama_set_embeddings_nextn` is C++ only), so llama.cpp's MTP decode "
            "speed is not measured here; `llama-server --spec-type draft-mtp` on the exported GGUF is the "
@@ -540,3 +545,44 @@ def render_trained(t: dict[str, Any], oracle: list[dict[str, Any]] | None) -> li
                 "interpolated over their accepted / drafted: " + "; ".join(parts) + " (an estimate: the oracle's "
                 "rejections are spread evenly, a real layer's fall where the text is hard)."]
     return out + [""]
+
+
+def cli(
+    reports: Path = shared("reports", Path("reports")),
+    workdir: Path = shared("workdir", Path("/tmp/quantkit-bench")),
+    layers: int = shared("layers", 4),
+    experts: int = shared("experts", 64),
+    vocab: int = shared("vocab", 248320),
+    new_tokens: int = shared("new_tokens", NEW_TOKENS),
+    reps: int = shared("reps", 2),
+    rounds: int = shared("rounds", 2),
+    threads: int = shared("threads", None),
+    draft_vocab: int = typer.Option(None, "--draft-vocab", min=0, max=MAX_COUNT, show_default=False,
+                                    help="ids the draft head scores besides the top ones (Qwen3.5's most frequent "
+                                         "at the default, else the lowest), 0: all (default: the runtime's)"),
+    part: str = typer.Option("all", "--part", help="all; oracle: the realistic-shape checkpoint with an oracle "
+                             "drafter; trained: a tiny model whose MTP layer is trained first (a real acceptance). "
+                             "A part not run keeps its rows from the report already there"),
+) -> None:
+    """MTP speculative decoding: decode tok/s against draft acceptance (an oracle drafter), a verify's cost, and the
+    acceptance of an MTP layer trained on its own model (a tiny one)."""
+    if part not in ("all", *PARTS):
+        raise QuantkitError(f"--part {part!r}: use all, {', '.join(PARTS)}")
+    guard_reports(reports, "mtp")
+    n = resolve_threads(threads)
+    d = run(reports, workdir, layers, experts, vocab, new_tokens=new_tokens, reps=reps, rounds=rounds, threads=n,
+            parts=PARTS if part == "all" else (part,), **({} if draft_vocab is None else {"draft_vocab": draft_vocab}))
+    for x in d.get("trained", {}).get("layers", []) if part != "oracle" else []:
+        print(f"{x['layer']} MTP layer, {weights_label(x)}: acceptance "
+              + ", ".join(f"{r['acceptance']:.2f} ({r['draft']} draft{'s' if r['draft'] > 1 else ''})"
+                          for r in x["rows"]))
+    secs = (d["seconds"] if part != "trained" else 0) + (d["trained"]["seconds"] if part != "oracle" else 0)
+    print(f"wrote {reports / 'bench-mtp.md'} ({secs:.0f} s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_command(cli, argv, "mtp")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
