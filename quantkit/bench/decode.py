@@ -235,8 +235,8 @@ def run_one(mode: str, folder: Path, prompt_len: int, decode: int, reps: int,
     import psutil
 
     rss_after = psutil.Process().memory_info().rss
-    # the read bandwidth right after the decode (peak RSS already taken): this VM's moves between spells of
-    # about 32 and 60 GB/s lasting 10-30 s, so a probe from another moment can belong to the other spell
+    # the read bandwidth right after the decode (peak RSS already taken): a shared machine's read bandwidth moves
+    # between spells of a slow and a fast rate, so a probe from another moment can belong to the other spell
     probe = read_bandwidth_gbs(gib=spells.READ_GIB)
     wbytes, cbytes = decode_bytes(model, prompt_len, decode)
     return {"mode": mode, "prefill_tok_s": best_p, "decode_tok_s": best_d, "decode_median_step_tok_s": median_d,

@@ -1,8 +1,8 @@
 """Decode speed against the read bandwidth of the same moment, for `quantkit bench decode --spells S`.
 
-Why: on the shared build machine the streaming read holds near one of two rates (about 33 and about
-58 GB/s) for 10-30 s at a time, every buffer together (polled with six 1 GiB buffers at once), so a
-decode timed in one spell and a bound read in the other say little about each other. Here one
+Why: on a shared machine the streaming read can hold near one of two rates for seconds at a time, every
+buffer together (reports/bench-decode.md shows such spells), so a decode timed in one spell and a bound
+read in the other say little about each other. Here one
 configuration's process decodes again and again for S seconds, each time between two streaming reads,
 and `summarize` groups the samples by the bandwidth beside them: per spell, the decode and its share
 of that bandwidth (bytes per step x tok/s over the mean of the two reads).
@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-READ_GIB = 0.25  # each read: 256 MiB, 8x the build machine's L3
+READ_GIB = 0.25  # each read: 256 MiB, well above a last-level cache, so it streams from DRAM
 SPLIT = 1.3  # reads spread wider than this ratio split into a slow and a fast spell at their midpoint
 
 
