@@ -99,6 +99,15 @@ def test_the_targets_are_ratios_of_total_tokens_per_second():
     assert [w for w, _, _ in alone] == ["quantkit 4 clients / its 1 client"]
 
 
+def test_the_single_client_ratio_pairs_each_round_with_the_one_beside_it():
+    # a load that comes and goes between rounds: the ratio of the medians says 1.5, each pair says 1.0
+    assert serve_slots.pair_ratio([30.0, 28.0, 19.0], [30.0, 19.0, 19.0]) == 1.0
+    assert serve_slots.pair_ratio([20.0, 10.0], [10.0, 10.0]) == 1.5
+    assert serve_slots.pair_ratio([], []) is None
+    with pytest.raises(ValueError):
+        serve_slots.pair_ratio([1.0], [1.0, 2.0])
+
+
 def test_a_missing_llama_server_is_one_line_and_nothing_is_made(tmp_path, capsys, monkeypatch):
     code, out, err = run_cli(["bench", "--workdir", str(tmp_path / "w"), "--reports", str(tmp_path / "r"), "serve",
                               "--clients", "1,2", "--llama-server", str(tmp_path / "nope")], capsys, monkeypatch)
@@ -126,7 +135,7 @@ def test_the_slots_bench_runs_on_a_tiny_model(tiny_model, tmp_path):
     assert lp["long_prompt_tokens"] > 48 and lp["prefill_s"] > 0 and lp["step_s"] > 0
     assert lp["running_hung_up"] == serve_slots.RUNNING  # each running client left after the long prompt's first token
     sc = d["single_client"]
-    assert sc["rounds"] == 1 and sc["ratio"] > 0 and "--parallel 1" in sc["commands"]["parallel 1"]
+    assert sc["rounds"] == 1 and sc["ratio"] > 0 and sc["pair_ratio"] == sc["ratio"] and "--parallel 1" in sc["commands"]["parallel 1"]
     assert "--parallel" not in sc["commands"]["default"] and sc["default_slots"] >= 1
     md = (reports / "bench-serve.md").read_text()
     assert md.startswith("# load test") and "kept" in md and "llama-server is absent" in md
