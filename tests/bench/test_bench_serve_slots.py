@@ -133,7 +133,9 @@ def test_the_slots_bench_runs_on_a_tiny_model(tiny_model, tmp_path):
         assert r["chunks"]["tokens_in_chunks"] == r["tokens"]  # logprobs count every token, text or not
     lp = next(r for r in d["rows"] if "long_prompt" in r)["long_prompt"]
     assert lp["long_prompt_tokens"] > 48 and lp["prefill_s"] > 0 and lp["step_s"] > 0
-    assert lp["running_hung_up"] == serve_slots.RUNNING  # each running client left after the long prompt's first token
+    # a running client hangs up once the long prompt has its first token (LongPromptSchedule, tested above), or
+    # ends at its budget where this tiny model outruns the clients: either way its tokens are all counted
+    assert lp["chunks"]["tokens_in_chunks"] == lp["chunks"]["tokens"] >= serve_slots.RUNNING * serve_slots.BEFORE
     sc = d["single_client"]
     assert sc["rounds"] == 1 and sc["ratio"] > 0 and sc["pair_ratio"] == sc["ratio"] and "--parallel 1" in sc["commands"]["parallel 1"]
     assert "--parallel" not in sc["commands"]["default"] and sc["default_slots"] >= 1
