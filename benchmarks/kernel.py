@@ -36,7 +36,7 @@ from quantkit.formats import QuantSpec
 from quantkit.formats.int4 import int4_to_q4_0_blocks
 from quantkit.runtime import cpu_kernel
 from quantkit.runtime.kernels import prepare, slice_parts
-from quantkit.runtime.model.layers import attend
+from quantkit.runtime.model.ops import attend
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 
 DEFAULTS = {"hidden": 2048, "inter": 512, "experts": 64, "top_k": 8, "layers": 4, "tokens": 24, "reps": 5}
@@ -251,7 +251,7 @@ ATTENTION_TOKENS = (64, 512, 2048, 8192)
 
 def time_attention(reps: int, lengths: tuple[int, ...] = ATTENTION_TOKENS) -> list[dict[str, Any]]:
     """One decode token's attention over n cached tokens in the real model's shapes (16 query heads on 2 kv
-    heads of 256, bf16): the model's torch route (`quantkit.runtime.model.layers.attend`) against
+    heads of 256, bf16): the model's torch route (`quantkit.runtime.model.ops.attend`) against
     quantkit's `qk.attend`, best of `reps` interleaved passes each; [] where the kernel has no AVX512-BF16
     route."""
     mod = cpu_kernel.module()
@@ -380,7 +380,7 @@ def render(d: dict[str, Any]) -> str:
             "## Attention over the cache at decode",
             "",
             "One token's attention in the real model's shapes (16 query heads on 2 kv heads of 256, bf16) over n "
-            "cached tokens: the model's torch route (`quantkit.runtime.model.layers.attend`: transformers' eager "
+            "cached tokens: the model's torch route (`quantkit.runtime.model.ops.attend`: transformers' eager "
             "roundings) against quantkit's `qk.attend` (same roundings, fp32 sums in another order), best of the "
             "passes.",
             "",

@@ -12,7 +12,7 @@ import torch
 
 from benchmarks.mtp import OracleDrafter, checkpoint, decode
 from quantkit.runtime import load_model
-from quantkit.runtime.model import model as mm
+from quantkit.runtime.model import executors as mm
 
 layers = int(sys.argv[1])
 rounds = int(sys.argv[2])

@@ -10,7 +10,7 @@ import torch
 
 from benchmarks.mtp import checkpoint
 from quantkit.runtime import load_model
-from quantkit.runtime.model import model as mm
+from quantkit.runtime.model import executors as mm
 
 torch.set_num_threads(int(sys.argv[3]) if len(sys.argv) > 3 else 2)
 src = checkpoint(

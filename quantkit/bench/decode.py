@@ -48,8 +48,7 @@ from quantkit.recipe import get_recipe
 from quantkit.runtime import cpu_kernel, load_model
 from quantkit.runtime.calibrate import time_layer_ops
 from quantkit.runtime.loader import QuantEmbedding
-from quantkit.runtime.model.layers import Attention
-from quantkit.runtime.model.model import Model
+from quantkit.runtime.model.qwen3_5_moe import Attention, Model
 from quantkit.runtime.qexperts import QuantExperts
 from quantkit.testing.tiny import make_tiny_model
 

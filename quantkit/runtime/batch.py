@@ -16,7 +16,7 @@ Each row has its own sampling (temperature, top-k / top-p, seed, hook), stop tok
 leaves the batch when it ends (stop token, its max_new_tokens, the context, `cancel`, or "error": its sampling
 hook raised, kept in `errors`, the other rows unaffected) and a new one joins
 between steps, its prompt prefilled alone (through the prompt cache, as `Runtime.generate_ids`). A step is one
-`Model.step_batch` over every row still decoding (model/batch_step.py): the dense matrices and the chosen
+`Model.step_batch` over every row still decoding (model/qwen3_5_moe.py): the dense matrices and the chosen
 experts are read once for all rows, and each row's tokens are the ones the same request generates alone,
 greedy or seeded (tests/runtime/test_batch_decode.py). Rows decode without MTP drafts: a draft never changes a token,
 and the batch already reads each matrix once for several tokens.

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from quantkit.planner.placement import Plan
     from quantkit.recipe import Recipe
     from quantkit.runtime.loader import LoadReport, Placement
-    from quantkit.runtime.model.model import Model
+    from quantkit.runtime.model.qwen3_5_moe import Model
 
 
 def load_tokenizer(folder: Path) -> Any:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from quantkit.runtime.model.qwen3_5_moe import Prompt
+
 
 def _capture_layers(ref: Any, ids: torch.Tensor) -> list[dict[str, Any]]:
     """Per reference decoder layer: its call's args/kwargs, its output and its router output."""
@@ -58,7 +60,7 @@ def layer_errors(model: Any, ref: Any, ids: torch.Tensor) -> list[float]:
                 rows = slice(row * t, (row + 1) * t)
                 layer.moe.route = lambda _h, _ops, s=scores[rows], d=idx[rows]: (s.to(torch.bfloat16).float(), d)
                 try:
-                    outs.append(layer(x_in[row].to(torch.bfloat16), model.new_cache(t), cos, sin, None))
+                    outs.append(layer(x_in[row].to(torch.bfloat16), Prompt(model.new_cache(t), cos, sin)))
                 finally:
                     del layer.moe.route
         d_ref = (r["out"] - x_in).float()

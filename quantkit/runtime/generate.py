@@ -29,7 +29,7 @@ from quantkit.runtime import cpu_kernel
 from quantkit.runtime.channels import ANSWER, THINKING, ChannelSplitter
 from quantkit.runtime.devices import release_free_heap
 from quantkit.runtime.model.cache import HybridCache
-from quantkit.runtime.model.model import Model
+from quantkit.runtime.model.qwen3_5_moe import Model
 from quantkit.runtime.speculative import (
     Clock,
     DraftStats,

@@ -51,9 +51,7 @@ from quantkit.runtime.kernels import Kernel, QBf16Kernel, QKernel, prepare, slic
 from quantkit.runtime.model.config import ModelConfig, model_config
 from quantkit.runtime.model.draft_head import compact_copy, requantized
 from quantkit.runtime.model.experts import GatheredExperts
-from quantkit.runtime.model.layers import Attention, DeltaNet, Layer, MoE
-from quantkit.runtime.model.model import Model
-from quantkit.runtime.model.mtp import MTP
+from quantkit.runtime.model.qwen3_5_moe import MTP, Attention, DeltaNet, Layer, Model, MoE
 from quantkit.runtime.options import RuntimeOptions
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 

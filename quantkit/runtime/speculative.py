@@ -1,7 +1,7 @@
 """Where generated tokens come from: one forward per token (`plain_tokens`), or speculative decoding with the model's
 own MTP layer (`mtp_tokens`).
 
-Speculative decoding: the MTP layer (runtime/model/mtp.py) drafts k tokens; the main model verifies the current
+Speculative decoding: the MTP layer (runtime/model/qwen3_5_moe.py) drafts k tokens; the main model verifies the current
 token and the k drafts in one forward that computes exactly what k + 1 one-token steps would (bit for bit) and keeps
 its Gated DeltaNet states at every position; the longest prefix of drafts the target accepts is kept, plus the
 target's own next token, and the cache is rewound to it (`HybridCache.rewind`, no recompute). Acceptance: each row's

@@ -12,7 +12,7 @@ Contract:
 - Pairs: as the runtime appends them to the MTP's KV, pair i is (token x_(i+1), hidden h_i) at position i; its
   target is the model's own greedy token after x_(i+1) (argmax of the logits at i + 1: the continuation itself
   where the model wrote it). Teacher forcing: the layer always sees the model's hidden states.
-- Model: `TorchMTP`, a differentiable torch copy of runtime/model/mtp.py (the two input norms, `fc` over
+- Model: `TorchMTP`, a differentiable torch copy of runtime/model/qwen3_5_moe.py `MTP` (the two input norms, `fc` over
   [embedding, hidden], transformers' own Qwen3.5-MoE decoder layer as a one-layer full-attention config, the final
   norm) on the frozen embedding and lm_head. `compare` holds it to the runtime's `MTP.forward` on the same pairs;
   training refuses (one line) a copy whose logits are not close at MIN_CLOSE of the positions.
@@ -107,7 +107,7 @@ def one_layer_config(config: dict[str, Any]) -> Any:
 
 
 class TorchMTP(nn.Module):
-    """runtime/model/mtp.py's forward in torch, differentiable, over whole sequences of pairs: the final-normed
+    """runtime/model/qwen3_5_moe.py `MTP.forward` in torch, differentiable, over whole sequences of pairs: the final-normed
     output [B, T, H] of pairs (embedding rows [B, T, H], hidden states [B, T, H]) at positions 0..T-1."""
 
     def __init__(self, config: dict[str, Any]):

@@ -43,7 +43,7 @@ def test_step_bytes_of_transformers_model_match_its_tensors(tiny_model):
 def _held_vectors(m) -> int:
     """Bytes of the fp32 vectors quantkit's model holds where the checkpoint stores bf16 (norm scales as
     (1 + w), conv taps, A, dt bias): the only bytes its step count may differ by from the stored tensors."""
-    from quantkit.runtime.model.layers import Attention
+    from quantkit.runtime.model.qwen3_5_moe import Attention
 
     total = m.final.numel() * 4
     for L in m.layers:
@@ -55,7 +55,7 @@ def _held_vectors(m) -> int:
 
 def test_step_bytes_of_quantkit_model(tiny_model):
     from quantkit.runtime import load_model
-    from quantkit.runtime.model.model import Model
+    from quantkit.runtime.model.qwen3_5_moe import Model
     from quantkit.testing.tiny import load_reference_model
 
     ref = load_reference_model(tiny_model, torch.bfloat16)

@@ -12,7 +12,7 @@ read back with the `gguf` reader (names, `nextn_predict_layers`, `block_count`, 
 loaded by `llama_cpp.Llama` (which leaves the block on disk: the trunk's logits are the --no-mtp file's, bit
 for bit), and its MTP graph run through llama-cpp-python's C API as llama-server's draft-mtp runs it (an
 LLAMA_CONTEXT_TYPE_MTP context on the same weights, fed the pairs (token p + 1, final-normed hidden p) by
-`llama_process`), against quantkit's own MTP layer (runtime/model/mtp.py) on the same pairs. The target's
+`llama_process`), against quantkit's own MTP layer (runtime/model/qwen3_5_moe.py) on the same pairs. The target's
 hidden states come from `llama_get_embeddings_ith` (the same final-normed tensor llama.cpp's MTP seed is); a
 second chained draft, fed the MTP graph's own hidden state, is not driven: that state is read only by
 `llama_get_embeddings_nextn`, a staging C++ function (src/llama-ext.h) the library exports under its mangled

@@ -127,7 +127,7 @@ def test_projections_on_one_input_equal_their_kernels(isa, dtype):
 def test_decode_attention_matches_the_torch_route(isa, heads, kv, hd, n):
     """`qk.attend` against the model's torch attention (transformers' eager roundings) over the first n
     rows of larger K/V buffers: equal but for the order of fp32 sums (1 bf16 ulp on a few outputs)."""
-    from quantkit.runtime.model.layers import attend
+    from quantkit.runtime.model.ops import attend
 
     g = torch.Generator().manual_seed(n + hd)
     cap = n + 7

@@ -33,7 +33,7 @@ def test_heap_guard_trims_only_past_the_slack_and_moves_its_floor(monkeypatch):
 def test_a_prefill_checks_the_heap_between_its_layers(tiny_model, monkeypatch):
     """The model's multi-token forward asks its guard after every layer; a one-token step never does."""
     from quantkit.runtime import load_model
-    from quantkit.runtime.model.model import STACK_VERIFY_ROWS
+    from quantkit.runtime.model.qwen3_5_moe import STACK_VERIFY_ROWS
 
     model = load_model(tiny_model).model
     calls = []

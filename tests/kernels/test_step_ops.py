@@ -1,7 +1,7 @@
 """The model's fused one-token ops (csrc/qk_step.cpp), on every op table the CPU can run (generic, AVX2,
-AVX512, AVX512-BF16: conftest.kernel_table), against the torch ops they replace
-(runtime/model/layers.py), at the real model's sizes (hidden 2048, Gated DeltaNet 16 k-heads / 32 v-heads
-x 128 with a 4-tap conv, 16 q / 2 kv heads x 256 with a quarter of each head rotated, 256 experts, top 8).
+AVX512, AVX512-BF16: conftest.kernel_table), against the torch ops they replace (runtime/model/ops.py
+`TorchOps`), at the real model's sizes (hidden 2048, Gated DeltaNet 16 k-heads / 32 v-heads x 128 with a
+4-tap conv, 16 q / 2 kv heads x 256 with a quarter of each head rotated, 256 experts, top 8).
 
 Bounds: the ops keep torch's dtypes and bf16 roundings; their fp32 sums run in another order and their
 exp is the kernel's own, so a result may differ from torch's by one bf16 step where an fp32 value sits on
@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.runtime import cpu_kernel
-from quantkit.runtime.model.layers import Attention, DeltaNet, rms
+from quantkit.runtime.model.ops import TorchOps, rms
+from quantkit.runtime.model.qwen3_5_moe import Attention, DeltaNet
 
 pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernel is not built on this machine")
 
@@ -143,7 +144,7 @@ def test_attn_step_matches_the_torch_route(qk):
     kc, vc = keys.clone(), values.clone()
     got = qk.attn_step(qo, ko, vo, qk_scale, cos, sin, kc, vc, n, hd ** -0.5, 1e-6)
     m = Attention(None, None, None, None, qk_scale, heads, kv, hd, rot, 1e-6)
-    want = m.core(qo, ko, vo, keys, values, n, cos.view(1, -1), sin.view(1, -1))  # the torch route
+    want = TorchOps().attention(m, qo, ko, vo, keys, values, n, cos.view(1, -1), sin.view(1, -1))  # the torch route
     _close(kc[:, n], keys[:, n], SHARE)  # normalised and rotated k
     assert torch.equal(vc, values)
     _close(got, want, SHARE)

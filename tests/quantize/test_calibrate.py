@@ -58,7 +58,7 @@ def test_calibration_config_keeps_one_layer_of_each_type():
 def test_the_kernels_enumerated_are_the_kernels_the_loader_builds(tiny_model, recipe):
     """The composition counts, per layer, exactly the (format, shape) kernels the runtime runs."""
     from quantkit.runtime import load_model
-    from quantkit.runtime.model.layers import Attention
+    from quantkit.runtime.model.qwen3_5_moe import Attention
 
     rt = load_model(quantized(tiny_model, recipe))
     spec = spec_from_config(load_config(tiny_model / "config.json"))

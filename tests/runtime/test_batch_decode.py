@@ -1,4 +1,4 @@
-"""Batched decode (quantkit/runtime/model/batch_step.py, quantkit/runtime/batch.py) against single-request runs,
+"""Batched decode (quantkit/runtime/model/qwen3_5_moe.py, quantkit/runtime/batch.py) against single-request runs,
 on the tiny decisive checkpoint (routing robust to rounding): every row of a batch step gives the logits and the
 cache states of the same token stepped alone, bit for bit, on every route and every forced op table of the CPU
 kernel; a `BatchGenerator`'s rows, joining and leaving mid-batch, generate exactly the tokens each request

@@ -21,7 +21,7 @@ from quantkit.errors import QuantkitError
 from quantkit.runtime import cpu_kernel, load_model
 from quantkit.runtime.generate import prefill
 from quantkit.runtime.loader import Placement
-from quantkit.runtime.model import model as model_mod
+from quantkit.runtime.model import qwen3_5_moe as model_mod
 from quantkit.runtime.model.config import model_config
 from quantkit.runtime.model.route import ENV
 from quantkit.testing.hf_reference import reference_model
@@ -160,7 +160,7 @@ def test_layers_match_transformers_with_expert_choice_fixed(tiny_model, route, o
     rt = _load(tiny_model, "int8", forced_route=route)
     ref = reference_model(quantized(tiny_model, "int8"), fp32_conv=True)
     ids = _prompt(rt)
-    ops = cpu_kernel.module() if route == "fused" else None
+    ops = rt.model.ops
     same = 0
     with torch.inference_mode():
         hc = DynamicCache(config=ref.config)
@@ -187,7 +187,7 @@ def test_layers_match_transformers_with_expert_choice_fixed(tiny_model, route, o
             for L, r in zip(rt.model.layers, rec, strict=True):
                 L.moe.route = lambda _h, _ops, r=r: r["route"]
                 x = r["in"].view(1, -1)
-                got = L(x, cache, cos, sin, ops)
+                got = L(x, model_mod.Steps([(cache, cache.n)], cos, sin, ops))
                 del L.moe.route
                 assert torch.equal(got, r["out"].view(1, -1)), (L.index, _rel(got, r["out"].view(1, -1)))
                 same += 1
@@ -232,7 +232,7 @@ def test_a_verify_equals_one_token_steps_and_rewinds_to_any_position(tiny_model,
     rt = _load(tiny_model, recipe, forced_route=route)
     m = rt.model
     if route == "stack" and rt.route()["name"].endswith("-stack"):  # the kernel's verify, not the layers' own
-        monkeypatch.setattr(model_mod.Layer, "verify", _not_called)
+        monkeypatch.setattr(model_mod.Layer, "steps", _not_called)
     ids = _prompt(rt)
     toks = _tokens(5)
     with torch.inference_mode():

@@ -1,5 +1,5 @@
-"""Speculative decoding with the model's MTP layer (quantkit/runtime/speculative.py, runtime/model/mtp.py) on the
-tiny checkpoint with an MTP layer: greedy output identical to decoding without drafts for 1-3 drafts, with the
+"""Speculative decoding with the model's MTP layer (quantkit/runtime/speculative.py, runtime/model/qwen3_5_moe.py)
+on the tiny checkpoint with an MTP layer: greedy output identical to decoding without drafts for 1-3 drafts, with the
 layer's own (random, rarely accepted) drafts and with an oracle drafter that proposes the model's own
 continuation and is wrong at a set rate (so drafts are accepted, rejected and rolled back); sampling keeps the
 target's distribution, and a seed gives the same tokens with and without drafts; bad --mtp values and a folder
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -99,14 +100,14 @@ def test_a_draft_from_several_pairs_skips_only_what_nothing_reads(tiny_model_mtp
     def run(last_only: bool) -> tuple[torch.Tensor, ...]:
         cache, moe_rows = mtp.new_cache(32), []
         mtp.forward(m, toks[:8], hid[:8], cache)  # a prompt's pairs first, as mtp_prefill writes them
-        add_to = mtp.layer.moe.add_to
-        type(mtp.layer).__call__ = lambda self, *a, **k: layer_call(self, *a, **{**k, "last_only": last_only})
-        mtp.layer.moe.add_to = lambda x, h, ops: moe_rows.append(x.shape[0]) or add_to(x, h, ops)
+        steps = mtp.layer.moe.steps
+        type(mtp.layer).__call__ = lambda self, x, p: layer_call(self, x, replace(p, last_only=last_only))
+        mtp.layer.moe.steps = lambda x, h, ops: moe_rows.append(x.shape[0]) or steps(x, h, ops)
         try:
             logits, h = mtp.forward(m, toks[8:], hid[8:], cache)
         finally:
             type(mtp.layer).__call__ = layer_call
-            del mtp.layer.moe.add_to
+            del mtp.layer.moe.steps
         assert sum(moe_rows) == (1 if last_only else pairs)
         return logits, h, cache.keys[0][:, :cache.n].clone(), cache.values[0][:, :cache.n].clone()
 
@@ -141,7 +142,7 @@ def test_the_kernels_one_call_draft_is_the_python_path_bit_for_bit(tiny_model_mt
             out += [logits, h]
         return out + [cache.keys[0][:, :cache.n].clone(), cache.values[0][:, :cache.n].clone()]
 
-    stack_draft = type(mtp._bound_stack(mtp.new_cache(8), m))
+    stack_draft = type(mtp.stack.bind(mtp.new_cache(8), m))
     real = stack_draft.draft
     want = run(False)
     stack_draft.draft = lambda self, *a: calls.append(a[0].shape[0]) or real(self, *a)

@@ -40,7 +40,7 @@ class Spy(dict):
 
 os.environ = Spy(os.environ)
 import quantkit.runtime, quantkit.runtime.kernels, quantkit.runtime.cpu_kernel, quantkit.runtime.loader
-import quantkit.runtime.model.route, quantkit.runtime.model.model, quantkit.runtime.engine
+import quantkit.runtime.model.route, quantkit.runtime.model.qwen3_5_moe, quantkit.runtime.engine
 print(json.dumps({"read": sorted(Spy.read), "mxfp4_global": hasattr(quantkit.runtime.kernels, "MXFP4_ROUTE")}))
 """.replace("SWITCHES", repr(SWITCHES))
 

@@ -15,7 +15,7 @@ import torch
 
 if TYPE_CHECKING:
     from quantkit.runtime.model.cache import HybridCache
-    from quantkit.runtime.model.model import Model
+    from quantkit.runtime.model.qwen3_5_moe import Model
 
 
 class CudaGraphStep:

@@ -7,9 +7,9 @@
 - `cuda-graph`: the torch step captured once in a CUDA graph and replayed (model/graph.py), where the whole model
   sits on one CUDA device; only when asked for.
 Prompts run the layers' T-token path; a speculative verify of 2-4 tokens runs in the stack where the route is
-`stack` (`Layers.verify`), else the layers' verify. `RuntimeOptions.route` (runtime/options.py: `load_model(
-options=)`, `forced_route=`, or QUANTKIT_ROUTE=stack|fused|torch|cuda-graph read by `RuntimeOptions.from_env`)
-forces one; a route this machine or placement cannot run is refused in one line, naming the route used instead.
+`stack` (`Layers.verify`), else in the layers' rows as one-token steps on the route's ops (model/ops.py).
+`RuntimeOptions.route` (runtime/options.py: `load_model(options=)`, `forced_route=`, or
+QUANTKIT_ROUTE=stack|fused|torch|cuda-graph read by `RuntimeOptions.from_env`) forces one; a route this machine or placement cannot run is refused in one line, naming the route used instead.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from quantkit.runtime import cpu_kernel
 from quantkit.runtime.options import ROUTE_ENV
 
 if TYPE_CHECKING:
-    from quantkit.runtime.model.model import Model
+    from quantkit.runtime.model.qwen3_5_moe import Model
 
 ENV = ROUTE_ENV
 KINDS = ("stack", "fused", "torch", "cuda-graph")
