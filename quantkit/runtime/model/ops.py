@@ -76,6 +76,11 @@ def row_slices(x: torch.Tensor) -> list[slice]:
     return [slice(j, j + 1) for j in range(x.shape[0])]
 
 
+def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Rows made one at a time, as one tensor (a single row as it is: a step makes one)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
 def project_rows(p: Projections, h: torch.Tensor) -> list[torch.Tensor]:
     """Every matrix of `p` on all rows of h, in groups of ROWS rows: the kernels' multi-row tiles read a matrix
     once for the group and a row's sums do not depend on the other rows (above ROWS the bf16 kernel hands over
@@ -87,7 +92,7 @@ def project_rows(p: Projections, h: torch.Tensor) -> list[torch.Tensor]:
 def linear_rows(k: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
     """One matrix on all rows of h, in groups of ROWS rows (`project_rows`)."""
     parts = [k(h[a:a + ROWS]) for a in range(0, h.shape[0], ROWS)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    return cat_rows(parts)
 
 
 # ---- a row's ops ----
@@ -155,7 +160,7 @@ class KernelOps(TorchOps):
 
     def topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         picks = [self.mod.route(logits[r], k) for r in row_slices(logits)]
-        return torch.stack([w.view(-1) for w, _i in picks]), torch.stack([i.view(-1) for _w, i in picks])
+        return cat_rows([w.view(1, -1) for w, _i in picks]), cat_rows([i.view(1, -1) for _w, i in picks])
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.mod.silu_mul(gate, up)

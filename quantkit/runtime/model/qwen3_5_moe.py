@@ -40,7 +40,7 @@ from quantkit.runtime.model.delta_rule import conv_tokens, delta_rule
 from quantkit.runtime.model.draft_head import DraftHead
 from quantkit.runtime.model.executors import STACK_PAIRS, STACK_VERIFY_ROWS, DraftStack, executor_for, take
 from quantkit.runtime.model.experts import GatheredExperts
-from quantkit.runtime.model.ops import gated_norm, linear_rows, project_rows, rms, rotate, row_slices
+from quantkit.runtime.model.ops import cat_rows, linear_rows, project_rows, rms, row_slices
 from quantkit.runtime.qexperts import QuantExperts
 
 ROPE_BLOCK = 256  # positions per table of rotary cos / sin for the stack's steps
@@ -102,7 +102,7 @@ class Attention:
         qo, ko, vo = project_rows(self.qkv_in, h)
         core = [p.ops.attention(self, qo[r], ko[r], vo[r], c.keys[i], c.values[i], pos, cos[r], sin[r])
                 for r, (c, pos) in zip(row_slices(h), p.slots, strict=True)]
-        return linear_rows(self.o, torch.cat(core))
+        return linear_rows(self.o, cat_rows(core))
 
     def core(self, qo: torch.Tensor, ko: torch.Tensor, vo: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
              n: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -134,7 +134,7 @@ class Attention:
         qg = qo.view(t, self.heads, 2 * self.head_dim)
         q, gate = qg[..., :self.head_dim], qg[..., self.head_dim:].reshape(t, -1)
         qk = rms(torch.cat([q, ko.view(t, self.kv_heads, self.head_dim)], dim=1), self.qk_scale, self.eps)
-        return rotate(qk, cos.view(t, 1, -1), sin.view(t, 1, -1), self.rot), gate
+        return O.rotate(qk, cos.view(t, 1, -1), sin.view(t, 1, -1), self.rot), gate
 
 
 # ---- the Gated DeltaNet layer ----
@@ -181,7 +181,7 @@ class DeltaNet:
                 states.append(c.state[i].clone())
         if before is not None:
             first.trail[i] = Trail(first.n, torch.cat([before, qkv.to(before.dtype)]), torch.stack(states))
-        return linear_rows(self.out, torch.cat(core))
+        return linear_rows(self.out, cat_rows(core))
 
     def core(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, window: torch.Tensor,
              state: torch.Tensor, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -194,7 +194,7 @@ class DeltaNet:
         g = self.neg_a * F.softplus(a.float() + self.dt_bias)
         out, states = delta_rule(x[:, :kd].view(t, self.hk, self.dk), x[:, kd:2 * kd].view(t, self.hk, self.dk),
                                  x[:, 2 * kd:].view(t, self.hv, self.dv), g, b.sigmoid(), state, keep_states=keep)
-        core = gated_norm(out.reshape(t * self.hv, self.dv), z.reshape(t * self.hv, self.dv), self.norm_w, self.eps)
+        core = O.gated_norm(out.reshape(t * self.hv, self.dv), z.reshape(t * self.hv, self.dv), self.norm_w, self.eps)
         return core.view(t, -1), states
 
 
@@ -245,9 +245,9 @@ class MoE:
         rows = row_slices(h)
         gate, up, sg, logits = self.inputs(h)
         wts, ids = self.route(logits, ops)
-        shared = linear_rows(self.shared_down, torch.cat([ops.silu_mul(gate[r], up[r]) for r in rows]))
+        shared = linear_rows(self.shared_down, cat_rows([ops.silu_mul(gate[r], up[r]) for r in rows]))
         routed = self.routed_rows(h, wts, ids)
-        return torch.cat([ops.combine(x[r], routed[r], shared[r], sg[r]) for r in rows])
+        return cat_rows([ops.combine(x[r], routed[r], shared[r], sg[r]) for r in rows])
 
     def route(self, logits: torch.Tensor, ops: O.TorchOps) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top-k of its own router logits: fp32 weights and int64 ids, [R, k] each."""
@@ -256,7 +256,7 @@ class MoE:
     def _inputs(self, h: torch.Tensor) -> list[torch.Tensor]:
         """The shared expert's gate, up, sigmoid gate on all rows; the router's logits row by row (the fp32 GEMV
         has no multi-row form that keeps the one-row sums)."""
-        return [*project_rows(self.shared_in, h), torch.cat([self.router_row(h[r]) for r in row_slices(h)])]
+        return [*project_rows(self.shared_in, h), cat_rows([self.router_row(h[r]) for r in row_slices(h)])]
 
     def _inputs_joint(self, h: torch.Tensor) -> list[torch.Tensor]:
         """`_inputs` with the router's bf16 product in the same kernel call (as the stack runs it)."""
@@ -272,7 +272,7 @@ class MoE:
         """Every row's `routed` as its step computes it: in one call where the experts op has a multi-row form
         that keeps each row's sum, else row by row."""
         many = self.experts_op.rows(h, wts, ids) if h.shape[0] > 1 else None
-        return many if many is not None else torch.cat([self.routed(h[r], wts[r], ids[r]) for r in row_slices(h)])
+        return many if many is not None else cat_rows([self.routed(h[r], wts[r], ids[r]) for r in row_slices(h)])
 
 
 # ---- a decoder layer ----
@@ -296,10 +296,10 @@ class Layer:
 
     def steps(self, x: torch.Tensor, p: Steps, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rows = row_slices(x)
-        h = torch.cat([p.ops.rms(x[r], self.pre, self.eps) for r in rows])
+        h = cat_rows([p.ops.rms(x[r], self.pre, self.eps) for r in rows])
         a = self.mixer.steps(h, p, self.index, cos, sin)
         post = [p.ops.add_rms(x[r], a[r], self.post, self.eps) for r in (rows[-1:] if p.last_only else rows)]
-        return self.moe.steps(torch.cat([q[0] for q in post]), torch.cat([q[1] for q in post]), p.ops)
+        return self.moe.steps(cat_rows([q[0] for q in post]), cat_rows([q[1] for q in post]), p.ops)
 
 
 # ---- the model ----
@@ -443,7 +443,7 @@ class Model:
 
     def _final_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm of rows x, each as its step norms it."""
-        return torch.cat([self.final_ops.rms(x[r], self.final, self.eps) for r in row_slices(x)])
+        return cat_rows([self.final_ops.rms(x[r], self.final, self.eps) for r in row_slices(x)])
 
     def _embed(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """[T, H] rows. A quantized table on the CPU dequantizes a row in a dozen small ops, so the rows of steps
