@@ -247,6 +247,14 @@ class LongPromptSchedule:
         return False
 
 
+def chunk_time(prefill_s: float, step_s: float | None, tokens: int | None) -> float | None:
+    """A full prefill chunk's seconds: the prefill, the running slots' steps between its ceil(tokens / chunk)
+    chunks taken out, per PREFILL_CHUNK tokens (the last chunk is short, and a boundary token may cut one more)."""
+    if not tokens or step_s is None:
+        return None
+    return (prefill_s - (math.ceil(tokens / PREFILL_CHUNK) - 1) * step_s) * PREFILL_CHUNK / tokens
+
+
 def long_prompt_round(url: str, text: str, tag: str, running_budget: int) -> dict[str, Any]:
     """RUNNING clients decoding while a fifth sends `text` (module docstring)."""
     plan = LongPromptSchedule()
@@ -270,10 +278,8 @@ def long_prompt_round(url: str, text: str, tag: str, running_budget: int) -> dic
     n_prompt = lp["prompt_tokens"]
     step = statistics.median(before) if before else None
     prefill = end - lp["sent"]
-    chunks = math.ceil(n_prompt / PREFILL_CHUNK) if n_prompt else None
-    # a chunk's time, from the prefill with the running slots' steps between its chunks taken out
-    chunk_s = (prefill - (chunks - 1) * step) / chunks if chunks and step is not None else None
-    return {"long_prompt_tokens": n_prompt, "prefill_s": prefill, "prefill_chunks": chunks, "step_s": step,
+    chunk_s = chunk_time(prefill, step, n_prompt)
+    return {"long_prompt_tokens": n_prompt, "prefill_s": prefill, "step_s": step,
             "chunk_s": chunk_s, "bound_s": chunk_s + step if chunk_s is not None and step is not None else None,
             "gaps_during": summary(during), "gaps_before": summary(before),
             "running_hung_up": sum(r["hung_up"] for r in runs), "chunks": chunk_account(runs)}
@@ -446,8 +452,10 @@ def write_report(reports: Path, d: dict[str, Any]) -> None:
              f"quantkit `serve --parallel N` against {peer}; {st['max_tokens']} tokens per request "
              "(ignore_eos, greedy, logprobs), one request per client, all at once; times in ms. Chunks: the streamed "
              "chunks that carried tokens (their logprobs count them) against the tokens generated; multi: chunks "
-             "that carried more than one token (held back, e.g. an incomplete UTF-8 character); unsent: tokens no "
-             "chunk carried (e.g. a control token without text). Every token is timed on its own where both are 0.",
+             "that carried more than one token (a server holds back a token that ends inside a UTF-8 character "
+             "until the next completes it, and sends both in one chunk); unsent: tokens no chunk's logprobs listed "
+             "(llama-server lists such a pair as one entry, its text and bytes both tokens'). Every token is timed "
+             "on its own where both are 0.",
              "", "| engine | clients | total tok/s | TTFT p50 | TTFT p95 | TTFT max | TBT p50 | TBT p95 | TBT max "
              "| chunks / tokens | multi | unsent |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -468,8 +476,8 @@ def write_report(reports: Path, d: dict[str, Any]) -> None:
         lines += ["", f"A fifth client's long prompt while {RUNNING} decode ({RUNNING + 1} slots): the running slots' "
                   f"gaps between two tokens that overlap its prefill, against the issue's bound of one prefill chunk's "
                   f"time plus one step. Step: the median running gap before the prompt was sent ({BEFORE} tokens "
-                  f"each); chunk: the prefill less its chunks' steps between them, over ceil(tokens / {PREFILL_CHUNK}) "
-                  "chunks.", "",
+                  f"each); chunk: the prefill less the steps between its ceil(tokens / {PREFILL_CHUNK}) chunks, per "
+                  f"{PREFILL_CHUNK} prompt tokens.", "",
                   "| engine | prompt tokens | prefill ms | step ms | chunk ms | bound ms | gaps | gap p50 | gap p95 "
                   "| gap max | within bound |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
         for r in longs:

@@ -87,6 +87,14 @@ def test_the_long_prompt_waits_for_every_running_slot_then_they_hang_up_after_it
     assert ended.ready(timeout=0)
 
 
+def test_a_chunks_time_is_the_prefill_less_its_steps_per_chunk_of_tokens():
+    # 2048 tokens: 4 chunks of 512 with 3 steps of 0.1 s between them, each chunk 1.5 s
+    assert serve_slots.chunk_time(4 * 1.5 + 3 * 0.1, 0.1, 2048) == pytest.approx(1.5)
+    # 2072 tokens: a short fifth chunk (24 tokens) after a fourth step; the time per 512 tokens stays the chunk's
+    assert serve_slots.chunk_time(4 * 1.5 + 1.5 * 24 / 512 + 4 * 0.1, 0.1, 2072) == pytest.approx(1.5)
+    assert serve_slots.chunk_time(1.0, None, 2048) is None and serve_slots.chunk_time(1.0, 0.1, None) is None
+
+
 def test_the_targets_are_ratios_of_total_tokens_per_second():
     rows = [{"engine": e, "clients": n, "tok_s": t} for e, n, t in
             [("quantkit", 1, 10.0), ("quantkit", 4, 25.0), ("quantkit", 8, 30.0), ("llama-server", 4, 20.0),
