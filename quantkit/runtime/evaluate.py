@@ -48,7 +48,7 @@ def layer_errors(model: Any, ref: Any, ids: torch.Tensor) -> list[float]:
     reference's expert choice held fixed; each sequence of `ids` [B, T] from a fresh cache."""
     rec = _capture_layers(ref, ids)
     b, t = ids.shape
-    cos, sin = model._rope_rows(torch.arange(t), torch.bfloat16)
+    cos, sin = model.rope_rows(torch.arange(t), torch.bfloat16)
     errs = []
     for i, layer in enumerate(model.layers):
         r = rec[i]

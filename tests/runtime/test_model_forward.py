@@ -183,7 +183,7 @@ def test_layers_match_transformers_with_expert_choice_fixed(tiny_model, route, o
             finally:
                 for h in hooks:
                     h.remove()
-            cos, sin = rt.model._rope_rows(torch.tensor([cache.n]), torch.bfloat16)
+            cos, sin = rt.model.rope_rows(torch.tensor([cache.n]), torch.bfloat16)
             for L, r in zip(rt.model.layers, rec, strict=True):
                 L.moe.route = lambda _h, _ops, r=r: r["route"]
                 x = r["in"].view(1, -1)
@@ -448,8 +448,8 @@ def test_the_static_step_a_cuda_graph_captures_tracks_the_dynamic_step(tiny_mode
 def test_rotary_table_rows_equal_the_per_position_rows(tiny_model):
     m = _load(tiny_model, "bf16").model
     for n in (0, 1, 255, 256, 257, 1000):
-        cos, sin, row = m._rope_table(n)
-        want = m._rope_rows(torch.tensor([n]), torch.bfloat16)
+        cos, sin, row = m.rope_table(n)
+        want = m.rope_rows(torch.tensor([n]), torch.bfloat16)
         assert torch.equal(cos[row:row + 1], want[0]) and torch.equal(sin[row:row + 1], want[1])
 
 
@@ -458,7 +458,7 @@ def test_quantized_embedding_rows_are_kept_and_bounded(tiny_model, monkeypatch):
     assert m.keep_rows  # int4 quantizes the embedding table
     monkeypatch.setattr(model_mod, "EMBED_ROWS", 3)
     for t in (5, 7, 5, 9, 11):
-        assert torch.equal(m._embed([t]), m.embed(torch.tensor([t])))
+        assert torch.equal(m.embed_tokens([t]), m.embed(torch.tensor([t])))
     assert list(m._rows) == [5, 9, 11]  # 7 was the least recently used
 
 

@@ -104,7 +104,7 @@ class StackExecutor:
         m = self.model
         if isinstance(ids, list) and stack_embedding(m) is not None:
             return ids
-        x = m._embed(ids)
+        x = m.embed_tokens(ids)
         return x if x.device.type == "cpu" else None
 
     def step(self, ids: list[int] | torch.Tensor, cache: HybridCache) -> torch.Tensor | None:
@@ -113,7 +113,7 @@ class StackExecutor:
         x = self._input(ids)
         if x is None:
             return None
-        cos, sin, row = self.model._rope_table(cache.n)
+        cos, sin, row = self.model.rope_table(cache.n)
         st = self.bind(cache)
         logits = st.step_ids(x, cos, sin, row, cache.n) if isinstance(x, list) else st.step(x, cos, sin, row, cache.n)
         cache.n += 1
@@ -130,7 +130,7 @@ class StackExecutor:
             return None
         n = cache.n
         t = len(x) if isinstance(x, list) else x.shape[0]
-        cos, sin, row = self.model._rope_span(n, t)
+        cos, sin, row = self.model.rope_span(n, t)
         st = self.bind(cache)
         out = st.verify_ids(x, cos, sin, row, n) if isinstance(x, list) else st.verify(x.contiguous(), cos, sin, row, n)
         for j, i in enumerate(self._gdn_layers):
@@ -182,7 +182,7 @@ class DraftStack:
         t = e.shape[0]
         if not self.applies(model, head, t):
             return None
-        cos, sin, row = model._rope_span(cache.n, t)
+        cos, sin, row = model.rope_span(cache.n, t)
         out = self.bind(cache, model).draft(e.contiguous(), hidden.to(torch.bfloat16).contiguous(), cos, sin, row,
                                             cache.n, head.table)
         cache.n += t
@@ -196,7 +196,7 @@ class DraftStack:
                 and hidden.dtype == torch.bfloat16 and hidden.is_contiguous()):
             return None
         cache.reserve(cache.n + t)
-        cos, sin, row = model._rope_span(cache.n, t)
+        cos, sin, row = model.rope_span(cache.n, t)
         i, h = self.bind(cache, model).draft_argmax(tokens, hidden, cos, sin, row, cache.n, head.table)
         cache.n += t
         return head.vocab_id(i), h

@@ -325,7 +325,7 @@ class Model:
         self.eps = self.cfg.rms_eps
         self.heap = HeapGuard()  # a prefill's temporaries given back between its layers
         self.vocab = self.cfg.text.vocab_size
-        # a quantized embedding on the CPU: its one-token rows are kept (`_embed`)
+        # a quantized embedding on the CPU: its one-token rows are kept (`embed_tokens`)
         self.keep_rows = not isinstance(self.embed, torch.Tensor) and all(
             p.device.type == "cpu" for p in self.embed.parts.values())
         self.static_ops = O.GraphOps()
@@ -377,8 +377,8 @@ class Model:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """The T-token path: (logits, the final norm's output) of every token or of the last (module docstring)."""
         cache.pos = None
-        x, t = self._embed(ids), len(ids)
-        cos, sin = self._rope_rows(torch.arange(cache.n, cache.n + t), x.dtype)
+        x, t = self.embed_tokens(ids), len(ids)
+        cos, sin = self.rope_rows(torch.arange(cache.n, cache.n + t), x.dtype)
         for L in self.layers:
             x = L(x, Prompt(cache, cos, sin))
             if t > STACK_VERIFY_ROWS:
@@ -396,7 +396,7 @@ class Model:
         if out is not None:
             return out
         cache.pos = None
-        x = self._step_rows(self._embed(ids), [(cache, cache.n + j) for j in range(len(ids))], keep)
+        x = self._step_rows(self.embed_tokens(ids), [(cache, cache.n + j) for j in range(len(ids))], keep)
         cache.n += len(ids)
         x = self._final_rows(x if all_logits or hidden else x[-1:])
         return linear_rows(self.head, x if all_logits else x[-1:]), x
@@ -416,7 +416,7 @@ class Model:
                 c.reserve(c.n + 1)
                 c.drop_trail()
                 c.pos = None
-            x = self._step_rows(torch.cat([self._embed([int(t)]) for t in ids]), [(c, c.n) for c in caches])
+            x = self._step_rows(torch.cat([self.embed_tokens([int(t)]) for t in ids]), [(c, c.n) for c in caches])
             for c in caches:
                 c.n += 1
             return linear_rows(self.head, self._final_rows(x))
@@ -425,8 +425,8 @@ class Model:
         """Logits [V] of one token given as a device tensor [1] at the device-side position cache.pos: the same
         shapes at every position and no host read (what `CudaGraphStep` captures). cache.n is the caller's."""
         assert cache.pos is not None
-        x = self._embed(token)
-        cos, sin = self._rope_rows(cache.pos, x.dtype)
+        x = self.embed_tokens(token)
+        cos, sin = self.rope_rows(cache.pos, x.dtype)
         for L in self.layers:
             x = L(x, Steps([(cache, cache.pos)], cos, sin, self.static_ops))
         return self.head(rms(x.to(self.head_device), self.final, self.eps)).view(-1)
@@ -435,7 +435,7 @@ class Model:
                    ) -> torch.Tensor:
         """Every layer on rows x [R, H] as one-token steps at their slots; the last layer's output on the head's
         device."""
-        cos, sin = self._rope_rows(torch.tensor([pos for _c, pos in slots]), x.dtype)
+        cos, sin = self.rope_rows(torch.tensor([pos for _c, pos in slots]), x.dtype)
         p = Steps(slots, cos, sin, self.ops, keep)
         for L in self.layers:
             x = L(x, p)
@@ -445,7 +445,7 @@ class Model:
         """The final norm of rows x, each as its step norms it."""
         return cat_rows([self.final_ops.rms(x[r], self.final, self.eps) for r in row_slices(x)])
 
-    def _embed(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
+    def embed_tokens(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """[T, H] rows. A quantized table on the CPU dequantizes a row in a dozen small ops, so the rows of steps
         and verifies are kept once made (up to EMBED_ROWS, least recently used out)."""
         if isinstance(self.embed, torch.Tensor):
@@ -464,29 +464,29 @@ class Model:
         self._rows[tok] = row
         return row
 
-    def _rope_rows(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_rows(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [len(pos), rot]: the text rotary (its three position axes are equal for text, so the
         interleaved recomposition is the identity)."""
         freqs = pos.to(self.inv_freq.device).float().view(-1, 1) * self.inv_freq
         cos, sin = freqs.cos(), freqs.sin()
         return torch.cat([cos, cos], dim=-1).to(dtype), torch.cat([sin, sin], dim=-1).to(dtype)
 
-    def _rope_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def rope_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """cos, sin [ROPE_BLOCK, rot] for the block of positions holding n, and n's row in them."""
         block, row = divmod(n, ROPE_BLOCK)
         if block not in self._rope:
             pos = torch.arange(block * ROPE_BLOCK, (block + 1) * ROPE_BLOCK)
-            self._rope = {block: self._rope_rows(pos, self.dtype)}  # one block at a time: positions only grow
+            self._rope = {block: self.rope_rows(pos, self.dtype)}  # one block at a time: positions only grow
         cos, sin = self._rope[block]
         return cos, sin, row
 
-    def _rope_span(self, n: int, t: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def rope_span(self, n: int, t: int) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(cos, sin, row): tables whose rows row .. row + t - 1 are the rotary of positions n .. n + t - 1, as
-        the stack's steps read them (`_rope_table`'s block where the span fits in it, else row by row)."""
-        cos, sin, row = self._rope_table(n)
+        the stack's steps read them (`rope_table`'s block where the span fits in it, else row by row)."""
+        cos, sin, row = self.rope_table(n)
         if row + t <= cos.shape[0]:
             return cos, sin, row
-        rows = [self._rope_table(p) for p in range(n, n + t)]
+        rows = [self.rope_table(p) for p in range(n, n + t)]
         return torch.stack([c[r] for c, _s, r in rows]), torch.stack([s[r] for _c, s, r in rows]), 0
 
     def stackable(self) -> bool:
@@ -548,13 +548,13 @@ class MTP:
         t, head, eps = len(tokens), self.head(model), self.cfg.rms_eps
         hidden = hidden[:t] if hidden.shape[0] > t else hidden
         cache.reserve(cache.n + t)
-        e = model._embed(tokens).to(self.layer.device)
+        e = model.embed_tokens(tokens).to(self.layer.device)
         out = self.stack.draft(model, head, e, hidden, cache)
         if out is not None:
             return list(out[1:]), out[0], head
         h = hidden.to(self.layer.device, torch.bfloat16)
         x = self.fc(torch.cat([model.ops.rms(e, self.emb_scale, eps), model.ops.rms(h, self.hid_scale, eps)], dim=-1))
-        cos, sin = model._rope_rows(torch.arange(cache.n, cache.n + t), x.dtype)
+        cos, sin = model.rope_rows(torch.arange(cache.n, cache.n + t), x.dtype)
         # a few pairs (the accepted drafts of a verify) as one-token steps: the T-token path's grouped experts cost
         # more than the rows' own calls; only the last row's output is drafted from, so the rows before it just
         # write their K/V
