@@ -95,6 +95,12 @@ def test_a_chunks_time_is_the_prefill_less_its_steps_per_chunk_of_tokens():
     assert serve_slots.chunk_time(1.0, None, 2048) is None and serve_slots.chunk_time(1.0, 0.1, None) is None
 
 
+def test_the_best_round_is_kept_with_every_rounds_figure():
+    rounds = [{"tok_s": 10.0, "tag": "a"}, {"tok_s": 30.0, "tag": "b"}, {"tok_s": 20.0, "tag": "c"}]
+    best = serve_slots.best_round(rounds)
+    assert best["tag"] == "b" and best["tok_s_rounds"] == [10.0, 30.0, 20.0]
+
+
 def test_the_targets_are_ratios_of_total_tokens_per_second():
     rows = [{"engine": e, "clients": n, "tok_s": t} for e, n, t in
             [("quantkit", 1, 10.0), ("quantkit", 4, 25.0), ("quantkit", 8, 30.0), ("llama-server", 4, 20.0),
@@ -139,6 +145,7 @@ def test_the_slots_bench_runs_on_a_tiny_model(tiny_model, tmp_path):
         assert r["tokens"] == 4 * r["clients"] and r["tok_s"] > 0 and r["ttft_s"]["p50"] > 0
         assert r["tbt_s"]["p50"] <= r["tbt_s"]["p95"] <= r["tbt_s"]["max"]
         assert r["chunks"]["tokens_in_chunks"] == r["tokens"]  # logprobs count every token, text or not
+        assert len(r["tok_s_rounds"]) == serve_slots.REPEATS and r["tok_s"] == max(r["tok_s_rounds"])
     lp = next(r for r in d["rows"] if "long_prompt" in r)["long_prompt"]
     assert lp["long_prompt_tokens"] > 48 and lp["prefill_s"] > 0 and lp["step_s"] > 0
     # a running client hangs up once the long prompt has its first token (LongPromptSchedule, tested above), or
