@@ -51,6 +51,7 @@ from quantkit.server.scheduler import MAX_SLOTS
 
 SECTION = ("<!-- bench serve --clients: begin -->", "<!-- bench serve --clients: end -->")
 LONG_PROMPT_TOKENS = 2048
+LONG_PROMPT_ROOM = 64  # the chat template around the long prompt and the tokens it asks for
 WORDS = ("the river runs past old stone walls and quiet fields where small boats rest while gulls circle over "
          "the harbour and fishermen mend their nets before the evening tide").split()
 RUNNING = 4  # slots decoding while the long prompt arrives
@@ -363,6 +364,9 @@ def run(reports: Path, model_dir: Path | None, workdir: Path, clients: list[int]
     single-client check (`single_rounds` rounds each; 0: none) (module docstring); the report written."""
     if llama_server is not None and not llama_server.is_file():  # before anything is made
         raise QuantkitError(f"--llama-server {llama_server}: no such file; build one with scripts/build-llama-server.sh")
+    if long_tokens and long_tokens + LONG_PROMPT_ROOM > context:
+        raise QuantkitError(f"--long-prompt {long_tokens}: with the chat template and its answer it does not fit the "
+                            f"servers' --context {context}; give at most {context - LONG_PROMPT_ROOM} or a larger --context")
     machine = machine_info()
     workdir.mkdir(parents=True, exist_ok=True)
     if model_dir is None:

@@ -129,6 +129,13 @@ def test_a_missing_llama_server_is_one_line_and_nothing_is_made(tmp_path, capsys
     assert not (tmp_path / "w").exists() and not (tmp_path / "r").exists()
 
 
+def test_a_long_prompt_past_the_context_is_one_line_and_nothing_is_made(tmp_path, capsys, monkeypatch):
+    code, out, err = run_cli(["bench", "--workdir", str(tmp_path / "w"), "--reports", str(tmp_path / "r"), "serve",
+                              "--clients", "1,2", "--context", "2048", "--long-prompt", "2048"], capsys, monkeypatch)
+    assert code != 0 and len(err.strip().splitlines()) == 1 and "--long-prompt 2048" in err and "Traceback" not in err
+    assert not (tmp_path / "w").exists() and not (tmp_path / "r").exists()
+
+
 @pytest.mark.slow
 def test_the_slots_bench_runs_on_a_tiny_model(tiny_model, tmp_path):
     reports = tmp_path / "reports"
