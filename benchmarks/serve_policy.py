@@ -33,12 +33,15 @@ SECTION = ("<!-- serve policy: begin -->", "<!-- serve policy: end -->")
 MAX_ROWS = 8
 PREFILL_CHUNK = 512
 SLOTS = (2, 4)
-# reports/bench-mtp.md: the trained MTP layer's acceptance with one draft, quantized ("A trained MTP layer")
+# From reports/bench-mtp.md: the trained MTP layer's acceptance with one draft, quantized ("A trained MTP layer");
+# the realistic-shape decode speed with one draft at that acceptance against no drafts (its oracle rows
+# interpolated, as that report does); a 2-token verify against one step.
 ACCEPTANCE = 0.85
-# reports/bench-mtp.md, realistic shape: one draft at 0.85 (its oracle rows at 0.80 and 0.88 interpolated) decodes at
-# 1.52x a plain step, and a 2-token verify costs 1.10x a step: a verify of 1.85 tokens takes 1.85 / 1.52 = 1.217
-# steps, so its draft costs 1.217 - 1.10 = 0.12 of a step
-DRAFT_STEPS = (1 + ACCEPTANCE) / 1.52 - 1.10
+ONE_DRAFT_SPEEDUP = 1.52
+VERIFY_2_STEPS = 1.10
+# a verify yields 1 + ACCEPTANCE tokens in (1 + ACCEPTANCE) / ONE_DRAFT_SPEEDUP steps, of which the verify is
+# VERIFY_2_STEPS: the rest is the draft's cost
+DRAFT_STEPS = (1 + ACCEPTANCE) / ONE_DRAFT_SPEEDUP - VERIFY_2_STEPS
 
 
 def measure(model_dir: Path, n_threads: int, rounds: int, prompt: int = 32) -> dict[str, Any]:

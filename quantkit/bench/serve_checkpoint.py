@@ -7,7 +7,8 @@ a client as its own chunk in both servers and can be timed. The random bf16 chec
 layer) is quantized by `quantkit quantize` with that bench's recipe, the one the GGUF `mixed` export writes bit
 for bit (experts int4 sym g32 = Q4_0, int8 rest). Not generated directly in the stored format: that draws each
 row from a pool of 256, so the lm_head's rows repeat, greedy decoding meets ties and picks the lowest id (byte
-tokens, a third of them incomplete UTF-8 that a server holds back), where llama.cpp breaks ties otherwise.
+tokens, half of them a lone part of a UTF-8 character that a server holds back), where llama.cpp breaks ties
+otherwise.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ from quantkit.bench.machine import machine_info
 from quantkit.bench.serve import free_port, percentile, stop_server
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json
+from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK
 from quantkit.server.scheduler import MAX_SLOTS
 
 SECTION = ("<!-- bench serve --clients: begin -->", "<!-- bench serve --clients: end -->")
@@ -57,7 +58,7 @@ WORDS = ("the river runs past old stone walls and quiet fields where small boats
 RUNNING = 4  # slots decoding while the long prompt arrives
 BEFORE = 8  # tokens each running slot has before the long prompt is sent (its gaps give the step's time)
 AFTER = 8  # tokens each running slot reads after the long prompt's first token, then it hangs up
-PREFILL_CHUNK = 512  # both engines' prompt chunk: quantkit's PREFILL_CHUNK, llama-server's default -ub
+PREFILL_CHUNK = DEFAULT_PREFILL_CHUNK  # quantkit's prompt chunk; llama-server's default -ub is the same 512
 SINGLE_ROUNDS = 5
 REPEATS = 3  # rounds per client count on each engine, the best kept: a load that comes and goes hits one round
 
