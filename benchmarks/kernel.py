@@ -34,7 +34,7 @@ from quantkit.bench import read_bandwidth_gbs, write_reports
 from quantkit.bench.engines import describe_machine
 from quantkit.formats import QuantSpec
 from quantkit.formats.int4 import int4_to_q4_0_blocks
-from quantkit.runtime import cpu_kernel
+from quantkit.kernels import cpu as cpu_kernel
 from quantkit.runtime.kernels import prepare, slice_parts
 from quantkit.runtime.model.ops import attend
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts

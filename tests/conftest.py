@@ -95,7 +95,7 @@ def tiny_stats(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Pa
 
 @pytest.fixture(params=KERNEL_TABLES)
 def kernel_table(request: pytest.FixtureRequest):
-    from quantkit.runtime import cpu_kernel
+    from quantkit.kernels import cpu as cpu_kernel
 
     if cpu_kernel.module() is None:
         pytest.skip("the CPU kernel is not built on this machine")
@@ -108,7 +108,7 @@ def each_table(request: pytest.FixtureRequest):
     op table in turn, forced after load as well as before (every kernel call reads the table in use, so a
     model loaded once runs on the forced table); where the kernel is not built the test runs once, on torch's
     kernels, and its other tables are skipped."""
-    from quantkit.runtime import cpu_kernel
+    from quantkit.kernels import cpu as cpu_kernel
 
     if cpu_kernel.module() is None:
         if request.param != KERNEL_TABLES[0]:

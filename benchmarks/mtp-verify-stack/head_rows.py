@@ -7,7 +7,8 @@ from pathlib import Path
 
 import torch
 
-from quantkit.runtime import cpu_kernel, load_model
+from quantkit.kernels import cpu as cpu_kernel
+from quantkit.runtime import load_model
 from quantkit.runtime.kernels import Projections
 
 torch.set_num_threads(int(sys.argv[1]))

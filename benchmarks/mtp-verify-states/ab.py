@@ -18,8 +18,9 @@ import torch
 
 import quantkit
 from benchmarks.mtp import OracleDrafter, decode
+from quantkit.kernels import cpu as cpu_kernel
 from quantkit.recipe import build_recipe
-from quantkit.runtime import cpu_kernel, load_model
+from quantkit.runtime import load_model
 
 out, label, src = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
 torch.set_num_threads(int(sys.argv[4]) if len(sys.argv) > 4 else 2)

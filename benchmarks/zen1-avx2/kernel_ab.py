@@ -14,8 +14,9 @@ import torch
 
 import quantkit
 from benchmarks.mtp import OracleDrafter, decode, verify_costs
+from quantkit.kernels import cpu as cpu_kernel
 from quantkit.recipe import build_recipe
-from quantkit.runtime import cpu_kernel, load_model
+from quantkit.runtime import load_model
 
 out, label = Path(sys.argv[1]), sys.argv[2]
 torch.set_num_threads(int(sys.argv[3]) if len(sys.argv) > 3 else 2)

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.fileio import write_atomic
+from quantkit.kernels import cpu as cpu_kernel
+from quantkit.runtime import hugepages
 
 
 def read_bandwidth_gbs(gib: float = 1.0, reps: int = 5) -> float:
@@ -17,8 +19,6 @@ def read_bandwidth_gbs(gib: float = 1.0, reps: int = 5) -> float:
     runtime/hugepages.py) and the sum is the CPU kernel's plain streaming read (`stream_sum`; torch's sum
     where the kernel is missing), so the bound is the best read the machine offers the weights."""
     import torch
-
-    from quantkit.runtime import cpu_kernel, hugepages
 
     x = hugepages.empty((int(gib * (1 << 30)) // 4,), torch.float32).fill_(1.0)
     mod = cpu_kernel.module()

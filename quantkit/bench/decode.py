@@ -39,6 +39,7 @@ from quantkit.bench import read_bandwidth_gbs, spells, write_reports
 from quantkit.checkpoint.reader import Checkpoint
 from quantkit.checkpoint.spec import load_config, spec_from_config
 from quantkit.errors import QuantkitError
+from quantkit.kernels import cpu as kernel_cpu
 from quantkit.planner.budget import RunSettings
 from quantkit.planner.hardware import build_hardware, cpu_name
 from quantkit.planner.host_costs import fastest, load_profile
@@ -72,10 +73,10 @@ FORCED_ISA = {"int4-avx2": "avx2", "int4-avx2-plain": "avx2-plain"}
 def default_configs() -> list[str]:
     """Every configuration; the forced-ISA ones only where they run a table below this CPU's: int4-avx2 on
     AVX512 CPUs, int4-avx2-plain (no AVX-VNNI, as AMD Zen 2/3) where AVX2 has AVX-VNNI."""
-    level = cpu_kernel.ISA_LEVELS.get(cpu_kernel.isa(), -1)
-    plain = cpu_kernel.best_table("avx2") == "avx2vnni"
+    level = kernel_cpu.ISA_LEVELS.get(kernel_cpu.isa(), -1)
+    plain = kernel_cpu.best_table("avx2") == "avx2vnni"
     return [n for n in CONFIGS if n not in FORCED_ISA
-            or (cpu_kernel.ISA_LEVELS["avx2"] < level and (n == "int4-avx2" or plain))]
+            or (kernel_cpu.ISA_LEVELS["avx2"] < level and (n == "int4-avx2" or plain))]
 
 
 def timed(model: Any, prompt: list[int], decode: int) -> tuple[float, list[float], list[int]]:
@@ -551,12 +552,12 @@ def plot(d: dict[str, Any], path: Path) -> None:
 
 def _table() -> str:
     """The kernel table this process runs (QUANTKIT_CPU_ISA lowers it)."""
-    return cpu_kernel.isa_name()
+    return kernel_cpu.isa_name()
 
 
 def _isa_line() -> str:
     """This CPU's instruction sets and the kernel table the runs use."""
-    mod = cpu_kernel.module()
+    mod = kernel_cpu.module()
     if mod is None:
         return "no CPU kernel"
     return f"{', '.join(mod.cpu_features()) or 'no AVX2'}; kernel table {mod.table()}"

@@ -47,9 +47,10 @@ from quantkit.checkpoint.reader import Checkpoint
 from quantkit.checkpoint.spec import Role
 from quantkit.export.gguf import export_gguf
 from quantkit.formats import QuantSpec
+from quantkit.kernels import cpu as kernel_cpu
 from quantkit.quantize.run import QuantizeOptions, run_quantize
 from quantkit.recipe import INT8, Recipe
-from quantkit.runtime import SamplingParams, cpu_kernel, load_model
+from quantkit.runtime import SamplingParams, load_model
 from quantkit.testing.tiny import load_reference_model, make_tiny_model
 
 DEFAULTS = {"layers": 4, "experts": 64, "top_k": 8, "vocab": 248320, "prompt": 64, "new_tokens": 32,
@@ -64,7 +65,7 @@ def describe_machine() -> dict[str, Any]:
         flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("model name")), "")
     except OSError:
         pass
-    mod = cpu_kernel.module()
+    mod = kernel_cpu.module()
     return {"cpu": flags.split(":", 1)[-1].strip() or platform.processor(), "cores": os.cpu_count(),
             "ram_gb": round(psutil.virtual_memory().total / 1e9, 1), "torch": torch.__version__,
             "load_avg_at_start": os.getloadavg()[0],
@@ -74,11 +75,11 @@ def describe_machine() -> dict[str, Any]:
 def default_isas() -> list[str]:
     """The instruction sets quantkit runs at: the level in use; where that is AVX512, AVX2 too; and where the
     AVX2 level has AVX-VNNI, the plain AVX2 table as well (what CPUs without AVX-VNNI run)."""
-    level = cpu_kernel.isa()
+    level = kernel_cpu.isa()
     if level == "none":
         return ["none"]
     isas = [level, "avx2"] if level == "avx512" else [level]
-    if "avx2" in isas and "avx2vnni" in cpu_kernel.module().tables():
+    if "avx2" in isas and "avx2vnni" in kernel_cpu.module().tables():
         isas.append("avx2-plain")
     return isas
 
@@ -88,14 +89,14 @@ class forced_isa:
     QUANTKIT_CPU_ISA picks it) or a table by its own name (avx2vnni, avx512bf16, ...)."""
 
     def __init__(self, name: str):
-        self.mod, self.name = cpu_kernel.module(), name
+        self.mod, self.name = kernel_cpu.module(), name
 
     def __enter__(self) -> str:
         if self.mod is None:
             return "none"
         self.before = self.mod.table()
-        if self.name in cpu_kernel.ISA_LEVELS:
-            self.mod.set_isa(cpu_kernel.ISA_LEVELS[self.name])
+        if self.name in kernel_cpu.ISA_LEVELS:
+            self.mod.set_isa(kernel_cpu.ISA_LEVELS[self.name])
         elif self.name == "avx2-plain":
             self.mod.set_table("avx2")
         else:

@@ -132,7 +132,7 @@ def _threads(n: int | None) -> int:
 def _llama_builds(values: list[str]) -> dict[str, Path]:
     """--llama-build NAME=FOLDER checked: NAME a kernel table quantkit runs here, FOLDER a llama.cpp build."""
     from quantkit.bench.llama_worker import library_dir
-    from quantkit.runtime import cpu_kernel
+    from quantkit.kernels import cpu as cpu_kernel
 
     mod = cpu_kernel.module()
     tables = list(mod.tables()) if mod else []
@@ -155,7 +155,7 @@ def _isas(value: str | None) -> list[str] | None:
     """--isa checked: known names this CPU (and build) can run, else one line and exit 2."""
     if value is None:
         return None
-    from quantkit.runtime import cpu_kernel
+    from quantkit.kernels import cpu as cpu_kernel
 
     names = [v.strip().lower() for v in value.split(",") if v.strip()]
     mod = cpu_kernel.module()

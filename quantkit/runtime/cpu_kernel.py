@@ -5,7 +5,7 @@ small ops from Python (reports/bench-kernel.md). The C++ kernel quantizes activa
 and dots them against the stored 4-bit / 8-bit codes, runs the k routed experts of a layer in one call, and
 fuses the rest of a decode step (norms, routing, the Gated DeltaNet and attention cores, the whole stack of
 layers in one call). Its build, load and instruction-set choice live below the formats in quantkit/kernels/
-(the quantizer runs on the same module); this module re-exports them for the runtime's callers.
+(the quantizer runs on the same module); this module holds the runtime's side: repacking, argmax, denormals.
 
 Error of the int8 activations: each block of 32 is rounded to 127 levels of its largest magnitude, a
 relative error of about 2^-8 per element, the same order as the bf16 activations torch's route takes;
@@ -20,22 +20,6 @@ from collections.abc import Iterator
 import torch
 
 from quantkit.kernels import cpu
-
-# The loader's names, re-exported (issue 44: the kernel's build and load moved to quantkit/kernels/ so that
-# formats/ reaches it without an upward import); runtime/model/ and the benches call them from here.
-from quantkit.kernels.cpu import (  # noqa: F401
-    ISA_LEVELS,
-    ISA_NAMES,
-    available,
-    best_table,
-    bf16_available,
-    chosen_level,
-    isa,
-    isa_name,
-    lower_isas,
-    module,
-    table_level,
-)
 from quantkit.runtime import hugepages
 from quantkit.runtime.options import RuntimeOptions
 
@@ -51,7 +35,7 @@ def configure(opts: RuntimeOptions) -> None:
 def argmax(x: torch.Tensor) -> int:
     """int(torch.argmax(x)) (the first maximum), by the kernel's `argmax` on a contiguous bf16 / fp32 CPU tensor:
     torch's reads bf16 logits element by element, a cost a greedy step over a 248k vocabulary notices."""
-    mod = module()
+    mod = cpu.module()
     if mod is not None and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float32) and x.is_contiguous():
         return int(mod.argmax(x))
     return int(torch.argmax(x))
@@ -63,7 +47,7 @@ def denormals_flushed() -> Iterator[None]:
     `flush_denormals`; without the kernel, torch's own switch, which covers the calling thread only); after it
     the threads are as they were. Why: a fast-forgetting Gated DeltaNet head makes denormals in a prefill, each
     a slow microcode assist; flushing them left every bit-for-bit forward test unchanged."""
-    mod = module()
+    mod = cpu.module()
     if mod is not None:
         was = mod.flush_denormals(True)
     else:
@@ -130,4 +114,4 @@ def supports(fmt: str, shape: tuple[int, ...], device: torch.device) -> bool:
     """Whether a matrix of this format ("bf16" for kept weights) and shape can run on the kernel."""
     if device.type != "cpu" or len(shape) != 2 or shape[1] % BLOCK or shape[0] <= 0:
         return False
-    return fmt in ("bf16", "int4", "int8") and available()
+    return fmt in ("bf16", "int4", "int8") and cpu.available()

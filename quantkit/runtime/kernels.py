@@ -45,6 +45,7 @@ from quantkit.formats.int4 import DEFAULT_GROUP as INT4_GROUP
 from quantkit.formats.int4 import codes
 from quantkit.formats.int4 import codes as int4_codes
 from quantkit.formats.mxfp4 import e8m0_to_fp32_half
+from quantkit.kernels import cpu as kernel_cpu
 from quantkit.runtime import cpu_kernel, hugepages
 
 COMPUTE_DTYPE = torch.bfloat16
@@ -111,8 +112,8 @@ class QBf16Kernel(DenseKernel):
         # the source and a mapped shard's pages are unmapped, so the copy does not count twice; a `shared`
         # tensor (the tied embedding) stays where it is
         super().__init__(w if shared else hugepages.copy(w))
-        self._mod = cpu_kernel.module()
-        self.route = f"quantkit qk bf16 ({cpu_kernel.isa_name()}) at decode, F.linear above 4 rows"
+        self._mod = kernel_cpu.module()
+        self.route = f"quantkit qk bf16 ({kernel_cpu.isa_name()}) at decode, F.linear above 4 rows"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] > self.MAX_ROWS:
@@ -234,9 +235,9 @@ class QKernel(Kernel):
     def __init__(self, fmt: str, n: int, k: int, qw: torch.Tensor, scales: torch.Tensor,
                  zeros: torch.Tensor | None, group: int):
 
-        self._mod = cpu_kernel.module()
+        self._mod = kernel_cpu.module()
         assert self._mod is not None, "QKernel needs the compiled CPU kernel"
-        self.route = f"quantkit qk {fmt} ({cpu_kernel.isa_name()}, int8 activations)"
+        self.route = f"quantkit qk {fmt} ({kernel_cpu.isa_name()}, int8 activations)"
         self.fmt_bits = 4 if fmt == "int4" else 8
         self.out_features, self.in_features = n, k
         self.group = group
@@ -266,7 +267,7 @@ class Projections:
 
     def __init__(self, kernels: list[Any]):
         self.kernels = kernels
-        mod = cpu_kernel.module()
+        mod = kernel_cpu.module()
         fused = (mod is not None and all(isinstance(k, (QKernel, QBf16Kernel)) for k in kernels)
                  and len({k.in_features for k in kernels}) == 1)
         self._mod = mod if fused else None

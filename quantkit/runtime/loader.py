@@ -39,6 +39,7 @@ from quantkit.checkpoint.spec import TextConfig, load_config, spec_from_config
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_text_bounded
 from quantkit.formats import QuantSpec, get_format
+from quantkit.kernels import cpu as kernel_cpu
 from quantkit.planner.fit import check_plan, hardware_here, plan_here
 from quantkit.planner.hardware import Hardware
 from quantkit.planner.placement import Plan, contiguous_runs
@@ -297,7 +298,7 @@ def _attention(src: TensorSource, p: str, dev: str, mc: ModelConfig, report: Loa
     proj = [kernel(src, f"{p}{n}_proj.weight", dev, report) for n in "qkvo"]
     return Attention(*proj, torch.cat([qs.expand(t.num_attention_heads, hd), ks.expand(t.num_key_value_heads, hd)]),
                      t.num_attention_heads, t.num_key_value_heads, hd, mc.rotary_dims, mc.rms_eps,
-                     kernel_attends=dev == "cpu" and cpu_kernel.module() is not None and hd % 16 == 0)
+                     kernel_attends=dev == "cpu" and kernel_cpu.module() is not None and hd % 16 == 0)
 
 
 def _delta_net(src: TensorSource, p: str, dev: str, mc: ModelConfig, report: LoadReport) -> DeltaNet:

@@ -311,7 +311,7 @@ def test_forced_avx2_row_is_judged_against_the_bound_too(monkeypatch):
     t = bd.targets(rows)
     assert t["int4_avx2_of_bound"] == pytest.approx(0.65) and t["bound_avx2_met"] is True
     assert t["bound_met"] is False and bd.targets(_rows())["bound_avx2_met"] is None
-    from quantkit.runtime import cpu_kernel
+    from quantkit.kernels import cpu as cpu_kernel
 
     for isa, has in (("avx512", True), ("avx2", False), ("generic", False), ("none", False)):
         monkeypatch.setattr(cpu_kernel, "isa", lambda isa=isa: isa)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks import kernel as bk
-from quantkit.runtime import cpu_kernel
+from quantkit.kernels import cpu as cpu_kernel
 
 
 def test_small_run_writes_every_route(tmp_path, monkeypatch):

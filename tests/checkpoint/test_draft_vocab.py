@@ -22,7 +22,8 @@ from quantkit.checkpoint.draft import (
 )
 from quantkit.errors import QuantkitError
 from quantkit.formats import QuantSpec, get_format
-from quantkit.runtime import cpu_kernel, load_model
+from quantkit.kernels import cpu as cpu_kernel
+from quantkit.runtime import load_model
 from quantkit.runtime.kernels import prepare
 from quantkit.runtime.model.draft_head import DraftHead, compact_copy
 

@@ -19,7 +19,7 @@ ISA_VALUES = (pytest.param("avx512", marks=_slow), pytest.param("avx512-plain", 
 def forced_isa_table(value: str) -> str:
     """The op table QUANTKIT_CPU_ISA=`value` runs on this machine. Skips the calling test where the CPU or the
     build cannot run that level, or where LEVEL-plain is the level's own table (no extension to leave out)."""
-    from quantkit.runtime import cpu_kernel
+    from quantkit.kernels import cpu as cpu_kernel
 
     mod = cpu_kernel.module()
     level = value.removesuffix("-plain")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from quantkit.runtime import SamplingParams, cpu_kernel
+from quantkit.kernels import cpu as kernel_cpu
+from quantkit.runtime import SamplingParams
 from quantkit.runtime.generate import stream_tokens
 
-MTP_ROUTES = ["stack", "torch"] if cpu_kernel.available() else ["torch"]
+MTP_ROUTES = ["stack", "torch"] if kernel_cpu.available() else ["torch"]
 
 PROMPT = [{"role": "user", "content": "write a long story about rivers, files and folders"}]
 

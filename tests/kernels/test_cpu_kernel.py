@@ -23,13 +23,14 @@ import torch
 
 from quantkit.formats import QuantSpec, get_format
 from quantkit.kernels import build as kernel_build
+from quantkit.kernels import cpu as kernel_cpu
 from quantkit.runtime import cpu_kernel
 from quantkit.runtime.kernels import DenseKernel, Projections, QBf16Kernel, QKernel, prepare, reference_matmul
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 
 from helpers.kernels import ISA_VALUES, forced_isa_table
 
-pytestmark = pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernel is not built on this machine")
+pytestmark = pytest.mark.skipif(not kernel_cpu.available(), reason="the CPU kernel is not built on this machine")
 
 TOL = 2e-2
 SPECS = [QuantSpec("int4", 32), QuantSpec("int4", 64, symmetric=False), QuantSpec("int4", 128), QuantSpec("int8")]
@@ -136,7 +137,7 @@ def test_decode_attention_matches_the_torch_route(isa, heads, kv, hd, n):
     keys[:, n:], values[:, n:] = 1e4, 1e4  # rows past n must not count
     q = torch.randn(heads, hd, generator=g).bfloat16()
     ref = attend(q, keys[:, :n], values[:, :n], hd ** -0.5).reshape(heads, hd)
-    got = cpu_kernel.module().attend(q, keys, values, n, hd ** -0.5)
+    got = kernel_cpu.module().attend(q, keys, values, n, hd ** -0.5)
     assert got.dtype == torch.bfloat16 and got.shape == (heads, hd)
     # one bf16 ulp of the output, or of a probability that flipped times the head's largest output
     r = ref.float().abs()
@@ -144,7 +145,7 @@ def test_decode_attention_matches_the_torch_route(isa, heads, kv, hd, n):
     assert bool(((got.float() - ref.float()).abs() <= tol).all())
     assert float((got != ref).float().mean()) < 0.01
     with pytest.raises(RuntimeError, match="do not fit"):
-        cpu_kernel.module().attend(q, keys, values, cap + 1, 1.0)
+        kernel_cpu.module().attend(q, keys, values, cap + 1, 1.0)
 
 
 def test_outliers_and_zero_blocks(isa):
@@ -346,7 +347,7 @@ def test_prefill_uses_the_same_kernels():
 
 
 def test_bad_arguments_are_errors_not_crashes():
-    mod = cpu_kernel.module()
+    mod = kernel_cpu.module()
     qw, s, _ = cpu_kernel.repack_int4(torch.zeros(16, 64, dtype=torch.uint8), torch.ones(16, 2), None)
     with pytest.raises(RuntimeError, match="multiple of 32"):
         mod.linear(torch.zeros(1, 48), qw, s, None, 4, 32, 16)
@@ -397,8 +398,8 @@ def test_switched_off_keeps_torch_route_quietly():
 
 def _levels() -> list[str]:
     """The levels this CPU and build can run, best first."""
-    best = cpu_kernel.module().detect_isa()
-    return [cpu_kernel.ISA_NAMES[i] for i in range(best, -1, -1)]
+    best = kernel_cpu.module().detect_isa()
+    return [kernel_cpu.ISA_NAMES[i] for i in range(best, -1, -1)]
 
 
 BF16_PROBE = ("import torch\nfrom quantkit.runtime.kernels import prepare\n"
@@ -426,7 +427,7 @@ def test_isa_switch_values(monkeypatch, capsys, value, best, want, why):
     at or below it is taken as asked; an unknown one or one above it costs one line and runs the best."""
     monkeypatch.setenv("QUANTKIT_CPU_ISA", value)
     monkeypatch.setattr(kernel_build, "_notice_given", set())
-    assert cpu_kernel.chosen_level(best) == want
+    assert kernel_cpu.chosen_level(best) == want
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [] if why is None else (len(err) == 1 and err[0].startswith("quantkit: ") and why in err[0])
 
@@ -436,7 +437,7 @@ def test_bad_isa_switch_in_a_fresh_process():
     p = run_probe({"QUANTKIT_CPU_ISA": "avx9"})
     lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "is not one of" in lines[0], p.stderr
-    assert route_line(p) == f"ROUTE quantkit qk int4 ({cpu_kernel.best_table(_levels()[0])}, int8 activations) True"
+    assert route_line(p) == f"ROUTE quantkit qk int4 ({kernel_cpu.best_table(_levels()[0])}, int8 activations) True"
 
 
 def test_foreign_compiler_gets_its_own_cache(tmp_path, monkeypatch):

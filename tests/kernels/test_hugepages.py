@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from quantkit.kernels import cpu as kernel_cpu
 from quantkit.runtime import cpu_kernel, hugepages
 from quantkit.runtime.kernels import prepare
 
@@ -97,7 +98,7 @@ def test_off_block_keeps_torchs_allocator():
 
 
 def test_repacked_codes_are_advised_and_compute_the_same():
-    if not cpu_kernel.available():
+    if not kernel_cpu.available():
         pytest.skip("the CPU kernel is not built")
     g = torch.Generator().manual_seed(0)
     n, k = 1024, 512
@@ -108,12 +109,12 @@ def test_repacked_codes_are_advised_and_compute_the_same():
     with hugepages.off():
         qw0, sc0 = cpu_kernel.repack_int8(q, s)
     assert advised(qw) and not advised(qw0)
-    mod = cpu_kernel.module()
+    mod = kernel_cpu.module()
     assert torch.equal(mod.linear(x, qw, sc, None, 8, 32, n), mod.linear(x, qw0, sc0, None, 8, 32, n))
 
 
 def test_bf16_kernel_copies_unless_shared():
-    if not cpu_kernel.available():
+    if not kernel_cpu.available():
         pytest.skip("the CPU kernel is not built on this machine")
     w = torch.randn(512, 1024).to(torch.bfloat16)
     x = torch.randn(1, 1024)

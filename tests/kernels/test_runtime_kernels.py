@@ -55,7 +55,7 @@ def test_kernel_matches_dequantize_then_matmul(spec, shape, route):
 def test_routes_on_cpu():
     """Which kernel each format gets on a CPU: quantkit's C++ kernel for int4/int8 where it is built,
     else (and with route="torch") the packed torch ops, never the slow fallback."""
-    from quantkit.runtime import cpu_kernel
+    from quantkit.kernels import cpu as cpu_kernel
 
     shape = (64, 128)
     w = torch.randn(shape).to(torch.bfloat16)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quantkit.runtime import cpu_kernel
+from quantkit.kernels import cpu as cpu_kernel
 from quantkit.runtime.model.ops import TorchOps, rms
 from quantkit.runtime.model.qwen3_5_moe import Attention, DeltaNet
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from quantkit.checkpoint.spec import default_spec, load_config, spec_from_config
+from quantkit.kernels import cpu as cpu_kernel
 from quantkit.planner.host_costs import (
     expert_pairs,
     kernel_matrices,
@@ -22,7 +23,6 @@ from quantkit.planner.host_costs import (
     spec_key,
 )
 from quantkit.recipe import get_recipe
-from quantkit.runtime import cpu_kernel
 from quantkit.runtime import kernels as K
 from quantkit.runtime.calibrate import (
     CAL_VOCAB,
@@ -171,7 +171,7 @@ def _pair(q, h: int = 64, i: int = 32):
 @pytest.mark.parametrize("fmt", ["int4", "int8", None])
 def test_time_moe_times_the_runtimes_fused_call_where_it_fuses(fmt):
     from quantkit.formats import QuantSpec
-    from quantkit.runtime import cpu_kernel
+    from quantkit.kernels import cpu as cpu_kernel
 
     q = QuantSpec(fmt, 32) if fmt == "int4" else (QuantSpec(fmt) if fmt else None)
     fuses = cpu_kernel.available()
@@ -203,7 +203,7 @@ def test_calibrate_cli_then_plan_reads_the_profile(tiny_model, tmp_path, capsys,
     spec = spec_from_config(load_config(tiny_model / "config.json"))
     want = {(spec_key(q), shape_key(s)) for _, q, s in kernel_matrices(spec, get_recipe("int4"))}
     assert {(k, s) for k, v in p.matmul_s.items() for s in v} == want
-    from quantkit.runtime import cpu_kernel
+    from quantkit.kernels import cpu as cpu_kernel
 
     if cpu_kernel.available():  # int4 experts fuse: the profile holds their fused call, which the plan uses
         pair = expert_pairs(spec, get_recipe("int4"))[0]

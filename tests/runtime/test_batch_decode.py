@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.runtime import cpu_kernel, load_model
+from quantkit.kernels import cpu as cpu_kernel
+from quantkit.runtime import load_model
 from quantkit.runtime.batch import BatchGenerator
 from quantkit.runtime.generate import GenerationResponse, SamplingParams
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache, LinearAttentionLayer
 from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as hf
 
-from quantkit.runtime import cpu_kernel
+from quantkit.kernels import cpu as cpu_kernel
 from quantkit.runtime.model.delta_rule import conv_tokens, delta_rule, delta_state_step
 
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from quantkit.errors import QuantkitError
-from quantkit.runtime import cpu_kernel, load_model
+from quantkit.kernels import cpu as cpu_kernel
+from quantkit.runtime import load_model
 from quantkit.runtime.generate import prefill
 from quantkit.runtime.loader import Placement
 from quantkit.runtime.model import qwen3_5_moe as model_mod

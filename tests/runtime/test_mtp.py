@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from quantkit.formats import QuantSpec, get_format
-from quantkit.runtime import SamplingParams, cpu_kernel, load_model
+from quantkit.kernels import cpu as kernel_cpu
+from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.generate import stream_tokens
 from quantkit.runtime.kernels import prepare
 from quantkit.runtime.model.draft_head import DraftHead, compact_copy
@@ -116,7 +117,7 @@ def test_a_draft_from_several_pairs_skips_only_what_nothing_reads(tiny_model_mtp
         assert torch.equal(got, want)
 
 
-@pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernel is not built on this machine")
+@pytest.mark.skipif(not kernel_cpu.available(), reason="the CPU kernel is not built on this machine")
 @pytest.mark.parametrize("rows", [0, 64])
 def test_the_kernels_one_call_draft_is_the_python_path_bit_for_bit(tiny_model_mtp, rows, one_thread):
     """On the stack route a draft of 1-4 pairs is one kernel call (`Layers.draft`): the logits, the hidden it
@@ -182,7 +183,7 @@ def test_a_greedy_draft_is_the_argmax_of_the_drafts_logits(tiny_model_mtp, route
         assert any(t < rows for t in got) and any(t >= tail for t in got)
 
 
-@pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernel is not built on this machine")
+@pytest.mark.skipif(not kernel_cpu.available(), reason="the CPU kernel is not built on this machine")
 @pytest.mark.parametrize("chunk", [4096, 64])
 @pytest.mark.parametrize("spec", [QuantSpec("int8"), None, QuantSpec("int4", 32)], ids=["int8", "bf16", "int4"])
 def test_the_compact_draft_copy_is_the_heads_rows_in_int4(spec, chunk, monkeypatch):
@@ -218,7 +219,7 @@ def test_the_compact_draft_copy_is_the_heads_rows_in_int4(spec, chunk, monkeypat
     assert compact_copy(get_format(spec.format).quantize(narrow, spec) if spec else narrow, spec, (v, 96), rows=200) is None
 
 
-@pytest.mark.skipif(not cpu_kernel.available(), reason="the CPU kernel is not built on this machine")
+@pytest.mark.skipif(not kernel_cpu.available(), reason="the CPU kernel is not built on this machine")
 @pytest.mark.parametrize("spec", [QuantSpec("int4", 32), QuantSpec("int4", 64, symmetric=False), QuantSpec("int8"),
                                   None], ids=["int4-g32", "int4-g64-asym", "int8", "bf16"])
 def test_the_draft_head_scores_its_rows_as_the_whole_head_does(spec):
@@ -250,7 +251,7 @@ def test_greedy_output_is_identical_with_a_reduced_draft_head(tiny_model_mtp, ro
     for draft in (1, 3):
         got, stats = generate_tokens(rt, draft)
         assert got == want and stats["accepted"] <= stats["drafted"]
-    assert rt.model.mtp.head(rt.model).reduced == (cpu_kernel.module() is not None)  # int4: the head is the kernel's
+    assert rt.model.mtp.head(rt.model).reduced == (kernel_cpu.module() is not None)  # int4: the head is the kernel's
 
 
 @pytest.mark.parametrize("route", MTP_ROUTES)

@@ -9,7 +9,7 @@ from transformers import Qwen3_5MoeTextConfig
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeExperts
 
 from quantkit.formats import QuantSpec, get_format
-from quantkit.runtime import cpu_kernel
+from quantkit.kernels import cpu as cpu_kernel
 from quantkit.runtime.kernels import prepare
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 

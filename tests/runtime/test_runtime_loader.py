@@ -33,7 +33,7 @@ def test_every_matrix_is_a_kernel_of_its_recipe_format(tiny_model):
         assert isinstance(k, Kernel) and k.format == "int8"
     assert all(isinstance(layer.moe.experts, QuantExperts) and layer.moe.experts.format == "int4"
                for layer in m.layers)
-    from quantkit.runtime import cpu_kernel
+    from quantkit.kernels import cpu as cpu_kernel
 
     # quantkit's CPU kernel where it is built (tests/kernels/test_cpu_kernel.py), else torch's packed ops
     int4, int8 = (("quantkit qk int4", "quantkit qk int8") if cpu_kernel.available()

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from quantkit.kernels import cpu as cpu_kernel
 from quantkit.kernels import cpu as kernel_cpu
-from quantkit.runtime import cpu_kernel, load_model
+from quantkit.runtime import load_model
 from quantkit.runtime.options import RuntimeOptions
 
 ROOT = Path(__file__).resolve().parents[2]

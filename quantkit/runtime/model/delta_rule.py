@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from quantkit.runtime import cpu_kernel
+from quantkit.kernels import cpu as cpu_kernel
 
 L2_EPS = 1e-6
 

@@ -20,6 +20,7 @@ import torch
 
 from quantkit.checkpoint.draft import COPY_SPEC, DRAFT_ROWS, TILE, copy_bytes, draft_ids, draft_span, ranked
 from quantkit.formats import QuantSpec, get_format
+from quantkit.kernels import cpu as kernel_cpu
 from quantkit.runtime import cpu_kernel
 from quantkit.runtime.kernels import Projections, QBf16Kernel, QKernel, prepare
 
@@ -65,7 +66,7 @@ class DraftHead:
         self.head, self.asked = head, rows
         self.vocab = int(getattr(head, "out_features", 0))
         rows, self.tail = draft_span(self.vocab, rows)
-        mod = cpu_kernel.module()
+        mod = kernel_cpu.module()
         kernel = isinstance(head, (QKernel, QBf16Kernel)) and getattr(head, "device", torch.device("cpu")).type == "cpu"
         ids = draft_ids(self.vocab, rows) if mod is not None and kernel else None
         self.compact = compact if ids is not None and compact is not None and compact.out_features == len(ids) else None
@@ -121,4 +122,4 @@ class DraftHead:
         """Logits [V] of one row x [1, H]: the scored ids' own, -inf elsewhere."""
         if not self.rows:
             return self.head(x).view(-1)  # type: ignore[operator]
-        return self.logits(cpu_kernel.module().linear_many(x.contiguous(), self.table))
+        return self.logits(kernel_cpu.module().linear_many(x.contiguous(), self.table))

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from quantkit.runtime import cpu_kernel
+from quantkit.kernels import cpu as cpu_kernel
 from quantkit.runtime.kernels import Projections
 from quantkit.runtime.model.cache import HybridCache, Trail
 from quantkit.runtime.model.graph import GraphExecutor

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from quantkit.runtime import cpu_kernel
+from quantkit.kernels import cpu as cpu_kernel
 from quantkit.runtime.kernels import Projections
 from quantkit.runtime.qexperts import QuantExperts
 

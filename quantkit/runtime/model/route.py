@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from quantkit.runtime import cpu_kernel
+from quantkit.kernels import cpu as cpu_kernel
 from quantkit.runtime.options import ROUTE_ENV
 
 if TYPE_CHECKING:
