@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from quantkit.bench.quantize import machine_info
+from quantkit.bench.machine import machine_info
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json
 from quantkit.server.backend import SamplingParams
