@@ -1,15 +1,15 @@
 // quantkit's CPU kernels for 4-bit and 8-bit weights at decode batch sizes.
 //
-// Why our own: torch 2.13's `_weight_int4pack_mm_for_cpu` is compute-bound at batch 1 (25-37 GMAC/s on
-// 2 threads, bf16 activations) and a MoE layer costs 16 such calls plus ~50 small ops from Python;
-// kt-kernel's workers spin against torch's OpenMP pool (measured on the 2-core build machine). Here activations are
+// Why our own: torch 2.13's `_weight_int4pack_mm_for_cpu` is compute-bound at batch 1 (bf16 activations;
+// reports/bench-kernel.md) and a MoE layer costs 16 such calls plus dozens of small ops from Python;
+// kt-kernel's workers spin against torch's OpenMP pool (measured, same report). Here activations are
 // quantized to int8 per block of 32 (one fp32 scale per block, as GGUF's Q8_0) and dotted against the
 // stored codes with VNNI (`vpdpbusd`: u8 codes x s8 activations), AVX2 (`vpmaddubsw`) or plain C++, on
 // torch's own thread pool (at::parallel_for), and the k routed experts of a MoE layer run in one call. The
 // per-ISA code is in qk_ops_impl.h; this file picks its table once at load (cpuid and XGETBV) and never
 // executes an instruction the CPU lacks.
 //
-// Weight layout (made once at load by quantkit/runtime/cpu_kernel.py; the stored formats are unchanged):
+// Weight layout (made once at load by quantkit/runtime/cpu_kernel.py's repack_*; the stored formats are unchanged):
 // rows in tiles of 16 (padded with zero-scale rows), K in blocks of 32.
 // - int4: qw uint8 [NT, K/32, 4, 16, 4]: byte (t, b, c, r, i) holds code(16t+r, 32b+8c+i) in its low
 //   nibble and code(16t+r, 32b+8c+4+i) in its high nibble; scales (and zeros, asymmetric) bf16
@@ -465,9 +465,8 @@ void moe_into(const float* xf, int64_t hdim, const int64_t* tb, int64_t experts,
   // gate_up, SiLU x up and the int8 blocks of the result in one pass. A work item is a run of `run` tiles
   // of one expert's gate rows and the matching run of its up rows; the SiLU x up values it makes are
   // quantized per 32. The longer the runs, the less the read switches between the gate and up streams:
-  // whole experts per item read 1.14x faster than runs of 2 tiles (one MoE layer, top-8 of 64, weights out
-  // of cache, 60 interleaved A/B rounds on the build machine; same sums). Runs halve until every thread
-  // has two items.
+  // whole experts per item read faster than runs of 2 tiles (one MoE layer, top-8 of 64, weights out of
+  // cache, interleaved A/B rounds; same sums). Runs halve until every thread has two items.
   TORCH_CHECK(inter % kBlock == 0, "qk_moe: the expert width must be a multiple of 32");
   const int64_t nj = inter / kBlock, ntg = inter / kTile;
   int64_t run = ntg;
@@ -495,7 +494,7 @@ void moe_into(const float* xf, int64_t hdim, const int64_t* tb, int64_t experts,
   const int64_t nt2 = tiles(dn[0]);
   // each thread owns a run of output tiles and reads each expert's rows of that run as one stream (its
   // tiles are contiguous), expert after expert: 4 KB per tile and expert, so a tile-outer loop hopped
-  // between k streams and read 35% slower (measured on the build machine)
+  // between k streams and read slower (measured in interleaved A/B rounds)
   at::parallel_for(0, nt2, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> acc((hi - lo) * kTile, 0.f);
     float tmp[kTile];
@@ -691,7 +690,7 @@ bool qk_flush_denormals(bool on) {
 }
 
 // Sum of an fp32 tensor, read once at full speed on torch's pool: what the benches time as the machine's
-// read bandwidth (torch's own sum reads 30-50% slower on the build machine, so it understated the bound).
+// read bandwidth (torch's own sum reads slower, so it understated the bound).
 double qk_stream_sum(torch::Tensor x) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.numel() % 64 == 0,
               "qk_stream_sum: x must be contiguous fp32 with a multiple of 64 elements");

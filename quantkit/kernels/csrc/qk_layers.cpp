@@ -6,7 +6,7 @@
 // Why: on the fused route a layer is about a dozen kernel calls, and between them Python looked up the
 // layer's tensors, converted each argument through pybind11 and kept the results alive (40 times over on the
 // real model). Here the same ops follow each other in C++, with the same arguments in the same order, so the
-// results are those of the Python loop bit for bit (tests/test_step_ops.py, tests/test_model_forward.py). They
+// results are those of the Python loop bit for bit (tests/kernels/test_step_ops.py, tests/runtime/test_model_forward.py). They
 // run on the kernel's pointer-level cores (qk_cpu.h, qk_step.h) into buffers this object owns, so a call makes
 // no torch op between its matrices and allocates only what it returns. The router's matrix joins the shared
 // expert's projections in one linear_many call (each of its tiles computed as linear_bf16 computes it).

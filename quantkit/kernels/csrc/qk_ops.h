@@ -2,7 +2,7 @@
 //
 // Each ISA's ops are one translation unit (qk_ops_generic.cpp, qk_ops_avx2.cpp, qk_ops_avx2vnni.cpp,
 // qk_ops_avx512.cpp, qk_ops_avx512bf16.cpp), all made from qk_ops_impl.h and compiled with their own -m flags by
-// runtime/cpu_kernel.py; the torch-facing sources (qk_cpu.cpp, qk_step.cpp, qk_layers.cpp) are compiled
+// kernels/build.py; the torch-facing sources (qk_cpu.cpp, qk_step.cpp, qk_layers.cpp) are compiled
 // for the baseline CPU and reach an ISA's code only through the table chosen once at load (qk_dispatch),
 // so no CPU runs an instruction it lacks, whatever a compiler hoists. This header is plain C++ (no torch,
 // no std templates): an ISA unit must not emit weak template code that the linker could pick for another.

@@ -1,3 +1,3 @@
-// The avx512 unit of the op table (AVX512 F/BW/VL/VNNI): compiled with its own flags by runtime/cpu_kernel.py.
+// The avx512 unit of the op table (AVX512 F/BW/VL/VNNI): compiled with its own flags by kernels/build.py.
 #define QK_TARGET 2
 #include "qk_ops_impl.h"

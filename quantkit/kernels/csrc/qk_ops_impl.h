@@ -1,6 +1,6 @@
 // One ISA unit's ops (qk_ops.h's table), compiled once per instruction set: the unit's source defines
 // QK_TARGET (0 generic, 1 AVX2+FMA, 2 AVX512 F/BW/VL/VNNI, 3 the same with AVX512-BF16, 4 AVX2+FMA with
-// AVX-VNNI) and includes this file, and runtime/cpu_kernel.py compiles it with that ISA's -m flags.
+// AVX-VNNI) and includes this file, and kernels/build.py compiles it with that ISA's -m flags.
 //
 // The fused ops are written once over `vf`, a vector of W fp32 lanes: 16 on AVX512, 8 on AVX2, and 8 in
 // plain C++ arrays for the generic unit (which the compiler vectorises for whatever baseline it targets).

@@ -7,7 +7,7 @@
 // Why our own: torch's route takes some 30 passes over each chunk for int4's clip search, plus a separate
 // bf16 -> fp32 copy and an fp32 norm for the error figures; here the scale search runs on eight groups at once.
 //
-// The bytes are formats/int4.py's and formats/int8.py's (tests/test_quant_kernel.py holds them equal on every
+// The bytes are formats/int4.py's and formats/int8.py's (tests/kernels/test_quant_kernel.py holds them equal on every
 // table this CPU runs):
 // - int4: base = -m / 8 for the group's value m of largest magnitude (the first such value in index order,
 //   which only matters for the sign of an all-zero group's scale); candidates bf16(base * f) for f in 1 and the

@@ -16,7 +16,7 @@
 // They keep the torch route's dtypes and roundings (bf16 activations rounded where torch rounds them, fp32
 // norms, gates and state); sums run in another order and exp / sigmoid / SiLU use the table's exp, so results
 // differ from torch's in the last fp32 bit and, through a bf16 rounding, now and then in one bf16 step
-// (tests/test_decode_step.py states the bounds).
+// (tests/kernels/test_step_ops.py states the bounds).
 
 #include <ATen/Parallel.h>
 
