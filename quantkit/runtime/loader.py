@@ -450,7 +450,9 @@ def build_model(src: TensorSource, config: dict[str, Any], placement: Placement,
     compact = (compact_copy(h_parts, h_spec, (head.out_features, head.in_features))
                if has_mtp and isinstance(head, (QKernel, QBf16Kernel)) else None)
     del h_parts
-    model = Model(mc, embed, layers, final, head)
+    # a quantized table on the CPU dequantizes a row in a dozen small ops: the model keeps its steps' rows
+    keep_rows = isinstance(embed, QuantEmbedding) and all(p.device.type == "cpu" for p in embed.parts.values())
+    model = Model(mc, embed, layers, final, head, keep_rows=keep_rows)
     if has_mtp:
         model.mtp = build_mtp(src, mc, head_dev, report, route, mtp_copies)
         model.mtp.compact = compact

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from quantkit.runtime import SamplingParams, cpu_kernel, load_model
+from quantkit.kernels import cpu as kernel_cpu
+from quantkit.runtime import SamplingParams, load_model
 
 from helpers.chat import run_chat
 from helpers.cli import run_cli
@@ -29,9 +30,9 @@ def test_generate_json_names_the_route(tiny_model, capsys, monkeypatch):
     assert code == 0, err
     route = json.loads(out)["route"]
     assert set(route) == {"name", "isa", "table", "fused_ops", "one_call"}
-    if cpu_kernel.available():
-        table = cpu_kernel.module().table()
-        assert route["isa"] == cpu_kernel.isa() and route["table"] == table
+    if kernel_cpu.available():
+        table = kernel_cpu.module().table()
+        assert route["isa"] == kernel_cpu.isa() and route["table"] == table
         assert route["fused_ops"] is True and route["one_call"] is True  # the tiny model is all on the CPU
         assert route["name"] == f"cpu-{table}-stack"
     else:

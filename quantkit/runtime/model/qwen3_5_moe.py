@@ -311,6 +311,7 @@ class Model:
     final: torch.Tensor  # the final norm's (1 + w), fp32
     head: Kernel
     dtype: torch.dtype = torch.bfloat16
+    keep_rows: bool = False  # a quantized table's step rows are kept once made (`embed_tokens`; the loader's choice)
     route: routes.Route = field(init=False)
     _rows: dict[int, torch.Tensor] = field(default_factory=dict, init=False)  # kept embedding rows, oldest first
     _rope: dict[Any, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, init=False)
@@ -325,9 +326,6 @@ class Model:
         self.eps = self.cfg.rms_eps
         self.heap = HeapGuard()  # a prefill's temporaries given back between its layers
         self.vocab = self.cfg.text.vocab_size
-        # a quantized embedding on the CPU: its one-token rows are kept (`embed_tokens`)
-        self.keep_rows = not isinstance(self.embed, torch.Tensor) and all(
-            p.device.type == "cpu" for p in self.embed.parts.values())
         self.static_ops = O.GraphOps()
         self.set_route("torch")
 
