@@ -430,7 +430,7 @@ def render_file_to_file(f: dict[str, Any], before: dict[str, Any] | None,
                   f"{c['best']['llama.cpp']['wall']:.2f} s."]
     L += ["", "The int4 quantize stage is the clip search of formats/int4.py (three candidate scales per group, each "
           "scored on the group's rounding error), where ggml's Q4_0 takes the one scale of the block's largest "
-          "magnitude; int4 and int8 of bf16 rows run on the quantizer's own kernel (runtime/quant_kernel.py: one "
+          "magnitude; int4 and int8 of bf16 rows run on the quantizer's own kernel (kernels/quant.py: one "
           "pass per group, the search eight groups at once, the error sums inside). The start-up is mostly "
           "torch's import (the CLI imports only the command's module)."]
     for c in f["cases"]:

@@ -6,9 +6,12 @@ root=$(git rev-parse --show-toplevel)
 base=$1; shift
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-git -C "$root" archive "$base" quantkit/runtime/csrc | tar -x -C "$tmp"
+# the kernel sources moved from quantkit/runtime/csrc to quantkit/kernels/csrc; BASE may predate the move
+src=quantkit/kernels/csrc
+git -C "$root" cat-file -e "$base:$src" 2>/dev/null || src=quantkit/runtime/csrc
+git -C "$root" archive "$base" "$src" | tar -x -C "$tmp"
 flags="-O3 -std=c++17 -ffp-contract=off -fno-math-errno -mavx2 -mfma"  # kernels/build.py's, AVX2 unit
-g++ $flags -I"$tmp/quantkit/runtime/csrc" -c "$tmp/quantkit/runtime/csrc/qk_ops_avx2.cpp" -o "$tmp/base.o"
-g++ $flags -I"$root/quantkit/runtime/csrc" -Dqk_ops_avx2=qk_ops_avx2_v -c "$root/quantkit/runtime/csrc/qk_ops_avx2.cpp" -o "$tmp/var.o"
-g++ -O2 -I"$root/quantkit/runtime/csrc" "$(dirname "$0")/tile_ab.cpp" "$tmp/base.o" "$tmp/var.o" -o "$tmp/tile_ab" -lpthread
+g++ $flags -I"$tmp/$src" -c "$tmp/$src/qk_ops_avx2.cpp" -o "$tmp/base.o"
+g++ $flags -I"$root/quantkit/kernels/csrc" -Dqk_ops_avx2=qk_ops_avx2_v -c "$root/quantkit/kernels/csrc/qk_ops_avx2.cpp" -o "$tmp/var.o"
+g++ -O2 -I"$root/quantkit/kernels/csrc" "$(dirname "$0")/tile_ab.cpp" "$tmp/base.o" "$tmp/var.o" -o "$tmp/tile_ab" -lpthread
 "$tmp/tile_ab" "$@"
