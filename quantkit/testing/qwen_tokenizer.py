@@ -17,22 +17,13 @@ import json
 from pathlib import Path
 
 from quantkit.errors import QuantkitError
-from quantkit.testing.tokenizer import CHAT_TEMPLATE, SPLIT_REGEX
+from quantkit.testing.tokenizer import CHAT_TEMPLATE, QWEN_SPECIAL_TOKENS, SPLIT_REGEX
 
 BPE_RANKS = 248044
 VOCAB = 248320
 # Qwen3.5's added tokens from 248044 in order; True: special (dropped by decode(skip_special_tokens=True))
 SPECIAL_TOKENS: list[tuple[str, bool]] = [
-    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
-    ("<|object_ref_start|>", True), ("<|object_ref_end|>", True), ("<|box_start|>", True),
-    ("<|box_end|>", True), ("<|quad_start|>", True), ("<|quad_end|>", True),
-    ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
-    ("<|image_pad|>", True), ("<|video_pad|>", True),
-    ("<tool_call>", False), ("</tool_call>", False),
-    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False), ("<|fim_pad|>", False),
-    ("<|repo_name|>", False), ("<|file_sep|>", False),
-    ("<tool_response>", False), ("</tool_response>", False),
-    ("<think>", False), ("</think>", False),
+    *QWEN_SPECIAL_TOKENS,  # <|endoftext|> .. </think>, as the generated tokenizer has them
     ("<|audio_start|>", True), ("<|audio_end|>", True), ("<tts_pad>", True), ("<tts_text_bos>", True),
     ("<tts_text_eod>", True), ("<tts_text_bos_single>", True), ("<|audio_pad|>", True),
 ]
