@@ -16,6 +16,7 @@ tests/server/test_server_scheduler.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,22 +107,30 @@ class BatchScheduler(JobLine):
 
     def _admit(self, job: Job) -> None:
         """Prefill the job's prompt alone (the running slots stepping between its chunks) into a free slot."""
+        row = self._seat(job, lambda: self._batch.add(
+            ids=job.prompt.ids, sampling=job.params, cancel=job.cancel, enable_thinking=job.prompt.opens_reasoning,
+            between=self._deliver))
+        if row is not None:
+            self._fork_siblings(job, row)
+
+    def _seat(self, job: Job, make_row: Callable[[], int]) -> int | None:
+        """`job` into a free slot through `make_row` (a prefill, or a fork of a sibling's prompt state): its row,
+        or None where it ended first (cancelled, the server closing) or `make_row` failed for it alone."""
         start = time.perf_counter()
         if self._closed:
             job.stop()
         if job.cancel.is_set():
             self._finish(_Slot(job, start, last=start), None)
-            return
+            return None
         try:
-            row = self._batch.add(ids=job.prompt.ids, sampling=job.params, cancel=job.cancel,
-                                  enable_thinking=job.prompt.opens_reasoning, between=self._deliver)
+            row = make_row()
         except Exception as e:  # this request fails alone; the running slots go on
             self._fail([job], e)
-            return
+            return None
         with self._cv:
             self._slots[row] = _Slot(job, start, last=start)
             self.stats.running = len(self._slots)
-        self._fork_siblings(job, row)
+        return row
 
     def _fork_siblings(self, job: Job, row: int) -> None:
         """The next waiting choices of `job`'s prompt, into free slots, each in a copy of `row`'s prompt state."""
@@ -132,19 +141,7 @@ class BatchScheduler(JobLine):
                 sib = self._line.popleft()
                 self._siblings.discard(id(sib))
                 self.stats.waiting = self._waiting()
-            start = time.perf_counter()
-            if sib.cancel.is_set() or self._closed:
-                sib.stop()
-                self._finish(_Slot(sib, start, last=start), None)
-                continue
-            try:
-                r = self._batch.fork(row, sib.params, cancel=sib.cancel)
-            except Exception as e:  # this choice fails alone; the running slots go on
-                self._fail([sib], e)
-                continue
-            with self._cv:
-                self._slots[r] = _Slot(sib, start, last=start)
-                self.stats.running = len(self._slots)
+            self._seat(sib, lambda sib=sib: self._batch.fork(row, sib.params, cancel=sib.cancel))
 
     def _deliver(self, events: list[tuple[int, TokenEvent]]) -> None:
         """A step's events to their jobs; an ended row's `Done`, its slot freed."""
