@@ -21,6 +21,7 @@ from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.chat import Chat, ChatSession
 from quantkit.runtime.session_file import _digest, load_session, save_session
 
+from helpers.chat import scripted_input
 from helpers.cli import TINY_KW, run_cli
 from helpers.probe import count, expect_one_line
 
@@ -206,16 +207,10 @@ def test_a_chat_line_of_binary_bytes_is_refused_and_the_chat_goes_on():
     from types import SimpleNamespace
 
     count()
-    lines = iter(["ls \udcff\udcfe", "/save"])
-
-    def read(_p: str) -> str:
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
     buf = io.StringIO()
     rt = SimpleNamespace(folder=Path("m"), context=64, model=SimpleNamespace(mtp=None))
-    chat = Chat(rt, ChatSession(), SamplingParams(), Console(file=buf, width=300), read)
+    chat = Chat(rt, ChatSession(), SamplingParams(), Console(file=buf, width=300),
+                scripted_input(["ls \udcff\udcfe", "/save"]))
     chat.run()  # the surrogate line never reaches the tokenizer (it would raise TypeError there)
     assert "not UTF-8 text" in buf.getvalue() and "usage: /save FILE" in buf.getvalue() and chat.s.messages == []
 
