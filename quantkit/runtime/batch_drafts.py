@@ -10,23 +10,24 @@ token and its k drafts, positions kept, the cache rewound to the tokens accepted
 (runtime/speculative.py) does alone; the tokens are those the row generates alone, drafts or not.
 
 `DraftPlan`: drafts per row at a step where the count is left to quantkit (the default; `--mtp N` drafts N a row,
-fewer where its budget ends): the counts that give the most tokens per second by what steps of that shape measured: the seconds of a forward of S
-rows carrying R tokens (S rows in the step, R - S drafts among them; the median of its last COST_SAMPLES, its
-rewinds included), the seconds of a draft, and each row's acceptance p (accepted / drafts examined, its own counts
-weighed with all rows'; FIRST_ACCEPTANCE for every row until EXPLORE drafts were examined): k drafts yield
-1 + p + ... + p^k tokens on average. For each total of drafts the rows with the likeliest next acceptance take
-them; the total with the best tokens per second is kept. A shape costs at least what any measured shape of as many
-rows and fewer tokens cost (more tokens in a step never cost less), so one not measured yet is tried when it would
-be best even at that price, then judged on its own time; a step of S rows without drafts is measured first.
-One row alone is `generate`'s case (`DraftTuner` there, which times each count; the same choice from costs here);
-several rows draft where the larger step still pays (reports/bench-serve-policy.json: at 2 slots a verify of 4
-token rows costs little more than 2, at 4 slots 8 rows cost twice 4). Where the pooled acceptance makes even one
-row's best count 0, the plan is `off`: new rows carry no drafter (an MTP layer that is rarely right costs a few
-verifies, as with the tuner).
+fewer where its budget ends): the counts with the most tokens per second by what steps of that shape measured:
+the seconds of a forward of S rows carrying R tokens (R - S of them drafts; the median of its last COST_SAMPLES,
+rewinds included), the seconds of a draft, and each row's acceptance p (accepted / drafts examined, its own
+counts weighed with all rows'; FIRST_ACCEPTANCE for every row until EXPLORE drafts were examined): k drafts yield
+1 + p + ... + p^k tokens on average. For each total of drafts the rows likeliest to accept their next one take
+them; the total with the best tokens per second is kept. A shape costs at least what a measured shape of as many
+rows and fewer tokens cost (more tokens never cost less); shapes are tried upward from the S rows without drafts,
+measured first: the next shape not measured is tried when it would be best even at the last one's price, then
+judged on its own time. One row alone is `generate`'s case (its `DraftTuner` times each count; the same choice
+from costs here); several rows draft where the larger step still pays (reports/bench-serve-policy.json: at 2 slots
+4 token rows cost little more than 2, at 4 slots 8 cost twice 4). Where even a lone row's best count is 0, the
+plan is `off` for good: new rows carry no drafter (an MTP layer that is rarely right costs a few verifies, as
+with the tuner).
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import deque
 from typing import Any
@@ -167,11 +168,14 @@ class DraftPlan:
         p = [self.acceptance(*r) for r in rows]
         gains = sorted(((p[j] ** m, j) for j in range(s) for m in range(1, limits[j] + 1)), reverse=True)
         per_draft = statistics.median(self.draft_s) if self.draft_s else 0.0
+        frontier = next(t for t in itertools.count(s + 1) if not self.costs.get((s, t)))  # the next to try
         best, best_rate = [0] * s, s / base
         k, tokens = [0] * s, float(s)
         for d, (gain, j) in enumerate(gains, 1):
             k[j] += 1
             tokens += gain
+            if s + d > frontier and not self.costs.get((s, s + d)):
+                continue  # not measured, and not the next shape to try
             secs = self.cost(s, s + d)
             assert secs is not None
             rate = tokens / (secs + d * per_draft)

@@ -82,10 +82,12 @@ def test_shapes_not_measured_are_tried_and_a_step_without_drafts_comes_first():
     plan = DraftPlan()
     assert plan.counts([3], [(0, 0)]) == [0]  # nothing measured: the plain step first
     plan.record(1, 1, 0.0257)
-    assert plan.counts([3], [(0, 0)]) == [3]  # a verify not measured costs no more than a step yet
-    plan.record(1, 4, 0.08)  # measured dear: the counts below it are tried next
-    plan.record_drafts(3, 0.009)
-    assert plan.counts([3], [(0, 0)]) in ([1], [2])
+    assert plan.counts([3], [(0, 0)]) == [1]  # the next shape up, at the price of the last measured
+    plan.record(1, 2, 0.0278)
+    plan.record_drafts(1, 0.003)
+    assert plan.counts([3], [(0, 0)]) == [2]
+    plan.record(1, 3, 0.08)  # measured dear: back to one draft, and three drafts are not tried
+    assert plan.counts([3], [(0, 0)]) == [1]
     assert plan.acceptance(0, 0) == FIRST_ACCEPTANCE and not plan.off()
 
 
