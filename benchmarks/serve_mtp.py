@@ -4,7 +4,8 @@ The oracle setup of `bench mtp` (benchmarks/mtp.py): its realistic-shape checkpo
 the default recipe, greedy decoding, the real MTP layer run for every draft (its cost paid) and its draft replaced
 by the model's own continuation, wrong on a share 1 - acceptance (`OracleDrafter`, one per row, matched to its row
 by its prompt). The server runs in this process (uvicorn on a loopback port, `create_app` as `quantkit serve` builds
-it, the prompt cache off so every request prefills alike) and is asked over HTTP with streamed completions:
+it, the prompt cache off so every request prefills alike) and is asked over HTTP with streamed completions, each
+client its own process:
 - one client on a default server (`--parallel` chosen as `serve` chooses it, MTP at its default) against `generate`
   with its default MTP (`Runtime.generate_ids`, the `DraftTuner`, settled before the rounds) and with the count
   that default keeps here on a quiet host (FIXED; the tuner's timing can settle elsewhere when other work shares
@@ -23,6 +24,7 @@ import json
 import os
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -88,44 +90,46 @@ class Server:
         self.sock.close()
 
 
-def stream(url: str, ids: list[int], n: int) -> dict[str, Any]:
-    """One streamed /v1/completions of prompt `ids` (token ids), greedy, `n` tokens: its text, its token count,
-    the server's timings, and when its first and last token were made (the time it was sent plus the server's
-    queue, prompt and decode times: the server runs in this process, on this clock)."""
-    import httpx
-
+CLIENT = """
+import json, sys, time
+import httpx
+url, n, prompts = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+def one(ids):
     body = {"model": "m", "prompt": ids, "max_tokens": n, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}  # no logprobs: a hook `generate` would not run
+            "stream_options": {"include_usage": True}}
     text, count, timings = "", 0, None
     sent = time.perf_counter()
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=900) as r:
         r.raise_for_status()
         for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            d = json.loads(line[6:])
-            timings = d.get("timings") or timings
-            count = (d.get("usage") or {}).get("completion_tokens", count)
-            text += "".join(c.get("text") or "" for c in d.get("choices", []))
-    assert timings is not None
-    first = sent + (timings["queue_ms"] + timings["prompt_ms"]) / 1e3  # the server's clock is this one
-    return {"first": first, "last": first + timings["predicted_ms"] / 1e3, "timings": timings, "text": text,
-            "count": count}
+            if line.startswith("data: {"):
+                d = json.loads(line[6:])
+                timings = d.get("timings") or timings
+                count = (d.get("usage") or {}).get("completion_tokens", count)
+                text += "".join(c.get("text") or "" for c in d.get("choices", []))
+    return {"sent": sent, "timings": timings, "text": text, "count": count}
+print(json.dumps(one(prompts[0])))
+"""
 
 
-def both(url: str, prompts: list[list[int]], n: int) -> list[dict[str, Any]]:
-    """`stream` of every prompt at once, each from its own client thread."""
-    got: list[dict[str, Any]] = [{} for _ in prompts]
-
-    def client(j: int) -> None:
-        got[j] = stream(url, prompts[j], n)
-
-    threads = [threading.Thread(target=client, args=(j,)) for j in range(len(prompts))]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    return got
+def clients(url: str, prompts: list[list[int]], n: int) -> list[dict[str, Any]]:
+    """A streamed /v1/completions of each prompt (token ids), all at once, each from its own client process (as
+    a server's clients are: their HTTP work takes no turn in this one), greedy, `n` tokens: its text, its token
+    count, the server's timings and when its first and last token were made (the time it was sent plus the
+    server's queue, prompt and decode times; perf_counter is the machine's monotonic clock in both processes)."""
+    procs = [subprocess.Popen([sys.executable, "-c", CLIENT, url, str(n), json.dumps([ids])], stdout=subprocess.PIPE,
+                              text=True) for ids in prompts]
+    out = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=1800)
+        if p.returncode:
+            raise RuntimeError(f"a client exited with {p.returncode}")
+        r = json.loads(stdout)
+        t = r["timings"]
+        r["first"] = r["sent"] + (t["queue_ms"] + t["prompt_ms"]) / 1e3
+        r["last"] = r["first"] + t["predicted_ms"] / 1e3
+        out.append(r)
+    return out
 
 
 def measure(model_dir: Path | None, workdir: Path, n_threads: int, rounds: int, new_tokens: int) -> dict[str, Any]:
@@ -201,7 +205,7 @@ def _measure(model_dir: Path | None, workdir: Path, n_threads: int, rounds: int,
             g3 = generate_once(rnd, FIXED)
             rt.model.mtp.draft = RowOracles(real, seqs, ACCEPTANCE, rnd)
             rt.tuner = DraftTuner()  # the server's default: drafts left to quantkit (its plan is the batch's)
-            r = stream(s.url, prompts[0], new_tokens)
+            r = clients(s.url, prompts[:1], new_tokens)[0]
             t = r["timings"]
             r1 = {"tok_s": (t["predicted_n"] - 1) / (t["predicted_ms"] / 1e3), "same": r["text"] == texts[0]
                   and r["count"] == new_tokens, "drafts": [t.get("draft_n"), t.get("draft_n_accepted")]}
@@ -220,7 +224,7 @@ def _measure(model_dir: Path | None, workdir: Path, n_threads: int, rounds: int,
                     rt.tuner = DraftTuner()
                 else:
                     rt.set_mtp(0)
-                got = both(s.url, prompts, new_tokens)
+                got = clients(s.url, prompts, new_tokens)
                 span = max(x["last"] for x in got) - min(x["first"] for x in got)
                 res = {"tok_s": (sum(x["count"] for x in got) - len(got)) / span,
                        "same": [x["text"] for x in got] == texts and all(x["count"] == new_tokens for x in got),
@@ -272,8 +276,8 @@ def write_report(reports: Path, d: dict[str, Any]) -> None:
              f"{d['load_avg_at_end']} (above the core count, other work shared the machine). `bench mtp`'s oracle "
              f"setup: its realistic-shape checkpoint with an MTP layer ({mm['recipe']} recipe, route {mm['route']}), "
              f"greedy, {d['new_tokens']} tokens, drafts accepted at {ACCEPTANCE} (the real MTP layer runs, the "
-             "oracle picks the token). The server in process over HTTP (streamed /v1/completions, prompt cache "
-             "off); rounds alternated, the best of each side, every round listed.", "",
+             "oracle picks the token). The server in process over HTTP, each client its own process (streamed "
+             "/v1/completions, prompt cache off); rounds alternated, the best of each side, every round listed.", "",
              "| comparison | quantkit | peer | ratio (best) | ratio (medians) | target |", "|---|---:|---:|---:|---:|---:|",
              f"| one client on a default `serve` (--parallel {mm['slots_default']}) vs `generate`, default MTP both "
              f"| {one['serve_tok_s']:.1f} | {one['generate_tok_s']:.1f} | {one['ratio']:.2f}x | "

@@ -12,7 +12,7 @@ token and its k drafts, positions kept, the cache rewound to the tokens accepted
 `DraftPlan`: drafts per row at a step where the count is left to quantkit (the default; `--mtp N` drafts N a row,
 fewer where its budget ends): the counts with the most tokens per second by what steps of that shape measured:
 the seconds of a forward of S rows carrying R tokens (R - S of them drafts; the median of its last COST_SAMPLES,
-rewinds included), the seconds of a draft, and each row's acceptance p (accepted / drafts examined, its own
+rewinds included; none older than FORGET steps, so the choice follows the machine's load), the seconds of a draft, and each row's acceptance p (accepted / drafts examined, its own
 counts weighed with all rows'; FIRST_ACCEPTANCE for every row until EXPLORE drafts were examined): k drafts yield
 1 + p + ... + p^k tokens on average. For each total of drafts the rows likeliest to accept their next one take
 them; the total with the best tokens per second is kept. A shape costs at least what a measured shape of as many
@@ -40,6 +40,7 @@ from quantkit.runtime.speculative import MAX_DRAFT, DraftStats, mtp_prefill
 
 CATCH_UP = 512  # pairs a row not drafting collects before feeding them to its MTP cache in one chunk
 COST_SAMPLES = 8  # steps of one shape its cost is the median of
+FORGET = 64  # steps after which a shape's samples are old: it is measured again (the machine's load moves)
 PRIOR = 4.0  # drafts examined that the pooled acceptance weighs as in a row's own estimate
 EXPLORE = 16  # drafts examined (all rows) before their acceptance is used: until then every row's is taken as
 FIRST_ACCEPTANCE = 0.75  # this (enough to try drafting where it could pay)
@@ -123,7 +124,8 @@ class DraftPlan:
     """Drafts per row at a batch step, where the count is left to quantkit (module docstring)."""
 
     def __init__(self) -> None:
-        self.costs: dict[tuple[int, int], deque[float]] = {}
+        self.costs: dict[tuple[int, int], deque[tuple[int, float]]] = {}  # shape -> (step, seconds)
+        self.steps = 0  # forwards recorded
         self.draft_s: deque[float] = deque(maxlen=COST_SAMPLES)  # seconds per draft
         self.accepted = self.examined = 0  # every row's, since the plan began
 
@@ -137,12 +139,19 @@ class DraftPlan:
     def cost(self, rows: int, tokens: int) -> float | None:
         """Seconds of a forward of `rows` rows carrying `tokens` tokens: the most any shape of as many rows and
         at most as many tokens measured (None: none measured)."""
-        got = [statistics.median(v) for (s, t), v in self.costs.items() if s == rows and t <= tokens and v]
+        got = [statistics.median(x for _n, x in v) for (s, t), v in self.costs.items()
+               if s == rows and t <= tokens and self.measured(s, t)]
         return max(got) if got else None
 
     def record(self, rows: int, tokens: int, seconds: float) -> None:
         """A forward of `rows` rows and `tokens` tokens (its rewinds included) took `seconds`."""
-        self.costs.setdefault((rows, tokens), deque(maxlen=COST_SAMPLES)).append(seconds)
+        self.steps += 1
+        self.costs.setdefault((rows, tokens), deque(maxlen=COST_SAMPLES)).append((self.steps, seconds))
+
+    def measured(self, rows: int, tokens: int) -> bool:
+        """Whether the shape has a sample of the last FORGET steps."""
+        v = self.costs.get((rows, tokens))
+        return bool(v) and v[-1][0] > self.steps - FORGET
 
     def record_drafts(self, n: int, seconds: float) -> None:
         if n:
@@ -168,13 +177,13 @@ class DraftPlan:
         p = [self.acceptance(*r) for r in rows]
         gains = sorted(((p[j] ** m, j) for j in range(s) for m in range(1, limits[j] + 1)), reverse=True)
         per_draft = statistics.median(self.draft_s) if self.draft_s else 0.0
-        frontier = next(t for t in itertools.count(s + 1) if not self.costs.get((s, t)))  # the next to try
+        frontier = next(t for t in itertools.count(s + 1) if not self.measured(s, t))  # the next to try
         best, best_rate = [0] * s, s / base
         k, tokens = [0] * s, float(s)
         for d, (gain, j) in enumerate(gains, 1):
             k[j] += 1
             tokens += gain
-            if s + d > frontier and not self.costs.get((s, s + d)):
+            if s + d > frontier and not self.measured(s, s + d):
                 continue  # not measured, and not the next shape to try
             secs = self.cost(s, s + d)
             assert secs is not None

@@ -2,14 +2,14 @@
 costs given to it: the counts are the best tokens per second of every choice under its cost model (checked against
 all of them), one row drafts as far as it pays, two rows draft where a step of twice the tokens costs little more,
 four do not where it costs twice, the likeliest rows draft first, a row's budget bounds its drafts, shapes not
-measured are tried, and the plan turns off where drafting pays for no row."""
+measured (or measured long ago) are tried upward, and the plan turns off where drafting pays for no row."""
 
 from __future__ import annotations
 
 import itertools
 import random
 
-from quantkit.runtime.batch_drafts import EXPLORE, FIRST_ACCEPTANCE, DraftPlan
+from quantkit.runtime.batch_drafts import EXPLORE, FIRST_ACCEPTANCE, FORGET, DraftPlan
 from quantkit.runtime.speculative import MAX_DRAFT
 
 # step seconds by (rows, tokens) of the realistic shape's policy measure (reports/bench-serve-policy.json): the
@@ -100,3 +100,16 @@ def test_the_plan_turns_off_where_drafting_pays_for_no_row():
     assert not _plan(one, acceptance=0.0, examined=EXPLORE - 1).off()
     # ... unless drafting does not pay even at it
     assert _plan({(1, t): 0.0257 * t for t in range(1, 5)}, acceptance=0.0, examined=2).off()
+
+
+def test_a_shape_measured_long_ago_is_measured_again():
+    """Costs follow the machine's load: a verify measured dear is not tried while its samples are recent, and is
+    tried again once FORGET steps have passed without one; a step without drafts is measured again the same way."""
+    plan = _plan({(1, 1): 0.0257, (1, 2): 0.08}, acceptance=0.88)
+    assert plan.counts([3], [(88, 100)]) == [0]
+    for _ in range(FORGET):
+        plan.record(1, 1, 0.0257)
+    assert plan.counts([3], [(88, 100)]) == [1]  # (1, 2) forgotten: the next shape up again
+    for _ in range(FORGET):
+        plan.record(1, 2, 0.027)
+    assert plan.counts([3], [(88, 100)]) == [0]  # no step without drafts of the last FORGET: that one first
