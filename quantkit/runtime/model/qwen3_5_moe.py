@@ -184,10 +184,10 @@ class DeltaNet:
 
     def steps(self, h: torch.Tensor, p: Steps, i: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Each row through its own cache's conv window and state; for each run `p.kept` the window before and
-        the state after every row left in the cache's trail for `rewind`."""
+        the state after every row but its last (the cache's own) left in the cache's trail for `rewind`."""
         qkv, z, b, a = project_rows(self.proj_in, h)
         before = [c.conv[i].clone() for c, _j, _t in p.kept]
-        keeps = {j: k for k, (_c, j0, t) in enumerate(p.kept) for j in range(j0, j0 + t)}
+        keeps = {j: k for k, (_c, j0, t) in enumerate(p.kept) for j in range(j0, j0 + t - 1)}
         core: list[torch.Tensor] = []
         states: list[list[torch.Tensor]] = [[] for _ in p.kept]
         for j, (r, (c, _pos)) in enumerate(zip(row_slices(h), p.slots, strict=True)):
@@ -195,7 +195,7 @@ class DeltaNet:
             if j in keeps:
                 states[keeps[j]].append(c.state[i].clone())
         for (c, j0, t), bf, st in zip(p.kept, before, states, strict=True):
-            c.trail[i] = Trail(c.n, torch.cat([bf, qkv[j0:j0 + t].to(bf.dtype)]), torch.stack(st))
+            c.trail[i] = Trail(c.n, torch.cat([bf, qkv[j0:j0 + t].to(bf.dtype)]), torch.stack(st) if st else None)
         return linear_rows(self.out, cat_rows(core))
 
     def core(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, window: torch.Tensor,
