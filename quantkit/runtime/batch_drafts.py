@@ -40,7 +40,7 @@ from quantkit.runtime.speculative import MAX_DRAFT, DraftStats, mtp_prefill
 
 CATCH_UP = 512  # pairs a row not drafting collects before feeding them to its MTP cache in one chunk
 COST_SAMPLES = 8  # steps of one shape its cost is the median of
-FORGET = 64  # steps after which a shape's samples are old: it is measured again (the machine's load moves)
+FORGET = 256  # steps after which a shape's samples are old: it is measured again (the machine's load moves)
 PRIOR = 4.0  # drafts examined that the pooled acceptance weighs as in a row's own estimate
 EXPLORE = 16  # drafts examined (all rows) before their acceptance is used: until then every row's is taken as
 FIRST_ACCEPTANCE = 0.75  # this (enough to try drafting where it could pay)
