@@ -18,7 +18,7 @@ from quantkit.checkpoint.quantized import QuantizedFolder
 from quantkit.checkpoint.reader import Checkpoint, spec_from_path
 from quantkit.checkpoint.spec import DEFAULT_MODEL, ModelSpec, Role, load_config
 from quantkit.cli import app, console
-from quantkit.cli.options import CONTEXT, COUNT, COUNT0, MTP_DRAFT, NODES, TFLOPS, renamed
+from quantkit.cli.options import CONTEXT, COUNT, COUNT0, MTP_DRAFT, NODES, PARALLEL, TFLOPS, renamed
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf_types import check_type
 from quantkit.export.launch import (
@@ -216,7 +216,7 @@ def plan_cmd(
                                      help="host prefill TFLOP/s (default 1.0)"),
     scheme: list[str] = typer.Option(None, "--scheme", "-s", help=f"one of {', '.join(RECIPES)}; repeatable"),
     context: str = typer.Option("4096", "--context", "-c", help="tokens; a sweep like 4k,32k,128k,262k"),
-    batch: int = typer.Option(1, "--parallel", "--batch", "-b", parser=COUNT,
+    batch: int = typer.Option(1, "--parallel", "--batch", "-b", parser=PARALLEL,
                               help="concurrent sequences, as `serve --parallel N` decodes them: K/V and recurrent "
                               "+ conv state for each, and the batch's activations"),
     cache: str = typer.Option("fp16", "--cache-dtype", help="KV cache: fp16, bf16, fp8, q8_0, q4_0"),

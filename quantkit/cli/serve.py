@@ -19,9 +19,9 @@ from quantkit.cli.options import (
     MAX_TOKENS,
     MTP_DRAFT,
     MTP_HELP,
+    PARALLEL,
     PORT,
     SECONDS,
-    count,
     renamed,
 )
 from quantkit.cli.prompt_cache_options import CACHE_DIR, DISK_SIZE, parse_disk_cache
@@ -30,12 +30,10 @@ from quantkit.errors import QuantkitError
 from quantkit.planner.slots import DEFAULT_PARALLEL_MAX
 from quantkit.server.parallel import choose_parallel
 from quantkit.server.runtime_backend import load_backend
-from quantkit.server.scheduler import MAX_SLOTS
 from quantkit.server.security import API_KEY_ENV, check_api_key, is_loopback
 from quantkit.sizes import parse_size
 from quantkit.threads import set_threads
 
-PARALLEL = count(1, MAX_SLOTS)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$",
                        re.I)

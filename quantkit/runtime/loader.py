@@ -45,7 +45,7 @@ from quantkit.planner.hardware import Hardware
 from quantkit.planner.placement import Plan, contiguous_runs
 from quantkit.quantize.verify import verify_folder
 from quantkit.recipe import Recipe, decide, get_recipe
-from quantkit.runtime import cpu_kernel
+from quantkit.runtime import args, cpu_kernel
 from quantkit.runtime.devices import available_bytes, check_device_exists, release_free_heap
 from quantkit.runtime.engine import Runtime
 from quantkit.runtime.kernels import Kernel, QBf16Kernel, QKernel, prepare, slice_parts
@@ -487,8 +487,28 @@ def drop_page_cache(files: list[Path]) -> None:
             os.close(fd)
 
 
+def _check_load_args(path: Any, plan: Any, recipe: Any, context: Any, verify: Any, placement: Any, progress: Any,
+                     route: Any, forced_route: Any, gather: Any, mtp_copies: Any, options: Any) -> None:
+    """`load_model`'s arguments, each of its type and range (quantkit/runtime/args.py)."""
+    args.instance(path, "path", (str, os.PathLike), "a folder (str or Path)", optional=False)
+    args.instance(plan, "plan", (str, os.PathLike, Plan), "a plan file (str or Path) or a Plan")
+    args.instance(recipe, "recipe", str, "a recipe name (str)")
+    if context is not None:
+        args.whole(context, "context", 1)
+    args.choice(verify, "verify", args.VERIFY_MODES)
+    args.instance(placement, "placement", Placement, "a Placement")
+    args.callback(progress, "progress")
+    args.instance(route, "route", str, "a kernel route (str)")
+    args.instance(forced_route, "forced_route", str, "a one-token route kind (str)")
+    args.instance(gather, "gather", (set, frozenset), "a set of expert groups")
+    args.flag(mtp_copies, "mtp_copies")
+    args.instance(options, "options", RuntimeOptions,
+                  "a RuntimeOptions (quantkit.runtime.options; e.g. RuntimeOptions(route=\"torch\"))")
+
+
 def verify_or_refuse(folder: Path, mode: str = "auto") -> None:
     """`quantkit.quantize.verify.verify_folder`; "auto" hashes shards only when the folder is under 4 GB."""
+    args.choice(mode, "verify", args.VERIFY_MODES)
     if mode == "off":
         return
 
@@ -524,8 +544,11 @@ def load_model(path: str | Path, plan: str | Path | Plan | None = None, *, recip
     nowhere else); `route` and `forced_route` override its kernel_route and route.
     `forced_route`: a one-token route kind (runtime/model/route.py; None: the options' or the best);
     `gather`: expert groups to compute as on a device (tests); `mtp_copies`: False holds the MTP layer's
-    matrices as stored (to compare the layer with another engine's), not as int4 copies (checkpoint/draft.py)."""
+    matrices as stored (to compare the layer with another engine's), not as int4 copies (checkpoint/draft.py).
+    Every argument is checked first, nothing read before: ArgumentTypeError / ArgumentError naming it."""
     t0 = time.perf_counter()
+    _check_load_args(path, plan, recipe, context, verify, placement, progress, route, forced_route, gather,
+                     mtp_copies, options)
     if options is None:
         options = RuntimeOptions.from_env()
     else:

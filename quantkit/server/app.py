@@ -42,6 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from quantkit.errors import QuantkitError
+from quantkit.planner.slots import check_slots
 from quantkit.server import answer as ans
 from quantkit.server import security
 from quantkit.server.backend import Backend, Prompt
@@ -52,7 +53,7 @@ from quantkit.server.metrics import CONTENT_TYPE, CountRequests, Metrics
 from quantkit.server.options import MAX_N, GenOptions, response_format_schema, sampling_temperature
 from quantkit.server.parsing import OutputParser
 from quantkit.server.queue import GenerationQueue, Job, QueueClosed, QueueFull
-from quantkit.server.scheduler import MAX_SLOTS, BatchScheduler
+from quantkit.server.scheduler import BatchScheduler
 from quantkit.server.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from quantkit.server.security import allowed_host_names
 
@@ -89,8 +90,7 @@ class ServerConfig:
             raise QuantkitError(f"body_timeout_s {self.body_timeout_s}: must be more than 0")
         if self.max_n < 1:
             raise QuantkitError(f"max_n {self.max_n}: must be at least 1")
-        if not 1 <= self.parallel <= MAX_SLOTS:
-            raise QuantkitError(f"parallel {self.parallel}: give 1 to {MAX_SLOTS} slots")
+        check_slots(self.parallel)
         if self.api_key is not None:
             security.check_api_key(self.api_key)
 

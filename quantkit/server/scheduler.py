@@ -20,12 +20,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from quantkit.planner.slots import check_slots
 from quantkit.runtime.batch import BatchGenerator
 from quantkit.runtime.generate import TokenEvent
 from quantkit.server.backend import Backend
 from quantkit.server.queue import Done, Failed, Job, JobLine, QueueStats
-
-MAX_SLOTS = 64  # more rows per step than this only queue up behind the memory bandwidth
 
 
 @dataclass
@@ -53,8 +52,7 @@ class BatchScheduler(JobLine):
     def __init__(self, backend: Backend, max_waiting: int = 8, slots: int = 2):
         if max_waiting < 1:
             raise ValueError("max_waiting must be >= 1")
-        if not 1 <= slots <= MAX_SLOTS:
-            raise ValueError(f"slots must be 1..{MAX_SLOTS}")
+        check_slots(slots)
         runtime = getattr(backend, "runtime", None)
         if runtime is None:
             raise ValueError("a batch scheduler needs a backend on quantkit's runtime (RuntimeBackend)")

@@ -96,7 +96,7 @@ def test_sampling_rules():
     assert seen == {1, 2}
     seen = {sample(logits, SamplingParams(temperature=1.0, top_k=0, top_p=0.4), g) for _ in range(200)}
     assert seen == {1}  # token 1 alone holds 49% of the mass
-    with pytest.raises(Exception, match="top-p"):
+    with pytest.raises(ValueError, match="top_p=0"):
         SamplingParams(top_p=0).validate()
 
 
