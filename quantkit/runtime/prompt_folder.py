@@ -58,11 +58,8 @@ def check_private(folder: Path) -> None:
     for p in dict.fromkeys((real, *real.parents, *given.parents)):  # through a link: both ways up
         try:
             st = os.stat(p)
-        except FileNotFoundError:
-            continue
-        except OSError as e:
-            raise QuantkitError(f"{FLAG} {folder}: cannot check {p} ({e.strerror or e}); pick another folder") \
-                from None
+        except OSError:
+            continue  # not there (yet), or out of reach: then it cannot be written either (open_store warns)
         mode = stat.S_IMODE(st.st_mode)
         if p == real and stat.S_ISDIR(st.st_mode):
             if st.st_uid != uid:
@@ -76,7 +73,8 @@ def check_private(folder: Path) -> None:
         elif p != real and mode & 0o022 and not mode & stat.S_ISVTX:
             raise QuantkitError(f"{FLAG} {folder}: {p} above it is writable by others (mode {mode:04o}), who "
                                 "could replace the folder: pick one under a folder only you can write")
-    _check_key_file(real / KEY)
+    if real.is_dir():
+        _check_key_file(real / KEY)
 
 
 def _check_key_file(path: Path) -> None:
