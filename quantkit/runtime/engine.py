@@ -170,7 +170,7 @@ class Runtime:
         """Resident weight bytes per device (what the loader placed)."""
         return dict(self.report.bytes_by_device)
 
-    def set_prompt_cache(self, max_bytes: int | None = None, disk_dir: Path | None = None,
+    def set_prompt_cache(self, max_bytes: int | None = None, disk_dir: str | Path | None = None,
                          disk_bytes: int | None = None, warn: Callable[[str], None] | None = None) -> PrefixCache:
         """Keep snapshots of the conversation state, up to `max_bytes` (0: off; None: a quarter of the memory
         free now on the device of the first linear-attention layer, which holds the states), so that a prompt
@@ -181,7 +181,7 @@ class Runtime:
             max_bytes = available_bytes(self.state_device) // AUTO_CACHE_FRACTION
         disk = None
         if disk_dir is not None:
-            disk = open_store(self, Path(disk_dir), disk_bytes, warn or default_warn)
+            disk = open_store(self, disk_dir, disk_bytes, warn or default_warn)
         self.prompt_cache = PrefixCache(max_bytes, disk=disk)
         return self.prompt_cache
 

@@ -48,10 +48,12 @@ class Metrics:
 
     def watch_disk_cache(self, disk: Callable[[], dict[str, Any] | None]) -> None:
         """Gauges of the disk prompt cache (quantkit/runtime/prompt_disk.py), read from `disk()` at scrape time:
-        bytes used and its bound, entries, restores from disk and the seconds they took, entries of other weights
-        ignored."""
+        this model's bytes and their bound, other files' bytes, entries, restores from disk and the seconds they
+        took, entries of other weights ignored."""
         r = self.registry
-        for key, name, doc in (("bytes", "bytes", "bytes of entry files in --prompt-cache-dir"),
+        for key, name, doc in (("bytes", "bytes", "bytes of this model's entries in --prompt-cache-dir"),
+                               ("other_bytes", "other_bytes", "bytes of other models' entries and other files "
+                                                              "there, outside the bound"),
                                ("max_bytes", "max_bytes", "--prompt-cache-disk-size"),
                                ("entries", "entries", "entries of these weights on disk"),
                                ("hits", "hits", "prompts restored from disk instead of prefilled"),
