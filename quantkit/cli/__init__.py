@@ -13,6 +13,8 @@ import typer
 import typer.core
 from rich.console import Console
 
+from quantkit.cli.signals import EXIT_CODE as TERMINATED_EXIT
+from quantkit.cli.signals import Terminated
 from quantkit.errors import QuantkitError
 from quantkit.termtext import escaped
 
@@ -178,6 +180,9 @@ def main() -> None:
     except (KeyboardInterrupt, typer.Abort):
         err_console.print("interrupted")
         sys.exit(130)
+    except Terminated:  # SIGTERM under sigterm_raises (chat, generate): unwound, nothing half-written
+        err_console.print("terminated")
+        sys.exit(TERMINATED_EXIT)
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
         error_line(f"{where}{e.strerror or e}")

@@ -23,6 +23,7 @@ from quantkit.cli.options import (
     renamed,
 )
 from quantkit.cli.prompt_cache_options import CACHE_DIR, DISK_SIZE, parse_disk_cache
+from quantkit.cli.signals import on_sigterm_raise
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_text_bounded
 from quantkit.outputs import guard_output
@@ -88,6 +89,7 @@ def _load(model: str, plan: Path | None, recipe: str | None, context: int | None
 
 
 @app.command("generate")
+@on_sigterm_raise
 def generate_cmd(
     model: str = typer.Argument(..., help="a quantized folder (quantkit quantize) or a bf16 checkpoint"),
     prompt: str = typer.Option(None, "--prompt", "-p", help="the user message (default: read stdin)"),
@@ -173,6 +175,7 @@ def generate_cmd(
 
 
 @app.command("chat")
+@on_sigterm_raise
 def chat_cmd(
     model: str = typer.Argument(..., help="a quantized folder (quantkit quantize) or a bf16 checkpoint"),
     system: str = typer.Option(None, "--system", help="system prompt"),

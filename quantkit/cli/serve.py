@@ -26,6 +26,7 @@ from quantkit.cli.options import (
 )
 from quantkit.cli.prompt_cache_options import CACHE_DIR, DISK_SIZE, parse_disk_cache
 from quantkit.cli.runtime import parse_cache_size, warn_line
+from quantkit.cli.signals import Terminated, on_sigterm_raise
 from quantkit.errors import QuantkitError
 from quantkit.planner.slots import DEFAULT_PARALLEL_MAX
 from quantkit.server.parallel import choose_parallel
@@ -98,6 +99,7 @@ def check_host(host: str) -> str:
 
 
 @app.command()
+@on_sigterm_raise
 def serve(
     model_dir: Path = typer.Argument(..., help="quantized checkpoint folder (from `quantkit quantize`)"),
     plan: Path = typer.Option(None, "--plan",
@@ -105,7 +107,8 @@ def serve(
     host: str = typer.Option("127.0.0.1", "--host", help="address to bind (loopback by default)"),
     port: int = typer.Option(8000, "--port", parser=PORT, help="TCP port (0: any free port)"),
     max_queue: int = typer.Option(8, "--max-queue", parser=COUNT,
-                                  help="requests that may wait behind the running one; more get 429"),
+                                  help="requests that may wait for a slot, beyond the --parallel running; more get "
+                                  "429"),
     max_body: str = typer.Option("8MB", "--max-body", help="largest request body accepted (413 beyond)"),
     model_name: str = typer.Option(None, "--served-model-name",
                                    help="model id /v1/models lists first (default: folder name); requests may "
@@ -163,6 +166,7 @@ def serve(
     import uvicorn
 
     from quantkit.server.app import ServerConfig, create_app
+    from quantkit.server.serving import Server
 
     if not Path(model_dir).is_dir():  # before binding: the usual mistake gets its own line
         fail(f"{model_dir}: not a folder; pass a checkpoint folder made by `quantkit quantize`")
@@ -195,11 +199,13 @@ def serve(
             err_console.print(note, highlight=False, markup=False)
         console.print(backend.runtime.route_line(), highlight=False)  # the instruction set and decode route
         console.print(backend.runtime.mtp_line(), highlight=False)
-        server = uvicorn.Server(uvicorn.Config(create_app(backend, config), log_level=log_level.lower(),
-                                               timeout_graceful_shutdown=5))
+        web = create_app(backend, config)
+        server = Server(uvicorn.Config(web, log_level=log_level.lower(), timeout_graceful_shutdown=5), web)
         try:
             server.run(sockets=[sock])
-        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on; that is a normal stop
+        except (KeyboardInterrupt, Terminated):
+            # uvicorn re-raises the Ctrl-C or SIGTERM it stopped on, once every request has ended (serving.py):
+            # this command's normal end
             pass
     finally:
         sock.close()

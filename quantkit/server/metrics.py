@@ -30,8 +30,8 @@ class Metrics:
                                         registry=r)
         self.cache_hits = Counter(_P + "prompt_cache_hits", "generations that restored a cached prefix",
                                   registry=r)
-        waiting = Gauge(_P + "queue_waiting", "requests waiting for the model", registry=r)
-        running = Gauge(_P + "queue_running", "requests being generated", registry=r)
+        waiting = Gauge(_P + "queue_waiting", "requests waiting for a free slot (at most --max-queue)", registry=r)
+        running = Gauge(_P + "queue_running", "slots in use: requests (choices) being prefilled or decoded", registry=r)
         waiting.set_function(lambda: getattr(queue_stats(), "waiting", 0))
         running.set_function(lambda: getattr(queue_stats(), "running", 0))
         # `serve --parallel N`: the slots and the rows of the last batch step (one slot, one row, without it)

@@ -48,6 +48,11 @@ class RuntimeBackend:
     def cache_summary(self) -> dict[str, Any] | None:
         return self.runtime.prompt_cache.summary()
 
+    def flush_prompt_cache(self) -> None:
+        """Write the snapshots the disk prompt cache still holds back (the server's shutdown, once its worker
+        is gone: prefills cut short keep what they computed)."""
+        self.runtime.prompt_cache.flush()
+
     # --- /v1/completions, logprobs, constrained decoding -------------------------------------------------
     @property
     def vocab_size(self) -> int:
