@@ -22,7 +22,8 @@ Python API (what `quantkit generate`, `quantkit chat` and the server use):
 assistant turns may carry `reasoning_content` and `tool_calls`); `tools` are OpenAI-style function
 schemas, rendered by the model's own template. One generation runs at a time per Runtime (a lock);
 `rt.context` is the context length the placement was planned for, `rt.memory()` the resident weight
-bytes per device, `rt.report.routes` the kernel each matrix uses.
+bytes per device, `rt.report.routes` the kernel each matrix uses. Without `context=` (or a plan), the context is the
+longest at which `slots=` conversations (default 1) fit here, capped at 32k (planner/fit.py default_context).
 
 Prompt cache: `rt.set_prompt_cache(max_bytes)` (None: a quarter of the free memory where the states live; 0:
 off) keeps snapshots of the hybrid cache at message boundaries, so a prompt that extends an earlier one is
