@@ -147,7 +147,8 @@ def replace_folder(tmp: Path, out: Path) -> None:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write `data` to a temporary name, fsync, then rename over `path`: readers see old or new, never half.
-    A failed write (full disk, read-only file system) removes the temporary and says so in one line."""
+    A failed write (full disk, read-only file system) removes the temporary and says so in one line; one cut
+    short (Ctrl-C, SIGTERM under quantkit.cli.signals) removes it too."""
     tmp = temp_name(path)
     try:
         with open(tmp, "wb") as f:
@@ -155,12 +156,14 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as e:
+    except BaseException as e:
         try:
             tmp.unlink(missing_ok=True)
         except OSError:
             pass
-        raise QuantkitError(f"{path}: cannot write ({e.strerror}); free space or pick another location") from None
+        if isinstance(e, OSError):
+            raise QuantkitError(f"{path}: cannot write ({e.strerror}); free space or pick another location") from None
+        raise
     fsync_dir(path.parent)
 
 

@@ -30,3 +30,9 @@ def escaped(text: str) -> str:
     for error lines, which name paths and values as given: a name stays recognisable, a terminal runs none
     of its escape sequences."""
     return _CONTROL_CHAR.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """`1 shard`, `2 shards`, `1 entry`/`3 entries` (`many` where adding an s is not the plural): every count
+    quantkit writes for a person goes through this, so none reads `1 shards`."""
+    return f"{n} {word if n == 1 else many or word + 's'}"

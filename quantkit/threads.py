@@ -60,3 +60,22 @@ def torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def busy_note(load_before: float, load_after: float, own_threads: int, cpus: int) -> str | None:
+    """A warning when other work ran on the CPUs during a measurement: the 1-minute load average before it, or
+    at its end less the measurement's own threads, reaches half the CPUs (its figures then read slower than
+    this host idle); None on a quiet host."""
+    others = max(load_before, load_after - own_threads)
+    if others < cpus / 2:
+        return None
+    return (f"the host was busy while measuring (load average {others:.1f} from other work on {cpus} CPUs): the "
+            "figures are slower than this host when quiet; run it again when the host is idle")
+
+
+def load_average() -> float:
+    """The 1-minute load average (0 where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0

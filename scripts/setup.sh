@@ -8,9 +8,13 @@ PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  .venv/bin/pip install -q "torch==${QUANTKIT_TORCH:-2.13.0}"
+  # the longest step of a fresh set-up: said before it starts, and pip's own download bar on a terminal
+  echo "installing torch ${QUANTKIT_TORCH:-2.13.0} into .venv (a large download: minutes)..." >&2
+  .venv/bin/pip install --progress-bar on "torch==${QUANTKIT_TORCH:-2.13.0}"
 fi
+echo "installing quantkit (extras: ${1:-bnb}) into .venv..." >&2
 .venv/bin/pip install -q -e ".[${1:-bnb}]"
+echo "building quantkit's CPU kernel (once; needs gcc)..." >&2
 # quantkit's CPU kernel (int4/int8 MoE decode; needs gcc): built once into ~/.cache/quantkit/kernels
 # (or $QUANTKIT_KERNEL_CACHE). A failed build prints one line and set-up goes on: the runtime then keeps
 # torch's kernels.

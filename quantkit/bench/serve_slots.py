@@ -48,7 +48,7 @@ from quantkit.bench.serve import free_port, percentile, stop_server
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json
 from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK
-from quantkit.server.scheduler import MAX_SLOTS
+from quantkit.planner.slots import MAX_SLOTS
 
 SECTION = ("<!-- bench serve --clients: begin -->", "<!-- bench serve --clients: end -->")
 LONG_PROMPT_TOKENS = 2048

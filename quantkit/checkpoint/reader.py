@@ -534,9 +534,33 @@ def hf_cache_dir() -> str:
     return constants.HF_HUB_CACHE
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def refuse_gguf(path: str | Path) -> None:
+    """One line for a GGUF file given as a model (by its name or its first bytes): what quantkit runs instead,
+    how to get it, and how the file runs as it is. Every model path the CLI takes, and `resolve_model`, pass
+    here first."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        return
+    if p.suffix.lower() != ".gguf":
+        try:
+            with open(p, "rb") as f:
+                if f.read(len(GGUF_MAGIC)) != GGUF_MAGIC:
+                    return
+        except OSError:
+            return
+    raise QuantkitError(
+        f"{p} is a GGUF file; quantkit runs safetensors checkpoint folders (the bf16 release, or an FP8 one), "
+        "fetched with `hf download Qwen/Qwen-AgentWorld-35B-A3B --local-dir DIR`; this file runs as it is with "
+        f"`llama-server -m {p}` (`quantkit plan --model {p} --export llama.cpp` sizes that line for your GPUs)")
+
+
 def resolve_model(path_or_id: str | Path) -> Path:
     """A local folder/file as is, or an HF model id resolved from the local HF cache (never the network)."""
     p = Path(path_or_id).expanduser()
+    refuse_gguf(p)
     if p.exists():
         return p
     text = str(path_or_id)

@@ -3,6 +3,7 @@ the planner. Calibration statistics of a model are `quantkit stats`, hence the n
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 
 import typer
@@ -21,8 +22,9 @@ from quantkit import sizes
 from quantkit.checkpoint.contract import read_quant_config
 from quantkit.checkpoint.reader import spec_from_path
 from quantkit.checkpoint.spec import load_config
-from quantkit.cli import DEV_PANEL, app, console, err_console
+from quantkit.cli import DEV_PANEL, app, console, err_console, print_table
 from quantkit.cli.options import COUNT, notice
+from quantkit.cli.progress import step_status
 from quantkit.errors import QuantkitError
 from quantkit.fileio import write_atomic
 from quantkit.outputs import guard_output, json_with_keys
@@ -32,6 +34,8 @@ from quantkit.planner.host_costs import default_profile_path, load_profile, mism
 from quantkit.planner.placement import RECIPES, solve
 from quantkit.recipe import Recipe, parse_recipe_names
 from quantkit.runtime.calibrate import calibrate
+from quantkit.termtext import plural
+from quantkit.threads import available_cpus, busy_note, load_average
 
 
 def _own_recipe(model: str | None) -> list[Recipe]:
@@ -75,14 +79,23 @@ def calibrate_cmd(
                  owned=json_with_keys("host", "dims", "matmul_s"))  # only a runtime profile is replaced
     cols = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TimeRemainingColumn(), TextColumn("[dim]{task.fields[what]}"))
-    with Progress(*cols, console=err_console, transient=True, disable=not err_console.is_terminal) as bar:
-        task = bar.add_task("calibrating", total=None, what="")
+    err_console.print(f"profiling this host for {', '.join(r.name for r in recipes)}: each part timed "
+                      f"{plural(passes, 'time')}, a few minutes on a small host; other work on the host slows the "
+                      "figures",
+                      highlight=False)
+    load_before, plain = load_average(), not err_console.is_terminal
+    with Progress(*cols, console=err_console, transient=True, disable=plain) as bar, \
+            (step_status(err_console, "profiling") if plain else nullcontext(None)) as say:
+        task = bar.add_task("profiling", total=None, what="")
 
         def on_item(what: str, done: int, total: int) -> None:
             bar.update(task, completed=done, total=total, what=what)
+            if say is not None:  # not a terminal: a plain line every few seconds
+                say(f"{done}/{total} parts ({what})")
 
         prof = calibrate(spec, recipes, working_set=ws, passes=passes, steps=steps, prefill_tokens=prefill_tokens,
                          on_item=on_item)
+    busy = busy_note(load_before, load_average(), int(prof.host["threads"]), available_cpus())
     if path.is_file():
         try:
             old = load_profile(path)
@@ -102,7 +115,7 @@ def calibrate_cmd(
         t.add_column(key, justify="right")
     for s in shapes:
         t.add_row(s, *[f"{prof.matmul_s[k][s] * 1e6:.0f}" if s in prof.matmul_s[k] else "-" for k in keys])
-    console.print(t)
+    print_table(t)
     fused = ", ".join(f"{k} {s} {t * 1e3:.2f} ms" for k, v in sorted(prof.moe_s.items()) for s, t in sorted(v.items()))
     console.print(f"routed experts per layer and token, one fused call for the top "
                   f"{spec.config.num_experts_per_tok}: {fused or 'none (no format here fuses on this host)'}")
@@ -127,6 +140,8 @@ def calibrate_cmd(
                        + (f" (prefill {rs.prefill_tok_s:.0f})" if rs.prefill_tok_s is not None else ""))
     console.print(f"quantkit runtime decode on this CPU alone, tok/s: {', '.join(est)}")
     console.print(f"profile saved to {path} ({prof.seconds:.0f} s); `quantkit plan` reads it")
+    if busy:
+        err_console.print(f"warning: {busy}", style="yellow", highlight=False)
 
 
 app.command("calibrate", hidden=True)(calibrate_cmd)  # the old name, for one release

@@ -8,12 +8,13 @@ import typer
 from rich import box
 from rich.table import Table
 
-from quantkit.cli import app, console, err_console
+from quantkit.cli import app, console, err_console, print_table
 from quantkit.cli.options import GROUP_SIZE, renamed
 from quantkit.cli.progress import RichProgress, tensor_progress
 from quantkit.export.compressed_tensors import export_vllm
 from quantkit.export.gguf import export_gguf
 from quantkit.export.gguf_types import default_type
+from quantkit.termtext import plural
 from quantkit.threads import set_threads
 
 export_app = typer.Typer(help="Export for other engines: GGUF (llama.cpp, Ollama, LM Studio), "
@@ -64,7 +65,7 @@ def export_gguf_cmd(
         kinds[x.how][x.qtype.name] += 1
     for how, types in kinds.items():
         t.add_row(str(sum(types.values())), how, ", ".join(f"{k} {v}" for k, v in sorted(types.items())))
-    console.print(t)
+    print_table(t)
     for x in res.tensors:
         if verbose or x.how == "fallback":
             console.print(f"  {x.name}: {x.qtype.name} ({x.how}; {x.note})", highlight=False,
@@ -94,7 +95,7 @@ def export_vllm_cmd(
     with tensor_progress(err_console) as p:
         res = export_vllm(src, out, group_size=group_size, rest=rest, overwrite=overwrite,
                           progress=RichProgress(p, "exporting compressed-tensors"))
-    t = Table(box=box.SIMPLE, title=f"{res.path} ({res.nbytes / 1e6:,.1f} MB in {res.shards} shards, "
+    t = Table(box=box.SIMPLE, title=f"{res.path} ({res.nbytes / 1e6:,.1f} MB in {plural(res.shards, 'shard')}, "
                                     f"{res.seconds:.1f} s)")
     t.add_column("source tensors")
     t.add_column("as")
@@ -102,7 +103,7 @@ def export_vllm_cmd(
     for key, n in sorted(res.counts().items()):
         kind, how = key.split(":")
         t.add_row(str(n), kind, how)
-    console.print(t)
+    print_table(t)
     console.print(f"experts int4 symmetric group {res.group_size}; rest {res.rest}. Serve with: "
                   f"vllm serve {res.path} --language-model-only", highlight=False)
     for n in res.notes:

@@ -23,6 +23,7 @@ import typer
 from quantkit.cli import err_console
 from quantkit.errors import QuantkitError
 from quantkit.planner.hardware import MAX_NODES
+from quantkit.planner.slots import MAX_SLOTS
 
 
 def _fmt(x: float | None) -> str:
@@ -127,5 +128,7 @@ MAX_N_CHOICES = count(1, 128)
 CHUNK = tokens(16, 1 << 18)
 # `plan --nodes`: the planner's bound (quantkit/planner/hardware.py says why; the GPUs in all have one too)
 NODES = count(1, MAX_NODES)
+# `plan --parallel` and `serve --parallel`: one range, the slots the server decodes together (quantkit/planner/slots.py)
+PARALLEL = count(1, MAX_SLOTS)
 SECONDS = number(1, 86400)
 FRACTION = number(0, 1, lo_open=True)

@@ -11,14 +11,15 @@ from typing import Any
 import typer
 from rich import box
 from rich.table import Table
+from rich.text import Text
 
 from quantkit.checkpoint.contract import read_quant_config
 from quantkit.checkpoint.gguf_file import read_gguf
 from quantkit.checkpoint.quantized import QuantizedFolder
 from quantkit.checkpoint.reader import Checkpoint, spec_from_path
 from quantkit.checkpoint.spec import DEFAULT_MODEL, ModelSpec, Role, load_config
-from quantkit.cli import app, console
-from quantkit.cli.options import CONTEXT, COUNT, COUNT0, MTP_DRAFT, NODES, TFLOPS, renamed
+from quantkit.cli import app, console, print_table
+from quantkit.cli.options import CONTEXT, COUNT, COUNT0, MTP_DRAFT, NODES, PARALLEL, TFLOPS, renamed
 from quantkit.errors import QuantkitError
 from quantkit.export.gguf_types import check_type
 from quantkit.export.launch import (
@@ -49,6 +50,7 @@ from quantkit.planner.placement import (
 )
 from quantkit.planner.routing import RoutingReport, read_profile
 from quantkit.recipe import Recipe, parse_recipe_names
+from quantkit.termtext import plural
 
 STATS_HINT = "make it with `quantkit stats MODEL --out FILE`"
 MAX_SWEEP = 64  # contexts in one `--context` sweep: a plan per scheme each; a table of 64 rows a scheme is plenty
@@ -105,7 +107,9 @@ def _gb(n: float) -> str:
 
 
 def _ctx(n: int) -> str:
-    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else f"{n:,}"
+    """A context in the one style of plan's output and of `-c`: whole k (1024 tokens), rounded down, so the
+    figure shown always fits when given back as `-c`; below 1k, the tokens."""
+    return f"{n // 1024}k" if n >= 1024 else f"{n}"
 
 
 def _results_table(rows: list[SchemeResult], sweep: bool, recommended: str | None, runtime: bool = False) -> Table:
@@ -121,8 +125,10 @@ def _results_table(rows: list[SchemeResult], sweep: bool, recommended: str | Non
         s = p.speed
         first = r is rows[0] or p.settings.context == rows[0].plan.settings.context
         name = p.scheme + (" *" if p.scheme == recommended and first else "")
-        fits = "[green]yes[/]" if p.fits else "[red]no[/]"
-        where = p.short_summary() if p.fits else f"[red]{p.short_summary()}[/]"
+        # a scheme that fits only at a shorter context than asked says so, as its max ctx does
+        fits = (Text("yes", "green") if p.fits else Text(f"≤{_ctx(r.max_context)}", "yellow") if r.max_context
+                else Text("no", "red"))
+        where = Text(p.short_summary(), "" if p.fits else "red")
         cells = [name] + ([_ctx(p.settings.context)] if sweep else [])
         cells += [f"{p.card_estimate_gb:.1f}", _gb(p.total_bytes), fits, where,
                   _ctx(r.max_context) if r.max_context else "-",
@@ -152,7 +158,7 @@ def _budget_table(spec: ModelSpec, plan: Plan) -> Table:
     t.add_row(f"KV cache ({n_full} full-attention layers{mtp})", f"{b.kv_cache:,}", _gb(b.kv_cache), "")
     t.add_row("Gated DeltaNet recurrent state (fp32)", f"{b.recurrent_state:,}", _gb(b.recurrent_state), "")
     t.add_row("Gated DeltaNet conv state", f"{b.conv_state:,}", _gb(b.conv_state), "")
-    t.add_row(f"prompt cache ({plan.settings.prompt_cache_snapshots} snapshots)", f"{b.prompt_cache:,}",
+    t.add_row(f"prompt cache ({plural(plan.settings.prompt_cache_snapshots, 'snapshot')})", f"{b.prompt_cache:,}",
               _gb(b.prompt_cache), "")
     t.add_row(f"activations (prefill chunk {min(plan.settings.prefill_chunk, plan.settings.context)})",
               f"{b.activations:,}", _gb(b.activations), "")
@@ -161,7 +167,7 @@ def _budget_table(spec: ModelSpec, plan: Plan) -> Table:
     if reserve:
         t.add_row(f"runtime reserve ({len([g for g in plan.gpus if g.used_bytes])} GPU)", f"{reserve:,}",
                   _gb(reserve), "")
-    t.add_row("[bold]total[/]", f"[bold]{plan.total_bytes:,}[/]", f"[bold]{_gb(plan.total_bytes)}[/]", "")
+    t.add_row(Text("total", "bold"), Text(f"{plan.total_bytes:,}", "bold"), Text(_gb(plan.total_bytes), "bold"), "")
     return t
 
 
@@ -178,7 +184,7 @@ def _placement_table(plan: Plan) -> Table:
         span = f"{layers[0]}-{layers[-1]}" if layers else "-"
         holds = ", ".join(f"{k} {_gb(v)}" for k, v in sorted(d.used.items(), key=lambda kv: -kv[1]))
         over = d.used_bytes > d.capacity
-        used = f"[red]{_gb(d.used_bytes)}[/]" if over else _gb(d.used_bytes)
+        used = Text(_gb(d.used_bytes), "red" if over else "")
         t.add_row(f"{d.id} ({d.name})", holds, used, _gb(d.capacity), str(n_exp), span)
     return t
 
@@ -216,7 +222,7 @@ def plan_cmd(
                                      help="host prefill TFLOP/s (default 1.0)"),
     scheme: list[str] = typer.Option(None, "--scheme", "-s", help=f"one of {', '.join(RECIPES)}; repeatable"),
     context: str = typer.Option("4096", "--context", "-c", help="tokens; a sweep like 4k,32k,128k,262k"),
-    batch: int = typer.Option(1, "--parallel", "--batch", "-b", parser=COUNT,
+    batch: int = typer.Option(1, "--parallel", "--batch", "-b", parser=PARALLEL,
                               help="concurrent sequences, as `serve --parallel N` decodes them: K/V and recurrent "
                               "+ conv state for each, and the batch's activations"),
     cache: str = typer.Option("fp16", "--cache-dtype", help="KV cache: fp16, bf16, fp8, q8_0, q4_0"),
@@ -322,18 +328,21 @@ def plan_cmd(
         plan.save(out)
     launch = launch_plan(export, plan, hw, spec.name, model or f"<path to {DEFAULT_MODEL}>", spec,
                          gguf_type, n_cpu_moe, mtp) if export else None
+    then = next_command(model, plan.scheme, own is not None, out, launch)
     if as_json:
         obj = _plan_json(spec, hw, contexts, rows, plan, prof_src, prof_note, out, launch)
+        obj["next"] = then
         print(json.dumps(obj, indent=1))
         return
     _print_plan(spec, hw, contexts, rows, chosen, prof is not None, prof_src, prof_note, out)
     if launch:
         _print_launch(launch)
+    console.print(Text.assemble(("next:", "bold"), f" {then}"), highlight=False, soft_wrap=True)
 
 
 def _print_notes(notes: tuple[str, ...] | list[str]) -> None:
     for n in notes:
-        console.print(f"[dim]{n}[/]")
+        console.print(n, style="dim")
 
 
 def _plan_json(spec: ModelSpec, hw: Hardware, contexts: list[int], rows: list[SchemeResult], plan: Plan,
@@ -363,37 +372,59 @@ def _print_plan(spec: ModelSpec, hw: Hardware, contexts: list[int], rows: list[S
                 runtime: bool, prof_src: str, prof_note: str, out: Path | None) -> None:
     plan = chosen.plan
     _print_notes(hw.notes)
-    console.print(f"[bold]{spec.name}[/] ({spec.text_params / 1e9:.2f}B params, "
-                  f"{spec.active_params_per_token / 1e9:.2f}B active) on {hw.describe()}")
-    console.print(_results_table(rows, len(contexts) > 1, plan.scheme, runtime=runtime))
-    console.print("[dim]card = the model card's formula (1.05 x weights + KV); exact = tensor by tensor, with "
-                  "caches, buffers and GPU reserve; max ctx = longest context that still fits; tok/s = "
+    console.print(Text.assemble((spec.name, "bold"), f" ({spec.text_params / 1e9:.2f}B params, "
+                                f"{spec.active_params_per_token / 1e9:.2f}B active) on {hw.describe()}"))
+    print_table(_results_table(rows, len(contexts) > 1, plan.scheme, runtime=runtime))
+    console.print(f"card = the model card's formula (1.05 x weights + KV); exact = tensor by tensor, with "
+                  f"caches, buffers and GPU reserve; fits = at --context {_ctx(contexts[0])} (≤Nk: only up to N k "
+                  "tokens); max ctx = longest context that fits (k = 1024 tokens, as -c takes it); tok/s = "
                   "estimated decode (llama.cpp-grade), pp/s = estimated prefill tok/s; * = recommended: the fastest "
                   "that fits at --min-quality or better (default: the quality scheme)"
                   + ("; qk tok/s, qk pp/s = quantkit's own runtime here, composed from `quantkit profile-host`'s "
-                     f"measured parts ({prof_src})" if runtime else "") + "[/]")
-    console.print(_budget_table(spec, plan))
-    console.print(_placement_table(plan))
-    s = plan.speed
-    ctx_gpu = chosen.max_context_on_gpu
-    gpu_note = f", all on GPU up to {_ctx(ctx_gpu)} tokens" if plan.where == "gpu" and ctx_gpu else ""
-    console.print(
-        f"[bold green]Recommended:[/] {plan.scheme} ({RECIPES[plan.scheme].description}): "
-        f"{_gb(plan.total_bytes)} GB, {plan.summary()}{gpu_note}; ~{s.decode_tok_s:.0f} tok/s decode, "
-        f"~{s.prefill_tok_s:.0f} tok/s prefill, up to {_ctx(chosen.max_context)} tokens of context"
-        + (f"; quantkit's runtime here: ~{plan.runtime_speed.decode_tok_s:.1f} tok/s decode" if plan.runtime_speed else "")
-        + (f", ~{plan.runtime_speed.prefill_tok_s:.0f} tok/s prefill"
-           if plan.runtime_speed and plan.runtime_speed.prefill_tok_s is not None else "")
-    )
+                     f"measured parts ({prof_src})" if runtime else ""), style="dim")
+    print_table(_budget_table(spec, plan))
+    print_table(_placement_table(plan))
+    console.print(Text.assemble(("Recommended:", "bold green"), " " + recommended_line(chosen)))
     if prof_note or plan.runtime_note:
-        console.print(f"[dim]{prof_note or plan.runtime_note}[/]")
+        console.print(prof_note or plan.runtime_note, style="dim")
     if plan.routing:
         console.print(routing_line(plan.routing), highlight=False)
-    console.print("[dim]assumptions:[/]")
+    console.print("assumptions:", style="dim")
     for a in plan.assumptions:
-        console.print(f"[dim]  - {a}[/]")
+        console.print(f"  - {a}", style="dim")
     if out:
         console.print(f"plan saved to {out}")
+
+
+def recommended_line(chosen: SchemeResult) -> str:
+    """The recommendation in one line; its max context is the table's `max ctx` of the same row, in the same
+    style, and the context that keeps everything on the GPU is said as part of it."""
+    plan, s = chosen.plan, chosen.plan.speed
+    ctx, ctx_gpu = chosen.max_context, chosen.max_context_on_gpu
+    gpu = (f" (all on the GPU up to {_ctx(ctx_gpu)}; beyond, experts move to RAM)"
+           if plan.where == "gpu" and 0 < ctx_gpu < ctx else "")
+    runtime = plan.runtime_speed
+    return (f"{plan.scheme} ({RECIPES[plan.scheme].description}): {_gb(plan.total_bytes)} GB, {plan.summary()}; "
+            f"~{s.decode_tok_s:.0f} tok/s decode, ~{s.prefill_tok_s:.0f} tok/s prefill; max context "
+            f"{_ctx(ctx)}{gpu}"
+            + (f"; quantkit's runtime here: ~{runtime.decode_tok_s:.1f} tok/s decode" if runtime else "")
+            + (f", ~{runtime.prefill_tok_s:.0f} tok/s prefill"
+               if runtime and runtime.prefill_tok_s is not None else ""))
+
+
+def next_command(model: str | None, scheme: str, own: bool, out: Path | None, launch: LaunchPlan | None) -> str:
+    """The command to run after this plan: the export its --export line needs, the download and the quantize
+    of the recommended scheme, or (a folder already quantized, or the scheme is bf16) the chat."""
+    if launch is not None:
+        return launch.export_command or launch.command or ""
+    plan_arg = f" --plan {out}" if out else ""
+    if model is None:
+        return ("hf download Qwen/Qwen-AgentWorld-35B-A3B --local-dir ~/models/agentworld, then "
+                f"quantkit quantize ~/models/agentworld --scheme {scheme} --out ~/models/agentworld-{scheme}")
+    if own or scheme == "bf16":
+        return f"quantkit chat {model}{plan_arg}   (or quantkit serve {model}{plan_arg})"
+    folder = str(Path(model).parent) if Path(model).name == "config.json" else model.rstrip("/")
+    return f"quantkit quantize {folder} --scheme {scheme} --out {folder}-{scheme}"
 
 
 def routing_line(r: RoutingReport) -> str:
@@ -408,7 +439,7 @@ def routing_line(r: RoutingReport) -> str:
 
 def _print_launch(launch: LaunchPlan) -> None:
     for w in launch.warnings:
-        console.print(f"[yellow]warning:[/] {w}")
+        console.print(Text.assemble(("warning:", "yellow"), f" {w}"))
     if launch.export_command:
         console.print(launch.export_command, highlight=False, soft_wrap=True)
     if launch.command:
@@ -421,7 +452,7 @@ def _print_launch(launch: LaunchPlan) -> None:
         console.print(f"vLLM per GPU: {sum(v.per_gpu.values()) / GIB:.2f} GiB of {v.budget / GIB:.2f} GiB "
                       f"(GiB: {parts}); KV room for {v.max_tokens:,} tokens", highlight=False)
         for a in v.assumptions:
-            console.print(f"[dim]  - {a}[/]")
+            console.print(f"  - {a}", style="dim")
 
 
 def _print_llama(pl: LlamaPlacement, tok_s: float | None = None, prefill: float | None = None) -> None:
@@ -437,7 +468,7 @@ def _print_llama(pl: LlamaPlacement, tok_s: float | None = None, prefill: float 
     parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in pl.cpu_bytes.items() if v)
     console.print(f"llama.cpp in RAM: {sum(pl.cpu_bytes.values()) / GIB:.2f} GiB (GiB: {parts})", highlight=False)
     for a in pl.assumptions:
-        console.print(f"[dim]  - {a}[/]")
+        console.print(f"  - {a}", style="dim")
 
 
 def plan_gguf(path: Path, hw: Hardware, context: str, batch: int, cache: str, gpu_reserve: str | None,
@@ -460,28 +491,31 @@ def plan_gguf(path: Path, hw: Hardware, context: str, batch: int, cache: str, gp
                           "export": launch.to_dict()}, indent=1))
         return
     for n in hw.notes:
-        console.print(f"[dim]{n}[/]")
+        console.print(n, style="dim")
     mtp_note = f", MTP layer: drafting {draft} a step" if draft else (", MTP layer not used" if gm.n_mtp else "")
-    console.print(f"[bold]{path.name}[/] ({gm.total / GB:.2f} GB of tensors, {gm.n_layer} layers{mtp_note}) on "
-                  f"{hw.describe()}", highlight=False)
+    console.print(Text.assemble((path.name, "bold"), f" ({gm.total / GB:.2f} GB of tensors, {gm.n_layer} layers"
+                                f"{mtp_note}) on {hw.describe()}"), highlight=False)
     for w in launch.warnings:
-        console.print(f"[yellow]warning:[/] {w}")
+        console.print(Text.assemble(("warning:", "yellow"), f" {w}"))
     console.print(launch.command, highlight=False, soft_wrap=True)
     assert launch.placement is not None
     _print_llama(launch.placement, launch.decode_tok_s, launch.prefill_tok_s)
+    console.print(Text.assemble(("next:", "bold"), f" {launch.command}"), highlight=False, soft_wrap=True)
 
 
 @app.command("gpus")
 def gpus_cmd(
     model: str = typer.Option(None, "--model", "-m", help="config.json, checkpoint folder or cached HF id"),
-    context: int = typer.Option(4096, "--context", "-c", parser=CONTEXT),
+    context: int = typer.Option(4096, "--context", "-c", parser=CONTEXT, help="tokens of context to size the "
+                                "caches for, e.g. 32k"),
     ram: str = typer.Option("128GiB", "--ram",
                             help="host RAM available for offload (default 128GiB; GB = 10^9)"),
-    scheme: list[str] = typer.Option(None, "--scheme", "-s"),
+    scheme: list[str] = typer.Option(None, "--scheme", "-s", help="the schemes to show, repeatable (default: bf16, "
+                                     "int8, quality, int4, mxfp4)"),
     mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT,
                             help="tokens the MTP layer drafts per step, as in `plan`: 0 leaves the MTP layer out "
                             "(default: budgeted when the model has one)"),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object (with estimated decode tok/s)"),
 ) -> None:
     """Which catalog GPUs run each scheme on the GPU alone, with expert offload (RAM needed), or not at all."""
 
@@ -509,24 +543,25 @@ def gpus_cmd(
             p = solve(spec, RECIPES[n], st, hw, budget=budgets[n])
             if not p.fits:
                 row["schemes"][n] = {"runs": "no"}
-                cells.append("[red]no[/]")
+                cells.append(Text("no", "red"))
             elif p.where == "gpu":
                 row["schemes"][n] = {"runs": "gpu", "decode_tok_s": round(p.speed.decode_tok_s, 1)}
-                cells.append("[green]GPU[/]")
+                cells.append(Text("GPU", "green"))
             else:
                 need = ram_needed_gib(p)
                 row["schemes"][n] = {"runs": "offload", "ram_gib": need,
                                      "decode_tok_s": round(p.speed.decode_tok_s, 1)}
-                cells.append(f"[yellow]+{need}G[/]")
+                cells.append(Text(f"+{need}G", "yellow"))
         data.append(row)
         native = ",".join(x for x in g.native if x != "fp16") or "fp16"
         table.add_row(g.id, f"{g.memory_gib:g}", f"{g.bandwidth_gbs:g}", native, *cells)
     if as_json:
         print(json.dumps({"context": context, "ram": ram, "gpus": data}, indent=1))
         return
-    console.print(table)
-    console.print("[dim]GPU = fits on the GPU alone; +NG = with experts in RAM, needing N GiB of RAM (3 GiB for "
-                  "the OS included); --json adds estimated decode tok/s; `quantkit plan --gpu X` for details[/]")
+    print_table(table)
+    console.print("GPU = fits on the GPU alone; +NG = with experts in RAM, needing N GiB of RAM (3 GiB for "
+                  "the OS included); --json adds estimated decode tok/s; `quantkit plan --gpu X` for details",
+                  style="dim")
 
 
 def _own_recipe(model: str | None) -> Recipe | None:
@@ -557,7 +592,7 @@ def _stored_by_role(model: str | None) -> dict[Role, int] | None:
 @app.command("inspect")
 def inspect_cmd(
     model: str = typer.Argument(None, help="config.json, checkpoint folder or cached HF id (default: embedded)"),
-    as_json: bool = typer.Option(False, "--json"),
+    as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
 ) -> None:
     """The tensor breakdown by role: count, parameters, bytes (a quantized folder: also as stored)."""
     spec = spec_from_path(model)
@@ -593,8 +628,8 @@ def inspect_cmd(
     for r in roles:
         t.add_row(r.value, str(counts[r]), f"{params.get(r, 0):,}", f"{params.get(r, 0) / total:.1%}",
                   f"{nbytes.get(r, 0):,}", _gb(nbytes.get(r, 0)), *extra(stored.get(r, 0) if stored else None))
-    t.add_row("[bold]total[/]", str(len(spec.tensors)), f"[bold]{total:,}[/]", "", f"{sum(nbytes.values()):,}",
+    t.add_row(Text("total", "bold"), str(len(spec.tensors)), Text(f"{total:,}", "bold"), "", f"{sum(nbytes.values()):,}",
               _gb(sum(nbytes.values())), *extra(sum(stored.values()) if stored else None))
-    console.print(t)
+    print_table(t)
     console.print(f"text model {spec.text_params / 1e9:.3f}B params, about "
                   f"{spec.active_params_per_token / 1e9:.2f}B active per token")

@@ -1,10 +1,15 @@
 """The progress of the long jobs (quantize, export, stats): a rich bar on a terminal (tensors done, bytes/s,
 elapsed and ETA); where the output is not a terminal (`quantize ... > log 2>&1`, CI), a plain line every few
-seconds with the same figures, and one at the end, so a log shows the job moving."""
+seconds with the same figures, and one at the end, so a log shows the job moving. A job that counts steps, not
+tensors (a model's load, `profile-host`), reports through `step_status` the same way: a status line rewritten in
+place on a terminal, a plain line every few seconds elsewhere."""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from rich.console import Console
 from rich.progress import (
@@ -73,3 +78,32 @@ def tensor_progress(console: Console) -> Progress:
                     TextColumn("{task.percentage:>5.1f}%"), TransferSpeedColumn(), TimeElapsedColumn(),
                     TimeRemainingColumn(), TextColumn("[dim]{task.fields[name]}"), console=console,
                     transient=True)
+
+
+@contextmanager
+def step_status(console: Console, what: str, every_s: float = PLAIN_EVERY_S) -> Iterator[Callable[[str], None]]:
+    """`with step_status(err_console, "loading X") as say: ... say("layer 3/40")`: on a terminal a status line
+    (`loading X: layer 3/40`) that clears when the step ends; elsewhere (a log) a plain line every `every_s`
+    seconds while the step runs, with its latest step and the time so far, even through a stretch that reports
+    nothing. A step that ends (or fails) sooner prints nothing, so an error stays its one line."""
+    if console.is_terminal:
+        with console.status(what) as st:
+            yield lambda step: st.update(f"{what}: {step}")
+        return
+    latest = [""]
+    done = threading.Event()
+    t0 = time.monotonic()
+
+    def beat() -> None:
+        while not done.wait(every_s):
+            step = f": {latest[0]}" if latest[0] else ""
+            console.print(f"{what}{step} ({_clock(time.monotonic() - t0)} elapsed)", highlight=False,
+                          soft_wrap=True)
+
+    thread = threading.Thread(target=beat, name="quantkit-progress", daemon=True)
+    thread.start()
+    try:
+        yield lambda step: latest.__setitem__(0, step)
+    finally:
+        done.set()
+        thread.join()

@@ -7,10 +7,11 @@ from pathlib import Path
 import typer
 from rich import box
 from rich.table import Table
+from rich.text import Text
 
 from quantkit.checkpoint.reader import Checkpoint, resolve_model
 from quantkit.checkpoint.spec import Role
-from quantkit.cli import app, console, err_console, error_line, fail
+from quantkit.cli import app, console, err_console, error_line, fail, print_table
 from quantkit.cli.options import GROUP_SIZE, notice, renamed
 from quantkit.cli.progress import RichProgress, tensor_progress
 from quantkit.fileio import require_regular_file
@@ -28,6 +29,7 @@ from quantkit.quantize.stats import Stats
 from quantkit.quantize.verify import verify_folder
 from quantkit.recipe import build_recipe
 from quantkit.sizes import parse_size
+from quantkit.termtext import plural
 from quantkit.threads import resolve_threads
 
 
@@ -106,9 +108,9 @@ def quantize(
     if old_keep_mtp and (old_no_mtp or mtp_layer is False):
         fail("--keep-mtp and --no-mtp-layer exclude each other (the MTP layer is kept by default)")
     if old_keep_mtp:
-        err_console.print("[yellow]notice:[/] --keep-mtp does nothing now: the MTP layer is kept by default "
-                          "(--no-mtp-layer drops it); the flag goes in the next release", highlight=False,
-                          soft_wrap=True)
+        err_console.print("notice: --keep-mtp does nothing now: the MTP layer is kept by default "
+                          "(--no-mtp-layer drops it); the flag goes in the next release", style="yellow",
+                          highlight=False, soft_wrap=True)
     keep_mtp = renamed(mtp_layer, False if old_no_mtp else None, "--no-mtp-layer", "--no-mtp", True)
     old_ways = [flag for flag, value in (("--format", fmt), ("--group-size", group_size), ("--uniform", uniform),
                                          ("--recipe", recipe_file)) if value is not None]
@@ -137,13 +139,13 @@ def quantize(
         calibration.stats.check_all()
     if dry_run:
         plan = make_plan(list(ckpt.canonical()), recipe, keep_mtp, shard)
-        console.print(f"recipe [bold]{recipe.name}[/]: {recipe.description}")
+        console.print(Text.assemble("recipe ", (recipe.name, "bold"), f": {recipe.description}"))
         for role, q in recipe.rules.items():
             console.print(f"  {role.value:17s} {q.format + (f' g{q.group_size}' if q.group_size else '') if q else recipe.keep_dtype}")
         stats = [TensorStats(t.name, t.role.value, t.spec.format if t.spec else t.dtype, t.numel, t.in_bytes,
                              t.out_bytes) for t in plan.tensors]
-        console.print(_roles_table(role_rows(stats), f"{src}: dry run, nothing written", measured=False))
-        console.print(f"{len(plan.shards)} shards of at most {shard / 1e9:.2f} GB; "
+        print_table(_roles_table(role_rows(stats), f"{src}: dry run, nothing written", measured=False))
+        console.print(f"{plural(len(plan.shards), 'shard')} of at most {shard / 1e9:.2f} GB; "
                       + _mtp_note(plan.mtp, len(plan.dropped) or sum(t.role == Role.MTP for t in plan.tensors)))
         for t in plan.tensors:
             if t.note:
@@ -160,12 +162,12 @@ def quantize(
             res = run_quantize(ckpt, out, opts, RichProgress(p, "quantizing"))
     except Interrupted as e:
         fail(str(e), 130)
-    console.print(_roles_table(role_rows(res.stats), f"{out}: {len(res.plan.shards)} shards", measured=True))
+    print_table(_roles_table(role_rows(res.stats), f"{out}: {plural(len(res.plan.shards), 'shard')}", measured=True))
     if res.plan.mtp != "absent":
         console.print(_mtp_note(res.plan.mtp, len(res.plan.dropped) or
                                 sum(t.role == Role.MTP for t in res.plan.tensors)))
     if res.reused_shards:
-        console.print(f"reused {len(res.reused_shards)} finished shards from the interrupted run")
+        console.print(f"reused {plural(len(res.reused_shards), 'finished shard')} from the interrupted run")
     for t in res.plan.tensors:
         if t.note:
             console.print(f"note: {t.name}: {t.note}")
@@ -187,6 +189,6 @@ def verify(
         raise typer.Exit(1)
     fm = ", ".join(f"{v} {k}" for k, v in sorted(res.formats.items())) or "none"
     console.print(
-        f"{folder}: OK: {res.shards} shards, {res.tensors} stored tensors, {res.quantized} quantized ({fm}), "
+        f"{folder}: OK: {plural(res.shards, 'shard')}, {plural(res.tensors, 'stored tensor')}, {res.quantized} quantized ({fm}), "
         f"{res.bytes / 1e9:.3f} GB {'checked by size' if quick else 'checked by sha256'}"
     )

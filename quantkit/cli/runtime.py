@@ -22,7 +22,9 @@ from quantkit.cli.options import (
     TOP_P,
     renamed,
 )
+from quantkit.cli.progress import step_status
 from quantkit.cli.prompt_cache_options import CACHE_DIR, DISK_SIZE, parse_disk_cache
+from quantkit.cli.signals import on_sigterm_raise
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_text_bounded
 from quantkit.outputs import guard_output
@@ -30,19 +32,33 @@ from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.chat import SESSION_LIMIT, Chat, ChatSession, check_text
 from quantkit.runtime.session_file import is_session_file, load_session, save_session
 from quantkit.runtime.worlds import world_prompt
-from quantkit.termtext import printable
+from quantkit.termtext import plural, printable
 from quantkit.threads import set_threads
 
 _PLAN = typer.Option(None, "--plan", help="a plan from `quantkit plan --out` (default: plan for this machine)")
 _SCHEME = typer.Option(None, "--scheme", "-s", help="quantize an unquantized checkpoint while loading (int8, "
                        "int4, quality, nf4, fp4, mxfp4; as `plan --scheme`; default: keep bf16)")
 _OLD_RECIPE = typer.Option(None, "--recipe", hidden=True)  # the old spelling of --scheme
-_CONTEXT = typer.Option(None, "--context", "-c", parser=CONTEXT,
-                        help="context length to plan for, e.g. 32768 or 32k [default: the plan's, else 4096]")
+_CONTEXT = typer.Option(None, "--context", "-c", parser=CONTEXT, show_default=False,
+                        help="context length to plan for, e.g. 32768 or 32k [default: a --plan's, else the longest "
+                        "that fits here, up to 32k]")
 _OLD_MAX_NEW = typer.Option(None, "--max-new-tokens", parser=MAX_TOKENS, hidden=True)  # the old --max-tokens
 _VERIFY = typer.Option("auto", "--verify",
-                       help="check a quantized folder first: auto (hash shards under 4 GB), "
-                       "full, quick (sizes and headers), off")
+                       help="check a quantized folder first: auto (the sha256 of every shard when the folder's "
+                       "shards total under 4 GB, else sizes and headers), full, quick (sizes and headers), off")
+_MODEL = typer.Argument(..., metavar="MODEL", show_default=False,
+                        help="a quantized folder (quantkit quantize) or a bf16 checkpoint (with --scheme: quantized "
+                        "while loading)")
+# one sampling vocabulary for chat and generate
+_TEMPERATURE = typer.Option(0.6, "--temperature", parser=TEMPERATURE,
+                            help="sampling temperature, 0 = greedy; 0.6 as the model card evaluates")
+_TOP_P = typer.Option(0.95, "--top-p", parser=TOP_P, help="nucleus sampling: the smallest set of tokens whose "
+                      "probabilities reach this sum")
+_TOP_K = typer.Option(20, "--top-k", parser=TOP_K, help="sample from the k likeliest tokens (0 = off)")
+_SEED = typer.Option(None, "--seed", parser=SEED, show_default=False,
+                     help="random seed of the sampling, for a reply that repeats [default: a fresh one]")
+_THINK = typer.Option(True, "--think/--no-think", help="let the model reason before it answers (its thinking is "
+                      "shown apart); --no-think turns it off, as the chat template's enable_thinking=false")
 # a prompt on stdin: 16M characters is far beyond any context (262k tokens is ~1 MB of text)
 PROMPT_LIMIT = 16 << 20
 _THREADS = typer.Option(None, "--threads", help="CPU threads [default: every physical core]")
@@ -79,17 +95,17 @@ def _load(model: str, plan: Path | None, recipe: str | None, context: int | None
     set_threads(threads)
     if verify not in ("auto", "full", "quick", "off"):
         raise QuantkitError(f"--verify {verify!r}: use auto, full, quick or off")
-    with err_console.status(f"loading {model}") as st:
-        rt = load_model(model, plan=plan, recipe=recipe, context=context, verify=verify,
-                        progress=lambda m: st.update(f"loading {model}: {m}"))
+    with step_status(err_console, f"loading {model}") as say:
+        rt = load_model(model, plan=plan, recipe=recipe, context=context, verify=verify, progress=say)
     for note in rt.report.notes:  # e.g. a forced route this machine cannot run, and the one used instead
         err_console.print(note, highlight=False, markup=False)
     return rt
 
 
 @app.command("generate")
+@on_sigterm_raise
 def generate_cmd(
-    model: str = typer.Argument(..., help="a quantized folder (quantkit quantize) or a bf16 checkpoint"),
+    model: str = _MODEL,
     prompt: str = typer.Option(None, "--prompt", "-p", help="the user message (default: read stdin)"),
     system: str = typer.Option(None, "--system", help="system prompt"),
     world: str = typer.Option(None, "--world", help="AgentWorld domain system prompt: mcp, search, terminal, "
@@ -97,12 +113,8 @@ def generate_cmd(
     max_tokens: int = typer.Option(None, "--max-tokens", "-n", parser=MAX_TOKENS,
                                    help="most tokens to generate [default: 512]"),
     old_max_new_tokens: int = _OLD_MAX_NEW,
-    temperature: float = typer.Option(0.6, "--temperature", parser=TEMPERATURE,
-                                      help="0 = greedy; 0.6 as the model card evaluates"),
-    top_p: float = typer.Option(0.95, "--top-p", parser=TOP_P),
-    top_k: int = typer.Option(20, "--top-k", parser=TOP_K, help="0 = off"),
-    seed: int = typer.Option(None, "--seed", parser=SEED),
-    think: bool = typer.Option(True, "--think/--no-think", help="let the model reason first (default on)"),
+    temperature: float = _TEMPERATURE, top_p: float = _TOP_P, top_k: int = _TOP_K, seed: int = _SEED,
+    think: bool = _THINK,
     as_json: bool = typer.Option(False, "--json", help="one JSON object: text, thinking, token counts, tok/s, "
                                  "finish reason, the CPU route (instruction set, fused ops, one call), MTP counts"),
     mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT, help=MTP_HELP),
@@ -111,7 +123,7 @@ def generate_cmd(
     verify: str = _VERIFY,
     threads: int = _THREADS,
 ) -> None:
-    """Generate one reply for scripts (plain text, or --json)."""
+    """Generate one reply for scripts: the answer on stdout, the thinking apart on stderr (or --json)."""
 
     try:
         if prompt is None:
@@ -141,17 +153,20 @@ def generate_cmd(
         msgs = ([{"role": "system", "content": sys_prompt}] if sys_prompt else []) + \
             [{"role": "user", "content": prompt}]
         resp = None
-        shown = False
+        thinking = False  # the thinking is being written (stderr, apart from the answer on stdout)
         for ev in rt.generate_stream(msgs, enable_thinking=think, sampling=sp):
             if ev.response is not None:
                 resp = ev.response
             elif not as_json and ev.text:
-                if ev.channel == "thinking" and not shown:
-                    sys.stdout.write("<think>\n")
-                    shown = True
-                elif ev.channel == "answer" and shown:
-                    sys.stdout.write("\n</think>\n\n")
-                    shown = False
+                if ev.channel == "thinking":
+                    if not thinking:
+                        err_console.print("thinking:", style="bold dim")
+                        thinking = True
+                    err_console.print(printable(ev.text), end="", style="dim", highlight=False)
+                    continue
+                if thinking:
+                    err_console.print()
+                    thinking = False
                 sys.stdout.write(printable(ev.text))
                 sys.stdout.flush()
     except QuantkitError as e:
@@ -164,28 +179,31 @@ def generate_cmd(
         d["memory_weights"] = rt.memory()
         d["route"] = rt.route()
         console.print_json(json.dumps(d))
-        return
-    if shown:
-        sys.stdout.write("\n</think>\n")
-    sys.stdout.write("\n")
-    err_console.print(f"[dim]prompt {resp.prompt_tokens} tok at {resp.prompt_tps:.1f} tok/s, generated "
-                      f"{resp.generation_tokens} at {resp.generation_tps:.1f} tok/s, {resp.finish_reason}[/]")
+    else:
+        if thinking:
+            err_console.print()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        err_console.print(f"prompt {resp.prompt_tokens} tok at {resp.prompt_tps:.1f} tok/s, generated "
+                          f"{resp.generation_tokens} at {resp.generation_tps:.1f} tok/s, {resp.finish_reason}",
+                          style="dim", highlight=False)
+    if not resp.text and resp.thinking and resp.finish_reason == "length":
+        err_console.print(f"note: all {resp.generation_tokens} tokens went to thinking, none to an answer: raise "
+                          "--max-tokens, or pass --no-think", style="yellow", highlight=False)
 
 
 @app.command("chat")
+@on_sigterm_raise
 def chat_cmd(
-    model: str = typer.Argument(..., help="a quantized folder (quantkit quantize) or a bf16 checkpoint"),
+    model: str = _MODEL,
     system: str = typer.Option(None, "--system", help="system prompt"),
     world: str = typer.Option(None, "--world", help="be the world model of a domain: mcp, search, terminal, "
                               "swe, android, web, os (type the agent's actions)"),
     max_tokens: int = typer.Option(None, "--max-tokens", "-n", parser=MAX_TOKENS,
                                    help="most tokens to generate [default: 2048]"),
     old_max_new_tokens: int = _OLD_MAX_NEW,
-    temperature: float = typer.Option(0.6, "--temperature", parser=TEMPERATURE),
-    top_p: float = typer.Option(0.95, "--top-p", parser=TOP_P),
-    top_k: int = typer.Option(20, "--top-k", parser=TOP_K),
-    seed: int = typer.Option(None, "--seed", parser=SEED),
-    think: bool = typer.Option(True, "--think/--no-think"),
+    temperature: float = _TEMPERATURE, top_p: float = _TOP_P, top_k: int = _TOP_K, seed: int = _SEED,
+    think: bool = _THINK,
     mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT, help=MTP_HELP),
     load: Path = typer.Option(None, "--load", help="start from a conversation saved with /save"),
     session_file: Path = typer.Option(None, "--session", help="keep the conversation and its cached state in this "
@@ -235,7 +253,7 @@ def chat_cmd(
                 err_console.print(resumed.notice, style="yellow", highlight=False, markup=False, soft_wrap=True)
             if resumed.session is not None:
                 session = resumed.session
-                err_console.print(f"resumed {len(session.messages)} messages from {session_file} "
+                err_console.print(f"resumed {plural(len(session.messages), 'message')} from {session_file} "
                                   f"({resumed.restored_tokens} tokens of state restored)", highlight=False)
 
             def autosave(s: ChatSession) -> None:

@@ -1,4 +1,4 @@
-"""`quantkit serve MODEL_DIR`: the OpenAI-compatible server (quantkit/server) on the quantized runtime."""
+"""`quantkit serve MODEL`: the OpenAI-compatible server (quantkit/server) on the quantized runtime."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import typer
+from rich.text import Text
 
 from quantkit.cli import app, console, err_console, fail
 from quantkit.cli.options import (
@@ -19,23 +20,25 @@ from quantkit.cli.options import (
     MAX_TOKENS,
     MTP_DRAFT,
     MTP_HELP,
+    PARALLEL,
     PORT,
     SECONDS,
-    count,
     renamed,
 )
+from quantkit.cli.progress import step_status
 from quantkit.cli.prompt_cache_options import CACHE_DIR, DISK_SIZE, parse_disk_cache
 from quantkit.cli.runtime import parse_cache_size, warn_line
+from quantkit.cli.signals import Terminated, on_sigterm_raise
 from quantkit.errors import QuantkitError
 from quantkit.planner.slots import DEFAULT_PARALLEL_MAX
+from quantkit.runtime.chat import context_line
 from quantkit.server.parallel import choose_parallel
 from quantkit.server.runtime_backend import load_backend
-from quantkit.server.scheduler import MAX_SLOTS
 from quantkit.server.security import API_KEY_ENV, check_api_key, is_loopback
-from quantkit.sizes import parse_size
+from quantkit.sizes import format_size, parse_size
+from quantkit.termtext import plural
 from quantkit.threads import set_threads
 
-PARALLEL = count(1, MAX_SLOTS)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$",
                        re.I)
@@ -100,14 +103,17 @@ def check_host(host: str) -> str:
 
 
 @app.command()
+@on_sigterm_raise
 def serve(
-    model_dir: Path = typer.Argument(..., help="quantized checkpoint folder (from `quantkit quantize`)"),
+    model_dir: Path = typer.Argument(..., metavar="MODEL", show_default=False,
+                                     help="a quantized folder (quantkit quantize) or a bf16 checkpoint"),
     plan: Path = typer.Option(None, "--plan",
                               help="placement plan from `quantkit plan --out` (default: plan here)"),
     host: str = typer.Option("127.0.0.1", "--host", help="address to bind (loopback by default)"),
     port: int = typer.Option(8000, "--port", parser=PORT, help="TCP port (0: any free port)"),
     max_queue: int = typer.Option(8, "--max-queue", parser=COUNT,
-                                  help="requests that may wait behind the running one; more get 429"),
+                                  help="requests that may wait for a slot, beyond the --parallel running; more get "
+                                  "429"),
     max_body: str = typer.Option("8MB", "--max-body", help="largest request body accepted (413 beyond)"),
     model_name: str = typer.Option(None, "--served-model-name",
                                    help="model id /v1/models lists first (default: folder name); requests may "
@@ -124,8 +130,9 @@ def serve(
                                  "for all of them (1: one request at a time); refused when the slots' K/V and "
                                  f"recurrent state at --context do not fit the free memory (default: as many as "
                                  f"fit, up to {DEFAULT_PARALLEL_MAX}; 1 where two do not fit)"),
-    context: int = typer.Option(None, "--context", "-c", parser=CONTEXT,
-                                help="context length to plan for, e.g. 32k (default: the plan's, or 4096)"),
+    context: int = typer.Option(None, "--context", "-c", parser=CONTEXT, show_default=False,
+                                help="context length of each request, e.g. 32k [default: a --plan's, else the "
+                                "longest at which --parallel slots (1 when not given) fit here, up to 32k]"),
     max_tokens: int = typer.Option(None, "--max-tokens", "-n", parser=MAX_TOKENS,
                                    help="max_tokens when a request gives none (default: rest of context)"),
     old_max_tokens: int = typer.Option(None, "--default-max-tokens", parser=MAX_TOKENS, hidden=True),
@@ -142,7 +149,7 @@ def serve(
     mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT, help=MTP_HELP),
     prompt_cache_dir: Path = CACHE_DIR, prompt_cache_disk_size: str = DISK_SIZE,
 ) -> None:
-    """Serve MODEL_DIR on an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
+    """Serve MODEL on an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics)."""
     if log_level.lower() not in LOG_LEVELS:
         fail(f"--log-level {log_level!r}: use one of {', '.join(LOG_LEVELS)}")
@@ -165,43 +172,50 @@ def serve(
     import uvicorn
 
     from quantkit.server.app import ServerConfig, create_app
+    from quantkit.server.serving import Server
 
     if not Path(model_dir).is_dir():  # before binding: the usual mistake gets its own line
         fail(f"{model_dir}: not a folder; pass a checkpoint folder made by `quantkit quantize`")
     sock = bind_socket(host, port)
     port = sock.getsockname()[1]
     if not is_loopback(host) and not api_key:
-        err_console.print(f"[bold yellow]warning:[/] binding to {host}, beyond this machine's loopback, with no "
+        err_console.print(f"warning: binding to {host}, beyond this machine's loopback, with no "
                           f"authentication (no API key): anyone who can reach port {port} can use the model. Pass "
                           f"--api-key KEY (or set {API_KEY_ENV}), or use --host 127.0.0.1 to keep it local.",
-                          highlight=False, soft_wrap=True)
+                          style="bold yellow", highlight=False, soft_wrap=True)
     try:
-        backend = load_backend(model_dir, plan=plan, model_id=model_name, max_context=context,
-                               prompt_cache_bytes=cache_bytes, prompt_cache_dir=prompt_cache_dir,
-                               prompt_cache_disk_bytes=disk_bytes, warn=warn_line)
+        with step_status(err_console, f"loading {model_dir}") as say:  # the load takes minutes on the full model
+            backend = load_backend(model_dir, plan=plan, model_id=model_name, max_context=context,
+                                   prompt_cache_bytes=cache_bytes, prompt_cache_dir=prompt_cache_dir,
+                                   prompt_cache_disk_bytes=disk_bytes, warn=warn_line, slots=parallel or 1,
+                                   progress=say)
         parallel = choose_parallel(backend.runtime, parallel, backend.max_context)
         config = ServerConfig(max_queue=max_queue, max_body_bytes=body_limit, default_max_tokens=default_max_tokens,
                               bind_host=host, allowed_hosts=tuple(allowed_hosts), api_key=api_key or None,
                               body_timeout_s=body_timeout, aliases=names, cors_origins=origins, max_n=max_n,
                               parallel=parallel)
         shown = f"[{host}]" if ":" in host else host
-        console.print(f"serving [bold]{backend.model_id}[/] on http://{shown}:{port}/v1 (context "
-                      f"{backend.max_context} tokens, {parallel} decoding at once, up to {max_queue} waiting, prompt cache "
-                      f"{backend.cache_summary()['max_bytes'] / 2**20:.0f} MiB)", highlight=False)
+        console.print(Text.assemble("serving ", (backend.model_id, "bold"), f" on http://{shown}:{port}/v1 ("
+                                    f"{context_line(backend.runtime)}; {parallel} decoding at once, up to "
+                                    f"{max_queue} waiting, prompt cache "
+                                    f"{format_size(backend.cache_summary()['max_bytes'])})"), highlight=False,
+                      soft_wrap=True)
         disk = backend.cache_summary().get("disk")
         if disk:
-            console.print(f"prompt cache on disk: {disk['dir']} ({disk['entries']} entries of these weights, up "
-                          f"to {disk['max_bytes'] / 2**20:.0f} MiB)", highlight=False)
+            console.print(f"prompt cache on disk: {disk['dir']} ({plural(disk['entries'], 'entry', 'entries')} of "
+                          f"these weights, up to {format_size(disk['max_bytes'])})", highlight=False)
         note = backend.runtime.set_mtp(mtp)
         if note:
             err_console.print(note, highlight=False, markup=False)
         console.print(backend.runtime.route_line(), highlight=False)  # the instruction set and decode route
         console.print(backend.runtime.mtp_line(), highlight=False)
-        server = uvicorn.Server(uvicorn.Config(create_app(backend, config), log_level=log_level.lower(),
-                                               timeout_graceful_shutdown=5))
+        web = create_app(backend, config)
+        server = Server(uvicorn.Config(web, log_level=log_level.lower(), timeout_graceful_shutdown=5), web)
         try:
             server.run(sockets=[sock])
-        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it shut down on; that is a normal stop
+        except (KeyboardInterrupt, Terminated):
+            # uvicorn re-raises the Ctrl-C or SIGTERM it stopped on, once every request has ended (serving.py):
+            # this command's normal end
             pass
     finally:
         sock.close()

@@ -22,8 +22,9 @@ Layout (the conventions of compressed-tensors 0.20, `PackedQuantizationCompresso
   it with `--language-model-only`) plus `quantization_config`; tokenizer and other non-weight files
   copied; the folder is written under a temporary name and renamed when complete.
 
-Codes are reused where the source already holds them: quantkit int4 symmetric (any group size) becomes
-`weight_packed`/`weight_scale` without requantizing, int8 per channel likewise; everything else is
+Codes are reused where the source already holds them: quantkit int4 symmetric at the export's group size (one
+for every expert: the source's when it has one) becomes `weight_packed`/`weight_scale` without requantizing (an
+expert stored at another group size is requantized, and a note says so), int8 per channel likewise; everything else is
 quantized here with quantkit's own int4/int8 formats (from the dequantized weights for nf4/fp4/mxfp4 or
 asymmetric int4 sources). Note: quantkit's symmetric int4 scales are signed (Q4_0's convention, so the
 group's largest magnitude lands on code -8); compressed-tensors dequantizes `q * scale` either way.
@@ -371,6 +372,12 @@ def export_vllm(src_path: str | Path, out_dir: str | Path, group_size: int | Non
     finally:
         src.close()
     notes = []
+    redone = [t for t in tensors if t.kind.startswith("int4") and t.how == "requantized"]
+    if redone:  # codes are reused only at the export's one group size: say why these were not
+        groups = sorted({t.source.spec.group_size or 128 for t in redone if t.source.spec is not None})
+        notes.append(f"{len(redone)} of the int4 expert tensors were requantized: stored at group "
+                     f"{', '.join(map(str, groups))}, not the export's one group size {g} (--group-size); the "
+                     "others' codes are reused as stored")
     if src.quant is not None and src.quant.get("mtp") == "dropped":
         notes.append("the source folder dropped the MTP layer; none exported")
     size = sum(p.stat().st_size for p in out.iterdir() if p.is_file())

@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from quantkit.errors import QuantkitError
-from quantkit.export.gguf_types import GGML, LLAMA_TYPES, overrides
+from quantkit.export.gguf_types import GGML, INSTALL_LINE, LLAMA_TYPES, overrides
 
-INSTALL_HINT = ('pip install "quantkit[engines]" (llama-cpp-python>=0.3.36, builds llama.cpp from source, which '
-                'takes minutes; scripts/test.sh does it)')
+INSTALL_HINT = (f'{INSTALL_LINE}: llama-cpp-python>=0.3.36, built from source, which takes minutes; '
+                'scripts/test.sh does it')
 MAX_BUF_BYTES = 256 << 20
 GGML_LOG_ERROR = 4  # enum ggml_log_level
 _TENSOR_LINE = re.compile(r"^\[\s*\d+/\s*\d+\]\s+(\S+)")

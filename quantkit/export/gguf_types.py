@@ -34,6 +34,9 @@ from dataclasses import dataclass
 from quantkit.checkpoint.gguf_layout import is_f32_only
 from quantkit.errors import QuantkitError
 
+# the one install line for llama-cpp-python, printed as written (brackets and all)
+INSTALL_LINE = 'pip install "quantkit[engines]" (from a clone: pip install -e ".[engines]")'
+
 
 @dataclass(frozen=True)
 class GgmlType:
@@ -163,4 +166,4 @@ def default_type() -> tuple[str, str]:
     if importlib.util.find_spec("llama_cpp") is not None:
         return DEFAULT_TYPE, ""
     return FALLBACK_TYPE, (f"llama-cpp-python is not installed, so the file is {FALLBACK_TYPE} (quantkit's own "
-                           f"writer); the measured default {DEFAULT_TYPE} needs it: pip install \"quantkit[engines]\"")
+                           f"writer); the measured default {DEFAULT_TYPE} needs it: {INSTALL_LINE}")

@@ -1,17 +1,19 @@
-"""Planning for the machine at hand: does a saved plan fit what is free here now, what would fit instead, and
-a plan made on the spot. Pure arithmetic over byte counts the caller measured (the runtime loader asks the
-devices; this module never touches them)."""
+"""Planning for the machine at hand: does a saved plan fit what is free here now, what would fit instead, a plan
+made on the spot, and the context `chat`, `generate` and `serve` take when none is given (`default_context`:
+the longest at which the slots fit here, as `plan` counts it, up to DEFAULT_CONTEXT_CAP). Pure arithmetic over
+byte counts the caller measured (the runtime loader asks the devices; this module never touches them)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
-from quantkit.checkpoint.spec import ModelSpec
+from quantkit.checkpoint.spec import ModelSpec, Role
 from quantkit.errors import QuantkitError
-from quantkit.planner.budget import RunSettings
+from quantkit.planner.budget import SNAPSHOTS_PER_PROMPT, RunSettings
 from quantkit.planner.hardware import Hardware, build_hardware
-from quantkit.planner.placement import Plan, solve, spec_fingerprint, suggestions
+from quantkit.planner.placement import Plan, max_context, solve, spec_fingerprint, suggestions
 from quantkit.recipe import Recipe
 
 
@@ -64,3 +66,39 @@ def plan_here(spec: ModelSpec, recipe: Recipe, context: int, here: Hardware) -> 
         raise QuantkitError(f"{recipe.name} does not fit this machine ({here.describe()}): {p.reason}"
                             + (f"; would fit: {'; '.join(tips)}" if tips else ""))
     return p
+
+
+# The default context's ceiling: an agent session's turns fit in it, and beyond it each slot's K/V would hold
+# memory that few sessions use; `-c` goes up to the model's maximum
+DEFAULT_CONTEXT_CAP = 32768
+# planned for when nothing is asked and nothing fits: plan_here then says what would
+FALLBACK_CONTEXT = 4096
+
+
+@dataclass(frozen=True)
+class ContextChoice:
+    """The context a run takes when none is given, and why, for its start-up line."""
+
+    tokens: int
+    why: str
+
+
+def default_context(spec: ModelSpec, recipe: Recipe, here: Hardware, slots: int = 1,
+                    cap: int = DEFAULT_CONTEXT_CAP) -> ContextChoice:
+    """The longest context at which `slots` conversations fit `here` (`max_context`, the figure `quantkit plan`
+    shows as max ctx), at most `cap` and the model's maximum."""
+    top = min(cap, spec.config.max_position_embeddings)
+    # counted as `quantkit plan` counts by default: the MTP layer where the model has one (the runtime loads it)
+    # and the prompt cache's snapshots of one conversation
+    base = RunSettings(context=min(FALLBACK_CONTEXT, top), batch=slots, prompt_cache_snapshots=SNAPSHOTS_PER_PROMPT,
+                       include_mtp=any(t.role == Role.MTP for t in spec.tensors))
+    base.validate(spec.config)
+    fit = max_context(spec, recipe, base, here)
+    who = "1 conversation" if slots == 1 else f"{slots} conversations at once"
+    if fit >= top:
+        if top == spec.config.max_position_embeddings:
+            return ContextChoice(top, f"the model's maximum, which fits here for {who}")
+        return ContextChoice(top, f"capped at {cap:,}; {fit:,} would fit here for {who}")
+    if fit == 0:
+        return ContextChoice(min(FALLBACK_CONTEXT, top), f"nothing fits here for {who}")
+    return ContextChoice(fit, f"the most that fits here for {who}, as `quantkit plan` counts it")

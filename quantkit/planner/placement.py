@@ -49,6 +49,7 @@ from quantkit.planner.speed import (
     estimate_runtime,
 )
 from quantkit.recipe import QUALITY_RANK, RECIPES, Recipe
+from quantkit.sizes import format_size
 
 PLAN_VERSION = 1
 COMMON_RAM_GIB = (8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024)
@@ -446,10 +447,11 @@ def _verdict(devs: list[Device], hw: Hardware, layer_dev: list[str]) -> tuple[bo
     cpu = devs[-1]
     total = sum(d.used_bytes for d in devs) + sum(g.reserve for g in gpus if g.used_bytes)
     if any(d.used_bytes > d.capacity for d in devs):
-        need = cpu.used_bytes - cpu.capacity
+        # sized to the difference, so a near miss reads as one (26.5 MB more), never as "0.0 GB more"
+        ram, usable = format_size(cpu.used_bytes), format_size(cpu.capacity)
         return False, (f"needs {total / GB:.1f} GB: the GPUs hold {sum(g.used_bytes for g in gpus) / GB:.1f} GB and "
-                       f"{cpu.used_bytes / GB:.1f} GB would go to RAM, {need / GB:.1f} GB more than the "
-                       f"{cpu.capacity / GB:.1f} GB usable"), total
+                       f"{ram} would go to RAM, {format_size(cpu.used_bytes - cpu.capacity)} more than the "
+                       f"{usable} usable"), total
     if hw.nodes > 1 and (cpu.used.get("experts") or any(d == "cpu" for d in layer_dev)):
         return False, "a multi-node plan must fit in GPU memory (vLLM does not keep experts in host RAM)", total
     return True, "", total
@@ -665,5 +667,5 @@ def suggestions(spec: ModelSpec, hw: Hardware, settings: RunSettings, failed: Pl
     if 0 < mc < settings.context:
         out.append(f"{failed.scheme} at --context {mc}")
     if not failed.fits and hw.nodes == 1:
-        out.append(f"{failed.scheme} with --ram {ram_needed_gib(failed)}GB")
+        out.append(f"{failed.scheme} with --ram {ram_needed_gib(failed)}GiB")
     return out

@@ -1,5 +1,6 @@
 """How many conversations a server decodes together (`quantkit serve --parallel N`): the memory of N slots on the
-devices that hold them, whether N fits what is free, and the default N. Pure arithmetic over the byte counts
+devices that hold them, whether N fits what is free, and the default N; `MAX_SLOTS` and `check_slots`, the one
+range of N that `plan --parallel`, `serve --parallel` and the server's scheduler take. Pure arithmetic over the byte counts
 the caller measured, with the budget's own functions (quantkit/planner/budget.py: `slot_state_bytes`,
 `batch_activation_bytes`), so `quantkit plan --parallel N` and `serve` count the same bytes."""
 
@@ -9,7 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from quantkit.checkpoint.spec import TextConfig
-from quantkit.errors import QuantkitError
+from quantkit.errors import ArgumentError, ArgumentTypeError, QuantkitError
 from quantkit.planner.budget import (
     DEFAULT_PREFILL_CHUNK,
     RunSettings,
@@ -18,9 +19,22 @@ from quantkit.planner.budget import (
 )
 from quantkit.sizes import format_size
 
+# --parallel at most, for plan and serve alike: more rows per step than this only queue up behind the memory
+# bandwidth
+MAX_SLOTS = 64
 # the default --parallel at most: agent loops rarely run more at once, and each slot beyond the cores' memory
 # bandwidth adds little throughput while its state stays reserved
 DEFAULT_PARALLEL_MAX = 4
+
+
+def check_slots(slots: int) -> int:
+    """`slots` when it is a whole number in 1..MAX_SLOTS; else one line naming the range (the CLI's `--parallel`
+    parser, quantkit/cli/options.py PARALLEL, states the same range)."""
+    if isinstance(slots, bool) or not isinstance(slots, int):
+        raise ArgumentTypeError(f"parallel {slots!r}: give a whole number of slots, 1 to {MAX_SLOTS}")
+    if not 1 <= slots <= MAX_SLOTS:
+        raise ArgumentError(f"parallel {slots}: give 1 to {MAX_SLOTS} slots")
+    return slots
 
 
 @dataclass(frozen=True)

@@ -94,10 +94,14 @@ class Manifest:
     def read(cls, folder: Path) -> Manifest:
         path = folder / MANIFEST_NAME
         if not path.is_file():
+            # the hint fits what the folder is: an interrupted run (its journal is there), or not quantkit's
+            if (folder / JOURNAL_NAME).is_file():
+                raise QuantkitError(f"{folder}: no {MANIFEST_NAME}: an interrupted `quantkit quantize` run; finish "
+                                    "it with the same command and --resume")
             raise QuantkitError(
-                f"{folder}: no {MANIFEST_NAME}; this is not a finished quantkit output "
-                "(an interrupted run resumes with `quantkit quantize ... --resume`)"
-            )
+                f"{folder}: no {MANIFEST_NAME}: not a folder written by `quantkit quantize` (a bf16 or other "
+                "checkpoint has nothing to verify against); quantize it with `quantkit quantize "
+                f"{folder} --scheme quality --out OUT`, or run it as it is with `quantkit chat {folder}`")
         return cls.from_dict(read_json(path, "manifest"), path)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_bytes
+from quantkit.termtext import plural
 
 
 @dataclass
@@ -144,9 +145,9 @@ def write_report(md_path: Path, plan: Any, stats: list[Any], seconds: float, src
         f"- recipe: `{plan.recipe.name}` ({plan.recipe.description})",
         f"- MTP: {_mtp_line(plan)}",
         f"- size: {tot.in_bytes / 1e9:.3f} GB -> {tot.out_bytes / 1e9:.3f} GB "
-        f"({tot.bits_per_weight:.3f} bits/weight) in {len(plan.shards)} shards",
+        f"({tot.bits_per_weight:.3f} bits/weight) in {plural(len(plan.shards), 'shard')}",
         f"- time: {seconds:.1f} s" + (f" ({in_mb / seconds:.1f} MB/s of input)" if seconds > 0 else "")
-        + (f"; {len(reused)} shards reused from an interrupted run (their time is that run's)" if reused else ""),
+        + (f"; {plural(len(reused), 'shard')} reused from an interrupted run (their time is that run's)" if reused else ""),
         "",
     ]
     if calibration:

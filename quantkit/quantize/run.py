@@ -73,6 +73,7 @@ from quantkit.quantize.stream import (
     view_as,
 )
 from quantkit.recipe import Recipe, decide
+from quantkit.termtext import plural
 from quantkit.threads import resolve_threads, torch_threads
 
 REPORT_STEM = "quantkit-report"
@@ -806,7 +807,7 @@ def run_quantize(ckpt: Checkpoint, out: Path, opts: QuantizeOptions, progress: P
         for p in out.glob(".*.tmp"):
             p.unlink(missing_ok=True)
         raise Interrupted(
-            f"interrupted: {len(journal.done)} of {len(names)} shards are finished in {out}; "
+            f"interrupted: {len(journal.done)} of {plural(len(names), 'shard')} finished in {out}; "
             "run the same command with --resume to continue"
         ) from None
 

@@ -22,7 +22,8 @@ Python API (what `quantkit generate`, `quantkit chat` and the server use):
 assistant turns may carry `reasoning_content` and `tool_calls`); `tools` are OpenAI-style function
 schemas, rendered by the model's own template. One generation runs at a time per Runtime (a lock);
 `rt.context` is the context length the placement was planned for, `rt.memory()` the resident weight
-bytes per device, `rt.report.routes` the kernel each matrix uses.
+bytes per device, `rt.report.routes` the kernel each matrix uses. Without `context=` (or a plan), the context is the
+longest at which `slots=` conversations (default 1) fit here, capped at 32k (planner/fit.py default_context).
 
 Prompt cache: `rt.set_prompt_cache(max_bytes)` (None: a quarter of the free memory where the states live; 0:
 off) keeps snapshots of the hybrid cache at message boundaries, so a prompt that extends an earlier one is
@@ -34,10 +35,15 @@ restored after a restart (quantkit/runtime/prompt_disk.py, docs/prompt-cache.md)
 Several conversations at once: `BatchGenerator(rt)` (quantkit/runtime/batch.py) decodes them together, one
 batched forward per token for all of them (`batch.add(messages, **sampling)` prefills one and returns its row id;
 `batch.step()` gives one (row id, TokenEvent) per row and each ended row's last event; a row leaves when it ends
-and a new one joins between steps), every row's tokens the ones `generate_stream` gives it alone.
+and a new one joins between steps), every row's tokens the ones `generate_stream` gives it alone;
+`batch.fork(row)` is another choice of a row's prompt, inheriting its sampling (seed + k, no hook).
 
-Modules: model (quantkit's own Qwen3.5-MoE: spec, hybrid cache, layers, the forward, its one-token route),
-kernels (per-format matmuls and their dequantize-then-matmul reference), qexperts (QuantExperts), loader
+Bad arguments (`options="torch"`, `context=0`, `temperature=nan`, `ids=[-1]`, a string as messages) are refused
+where they enter, in one line naming them: ArgumentTypeError (a TypeError) or ArgumentError (a ValueError), both
+QuantkitErrors (runtime/args.py, docs/python.md).
+
+Modules: args (the API's argument checks), model (quantkit's own Qwen3.5-MoE: spec, hybrid cache, layers, the
+forward, its one-token route), kernels (per-format matmuls and their dequantize-then-matmul reference), qexperts (QuantExperts), loader
 (load_model, Placement), generate (prefill and sampling loop,
 GenerationResponse, TokenEvent), state_cache (snapshots of the hybrid cache, the prefix LRU), engine
 (Runtime), chat (the interactive loop), session_file (chat --session files), worlds (AgentWorld domain

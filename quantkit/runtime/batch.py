@@ -6,13 +6,15 @@
     batch = BatchGenerator(rt)
     a = batch.add(messages_a, temperature=0, max_new_tokens=64)          # prefilled alone, joins the next step
     b = batch.add(messages_b, seed=1, max_new_tokens=32, stop_ids=set())
-    b2 = batch.fork(b, seed=2, max_new_tokens=32)                        # another choice, its prompt not prefilled again
+    b2 = batch.fork(b)                                                   # another choice, its prompt not prefilled again
     while batch:
         for row, ev in batch.step():                                     # one token for every row
             ...                                                          # ev as generate_stream yields it
     batch.cancel(a)                                                      # the row ends at the next step
 
-Each row has its own sampling (temperature, top-k / top-p, seed, hook), stop tokens and token budget; a row
+Each row has its own sampling (temperature, top-k / top-p, seed, hook), stop tokens and token budget; a fork
+inherits its parent's (temperature, top-p / top-k, max_new_tokens, ignore_eos, stop tokens, thinking), with the
+seed the parent's + 1, + 2, ... per fork (None stays None) and no hook, unless given (`fork`); a row
 leaves the batch when it ends (stop token, its max_new_tokens, the context, `cancel`, or "error": its sampling
 hook raised, kept in `errors`, the other rows unaffected) and a new one joins
 between steps, its prompt prefilled alone (through the prompt cache, as `Runtime.generate_ids`). A step is one
@@ -34,12 +36,13 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import ArgumentError, ArgumentTypeError, QuantkitError
+from quantkit.runtime import args
 from quantkit.runtime.batch_drafts import DraftPlan, RowDrafter
 from quantkit.runtime.channels import ANSWER, THINKING, ChannelSplitter
 from quantkit.runtime.generate import (
@@ -74,6 +77,8 @@ class _Row:
     cancel: threading.Event | None
     generated: list[int] = field(default_factory=list)
     decode_seconds: float = 0.0
+    stop_ids: set[int] | None = None  # as given to `add` (None: the model's), what a fork inherits
+    forks: int = 0  # rows forked from this one: the n-th takes seed + n
     drafter: RowDrafter | None = None  # the row's MTP state (None: it decodes without drafts)
     fixed: int | None = None  # --mtp N for this row (None: the plan's choice)
     stats: DraftStats | None = None  # its drafts' counts (None: MTP off for it)
@@ -84,8 +89,8 @@ class BatchGenerator:
     """Conversations of one `Runtime` decoded together (module docstring)."""
 
     def __init__(self, rt: Runtime, max_rows: int | None = None):
-        if max_rows is not None and max_rows < 1:
-            raise QuantkitError(f"max_rows {max_rows}: a batch needs at least one row")
+        if max_rows is not None and args.whole(max_rows, "max_rows") < 1:
+            raise ArgumentError(f"max_rows={max_rows}: a batch needs at least one row")
         self.rt, self.max_rows = rt, max_rows
         self._rows: dict[int, _Row] = {}
         self._ended: list[tuple[int, TokenEvent]] = []  # rows that ended outside a step (cancelled prefill)
@@ -111,26 +116,30 @@ class BatchGenerator:
         its first token comes at the next `step`. Sampling as `Runtime.generate_stream` takes it; `stop_ids`
         as `Runtime.generate_ids`. `between`: the rows already decoding take one step between the prompt's
         chunks, and their events go to `between` (a server's running requests are then held up for one chunk at
-        most, not the whole prompt). Returns the row's id."""
+        most, not the whole prompt). Returns the row's id. Every argument is checked before the prefill
+        (quantkit/runtime/args.py: ArgumentError / ArgumentTypeError naming it)."""
         rt = self.rt
+        if (messages is None) == (ids is None):
+            raise ArgumentTypeError("add takes messages or ids: give exactly one of them")
+        sp = rt.sampling(sampling, **sampling_kw)
+        stop_ids = args.stop_token_ids(stop_ids, rt.model.vocab)
+        args.event(cancel)
+        args.callback(between, "between")
+        if messages is not None:
+            ids = rt.render_ids(messages, tools, enable_thinking)[1]
+        else:
+            ids = args.token_ids(ids, rt.model.vocab)
+            args.tools(tools)
+            args.flag(enable_thinking, "enable_thinking")
         if self.max_rows is not None and len(self._rows) >= self.max_rows:
             raise QuantkitError(f"the batch is full ({self.max_rows} rows): wait for a row to end")
-        if (messages is None) == (ids is None):
-            raise QuantkitError("add takes either messages or ids")
-        if messages is not None:
-            if not messages:
-                raise QuantkitError("empty conversation: give at least one message")
-            ids = rt.render_ids(messages, tools, enable_thinking)[1]
-        assert ids is not None
-        sp = sampling or rt.sampling(**sampling_kw)
-        sp.validate()
         n = len(ids)
         if n == 0:
             raise QuantkitError("empty prompt: give some text")
         if n >= rt.context:
             raise QuantkitError(f"the prompt is {n} tokens; the context holds {rt.context} "
                                 "(shorten it, or run with a larger --context)")
-        stops = set() if sp.ignore_eos else rt.stop_ids if stop_ids is None else set(stop_ids)
+        stops = set() if sp.ignore_eos else rt.stop_ids if stop_ids is None else stop_ids
         gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
         chunks = _Between(cancel, lambda: between(self._step())) if between is not None else cancel
         fixed, stats, drafts = self._mtp()
@@ -149,7 +158,7 @@ class BatchGenerator:
         logits = pre.logits.view(1, -1) if pre.logits is not None else None
         row = _Row(next(self._ids), list(ids), sp, stops, pre.cache, logits, picker(sp, gen, sample), budget,
                    ChannelSplitter(rt.tokenizer, rt.think_ids, enable_thinking), pre.cached_tokens, spent, cancel,
-                   drafter=drafter, fixed=fixed, stats=stats)
+                   stop_ids=stop_ids, drafter=drafter, fixed=fixed, stats=stats)
         if row.budget == 0:
             self._ended.append((row.id, self._last(row, "cancelled")))
         else:
@@ -159,19 +168,30 @@ class BatchGenerator:
     def fork(self, row: int, sampling: SamplingParams | None = None, *, stop_ids: set[int] | None = None,
              cancel: threading.Event | None = None, **sampling_kw: Any) -> int:
         """Another choice of `row`'s prompt, without prefilling it again: a new row in a copy of that row's prompt
-        state (HybridCache snapshot), with its own sampling (seed, hook, budget), stop tokens and cancel; its
-        tokens are the ones the same request generates alone. Only before `row` takes its first step (its state
-        is still the prompt's). Returns the new row's id."""
+        state (HybridCache snapshot), its tokens the ones the same request generates alone. Only before `row`
+        takes its first step (its state is still the prompt's). Returns the new row's id.
+
+        What the fork inherits, as `n` choices of one request share them (vLLM's and the server's `n`): without
+        `sampling`, the parent's sampling (temperature, top_p, top_k, max_new_tokens, ignore_eos), its seed + k
+        for the parent's k-th fork (choice k of a request seeded s runs with s + k; an unseeded parent's forks are
+        unseeded) and no hook (a hook holds one row's state); `sampling` replaces all of that, and `sampling_kw`
+        overrides single fields of either (None keeps). The parent's stop tokens unless `stop_ids` is given; its
+        thinking switch; never its `cancel` (each row has its own)."""
         rt = self.rt
-        if self.max_rows is not None and len(self._rows) >= self.max_rows:
-            raise QuantkitError(f"the batch is full ({self.max_rows} rows): wait for a row to end")
+        row = args.whole(row, "row")
         r = self._rows.get(row)
         if r is None or r.generated or r.logits is None:
             raise QuantkitError(f"row {row} has no prompt state left to fork: fork before its first step")
-        sp = sampling or rt.sampling(**sampling_kw)
-        sp.validate()
+        if sampling is None:
+            seed = r.sampling.seed
+            sampling = replace(r.sampling, hook=None, seed=None if seed is None else seed + r.forks + 1)
+        sp = rt.sampling(sampling, **sampling_kw)
+        stop_ids = r.stop_ids if stop_ids is None else args.stop_token_ids(stop_ids, rt.model.vocab)
+        args.event(cancel)
+        if self.max_rows is not None and len(self._rows) >= self.max_rows:
+            raise QuantkitError(f"the batch is full ({self.max_rows} rows): wait for a row to end")
         n = len(r.prompt_ids)
-        stops = set() if sp.ignore_eos else rt.stop_ids if stop_ids is None else set(stop_ids)
+        stops = set() if sp.ignore_eos else rt.stop_ids if stop_ids is None else stop_ids
         gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
         with rt._lock, torch.inference_mode():
             src = r.cache
@@ -180,10 +200,12 @@ class BatchGenerator:
             logits = r.logits.clone()
             budget = min(sp.max_new_tokens, rt.context - n)
             stats = DraftStats(r.fixed or 0, auto=r.fixed is None) if r.stats is not None else None
-            drafter = r.drafter.fork(rt.model, stats) if r.drafter is not None and stats is not None and budget > 1 else None
+            drafter = (r.drafter.fork(rt.model, stats) if r.drafter is not None and stats is not None and budget > 1
+                       else None)
         new = _Row(next(self._ids), list(r.prompt_ids), sp, stops, cache, logits, picker(sp, gen, sample), budget,
                    ChannelSplitter(rt.tokenizer, rt.think_ids, r.split.channel == THINKING), n, 0.0, cancel,
-                   drafter=drafter, fixed=r.fixed, stats=stats)
+                   stop_ids=stop_ids, drafter=drafter, fixed=r.fixed, stats=stats)
+        r.forks += 1
         self._rows[new.id] = new
         return new.id
 

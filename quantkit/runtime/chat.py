@@ -33,7 +33,8 @@ from quantkit.fileio import read_text_bounded, write_atomic
 from quantkit.outputs import guard_output, json_with_keys
 from quantkit.runtime.generate import GenerationResponse, SamplingParams
 from quantkit.runtime.state_cache import snapshot_points
-from quantkit.termtext import printable
+from quantkit.sizes import format_size
+from quantkit.termtext import plural, printable
 
 # a saved chat session is text the user wrote and the model answered: 16 MB is millions of tokens
 SESSION_LIMIT = 16 << 20
@@ -120,10 +121,8 @@ def fit_context(count: Callable[[list[dict[str, Any]]], int], session: ChatSessi
 
 
 def fmt_bytes(n: float) -> str:
-    for unit, k in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= k:
-            return f"{n / k:.1f} {unit}"
-    return f"{int(n)} B"
+    """Sizes as every command writes them (decimal GB/MB, quantkit.sizes), so serve's banner and /stats agree."""
+    return format_size(int(n))
 
 
 def turn_line(resp: GenerationResponse, weights: dict[str, int]) -> str:
@@ -134,6 +133,12 @@ def turn_line(resp: GenerationResponse, weights: dict[str, int]) -> str:
             f"tok, {resp.generation_tps:.1f} tok/s | {resp.finish_reason} | {mem} | prefilled "
             f"{resp.prefilled_tokens}, reused {resp.cached_tokens}"
             + (f" | drafted {resp.mtp['drafted']}, accepted {resp.mtp['accepted']}" if resp.mtp else "") + "]")
+
+
+def context_line(rt: Any) -> str:
+    """`context 32,768 tokens (default: ...)`: the context and where it came from, for a start-up line."""
+    why = getattr(getattr(rt, "placement", None), "context_source", "")
+    return f"context {rt.context:,} tokens" + (f" ({why})" if why else "")
 
 
 class Chat:
@@ -155,7 +160,9 @@ class Chat:
 
     def run(self) -> None:
         mtp = f"; {self.rt.mtp_line()}" if self.rt.model.mtp is not None else ""
-        self.say(f"quantkit chat: {self.rt.folder.name}, context {self.rt.context} tokens, thinking "
+        if self.s.messages and not self.context_used:  # a resumed or loaded conversation: /stats counts it
+            self.context_used = self.rt.count_tokens(self.s.conversation(), enable_thinking=self.s.thinking)
+        self.say(f"quantkit chat: {self.rt.folder.name}, {context_line(self.rt)}, thinking "
                  f"{'on' if self.s.thinking else 'off'}{mtp}; /help for commands, /exit to leave")
         while True:
             try:
@@ -243,7 +250,7 @@ class Chat:
         except QuantkitError as e:
             self.say(str(e), "red")
             return
-        self.say(f"saved {len(self.s.messages)} messages to {arg}")
+        self.say(f"saved {plural(len(self.s.messages), 'message')} to {arg}")
 
     def _load(self, arg: str) -> None:
         if not arg:
@@ -256,7 +263,8 @@ class Chat:
             self.say(str(e), "red")
             return
         self.changed = "/load"
-        self.say(f"loaded {len(self.s.messages)} messages from {arg}")
+        self.context_used = self.rt.count_tokens(self.s.conversation(), enable_thinking=self.s.thinking)
+        self.say(f"loaded {plural(len(self.s.messages), 'message')} from {arg}")
 
     def _stats(self) -> None:
         w = self.rt.memory()
@@ -265,7 +273,7 @@ class Chat:
         self.say("weights: " + ", ".join(f"{d} {fmt_bytes(b)}" for d, b in w.items()))
         self.say(self.rt.route_line())
         self.say(self.rt.mtp_line())
-        self.say(f"context: {self.context_used}/{self.rt.context} tokens used, {len(self.s.messages)} messages, "
+        self.say(f"context: {self.context_used:,}/{self.rt.context:,} tokens used, {plural(len(self.s.messages), 'message')}, "
                  f"thinking {'on' if self.s.thinking else 'off'}")
         if self.last:
             self.say("last turn: " + turn_line(self.last, w))
@@ -273,12 +281,12 @@ class Chat:
         if not c["enabled"]:
             self.say("prompt cache: off (every turn prefills the whole conversation)")
             return
-        self.say(f"prompt cache: {c['entries']} snapshots, {fmt_bytes(c['bytes'])} of {fmt_bytes(c['max_bytes'])}, "
+        self.say(f"prompt cache: {plural(c['entries'], 'snapshot')}, {fmt_bytes(c['bytes'])} of {fmt_bytes(c['max_bytes'])}, "
                  f"hit rate {c['hit_rate']:.0%}, {c['evictions']} evicted; this session prefilled "
                  f"{self.totals['prefilled']} tokens, reused {self.totals['reused']}")
         d = c.get("disk")
         if d:
-            self.say(f"prompt cache on disk: {d['dir']}: {d['entries']} entries, {fmt_bytes(d['bytes'])} of "
+            self.say(f"prompt cache on disk: {d['dir']}: {plural(d['entries'], 'entry', 'entries')}, {fmt_bytes(d['bytes'])} of "
                      f"{fmt_bytes(d['max_bytes'])}, {d['hits']} restored ({d['restored_tokens']} tokens)")
 
     # ---- a turn ----

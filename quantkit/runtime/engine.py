@@ -11,11 +11,13 @@ import torch
 
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_json_bounded
+from quantkit.runtime import args
 from quantkit.runtime.devices import available_bytes
 from quantkit.runtime.generate import (
     GenerationResponse,
     SamplingParams,
     TokenEvent,
+    sampling_with,
     stream_tokens,
 )
 from quantkit.runtime.prompt_disk import default_warn, open_store
@@ -70,6 +72,8 @@ def stop_token_ids(folder: Path, config: dict[str, Any], tok: Any) -> set[int]:
 
 
 def generation_defaults(folder: Path) -> dict[str, Any]:
+    """temperature, top_p and top_k from generation_config.json, each only where SamplingParams can take it (a
+    value it refuses is left to SamplingParams' default rather than failing every generation)."""
     gc = folder / "generation_config.json"
     if not gc.is_file():
         return {}
@@ -79,7 +83,14 @@ def generation_defaults(folder: Path) -> dict[str, Any]:
         return {}
     if not isinstance(d, dict):
         return {}
-    return {k: d[k] for k in ("temperature", "top_p", "top_k") if isinstance(d.get(k), (int, float))}
+    out: dict[str, Any] = {}
+    for k in ("temperature", "top_p", "top_k"):
+        if d.get(k) is not None:
+            try:
+                out[k] = args.sampling_field(k, d[k])
+            except QuantkitError:
+                pass
+    return out
 
 
 class Runtime:
@@ -159,7 +170,7 @@ class Runtime:
         """Resident weight bytes per device (what the loader placed)."""
         return dict(self.report.bytes_by_device)
 
-    def set_prompt_cache(self, max_bytes: int | None = None, disk_dir: Path | None = None,
+    def set_prompt_cache(self, max_bytes: int | None = None, disk_dir: str | Path | None = None,
                          disk_bytes: int | None = None, warn: Callable[[str], None] | None = None) -> PrefixCache:
         """Keep snapshots of the conversation state, up to `max_bytes` (0: off; None: a quarter of the memory
         free now on the device of the first linear-attention layer, which holds the states), so that a prompt
@@ -170,7 +181,7 @@ class Runtime:
             max_bytes = available_bytes(self.state_device) // AUTO_CACHE_FRACTION
         disk = None
         if disk_dir is not None:
-            disk = open_store(self, Path(disk_dir), disk_bytes, warn or default_warn)
+            disk = open_store(self, disk_dir, disk_bytes, warn or default_warn)
         self.prompt_cache = PrefixCache(max_bytes, disk=disk)
         return self.prompt_cache
 
@@ -194,7 +205,11 @@ class Runtime:
 
     def render_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                    enable_thinking: bool = True) -> tuple[str, list[int]]:
-        """The prompt's text and ids, control tokens only from the template (quantkit/runtime/safe_prompt.py)."""
+        """The prompt's text and ids, control tokens only from the template (quantkit/runtime/safe_prompt.py).
+        Bad `messages` / `tools` / `enable_thinking` raise ArgumentError / ArgumentTypeError naming them."""
+        messages = args.messages(messages)
+        tools = args.tools(tools)
+        args.flag(enable_thinking, "enable_thinking")
         return render_ids(self.tokenizer, lambda m, t: self.render(m, t, enable_thinking), messages, tools)
 
     def count_tokens(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
@@ -202,27 +217,37 @@ class Runtime:
         return len(self.render_ids(messages, tools, enable_thinking)[1])
 
     # ---- generation ----
-    def sampling(self, **overrides: Any) -> SamplingParams:
-        """SamplingParams from the model's generation_config.json, then `overrides` (None = keep)."""
-        d = dict(self.defaults)
-        d.update({k: v for k, v in overrides.items() if v is not None})
-        return SamplingParams(**d)
+    def sampling(self, sampling: SamplingParams | None = None, **overrides: Any) -> SamplingParams:
+        """The sampling a generation runs with, checked: `sampling` (None: the model's generation_config.json
+        over SamplingParams' defaults), then `overrides` (None = keep)."""
+        return sampling_with(SamplingParams(**self.defaults) if sampling is None else sampling, overrides)
 
     def generate_stream(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
                         enable_thinking: bool = True, sampling: SamplingParams | None = None,
                         cancel: threading.Event | None = None, **sampling_kw: Any) -> Iterator[TokenEvent]:
-        """Token events for the assistant's reply to `messages`; the last event carries the response."""
-        if not messages:
-            raise QuantkitError("empty conversation: give at least one message")
-        sp = sampling or self.sampling(**sampling_kw)
+        """Token events for the assistant's reply to `messages`; the last event carries the response. The
+        arguments are checked here, at the call (not at the first event): see `render_ids`, `sampling`."""
+        sp = self.sampling(sampling, **sampling_kw)
+        args.event(cancel)
         ids = self.render_ids(messages, tools, enable_thinking)[1]
         self.last_prompt_ids = ids
-        yield from self.generate_ids(ids, sampling=sp, thinking=enable_thinking, cancel=cancel)
+        return self._generate(ids, sp, enable_thinking, cancel, None)
 
     def generate_ids(self, ids: list[int], sampling: SamplingParams, thinking: bool = True,
                      cancel: threading.Event | None = None,
                      stop_ids: set[int] | None = None) -> Iterator[TokenEvent]:
-        """stop_ids: None = the model's end-of-turn tokens; set() = none (the server's ignore_eos)."""
+        """Token events for prompt `ids` already rendered (each a token id of this model's vocabulary);
+        stop_ids: None = the model's end-of-turn tokens; set() = none (the server's ignore_eos). The arguments
+        are checked here, at the call."""
+        ids = args.token_ids(ids, self.model.vocab)
+        sp = sampling_with(sampling, {})
+        args.flag(thinking, "thinking")
+        args.event(cancel)
+        stops = args.stop_token_ids(stop_ids, self.model.vocab)
+        return self._generate(ids, sp, thinking, cancel, stops)
+
+    def _generate(self, ids: list[int], sampling: SamplingParams, thinking: bool, cancel: threading.Event | None,
+                  stop_ids: set[int] | None) -> Iterator[TokenEvent]:
         with self._lock:
             self._cancel.clear()
             ev = _AnyEvent(self._cancel, cancel)

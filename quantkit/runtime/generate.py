@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import ArgumentTypeError, QuantkitError
 from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK
-from quantkit.runtime import cpu_kernel
+from quantkit.runtime import args, cpu_kernel
 from quantkit.runtime.channels import ANSWER, THINKING, ChannelSplitter
 from quantkit.runtime.devices import release_free_heap
 from quantkit.runtime.model.cache import HybridCache
@@ -64,14 +64,22 @@ class SamplingParams:
     hook: Any = None
 
     def validate(self) -> None:
-        if self.temperature < 0:
-            raise QuantkitError(f"--temperature {self.temperature}: must be >= 0 (0 = greedy)")
-        if not 0 < self.top_p <= 1:
-            raise QuantkitError(f"--top-p {self.top_p}: must be in (0, 1]")
-        if self.top_k < 0:
-            raise QuantkitError(f"--top-k {self.top_k}: must be >= 0 (0 = off)")
-        if self.max_new_tokens < 1:
-            raise QuantkitError(f"-n/--max-tokens {self.max_new_tokens}: must be at least 1")
+        """Every field's type and range, in one line naming it (quantkit/runtime/args.py)."""
+        args.sampling_fields(self, (f.name for f in fields(self)))
+
+
+def sampling_with(base: SamplingParams, overrides: Mapping[str, Any], name: str = "sampling") -> SamplingParams:
+    """`base` (a SamplingParams) with `overrides` (field -> value; None keeps the field), checked: the one way
+    the Python API's `sampling=` and `**sampling_kw` become the sampling a generation runs with."""
+    args.instance(base, name, SamplingParams, "a SamplingParams", optional=False)
+    known = [f.name for f in fields(SamplingParams)]
+    for k in overrides:
+        if k not in known:
+            raise ArgumentTypeError(f"unknown sampling option {k!r}: give {', '.join(known)}")
+    changes = {k: v for k, v in overrides.items() if v is not None}
+    sp = replace(base, **changes) if changes else base
+    sp.validate()
+    return sp
 
 
 @dataclass

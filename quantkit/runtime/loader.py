@@ -40,12 +40,12 @@ from quantkit.errors import QuantkitError
 from quantkit.fileio import read_text_bounded
 from quantkit.formats import QuantSpec, get_format
 from quantkit.kernels import cpu as kernel_cpu
-from quantkit.planner.fit import check_plan, hardware_here, plan_here
+from quantkit.planner.fit import check_plan, default_context, hardware_here, plan_here
 from quantkit.planner.hardware import Hardware
 from quantkit.planner.placement import Plan, contiguous_runs
 from quantkit.quantize.verify import verify_folder
 from quantkit.recipe import Recipe, decide, get_recipe
-from quantkit.runtime import cpu_kernel
+from quantkit.runtime import args, cpu_kernel
 from quantkit.runtime.devices import available_bytes, check_device_exists, release_free_heap
 from quantkit.runtime.engine import Runtime
 from quantkit.runtime.kernels import Kernel, QBf16Kernel, QKernel, prepare, slice_parts
@@ -75,6 +75,7 @@ class Placement:
     lm_head: str = "cpu"
     context: int = 4096
     source: str = "detected hardware"
+    context_source: str = ""  # why this context, for a start-up line ("-c", "the plan's", the default's reason)
 
     @classmethod
     def single(cls, n_layers: int, n_experts: int, device: str = "cpu", context: int = 4096) -> Placement:
@@ -487,8 +488,30 @@ def drop_page_cache(files: list[Path]) -> None:
             os.close(fd)
 
 
+def _check_load_args(path: Any, plan: Any, recipe: Any, context: Any, verify: Any, placement: Any, progress: Any,
+                     route: Any, forced_route: Any, gather: Any, mtp_copies: Any, options: Any, slots: Any) -> None:
+    """`load_model`'s arguments, each of its type and range (quantkit/runtime/args.py)."""
+    args.instance(path, "path", (str, os.PathLike), "a folder (str or Path)", optional=False)
+    args.instance(plan, "plan", (str, os.PathLike, Plan), "a plan file (str or Path) or a Plan")
+    args.instance(recipe, "recipe", str, "a recipe name (str)")
+    if context is not None:
+        args.whole(context, "context", 1)
+    args.choice(verify, "verify", args.VERIFY_MODES)
+    args.instance(placement, "placement", Placement, "a Placement")
+    args.callback(progress, "progress")
+    args.instance(route, "route", str, "a kernel route (str)")
+    args.instance(forced_route, "forced_route", str, "a one-token route kind (str)")
+    args.instance(gather, "gather", (set, frozenset), "a set of expert groups")
+    args.flag(mtp_copies, "mtp_copies")
+    args.whole(slots, "slots", 1)
+    args.instance(options, "options", RuntimeOptions,
+                  "a RuntimeOptions (quantkit.runtime.options; e.g. RuntimeOptions(route=\"torch\"))")
+
+
 def verify_or_refuse(folder: Path, mode: str = "auto") -> None:
-    """`quantkit.quantize.verify.verify_folder`; "auto" hashes shards only when the folder is under 4 GB."""
+    """`quantkit.quantize.verify.verify_folder`; "auto" hashes every shard only when the folder's shards total
+    under 4 GB (else it checks their sizes and headers)."""
+    args.choice(mode, "verify", args.VERIFY_MODES)
     if mode == "off":
         return
 
@@ -518,14 +541,18 @@ def load_model(path: str | Path, plan: str | Path | Plan | None = None, *, recip
                context: int | None = None, verify: str = "auto", placement: Placement | None = None,
                progress: Callable[[str], None] | None = None, route: str | None = None,
                forced_route: str | None = None, gather: frozenset[int] | None = None,
-               mtp_copies: bool = True, options: RuntimeOptions | None = None) -> Runtime:
+               mtp_copies: bool = True, options: RuntimeOptions | None = None, slots: int = 1) -> Runtime:
     """Load a quantized (or bf16) checkpoint folder into a `Runtime`. See the module docstring.
     `options`: every switch of the load (runtime/options.py; None: `RuntimeOptions.from_env()`, read here and
     nowhere else); `route` and `forced_route` override its kernel_route and route.
     `forced_route`: a one-token route kind (runtime/model/route.py; None: the options' or the best);
     `gather`: expert groups to compute as on a device (tests); `mtp_copies`: False holds the MTP layer's
-    matrices as stored (to compare the layer with another engine's), not as int4 copies (checkpoint/draft.py)."""
+    matrices as stored (to compare the layer with another engine's), not as int4 copies (checkpoint/draft.py).
+    `context` None: the longest at which `slots` conversations fit here, capped (planner/fit.py default_context).
+    Every argument is checked first, nothing read before: ArgumentTypeError / ArgumentError naming it."""
     t0 = time.perf_counter()
+    _check_load_args(path, plan, recipe, context, verify, placement, progress, route, forced_route, gather,
+                     mtp_copies, options, slots)
     if options is None:
         options = RuntimeOptions.from_env()
     else:
@@ -544,7 +571,8 @@ def load_model(path: str | Path, plan: str | Path | Plan | None = None, *, recip
     if qc is not None:
         if recipe:
             raise QuantkitError(f"{folder} is already quantized ({qc.get('recipe', {}).get('name', '?')}); "
-                                "--recipe applies to an unquantized checkpoint")
+                                "--scheme (recipe=) quantizes an unquantized checkpoint while loading: drop it to "
+                                "run this folder as stored")
         verify_or_refuse(folder, verify)
         rec = Recipe.from_dict(qc["recipe"])
     else:
@@ -556,13 +584,15 @@ def load_model(path: str | Path, plan: str | Path | Plan | None = None, *, recip
             plan_obj = plan if not isinstance(plan, (str, Path)) else load_plan_file(plan)
             check_plan(plan_obj, spec, folder, str(plan), _free_bytes(plan_obj), _hardware_here)
             placement = Placement.from_plan(plan_obj, f"plan {plan}")
+            placement.context_source = "the plan's"
             if context:
-                placement.context = context
+                placement.context, placement.context_source = context, "as given (-c)"
         else:
-            ctx = context or min(4096, spec.config.max_position_embeddings)
             here = _hardware_here()
-            plan_obj = plan_here(spec, rec, ctx, here)
+            chosen = default_context(spec, rec, here, slots) if not context else None
+            plan_obj = plan_here(spec, rec, chosen.tokens if chosen else context, here)
             placement = Placement.from_plan(plan_obj, f"planned for {here.describe()}")
+            placement.context_source = f"default: {chosen.why}" if chosen else "as given (-c)"
     placement.context = min(placement.context, spec.config.max_position_embeddings)
     report.placement = placement
     # nothing was read before this point but headers and config

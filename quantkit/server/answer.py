@@ -8,7 +8,9 @@ its choices and decodes them together. `ChatFormat` and `CompletionFormat` write
 - a streamed answer sends a role chunk per choice (chat), its text as it comes, one finish chunk per choice,
   then a usage-only chunk (`choices: []`) only when `stream_options.include_usage` is true, then `[DONE]`;
 - logprobs ride on the chunk that carries their tokens' text (a token whose text is held back, as the
-  possible start of a stop string or a tag, is reported with the next text or at the finish chunk).
+  possible start of a stop string or a tag, is reported with the next text or at the finish chunk);
+- a failed generation, or one ended by the server's shutdown (`Closed`), ends a stream with one OpenAI error
+  event then `[DONE]`, and a plain answer with its error object (500, or 503 `shutting_down`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from quantkit.server.backend import Prompt
 from quantkit.server.errors import ApiError
 from quantkit.server.logits import TokenLogprob
 from quantkit.server.parsing import OutputDelta, OutputParser
-from quantkit.server.queue import Done, Failed, Job
+from quantkit.server.queue import Closed, Done, Failed, Job
 from quantkit.server.schemas import (
     CompletionTokensDetails,
     ErrorInfo,
@@ -116,31 +118,42 @@ def timings(done: Done | None, completion_tokens: int) -> Timings | None:
 
 class Listener:
     """Watches for the client going away (the body is read, so the next message is the disconnect) and
-    cancels the job being generated for it."""
+    cancels the job being generated for it. `on_end` runs once, when the answer ends or the client leaves
+    (the request's place in the queue given back: even an answer whose body is never sent ends this way)."""
 
-    def __init__(self, request: Request):
+    def __init__(self, request: Request, on_end: Callable[[], None] | None = None):
         self.request = request
         self.job: Job | None = None
         self.others: list[Job] = []  # the request's other choices running beside `job` (stopped with it)
         self.gone = False
+        self.on_end = on_end
         self.task = asyncio.create_task(self._watch())
 
     async def _watch(self) -> None:
-        while True:
-            msg = await self.request.receive()
-            if msg["type"] == "http.disconnect":
-                self.gone = True
-                for other in self.others:
-                    other.stop("cancelled")
-                if self.job is not None:
-                    self.job.stop("cancelled")
-                    self.job.events.put_nowait(None)  # wake the consumer
-                return
+        try:
+            while True:
+                msg = await self.request.receive()
+                if msg["type"] == "http.disconnect":
+                    self.gone = True
+                    for other in self.others:
+                        other.stop("cancelled")
+                    if self.job is not None:
+                        self.job.stop("cancelled")
+                        self.job.events.put_nowait(None)  # wake the consumer
+                    return
+        finally:
+            self._end()
+
+    def _end(self) -> None:
+        end, self.on_end = self.on_end, None
+        if end is not None:
+            end()
 
     def close(self) -> None:
         for job in [*self.others, *([self.job] if self.job is not None else [])]:
             job.stop()
         self.task.cancel()
+        self._end()
 
 
 # --- the two shapes -------------------------------------------------------------------------------------
@@ -266,19 +279,24 @@ class Run:
         return self.submit(spec)
 
 
-def _error_event(message: str) -> str:
-    return sse({"error": ErrorInfo(message=message, type="server_error").model_dump()})
+def _error_event(message: str, type_: str = "server_error", code: str | None = None) -> str:
+    return sse({"error": ErrorInfo(message=message, type=type_, code=code).model_dump()})
+
+
+CLOSED = "the server is shutting down: this request was ended before its answer was complete"
 
 
 def sse(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def _failure(ev: Failed | Done) -> str | None:
+def _failure(ev: Any) -> str | None:
+    """The error event that ends a stream on `ev` (None: `ev` is not an end by failure)."""
     if isinstance(ev, Failed):
-        return ev.message
-    if ev.finish_reason == "cancelled":
-        return "generation was cancelled: the server is shutting down"
+        return _error_event(ev.message)
+    # a job cancelled while its client still listens: only the server's shutdown does that
+    if isinstance(ev, Closed) or (isinstance(ev, Done) and ev.finish_reason == "cancelled"):
+        return _error_event(CLOSED, "service_unavailable", "shutting_down")
     return None
 
 
@@ -295,11 +313,12 @@ async def complete(run: Run, listener: Listener) -> JSONResponse:
                 ev = await job.events.get()
                 if ev is None:  # the client went away
                     return JSONResponse({}, status_code=499)
+                if isinstance(ev, Closed):
+                    raise ApiError(503, CLOSED, "service_unavailable", code="shutting_down")
                 if isinstance(ev, Failed):
                     raise ApiError(500, ev.message, "server_error")
                 if isinstance(ev, Done) and ev.finish_reason == "cancelled":
-                    raise ApiError(503, "generation was cancelled: the server is shutting down",
-                                   "service_unavailable")
+                    raise ApiError(503, CLOSED, "service_unavailable", code="shutting_down")
                 parts.append(a.end(ev) if isinstance(ev, Done) else a.token(ev))
                 if isinstance(ev, Done):
                     break
@@ -329,7 +348,7 @@ async def stream(run: Run, listener: Listener) -> AsyncIterator[str]:
             try:
                 job = run.job(i, spec)
             except ApiError as e:
-                yield _error_event(e.message)
+                yield _error_event(e.message, e.type, e.code)
                 yield "data: [DONE]\n\n"
                 return
             listener.job = job
@@ -341,9 +360,9 @@ async def stream(run: Run, listener: Listener) -> AsyncIterator[str]:
                 ev = await job.events.get()
                 if ev is None:
                     return
-                failed = _failure(ev) if isinstance(ev, Failed | Done) else None
+                failed = _failure(ev)
                 if failed is not None:
-                    yield _error_event(failed)
+                    yield failed
                     yield "data: [DONE]\n\n"
                     return
                 if isinstance(ev, Done):

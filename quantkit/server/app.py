@@ -10,16 +10,22 @@ prompt that does not fit the context (with the numbers); 404 for an unknown path
 received within --body-timeout; 413 for a body over the size limit; 429 when the line of waiting requests is
 full; 503 while shutting down.
 
+Shutdown (`app.state.shutdown`, which quantkit/server/serving.py calls on SIGTERM/SIGINT before uvicorn waits
+for the connections): new requests get 503, a body still being read is cut off with a 503, and every waiting and
+running request ends at once (`JobLine.drain`: a 503, or a stream's error event then `[DONE]`); the lifespan's
+end then waits for the worker and writes the disk prompt cache's pending entries.
+
 Any model name is answered (as llama-server does: a client configured for `gpt-4o` works); /v1/models lists
 the served name and its aliases, and the answer names the model the request asked for.
 
 Before any route, in this order: the Host header, CORS (off unless --cors-origin), the API key and the
 content type (quantkit/server/security.py: 403, 400 for a refused preflight, 401, 415). A request is
-admitted (429 otherwise) before its body is read: the requests being read or rendered count against
---max-queue with those waiting, so memory per request is bounded by the body limit and at most
---max-queue + 1 requests hold any, and a body that trickles in is cut off after --body-timeout seconds so
-slow clients cannot hold the line. Its length is bounded from the text's bytes before the tokenizer runs (no
-token covers more than `max_token_bytes` bytes), and rendering/tokenizing runs one request at a time.
+admitted (429 otherwise) before its body is read, by the queue's one bound (`JobLine.admit`: --parallel
+running, --max-queue waiting): the requests being read or rendered count with those waiting, so memory per
+request is bounded by the body limit and at most --max-queue + --parallel requests hold any, and a body that
+trickles in is cut off after --body-timeout seconds so slow clients cannot hold the line. Its length is
+bounded from the text's bytes before the tokenizer runs (no token covers more than `max_token_bytes` bytes),
+and rendering/tokenizing runs one request at a time.
 
 Every OpenAI field that changes the answer is applied: sampling, penalties, min_p, logit_bias, logprobs,
 `n` (quantkit/server/options.py), `response_format` json_object / json_schema and `tool_choice` "required"
@@ -43,6 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from quantkit.errors import QuantkitError
+from quantkit.planner.slots import check_slots
 from quantkit.server import answer as ans
 from quantkit.server import security
 from quantkit.server.backend import Backend, Prompt
@@ -52,8 +59,8 @@ from quantkit.server.grammar import GrammarError
 from quantkit.server.metrics import CONTENT_TYPE, CountRequests, Metrics
 from quantkit.server.options import MAX_N, GenOptions, response_format_schema, sampling_temperature
 from quantkit.server.parsing import OutputParser
-from quantkit.server.queue import GenerationQueue, Job, QueueClosed, QueueFull
-from quantkit.server.scheduler import MAX_SLOTS, BatchScheduler
+from quantkit.server.queue import GenerationQueue, Job, JobLine, QueueClosed, QueueFull, Ticket
+from quantkit.server.scheduler import BatchScheduler
 from quantkit.server.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from quantkit.server.security import allowed_host_names
 
@@ -90,10 +97,17 @@ class ServerConfig:
             raise QuantkitError(f"body_timeout_s {self.body_timeout_s}: must be more than 0")
         if self.max_n < 1:
             raise QuantkitError(f"max_n {self.max_n}: must be at least 1")
-        if not 1 <= self.parallel <= MAX_SLOTS:
-            raise QuantkitError(f"parallel {self.parallel}: give 1 to {MAX_SLOTS} slots")
+        check_slots(self.parallel)
         if self.api_key is not None:
             security.check_api_key(self.api_key)
+
+
+@dataclass
+class Place:
+    """An admitted request's place in `queue` (its `Ticket`), and whether its answer now gives it back."""
+    queue: JobLine
+    ticket: Ticket
+    handed: bool = False
 
 
 _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -105,9 +119,9 @@ _STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404:
 DEFAULT_MAX_TOKEN_BYTES = 256
 
 
-async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float, closing: asyncio.Event | None = None) -> bytes:
     """The body, at most `limit` bytes, all of it within `timeout_s` (413 / 408; a client that leaves
-    mid-body ends the request quietly: 499, no traceback)."""
+    mid-body ends the request quietly: 499, no traceback; 503 once `closing` is set: the server is stopping)."""
     too_big = ApiError(413, f"request body is larger than the server's limit of {limit} bytes "
                             f"(start the server with a larger --max-body to allow it)", code="body_too_large")
     declared = request.headers.get("content-length")
@@ -122,14 +136,31 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
                 raise too_big
             chunks.append(chunk)
         return b"".join(chunks)
+    reading = asyncio.ensure_future(asyncio.wait_for(read(), timeout_s))
+    if closing is not None:
+        stop = asyncio.ensure_future(closing.wait())
+        try:
+            await asyncio.wait({reading, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not reading.done():  # the server is stopping: a body still on its way is not waited for
+            reading.cancel()
+            with contextlib.suppress(BaseException):
+                await reading
+            raise shutting_down()
     try:
-        return await asyncio.wait_for(read(), timeout_s)
+        return await reading
     except asyncio.TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s (--body-timeout)",
                        code="body_timeout") from None
     except ClientDisconnect:
         raise ApiError(499, "the client closed the connection before sending the whole body",
                        code="client_closed") from None
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down; retry once it is back", "service_unavailable",
+                    code="shutting_down")
 
 
 def _token_piece_fallback(token: int) -> tuple[str, list[int]]:
@@ -144,6 +175,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        state["closing"] = asyncio.Event()  # set by `shutdown`: bodies still being read are cut off
         # quantkit's runtime decodes on the batch loop whatever the slot count (MTP drafts per slot inside it);
         # the one-at-a-time queue serves a Backend without one
         one = config.parallel == 1 and getattr(backend, "runtime", None) is None
@@ -152,10 +184,26 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
         try:
             yield
         finally:
-            await asyncio.to_thread(state["queue"].close)
+            shutdown()
+            if await asyncio.to_thread(state["queue"].close):
+                # the prefills cut short keep their snapshots: written now, as after any answer (the worker is
+                # gone, so nothing else writes)
+                flush = getattr(backend, "flush_prompt_cache", None)
+                if flush is not None:
+                    await asyncio.to_thread(flush)
+
+    def shutdown() -> None:
+        """Refuse new requests and end every one being read, waiting or running, at once (the module
+        docstring); on the event loop's thread."""
+        if "closing" in state:
+            state["closing"].set()
+        q = state.get("queue")
+        if q is not None:
+            q.drain()
 
     app = FastAPI(title="quantkit", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.backend = backend
+    app.state.shutdown = shutdown
     metrics = Metrics(lambda: state["queue"].stats if "queue" in state else None)
     if callable(getattr(backend, "cache_summary", None)):
         metrics.watch_disk_cache(lambda: (backend.cache_summary() or {}).get("disk"))
@@ -164,7 +212,6 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
                      cors_origins=config.cors_origins)
     app.add_middleware(CountRequests, metrics=metrics,  # outermost: refusals are counted too
                        endpoints=("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics"))
-    admitted = {"n": 0}  # requests being read or rendered (not yet in the queue)
     render_lock = asyncio.Lock()  # one request rendered and tokenized at a time
     max_token_bytes = int(getattr(backend, "max_token_bytes", DEFAULT_MAX_TOKEN_BYTES))
     vocab = int(getattr(backend, "vocab_size", 1 << 31))
@@ -216,21 +263,26 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
 
     @contextlib.contextmanager
     def admission():
+        """The request's place (the queue's one bound, `JobLine.admit`: 429 beyond it, 503 while shutting
+        down), given back when the request ends here, or handed to its answer (`Place.handed`)."""
         q = state.get("queue")
-        # the one running (or --parallel) plus --max-queue waiting, counting those still being read or rendered
-        if q is not None and admitted["n"] + q.stats.waiting + q.stats.running > config.max_queue + config.parallel - 1:
-            q.stats.rejected += 1
-            raise ApiError(429, f"server busy: {admitted['n'] + q.stats.waiting} requests are already waiting "
-                                f"(--max-queue {config.max_queue}); retry later", "rate_limit_error",
-                           code="queue_full", headers={"Retry-After": str(config.retry_after_s)})
-        admitted["n"] += 1
+        if q is None or state["closing"].is_set():
+            raise shutting_down()
         try:
-            yield
+            place = Place(q, q.admit())
+        except QueueFull as e:
+            raise ApiError(429, f"server busy: {e}", "rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(config.retry_after_s)}) from None
+        except QueueClosed:
+            raise shutting_down() from None
+        try:
+            yield place
         finally:
-            admitted["n"] -= 1
+            if not place.handed:
+                q.release(place.ticket)
 
     async def parse(request: Request, model: type) -> Any:
-        body = await read_body(request, config.max_body_bytes, config.body_timeout_s)
+        body = await read_body(request, config.max_body_bytes, config.body_timeout_s, state["closing"])
         try:
             return model.model_validate_json(body)
         except ValidationError as e:
@@ -274,10 +326,12 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
                            param="messages", code="context_length_exceeded")
         return max_tokens
 
-    def submit(spec: ans.ChoiceSpec) -> Job:
-        job = Job(prompt=spec.prompt, params=spec.params, loop=asyncio.get_running_loop())
-        submit_jobs(state["queue"], [job])
-        return job
+    def submitter(ticket: Ticket) -> ans.Submit:
+        def submit(spec: ans.ChoiceSpec) -> Job:
+            job = Job(prompt=spec.prompt, params=spec.params, loop=asyncio.get_running_loop(), ticket=ticket)
+            submit_jobs(state["queue"], [job])
+            return job
+        return submit
 
     def submit_jobs(queue: Any, jobs: list[Job]) -> None:
         try:
@@ -288,8 +342,8 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
         except QueueFull as e:
             raise ApiError(429, f"server busy: {e}", "rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(config.retry_after_s)}) from None
-        except QueueClosed as e:
-            raise ApiError(503, str(e), "service_unavailable", code="shutting_down") from None
+        except QueueClosed:
+            raise shutting_down() from None
 
     def on_done(a: ans.Answer) -> None:
         d = a.done
@@ -317,21 +371,25 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
         return out
 
     async def respond(request: Request, req: Any, specs_: list[ans.ChoiceSpec], fmt: ans.Format,
-                      prefix: str, want_lp: bool):
+                      prefix: str, want_lp: bool, place: Place):
+        ticket = place.ticket
+        ticket.jobs = len(specs_)  # the place is the queue's to give back once every choice has ended
         run = ans.Run(specs=specs_, fmt=fmt, rid=prefix + uuid.uuid4().hex, created=int(time.time()),
-                      model=req.model, logprobs=want_lp, include_usage=req.include_usage, submit=submit,
+                      model=req.model, logprobs=want_lp, include_usage=req.include_usage, submit=submitter(ticket),
                       on_done=on_done)
-        queue = state["queue"]
+        queue = place.queue
         if len(specs_) > 1 and hasattr(queue, "submit_group"):
             # slots: every choice at once, those of one prompt prefilled once and decoded together
             groups = {pi: object() for pi in dict.fromkeys(sp.prompt_index for sp in specs_)}
             run.jobs = [Job(prompt=sp.prompt, params=sp.params, loop=asyncio.get_running_loop(),
-                            group=groups[sp.prompt_index]) for sp in specs_]
+                            group=groups[sp.prompt_index], ticket=ticket) for sp in specs_]
             submit_jobs(queue, run.jobs)
             run.first = run.jobs[0]
         else:
-            run.first = submit(specs_[0])
-        listener = ans.Listener(request)
+            run.first = run.submit(specs_[0])
+        # from here the answer gives the place back when it ends (or its client leaves), whichever way
+        listener = ans.Listener(request, on_end=lambda: queue.release(ticket))
+        place.handed = True
         listener.job = run.first
         listener.others = run.jobs[1:]
         if req.stream:
@@ -343,7 +401,7 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        with admission():
+        with admission() as place:
             req: ChatCompletionRequest = await parse(request, ChatCompletionRequest)
             if req.top_logprobs and not req.logprobs:
                 raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -369,14 +427,14 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
                 raise ApiError(400, str(e), param="messages") from None
             except Exception as e:  # noqa: BLE001 - jinja's errors are the user's messages, not a server fault
                 raise ApiError(400, f"the chat template rejects these messages ({e})", param="messages") from None
-        asked = req.max_completion_tokens or req.max_tokens
-        mt = max_tokens_for(len(prompt.ids), asked, config.default_max_tokens)
-        return await respond(request, req, specs([prompt], req, opts, [mt], tools, grammar),
-                             ans.ChatFormat(piece), "chatcmpl-", req.logprobs is True)
+            asked = req.max_completion_tokens or req.max_tokens
+            mt = max_tokens_for(len(prompt.ids), asked, config.default_max_tokens)
+            return await respond(request, req, specs([prompt], req, opts, [mt], tools, grammar),
+                                 ans.ChatFormat(piece), "chatcmpl-", req.logprobs is True, place)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        with admission():
+        with admission() as place:
             req: CompletionRequest = await parse(request, CompletionRequest)
             if req.suffix:
                 raise ApiError(400, "suffix (fill-in-the-middle) is not supported by this model's server",
@@ -391,9 +449,9 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
             constrained, schema = response_format_schema(req.response_format)
             grammar = await grammar_for(schema, "json") if constrained else None
             prompts = await completion_prompts(req)
-        mts = [max_tokens_for(len(p.ids), req.max_tokens or COMPLETIONS_MAX_TOKENS, None) for p in prompts]
-        return await respond(request, req, specs(prompts, req, opts, mts, None, grammar, echo=req.echo),
-                             ans.CompletionFormat(piece), "cmpl-", req.logprobs is not None)
+            mts = [max_tokens_for(len(p.ids), req.max_tokens or COMPLETIONS_MAX_TOKENS, None) for p in prompts]
+            return await respond(request, req, specs(prompts, req, opts, mts, None, grammar, echo=req.echo),
+                                 ans.CompletionFormat(piece), "cmpl-", req.logprobs is not None, place)
 
     async def completion_prompts(req: CompletionRequest) -> list[Prompt]:
         raw = req.prompt

@@ -55,4 +55,5 @@ class Backend(Protocol):
 
     # Optional (the app checks with getattr; RuntimeBackend has them all):
     # vocab_size: int; encode(text) -> Prompt and decode_prompt(ids) -> Prompt for /v1/completions;
-    # token_piece(id) -> (text, bytes) for logprobs; grammars() -> quantkit.server.grammar.Grammars.
+    # token_piece(id) -> (text, bytes) for logprobs; grammars() -> quantkit.server.grammar.Grammars;
+    # flush_prompt_cache() at shutdown (the disk prompt cache's pending entries).

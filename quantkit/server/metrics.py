@@ -34,8 +34,8 @@ class Metrics:
         self.draft_tokens = Counter(_P + "spec_decode_draft_tokens", "tokens the MTP layer drafted", registry=r)
         self.accepted_tokens = Counter(_P + "spec_decode_accepted_tokens", "drafted tokens the model accepted",
                                        registry=r)
-        waiting = Gauge(_P + "queue_waiting", "requests waiting for the model", registry=r)
-        running = Gauge(_P + "queue_running", "requests being generated", registry=r)
+        waiting = Gauge(_P + "queue_waiting", "requests waiting for a free slot (at most --max-queue)", registry=r)
+        running = Gauge(_P + "queue_running", "slots in use: requests (choices) being prefilled or decoded", registry=r)
         waiting.set_function(lambda: getattr(queue_stats(), "waiting", 0))
         running.set_function(lambda: getattr(queue_stats(), "running", 0))
         # `serve --parallel N`: the slots and the rows of the last batch step (one slot, one row, without it)
@@ -52,10 +52,12 @@ class Metrics:
 
     def watch_disk_cache(self, disk: Callable[[], dict[str, Any] | None]) -> None:
         """Gauges of the disk prompt cache (quantkit/runtime/prompt_disk.py), read from `disk()` at scrape time:
-        bytes used and its bound, entries, restores from disk and the seconds they took, entries of other weights
-        ignored."""
+        this model's bytes and their bound, other files' bytes, entries, restores from disk and the seconds they
+        took, entries of other weights ignored."""
         r = self.registry
-        for key, name, doc in (("bytes", "bytes", "bytes of entry files in --prompt-cache-dir"),
+        for key, name, doc in (("bytes", "bytes", "bytes of this model's entries in --prompt-cache-dir"),
+                               ("other_bytes", "other_bytes", "bytes of other models' entries and other files "
+                                                              "there, outside the bound"),
                                ("max_bytes", "max_bytes", "--prompt-cache-disk-size"),
                                ("entries", "entries", "entries of these weights on disk"),
                                ("hits", "hits", "prompts restored from disk instead of prefilled"),

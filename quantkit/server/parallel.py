@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from quantkit.checkpoint.spec import parse_text_config
-from quantkit.planner.slots import check_parallel, default_parallel, slots_fit, slots_need
+from quantkit.planner.slots import MAX_SLOTS, check_parallel, default_parallel, slots_fit, slots_need
 from quantkit.runtime.devices import available_bytes
-from quantkit.server.scheduler import MAX_SLOTS
 
 
 def free_for_slots(runtime: Any) -> dict[str, int]:

@@ -2,10 +2,21 @@
 
 The model is loaded once and generates for one request at a time on a worker thread (the runtime's
 caches are per sequence and torch releases the GIL in its kernels, so the event loop stays responsive).
-Requests wait in a FIFO of at most `max_waiting`; one more is refused at once with `QueueFull` (the app
-answers 429 with Retry-After) instead of piling up. Each job carries a cancel flag: the HTTP layer sets
-it when the client goes away or a stop string is seen, a waiting job is then skipped and a running one
-ends at its next token. Events reach the request's coroutine through its own asyncio queue.
+Each job carries a cancel flag: the HTTP layer sets it when the client goes away or a stop string is seen, a
+waiting job is then skipped and a running one ends at its next token. Events reach the request's coroutine
+through its own asyncio queue.
+
+Admission, the one 429 bound (`JobLine.admit`, for this queue and the scheduler with slots alike): a request is
+admitted before its body is read and holds its place (a `Ticket`) until it ends. With `slots` requests decoding
+at once (1 here) and `max_waiting` (--max-queue), a request is admitted while the requests holding no slot, it
+included, are at most `max_waiting` plus the free slots: `slots` run and `max_waiting` wait, however fast the
+worker seats them, and a request about to take a free slot is not counted as waiting. `stats.waiting` is the
+requests that find no free slot (at most `max_waiting`), `stats.running` the slots in use. A request's `n`
+choices are one request; each choice takes its own slot.
+
+`drain` (the server's shutdown) refuses new requests and ends every waiting and running one at once: each
+gets `Closed` (its answer: a 503, or a stream's error event) and the worker stops its job at the next token or
+prefill chunk.
 """
 
 from __future__ import annotations
@@ -48,6 +59,21 @@ class Failed:
 
 
 @dataclass
+class Closed:
+    """The server is shutting down: this job was ended before its answer was complete."""
+
+
+class Ticket:
+    """One admitted request's place (`JobLine.admit`): given back by `JobLine.release`, or by the queue once
+    `jobs` jobs carrying it have ended, whichever comes first."""
+
+    def __init__(self, jobs: int = 1):
+        self.jobs = jobs  # jobs still to end
+        self.seated = 0  # of its jobs, those holding a slot
+        self.released = False
+
+
+@dataclass
 class Job:
     prompt: Prompt
     params: SamplingParams
@@ -58,6 +84,7 @@ class Job:
     stop_reason: str = "cancelled"
     # the `n` choices of one prompt share one object here: a scheduler with slots prefills it once for them all
     group: object | None = None
+    ticket: Ticket | None = None  # the request's place (None: `submit` admits it)
 
     def stop(self, reason: str = "cancelled") -> None:
         """End this job: "cancelled" (client gone) or "stop" (a stop string ended the answer)."""
@@ -75,8 +102,10 @@ class Job:
 @dataclass
 class QueueStats:
     max_waiting: int
-    waiting: int = 0
-    running: int = 0
+    slots: int = 1  # requests decoded together at most
+    waiting: int = 0  # admitted requests that find no free slot (at most max_waiting)
+    running: int = 0  # slots in use: jobs being prefilled or decoded
+    admitted: int = 0  # requests held: being read or rendered, waiting, or generating
     completed: int = 0
     cancelled: int = 0
     failed: int = 0
@@ -89,9 +118,10 @@ class QueueStats:
 
 
 class JobLine:
-    """What both schedulers share: a line of waiting jobs, one worker thread, a 429 (`QueueFull`) past
-    `stats.max_waiting` requests and a close that cancels everything. A subclass fills `stats`, then calls
-    `_start`; it says how many requests wait (`_waiting`) and which jobs run (`_running_jobs`)."""
+    """What both schedulers share: a line of waiting jobs, one worker thread, admission (the module docstring;
+    `QueueFull` past it), the slots in use and a drain that ends everything. A subclass fills `stats` (with its
+    `slots`), then calls `_start`; its worker takes a job from the line with its slot (`_take`) and gives the
+    slot back when the job's last event is out (`_ended`)."""
 
     stats: QueueStats
 
@@ -99,43 +129,118 @@ class JobLine:
         self._line: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._closed = False
+        self._holders: dict[int, Job] = {}  # jobs holding a slot (being prefilled or decoded), by id()
+        self._unseated = 0  # admitted requests none of whose jobs holds a slot
+        self._held = 0  # admitted requests not yet given back
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
     def _work(self) -> None:
         raise NotImplementedError
 
-    def _waiting(self) -> int:
-        """Requests in the line (under the lock)."""
-        return len(self._line)
-
-    def _running_jobs(self) -> list[Job]:
-        raise NotImplementedError
-
     @property
     def accepting(self) -> bool:
         return not self._closed and self._thread.is_alive()
 
-    def submit(self, job: Job) -> None:
+    def _check_open(self) -> None:
+        if self._closed or not self._thread.is_alive():
+            raise QueueClosed("the server is shutting down")
+
+    # ---- admission: the one bound ----
+    def admit(self, jobs: int = 1) -> Ticket:
+        """A place for one request (QueueFull when `max_waiting` requests already find no free slot)."""
         with self._cv:
-            if self._closed or not self._thread.is_alive():
-                raise QueueClosed("the server is shutting down")
-            if (waiting := self._waiting()) >= self.stats.max_waiting:
+            self._check_open()
+            waiting = self._unseated - self._free()
+            if waiting + 1 > self.stats.max_waiting:
                 self.stats.rejected += 1
-                raise QueueFull(f"{waiting} requests are already waiting (--max-queue "
-                                f"{self.stats.max_waiting}); retry later")
-            self._line.append(job)
-            self.stats.waiting = self._waiting()
+                raise QueueFull(f"{waiting} requests are already waiting for one of the {self.stats.slots} "
+                                f"slot{'s' if self.stats.slots > 1 else ''} (--max-queue {self.stats.max_waiting}); "
+                                "retry later")
+            self._held += 1
+            self._unseated += 1
+            self._count()
+            return Ticket(jobs)
+
+    def release(self, ticket: Ticket) -> None:
+        """Give a request's place back (its answer is over; again is harmless)."""
+        with self._cv:
+            self._release(ticket)
+            self._count()
+
+    def _release(self, t: Ticket) -> None:
+        if not t.released:
+            t.released = True
+            self._held -= 1
+            if t.seated == 0:
+                self._unseated -= 1
+
+    def _free(self) -> int:
+        return self.stats.slots - len(self._holders)
+
+    def _count(self) -> None:
+        """`stats` from the counts (under the lock)."""
+        self.stats.running = len(self._holders)
+        self.stats.waiting = max(0, self._unseated - self._free())
+        self.stats.admitted = self._held
+
+    def submit(self, job: Job) -> None:
+        self._enqueue([job])
+
+    def _enqueue(self, jobs: list[Job]) -> None:
+        """A request's jobs, in order, at the end of the line: under the first's ticket (the app's `admit`),
+        or admitted here (`QueueFull`)."""
+        with self._cv:
+            self._check_open()
+            ticket = jobs[0].ticket or self.admit(len(jobs))
+            for j in jobs:
+                j.ticket = ticket
+            self._line.extend(jobs)
             self._cv.notify()
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Refuse new jobs, cancel the waiting and running ones, and wait for the worker to end."""
+    # ---- the worker's side (under the lock) ----
+    def _take(self) -> Job:
+        """The first job of the line, with a slot (the caller saw both)."""
+        job = self._line.popleft()
+        self._holders[id(job)] = job
+        t = job.ticket
+        assert t is not None
+        if t.seated == 0 and not t.released:
+            self._unseated -= 1
+        t.seated += 1
+        self._count()
+        return job
+
+    def _ended(self, job: Job) -> None:
+        """`job`'s last event is out: its slot is free, and its request's place too once its last job ended."""
+        t = job.ticket
+        assert t is not None
+        if self._holders.pop(id(job), None) is not None:
+            t.seated -= 1
+            if t.seated == 0 and not t.released:
+                self._unseated += 1
+        t.jobs -= 1
+        if t.jobs <= 0:
+            self._release(t)
+        self._count()
+
+    # ---- shutdown ----
+    def drain(self) -> None:
+        """Refuse new requests and end every waiting and running job now: each gets `Closed` at once, the
+        worker stops it at its next token or prefill chunk. Returns without waiting for the worker."""
         with self._cv:
             self._closed = True
-            for job in [*self._line, *self._running_jobs()]:
-                job.stop()
+            for job in [*self._line, *self._holders.values()]:
+                if not job.cancel.is_set():  # (one already stopped gets its Done from the worker)
+                    job.stop()
+                    job._put(Closed())
             self._cv.notify_all()
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """`drain`, then wait for the worker to end (False: it did not within `timeout` seconds)."""
+        self.drain()
         self._thread.join(timeout)
+        return not self._thread.is_alive()
 
 
 class GenerationQueue(JobLine):
@@ -144,11 +249,7 @@ class GenerationQueue(JobLine):
             raise ValueError("max_waiting must be >= 1")
         self.backend = backend
         self.stats = QueueStats(max_waiting=max_waiting)
-        self._current: Job | None = None
         self._start("quantkit-generate")
-
-    def _running_jobs(self) -> list[Job]:
-        return [self._current] if self._current else []
 
     def _next(self) -> Job | None:
         with self._cv:
@@ -156,23 +257,20 @@ class GenerationQueue(JobLine):
                 self._cv.wait()
             if not self._line:
                 return None
-            job = self._line.popleft()
-            self.stats.waiting = len(self._line)
-            self.stats.running = 1
-            self._current = job
-            return job
+            return self._take()
 
     def _work(self) -> None:
         while True:
             job = self._next()
             if job is None:
                 return
-            try:
-                self._run(job)
-            finally:
-                with self._cv:
-                    self.stats.running = 0
-                    self._current = None
+            self._run(job)
+
+    def _end(self, job: Job, last: Done | Failed) -> None:
+        """The slot given back, then the job's last event (its client sees the slot free when it has its answer)."""
+        with self._cv:
+            self._ended(job)
+        job._put(last)
 
     def _run(self, job: Job) -> None:
         start = time.perf_counter()
@@ -199,7 +297,7 @@ class GenerationQueue(JobLine):
         except Exception as e:  # a failed generation answers its request; the server keeps serving
             with self._cv:
                 self.stats.failed += 1
-            job._put(Failed(f"generation failed: {type(e).__name__}: {e}"))
+            self._end(job, Failed(f"generation failed: {type(e).__name__}: {e}"))
             return
         if job.cancel.is_set():
             reason = job.stop_reason
@@ -213,4 +311,4 @@ class GenerationQueue(JobLine):
             else:
                 self.stats.completed += 1
         first = first if first is not None else last
-        job._put(Done(reason, len(job.prompt.ids), n, queue_s, first - start, last - first, cached, drafts))
+        self._end(job, Done(reason, len(job.prompt.ids), n, queue_s, first - start, last - first, cached, drafts))

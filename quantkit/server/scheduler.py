@@ -1,14 +1,15 @@
 """`BatchScheduler`: the server's queue with N slots decoded together (`quantkit serve --parallel N`).
 
-The same contract as `GenerationQueue` (quantkit/server/queue.py: `submit`, `close`, `stats`, `accepting`; a
-bounded FIFO of waiting requests, 429 beyond it; each job's cancel flag; events and a last `Done` or `Failed`
-through the job's asyncio queue), but up to `slots` requests generate at once: one worker thread runs a
-`BatchGenerator` (quantkit/runtime/batch.py) over the backend's runtime. A waiting request takes a free slot
-between two steps; its prompt is prefilled chunk by chunk with one batch step of the running slots between
-chunks, so a long prompt holds them up for one chunk at most; each step is one forward over the next token of
-every decoding slot, and its MTP drafts where the batch drafts them (runtime/batch_drafts.py: one slot drafts as
-`generate` does, several where the larger step still pays); a slot is freed at the step after its request ends
-(stop, length, cancel, client gone). `--parallel 1` runs here too: one slot.
+The same contract as `GenerationQueue` (quantkit/server/queue.py: `submit`, `admit`, `drain`, `close`, `stats`,
+`accepting`; a bounded FIFO of waiting requests, 429 beyond it; each job's cancel flag; events and a last `Done`
+or `Failed` through the job's asyncio queue), but up to `slots` requests generate at once: one worker thread runs
+a `BatchGenerator` (quantkit/runtime/batch.py) over the backend's runtime. Waiting requests take the free slots
+between two steps, all of them before the next step (a burst decodes together); a prompt is prefilled chunk
+by chunk with one batch step of the running slots between chunks, so a long prompt holds them up for one chunk
+at most; each step is one forward over the next token of every decoding slot, and its MTP drafts where the batch
+drafts them (runtime/batch_drafts.py: one slot drafts as `generate` does, several where the larger step still
+pays); a slot is freed at the step after its request ends (stop, length, cancel, client gone). `--parallel 1`
+runs here too: one slot.
 The `n` choices of one prompt (`submit_group`) are prefilled once: each choice that finds a free slot decodes
 from a copy of the first one's prompt state.
 Every request's tokens are the ones it gets served alone (tests/runtime/test_batch_decode.py,
@@ -22,17 +23,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from quantkit.planner.slots import check_slots
 from quantkit.runtime.batch import BatchGenerator
 from quantkit.runtime.generate import TokenEvent
 from quantkit.server.backend import Backend
 from quantkit.server.queue import Done, Failed, Job, JobLine, QueueStats
 
-MAX_SLOTS = 64  # more rows per step than this only queue up behind the memory bandwidth
-
 
 @dataclass
 class SlotStats(QueueStats):
-    slots: int = 1  # requests decoded together at most
     batch_size: int = 0  # rows in the last batch step
     peak_batch: int = 0  # the most rows a step has run
 
@@ -56,8 +55,7 @@ class BatchScheduler(JobLine):
     def __init__(self, backend: Backend, max_waiting: int = 8, slots: int = 2):
         if max_waiting < 1:
             raise ValueError("max_waiting must be >= 1")
-        if not 1 <= slots <= MAX_SLOTS:
-            raise ValueError(f"slots must be 1..{MAX_SLOTS}")
+        check_slots(slots)
         runtime = getattr(backend, "runtime", None)
         if runtime is None:
             raise ValueError("a batch scheduler needs a backend on quantkit's runtime (RuntimeBackend)")
@@ -65,45 +63,31 @@ class BatchScheduler(JobLine):
         self.stats = SlotStats(max_waiting=max_waiting, slots=slots)
         self._batch = BatchGenerator(runtime, max_rows=slots)
         self._slots: dict[int, _Slot] = {}  # by BatchGenerator row
-        self._siblings: set[int] = set()  # id() of the waiting choices behind a request's first (not counted in 429)
         self._start("quantkit-batch")
 
-    def _waiting(self) -> int:
-        return len(self._line) - len(self._siblings)  # requests: a request's choices count once
-
-    def _running_jobs(self) -> list[Job]:
-        return [s.job for s in self._slots.values()]
-
     def submit_group(self, jobs: list[Job]) -> None:
-        """The choices of one request, in order: the first waits as `submit` has it (429 when the line is full),
-        the others right behind it (they are one request); each choice of one prompt (`Job.group`) that finds a
-        free slot then takes a copy of the first one's prefilled state (`BatchGenerator.fork`)."""
-        self.submit(jobs[0])
-        with self._cv:
-            self._line.extend(jobs[1:])
-            self._siblings.update(id(j) for j in jobs[1:])
-            self.stats.waiting = self._waiting()
-            self._cv.notify()
+        """The choices of one request, in order, as one request (one place: `admit`); each choice of one prompt
+        (`Job.group`) that finds a free slot then takes a copy of the first one's prefilled state
+        (`BatchGenerator.fork`)."""
+        self._enqueue(jobs)
 
     # ---- the worker ----
     def _next(self) -> Job | None:
-        """A waiting job for a free slot (blocking while nothing runs), or None."""
+        """A waiting job with a free slot (blocking while nothing runs), or None."""
         with self._cv:
-            while not self._line and not self._slots and not self._closed:
+            while not self._line and not self._holders and not self._closed:
                 self._cv.wait()
-            if not self._line or len(self._slots) >= self.stats.slots:
+            if not self._line or self._free() <= 0:
                 return None
-            job = self._line.popleft()
-            self._siblings.discard(id(job))
-            self.stats.waiting = self._waiting()
-            return job
+            return self._take()
 
     def _work(self) -> None:
         while True:
+            # every waiting request that has a free slot is seated before the next step: a burst decodes together
             while (job := self._next()) is not None:
                 self._admit(job)
             with self._cv:
-                if self._closed and not self._slots and not self._line:
+                if self._closed and not self._holders and not self._line:
                     return
             if len(self._batch):
                 self._guarded(lambda: self._deliver(self._batch.step()))
@@ -117,8 +101,9 @@ class BatchScheduler(JobLine):
             self._fork_siblings(job, row)
 
     def _seat(self, job: Job, make_row: Callable[[], int]) -> int | None:
-        """`job` into a free slot through `make_row` (a prefill, or a fork of a sibling's prompt state): its row,
-        or None where it ended first (cancelled, the server closing) or `make_row` failed for it alone."""
+        """`job`, holding its slot (`_take`), into a batch row through `make_row` (a prefill, or a fork of a
+        sibling's prompt state): its row, or None where it ended first (cancelled, the server closing) or
+        `make_row` failed for it alone."""
         start = time.perf_counter()
         if self._closed:
             job.stop()
@@ -132,18 +117,15 @@ class BatchScheduler(JobLine):
             return None
         with self._cv:
             self._slots[row] = _Slot(job, start, last=start)
-            self.stats.running = len(self._slots)
         return row
 
     def _fork_siblings(self, job: Job, row: int) -> None:
         """The next waiting choices of `job`'s prompt, into free slots, each in a copy of `row`'s prompt state."""
         while job.group is not None and row in self._batch.rows:  # not when its prefill was cancelled
             with self._cv:
-                if not self._line or self._line[0].group is not job.group or len(self._slots) >= self.stats.slots:
+                if not self._line or self._line[0].group is not job.group or self._free() <= 0:
                     return
-                sib = self._line.popleft()
-                self._siblings.discard(id(sib))
-                self.stats.waiting = self._waiting()
+                sib = self._take()
             self._seat(sib, lambda sib=sib: self._batch.fork(row, sib.params, cancel=sib.cancel))
 
     def _deliver(self, events: list[tuple[int, TokenEvent]]) -> None:
@@ -161,7 +143,6 @@ class BatchScheduler(JobLine):
                 if err is not None:
                     with self._cv:
                         self._slots.pop(row, None)
-                        self.stats.running = len(self._slots)
                     self._fail([s.job], err)
                 else:
                     self._finish(s, row)
@@ -180,13 +161,13 @@ class BatchScheduler(JobLine):
         with self._cv:
             if row is not None:
                 self._slots.pop(row, None)
-                self.stats.running = len(self._slots)
             self.stats.generated_tokens += s.tokens
             if reason == "cancelled":
                 self.stats.cancelled += 1
                 self.stats.last_cancelled_tokens = s.tokens
             else:
                 self.stats.completed += 1
+            self._ended(job)  # the slot is free before its client has the answer
         first = s.first if s.first is not None else s.last
         job._put(Done(reason, len(job.prompt.ids), s.tokens, s.start - job.submitted, first - s.start, s.last - first,
                       s.cached, s.drafts))
@@ -200,12 +181,14 @@ class BatchScheduler(JobLine):
             jobs = [s.job for s in self._slots.values()]
             with self._cv:
                 self._slots.clear()
-                self.stats.running = 0
             self._batch = BatchGenerator(self._batch.rt, max_rows=self.stats.slots)
             self._fail(jobs, e)
 
     def _fail(self, jobs: list[Job], e: Exception) -> None:
+        """`jobs` (each holding its slot) end with `Failed`."""
         with self._cv:
             self.stats.failed += len(jobs)
+            for job in jobs:
+                self._ended(job)
         for job in jobs:
             job._put(Failed(f"generation failed: {type(e).__name__}: {e}"))

@@ -1,4 +1,5 @@
-"""A quantized tiny model served on a thread, for the server tests."""
+"""A quantized tiny model served on a thread (`ServerThread`) or by the real command (`ServeProcess`), for the
+server tests."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+
+from quantkit.server.serving import Server
 
 MAX_CONTEXT = 2048
 
@@ -30,7 +33,8 @@ class ServerThread:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        # quantkit's Server (serving.py), as `quantkit serve` runs: a stop ends the requests first
+        self.server = Server(uvicorn.Config(app, log_level="warning", lifespan="on"), app)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self) -> ServerThread:
@@ -67,3 +71,77 @@ def idle(server, timeout: float = 120) -> dict:
             return h
         assert time.monotonic() < deadline, h
         time.sleep(0.05)
+
+
+class ServeProcess:
+    """`quantkit serve MODEL *args` as users start it: a subprocess on port 0 (the port it prints), its output in
+    `log_path`; up once /health says ok. `stop(sig)` sends a signal and returns the exit code."""
+
+    def __init__(self, model: Path, log_path: Path, *args: object):
+        import os
+        import subprocess
+        import sys
+
+        self.log_path = log_path
+        self._log = log_path.open("w")
+        self.port = 0
+        self.proc = subprocess.Popen([sys.executable, "-m", "quantkit", "serve", str(model), "--port", "0",
+                                      "--log-level", "warning", *map(str, args)],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, "COLUMNS": "200"})
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ServeProcess:
+        import re
+
+        deadline = time.monotonic() + 300
+        while True:
+            assert self.proc.poll() is None, self.log()
+            if not self.port:
+                m = re.search(r"on http://127\.0\.0\.1:(\d+)/v1", self.log())
+                self.port = int(m.group(1)) if m else 0
+            if self.port:
+                try:
+                    if httpx.get(self.url + "/health", timeout=2).json()["status"] == "ok":
+                        return self
+                except httpx.HTTPError:
+                    pass
+            assert time.monotonic() < deadline, "the server did not come up:\n" + self.log()
+            time.sleep(0.1)
+
+    def health(self) -> dict:
+        return httpx.get(self.url + "/health", timeout=30).json()
+
+    def wait_for(self, ok, what: str, timeout: float = 120) -> dict:
+        """/health's queue once `ok(queue)` holds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            q = self.health()["queue"]
+            if ok(q):
+                return q
+            assert time.monotonic() < deadline, f"{what}: {q}"
+            time.sleep(0.02)
+
+    def stop(self, sig: int, timeout: float = 60) -> int:
+        import subprocess
+
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"the server did not exit within {timeout} s of signal {sig}:\n{self.log()}") from None
+
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text()
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()

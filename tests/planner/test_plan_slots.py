@@ -1,7 +1,7 @@
 """Slots budgeted (quantkit/planner/slots.py, quantkit/server/parallel.py): `quantkit plan --parallel N` counts
 each conversation's K/V and Gated DeltaNet recurrent + conv state and the batch's activations; `serve` refuses
 a --parallel that does not fit what is free, in one line naming the memory, and picks its default from what
-fits."""
+fits; both commands (and the server's own check) take one range of slots, refused in one line."""
 
 from __future__ import annotations
 
@@ -10,21 +10,23 @@ import json
 import pytest
 
 from quantkit.checkpoint.spec import default_spec, parse_text_config
-from quantkit.errors import QuantkitError
+from quantkit.errors import ArgumentError, ArgumentTypeError, QuantkitError
 from quantkit.planner.budget import RunSettings, batch_activation_bytes, slot_state_bytes
 from quantkit.planner.slots import (
     DEFAULT_PARALLEL_MAX,
+    MAX_SLOTS,
     check_parallel,
+    check_slots,
     default_parallel,
     slots_fit,
     slots_need,
 )
 from quantkit.runtime import load_model
 from quantkit.server.parallel import choose_parallel
-from quantkit.server.scheduler import MAX_SLOTS
 from quantkit.sizes import format_size
 
 from helpers.cli import run_cli
+from helpers.probe import count, expect_one_line
 from helpers.runtime import quantized
 
 C = default_spec().config
@@ -109,3 +111,33 @@ def test_serve_picks_the_slots_that_fit_and_keeps_one_where_two_do_not(q4):
     assert choose_parallel(rt, 2, 256, {"cpu": room}) == 2
     with pytest.raises(QuantkitError, match="use --parallel 3 or fewer"):
         choose_parallel(rt, 4, 256, {"cpu": room})
+
+
+@pytest.mark.parametrize("value", ["0", str(MAX_SLOTS + 1), "1048576", "2.5", "lots"])
+def test_plan_and_serve_take_one_parallel_range_with_one_message(tmp_path, capsys, monkeypatch, value):
+    """`plan --parallel` budgets the slots `serve --parallel` decodes: the same range, refused in the same line."""
+    lines = {}
+    for cmd in (["plan", "--gpu", "none", "--ram", "512GB"], ["serve", str(tmp_path)]):
+        code, out, err = run_cli([*cmd, "--parallel", value], capsys, monkeypatch)
+        line = expect_one_line(code, out, err, "--parallel", exit_code=2)
+        lines[cmd[0]] = line.split("': ", 1)[1].split(" (see `quantkit")[0]  # past the flag's spellings
+    assert lines["plan"] == lines["serve"] and f"[1, {MAX_SLOTS}]" in lines["plan"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_plan_budgets_the_most_slots_serve_takes(capsys, monkeypatch):
+    code, out, err = run_cli(["plan", "--gpu", "none", "--ram", "512GB", "--scheme", "int4", "--json",
+                              "--parallel", str(MAX_SLOTS)], capsys, monkeypatch)
+    assert code == 0, err
+    assert json.loads(out)["plan"]["settings"]["batch"] == MAX_SLOTS
+
+
+@pytest.mark.parametrize("slots, error", [(0, ArgumentError), (MAX_SLOTS + 1, ArgumentError), (-3, ArgumentError),
+                                          (True, ArgumentTypeError), (2.0, ArgumentTypeError),
+                                          ("4", ArgumentTypeError)])
+def test_the_library_checks_the_same_range(slots, error):
+    count()
+    with pytest.raises(error, match=f"parallel {slots!r}: give .*1 to {MAX_SLOTS}") as e:
+        check_slots(slots)
+    assert isinstance(e.value, QuantkitError)
+    assert check_slots(MAX_SLOTS) == MAX_SLOTS and check_slots(1) == 1

@@ -218,11 +218,11 @@ def test_a_cancelled_row_leaves_and_the_others_go_on(tiny_model, one_thread):
 def test_a_batch_refuses_bad_rows_in_one_line(tiny_model, one_thread):
     rt = _load(tiny_model, "int4")
     batch = BatchGenerator(rt)
-    with pytest.raises(QuantkitError, match="either messages or ids"):
+    with pytest.raises(QuantkitError, match="messages or ids: give exactly one"):
         batch.add()
     with pytest.raises(QuantkitError, match="empty prompt"):
         batch.add(ids=[])
-    with pytest.raises(QuantkitError, match="max-tokens 0: must be at least 1"):
+    with pytest.raises(QuantkitError, match="max_new_tokens=0: give a whole number >= 1"):
         batch.add(ids=[1, 2], max_new_tokens=0)
     with pytest.raises(QuantkitError, match="context holds"):
         batch.add(ids=[1] * rt.context)

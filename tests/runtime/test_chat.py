@@ -40,7 +40,7 @@ def test_chat_session_in_a_terminal(tiny_model, tmp_path):
         child.expect("saved 2 messages")
         child.expect("you> ")
         child.sendline("/stats")
-        child.expect(r"context: \d+/4096 tokens used, 2 messages")
+        child.expect(r"context: [\d,]+/32,768 tokens used, 2 messages")
         child.expect("you> ")
         child.sendline("/clear")
         child.expect(r"conversation cleared \(system prompt kept\)")

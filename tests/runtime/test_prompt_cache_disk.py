@@ -8,45 +8,19 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
-from quantkit.runtime import SamplingParams, load_model, prompt_disk
+from quantkit.runtime import load_model, prompt_disk
 from quantkit.runtime.generate import PREFILL_CHUNK, prefill
 from quantkit.runtime.state_cache import PrefixCache, snapshot_points
 
 from helpers.cli import TINY_KW, run_cli
 from helpers.probe import expect_one_line, limited_dir
+from helpers.prompt_cache import SP, cold, entries, fresh, read_header, run, text, with_header
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-SP = SamplingParams(temperature=0, max_new_tokens=6)
-
-
-def text(lines: int, last: str = "the end") -> str:
-    return "\n".join(f"log {i:03d}: worker {i % 7} wrote {i * 37 % 101} rows" for i in range(lines)) + "\n" + last
-
-
-def fresh(model: Path, disk: Path | None = None, disk_bytes: int | None = 1 << 30, warn=None, memory: int = 1 << 28):
-    rt = load_model(model, recipe="bf16")
-    rt.set_prompt_cache(memory, disk, disk_bytes if disk is not None else None, warn)
-    return rt
-
-
-def run(rt, ids: list[int]) -> tuple[list[int], int]:
-    resp = None
-    for e in rt.generate_ids(ids, SP):
-        resp = e.response or resp
-    return resp.token_ids, resp.cached_tokens
-
-
-def cold(model: Path, ids: list[int]) -> list[int]:
-    return run(fresh(model, memory=0), ids)[0]
-
-
-def entries(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if prompt_disk.NAME.match(p.name))
 
 
 @pytest.fixture(scope="module")
@@ -133,8 +107,10 @@ def test_entries_of_other_weights_are_ignored_never_restored(tiny_model, tmp_pat
     assert all(p.read_bytes() == before[p.name] for p in entries(d) if p.name in before)  # left alone
 
 
-@pytest.mark.parametrize("damage", ["truncated", "tensor byte", "checksum edited", "ids edited"])
+@pytest.mark.parametrize("damage", ["truncated", "tensor byte"])
 def test_damaged_entries_are_skipped_with_one_warning_and_removed(tiny_model, tmp_path, damage):
+    """Damaged tensors under a header signed with the folder's key: quantkit's own entry, damaged: one warning
+    each, removed (and written anew)."""
     d = tmp_path / "pc"
     ids = fresh(tiny_model).encode(text(50))
     run(fresh(tiny_model, d), ids)
@@ -144,19 +120,8 @@ def test_damaged_entries_are_skipped_with_one_warning_and_removed(tiny_model, tm
         data = bytearray(p.read_bytes())
         if damage == "truncated":
             data = data[: len(data) - 100]
-        elif damage == "tensor byte":
+        else:
             data[-3] ^= 0x40
-        else:  # a header edited by hand: another checksum, or fewer tokens (a shorter prefix of the same prompt)
-            n = int.from_bytes(data[:8], "little")
-            header = json.loads(data[8:8 + n])
-            meta = header["__metadata__"]
-            if damage == "checksum edited":
-                meta["sha256"] = meta["sha256"][::-1]
-            else:
-                meta["ids"] = json.dumps(json.loads(meta["ids"])[:100])
-            raw = json.dumps(header).encode()
-            raw += b" " * (-len(raw) % 8)
-            data = bytearray(len(raw).to_bytes(8, "little") + raw + data[8 + n:])
         p.write_bytes(bytes(data))
         damaged[p] = bytes(data)
     warnings: list[str] = []
@@ -166,6 +131,38 @@ def test_damaged_entries_are_skipped_with_one_warning_and_removed(tiny_model, tm
     assert sorted(w.split(":")[0] for w in warnings) == sorted(str(p) for p in files), warnings
     assert all("damaged" in w for w in warnings) and rt.prompt_cache.summary()["disk"]["removed_damaged"] == len(files)
     assert not any(p.exists() and p.read_bytes() == damaged[p] for p in files)  # removed (and written anew)
+
+
+@pytest.mark.parametrize("edit", ["checksum edited", "ids edited", "signature removed"])
+def test_an_edited_header_is_never_restored_nor_removed(tiny_model, tmp_path, edit):
+    """A header edited by hand fails the folder key's signature: reported in one warning line (not once per
+    lookup), never restored, left in place byte for byte (it cannot be shown to be quantkit's own)."""
+    d = tmp_path / "pc"
+    ids = fresh(tiny_model).encode(text(50))
+    run(fresh(tiny_model, d), ids)
+    files = entries(d)
+    edited = {}
+    for p in files:
+        header, rest = read_header(p.read_bytes())
+        meta = header["__metadata__"]
+        if edit == "checksum edited":
+            meta["sha256"] = meta["sha256"][::-1]
+        elif edit == "ids edited":  # fewer tokens: a shorter prefix of the same prompt
+            meta["ids"] = json.dumps(json.loads(meta["ids"])[:100])
+        else:
+            del meta["mac"]
+        p.write_bytes(with_header(header, rest))
+        edited[p] = p.read_bytes()
+    warnings: list[str] = []
+    rt = fresh(tiny_model, d, warn=warnings.append)
+    want = cold(tiny_model, ids)
+    assert run(rt, ids) == (want, 0) and run(rt, ids)[0] == want
+    assert len(warnings) == 1 and "not signed with this folder's key" in warnings[0], warnings
+    assert "never restored, left in place" in warnings[0]
+    assert (str(files[0]) if len(files) == 1 else f"{len(files)} prompt-cache entries") in warnings[0]
+    disk = rt.prompt_cache.summary()["disk"]
+    assert disk["ignored_unsigned"] == len(files) and disk["removed_damaged"] == 0
+    assert all(p.read_bytes() == edited[p] for p in files)
 
 
 def test_files_quantkit_did_not_write_are_left_alone(tiny_model, tmp_path):
@@ -215,14 +212,16 @@ def test_a_dir_that_is_a_file_turns_the_disk_cache_off_with_one_warning(tiny_mod
 def test_an_unwritable_or_full_dir_warns_once_and_generation_goes_on(tiny_model, tmp_path, kind):
     warnings: list[str] = []
     with limited_dir(tmp_path, kind) as d:
-        rt = fresh(tiny_model, d / "pc" if kind == "readonly" else d, warn=warnings.append)
+        pc = d / "pc"  # d itself is a mount point open to all (mode 1777), refused as a DIR
+        rt = fresh(tiny_model, pc, warn=warnings.append)
         ids = rt.encode(text(50))
         want = cold(tiny_model, ids)
         assert run(rt, ids)[0] == want and run(rt, rt.encode(text(51)))[0] == cold(tiny_model, rt.encode(text(51)))
         assert len(warnings) == 1 and ("cannot write" in warnings[0]), warnings
-        assert not entries(d) and not [p for p in os.listdir(d) if p.startswith(".qkpc")]
+        assert not [p for q in (d, pc) if q.is_dir() for p in os.listdir(q)
+                    if p.startswith(".qkpc") or prompt_disk.NAME.match(p)]
         if kind == "full":  # with the default bound (a quarter of the free space): off from the start
-            rt = fresh(tiny_model, d, disk_bytes=None, warn=warnings.append)
+            rt = fresh(tiny_model, pc, disk_bytes=None, warn=warnings.append)
             assert rt.prompt_cache.disk is None and len(warnings) == 2 and "bytes free there" in warnings[1]
 
 
@@ -237,7 +236,7 @@ def test_a_full_disk_mid_run_warns_once(tiny_model, tmp_path, monkeypatch):
     assert run(rt, ids)[0] == cold(tiny_model, ids)
     run(rt, rt.encode(text(51)))
     assert len(warnings) == 1 and "No space left" in warnings[0] and not rt.prompt_cache.disk.writable
-    assert not os.listdir(tmp_path / "pc")
+    assert os.listdir(tmp_path / "pc") == [".qkpc-key"]  # no entry, no temporary
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -75,18 +75,26 @@ def test_a_conversation_resumes_across_a_server_restart(q4, tmp_path):
     assert got[0] == want[0] and got[1] == want[1]
     assert got[2] >= n1 - 12 and want[2] == 0  # only the new turn (and the generation prompt) prefilled
     assert disk["hits"] == 1 and disk["restored_tokens"] == got[2] and 0 < disk["bytes"] <= disk["max_bytes"]
-    assert "quantkit_prompt_cache_disk_hits 1.0" in metrics
+    assert "quantkit_prompt_cache_disk_hits 1.0" in metrics and "quantkit_prompt_cache_disk_other_bytes 0.0" in metrics
     assert f"quantkit_prompt_cache_disk_restored_tokens {float(got[2])}" in metrics
 
 
-def test_a_dir_shared_with_another_model_is_not_restored(q4, tiny_model, tmp_path):
-    """The bf16 checkpoint and its 4-bit folder share a DIR: neither restores the other's entries."""
+def test_a_dir_shared_with_another_model_is_not_restored_nor_evicted(q4, tiny_model, tmp_path):
+    """The bf16 checkpoint and its 4-bit folder share a DIR: neither restores the other's entries, and the bf16
+    server, bounded below what the folder holds, evicts none of the 4-bit ones: /health says the folder is over
+    its bound because of them, and one warning said so."""
     d = tmp_path / "prompt-cache"
     prompt = LOG + "\n[060] GET"
     serve(backend_on(q4, folder=d), lambda s, c: complete(c, prompt))
+    theirs = {p.name: p.read_bytes() for p in d.glob("qkpc-*")}
+    warnings: list[str] = []
     other = load_backend(tiny_model, max_context=MAX_CONTEXT, prompt_cache_bytes=1 << 28, prompt_cache_dir=d,
-                         prompt_cache_disk_bytes=1 << 30)
+                         prompt_cache_disk_bytes=sum(map(len, theirs.values())), warn=warnings.append)
     want = serve(load_backend(tiny_model, max_context=MAX_CONTEXT, prompt_cache_bytes=0), lambda s, c: complete(c, prompt))
-    got, disk = serve(other, lambda s, c: (complete(c, prompt), httpx.get(s.url + "/health").json()))
+    got, health = serve(other, lambda s, c: (complete(c, prompt), httpx.get(s.url + "/health").json()))
+    disk = health["prompt_cache"]["disk"]
     assert got == want and got[2] == 0
-    assert disk["prompt_cache"]["disk"]["ignored_other_weights"] > 0 and disk["prompt_cache"]["disk"]["hits"] == 0
+    assert disk["ignored_other_weights"] == len(theirs) > 0 and disk["hits"] == 0 and disk["writes"] > 0
+    assert disk["other_bytes"] == sum(map(len, theirs.values())) and disk["over_bound"]
+    assert {p.name: p.read_bytes() for p in d.glob("qkpc-*") if p.name in theirs} == theirs
+    assert len(warnings) == 1 and "over --prompt-cache-disk-size" in warnings[0], warnings

@@ -17,13 +17,14 @@ import httpx
 import pytest
 
 from quantkit.errors import QuantkitError
+from quantkit.planner.slots import MAX_SLOTS
 from quantkit.runtime import load_model
 from quantkit.runtime.generate import SamplingParams
 from quantkit.server.app import ServerConfig, create_app
 from quantkit.server.backend import Prompt
 from quantkit.server.queue import Done, Failed, GenerationQueue, Job, QueueFull
 from quantkit.server.runtime_backend import RuntimeBackend
-from quantkit.server.scheduler import MAX_SLOTS, BatchScheduler
+from quantkit.server.scheduler import BatchScheduler
 
 from helpers.cli import run_cli
 from helpers.runtime import quantized
@@ -169,7 +170,7 @@ def test_a_full_line_is_refused(backend, one_thread):
 
 @pytest.mark.parametrize("slots", [0, -1, MAX_SLOTS + 1])
 def test_bad_slot_counts_are_refused(backend, slots):
-    with pytest.raises(ValueError, match="slots must be"):
+    with pytest.raises(ValueError, match=f"parallel {slots}: give 1 to {MAX_SLOTS} slots"):
         BatchScheduler(backend, 8, slots=slots)
 
 
