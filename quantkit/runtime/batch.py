@@ -20,8 +20,14 @@ hook raised, kept in `errors`, the other rows unaffected) and a new one joins
 between steps, its prompt prefilled alone (through the prompt cache, as `Runtime.generate_ids`). A step is one
 `Model.step_batch` over every row still decoding (model/qwen3_5_moe.py): the dense matrices and the chosen
 experts are read once for all rows, and each row's tokens are the ones the same request generates alone,
-greedy or seeded (tests/runtime/test_batch_decode.py). Rows decode without MTP drafts: a draft never changes a token,
-and the batch already reads each matrix once for several tokens.
+greedy or seeded (tests/runtime/test_batch_decode.py).
+
+MTP: on a model with an MTP layer each row has its own drafter (runtime/batch_drafts.py) as the runtime sets it
+(`Runtime.set_mtp`: --mtp N drafts N a row, the default decides per step, 0 none). A row that drafts k tokens
+is a verify of k + 1 tokens inside the step's one forward, rewound to the tokens accepted, one to k + 1 tokens a
+step; how many each row drafts follows the measured cost of a step of that shape (`DraftPlan`), so a row alone
+drafts as `generate` does and several rows draft where the larger step still pays. A draft never changes a
+token; each response carries its counts (`mtp`: drafted, accepted).
 """
 
 from __future__ import annotations
@@ -37,8 +43,10 @@ import torch
 
 from quantkit.errors import ArgumentError, ArgumentTypeError, QuantkitError
 from quantkit.runtime import args
+from quantkit.runtime.batch_drafts import DraftPlan, RowDrafter
 from quantkit.runtime.channels import ANSWER, THINKING, ChannelSplitter
 from quantkit.runtime.generate import (
+    PREFILL_CHUNK,
     GenerationResponse,
     SamplingParams,
     TokenEvent,
@@ -47,7 +55,7 @@ from quantkit.runtime.generate import (
     sample,
 )
 from quantkit.runtime.model.cache import HybridCache
-from quantkit.runtime.speculative import Pick, picker
+from quantkit.runtime.speculative import MAX_DRAFT, DraftStats, Pick, picker
 
 if TYPE_CHECKING:
     from quantkit.runtime.engine import Runtime
@@ -60,7 +68,7 @@ class _Row:
     sampling: SamplingParams
     stops: set[int]
     cache: HybridCache
-    logits: torch.Tensor | None  # the next token's, None when cancelled during the prefill
+    logits: torch.Tensor | None  # [t, V]: the rows the next tokens are picked from; None when cancelled in prefill
     pick: Pick
     budget: int
     split: ChannelSplitter
@@ -71,6 +79,10 @@ class _Row:
     decode_seconds: float = 0.0
     stop_ids: set[int] | None = None  # as given to `add` (None: the model's), what a fork inherits
     forks: int = 0  # rows forked from this one: the n-th takes seed + n
+    drafter: RowDrafter | None = None  # the row's MTP state (None: it decodes without drafts)
+    fixed: int | None = None  # --mtp N for this row (None: the plan's choice)
+    stats: DraftStats | None = None  # its drafts' counts (None: MTP off for it)
+    hidden: torch.Tensor | None = None  # the final norm's output of the rows of `logits` (what the drafter pairs)
 
 
 class BatchGenerator:
@@ -84,6 +96,8 @@ class BatchGenerator:
         self._ended: list[tuple[int, TokenEvent]] = []  # rows that ended outside a step (cancelled prefill)
         self._ids = itertools.count()
         self.errors: dict[int, Exception] = {}  # rows that ended with finish_reason "error": what their hook raised
+        self.plan = DraftPlan()  # drafts per row at a step, for rows on the default (auto)
+        self._timed: tuple[int, int, float] | None = None  # the last forward (rows, tokens, seconds), its rewinds due
 
     def __len__(self) -> int:
         """Rows still decoding (or with their last event not yet given out by `step`)."""
@@ -128,15 +142,23 @@ class BatchGenerator:
         stops = set() if sp.ignore_eos else rt.stop_ids if stop_ids is None else stop_ids
         gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
         chunks = _Between(cancel, lambda: between(self._step())) if between is not None else cancel
+        fixed, stats, drafts = self._mtp()
+        capacity = min(rt.context, n + sp.max_new_tokens)
         with rt._lock, torch.inference_mode():
             t0 = time.perf_counter()
-            pre = prefill(rt.model, list(ids), capacity=min(rt.context, n + sp.max_new_tokens),
-                          prefix_cache=rt.prompt_cache, boundary_ids=rt.boundary_ids, cancel=chunks)
+            pre = prefill(rt.model, list(ids), capacity=capacity, prefix_cache=rt.prompt_cache,
+                          boundary_ids=rt.boundary_ids, cancel=chunks, hidden=drafts)
+            budget = min(sp.max_new_tokens, rt.context - n) if pre.logits is not None else 0
+            drafter = None
+            if drafts and budget > 1:
+                assert pre.hidden is not None
+                drafter = RowDrafter.prefilled(rt.model, list(ids[pre.cached_tokens:]), pre.hidden, capacity,
+                                               stats, PREFILL_CHUNK)
             spent = time.perf_counter() - t0  # with the steps run between its chunks, as a server sees it
-        row = _Row(next(self._ids), list(ids), sp, stops, pre.cache, pre.logits, picker(sp, gen, sample),
-                   min(sp.max_new_tokens, rt.context - n) if pre.logits is not None else 0,
+        logits = pre.logits.view(1, -1) if pre.logits is not None else None
+        row = _Row(next(self._ids), list(ids), sp, stops, pre.cache, logits, picker(sp, gen, sample), budget,
                    ChannelSplitter(rt.tokenizer, rt.think_ids, enable_thinking), pre.cached_tokens, spent, cancel,
-                   stop_ids=stop_ids)
+                   stop_ids=stop_ids, drafter=drafter, fixed=fixed, stats=stats)
         if row.budget == 0:
             self._ended.append((row.id, self._last(row, "cancelled")))
         else:
@@ -176,10 +198,13 @@ class BatchGenerator:
             cache = HybridCache.from_snapshot(src.snapshot(r.prompt_ids), src.cfg, src.devices, src.dtype,
                                               min(rt.context, n + sp.max_new_tokens))
             logits = r.logits.clone()
-        new = _Row(next(self._ids), list(r.prompt_ids), sp, stops, cache, logits, picker(sp, gen, sample),
-                   min(sp.max_new_tokens, rt.context - n),
+            budget = min(sp.max_new_tokens, rt.context - n)
+            stats = DraftStats(r.fixed or 0, auto=r.fixed is None) if r.stats is not None else None
+            drafter = (r.drafter.fork(rt.model, stats) if r.drafter is not None and stats is not None and budget > 1
+                       else None)
+        new = _Row(next(self._ids), list(r.prompt_ids), sp, stops, cache, logits, picker(sp, gen, sample), budget,
                    ChannelSplitter(rt.tokenizer, rt.think_ids, r.split.channel == THINKING), n, 0.0, cancel,
-                   stop_ids=stop_ids)
+                   stop_ids=stop_ids, drafter=drafter, fixed=r.fixed, stats=stats)
         r.forks += 1
         self._rows[new.id] = new
         return new.id
@@ -192,55 +217,132 @@ class BatchGenerator:
             r.cancel.set()
 
     def step(self) -> list[tuple[int, TokenEvent]]:
-        """One token for every row, then one batched forward for the rows that go on. Returns (row id, event)
-        pairs: a token's event as `generate_stream` yields it, and a row's last event (response set) when it
-        ends."""
+        """The tokens of every row (one, or a verify's accepted drafts and one), then one batched forward for the
+        rows that go on (each with the drafts the plan gives it). Returns (row id, event) pairs: a token's event
+        as `generate_stream` yields it, and a row's last event (response set) when it ends."""
         with self.rt._lock, torch.inference_mode():
             return self._step()
+
+    def _mtp(self) -> tuple[int | None, DraftStats | None, bool]:
+        """The runtime's MTP setting for a new row: --mtp N (None: the plan's choice), the counts its response
+        reports (None: MTP off) and whether it drafts (not where the plan has turned drafting off)."""
+        rt = self.rt
+        fixed = None if rt.tuner is not None else rt.mtp
+        if rt.model.mtp is None or fixed == 0:
+            return fixed, None, False
+        return fixed, DraftStats(fixed or 0, auto=fixed is None), fixed is not None or not self.plan.off()
 
     def _step(self) -> list[tuple[int, TokenEvent]]:
         """`step`, under the runtime's lock (held by the caller)."""
         out, self._ended = self._ended, []
-        go: list[_Row] = []
+        t0 = time.perf_counter()
         for r in list(self._rows.values()):
-            finish = None
-            if r.cancel is not None and r.cancel.is_set():
-                finish = "cancelled"
-            else:
-                assert r.logits is not None
-                try:
-                    tok, info, _ = r.pick(r.logits, None)
-                except Exception as e:  # the row's own sampling hook (a grammar, a penalty): it ends alone
-                    self.errors[r.id] = e
-                    del self._rows[r.id]
-                    out.append((r.id, self._last(r, "error")))
-                    continue
-                r.generated.append(tok)
-                i = len(r.generated) - 1
-                if tok in r.stops:
-                    finish = "stop"
-                else:
-                    channel, delta = r.split.feed(tok)
-                    out.append((r.id, TokenEvent(delta, tok, channel, i, cached_tokens=r.cached_tokens, info=info)))
-                    if i == r.budget - 1:
-                        finish = "length" if r.budget == r.sampling.max_new_tokens else "context"
-            if finish is None:
-                go.append(r)
-            else:
-                del self._rows[r.id]
-                out.append((r.id, self._last(r, finish)))
+            self._take(r, out)
+        if self._timed is not None:  # the last forward's cost, its rewinds (just made) included
+            rows, tokens, secs = self._timed
+            self.plan.record(rows, tokens, secs + time.perf_counter() - t0)
+            self._timed = None
+        go = list(self._rows.values())
+        if self.plan.off():
+            for r in go:
+                if r.fixed is None:
+                    r.drafter = None
         if go:
-            t0 = time.perf_counter()
-            logits = self.rt.model.step_batch([r.generated[-1] for r in go], [r.cache for r in go])
-            spent = time.perf_counter() - t0
-            for j, r in enumerate(go):
-                r.logits = logits[j]
-                r.decode_seconds += spent
+            self._forward(go)
         if any(ev.response is not None for _r, ev in out):
             # the disk store's writes of the prompts prefilled since, after an answer as `stream_tokens` does
             # (and after this step's forward: the other rows' next tokens are not held up by them)
             self.rt.prompt_cache.flush()
         return out
+
+    def _take(self, r: _Row, out: list[tuple[int, TokenEvent]]) -> None:
+        """Row r's tokens from its logits rows (a verify's: its drafts kept while they are the tokens picked),
+        its cache rewound to them; its events into `out`, its last one where it ends."""
+        if r.cancel is not None and r.cancel.is_set():
+            self._end(r, "cancelled", out)
+            return
+        assert r.logits is not None
+        d = r.drafter
+        drafts = d.drafts if d is not None else []
+        toks: list[tuple[int, Any]] = []
+        kept = 0
+        try:
+            for j in range(len(drafts) + 1):
+                tok, info, ok = r.pick(r.logits[j], drafts[j] if j < len(drafts) else None)
+                toks.append((tok, info))
+                kept += ok
+                if not ok or tok in r.stops:
+                    break
+        except Exception as e:  # the row's own sampling hook (a grammar, a penalty): it ends alone
+            self.errors[r.id] = e
+            self._emit(r, toks, out)
+            self._end(r, "error", out)
+            return
+        if drafts:
+            assert d is not None
+            self.plan.count(*d.checked(kept))
+        finish = self._emit(r, toks, out)
+        if finish is not None:
+            self._end(r, finish, out)
+            return
+        t0 = time.perf_counter()
+        if drafts:
+            r.cache.rewind(r.cache.n - len(drafts) + kept)
+        if d is not None:
+            d.took(self.rt.model, [t for t, _i in toks], r.hidden)
+        r.decode_seconds += time.perf_counter() - t0
+        r.logits = r.hidden = None
+
+    def _emit(self, r: _Row, toks: list[tuple[int, Any]], out: list[tuple[int, TokenEvent]]) -> str | None:
+        """The picked tokens into the row and their events into `out`; how the row ends there, or None."""
+        for tok, info in toks:
+            r.generated.append(tok)
+            i = len(r.generated) - 1
+            if tok in r.stops:
+                return "stop"
+            channel, delta = r.split.feed(tok)
+            out.append((r.id, TokenEvent(delta, tok, channel, i, cached_tokens=r.cached_tokens, info=info,
+                                         drafts=r.stats)))
+            if i == r.budget - 1:
+                return "length" if r.budget == r.sampling.max_new_tokens else "context"
+        return None
+
+    def _end(self, r: _Row, finish: str, out: list[tuple[int, TokenEvent]]) -> None:
+        del self._rows[r.id]
+        out.append((r.id, self._last(r, finish)))
+
+    def _forward(self, go: list[_Row]) -> None:
+        """Drafts for the rows the plan gives them to, then one forward of every row's token and drafts."""
+        # no draft for a token past the budget: a verify's k + 1 tokens all within it
+        limits = [min(MAX_DRAFT, r.budget - len(r.generated) - 1) if r.drafter is not None else 0 for r in go]
+        counts = self.plan.counts(limits, [r.drafter.acceptance if r.drafter is not None else (0, 0) for r in go])
+        t0 = time.perf_counter()
+        drafted, short = 0, True
+        for r, n, k in zip(go, limits, counts, strict=True):
+            if r.drafter is None:
+                continue
+            if r.fixed is not None:  # --mtp N (set for this row when it joined)
+                k = min(r.fixed, n)
+            else:
+                r.drafter.stats.draft = k
+            if k:
+                _ds, fed_short = r.drafter.draft(self.rt.model, k)
+                drafted, short = drafted + k, short and fed_short
+        t1 = time.perf_counter()
+        if drafted and short:
+            self.plan.record_drafts(drafted, t1 - t0)
+        segs = [[r.generated[-1], *(r.drafter.drafts if r.drafter is not None else [])] for r in go]
+        hidden = any(r.drafter is not None for r in go)
+        got = self.rt.model.step_batch(segs, [r.cache for r in go], hidden=hidden)
+        logits, rows = got if hidden else (got, None)
+        t2 = time.perf_counter()
+        self._timed = (len(go), sum(map(len, segs)), t2 - t1)
+        a = 0
+        for r, seg in zip(go, segs, strict=True):
+            r.logits = logits[a:a + len(seg)]
+            r.hidden = rows[a:a + len(seg)] if rows is not None else None
+            r.decode_seconds += t2 - t0
+            a += len(seg)
 
     def run(self) -> Iterator[tuple[int, TokenEvent]]:
         """`step` until every row has ended, its events one by one."""
@@ -259,7 +361,8 @@ class BatchGenerator:
             prompt_tps=(n - r.cached_tokens) / t_pre if t_pre > 0 else 0.0,
             generation_tps=steps / t_dec if t_dec > 0 and steps else 0.0,
             peak_memory=peak_memory(self.rt._io_devices()), finish_reason=finish, prefill_seconds=t_pre,
-            decode_seconds=t_dec, token_ids=list(r.generated), cached_tokens=r.cached_tokens)
+            decode_seconds=t_dec, token_ids=list(r.generated), cached_tokens=r.cached_tokens,
+            mtp=r.stats.to_dict() if r.stats is not None else None)
         r.cache = None  # type: ignore[assignment]  # the row's state is given back now, not when the batch goes
         return TokenEvent("", None, r.split.channel, n_gen, resp, r.cached_tokens)
 

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app (FastAPI): /v1/chat/completions and /v1/completions (plain and SSE),
 /v1/models, /health, /metrics.
 
-`create_app(backend, config)` serves one loaded model through a `GenerationQueue`. Every error is an OpenAI
+`create_app(backend, config)` serves one loaded model through a `BatchScheduler` of `parallel` slots (a `Backend`
+without quantkit's runtime through a `GenerationQueue`, one request at a time). Every error is an OpenAI
 error object (`{"error": {"message", "type", "param", "code"}}`) with its HTTP status: 400 for malformed
 JSON, a missing or wrong-typed field, an unknown role, `max_tokens` < 1, `n` over the limit, a tool or
 schema of the wrong shape (quantkit/server/schema_check.py), a schema the grammar engine cannot compile or a
@@ -175,7 +176,10 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state["closing"] = asyncio.Event()  # set by `shutdown`: bodies still being read are cut off
-        state["queue"] = app.state.queue = GenerationQueue(backend, config.max_queue) if config.parallel == 1 \
+        # quantkit's runtime decodes on the batch loop whatever the slot count (MTP drafts per slot inside it);
+        # the one-at-a-time queue serves a Backend without one
+        one = config.parallel == 1 and getattr(backend, "runtime", None) is None
+        state["queue"] = app.state.queue = GenerationQueue(backend, config.max_queue) if one \
             else BatchScheduler(backend, config.max_queue, config.parallel)
         try:
             yield
@@ -344,7 +348,8 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
     def on_done(a: ans.Answer) -> None:
         d = a.done
         if d is not None:
-            metrics.generation(len(a.spec.prompt.ids), d.cached_tokens, a.tokens, d.queue_s + d.prompt_s, d.decode_s)
+            metrics.generation(len(a.spec.prompt.ids), d.cached_tokens, a.tokens, d.queue_s + d.prompt_s, d.decode_s,
+                               d.drafts)
 
     def specs(prompts: list[Prompt], req: Any, opts: GenOptions, max_tokens: list[int], parser_tools: Any,
               grammar: str | None, echo: bool = False) -> list[ans.ChoiceSpec]:

@@ -1,9 +1,9 @@
 """`/metrics` in Prometheus' text format (prometheus_client, one registry per app).
 
 Counters: requests by endpoint and HTTP status, prompt and generated tokens, prompt tokens restored from the
-prompt cache and the requests that hit it; gauges: requests waiting and running, the slots and the last batch
-step's rows (read from the queue at scrape time) and the last request's decode speed; histograms: time to
-first token and decode tok/s.
+prompt cache and the requests that hit it, tokens the MTP layer drafted and those of them accepted; gauges:
+requests waiting and running, the slots and the last batch step's rows (read from the queue at scrape time)
+and the last request's decode speed; histograms: time to first token and decode tok/s.
 Names follow vLLM's where one exists (`..._prompt_tokens_total`, `..._generation_tokens_total`).
 """
 
@@ -30,6 +30,10 @@ class Metrics:
                                         registry=r)
         self.cache_hits = Counter(_P + "prompt_cache_hits", "generations that restored a cached prefix",
                                   registry=r)
+        # speculative decoding with the MTP layer, per slot (vLLM's spec_decode_num_draft / accepted_tokens)
+        self.draft_tokens = Counter(_P + "spec_decode_draft_tokens", "tokens the MTP layer drafted", registry=r)
+        self.accepted_tokens = Counter(_P + "spec_decode_accepted_tokens", "drafted tokens the model accepted",
+                                       registry=r)
         waiting = Gauge(_P + "queue_waiting", "requests waiting for a free slot (at most --max-queue)", registry=r)
         running = Gauge(_P + "queue_running", "slots in use: requests (choices) being prefilled or decoded", registry=r)
         waiting.set_function(lambda: getattr(queue_stats(), "waiting", 0))
@@ -64,8 +68,12 @@ class Metrics:
             g = Gauge(f"{_P}prompt_cache_disk_{name}", doc, registry=r)
             g.set_function(lambda k=key: float((disk() or {}).get(k, 0)))
 
-    def generation(self, prompt_tokens: int, cached_tokens: int, tokens: int, ttft_s: float, decode_s: float) -> None:
+    def generation(self, prompt_tokens: int, cached_tokens: int, tokens: int, ttft_s: float, decode_s: float,
+                   drafts: dict[str, int] | None = None) -> None:
         self.prompt_tokens.inc(prompt_tokens)
+        if drafts:
+            self.draft_tokens.inc(drafts["drafted"])
+            self.accepted_tokens.inc(drafts["accepted"])
         self.generation_tokens.inc(tokens)
         if cached_tokens:
             self.cache_hit_tokens.inc(cached_tokens)

@@ -6,8 +6,10 @@ or `Failed` through the job's asyncio queue), but up to `slots` requests generat
 a `BatchGenerator` (quantkit/runtime/batch.py) over the backend's runtime. Waiting requests take the free slots
 between two steps, all of them before the next step (a burst decodes together); a prompt is prefilled chunk
 by chunk with one batch step of the running slots between chunks, so a long prompt holds them up for one chunk
-at most; each step is one forward over the next token of every decoding slot; a slot is freed at the step after
-its request ends (stop, length, cancel, client gone).
+at most; each step is one forward over the next token of every decoding slot, and its MTP drafts where the batch
+drafts them (runtime/batch_drafts.py: one slot drafts as `generate` does, several where the larger step still
+pays); a slot is freed at the step after its request ends (stop, length, cancel, client gone). `--parallel 1`
+runs here too: one slot.
 The `n` choices of one prompt (`submit_group`) are prefilled once: each choice that finds a free slot decodes
 from a copy of the first one's prompt state.
 Every request's tokens are the ones it gets served alone (tests/runtime/test_batch_decode.py,
@@ -46,6 +48,7 @@ class _Slot:
     first: float | None = None
     last: float = 0.0
     cached: int = 0
+    drafts: dict[str, int] | None = None  # the MTP counts of its response
 
 
 class BatchScheduler(JobLine):
@@ -127,7 +130,7 @@ class BatchScheduler(JobLine):
 
     def _deliver(self, events: list[tuple[int, TokenEvent]]) -> None:
         """A step's events to their jobs; an ended row's `Done`, its slot freed."""
-        self.stats.batch_size = sum(1 for _r, ev in events if ev.response is None)
+        self.stats.batch_size = len({r for r, ev in events if ev.response is None})  # rows (a verify gives several)
         self.stats.peak_batch = max(self.stats.peak_batch, self.stats.batch_size)
         for row, ev in events:
             s = self._slots.get(row)
@@ -135,6 +138,7 @@ class BatchScheduler(JobLine):
                 continue
             s.cached = ev.cached_tokens
             if ev.response is not None:
+                s.drafts = ev.response.mtp
                 err = self._batch.errors.pop(row, None)
                 if err is not None:
                     with self._cv:
@@ -166,7 +170,7 @@ class BatchScheduler(JobLine):
             self._ended(job)  # the slot is free before its client has the answer
         first = s.first if s.first is not None else s.last
         job._put(Done(reason, len(job.prompt.ids), s.tokens, s.start - job.submitted, first - s.start, s.last - first,
-                      s.cached))
+                      s.cached, s.drafts))
 
     def _guarded(self, fn: Any) -> None:
         """A failed step fails every running request (their states are no longer known good); the server keeps

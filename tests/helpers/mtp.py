@@ -19,3 +19,36 @@ def generate_tokens(rt, draft: int, n: int = 40, **kw) -> tuple[list[int], dict 
                            thinking=True, mtp=draft):
         resp = e.response or resp
     return resp.token_ids, resp.mtp
+
+
+class RowOracle:
+    """Stands in for `MTP.draft` in a batch: each row's MTP cache drafts that row's reference continuation (the
+    whole token sequence of its run alone), a wrong token instead every `wrong_every`-th draft. `expect(seq)`
+    before adding (or forking) a row: the next MTP cache made is that row's."""
+
+    def __init__(self, model, wrong_every: int):
+        self.wrong_every, self.calls, self.seqs, self.next = wrong_every, 0, {}, None
+        self.made = model.mtp.new_cache
+
+    def new_cache(self, capacity):
+        cache = self.made(capacity)
+        if self.next is not None:
+            self.seqs[cache.serial] = self.next
+        return cache
+
+    def expect(self, seq: list[int]) -> None:
+        self.next = seq
+
+    def __call__(self, model, tokens, hidden, cache):
+        cache.n += len(tokens)  # pair i carries the token at position i + 1: it predicts position n + 1
+        seq = self.seqs[cache.serial]
+        want = seq[cache.n + 1] if cache.n + 1 < len(seq) else 0
+        self.calls += 1
+        if self.wrong_every and self.calls % self.wrong_every == 0:
+            want = (want + 1) % model.vocab
+        return want, hidden[-1:]
+
+    def install(self, monkeypatch, model) -> RowOracle:
+        monkeypatch.setattr(model.mtp, "new_cache", self.new_cache)
+        monkeypatch.setattr(model.mtp, "draft", self)
+        return self

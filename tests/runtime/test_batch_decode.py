@@ -1,8 +1,10 @@
 """Batched decode (quantkit/runtime/model/qwen3_5_moe.py, quantkit/runtime/batch.py) against single-request runs,
 on the tiny decisive checkpoint (routing robust to rounding): every row of a batch step gives the logits and the
 cache states of the same token stepped alone, bit for bit, on every route and every forced op table of the CPU
-kernel; a `BatchGenerator`'s rows, joining and leaving mid-batch, generate exactly the tokens each request
-generates alone, greedy and seeded."""
+kernel, and so does every row of a step that carries speculative verifies (and its rewind to any position); a
+`BatchGenerator`'s rows, joining and leaving mid-batch, generate exactly the tokens each request generates alone,
+greedy and seeded, with and without MTP drafts (an oracle drafter per row, right and wrong at a set rate; the
+tiny model's own MTP layer, which the default then stops using)."""
 
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ from quantkit.kernels import cpu as cpu_kernel
 from quantkit.runtime import load_model
 from quantkit.runtime.batch import BatchGenerator
 from quantkit.runtime.generate import GenerationResponse, SamplingParams
+from quantkit.runtime.speculative import DraftTuner
 
+from helpers.mtp import MTP_ROUTES, RowOracle
 from helpers.runtime import quantized
 
 PROMPTS = ["list the files in this folder, then count them", "write a haiku about rivers",
@@ -317,3 +321,166 @@ def test_forked_choices_share_one_prefill_and_generate_what_each_generates_alone
     assert [last[r].token_ids for r in rows] == want
     with pytest.raises(QuantkitError, match="no prompt state left"):
         batch.fork(first, replace(sps[0]))
+
+
+# ---- verifies inside a batch, MTP drafts per row ----
+
+def _check_verifies(rt, lengths: list[int]) -> None:
+    """Rows of `lengths` tokens each (a step, or a verify of several) in one `step_batch`, against each row's
+    forward alone: logits and hidden bit for bit, and every verify rewound to each of its positions gives the state
+    the same rewind gives alone."""
+    m = rt.model
+    with torch.inference_mode():
+        prompts = [_ids(rt, PROMPTS[j % len(PROMPTS)]) + _tokens(j, 20 + j) for j in range(len(lengths))]
+        segs = [_tokens(t, 200 + j) for j, t in enumerate(lengths)]
+        for keep_of in range(max(lengths)):
+            batch, alone = [], []
+            for p in prompts:
+                for group in (batch, alone):
+                    c = m.new_cache(len(p) + 1)
+                    m.forward(p, c)
+                    group.append(c)
+            logits, hidden = m.step_batch(segs, batch, hidden=True)
+            assert logits.shape == (sum(lengths), m.vocab) and hidden.shape[0] == sum(lengths)
+            a = 0
+            for j, seg in enumerate(segs):
+                want, want_h = m.forward(seg, alone[j], all_logits=True, keep_positions=len(seg) > 1, hidden=True)
+                assert torch.equal(logits[a:a + len(seg)], want), f"row {j} of {lengths}"
+                assert torch.equal(hidden[a:a + len(seg)], want_h), f"row {j} of {lengths}"
+                a += len(seg)
+                keep = min(keep_of + 1, len(seg))  # tokens of the row kept, as a verify's acceptance leaves it
+                for c in (batch[j], alone[j]):
+                    c.rewind(c.n - len(seg) + keep)
+                assert _same_state(batch[j], alone[j]), f"row {j} of {lengths} rewound to {keep}"
+            nxt = _tokens(len(segs), 300 + keep_of)  # the next step from the rewound states
+            got = m.step_batch(nxt, batch)
+            for j in range(len(segs)):
+                assert torch.equal(got[j], m.forward([nxt[j]], alone[j]))
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_a_batch_of_verifies_equals_each_verify_alone(tiny_model, route, one_thread):
+    rt = _load(tiny_model, "int4", route)
+    for lengths in ([2], [4], [1], [1, 3], [2, 1, 4, 1, 3], [4, 4]):  # one row: the route's own call
+        _check_verifies(rt, lengths)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "int4"])
+def test_a_batch_of_verifies_on_every_op_table(tiny_model, recipe, kernel_table, one_thread):
+    rt = _load(tiny_model, recipe, "stack")
+    _check_verifies(rt, [2, 1, 4, 3])
+
+
+def _drafted_batch(rt, monkeypatch, draft: int | None, wrong_every: int) -> None:
+    """`_requests` in a batch on the MTP model, every row drafting (`draft` per step, None: the plan's choice) from
+    an oracle of its own continuation: each row's tokens, finish and text are those it generates alone without
+    drafts, and its response counts its drafts."""
+    reqs = _requests(rt)
+    rt.set_mtp(0)
+    want, stops = [], []
+    for _at, ids, sp, stop in reqs:
+        ref = _alone(rt, ids, replace(sp), None)
+        s = None
+        if stop == "stop":
+            s = {ref.token_ids[5]}
+            ref = _alone(rt, ids, replace(sp, ignore_eos=False), s)
+        want.append(ref)
+        stops.append(s)
+    if draft is None:
+        rt.tuner = DraftTuner()  # the default: the batch's plan chooses
+    else:
+        rt.set_mtp(draft)
+    oracle = RowOracle(rt.model, wrong_every).install(monkeypatch, rt.model)
+    batch = BatchGenerator(rt)
+    rows, got, last, step = {}, {}, {}, 0
+    while step == 0 or batch:
+        for j, (at, ids, sp, _s) in enumerate(reqs):
+            if at == step:
+                oracle.expect(ids + want[j].token_ids)
+                sp = replace(sp, ignore_eos=False) if stops[j] is not None else replace(sp)
+                rows[batch.add(ids=ids, sampling=sp, stop_ids=stops[j])] = j
+        for row, ev in batch.step():
+            if ev.response is None:
+                got.setdefault(rows[row], []).append(ev.token)
+            else:
+                last[rows[row]] = ev.response
+        step += 1
+    for j, ref in enumerate(want):
+        r = last[j]
+        assert r.token_ids == ref.token_ids, f"request {j}"
+        assert r.finish_reason == ref.finish_reason and r.text == ref.text
+        assert got.get(j, []) == (ref.token_ids[:-1] if ref.finish_reason == "stop" else ref.token_ids)
+        assert r.mtp is not None and r.mtp.get("auto", False) == (draft is None)
+        assert 0 <= r.mtp["accepted"] <= r.mtp["drafted"]
+    drafted = sum(last[j].mtp["drafted"] for j in last)
+    accepted = sum(last[j].mtp["accepted"] for j in last)
+    if draft is not None:  # every row drafts: each verify keeps its right drafts and rejects the oracle's wrong ones
+        assert drafted >= len(reqs) and (accepted == drafted) == (wrong_every == 0)
+    assert accepted > 0
+
+
+@pytest.mark.parametrize("route", MTP_ROUTES)
+@pytest.mark.parametrize(("draft", "wrong_every"), [(1, 0), (1, 3), (2, 4), (3, 2), (None, 0), (None, 5)])
+def test_batched_rows_with_drafts_generate_what_each_generates_alone(tiny_model_mtp, route, draft, wrong_every,
+                                                                    monkeypatch, one_thread):
+    _drafted_batch(_load(tiny_model_mtp, "int4", route), monkeypatch, draft, wrong_every)
+
+
+def test_batched_rows_with_drafts_on_every_op_table(tiny_model_mtp, kernel_table, monkeypatch, one_thread):
+    _drafted_batch(_load(tiny_model_mtp, "int4", "stack"), monkeypatch, 2, 3)
+
+
+def test_forked_choices_draft_from_a_copy_of_the_prompts_mtp_state(tiny_model_mtp, monkeypatch, one_thread):
+    """`n` choices of one prompt with drafts: each fork drafts on its own copy of the first row's MTP cache and
+    generates what it generates alone."""
+    rt = _load(tiny_model_mtp, "int4")
+    ids = _ids(rt, PROMPTS[1])
+    seeded = dict(temperature=0.9, top_p=0.9, top_k=20, ignore_eos=True)
+    sps = [SamplingParams(max_new_tokens=14, seed=5, **seeded), SamplingParams(max_new_tokens=11, seed=6, **seeded),
+           SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)]
+    rt.set_mtp(0)
+    want = [_alone(rt, ids, replace(sp), None).token_ids for sp in sps]
+    rt.set_mtp(2)
+    oracle = RowOracle(rt.model, wrong_every=4).install(monkeypatch, rt.model)
+    batch = BatchGenerator(rt)
+    oracle.expect(ids + want[0])
+    first = batch.add(ids=ids, sampling=replace(sps[0]))
+    rows = [first]
+    for sp, w in zip(sps[1:], want[1:], strict=True):
+        oracle.expect(ids + w)
+        rows.append(batch.fork(first, replace(sp)))
+    last = {}
+    while batch:
+        for row, ev in batch.step():
+            if ev.response is not None:
+                last[row] = ev.response
+    assert [last[r].token_ids for r in rows] == want
+    assert all(last[r].mtp["accepted"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("route", MTP_ROUTES)
+def test_the_default_stops_drafting_with_a_layer_that_is_never_right(tiny_model_mtp, route, one_thread):
+    """The tiny model's random MTP layer is almost never accepted: a row alone drafts until the plan has measured
+    that drafting does not pay (at most EXPLORE drafts at the first guess of an acceptance, then at the measured
+    one), then the plan is off and rows joining after carry no drafter; every row's tokens are its tokens alone."""
+    rt = _load(tiny_model_mtp, "int4", route)
+    sp = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    rt.set_mtp(0)
+    want = [_alone(rt, _ids(rt, p), replace(sp), None).token_ids for p in PROMPTS[:3]]
+    rt.tuner = DraftTuner()
+    batch = BatchGenerator(rt)
+    last = {}
+
+    def run():
+        while batch:
+            for row, ev in batch.step():
+                if ev.response is not None:
+                    last[row] = ev.response
+
+    rows = [batch.add(ids=_ids(rt, PROMPTS[0]), sampling=replace(sp))]
+    run()
+    assert batch.plan.off() and last[rows[0]].mtp["drafted"] > 0
+    rows += [batch.add(ids=_ids(rt, p), sampling=replace(sp)) for p in PROMPTS[1:3]]
+    run()
+    assert [last[r].token_ids for r in rows] == want
+    assert [last[r].mtp["drafted"] for r in rows[1:]] == [0, 0] and all(last[r].mtp["auto"] for r in rows)

@@ -1,8 +1,8 @@
 """`BatchScheduler` (quantkit/server/scheduler.py), the server's queue with several slots decoded together, on the
 tiny decisive int4 checkpoint: every request's tokens are the ones it gets served alone, whatever else shares
-its steps, with requests joining as slots free up; a cancelled request or one whose sampling hook fails ends
-alone; bad slot counts are refused; `quantkit serve --parallel N` answers concurrent requests as it answers them
-one at a time."""
+its steps, with requests joining as slots free up, with and without MTP drafts; a cancelled request or one whose
+sampling hook fails ends alone; bad slot counts are refused; `quantkit serve --parallel N` answers concurrent
+requests as it answers them one at a time, and `--parallel 1` runs on the same loop (drafts and their counts)."""
 
 from __future__ import annotations
 
@@ -316,3 +316,55 @@ def test_n_choices_over_http_answer_as_one_at_a_time(backend, one_thread):
             got.append([(c["index"], c["message"]["content"], json.dumps(c["logprobs"])) for c in r.json()["choices"]])
     assert got[0] == got[1] and [i for i, _c, _l in got[0]] == [0, 1, 2]
     assert len({c for _i, c, _l in got[0]}) > 1  # the seeds differ per choice, so do the choices
+
+
+# ---- MTP drafts per slot ----
+
+@pytest.fixture(scope="module")
+def mtp_backend(tiny_model_mtp):
+    return RuntimeBackend(load_model(quantized(tiny_model_mtp, "int4")), "tiny")
+
+
+def test_slots_that_draft_give_each_request_its_tokens_alone(mtp_backend, one_thread):
+    """Three slots on the MTP model, every slot drafting two tokens a step (the tiny model's own MTP layer:
+    drafts mostly rejected and rolled back inside the batch), requests joining as slots free: each request's
+    tokens are its tokens alone without drafts, and its Done carries its draft counts."""
+    rt = mtp_backend.runtime
+    prompts, params = [_prompt(mtp_backend, t) for t in TEXTS], _params()
+    rt.set_mtp(0)
+    want = [_alone(mtp_backend, p, sp) for p, sp in zip(prompts, params, strict=True)]
+    rt.set_mtp(2)
+    try:
+        _jobs, got = _serve(BatchScheduler(mtp_backend, max_waiting=8, slots=3), prompts, params)
+    finally:
+        rt.set_mtp(0)
+    for (toks, done), w in zip(got, want, strict=True):
+        assert isinstance(done, Done) and toks == w
+        assert done.drafts["draft"] == 2 and 0 <= done.drafts["accepted"] <= done.drafts["drafted"]
+    assert sum(d.drafts["drafted"] for _t, d in got) > 0
+
+
+def test_one_slot_on_the_runtime_is_the_batch_loop_and_drafts(mtp_backend, one_thread):
+    """`--parallel 1` (the config's default) serves quantkit's runtime on a one-slot `BatchScheduler`, so MTP
+    drafts there as elsewhere: the counts in the response's timings (llama-server's draft_n / draft_n_accepted)
+    and in /metrics, the answer the one without drafts."""
+    rt = mtp_backend.runtime
+    app = create_app(mtp_backend, ServerConfig(max_queue=2))
+    extra = {"ignore_eos": True, "chat_template_kwargs": {"enable_thinking": False}}
+    with ServerThread(app) as s:
+        queue = app.state.queue
+        rt.set_mtp(0)
+        plain = _chat(s.url, TEXTS[0], 12, None, extra)
+        rt.set_mtp(2)
+        try:
+            drafted = _chat(s.url, TEXTS[0], 12, None, extra)
+        finally:
+            rt.set_mtp(0)
+        metrics = httpx.get(s.url + "/metrics").text
+    assert isinstance(queue, BatchScheduler) and queue.stats.slots == 1
+    assert drafted["choices"][0]["message"] == plain["choices"][0]["message"]
+    assert plain["timings"].get("draft_n") is None
+    t = drafted["timings"]
+    assert t["draft_n"] >= 2 and 0 <= t["draft_n_accepted"] <= t["draft_n"]
+    assert f"quantkit_spec_decode_draft_tokens_total {float(t['draft_n'])}" in metrics
+    assert f"quantkit_spec_decode_accepted_tokens_total {float(t['draft_n_accepted'])}" in metrics

@@ -145,15 +145,21 @@ class StackExecutor:
 def take(ex: StackExecutor | GraphExecutor | None, ids: list[int] | torch.Tensor, cache: HybridCache, keep: bool,
          hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """(logits [T, V], the final norm's output [T, H] or None) of T tokens as one-token steps where the route's
-    executor takes them: one token with nothing kept, or a verify of 2 .. STACK_VERIFY_ROWS tokens; else None
-    (the layers run them)."""
+    executor takes them: one token with nothing kept, or a verify of up to STACK_VERIFY_ROWS tokens (also one
+    token whose hidden is asked for: a batch row that the MTP layer drafts from later); else None (the layers run
+    them)."""
     t = len(ids) if isinstance(ids, list) else int(ids.numel())
     if ex is None:
         return None
     if t == 1 and not keep and not hidden:
         logits = ex.step(ids, cache)
         return None if logits is None else (logits.view(1, -1), None)
-    return ex.verify(ids, cache) if keep and 1 < t <= STACK_VERIFY_ROWS else None
+    if not (keep or hidden) or t > STACK_VERIFY_ROWS or (t == 1 and keep):
+        return None
+    out = ex.verify(ids, cache)
+    if not keep:
+        cache.drop_trail()
+    return out
 
 
 class DraftStack:

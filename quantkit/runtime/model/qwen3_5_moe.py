@@ -8,8 +8,9 @@ Contract:
   the tests hold it to transformers layer by layer. A one-token step and a speculative verify (keep_positions:
   the Gated DeltaNet states after every position kept for `cache.rewind`) run as one-token steps, row by row
   (`Layer.steps`), bit for bit T single steps.
-- `Model.step_batch(ids, caches)`: token ids[j] on caches[j], each row at its own position; the same row-by-row
-  code as a step, the dense matrices read once for up to 4 rows, so row j is bit for bit its step alone.
+- `Model.step_batch(ids, caches)`: token ids[j] (or a verify's tokens) on caches[j], each row at its own position;
+  the same row-by-row code as a step, the dense matrices read once for up to 4 rows, so row j is bit for bit its
+  step (or verify) alone.
 - `MTP.forward` / `MTP.draft`: the MTP layer after the main model's hidden states, as speculative decoding's
   drafter (drafts only decide how many tokens a verify accepts, never which: runtime/speculative.py).
 How a row's ops compute is chosen once, when the route is set (model/route.py, `Model.set_route`): the op
@@ -59,8 +60,9 @@ class Prompt:
 @dataclass
 class Steps:
     """Rows run as one-token steps: row j is at position slots[j][1] of cache slots[j][0] (an int, or a device
-    tensor [1] for a static step). `keep`: a verify on one cache, its Gated DeltaNet states after every row kept;
-    `last_only`: only the last row's output is read (the MTP layer), the MoE block runs on it alone."""
+    tensor [1] for a static step; a cache's rows consecutive, in position order). `keep`: verifies, their Gated
+    DeltaNet states after every row kept (`kept`); `last_only`: only the last row's output is read (the MTP
+    layer), the MoE block runs on it alone."""
 
     slots: list[tuple[HybridCache, Any]]
     cos: torch.Tensor
@@ -68,6 +70,18 @@ class Steps:
     ops: O.TorchOps
     keep: bool = False
     last_only: bool = False
+    kept: list[tuple[HybridCache, int, int]] = field(init=False)  # with keep: (cache, first row, rows) of each run
+
+    def __post_init__(self) -> None:
+        """With `keep`, the runs of consecutive rows on one cache whose states are kept: every run of several rows
+        (a verify inside a batch), or the one run where the rows are all on one cache."""
+        runs: list[tuple[HybridCache, int, int]] = []
+        for j, (c, _pos) in enumerate(self.slots if self.keep else []):
+            if runs and runs[-1][0] is c:
+                runs[-1] = (c, runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((c, j, 1))
+        self.kept = [r for r in runs if r[2] > 1 or len(runs) == 1]
 
 
 # ---- the gated attention layer ----
@@ -169,18 +183,19 @@ class DeltaNet:
         return self.out(self.core(qkv, z, b, a, cache.conv[i], cache.state[i])[0])
 
     def steps(self, h: torch.Tensor, p: Steps, i: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Each row through its own cache's conv window and state; with `keep` (one cache) the window before and
-        the state after every row left in the cache's trail for `rewind`."""
+        """Each row through its own cache's conv window and state; for each run `p.kept` the window before and
+        the state after every row but its last (the cache's own) left in the cache's trail for `rewind`."""
         qkv, z, b, a = project_rows(self.proj_in, h)
-        first = p.slots[0][0]
-        before = first.conv[i].clone() if p.keep else None
-        core, states = [], []
-        for r, (c, _pos) in zip(row_slices(h), p.slots, strict=True):
+        before = [c.conv[i].clone() for c, _j, _t in p.kept]
+        keeps = {j: k for k, (_c, j0, t) in enumerate(p.kept) for j in range(j0, j0 + t - 1)}
+        core: list[torch.Tensor] = []
+        states: list[list[torch.Tensor]] = [[] for _ in p.kept]
+        for j, (r, (c, _pos)) in enumerate(zip(row_slices(h), p.slots, strict=True)):
             core.append(p.ops.gdn(self, qkv[r], z[r], b[r], a[r], c.conv[i], c.state[i]))
-            if p.keep:
-                states.append(c.state[i].clone())
-        if before is not None:
-            first.trail[i] = Trail(first.n, torch.cat([before, qkv.to(before.dtype)]), torch.stack(states))
+            if j in keeps:
+                states[keeps[j]].append(c.state[i].clone())
+        for (c, j0, t), bf, st in zip(p.kept, before, states, strict=True):
+            c.trail[i] = Trail(c.n, torch.cat([bf, qkv[j0:j0 + t].to(bf.dtype)]), torch.stack(st) if st else None)
         return linear_rows(self.out, cat_rows(core))
 
     def core(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, window: torch.Tensor,
@@ -399,25 +414,33 @@ class Model:
         x = self._final_rows(x if all_logits or hidden else x[-1:])
         return linear_rows(self.head, x if all_logits else x[-1:]), x
 
-    def step_batch(self, ids: list[int], caches: list[HybridCache]) -> torch.Tensor:
-        """Logits [B, V]: token ids[j] stepped on caches[j] for every row j, each at its own position; row j
-        bit for bit `forward([ids[j]], caches[j])`, the dense matrices and the chosen experts read once for the
-        rows."""
-        if len(ids) != len(caches) or not ids:
-            raise ValueError(f"step_batch takes one cache per token; got {len(ids)} tokens, {len(caches)} caches")
+    def step_batch(self, ids: list[int] | list[list[int]], caches: list[HybridCache], hidden: bool = False) -> Any:
+        """Logits [R, V] of every row: ids[j] (a token, or the tokens of a speculative verify, its Gated DeltaNet
+        states kept for `cache.rewind`) on caches[j], each at its own position, R tokens in all; rows in order,
+        each bit for bit what `forward(ids[j], caches[j], all_logits=True, keep_positions=...)` gives alone, the
+        dense matrices and the chosen experts read once for all rows. hidden: (logits, the final norm's output
+        [R, H]), what the MTP layer drafts from."""
+        segs = [[int(t)] if isinstance(t, int) else [int(x) for x in t] for t in ids]
+        if len(segs) != len(caches) or not segs or not all(segs):
+            raise ValueError(f"step_batch takes one cache per token (or verify's tokens); got {len(segs)} rows "
+                             f"of tokens, {len(caches)} caches")
         if len({id(c) for c in caches}) != len(caches):
             raise ValueError("step_batch: a cache appears twice in the batch (each row needs its own)")
-        if len(ids) == 1:  # one row: the route's own step (the stack's one call)
-            return self.forward([int(ids[0])], caches[0]).view(1, -1)
+        if len(segs) == 1:  # one row: the route's own step or verify (the stack's one call)
+            return self.forward(segs[0], caches[0], all_logits=True, keep_positions=len(segs[0]) > 1, hidden=hidden)
         with cpu_kernel.denormals_flushed():
-            for c in caches:
-                c.reserve(c.n + 1)
+            for c, s in zip(caches, segs, strict=True):
+                c.reserve(c.n + len(s))
                 c.drop_trail()
                 c.pos = None
-            x = self._step_rows(torch.cat([self.embed_tokens([int(t)]) for t in ids]), [(c, c.n) for c in caches])
-            for c in caches:
-                c.n += 1
-            return linear_rows(self.head, self._final_rows(x))
+            slots = [(c, c.n + k) for c, s in zip(caches, segs, strict=True) for k in range(len(s))]
+            x = self._step_rows(torch.cat([self.embed_tokens([t]) for s in segs for t in s]), slots,
+                                keep=any(len(s) > 1 for s in segs))
+            for c, s in zip(caches, segs, strict=True):
+                c.n += len(s)
+            x = self._final_rows(x)
+            logits = linear_rows(self.head, x)
+            return (logits, x) if hidden else logits
 
     def static_step(self, token: torch.Tensor, cache: HybridCache) -> torch.Tensor:
         """Logits [V] of one token given as a device tensor [1] at the device-side position cache.pos: the same
