@@ -21,13 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.kernels import cpu as cpu_kernel
-from quantkit.runtime.kernels import Projections
+from quantkit.runtime.kernels import Kernel, Projections
 from quantkit.runtime.qexperts import QuantExperts
 
 # One-query attention in torch runs over the filled length rounded up to this many positions, the rest masked:
 # oneDNN builds a bf16 matmul primitive per new shape, which costs several times the product itself.
 KV_BUCKET = 64
-ROWS = 4  # rows per call of a dense matrix: the kernels' multi-row tiles (QBf16Kernel.MAX_ROWS)
 
 
 # ---- torch's arithmetic, transformers' eager forward ----
@@ -82,17 +81,14 @@ def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def project_rows(p: Projections, h: torch.Tensor) -> list[torch.Tensor]:
-    """Every matrix of `p` on all rows of h, in groups of ROWS rows: the kernels' multi-row tiles read a matrix
-    once for the group and a row's sums do not depend on the other rows (above ROWS the bf16 kernel hands over
-    to a GEMM whose roundings differ)."""
-    parts = [p(h[a:a + ROWS]) for a in range(0, h.shape[0], ROWS)]
-    return parts[0] if len(parts) == 1 else [torch.cat(outs) for outs in zip(*parts, strict=True)]
+    """Every matrix of `p` on all rows of h, each row's sums those of the row alone: on the CPU kernel one call
+    for any count of rows, every matrix read once for all of them (`Projections.rows`)."""
+    return p.rows(h)
 
 
-def linear_rows(k: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-    """One matrix on all rows of h, in groups of ROWS rows (`project_rows`)."""
-    parts = [k(h[a:a + ROWS]) for a in range(0, h.shape[0], ROWS)]
-    return cat_rows(parts)
+def linear_rows(k: Kernel, h: torch.Tensor) -> torch.Tensor:
+    """One matrix on all rows of h (`Kernel.rows`, as `project_rows`)."""
+    return k.rows(h)
 
 
 # ---- a row's ops ----
