@@ -760,8 +760,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("add_rms", &qk_add_rms, "a residual add and the next RMSNorm: (x + a, rms(x + a))");
   mod.def("silu_mul", &qk_silu_mul, "bf16(bf16(silu(gate)) * up)");
   mod.def("route", &qk_route, "softmax, top-k and renormalisation of a router's logits: (weights, ids)");
+  mod.def("route_rows", &qk_route_rows, "route for each row of a decode batch's logits [B, E]");
   mod.def("moe_out", &qk_moe_out, "x + routed + sigmoid(sg) * shared, a MoE block's output on the residual");
   mod.def("gdn_step", &qk_gdn_step, "a Gated DeltaNet layer between its projections, one token");
+  mod.def("gdn_batch", &qk_gdn_batch, "a decode batch's tokens through gdn_step, each on its own window and state");
   mod.def("gdn_rows", &qk_gdn_rows, "T tokens of gdn_step, keeping the state after each but the last (or none)");
   mod.def("attn_step", &qk_attn_step, "a gated attention layer between its projections, one token");
   mod.def("delta_step", &qk_delta_step, "one token of the gated delta rule, state updated in place");

@@ -9,7 +9,8 @@ Contract:
   the Gated DeltaNet states after every position kept for `cache.rewind`) run as one-token steps, row by row
   (`Layer.steps`), bit for bit T single steps.
 - `Model.step_batch(ids, caches)`: token ids[j] on caches[j], each row at its own position; the same row-by-row
-  code as a step, the dense matrices read once for up to 4 rows, so row j is bit for bit its step alone.
+  code as a step, each dense matrix read once for all the rows (any count), the routed experts of all rows grouped
+  in one call and the Gated DeltaNet cores of all rows in one call, so row j is bit for bit its step alone.
 - `MTP.forward` / `MTP.draft`: the MTP layer after the main model's hidden states, as speculative decoding's
   drafter (drafts only decide how many tokens a verify accepts, never which: runtime/speculative.py).
 How a row's ops compute is chosen once, when the route is set (model/route.py, `Model.set_route`): the op
@@ -172,6 +173,9 @@ class DeltaNet:
         """Each row through its own cache's conv window and state; with `keep` (one cache) the window before and
         the state after every row left in the cache's trail for `rewind`."""
         qkv, z, b, a = project_rows(self.proj_in, h)
+        if not p.keep and len({id(c) for c, _pos in p.slots}) == len(p.slots):  # a batch: each row its own cache
+            core = p.ops.gdn_rows(self, qkv, z, b, a, [c.conv[i] for c, _ in p.slots], [c.state[i] for c, _ in p.slots])
+            return linear_rows(self.out, core)
         first = p.slots[0][0]
         before = first.conv[i].clone() if p.keep else None
         core, states = [], []
