@@ -6,8 +6,8 @@ Python code and its own CPU kernel, built from its own sources), both on the che
 --clients` serves (quantkit/bench/serve_checkpoint.py unless --model), every row its own cache. Per round, per B,
 one step in each tree, which tree goes first alternating; the first round warms up and is not kept. The two trees'
 logits are compared by digest at every step: a change of speed only must leave every bit where it was.
-Writes reports/bench-step-rows.{md,json}: per tree and B the best, median and slowest step, tokens per second
-(B / best) and the ratio of a step of B rows to a step of 4.
+Writes reports/bench-step-rows.json and the measured section of bench-step-rows.md: per tree and B the best, median
+and slowest step, tokens per second (B / best) and the ratio of a step of B rows to a step of 4.
 """
 
 from __future__ import annotations
@@ -24,11 +24,13 @@ import typer
 
 from benchmarks.cli import ROOT, command_line, guard_reports, run_command, shared
 from benchmarks.cli import threads as check_threads
+from quantkit.bench import write_section
 from quantkit.bench.machine import machine_info
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json, write_atomic
 
 ROWS = (1, 2, 4, 5, 6, 8, 12, 16)
+SECTION = ("<!-- step rows: begin -->", "<!-- step rows: end -->")
 PROMPT = 32
 WORKER = Path(__file__).with_name("step_rows_worker.py")
 
@@ -97,9 +99,10 @@ def summary(seconds: dict[str, list[float]]) -> dict[str, Any]:
 
 
 def write_report(reports: Path, d: dict[str, Any]) -> None:
+    """bench-step-rows.json, and the measured section of bench-step-rows.md (the text around it is kept)."""
     atomic_write_json(reports / "bench-step-rows.json", d)
     m = d["machine"]
-    lines = ["# One decode step of B rows: this tree against its peer", "",
+    lines = [SECTION[0], "## The measured run", "",
              f"Command: `{d['command']}`. Machine: {m.get('cpu', '?')}, {m.get('logical_cores', '?')} logical cores, "
              f"{d['threads']} threads, load average at start {m.get('load_avg_at_start')}, at end "
              f"{d['load_avg_at_end']} (above the core count, other work shared the machine). Model: `{d['model']}`. "
@@ -112,7 +115,10 @@ def write_report(reports: Path, d: dict[str, Any]) -> None:
         for key, label in (("best_ms", "ms, best"), ("median_ms", "ms, median"), ("slowest_ms", "ms, slowest"),
                            ("tok_s", "tokens/s (B / best)"), ("vs_4_rows", "best / best of 4 rows")):
             lines.append(f"| {name} | {label} | " + " | ".join(str(s[key][str(b)]) for b in ROWS) + " |")
-    write_atomic(reports / "bench-step-rows.md", "\n".join(lines) + "\n")
+    md = reports / "bench-step-rows.md"
+    if not md.is_file():
+        write_atomic(md, "# One decode step of B rows: this tree against its peer\n\n")
+    write_section(md, "\n".join([*lines, SECTION[1]]) + "\n", SECTION)
 
 
 def cli(
