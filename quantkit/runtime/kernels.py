@@ -7,7 +7,8 @@ tested against.
 
 Routes (the first that applies):
 - bf16 (kept tensors): quantkit's kernel at decode batch sizes where it is built (`QBf16Kernel`, the stored
-  tensor as it is: AVX512-BF16 dots, or bf16 widened in registers), `F.linear` above them and elsewhere.
+  tensor as it is: AVX512-BF16 dots, or bf16 widened in registers), `F.linear` above them and elsewhere; a decode
+  batch of any count (`Kernel.rows`) stays on the kernel.
 - int4 and int8 on a CPU: quantkit's own C++ kernel (every instruction set, generic C++ included) (`QKernel`, built at
   set-up: runtime/cpu_kernel.py, csrc/qk_cpu.cpp), int8 activations against the stored codes, repacked
   once at load into 16-row tiles; the torch routes below stay where it is missing or switched off
@@ -62,8 +63,12 @@ def reference_matmul(x: torch.Tensor, parts: dict[str, torch.Tensor] | torch.Ten
     return x.float() @ w.t()
 
 
+ROW_GROUP = 4  # rows per call where a kernel has no decode form for any count (`Kernel.rows`)
+
+
 class Kernel:
-    """One prepared matrix. Call with x [M, in] (any float dtype) -> [M, out] in x's dtype."""
+    """One prepared matrix. Call with x [M, in] (any float dtype) -> [M, out] in x's dtype. `rows(x)`: the rows of
+    a decode batch, each row bit for bit its own call `self(x[j:j+1])`."""
 
     route: str = "?"
     format: str = "bf16"  # the stored format (the loader sets it)
@@ -73,6 +78,11 @@ class Kernel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """In groups of ROW_GROUP rows: torch's kernels keep a row's sums at these counts, not at a prefill's."""
+        parts = [self(x[a:a + ROW_GROUP]) for a in range(0, x.shape[0], ROW_GROUP)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     @property
     def nbytes(self) -> int:
@@ -116,8 +126,10 @@ class QBf16Kernel(DenseKernel):
         self.route = f"quantkit qk bf16 ({kernel_cpu.isa_name()}) at decode, F.linear above 4 rows"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.MAX_ROWS:
-            return super().__call__(x)
+        return super().__call__(x) if x.shape[0] > self.MAX_ROWS else self.rows(x)
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Any count of decode rows in one kernel call: the matrix read once for all of them."""
         y = self._mod.linear_bf16(x, self.w)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
@@ -248,6 +260,9 @@ class QKernel(Kernel):
         y = self._mod.linear(x, self.qw, self.scales, self.zeros, self.fmt_bits, self.group, self.out_features)
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x)  # any count of rows in one call: each tile read once for all of them
+
     def descriptor(self) -> list[int]:
         """(qw, scales, zeros pointers, bits, group, out, in, 0): one row of qk_moe's table."""
         z = self.zeros.data_ptr() if self.zeros is not None else 0
@@ -283,10 +298,19 @@ class Projections:
         return self._table
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if self._mod is not None and x.dim() == 2 and x.shape[0] <= QBf16Kernel.MAX_ROWS and x.dtype in (
-                torch.bfloat16, torch.float32):
+        if x.shape[0] <= QBf16Kernel.MAX_ROWS and self._takes(x):
             return self._mod.linear_many(x.contiguous(), self._table)
         return [k(x) for k in self.kernels]
+
+    def rows(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """The rows of a decode batch, any count, each row bit for bit its own call: one `linear_many` call where
+        fused (every matrix read once for all the rows), else each kernel's `rows`."""
+        if self._takes(x):
+            return self._mod.linear_many(x.contiguous(), self._table)
+        return [k.rows(x) for k in self.kernels]
+
+    def _takes(self, x: torch.Tensor) -> bool:
+        return self._mod is not None and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32)
 
 
 def qkernel(parts: dict[str, torch.Tensor], spec: QuantSpec, shape: tuple[int, int]) -> QKernel | None:

@@ -62,21 +62,29 @@ def test_linear_matches_fp32_reference(isa, spec, shape):
         assert rel(y, reference_matmul(x, parts, spec, shape)) < TOL, (m, k.route)
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=SPEC_IDS)
+@pytest.mark.parametrize("spec", [*SPECS, None], ids=[*SPEC_IDS, "bf16"])
 def test_a_row_gets_the_same_bits_in_any_batch(isa, spec):
-    """Rows go through a tile in chunks of up to 4 (one at a time on generic) and the remainder of 1-3 in a
-    smaller chunk; whichever chunk a row lands in, its sums are those of the one-row (decode) tile, bit for
-    bit. 40 outputs leave a partial second tile."""
+    """Rows go through a tile in chunks of up to 8 (4 on AVX2, 1 on generic; bf16: 8 with AVX512-BF16, 4 on
+    AVX512, 2 on AVX2) and the remainder in a smaller chunk; whichever chunk a row lands in, its sums are those of
+    the one-row (decode) tile, bit for bit, through the kernel's own call and through `rows` (a decode batch: bf16
+    too, where the call hands a prefill's count to torch). 40 outputs leave a partial second tile; 19 rows are two
+    chunks of 8 and a remainder."""
     shape = (40, 256)
     g = torch.Generator().manual_seed(11)
     w = (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
-    parts = get_format(spec.format).quantize(w, spec)
+    parts = get_format(spec.format).quantize(w, spec) if spec else w
     k = prepare(parts, spec, shape)
-    x = torch.randn(11, shape[1], generator=g)
+    assert isinstance(k, QKernel if spec else QBf16Kernel)
+    x = torch.randn(19, shape[1], generator=g)
     alone = torch.cat([k(x[i:i + 1]) for i in range(len(x))])
     for m in range(2, len(x) + 1):
-        assert torch.equal(k(x[:m]), alone[:m]), m
-    assert rel(alone, reference_matmul(x, parts, spec, shape)) < TOL
+        assert torch.equal(k.rows(x[:m]), alone[:m]), m
+        if spec is not None or m <= QBf16Kernel.MAX_ROWS:
+            assert torch.equal(k(x[:m]), alone[:m]), m
+    if spec is None:  # bf16 activations, fp32 sums
+        assert rel(alone, reference_matmul(x.to(torch.bfloat16).float(), parts, spec, shape)) < 1e-5
+    else:
+        assert rel(alone, reference_matmul(x, parts, spec, shape)) < TOL
 
 
 @pytest.mark.parametrize("spec", [*SPECS, None], ids=[*SPEC_IDS, "bf16"])
@@ -117,6 +125,11 @@ def test_projections_on_one_input_equal_their_kernels(isa, dtype):
         assert len(got) == len(kernels)
         for y, k in zip(got, kernels, strict=True):
             assert y.dtype == k(x).dtype and torch.equal(y, k(x))
+    # a decode batch of any count in one call: each row the bits of its own call
+    x = torch.randn(13, k_in, generator=g).to(dtype)
+    for m in (5, 8, 13):
+        for y, k in zip(proj.rows(x[:m]), kernels, strict=True):
+            assert y.dtype == x.dtype and torch.equal(y, torch.cat([k(x[i:i + 1]) for i in range(m)])), m
     odd = Projections([kernels[0], DenseKernel(torch.randn(8, k_in).to(torch.bfloat16))])
     assert not odd.fused
     x = torch.randn(1, k_in, generator=g).to(dtype)

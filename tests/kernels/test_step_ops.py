@@ -134,6 +134,44 @@ def test_gdn_rows_are_gdn_steps_bit_for_bit(qk, t, keep):
     assert not keep or torch.equal(kept, torch.stack(kept_want[:-1]))
 
 
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_gdn_batch_is_each_rows_gdn_step_bit_for_bit(qk, rows):
+    """A decode batch's rows through a Gated DeltaNet core in one call (`gdn_batch`), each row on its own conv
+    window and state, give each row's gdn_step alone: output, window and state, bit for bit, over steps that carry
+    the windows and states on."""
+    m, inp = _linear_layer(50 + rows)
+    c, hv = inp["qkv"].shape[1], m.hv
+    g = torch.Generator().manual_seed(rows)
+    states = [inp["state"][0] + torch.randn(inp["state"][0].shape, generator=g) * 0.01 for _ in range(rows)]
+    convs = [_bf16(m.conv_taps.shape[0], c, scale=0.5, seed=60 + j) for j in range(rows)]
+    states_b, convs_b = [s.clone() for s in states], [w.clone() for w in convs]
+    for step in range(2):
+        qkv, z = _bf16(rows, c, seed=10 * step + 1), _bf16(rows, hv * m.dv, seed=10 * step + 2)
+        b, a = _bf16(rows, hv, seed=10 * step + 3), _bf16(rows, hv, seed=10 * step + 4)
+        want = torch.cat([qk.gdn_step(qkv[j:j + 1], z[j:j + 1], b[j:j + 1], a[j:j + 1], convs[j], m.conv_taps,
+                                      m.neg_a, m.dt_bias, m.norm_wf, True, states[j], m.hk, 1e-6) for j in range(rows)])
+        got = qk.gdn_batch(qkv, z, b, a, convs_b, m.conv_taps, m.neg_a, m.dt_bias, m.norm_wf, True, states_b, m.hk,
+                           1e-6)
+        assert torch.equal(got, want)
+        for j in range(rows):
+            assert torch.equal(convs_b[j], convs[j]) and torch.equal(states_b[j], states[j]), (step, j)
+    if rows > 1:
+        with pytest.raises(RuntimeError, match="qk_gdn_batch: rows 0 and 1 share a cache"):
+            qk.gdn_batch(qkv, z, b, a, [convs_b[0]] * rows, m.conv_taps, m.neg_a, m.dt_bias, m.norm_wf, True,
+                         [states_b[0]] * rows, m.hk, 1e-6)
+
+
+def test_route_rows_is_each_rows_route(qk):
+    logits = _bf16(6, 256, scale=2, seed=70)
+    wts, ids = qk.route_rows(logits, 8)
+    assert wts.shape == ids.shape == (6, 8)
+    for j in range(6):
+        w1, i1 = qk.route(logits[j], 8)
+        assert torch.equal(wts[j], w1) and torch.equal(ids[j], i1)
+    with pytest.raises(RuntimeError, match="qk_route_rows: logits must be"):
+        qk.route_rows(logits[0], 8)
+
+
 def test_attn_step_matches_the_torch_route(qk):
     heads, kv, hd, rot, cap, n = 16, 2, 256, 64, 96, 70
     qo, ko, vo = _bf16(1, heads * 2 * hd, seed=30), _bf16(1, kv * hd, seed=31), _bf16(1, kv * hd, seed=32)

@@ -78,14 +78,14 @@ def _check_steps(rt, rows: int, steps: int = 3) -> None:
 def test_a_batch_step_equals_each_row_stepped_alone(tiny_model, recipe, route, one_thread):
     rt = _load(tiny_model, recipe, route)
     assert rt.model.route.kind == route
-    for rows in (1, 2, 4, 6):  # 1: the route's own step; 6: more rows than one group of the multi-row tiles
+    for rows in (1, 2, 4, 6, 9):  # 1: the route's own step; 9: more rows than one pass of the multi-row tiles
         _check_steps(rt, rows)
 
 
 @pytest.mark.parametrize("recipe", ["bf16", "int4"])
 def test_a_batch_step_equals_each_row_on_every_op_table(tiny_model, recipe, kernel_table, one_thread):
     rt = _load(tiny_model, recipe, "stack")
-    _check_steps(rt, 5, steps=2)
+    _check_steps(rt, 9, steps=2)  # every table's passes of several rows and a remainder
 
 
 def test_a_batch_step_refuses_mismatched_rows(tiny_model, one_thread):
@@ -120,6 +120,38 @@ def test_the_routed_experts_run_once_per_layer_for_all_rows(tiny_model, monkeypa
 
 def _not_called(*a, **k):
     raise AssertionError("a row's experts ran alone")
+
+
+class _Counting:
+    """A kernel module that records the rows of each dense-matrix call."""
+
+    def __init__(self, mod, rows: list[int]):
+        self.mod, self.rows = mod, rows
+
+    def __getattr__(self, name):
+        f = getattr(self.mod, name)
+        if name not in ("linear", "linear_many", "linear_bf16"):
+            return f
+        return lambda x, *a: self.rows.append(x.shape[0]) or f(x, *a)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "int4"])
+def test_every_dense_matrix_is_one_call_for_all_rows(tiny_model, recipe, one_thread):
+    """A step of 9 rows: each layer's projections, its output matrix, the shared expert's matrices with the router
+    and the head each take the 9 rows in one kernel call (the matrix read once for the batch), bf16 ones too."""
+    rt = _load(tiny_model, recipe, "stack")
+    m, rows = rt.model, []
+    for L in m.layers:
+        mix, moe = L.mixer, L.moe
+        for obj in (getattr(mix, "qkv_in", None) or mix.proj_in, getattr(mix, "o", None) or mix.out,
+                    moe.shared_and_router, moe.shared_down):
+            assert obj._mod is not None
+            obj._mod = _Counting(obj._mod, rows)
+    m.head._mod = _Counting(m.head._mod, rows)
+    caches = [m.new_cache(4) for _ in range(9)]
+    with torch.inference_mode():
+        m.step_batch(list(range(5, 14)), caches)
+    assert rows == [9] * (4 * len(m.layers) + 1)
 
 
 # ---- BatchGenerator: rows joining and leaving ----

@@ -303,14 +303,13 @@ torch::Tensor qk_linear_bf16(torch::Tensor x, torch::Tensor w) {
   for (int64_t r = 0; r < rows; ++r)
     acts[r].xb = reinterpret_cast<const uint16_t*>(xb.data_ptr()) + r * k;
   const Result y(rows, n, x.scalar_type() == torch::kBFloat16);
+  // every row of a batch in one pass over each tile (the tile's passes share its loads: ops' tile)
   at::parallel_for(0, tiles(m), grain(m.k * 2 * kTile * rows), [&](int64_t lo, int64_t hi) {
-    float tmp[kTile];
+    std::vector<float> tmp(rows * kTile);
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t valid = std::min<int64_t>(kTile, n - t * kTile);
-      for (int64_t r = 0; r < rows; ++r) {
-        ops().tile(m, t, &acts[r], 1, tmp);
-        y.put(r * n + t * kTile, tmp, valid);
-      }
+      ops().tile(m, t, acts.data(), rows, tmp.data());
+      for (int64_t r = 0; r < rows; ++r) y.put(r * n + t * kTile, tmp.data() + r * kTile, valid);
     }
   });
   return y.t;
@@ -375,9 +374,9 @@ void linear_many_into(const float* xf, int64_t rows, int64_t k, const QMat* mats
   const int64_t total = first[np];
   const Ops& f = ops();
   at::parallel_for(0, total, grain(bytes / std::max<int64_t>(total, 1) * rows), [&](int64_t lo, int64_t hi) {
-    float small[4 * kTile];
-    std::vector<float> big(rows > 4 ? rows * kTile : 0);
-    float* tmp = rows > 4 ? big.data() : small;
+    float small[8 * kTile];
+    std::vector<float> big(rows > 8 ? rows * kTile : 0);
+    float* tmp = rows > 8 ? big.data() : small;
     int64_t p = std::upper_bound(first, first + np + 1, lo) - first - 1;
     for (int64_t i = lo; i < hi; ++i) {
       while (i >= first[p + 1]) ++p;
@@ -761,8 +760,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("add_rms", &qk_add_rms, "a residual add and the next RMSNorm: (x + a, rms(x + a))");
   mod.def("silu_mul", &qk_silu_mul, "bf16(bf16(silu(gate)) * up)");
   mod.def("route", &qk_route, "softmax, top-k and renormalisation of a router's logits: (weights, ids)");
+  mod.def("route_rows", &qk_route_rows, "route for each row of a decode batch's logits [B, E]");
   mod.def("moe_out", &qk_moe_out, "x + routed + sigmoid(sg) * shared, a MoE block's output on the residual");
   mod.def("gdn_step", &qk_gdn_step, "a Gated DeltaNet layer between its projections, one token");
+  mod.def("gdn_batch", &qk_gdn_batch, "a decode batch's tokens through gdn_step, each on its own window and state");
   mod.def("gdn_rows", &qk_gdn_rows, "T tokens of gdn_step, keeping the state after each but the last (or none)");
   mod.def("attn_step", &qk_attn_step, "a gated attention layer between its projections, one token");
   mod.def("delta_step", &qk_delta_step, "one token of the gated delta rule, state updated in place");

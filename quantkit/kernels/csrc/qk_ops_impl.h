@@ -346,55 +346,93 @@ inline void prefetch_ahead(const uint8_t* p, int lines) {
   for (int l = 0; l < lines; ++l) prefetch_l2(p + kPrefetch + 64 * l);
 }
 
-// w . x for one row (k % 32 == 0), with accumulators enough that no FMA waits on another. A tile's rows go
-// one after another, so the weights are one sequential stream: measured against 8 (AVX512) and 4 (AVX2)
-// rows side by side, whose streams lie k apart, on a 248k x 2048 head, A/B in alternating processes
-// (reports/bench-engines.md has the end-to-end effect).
-inline float row_bf16(const uint16_t* w, int64_t k, const uint16_t* x) {
+// w . x for MR activation rows (k % 32 == 0), each row with accumulators enough that no FMA waits on another.
+// A tile's weight rows go one after another, so the weights are one sequential stream: measured against 8
+// (AVX512) and 4 (AVX2) weight rows side by side, whose streams lie k apart, on a 248k x 2048 head, A/B in
+// alternating processes (reports/bench-engines.md has the end-to-end effect). Several activation rows share each
+// load of the weights (a batch's rows read the tile from memory once and from L1 once, not once per row); each
+// row's sums run in the one-row order, so a row's dot has the same bits in any batch.
+template <int MR>
+inline void rows_bf16(const uint16_t* w, int64_t k, const QAct* a, float* dot) {
   int64_t j = 0;
 #if QK_NATIVE_BF16
-  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  __m512 a0[MR], a1[MR];
+  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
   for (; j + 64 <= k; j += 64) {
     prefetch_ahead(reinterpret_cast<const uint8_t*>(w + j), 1);
-    a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + j), (__m512bh)_mm512_loadu_si512(x + j));
-    a1 = _mm512_dpbf16_ps(a1, (__m512bh)_mm512_loadu_si512(w + j + 32), (__m512bh)_mm512_loadu_si512(x + j + 32));
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + j), w1 = (__m512bh)_mm512_loadu_si512(w + j + 32);
+    for (int r = 0; r < MR; ++r) {
+      a0[r] = _mm512_dpbf16_ps(a0[r], w0, (__m512bh)_mm512_loadu_si512(a[r].xb + j));
+      a1[r] = _mm512_dpbf16_ps(a1[r], w1, (__m512bh)_mm512_loadu_si512(a[r].xb + j + 32));
+    }
   }
-  if (j < k) a0 = _mm512_dpbf16_ps(a0, (__m512bh)_mm512_loadu_si512(w + j), (__m512bh)_mm512_loadu_si512(x + j));
-  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  if (j < k) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w + j);
+    for (int r = 0; r < MR; ++r) a0[r] = _mm512_dpbf16_ps(a0[r], w0, (__m512bh)_mm512_loadu_si512(a[r].xb + j));
+  }
+  for (int r = 0; r < MR; ++r) dot[r] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
 #else
   // bf16 widened to fp32 in registers: even and odd elements as two halves (a shift and a mask)
-  vf a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+  vf a0[MR], a1[MR], a2[MR], a3[MR];
+  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = a2[r] = a3[r] = vzero();
   vf we, wo, xe, xo;
   for (; j + 4 * W <= k; j += 4 * W) {
     prefetch_ahead(reinterpret_cast<const uint8_t*>(w + j), 1);
     vld16x2(w + j, we, wo);
-    vld16x2(x + j, xe, xo);
-    a0 = vfma(we, xe, a0);
-    a1 = vfma(wo, xo, a1);
+    for (int r = 0; r < MR; ++r) {
+      vld16x2(a[r].xb + j, xe, xo);
+      a0[r] = vfma(we, xe, a0[r]);
+      a1[r] = vfma(wo, xo, a1[r]);
+    }
     vld16x2(w + j + 2 * W, we, wo);
-    vld16x2(x + j + 2 * W, xe, xo);
-    a2 = vfma(we, xe, a2);
-    a3 = vfma(wo, xo, a3);
+    for (int r = 0; r < MR; ++r) {
+      vld16x2(a[r].xb + j + 2 * W, xe, xo);
+      a2[r] = vfma(we, xe, a2[r]);
+      a3[r] = vfma(wo, xo, a3[r]);
+    }
   }
   for (; j < k; j += 2 * W) {
     vld16x2(w + j, we, wo);
-    vld16x2(x + j, xe, xo);
-    a0 = vfma(we, xe, a0);
-    a1 = vfma(wo, xo, a1);
+    for (int r = 0; r < MR; ++r) {
+      vld16x2(a[r].xb + j, xe, xo);
+      a0[r] = vfma(we, xe, a0[r]);
+      a1[r] = vfma(wo, xo, a1[r]);
+    }
   }
-  return vsum(vadd(vadd(a0, a1), vadd(a2, a3)));
+  for (int r = 0; r < MR; ++r) dot[r] = vsum(vadd(vadd(a0[r], a1[r]), vadd(a2[r], a3[r])));
 #endif
 }
 
-void tile_bf16(const QMat& m, int64_t t, const QAct& a, float* out) {
+// Activation rows per pass of a bf16 tile: their accumulators and the weights' registers fit (4 per row and 4
+// shared where bf16 is widened; 2 per row natively)
+#if QK_NATIVE_BF16
+constexpr int kBf16Rows = 8;
+#elif QK_AVX512
+constexpr int kBf16Rows = 4;
+#elif QK_AVX2
+constexpr int kBf16Rows = 2;
+#else
+constexpr int kBf16Rows = 1;
+#endif
+
+// MR activation rows of a 16-row bf16 tile, out [MR][16] (rows past m.n give 0)
+template <int MR>
+void tile_bf16(const QMat& m, int64_t t, const QAct* a, float* out) {
   const uint16_t* w = reinterpret_cast<const uint16_t*>(m.qw);
   const int64_t r0 = t * kTile, n = imin(kTile, m.n - r0);
-  for (int64_t r = 0; r < kTile; ++r) out[r] = r < n ? row_bf16(w + (r0 + r) * m.k, m.k, a.xb) : 0.f;
+  float dot[MR];
+  for (int64_t i = 0; i < kTile; ++i) {
+    if (i < n) rows_bf16<MR>(w + (r0 + i) * m.k, m.k, a, dot);
+    for (int r = 0; r < MR; ++r) out[r * kTile + i] = i < n ? dot[r] : 0.f;
+  }
 }
 
 // ---------------------------------------------------------------- int4 / int8 tiles
 #if QK_AVX512
-constexpr int kRowsPerCall = 4;  // activation rows per pass over a tile (zmm registers: 32)
+// Activation rows per pass over a tile: with 32 zmm registers the codes of a block (8 for int8; 4 + 4 nibble
+// halves for int4) and 8 rows' sums fit together, so a batch of 8 rows unpacks and loads each tile once and its
+// rows' dot chains run side by side (4 rows left the second half of a batch to a second pass over the tile).
+constexpr int kRowsPerCall = 8;
 
 // One 32-block of a tile against MR activation rows: ga[r] += d_b * (codes . xq) as int32 -> fp32. The
 // high nibbles are masked in place (0xF0, i.e. 16 x code) and their sum shifted right by 4 (exact: a
@@ -968,7 +1006,25 @@ void tile_mr(const QMat& m, int64_t t, const QAct* a, float* out) {
 // rows of `a` in chunks of kRowsPerCall; out [rows][16]
 void tile(const QMat& m, int64_t t, const QAct* a, int64_t rows, float* out) {
   if (m.fmt == 16) {
-    for (int64_t r = 0; r < rows; ++r) tile_bf16(m, t, a[r], out + r * kTile);
+    for (int64_t r = 0; r < rows; r += kBf16Rows) {
+      switch (imin(kBf16Rows, rows - r)) {
+        case 1: tile_bf16<1>(m, t, a + r, out + r * kTile); break;
+#if QK_TARGET >= 1
+        case 2: tile_bf16<2>(m, t, a + r, out + r * kTile); break;
+#endif
+#if QK_AVX512
+        case 3: tile_bf16<3>(m, t, a + r, out + r * kTile); break;
+        case 4: tile_bf16<4>(m, t, a + r, out + r * kTile); break;
+#endif
+#if QK_NATIVE_BF16
+        case 5: tile_bf16<5>(m, t, a + r, out + r * kTile); break;
+        case 6: tile_bf16<6>(m, t, a + r, out + r * kTile); break;
+        case 7: tile_bf16<7>(m, t, a + r, out + r * kTile); break;
+        case 8: tile_bf16<8>(m, t, a + r, out + r * kTile); break;
+#endif
+        default: break;
+      }
+    }
     return;
   }
   for (int64_t r = 0; r < rows; r += kRowsPerCall) {
@@ -978,6 +1034,12 @@ void tile(const QMat& m, int64_t t, const QAct* a, int64_t rows, float* out) {
       case 2: tile_mr<2>(m, t, a + r, out + r * kTile); break;
       case 3: tile_mr<3>(m, t, a + r, out + r * kTile); break;
       case 4: tile_mr<4>(m, t, a + r, out + r * kTile); break;
+#endif
+#if QK_AVX512
+      case 5: tile_mr<5>(m, t, a + r, out + r * kTile); break;
+      case 6: tile_mr<6>(m, t, a + r, out + r * kTile); break;
+      case 7: tile_mr<7>(m, t, a + r, out + r * kTile); break;
+      case 8: tile_mr<8>(m, t, a + r, out + r * kTile); break;
 #endif
       default: break;
     }

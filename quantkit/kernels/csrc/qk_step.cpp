@@ -7,7 +7,7 @@
 // - rms, add_rms, silu_mul, route, moe_out: a layer's norms, the shared expert's activation, the router's
 //   softmax / top-k / renormalisation and the MoE block's sum with the residual;
 // - gdn_step: a Gated DeltaNet layer between its input and output projections (conv window, SiLU, gates,
-//   q/k l2-norm, state update, gated RMSNorm);
+//   q/k l2-norm, state update, gated RMSNorm); gdn_batch: the same for a decode batch, each row on its own state;
 // - attn_step: a gated attention layer between its projections (q/k RMSNorm, rotary, the K/V write,
 //   attention, sigmoid gate);
 // - argmax: the greedy token of a row of logits.
@@ -195,6 +195,19 @@ std::vector<torch::Tensor> qk_route(torch::Tensor logits, int64_t k) {
   return {w, ids};
 }
 
+// qk_route of each row of logits [B, E] (a decode batch's): (weights fp32 [B, k], ids int64 [B, k]), row j as
+// qk_route gives it alone
+std::vector<torch::Tensor> qk_route_rows(torch::Tensor logits, int64_t k) {
+  check_bf16(logits, "qk_route_rows: logits");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(0) >= 1, "qk_route_rows: logits must be [B, E]");
+  const int64_t rows = logits.size(0), e = logits.size(1);
+  TORCH_CHECK(k >= 1 && k <= e, "qk_route_rows: top_k must be in 1..", e);
+  torch::Tensor w = torch::empty({rows, k}, torch::kFloat), ids = torch::empty({rows, k}, torch::kLong);
+  for (int64_t j = 0; j < rows; ++j)
+    route_into(bf16_ptr(logits) + j * e, e, k, w.data_ptr<float>() + j * k, ids.data_ptr<int64_t>() + j * k);
+  return {w, ids};
+}
+
 // x + bf16(bf16(routed) + bf16(bf16(sigmoid(sg)) * shared)): a MoE block's output added to the residual
 // stream; x, shared [1, H] bf16, routed fp32 [H] (qk.moe's sum), sg [1, 1] bf16 (the shared expert's gate)
 torch::Tensor qk_moe_out(torch::Tensor x, torch::Tensor routed, torch::Tensor shared, torch::Tensor sg) {
@@ -361,6 +374,46 @@ torch::Tensor qk_gdn_rows(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, t
               "qk_gdn_rows: states must be contiguous fp32 [T - 1, Hv, Dk, Dv], or empty to keep none");
   torch::Tensor out = torch::empty({t, g0.hv * g0.dv}, torch::kBFloat16);
   gdn_rows_into(g0, t, keep ? states.data_ptr<float>() : nullptr, bf16_ptr(out));
+  return out;
+}
+
+// B tokens of a decode batch through a Gated DeltaNet layer's core, each on its own cache: qkv [B, C], z [B, Hv*Dv],
+// b and a [B, Hv] (bf16, row j the in_proj outputs of row j), convs[j] and states[j] row j's conv window and state
+// (updated in place), the layer's other arguments as qk_gdn_step's. Row j bit for bit qk_gdn_step on row j alone.
+// Why one call: one parallel region over every row's heads, where B calls fork and join the pool B times.
+// Returns [B, Hv*Dv] bf16.
+torch::Tensor qk_gdn_batch(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, torch::Tensor a,
+                           std::vector<torch::Tensor> convs, torch::Tensor conv_w, torch::Tensor neg_a,
+                           torch::Tensor dt_bias, torch::Tensor norm_w, bool norm_w_bf16,
+                           std::vector<torch::Tensor> states, int64_t hk, double eps) {
+  const int64_t rows = static_cast<int64_t>(convs.size());
+  TORCH_CHECK(rows >= 1 && states.size() == convs.size() && qkv.dim() == 2 && qkv.size(0) == rows,
+              "qk_gdn_batch: qkv [B, C] with one conv window and one state per row");
+  std::vector<GdnArgs> g(rows);
+  for (int64_t j = 0; j < rows; ++j) {
+    g[j] = gdn_args(qkv[j], z[j], b[j], a[j], convs[j], conv_w, neg_a, dt_bias, norm_w, norm_w_bf16, states[j], hk,
+                    eps, 1);
+    TORCH_CHECK(g[j].channels == g[0].channels && g[j].hv == g[0].hv && g[j].dk == g[0].dk && g[j].dv == g[0].dv,
+                "qk_gdn_batch: row ", j, "'s window or state is not the layer's shape");
+    for (int64_t i = 0; i < j; ++i)
+      TORCH_CHECK(g[i].state != g[j].state && g[i].conv != g[j].conv, "qk_gdn_batch: rows ", i, " and ", j,
+                  " share a cache (each row needs its own)");
+  }
+  const int64_t C = g[0].channels, hv = g[0].hv, hs = g[0].dk * g[0].dv, od = hv * g[0].dv;
+  torch::Tensor out = torch::empty({rows, od}, torch::kBFloat16);
+  std::vector<uint16_t> xs(rows * C);
+  const Ops& f = ops();
+  for (int64_t j = 0; j < rows; ++j) f.gdn_conv(g[j], xs.data() + j * C);
+  uint16_t* op = bf16_ptr(out);
+  at::parallel_for(0, rows * hv, 1, [&](int64_t lo, int64_t hi) {
+    float scratch[2 * kMaxHeadDim + 3 * kMaxHeadDim];
+    uint16_t ob[kMaxHeadDim];
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t j = i / hv, h = i % hv;
+      float* s = g[j].state + h * hs;
+      f.gdn_head(g[j], xs.data() + j * C, h, s, s, true, scratch, ob, op + j * od);
+    }
+  });
   return out;
 }
 

@@ -2,9 +2,11 @@
 routed-experts op of each MoE block (`experts_op`), chosen once per layer.
 
 Every op object has the same methods: `rms`, `add_rms` (the residual add and the post-attention norm), `attention`
-and `gdn` (one token's attention core and Gated DeltaNet core between the projections), `topk` (the router's
-softmax, top-k and renormalisation), `silu_mul` and `combine` (x + routed + sigmoid(gate) * shared). The model
-(model/qwen3_5_moe.py) calls them row by row and never asks which it holds:
+and `gdn` (one token's attention core and Gated DeltaNet core between the projections; `gdn_rows`: a decode batch's
+rows, each on its own cache), `topk` (the router's softmax, top-k and renormalisation, each row of its logits),
+`silu_mul` and `combine` (x + routed + sigmoid(gate) * shared). The model (model/qwen3_5_moe.py) calls them row by
+row (the kernel's `gdn_rows` and `topk` take every row in one call, each row's bits its own call's) and never asks
+which it holds:
 - `TorchOps`: torch ops, transformers' eager arithmetic dtype for dtype (a GPU, a CPU without quantkit's kernel);
 - `KernelOps`: quantkit's CPU kernel's fused one-token ops (csrc/qk_step.cpp) on the `stack` and `fused` routes;
 - `GraphOps`: the torch ops with the position on the device (`Model.static_step`, what a CUDA graph captures).
@@ -21,13 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from quantkit.kernels import cpu as cpu_kernel
-from quantkit.runtime.kernels import Projections
+from quantkit.runtime.kernels import Kernel, Projections
 from quantkit.runtime.qexperts import QuantExperts
 
 # One-query attention in torch runs over the filled length rounded up to this many positions, the rest masked:
 # oneDNN builds a bf16 matmul primitive per new shape, which costs several times the product itself.
 KV_BUCKET = 64
-ROWS = 4  # rows per call of a dense matrix: the kernels' multi-row tiles (QBf16Kernel.MAX_ROWS)
 
 
 # ---- torch's arithmetic, transformers' eager forward ----
@@ -82,17 +83,14 @@ def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def project_rows(p: Projections, h: torch.Tensor) -> list[torch.Tensor]:
-    """Every matrix of `p` on all rows of h, in groups of ROWS rows: the kernels' multi-row tiles read a matrix
-    once for the group and a row's sums do not depend on the other rows (above ROWS the bf16 kernel hands over
-    to a GEMM whose roundings differ)."""
-    parts = [p(h[a:a + ROWS]) for a in range(0, h.shape[0], ROWS)]
-    return parts[0] if len(parts) == 1 else [torch.cat(outs) for outs in zip(*parts, strict=True)]
+    """Every matrix of `p` on all rows of h, each row's sums those of the row alone: on the CPU kernel one call
+    for any count of rows, every matrix read once for all of them (`Projections.rows`)."""
+    return p.rows(h)
 
 
-def linear_rows(k: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-    """One matrix on all rows of h, in groups of ROWS rows (`project_rows`)."""
-    parts = [k(h[a:a + ROWS]) for a in range(0, h.shape[0], ROWS)]
-    return cat_rows(parts)
+def linear_rows(k: Kernel, h: torch.Tensor) -> torch.Tensor:
+    """One matrix on all rows of h (`Kernel.rows`, as `project_rows`)."""
+    return k.rows(h)
 
 
 # ---- a row's ops ----
@@ -119,6 +117,12 @@ class TorchOps:
     def gdn(self, m: Any, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
             window: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         return m.core(qkv, z, b, a, window, state)[0]
+
+    def gdn_rows(self, m: Any, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                 windows: list[torch.Tensor], states: list[torch.Tensor]) -> torch.Tensor:
+        """`gdn` of every row j on its own window and state (the rows of a decode batch, each its own cache)."""
+        return cat_rows([self.gdn(m, qkv[r], z[r], b[r], a[r], w, s)
+                         for r, w, s in zip(row_slices(qkv), windows, states, strict=True)])
 
     def topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return top_k(logits, k)
@@ -158,9 +162,19 @@ class KernelOps(TorchOps):
         return self.mod.gdn_step(qkv, z, b, a, window, m.conv_taps, m.neg_a, m.dt_bias, m.norm_wf,
                                  m.norm_w.dtype == torch.bfloat16, state, m.hk, m.eps)
 
+    def gdn_rows(self, m: Any, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                 windows: list[torch.Tensor], states: list[torch.Tensor]) -> torch.Tensor:
+        # one kernel call: every row's heads in one parallel region, each row's bits its gdn_step's
+        return self.mod.gdn_batch(qkv.contiguous(), z.contiguous(), b.contiguous(), a.contiguous(), windows,
+                                  m.conv_taps, m.neg_a, m.dt_bias, m.norm_wf, m.norm_w.dtype == torch.bfloat16, states,
+                                  m.hk, m.eps)
+
     def topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        picks = [self.mod.route(logits[r], k) for r in row_slices(logits)]
-        return cat_rows([w.view(1, -1) for w, _i in picks]), cat_rows([i.view(1, -1) for _w, i in picks])
+        if logits.shape[0] > 1:  # every row of a batch in one call, each as `route` picks it alone
+            w, ids = self.mod.route_rows(logits.contiguous(), k)
+            return w, ids
+        w, ids = self.mod.route(logits, k)
+        return w.view(1, -1), ids.view(1, -1)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.mod.silu_mul(gate, up)

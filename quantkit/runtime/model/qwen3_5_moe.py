@@ -9,8 +9,9 @@ Contract:
   the Gated DeltaNet states after every position kept for `cache.rewind`) run as one-token steps, row by row
   (`Layer.steps`), bit for bit T single steps.
 - `Model.step_batch(ids, caches)`: token ids[j] (or a verify's tokens) on caches[j], each row at its own position;
-  the same row-by-row code as a step, the dense matrices read once for up to 4 rows, so row j is bit for bit its
-  step (or verify) alone.
+  the same row-by-row code as a step, each dense matrix read once for all the rows (any count), the routed
+  experts of all rows grouped in one call and, without a verify, the Gated DeltaNet cores of all rows in one
+  call, so row j is bit for bit its step (or verify) alone.
 - `MTP.forward` / `MTP.draft`: the MTP layer after the main model's hidden states, as speculative decoding's
   drafter (drafts only decide how many tokens a verify accepts, never which: runtime/speculative.py).
 How a row's ops compute is chosen once, when the route is set (model/route.py, `Model.set_route`): the op
@@ -186,6 +187,9 @@ class DeltaNet:
         """Each row through its own cache's conv window and state; for each run `p.kept` the window before and
         the state after every row but its last (the cache's own) left in the cache's trail for `rewind`."""
         qkv, z, b, a = project_rows(self.proj_in, h)
+        if not p.keep and len({id(c) for c, _pos in p.slots}) == len(p.slots):  # a batch: each row its own cache
+            core = p.ops.gdn_rows(self, qkv, z, b, a, [c.conv[i] for c, _ in p.slots], [c.state[i] for c, _ in p.slots])
+            return linear_rows(self.out, core)
         before = [c.conv[i].clone() for c, _j, _t in p.kept]
         keeps = {j: k for k, (_c, j0, t) in enumerate(p.kept) for j in range(j0, j0 + t - 1)}
         core: list[torch.Tensor] = []
