@@ -24,7 +24,7 @@ from quantkit.cli.options import (
 )
 from quantkit.cli.progress import step_status
 from quantkit.cli.prompt_cache_options import CACHE_DIR, DISK_SIZE, parse_disk_cache
-from quantkit.cli.signals import on_sigterm_raise
+from quantkit.cli.signals import Terminated, on_sigterm_raise
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_text_bounded
 from quantkit.outputs import guard_output
@@ -154,21 +154,31 @@ def generate_cmd(
             [{"role": "user", "content": prompt}]
         resp = None
         thinking = False  # the thinking is being written (stderr, apart from the answer on stdout)
-        for ev in rt.generate_stream(msgs, enable_thinking=think, sampling=sp):
-            if ev.response is not None:
-                resp = ev.response
-            elif not as_json and ev.text:
-                if ev.channel == "thinking":
-                    if not thinking:
-                        err_console.print("thinking:", style="bold dim")
-                        thinking = True
-                    err_console.print(printable(ev.text), end="", style="dim", highlight=False)
-                    continue
-                if thinking:
-                    err_console.print()
-                    thinking = False
-                sys.stdout.write(printable(ev.text))
+        answering = False  # the answer's line is open on stdout
+        try:
+            for ev in rt.generate_stream(msgs, enable_thinking=think, sampling=sp):
+                if ev.response is not None:
+                    resp = ev.response
+                elif not as_json and ev.text:
+                    if ev.channel == "thinking":
+                        if not thinking:
+                            err_console.print("thinking:", style="bold dim")
+                            thinking = True
+                        err_console.print(printable(ev.text), end="", style="dim", highlight=False)
+                        continue
+                    if thinking:
+                        err_console.print()
+                        thinking = False
+                    sys.stdout.write(printable(ev.text))
+                    sys.stdout.flush()
+                    answering = True
+        except (KeyboardInterrupt, Terminated):  # cut mid-line: the line ends before `interrupted`/`terminated`
+            if thinking:
+                err_console.print()
+            elif answering:
+                sys.stdout.write("\n")
                 sys.stdout.flush()
+            raise
     except QuantkitError as e:
         fail(str(e))
         return

@@ -41,13 +41,15 @@ def _no_leftovers(folder: Path, where: str) -> None:
     assert [p.name for p in folder.iterdir() if p.name.startswith(".")] == [], where
 
 
-def _read_until(proc: subprocess.Popen, needle: bytes, after: int, timeout: float = 120) -> None:
-    """Read `proc`'s stdout until `needle` has appeared and `after` more bytes followed it."""
-    assert proc.stdout is not None
+def _read_until(proc: subprocess.Popen, needle: bytes, after: int, timeout: float = 120, stream: str = "stdout"
+                ) -> None:
+    """Read `proc`'s `stream` until `needle` has appeared and `after` more bytes followed it."""
+    pipe = getattr(proc, stream)
+    assert pipe is not None
     buf, deadline = b"", time.monotonic() + timeout
     while not (needle in buf and len(buf) - buf.index(needle) - len(needle) >= after):
         assert proc.poll() is None and time.monotonic() < deadline, buf[-500:]
-        buf += os.read(proc.stdout.fileno(), 4096)
+        buf += os.read(pipe.fileno(), 4096)
 
 
 @pytest.mark.slow
@@ -64,7 +66,9 @@ def test_sigterm_while_generating(command, tiny_model, tmp_path):
     if command == "chat":
         proc.stdin.write(b"hello there\n")
         proc.stdin.flush()
-    _read_until(proc, b"you> " if command == "chat" else b"", 64)  # the answer is streaming
+    # the answer is streaming (generate's thinking streams to stderr, apart from the answer on stdout)
+    _read_until(proc, b"you> " if command == "chat" else b"thinking:", 64,
+                stream="stdout" if command == "chat" else "stderr")
     _terminated(proc, command)
     assert not sess.exists()
     _no_leftovers(tmp_path, command)
