@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import typer
 from rich import box
 from rich.table import Table
 
+from quantkit.checkpoint.spec import load_config, parse_text_config
 from quantkit.cli import app, console, err_console, print_table
 from quantkit.cli.options import GROUP_SIZE, renamed
 from quantkit.cli.progress import RichProgress, tensor_progress
+from quantkit.errors import QuantkitError
 from quantkit.export.compressed_tensors import export_vllm
 from quantkit.export.gguf import export_gguf
 from quantkit.export.gguf_types import default_type
+from quantkit.export.launch import export_serve_line
+from quantkit.export.vllm_cpu import TARGETS, check_rest, cpu_backend
 from quantkit.termtext import plural
 from quantkit.threads import set_threads
 
@@ -85,12 +90,20 @@ def export_vllm_cmd(
                                    help="int4 group size for the experts (32, 64, 128); "
                                    "default: the source's, else 128"),
     rest: str = typer.Option("bf16", "--rest", help="bf16 (every non-expert tensor) or int8 (attention, linear "
-                             "attention and shared expert int8 per channel)"),
+                             "attention and shared expert int8 per channel; GPUs only)"),
+    target: str = typer.Option(None, "--target", show_default=False,
+                               help="where vLLM runs it: gpu (the vllm package; --rest int8 loads there) or cpu "
+                               "(vLLM's CPU build, vllm-cpu; --rest bf16 only) (default: this machine's: gpu with "
+                               "a CUDA GPU, else cpu)"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace an existing output folder"),
     threads: int = typer.Option(None, "--threads", help="CPU threads [default: every physical core]"),
 ) -> None:
     """Write a compressed-tensors pack-quantized folder for vLLM / SGLang (experts int4, unfused)."""
     set_threads(threads)  # a bad count is one line
+    target = vllm_target(target)
+    check_rest(rest, target)  # before anything is written
+    if target == "cpu":
+        console.print(f"target: vLLM CPU. {cpu_backend().note}", highlight=False)
 
     with tensor_progress(err_console) as p:
         res = export_vllm(src, out, group_size=group_size, rest=rest, overwrite=overwrite,
@@ -104,7 +117,21 @@ def export_vllm_cmd(
         kind, how = key.split(":")
         t.add_row(str(n), kind, how)
     print_table(t)
-    console.print(f"experts int4 symmetric group {res.group_size}; rest {res.rest}. Serve with: "
-                  f"vllm serve {res.path} --language-model-only", highlight=False)
-    for n in res.notes:
+    tc = parse_text_config(load_config(res.path / "config.json"), str(res.path / "config.json"))
+    line, notes = export_serve_line(tc, shlex.quote(str(res.path)), target, tc.mtp_num_hidden_layers > 0)
+    console.print(f"experts int4 symmetric group {res.group_size}; rest {res.rest}. Serve with "
+                  f"{'vLLM CPU (vllm-cpu)' if target == 'cpu' else 'vLLM on GPUs'}:", highlight=False)
+    console.print(line, highlight=False, soft_wrap=True)  # one line, whatever the width: people copy it
+    for n in [*notes, *res.notes]:
         console.print(f"note: {n}", highlight=False)
+
+
+def vllm_target(target: str | None) -> str:
+    """--target checked, or this machine's: gpu where torch sees a CUDA GPU, else cpu."""
+    if target is None:
+        import torch
+
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    if target.lower() not in TARGETS:
+        raise QuantkitError(f"--target {target!r}: use gpu or cpu")
+    return target.lower()

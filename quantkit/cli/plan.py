@@ -440,6 +440,8 @@ def routing_line(r: RoutingReport) -> str:
 def _print_launch(launch: LaunchPlan) -> None:
     for w in launch.warnings:
         console.print(Text.assemble(("warning:", "yellow"), f" {w}"))
+    for n in launch.notes:
+        console.print(f"note: {n}", highlight=False)
     if launch.export_command:
         console.print(launch.export_command, highlight=False, soft_wrap=True)
     if launch.command:

@@ -1,16 +1,19 @@
 """`quantkit tiny-model OUT_DIR`: parse, call quantkit.testing.tiny.make_tiny_model, render. `--full-size` is the
 published 35B shape; `--quantized RECIPE` writes the quantized folder directly (quantkit.testing.generated);
-`--mtp-layer --train-mtp` trains the MTP layer on the model's own greedy continuations (quantkit.testing.mtp_train)."""
+`--mtp-layer --train-mtp` trains the MTP layer on the model's own greedy continuations (quantkit.testing.mtp_train;
+with `--realistic`, its REALISTIC budget)."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import typer
 from rich.progress import (
     BarColumn,
     Progress,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
@@ -22,7 +25,7 @@ from quantkit.cli.options import COUNT, SEED, renamed
 from quantkit.cli.progress import RichProgress, tensor_progress
 from quantkit.quantize.run import Interrupted
 from quantkit.recipe import build_recipe
-from quantkit.testing.mtp_train import TrainOptions
+from quantkit.testing.mtp_train import REALISTIC, TrainOptions
 from quantkit.testing.tiny import FULL_SIZE, SIDECAR, TinyOptions, estimate_bytes, make_tiny_model
 
 
@@ -60,7 +63,8 @@ def tiny_model(
     train_mtp: bool = typer.Option(False, "--train-mtp", help="with --mtp-layer: train the MTP layer on the model's own "
                                    "greedy continuations (seeded self-distillation), so its drafts are accepted"),
     train_steps: int = typer.Option(None, "--train-steps", parser=COUNT, show_default=False,
-                                    help=f"optimizer steps of --train-mtp [default: {TrainOptions.steps}]"),
+                                    help=f"optimizer steps of --train-mtp [default: {TrainOptions.steps}; "
+                                    f"{REALISTIC.steps} realistic]"),
 ) -> None:
     """Write a small random checkpoint of the real qwen3_5_moe architecture, with a working tokenizer."""
     import transformers
@@ -70,6 +74,8 @@ def tiny_model(
     mtp = renamed(mtp_layer, old_mtp, "--mtp-layer" if old_mtp is not False else "--no-mtp-layer",
                   "--mtp" if old_mtp is not False else "--no-mtp", False)
     if full_size:
+        if train_mtp:
+            fail("--train-mtp trains at tiny and --realistic shapes; --full-size has no training budget")
         if decisive or layout != "published" or hidden != 64 or intermediate != 32:
             fail("--full-size is the published shape: drop --decisive/--layout/--hidden/--intermediate")
         realistic = True
@@ -90,7 +96,8 @@ def tiny_model(
     kw = dict(layers=layers, experts=experts, top_k=top_k, hidden=hidden, intermediate=intermediate, layout=layout,
               mtp=mtp, decisive=decisive, realistic=realistic, seed=seed, dtype=dtype, overwrite=overwrite, vocab=vocab)
     if train_mtp:
-        kw["train_mtp"] = TrainOptions(steps=train_steps or TrainOptions.steps, seed=seed)
+        base = REALISTIC if realistic else TrainOptions()
+        kw["train_mtp"] = replace(base, steps=train_steps or base.steps, seed=seed)
     elif train_steps is not None:
         fail("--train-steps sets the steps of --train-mtp")
     if recipe is not None:
@@ -104,9 +111,18 @@ def tiny_model(
         with Progress(TextColumn("{task.description}"), BarColumn(), TransferSpeedColumn(), TimeElapsedColumn(),
                       TimeRemainingColumn(),
                       console=console, transient=True) as prog:
-            opts = {k: v for k, v in kw.items() if k != "overwrite"}
+            opts = {k: v for k, v in kw.items() if k not in ("overwrite", "train_mtp")}
             task = prog.add_task("generating tensors", total=estimate_bytes(TinyOptions(**opts)))
-            out = make_tiny_model(out_dir, **kw, on_tensor=lambda _n, b: prog.advance(task, b))
+            stages: dict[str, TaskID] = {}
+
+            def on_train(stage: str, done: int, total: int) -> None:
+                # minutes at realistic shapes: one bar per stage (prompts continued, then steps trained)
+                if stage not in stages:
+                    what = "continuing prompts" if stage == "continuing" else "training the MTP layer"
+                    stages[stage] = prog.add_task(what, total=total)
+                prog.update(stages[stage], completed=done)
+
+            out = make_tiny_model(out_dir, **kw, on_tensor=lambda _n, b: prog.advance(task, b), on_train=on_train)
     else:
         out = make_tiny_model(out_dir, **kw)
     size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
@@ -120,8 +136,9 @@ def tiny_model(
     if "mtp_trained" in info:
         t = info["mtp_trained"]
         console.print(f"MTP layer trained: {t['options']['steps']} steps on {t['pairs']:,} positions of its own "
-                      f"greedy continuations; top-1 agreement with the model on held-out ones "
-                      f"{t['held_out_before']:.2f} -> {t['held_out_after']:.2f} ({t['seconds']:.0f} s)")
+                      f"greedy continuations; top-1 agreement with the model on them {t['train_agreement']:.2f}, "
+                      f"on held-out ones {t['held_out_before']:.2f} -> {t['held_out_after']:.2f} "
+                      f"({t['seconds']:.0f} s)")
     if "decisive" in info:
         d = info["decisive"]
         console.print(f"decisive: min router gap {min(d['router']['min_gap_per_layer']):.3f} logits "

@@ -14,16 +14,19 @@ draft with it, N tokens a step (DEFAULT_MTP_DRAFT unless --mtp says): llama-serv
 --spec-draft-n-max N` (common/arg.cpp of the llama.cpp llama-cpp-python 0.3.36 vendors) on the GGUF's NextN
 block, vLLM with `--speculative-config '{"method":"mtp","num_speculative_tokens":N}'`; each placement counts
 the layer. `--mtp 0` leaves it out: no draft flags, and the GGUF is exported with --no-mtp-layer.
+
+vLLM's platform (quantkit.export.vllm_cpu): a plan with GPUs gets `vllm serve` and the export for Marlin (quality:
+`--rest int8`); a CPU-only plan gets vLLM's CPU build, `python -m vllm.entrypoints.openai.api_server` with its KV
+space, the `--rest bf16` export (vLLM CPU has no int8 kernel) and the MoE backend this CPU would use (Intel AMX,
+AMD zentorch, or none: then the line is withheld). Drafting turns prefix caching off on both.
 """
 
 from __future__ import annotations
 
-import json
-import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from quantkit.checkpoint.spec import ModelSpec, Role, default_spec
+from quantkit.checkpoint.spec import ModelSpec, Role, TextConfig, default_spec
 from quantkit.export.gguf_types import DEFAULT_TYPE
 from quantkit.export.llama_placement import (
     LlamaModel,
@@ -33,7 +36,18 @@ from quantkit.export.llama_placement import (
     solve_llama,
 )
 from quantkit.export.llama_speed import llama_decode_tok_s, llama_prefill_tok_s
+from quantkit.export.vllm_cpu import (
+    GPU_SERVER,
+    INT8_ON_CPU,
+    MTP_PREFIX,
+    cpu_backend,
+    cpu_command,
+    kv_space_gib,
+    speculative_flags,
+    target_rest,
+)
 from quantkit.export.vllm_placement import VllmFit, vllm_fit
+from quantkit.planner.budget import kv_bytes_per_token, linear_state_bytes
 from quantkit.planner.hardware import Hardware
 from quantkit.planner.placement import Plan
 
@@ -47,6 +61,7 @@ ENGINES = {"llama.cpp": "llama.cpp", "llamacpp": "llama.cpp", "llama-cpp": "llam
 # tokens drafted per step when the plan keeps the MTP layer and --mtp does not say: one breaks even at the
 # lowest draft acceptance (reports/bench-mtp.md: 0.70 for one draft, 0.80 for two or three)
 DEFAULT_MTP_DRAFT = 1
+EXPORT_CONTEXT = 32768  # the --max-model-len of the line `export vllm` prints (capped at the model's)
 
 
 @dataclass
@@ -59,10 +74,11 @@ class LaunchPlan:
     vllm: VllmFit | None = None  # vLLM: what the line asks of each GPU
     decode_tok_s: float | None = None  # llama.cpp: the line's own estimated decode (quantkit.export.llama_speed)
     prefill_tok_s: float | None = None  # llama.cpp: and its prefill, in steps of the line's -ub
+    notes: list[str] = field(default_factory=list)  # what the line relies on (vLLM CPU: the MoE backend)
 
     def to_dict(self) -> dict[str, object]:
         d: dict[str, Any] = {"target": self.engine, "command": self.command, "export_command": self.export_command,
-                             "warnings": self.warnings}
+                             "warnings": self.warnings, "notes": self.notes}
         if self.placement is not None:
             d["llama_cpp"] = self.placement.to_dict()
         if self.decode_tok_s is not None:
@@ -98,11 +114,8 @@ def mtp_draft(plan: Plan, mtp: int | None) -> int:
 
 
 def vllm_speculative(draft: int) -> list[str]:
-    """vLLM's MTP speculative decoding flags (none for 0 drafts)."""
-    if not draft:
-        return []
-    config = json.dumps({"method": "mtp", "num_speculative_tokens": draft}, separators=(",", ":"))
-    return ["--speculative-config", shlex.quote(config)]  # quoted for the shell line it goes into
+    """vLLM's MTP speculative decoding flags (none for 0 drafts), prefix caching off (vllm_cpu's docstring)."""
+    return speculative_flags(draft)
 
 
 def llama_launch(gm: LlamaModel, st: LlamaSettings, hw: Hardware, path: str, reserve: int,
@@ -140,11 +153,14 @@ def launch_plan(engine: str, plan: Plan, hw: Hardware, model: str, source: str, 
         drop = " --no-mtp-layer" if not draft and any(t.role == Role.MTP for t in spec.tensors) else ""
         return llama_launch(gm, llama_settings(plan, draft), hw, path, plan.gpus[0].reserve if plan.gpus else 0,
                             f"quantkit export gguf {source} {path} --type {ty}{drop}", warns, n_cpu_moe)
+    target = "gpu" if hw.gpus else "cpu"
     if plan.scheme in FOUR_BIT:
         folder = vllm_folder_name(model)
-        rest = "int8" if plan.scheme == "quality" else "bf16"
-        export = f"quantkit export vllm {source} {folder} --rest {rest}"
+        rest = target_rest(target) if plan.scheme == "quality" else "bf16"
+        export = f"quantkit export vllm {source} {folder} --rest {rest} --target {target}"
         warns = []
+        if plan.scheme == "quality" and target == "cpu":
+            warns.append(f"{INT8_ON_CPU}: the export keeps attention, linear attention and the shared expert bf16")
         if plan.scheme not in ("quality", "int4"):
             warns.append(f"vLLM's MoE kernels take int4 symmetric experts: the export writes {plan.scheme}'s "
                          "experts as int4 (requantized from the source)")
@@ -152,7 +168,7 @@ def launch_plan(engine: str, plan: Plan, hw: Hardware, model: str, source: str, 
             warns.append("non-expert weights stay bf16 in the vLLM export (vLLM has no 4-bit path for them)")
     else:
         folder, export, warns = source, None, []
-    cmd, vwarns = vllm_command(plan, hw, folder, draft)
+    cmd, vwarns, notes = vllm_command(plan, hw, folder, draft, spec)
     fit = None
     if hw.gpus:
         tp, pp, _ = vllm_parallel(hw)
@@ -161,12 +177,12 @@ def launch_plan(engine: str, plan: Plan, hw: Hardware, model: str, source: str, 
             vwarns.append(f"by the served weights' bytes vLLM needs {sum(fit.per_gpu.values()) / 2**30:.2f} GiB per "
                           f"GPU at --max-model-len {plan.settings.context}, {fit.budget / 2**30:.2f} GiB available "
                           f"({fit.max_tokens} tokens of KV fit)")
-    if plan.scheme == "int8" and cmd:
+    if plan.scheme == "int8" and cmd and target == "gpu":
         # quantkit's vLLM export is int4 for the experts; vLLM's own fp8 quantizes the bf16 source at load
         # to the same 8 bits per weight this plan budgets
         cmd += " --quantization fp8"
         warns.append("8 bits in vLLM: its on-load fp8 quantization of the bf16 source (same bytes as int8)")
-    return LaunchPlan(engine, cmd, export, warns + vwarns, vllm=fit)
+    return LaunchPlan(engine, cmd, export, warns + vwarns, vllm=fit, notes=notes)
 
 
 _LLAMA_CACHE = {"fp16": "f16", "bf16": "bf16", "q8_0": "q8_0", "q4_0": "q4_0", "fp8": "q8_0"}
@@ -199,13 +215,58 @@ def vllm_parallel(hw: Hardware) -> tuple[int, int, list[str]]:
     return tp, pp, []
 
 
-def vllm_command(plan: Plan, hw: Hardware, model: str, draft: int = 0) -> tuple[str, list[str]]:
+# the parsers Qwen3.5 needs: its thinking, and the XML tool calls it writes
+VLLM_PARSERS = ["--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"]
+
+
+def vllm_cpu_launch(plan: Plan, model: str, draft: int, spec: ModelSpec | None = None,
+                    cpuinfo: str | None = None) -> tuple[str, list[str], list[str]]:
+    """vLLM CPU's line for a CPU-only plan (quantkit.export.vllm_cpu), or "" where this CPU has no MoE kernel
+    for the int4 experts, with warnings and notes (which backend runs the experts, why prefix caching is off)."""
+    c = (spec or default_spec()).config
+    if plan.scheme == "int8":
+        return "", ["vLLM CPU has no 8-bit path quantkit has run (its fp8 on-load quantization targets GPUs): plan "
+                    "a 4-bit scheme for it (int4 experts, bf16 rest), or run int8 with quantkit"], []
+    warns, notes = [], []
+    if plan.scheme in FOUR_BIT:
+        backend = cpu_backend(cpuinfo)
+        if backend.name is None:
+            return "", [backend.note], []
+        notes.append(backend.note)
+    else:
+        notes.append(f"{plan.scheme} on vLLM CPU serves the source unquantized (its bf16 MoE path; quantkit's vLLM "
+                     "check runs the int4 export)")
+    notes += [MTP_PREFIX["cpu"]] if draft else []
+    return vllm_cpu_line(c, model, plan.settings.context, draft, plan.settings.batch), warns, notes
+
+
+def vllm_cpu_line(c: TextConfig, model: str, context: int, draft: int = 0, batch: int = 1) -> str:
+    """vLLM CPU's server line for the folder `model`: its KV space holds `batch` sequences of `context` tokens
+    (the full-attention layers' K/V in bf16, the MTP layer's when drafting, the Gated DeltaNet states)."""
+    n_full = len(c.full_attention_layers) + (c.mtp_num_hidden_layers if draft else 0)
+    rec, conv = linear_state_bytes(c)
+    kv = (kv_bytes_per_token(c, "bf16", n_full) * context + (rec + conv) * len(c.linear_attention_layers)) * batch
+    return cpu_command(model, context, kv_space_gib(kv), draft, ["--host", "127.0.0.1", *VLLM_PARSERS])
+
+
+def export_serve_line(c: TextConfig, folder: str, target: str, has_mtp: bool) -> tuple[str, list[str]]:
+    """What `quantkit export vllm` prints after writing `folder` for `target` (gpu or cpu): the line that serves
+    it there, drafting DEFAULT_MTP_DRAFT tokens with its MTP layer when it has one, and notes on the line."""
+    draft = DEFAULT_MTP_DRAFT if has_mtp and c.mtp_num_hidden_layers else 0
+    notes = [MTP_PREFIX[target]] if draft else []
+    if target == "cpu":
+        return vllm_cpu_line(c, folder, min(EXPORT_CONTEXT, c.max_position_embeddings), draft), notes
+    return " ".join([GPU_SERVER, folder, "--language-model-only", *VLLM_PARSERS, *vllm_speculative(draft)]), notes
+
+
+def vllm_command(plan: Plan, hw: Hardware, model: str, draft: int = 0,
+                 spec: ModelSpec | None = None) -> tuple[str, list[str], list[str]]:
     """A vLLM launch line (tensor parallel within a node, pipeline parallel across nodes, expert
     parallel for the MoE; `draft` tokens a step drafted with the MTP layer) and warnings when the plan does
-    not fit vLLM's all-on-GPU model."""
+    not fit vLLM's all-on-GPU model, and notes; a CPU-only plan gets vLLM CPU's line (`vllm_cpu_launch`)."""
     per_node = len(hw.gpus)
     if per_node == 0:
-        return "", ["vLLM needs GPUs; this plan is CPU-only"]
+        return vllm_cpu_launch(plan, model, draft, spec)
     tp, pp, warns = vllm_parallel(hw)
     if plan.where != "gpu":
         warns.append(
@@ -218,8 +279,7 @@ def vllm_command(plan: Plan, hw: Hardware, model: str, draft: int = 0) -> tuple[
     if tp * pp > 1:
         args += ["--enable-expert-parallel"]
     args += ["--language-model-only", "--max-model-len", str(plan.settings.context),
-             "--gpu-memory-utilization", "0.92", "--reasoning-parser", "qwen3",
-             "--enable-auto-tool-choice", "--tool-call-parser", "qwen3_coder"]  # the XML tool calls Qwen3.5 writes
+             "--gpu-memory-utilization", "0.92", *VLLM_PARSERS]
     if plan.settings.cache_dtype == "fp8":
         args += ["--kv-cache-dtype", "fp8"]
     elif plan.settings.cache_dtype in ("q8_0", "q4_0"):
@@ -227,4 +287,4 @@ def vllm_command(plan: Plan, hw: Hardware, model: str, draft: int = 0) -> tuple[
     if hw.nodes > 1:
         args += ["--distributed-executor-backend", "ray"]
     args += vllm_speculative(draft)
-    return " ".join(args), warns
+    return " ".join(args), warns, [MTP_PREFIX["gpu"]] if draft else []

@@ -17,8 +17,11 @@ Contract:
   norm) on the frozen embedding and lm_head. `compare` holds it to the runtime's `MTP.forward` on the same pairs;
   training refuses (one line) a copy whose logits are not close at MIN_CLOSE of the positions.
 - Training: only the `mtp.*` weights, fp32, AdamW on cross-entropy, `steps` steps of `batch` sequences in a
-  seeded order; the first `held_out` prompts are never trained on and give the report's agreement figures.
-  Deterministic for the same folder and options (one thread while it trains).
+  seeded order; the first `held_out` prompts are never trained on and give the report's held-out agreement.
+  Deterministic for the same folder and options (one thread while it trains). `REALISTIC` is the budget for
+  realistic shapes (hidden 2048), where a step costs hundreds of times the tiny shape's: there a random model's
+  continuations barely generalise, the layer mostly learns its training prompts (`train_agreement`), which is
+  what an engine comparison on those prompts needs (benchmarks/vllm_check.py).
 - Output: every `mtp.*` tensor written back under its own name, shape and dtype into the shard that held it; the
   other tensors, the index and the other files unchanged; the folder replaced atomically (a copy is written
   beside it, then swapped in). The report (`TrainReport`) is returned and, where the folder has the tiny-model
@@ -32,6 +35,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -76,6 +80,10 @@ class TrainOptions:
             raise QuantkitError(f"MTP training: learning rate {self.lr} must be positive")
 
 
+# realistic shapes: fewer, shorter prompts and smaller batches (module docstring)
+REALISTIC = TrainOptions(prompts=48, new_tokens=32, held_out=8, steps=60, batch=8)
+
+
 @dataclass
 class TrainReport:
     """What a training did: the sidecar's "mtp_trained"."""
@@ -88,6 +96,7 @@ class TrainReport:
     held_out_after: float
     agreement: dict[str, float]  # `compare` before training, on the first held-out sequence
     seconds: float
+    train_agreement: float  # the layer's top-1 agreement with the model on the training continuations, after
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -222,10 +231,18 @@ def sequence_pairs(model: Any, seq: list[int]) -> Pairs:
     return Pairs(torch.tensor(seq[1:]), hidden[:-1].to(torch.bfloat16).cpu(), logits[1:].float().argmax(-1).cpu())
 
 
-def make_pairs(rt: Any, o: TrainOptions) -> list[Pairs]:
+OnStep = Callable[[str, int, int], None]  # (stage, done, total): "continuing" per prompt, "training" per step
+
+
+def make_pairs(rt: Any, o: TrainOptions, on_step: OnStep | None = None) -> list[Pairs]:
     rt.set_mtp(0)
     prompts = chat_prompts(rt, o.prompts, o.seed)
-    return [sequence_pairs(rt.model, ids + greedy(rt, ids, o.new_tokens)) for ids in prompts]
+    out = []
+    for i, ids in enumerate(prompts):
+        out.append(sequence_pairs(rt.model, ids + greedy(rt, ids, o.new_tokens)))
+        if on_step:
+            on_step("continuing", i + 1, len(prompts))
+    return out
 
 
 # ---- training ----
@@ -259,13 +276,14 @@ def _loss_and_agreement(mtp: TorchMTP, seqs: list[Pairs], embed: torch.Tensor, h
     return loss / n, hits / n
 
 
-def fit(mtp: TorchMTP, train: list[Pairs], embed: torch.Tensor, head: torch.Tensor, o: TrainOptions) -> None:
+def fit(mtp: TorchMTP, train: list[Pairs], embed: torch.Tensor, head: torch.Tensor, o: TrainOptions,
+        on_step: OnStep | None = None) -> None:
     """`o.steps` AdamW steps on batches of `o.batch` sequences, a seeded shuffle per pass."""
     opt = torch.optim.AdamW(mtp.parameters(), lr=o.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * (1 - s / o.steps))
     rng = random.Random(o.seed)
     order: list[int] = []
-    for _ in range(o.steps):
+    for step in range(o.steps):
         if len(order) < o.batch:
             more = list(range(len(train)))
             rng.shuffle(more)
@@ -278,6 +296,8 @@ def fit(mtp: TorchMTP, train: list[Pairs], embed: torch.Tensor, head: torch.Tens
         loss.backward()
         opt.step()
         sched.step()
+        if on_step:
+            on_step("training", step + 1, o.steps)
 
 
 def check_folder(folder: Path) -> Checkpoint:
@@ -297,9 +317,9 @@ def check_folder(folder: Path) -> Checkpoint:
     return ck
 
 
-def train_mtp(folder: str | Path, options: TrainOptions | None = None) -> TrainReport:
+def train_mtp(folder: str | Path, options: TrainOptions | None = None, on_step: OnStep | None = None) -> TrainReport:
     """Train the MTP layer of `folder` on its own model's greedy continuations and write it back (module
-    docstring)."""
+    docstring); `on_step` hears of each prompt continued and each step trained."""
     o = options or TrainOptions()
     o.check()
     folder = Path(folder)
@@ -310,7 +330,7 @@ def train_mtp(folder: str | Path, options: TrainOptions | None = None) -> TrainR
         mtp.load_checkpoint(ck)
         embed, head = ck.read(EMBED).float(), ck.read(HEAD).float()
         rt = load_model(folder, verify="quick", mtp_copies=False)
-        seqs = make_pairs(rt, o)
+        seqs = make_pairs(rt, o, on_step)
         check = compare(rt.model, ck, seqs[0])  # what is trained must be the layer the runtime drafts with (as stored)
         del rt
         if check["close"] < MIN_CLOSE:
@@ -321,12 +341,12 @@ def train_mtp(folder: str | Path, options: TrainOptions | None = None) -> TrainR
         loss0, _ = _loss_and_agreement(mtp, train, embed, head)
         _, held0 = _loss_and_agreement(mtp, held, embed, head)
         mtp.train()
-        fit(mtp, train, embed, head, o)
+        fit(mtp, train, embed, head, o, on_step)
         mtp.eval()
-        loss1, _ = _loss_and_agreement(mtp, train, embed, head)
+        loss1, train1 = _loss_and_agreement(mtp, train, embed, head)
         _, held1 = _loss_and_agreement(mtp, held, embed, head)
         report = TrainReport(asdict(o), sum(len(s.tokens) for s in train), loss0, loss1, held0, held1,
-                             check, time.perf_counter() - t0)
+                             check, time.perf_counter() - t0, train1)
         write_back(ck, mtp.checkpoint_tensors(), report)
     return report
 

@@ -497,12 +497,13 @@ def make_tiny_model(out_dir: str | Path, *, layers: int = 4, experts: int = 8, t
                     decisive: bool = False, realistic: bool = False, seed: int = 0, dtype: str = "bfloat16",
                     max_shard_size: int | None = None, overwrite: bool = False,
                     on_tensor: Callable[[str, int], None] | None = None, quantized: Recipe | None = None,
-                    resume: bool = False, progress: Progress | None = None, train_mtp: mtp_train.TrainOptions | None = None
-                    ) -> Path:
+                    resume: bool = False, progress: Progress | None = None,
+                    train_mtp: mtp_train.TrainOptions | None = None, on_train: mtp_train.OnStep | None = None) -> Path:
     """Write a random checkpoint of the real architecture to `out_dir` (atomically) and return it; with
     `quantized`, the quantized folder of it (`write_quantized`; `resume` continues an interrupted one); with
     `train_mtp`, its MTP layer trained on the model's own greedy continuations before the folder appears
-    (quantkit.testing.mtp_train; the report in the sidecar under "mtp_trained")."""
+    (quantkit.testing.mtp_train, `on_train` hearing of its progress; the report in the sidecar under "mtp_trained";
+    realistic shapes want the `mtp_train.REALISTIC` budget)."""
     o = TinyOptions(layers, experts, top_k, hidden, intermediate, vocab, layout, mtp, decisive, realistic, seed,
                     dtype, max_shard_size)
     if layout not in ("published", "transformers"):
@@ -513,9 +514,8 @@ def make_tiny_model(out_dir: str | Path, *, layers: int = 4, experts: int = 8, t
         raise QuantkitError("transformers' save_pretrained layout has no MTP weights; use --layout published")
     if realistic and (decisive or layout != "published"):
         raise QuantkitError("--realistic writes the published layout only, without --decisive")
-    if train_mtp is not None and (not mtp or realistic or quantized is not None):
-        raise QuantkitError("--train-mtp trains the MTP layer of a tiny checkpoint: add --mtp, drop "
-                            "--realistic/--full-size/--quantized")
+    if train_mtp is not None and (not mtp or quantized is not None):
+        raise QuantkitError("--train-mtp trains the MTP layer of a bf16 checkpoint: add --mtp-layer, drop --quantized")
     out = Path(out_dir)
     if quantized is not None:
         return _make_quantized(out, o, quantized, overwrite, resume, progress)
@@ -553,7 +553,7 @@ def make_tiny_model(out_dir: str | Path, *, layers: int = 4, experts: int = 8, t
         info["files"] = sorted({f.name for f in tmp.iterdir()} | {SIDECAR})  # what --overwrite may delete
         (tmp / SIDECAR).write_text(json.dumps(info, indent=2) + "\n")
         if train_mtp is not None:
-            mtp_train.train_mtp(tmp, train_mtp)
+            mtp_train.train_mtp(tmp, train_mtp, on_train)
         _normal_permissions(tmp)  # mkdtemp makes 0700; the result should look like any written folder
         replace_folder(tmp, out)
     except BaseException:

@@ -34,8 +34,8 @@ def test_weights_are_the_export_folders_bytes(tiny_model: Path, tmp_path: Path, 
     from quantkit.export.vllm_placement import export_recipe
     from quantkit.planner.budget import compute_budget
 
-    code, _, err = run_cli(["export", "vllm", str(tiny_model), str(tmp_path / "ct"), "--rest", "int8"], capsys,
-                           monkeypatch)
+    code, _, err = run_cli(["export", "vllm", str(tiny_model), str(tmp_path / "ct"), "--rest", "int8", "--target",
+                            "gpu"], capsys, monkeypatch)
     assert code == 0, err
     spec = spec_from_path(str(tiny_model))
     pred = compute_budget(spec, export_recipe("quality"), RunSettings()).weights

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pytest
@@ -215,6 +215,35 @@ def test_cli_trains_and_refuses(tmp_path: Path, capsys, monkeypatch: pytest.Monk
     code, out, err = run_cli(["tiny-model", tmp_path / "u", "--mtp-layer", "--train-steps", "5"], capsys, monkeypatch)
     one_line_error(code, out, err, "--train-steps")
     assert not (tmp_path / "u").exists()
+
+
+def test_cli_trains_a_realistic_shape(tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--realistic --mtp-layer --train-mtp` (once a TypeError): the realistic checkpoint is written with its MTP
+    layer trained on the REALISTIC budget (here cut to the mechanics), every other tensor as generated."""
+    import quantkit.cli.tiny as cli_tiny
+    from quantkit.testing.generated import init_tensor
+
+    monkeypatch.setattr(cli_tiny, "REALISTIC", TINY)
+    out = tmp_path / "r"
+    code, text, err = run_cli(["tiny-model", out, "--realistic", "--layers", "1", "--experts", "2", "--mtp-layer",
+                               "--train-mtp", "--train-steps", "2"], capsys, monkeypatch)
+    assert code == 0, err
+    assert "MTP layer trained: 2 steps" in " ".join(text.split())
+    side = json.loads((out / "quantkit-tiny.json").read_text())
+    assert side["options"]["realistic"] and side["mtp_trained"]["options"] == {**asdict(TINY), "steps": 2}
+    assert side["mtp_trained"]["agreement"]["close"] >= mtp_train.MIN_CLOSE
+    changed = 0
+    for name, (_shard, t) in _tensors(out).items():
+        same = torch.equal(t, init_tensor(name, tuple(t.shape), 0, torch.bfloat16))
+        if name.startswith("mtp."):
+            changed += not same
+        else:
+            assert same, name
+    assert changed > 0
+    code, text, err = run_cli(["tiny-model", tmp_path / "f", "--full-size", "--mtp-layer", "--train-mtp"], capsys,
+                              monkeypatch)
+    one_line_error(code, text, err, "--train-mtp", "--full-size")
+    assert not (tmp_path / "f").exists()
 
 
 def test_bench_trained_part_keeps_the_oracle_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
