@@ -57,7 +57,9 @@ def tiny_model(
                                   "would make, generated directly in the stored format (a recipe name, or a "
                                   "JSON recipe file)"),
     resume: bool = typer.Option(False, "--resume", help="continue an interrupted --quantized generation"),
-    seed: int = typer.Option(0, "--seed", parser=SEED),
+    seed: int = typer.Option(0, "--seed", parser=SEED,
+                             help="seed of the random weights (and of the MTP layer's training): the same seed, the "
+                             "same checkpoint"),
     dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16, float16 or float32"),
     overwrite: bool = typer.Option(False, "--overwrite", help="replace a non-empty OUT_DIR"),
     train_mtp: bool = typer.Option(False, "--train-mtp", help="with --mtp-layer: train the MTP layer on the model's own "
