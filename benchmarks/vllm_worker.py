@@ -98,9 +98,16 @@ def run(job: dict[str, Any], res: dict[str, Any]) -> None:
     res.pop("stage")
 
 
+USAGE = ("usage: python -m benchmarks.vllm_worker JOB.json OUT.json (or PYTHON benchmarks/vllm_worker.py ...),\n"
+         "with the vLLM check's venv python (.venv-vllm/bin/python); scripts/vllm-check.sh runs it. --help: this.")
+
+
 def main(argv: list[str]) -> int:
+    if argv in (["--help"], ["-h"]):
+        print(USAGE)
+        return 0
     if len(argv) != 2:
-        print("usage: vllm_worker.py JOB.json OUT.json", file=sys.stderr)
+        print(USAGE, file=sys.stderr)
         return 2
     with open(argv[0]) as f:
         job = json.load(f)

@@ -177,7 +177,7 @@ def test_vllm_multi_node() -> None:
     hw = build_hardware(["8xh100"], "512GB", nodes=2)
     p = solve(SPEC, RECIPES["bf16"], RunSettings(context=262144), hw)
     assert p.fits and len(p.gpus) == 16 and p.gpus[8].id == "node1.cuda:0"
-    cmd, warns = vllm_command(p, hw, "AgentWorld")
+    cmd, warns, _notes = vllm_command(p, hw, "AgentWorld")
     assert "--tensor-parallel-size 8" in cmd and "--pipeline-parallel-size 2" in cmd
     assert "--enable-expert-parallel" in cmd and "--max-model-len 262144" in cmd and not warns
     small = build_hardware(["rtx4090"], "64GB", nodes=2)
