@@ -154,9 +154,10 @@ def test_kill_9_during_a_chat_session_then_resume(tiny_model, tmp_path):
         count()
         killed += proc.returncode == -signal.SIGKILL
         where = f"(seed {SEED}, kill {attempt} after {delay:.2f} s, exit {proc.returncode})"
+        saved = sess.exists()  # not when the kill landed inside the first save (its temporary is all there is)
         r = subprocess.run(cmd, input=b"/stats\n/exit\n", capture_output=True, env=env, timeout=300)
         err = r.stderr.decode()
         assert r.returncode == 0 and "Traceback" not in err, (where, err)
-        assert "resumed" in err or "damaged" in err, (where, err)
+        assert ("resumed" in err or "damaged" in err) if saved else "resumed" not in err, (where, saved, err)
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], where
     assert killed >= 1, "no kill landed before the chat finished: the test proved nothing"
