@@ -17,6 +17,7 @@ from quantkit.errors import QuantkitError
 from quantkit.kernels import cpu as cpu_kernel
 from quantkit.runtime import load_model
 from quantkit.runtime.batch import BatchGenerator
+from quantkit.runtime.batch_drafts import DraftPlan
 from quantkit.runtime.generate import GenerationResponse, SamplingParams
 from quantkit.runtime.speculative import DraftTuner
 
@@ -490,6 +491,18 @@ def test_forked_choices_draft_from_a_copy_of_the_prompts_mtp_state(tiny_model_mt
     assert all(last[r].mtp["accepted"] > 0 for r in rows)
 
 
+class _PricedPlan(DraftPlan):
+    """The plan with each step priced by its shape, not the wall clock, so a loaded machine cannot decide: a
+    forward costs a second plus half a second per draft it verifies, a draft a tenth (a draft pays only where more
+    than half are accepted)."""
+
+    def record(self, rows: int, tokens: int, seconds: float) -> None:
+        super().record(rows, tokens, 1.0 + 0.5 * (tokens - rows))
+
+    def record_drafts(self, n: int, seconds: float) -> None:
+        super().record_drafts(n, 0.1 * n)
+
+
 @pytest.mark.parametrize("route", MTP_ROUTES)
 def test_the_default_stops_drafting_with_a_layer_that_is_never_right(tiny_model_mtp, route, one_thread):
     """The tiny model's random MTP layer is almost never accepted: a row alone drafts until the plan has measured
@@ -501,6 +514,7 @@ def test_the_default_stops_drafting_with_a_layer_that_is_never_right(tiny_model_
     want = [_alone(rt, _ids(rt, p), replace(sp), None).token_ids for p in PROMPTS[:3]]
     rt.tuner = DraftTuner()
     batch = BatchGenerator(rt)
+    batch.plan = _PricedPlan()
     last = {}
 
     def run():
