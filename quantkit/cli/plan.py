@@ -235,7 +235,7 @@ def plan_cmd(
                             "layer (weights and its KV cache) and draft that many in the --export lines, 0 leaves "
                             "it out (default: budgeted when the model has one, 1 drafted)"),
     prompt_snapshots: int = typer.Option(None, "--prompt-snapshots", parser=COUNT0, show_default=False,
-                                         help="conversation-state snapshots to budget for (2 per conversation kept "
+                                         help="conversation-state snapshots to budget for (3 per conversation kept "
                                          f"across turns; 0: none) (default: {SNAPSHOTS_PER_PROMPT})"),
     old_prompt_cache: int = typer.Option(None, "--prompt-cache", parser=COUNT0, hidden=True),  # a count, not bytes
     disk_cache: str = typer.Option(None, "--prompt-cache-disk-size", help="also say what a prompt cache on disk "

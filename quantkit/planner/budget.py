@@ -74,7 +74,9 @@ def bits_per_weight(t: TensorSpec, q: QuantSpec | None, keep_dtype: str | None =
     return tensor_bytes(t, q, keep_dtype).total * 8 / t.numel
 
 
-SNAPSHOTS_PER_PROMPT = 2  # prompt-cache snapshots the runtime takes per prompt (quantkit.runtime.state_cache)
+# prompt-cache snapshots the runtime takes per prompt (quantkit.runtime.state_cache): the last two message
+# boundaries and the whole prompt, which also keeps its last logits (and hidden row, with MTP) in bf16
+SNAPSHOTS_PER_PROMPT = 3
 
 
 @dataclass(frozen=True)
@@ -303,7 +305,8 @@ def with_settings(b: Budget, c: TextConfig, s: RunSettings) -> Budget:
         mtp=b.mtp_weights - b.mtp_copy_saving + b.mtp_draft_copy + mtp_kv,
         recurrent_state=rec * n_lin * s.batch,
         conv_state=conv * n_lin * s.batch,
-        prompt_cache=(rec + conv) * n_lin * snaps + kv_tok * s.context * n_full * kv_copies,
+        prompt_cache=(rec + conv) * n_lin * snaps + kv_tok * s.context * n_full * kv_copies
+        + kv_copies * 2 * (c.vocab_size + (c.hidden_size if s.include_mtp else 0)),
         activations=batch_activation_bytes(c, s),
         # the runtime computes logits for the last position of each sequence only (transformers'
         # generate passes logits_to_keep=1), in fp32

@@ -194,9 +194,14 @@ def prefill(model: Model, prompt_ids: list[int], *, capacity: int = 0, prefix_ca
     boundary-aligned plan (quantkit.runtime.state_cache), and store snapshots at the last boundaries
     passed. `capacity`: the positions the cache is made for (at least the prompt). A set `cancel` stops
     between chunks; the snapshots already passed are kept. `hidden`: keep the final norm's output of every
-    prefilled token (what the MTP layer drafts from)."""
-    snap = prefix_cache.lookup(prompt_ids) if prefix_cache is not None else None
+    prefilled token (what the MTP layer drafts from). The same prompt prefilled before is restored whole from its
+    snapshot with its last logits (`PrefixCache.whole`): no token prefilled, `hidden` that snapshot's last row."""
     room = max(capacity, len(prompt_ids))
+    same = prefix_cache.whole(prompt_ids) if prefix_cache is not None else None
+    if same is not None and same.logits is not None and (not hidden or same.hidden is not None):
+        cache = HybridCache.from_snapshot(same, model.cfg, model.layer_devices, model.dtype, room)
+        return Prefill(cache, same.logits.clone(), len(prompt_ids), same.hidden.clone() if hidden else None)
+    snap = prefix_cache.lookup(prompt_ids) if prefix_cache is not None else None
     cache = (HybridCache.from_snapshot(snap, model.cfg, model.layer_devices, model.dtype, room) if snap is not None
              else model.new_cache(room))
     start = snap.length if snap is not None else 0
@@ -214,7 +219,16 @@ def prefill(model: Model, prompt_ids: list[int], *, capacity: int = 0, prefix_ca
             logits = model.forward(prompt_ids[a:b], cache)
         if b in points:
             taken.append((b, cache.linear_copies()))
-    for snap in cache.snapshots(prompt_ids, taken):
+    whole = logits is not None and prefix_cache is not None and prefix_cache.max_bytes > 0
+    if whole:
+        taken.append((len(prompt_ids), cache.linear_copies()))
+    snaps = cache.snapshots(prompt_ids, taken)
+    if whole:
+        last = snaps.pop()
+        last.logits = logits.clone()
+        last.hidden = rows[-1][-1:].clone() if rows else None
+        snaps.append(last)
+    for snap in snaps:
         assert prefix_cache is not None
         prefix_cache.put(snap, persist=True)
     return Prefill(cache, logits, start, torch.cat(rows) if rows else None)

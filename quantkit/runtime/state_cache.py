@@ -23,9 +23,11 @@ A raw prompt (/v1/completions, no chat template) may hold no boundary at all, so
 checkpoints, as llama.cpp does: every `every` tokens from the start of the prompt's last segment (the last
 boundary, or 0), the last `keep` of them past the last boundary. `every` is a multiple of the prefill chunk,
 so a checkpoint is where a full prefill's chunk ends anyway: restoring it and prefilling from there cuts the
-same chunks, and the arithmetic stays that of a full prefill. (The very end of a prompt is not such a point
-unless it falls on one: a prompt that extends it would be prefilled in other chunks.) A repeated or
-extended raw prompt thus restores the last checkpoint before it and prefills at most `every` tokens.
+same chunks, and the arithmetic stays that of a full prefill. The very end of a prompt is not such a point
+unless it falls on one (a prompt that extends it would be prefilled in other chunks), so it is kept apart: a
+whole snapshot, with the logits after its last token, that only the same prompt restores (`whole`). A repeated
+raw prompt is thus reused whole, no token prefilled; an extended one restores the last checkpoint before it and
+prefills at most `every` tokens.
 
 A `PrefixCache` may carry a disk store (quantkit.runtime.prompt_disk): every snapshot it is given with
 `persist` is written there too (after the generation, `flush`), and `lookup` restores from disk a longer
@@ -51,8 +53,8 @@ import torch
 from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK, SNAPSHOTS_PER_PROMPT
 
 # boundaries snapshotted per prompt: the generation prompt's start and the last message's (the planner
-# budgets the prompt cache in these units)
-DEFAULT_KEEP = SNAPSHOTS_PER_PROMPT
+# budgets the prompt cache in units of these and the whole prompt)
+DEFAULT_KEEP = SNAPSHOTS_PER_PROMPT - 1
 # checkpoints of a raw prompt: every prefill chunk (a multiple of it keeps the arithmetic; a smaller interval
 # leaves a repeated prompt fewer tokens to prefill)
 CHECKPOINT_EVERY = DEFAULT_PREFILL_CHUNK
@@ -64,14 +66,19 @@ class Snapshot:
 
     ids: tuple[int, ...]
     layers: list[tuple[str, torch.Tensor | None, torch.Tensor | None]]
+    # a whole prompt's snapshot (`PrefixCache.whole`): the logits after its last token, and the final norm's
+    # output there (what the MTP layer drafts from; None where the prefill did not keep it)
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
         return len(self.ids)
 
     def state_bytes(self) -> int:
-        """Bytes of the linear-attention states this snapshot owns."""
-        return sum(_nbytes(a) + _nbytes(b) for kind, a, b in self.layers if kind == "linear")
+        """Bytes of the linear-attention states (and a whole prompt's logits) this snapshot owns."""
+        return (sum(_nbytes(a) + _nbytes(b) for kind, a, b in self.layers if kind == "linear")
+                + _nbytes(self.logits) + _nbytes(self.hidden))
 
     def kv_storages(self) -> dict[tuple[str, int], int]:
         """The KV storages this snapshot references: (device, address) -> bytes of the whole storage."""
@@ -107,6 +114,14 @@ class Snapshot:
             a, b = (tensors[f"{i}.{n}"].to(devices[i]) for n in names[kind])
             layers.append((kind, a, b))
         return cls(tuple(ids), layers)
+
+
+# the first item of a whole prompt's key in `PrefixCache`: no token id, so `lookup` never takes it for a prefix
+WHOLE = "whole"
+
+
+def _key(snap: Snapshot) -> tuple[Any, ...]:
+    return (WHOLE, *snap.ids) if snap.logits is not None else snap.ids
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -175,7 +190,7 @@ class PrefixCache:
         self.disk = disk
         self._pending: list[Snapshot] = []
         self.stats = CacheStats()
-        self._entries: OrderedDict[tuple[int, ...], _Entry] = OrderedDict()
+        self._entries: OrderedDict[tuple[Any, ...], _Entry] = OrderedDict()  # WHOLE first: a whole prompt
         self._storage_refs: dict[tuple[str, int], list[int]] = {}  # key -> [bytes, references]
         self._bytes = 0
         self._lock = threading.Lock()
@@ -191,12 +206,29 @@ class PrefixCache:
     def nbytes(self) -> int:
         return self._bytes
 
-    def _longest(self, ids: tuple[int, ...]) -> tuple[int, ...] | None:
-        best: tuple[int, ...] | None = None
+    def _longest(self, ids: tuple[int, ...]) -> tuple[Any, ...] | None:
+        # a whole prompt's key starts with WHOLE, so it is never a prefix of token ids
+        best: tuple[Any, ...] | None = None
         for key in self._entries:
             if len(key) < len(ids) and (best is None or len(key) > len(best)) and ids[:len(key)] == key:
                 best = key
         return best
+
+    def whole(self, ids: Sequence[int]) -> Snapshot | None:
+        """The snapshot of exactly the prompt `ids` with its last logits (marked most recently used; counted as a
+        hit of every token), or None. Memory only: the disk store keeps prefix snapshots."""
+        if self.max_bytes <= 0:
+            return None
+        key = (WHOLE, *ids)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            self.stats.lookups += 1
+            self.stats.hits += 1
+            self.stats.reused_tokens += entry.snap.length
+            return entry.snap
 
     def peek(self, ids: Sequence[int]) -> Snapshot | None:
         """What `lookup` would return, without counting it or touching the LRU order."""
@@ -240,10 +272,11 @@ class PrefixCache:
         entry = _Entry(snap, snap.state_bytes(), snap.kv_storages())
         if entry.state_bytes + sum(entry.storages.values()) > self.max_bytes:
             return False
+        key = _key(snap)
         with self._lock:
-            if snap.ids in self._entries:
-                self._drop(snap.ids)
-            self._entries[snap.ids] = entry
+            if key in self._entries:
+                self._drop(key)
+            self._entries[key] = entry
             self._bytes += entry.state_bytes
             for k, nb in entry.storages.items():
                 ref = self._storage_refs.setdefault(k, [nb, 0])
@@ -254,7 +287,7 @@ class PrefixCache:
             while self._bytes > self.max_bytes and len(self._entries) > 1:
                 self._drop(next(iter(self._entries)))
                 self.stats.evictions += 1
-            return snap.ids in self._entries
+            return key in self._entries
 
     def flush(self) -> None:
         """Write the snapshots given with `persist` to the disk store (after a generation, not before its
@@ -263,14 +296,15 @@ class PrefixCache:
             pending, self._pending = self._pending, []
         for snap in pending:
             assert self.disk is not None
-            self.disk.write(snap)
+            if snap.logits is None:
+                self.disk.write(snap)
 
     def clear(self) -> None:
         with self._lock:
             for key in list(self._entries):
                 self._drop(key)
 
-    def _drop(self, key: tuple[int, ...]) -> None:
+    def _drop(self, key: tuple[Any, ...]) -> None:
         entry = self._entries.pop(key)
         self._bytes -= entry.state_bytes
         for k in entry.storages:

@@ -530,3 +530,27 @@ def test_the_default_stops_drafting_with_a_layer_that_is_never_right(tiny_model_
     run()
     assert [last[r].token_ids for r in rows] == want
     assert [last[r].mtp["drafted"] for r in rows[1:]] == [0, 0] and all(last[r].mtp["auto"] for r in rows)
+
+
+@pytest.mark.parametrize("mtp", [0, 2])
+def test_a_repeated_prompt_is_reused_whole_alone_and_in_the_batch(tiny_model_mtp, mtp, one_thread):
+    """The same prompt again restores its whole snapshot (its last logits, and the hidden row the MTP layer drafts
+    from): no token prefilled, in `generate` and in the batch, and the tokens are those of its first run, with
+    drafts or not."""
+    rt = _load(tiny_model_mtp, "int4")
+    rt.set_prompt_cache(1 << 28)
+    rt.set_mtp(mtp)
+    ids = _ids(rt, PROMPTS[4])
+    sp = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    first, again = (_alone(rt, ids, replace(sp), None) for _ in range(2))
+    batch = BatchGenerator(rt)
+    row = batch.add(ids=ids, sampling=replace(sp))
+    last = {}
+    while batch:
+        for r, ev in batch.step():
+            if ev.response is not None:
+                last[r] = ev.response
+    assert first.cached_tokens < len(ids)
+    for got in (again, last[row]):
+        assert got.cached_tokens == len(ids) and got.token_ids == first.token_ids
+        assert (got.mtp["drafted"] > 0) if mtp else got.mtp is None

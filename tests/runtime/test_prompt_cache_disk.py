@@ -39,24 +39,30 @@ def test_checkpoints_fall_on_chunk_ends_of_the_last_segment():
 
 
 def test_repeated_and_extended_raw_prompt_restore_a_checkpoint_bit_exact(rt):
-    """A prompt without any message boundary (what /v1/completions sends) is snapshotted at chunk ends: its
-    repeat and a version with another last line restore the last one before they part, and their logits equal
-    a full prefill's exactly."""
+    """A prompt without any message boundary (what /v1/completions sends) is snapshotted at chunk ends and at
+    its end: its repeat is reused whole (no token prefilled; the same logits, and the next step's from the
+    restored state), while a version with another last line, or one that goes on past its end, restores the last
+    chunk end before they part; every logit equals a full prefill's exactly."""
     a = rt.encode(text(50))
     b = rt.encode(text(50, "something else entirely"))
-    assert len(a) > 2 * PREFILL_CHUNK and not set(a) & rt.boundary_ids
+    longer = a + rt.encode(" and then some more")
+    assert len(a) > 2 * PREFILL_CHUNK and not set(a) & rt.boundary_ids and len(a) % PREFILL_CHUNK
     common = next(i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
     cache = PrefixCache(1 << 28)
     with torch.inference_mode():
-        ref = {k: prefill(rt.model, ids).logits for k, ids in (("a", a), ("b", b))}
+        ref = {k: prefill(rt.model, ids) for k, ids in (("a", a), ("b", b), ("longer", longer))}
         first = prefill(rt.model, a, prefix_cache=cache, boundary_ids=rt.boundary_ids)
         again = prefill(rt.model, a, prefix_cache=cache, boundary_ids=rt.boundary_ids)
         other = prefill(rt.model, b, prefix_cache=cache, boundary_ids=rt.boundary_ids)
-    assert first.cached_tokens == 0 and torch.equal(first.logits, ref["a"])
-    assert again.cached_tokens == (len(a) - 1) // PREFILL_CHUNK * PREFILL_CHUNK > 0
-    assert torch.equal(again.logits, ref["a"])
+        past = prefill(rt.model, longer, prefix_cache=cache, boundary_ids=rt.boundary_ids)
+        step = {k: rt.model.forward([7], p.cache) for k, p in (("cold", ref["a"]), ("again", again))}
+    assert first.cached_tokens == 0 and torch.equal(first.logits, ref["a"].logits)
+    assert again.cached_tokens == len(a) and torch.equal(again.logits, ref["a"].logits)
+    assert torch.equal(step["again"], step["cold"])
     assert other.cached_tokens == common // PREFILL_CHUNK * PREFILL_CHUNK > 0
-    assert torch.equal(other.logits, ref["b"])
+    assert torch.equal(other.logits, ref["b"].logits)
+    assert past.cached_tokens == len(a) // PREFILL_CHUNK * PREFILL_CHUNK > 0
+    assert torch.equal(past.logits, ref["longer"].logits)
 
 
 def test_restart_restores_from_disk_and_prefills_only_the_rest(tiny_model, tmp_path):

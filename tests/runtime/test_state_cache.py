@@ -175,8 +175,9 @@ def test_prefix_cache_lru_bytes_and_proper_prefix():
 
 
 def test_planned_snapshot_bytes_match_the_cache(rt):
-    """The plan's prompt-cache budget (2 snapshots = one conversation, their KV shared, up to the context) is
-    what the runtime's cache holds when the longest snapshot fills the context."""
+    """The plan's prompt-cache budget (3 snapshots = one conversation: two boundaries and the whole prompt with
+    its logits, their KV shared, up to the context) is what the runtime's cache holds when the longest snapshot
+    fills the context."""
     from quantkit.checkpoint.spec import parse_text_config, spec_from_config
     from quantkit.planner.budget import RunSettings, compute_budget
     from quantkit.recipe import get_recipe
@@ -186,10 +187,12 @@ def test_planned_snapshot_bytes_match_the_cache(rt):
     ids = rt.encode(rt.render(msgs))
     with torch.inference_mode():
         prefill(rt.model, ids, prefix_cache=cache, boundary_ids=rt.boundary_ids)
-    assert len(cache) == 2
+    assert len(cache) == 3 and sum(s.logits is not None for s in cache.snapshots()) == 1
     longest = max(s.length for s in cache.snapshots())
     spec = spec_from_config(rt.config)
-    b = compute_budget(spec, get_recipe("bf16"), RunSettings(context=longest, prompt_cache_snapshots=2))
+    b = compute_budget(spec, get_recipe("bf16"), RunSettings(context=longest, prompt_cache_snapshots=3))
     assert b.prompt_cache == cache.nbytes
     from quantkit.planner.budget import snapshot_bytes
-    assert snapshot_bytes(parse_text_config(rt.config), longest) == max(s.nbytes() for s in cache.snapshots())
+    c = parse_text_config(rt.config)
+    by_whole = {s.logits is not None: s.nbytes() for s in cache.snapshots()}
+    assert snapshot_bytes(c, longest) == by_whole[False] == by_whole[True] - 2 * c.vocab_size

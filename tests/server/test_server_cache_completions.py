@@ -53,8 +53,8 @@ def test_repeated_and_extended_completions_prompts_reuse_the_cache(q4):
     assert [t for t, _n, _c in got] == [t for t, _n, _c in cold]
     assert all(c == 0 for _t, _n, c in cold) and got[0][2] == 0
     n = got[1][1]
-    assert n > 2 * PREFILL_CHUNK and got[1][2] == (n - 1) // PREFILL_CHUNK * PREFILL_CHUNK  # all but < a chunk
-    assert 0 < got[2][2] <= got[1][2]
+    assert n > 2 * PREFILL_CHUNK and got[1][2] == n  # the same prompt again: reused whole
+    assert 0 < got[2][2] <= (n - 1) // PREFILL_CHUNK * PREFILL_CHUNK  # another last line: the chunk end before it
 
 
 def test_a_conversation_resumes_across_a_server_restart(q4, tmp_path):
