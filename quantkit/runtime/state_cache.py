@@ -27,7 +27,8 @@ same chunks, and the arithmetic stays that of a full prefill. The very end of a 
 unless it falls on one (a prompt that extends it would be prefilled in other chunks), so it is kept apart: a
 whole snapshot, with the logits after its last token, that only the same prompt restores (`whole`). A repeated
 raw prompt is thus reused whole, no token prefilled; an extended one restores the last checkpoint before it and
-prefills at most `every` tokens.
+prefills at most `every` tokens. A whole snapshot enters as the least recently used (it is the first evicted
+to make room; a restore of it marks it used).
 
 A `PrefixCache` may carry a disk store (quantkit.runtime.prompt_disk): every snapshot it is given with
 `persist` is written there too (after the generation, `flush`), and `lookup` restores from disk a longer
@@ -277,6 +278,9 @@ class PrefixCache:
             if key in self._entries:
                 self._drop(key)
             self._entries[key] = entry
+            if snap.logits is not None:
+                # only a repeat of the same prompt uses it: the first to go, never a prefix another prompt needs
+                self._entries.move_to_end(key, last=False)
             self._bytes += entry.state_bytes
             for k, nb in entry.storages.items():
                 ref = self._storage_refs.setdefault(k, [nb, 0])

@@ -9,7 +9,7 @@ import torch
 
 from quantkit.runtime import SamplingParams, load_model
 from quantkit.runtime.generate import prefill
-from quantkit.runtime.state_cache import PrefixCache, prefill_plan, snapshot_points
+from quantkit.runtime.state_cache import PrefixCache, Snapshot, prefill_plan, snapshot_points
 
 from helpers.runtime import quantized
 
@@ -172,6 +172,21 @@ def test_prefix_cache_lru_bytes_and_proper_prefix():
     assert PrefixCache(0).lookup([1, 2]) is None and not PrefixCache(0).put(snap([1]))
     s = c.summary()
     assert s["entries"] == 2 and s["hits"] == 2 and s["lookups"] == 3 and s["bytes"] == c.nbytes
+
+
+def test_a_whole_prompt_is_restored_only_as_itself_and_evicted_first():
+    """A whole prompt's snapshot (its last logits with it) serves only the same ids, never as a prefix, and enters
+    as the least recently used: room for another snapshot is taken from it first, never from a prefix."""
+    def snap(ids, logits=None):
+        return Snapshot(tuple(ids), [("linear", torch.zeros(10), torch.zeros(10))], logits)
+    c = PrefixCache(3 * 80 + 20)
+    assert c.put(snap([1, 2])) and c.put(snap([1, 2, 3], torch.ones(5)))
+    assert c.lookup([1, 2, 3, 4]).ids == (1, 2) and c.peek([1, 2, 3, 4]).ids == (1, 2)
+    assert c.whole([1, 2]) is None and c.whole([1, 2, 3, 4]) is None
+    assert torch.equal(c.whole([1, 2, 3]).logits, torch.ones(5))
+    assert c.put(snap([5, 6])) and c.put(snap([1, 2, 3], torch.ones(5)))  # a new whole: it goes first
+    assert c.put(snap([7, 8])) and c.whole([1, 2, 3]) is None
+    assert {s.ids for s in c.snapshots()} == {(1, 2), (5, 6), (7, 8)} and c.stats.evictions == 1
 
 
 def test_planned_snapshot_bytes_match_the_cache(rt):
