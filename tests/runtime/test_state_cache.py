@@ -154,8 +154,6 @@ def test_prefill_plan_cuts_at_boundaries_and_chunks():
 
 
 def test_prefix_cache_lru_bytes_and_proper_prefix():
-    from quantkit.runtime.state_cache import Snapshot
-
     def snap(ids, n=10):
         kv = torch.zeros(1, 1, 64, 4)
         return Snapshot(tuple(ids), [("linear", torch.zeros(n), torch.zeros(n)), ("kv", kv[..., :len(ids), :],
