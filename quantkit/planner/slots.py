@@ -15,6 +15,7 @@ from quantkit.planner.budget import (
     DEFAULT_PREFILL_CHUNK,
     RunSettings,
     batch_activation_bytes,
+    kv_bytes_per_token,
     slot_state_bytes,
 )
 from quantkit.sizes import format_size
@@ -52,9 +53,11 @@ class SlotsNeed:
 
 
 def slots_need(c: TextConfig, slots: int, context: int, layer_device: Sequence[str], head_device: str,
-               prefill_chunk: int = DEFAULT_PREFILL_CHUNK, cache_dtype: str = "bf16") -> SlotsNeed:
+               prefill_chunk: int = DEFAULT_PREFILL_CHUNK, cache_dtype: str = "bf16",
+               mtp_device: str | None = None) -> SlotsNeed:
     """Each layer's state of `slots` conversations on that layer's device; the batch's activations (the
-    widest forward: a prefill chunk or the slots' rows) and its fp32 logits on the lm_head's device."""
+    widest forward: a prefill chunk or the slots' rows) and its fp32 logits on the lm_head's device; with
+    `mtp_device` (the MTP layer's, where it drafts), each slot's bf16 K/V of that layer there too."""
     if len(layer_device) != len(c.layer_types):
         raise QuantkitError(f"{len(layer_device)} layer devices for a model of {len(c.layer_types)} layers")
     s = RunSettings(context=context, batch=slots, cache_dtype=cache_dtype, prefill_chunk=prefill_chunk)
@@ -64,6 +67,10 @@ def slots_need(c: TextConfig, slots: int, context: int, layer_device: Sequence[s
         by_device[dev] = by_device.get(dev, 0) + b
     by_device[head_device] = by_device.get(head_device, 0) + batch_activation_bytes(c, s) + slots * c.vocab_size * 4
     one = sum(slot_state_bytes(c, RunSettings(context=context, batch=1, cache_dtype=cache_dtype)))
+    if mtp_device is not None:  # each row's drafter keeps its own cache of the MTP layer (runtime/batch_drafts.py)
+        mtp = kv_bytes_per_token(c, "bf16", c.mtp_num_hidden_layers) * context
+        by_device[mtp_device] = by_device.get(mtp_device, 0) + slots * mtp
+        one += mtp
     return SlotsNeed(slots, context, by_device, one)
 
 
@@ -73,12 +80,15 @@ def short_of(need: SlotsNeed, free: Mapping[str, int]) -> str | None:
 
 
 def slots_fit(c: TextConfig, free: Mapping[str, int], context: int, layer_device: Sequence[str], head_device: str,
-              limit: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, cache_dtype: str = "bf16") -> int:
-    """The most slots, up to `limit`, whose state and activations fit `free` (device -> bytes); 0 when not one."""
+              limit: int, prefill_chunk: int = DEFAULT_PREFILL_CHUNK, cache_dtype: str = "bf16",
+              mtp_device: str | None = None) -> int:
+    """The most slots, up to `limit`, whose state and activations (and MTP K/V: `slots_need`) fit `free`
+    (device -> bytes); 0 when not one."""
     lo, hi = 0, limit  # the need grows with the slot count, so the largest that fits is a bisection away
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if short_of(slots_need(c, mid, context, layer_device, head_device, prefill_chunk, cache_dtype), free):
+        if short_of(slots_need(c, mid, context, layer_device, head_device, prefill_chunk, cache_dtype, mtp_device),
+                    free):
             hi = mid - 1
         else:
             lo = mid

@@ -13,7 +13,7 @@ from quantkit.runtime.devices import available_bytes
 def free_for_slots(runtime: Any) -> dict[str, int]:
     """What each device holding a layer or the lm_head has free now, less the prompt cache's bound on the device
     holding the states (its snapshots fill up to it while the slots decode)."""
-    devs = dict.fromkeys([*runtime.placement.layer_device, runtime.placement.lm_head])
+    devs = dict.fromkeys([*runtime.placement.layer_device, runtime.placement.lm_head, *_mtp_device(runtime)])
     free = {d: available_bytes(d) for d in devs}
     sd = runtime.state_device
     free[sd] = max(0, free.get(sd, 0) - int(runtime.prompt_cache.max_bytes))
@@ -26,8 +26,15 @@ def choose_parallel(runtime: Any, requested: int | None, context: int, free: dic
     c = parse_text_config(runtime.config)
     p = runtime.placement
     free = free_for_slots(runtime) if free is None else free
-    fit = slots_fit(c, free, context, p.layer_device, p.lm_head, MAX_SLOTS)
+    mtp = next(iter(_mtp_device(runtime)), None)
+    fit = slots_fit(c, free, context, p.layer_device, p.lm_head, MAX_SLOTS, mtp_device=mtp)
     if requested is None:
         return default_parallel(fit)
-    check_parallel(slots_need(c, requested, context, p.layer_device, p.lm_head), free, fit)
+    check_parallel(slots_need(c, requested, context, p.layer_device, p.lm_head, mtp_device=mtp), free, fit)
     return requested
+
+
+def _mtp_device(runtime: Any) -> list[str]:
+    """The MTP layer's device where it drafts (each slot then keeps a cache of it), else none."""
+    mtp = runtime.model.mtp
+    return [str(mtp.layer.device)] if mtp is not None and (runtime.tuner is not None or runtime.mtp) else []

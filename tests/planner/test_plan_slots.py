@@ -113,6 +113,24 @@ def test_serve_picks_the_slots_that_fit_and_keeps_one_where_two_do_not(q4):
         choose_parallel(rt, 4, 256, {"cpu": room})
 
 
+def test_slots_that_draft_count_their_own_mtp_cache(tiny_model_mtp):
+    """Each slot of a server that drafts keeps its own cache of the MTP layer (the batch's `RowDrafter`): its bf16
+    K/V at the context, counted per slot where drafting is on (the default, or --mtp N) and not with --mtp 0, so
+    the memory that fits three slots without drafts fits fewer with them."""
+    rt = load_model(quantized(tiny_model_mtp, "int4"), context=256)
+    c, p = parse_text_config(rt.config), rt.placement
+    plain = slots_need(c, 3, 256, p.layer_device, p.lm_head)
+    drafts = slots_need(c, 3, 256, p.layer_device, p.lm_head, mtp_device="cpu")
+    cache = rt.model.mtp.new_cache(256)
+    per_slot = sum(t.numel() * t.element_size() for t in (*cache.keys.values(), *cache.values.values()))
+    assert drafts.total - plain.total == 3 * per_slot > 0 and drafts.per_slot - plain.per_slot == per_slot
+    fit = [n for n in (1, 2, 3) if slots_need(c, n, 256, p.layer_device, p.lm_head, mtp_device="cpu").total
+           <= plain.total]
+    assert rt.tuner is not None and choose_parallel(rt, None, 256, {"cpu": plain.total}) == max([1, *fit]) < 3
+    rt.set_mtp(0)
+    assert choose_parallel(rt, None, 256, {"cpu": plain.total}) == 3
+
+
 @pytest.mark.parametrize("value", ["0", str(MAX_SLOTS + 1), "1048576", "2.5", "lots"])
 def test_plan_and_serve_take_one_parallel_range_with_one_message(tmp_path, capsys, monkeypatch, value):
     """`plan --parallel` budgets the slots `serve --parallel` decodes: the same range, refused in the same line."""
