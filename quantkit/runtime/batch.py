@@ -217,9 +217,10 @@ class BatchGenerator:
             r.cancel.set()
 
     def step(self) -> list[tuple[int, TokenEvent]]:
-        """The tokens of every row (one, or a verify's accepted drafts and one), then one batched forward for the
-        rows that go on (each with the drafts the plan gives it). Returns (row id, event) pairs: a token's event
-        as `generate_stream` yields it, and a row's last event (response set) when it ends."""
+        """One batched forward of the rows that went on at the last step (each with the drafts the plan gives it),
+        then the tokens of every row (one, or a verify's accepted drafts and one; a row just added, its first).
+        Returns (row id, event) pairs: a token's event as `generate_stream` yields it, and a row's last event
+        (response set) when it ends."""
         with self.rt._lock, torch.inference_mode():
             return self._step()
 
@@ -233,25 +234,26 @@ class BatchGenerator:
         return fixed, DraftStats(fixed or 0, auto=fixed is None), fixed is not None or not self.plan.off()
 
     def _step(self) -> list[tuple[int, TokenEvent]]:
-        """`step`, under the runtime's lock (held by the caller)."""
+        """`step`, under the runtime's lock (held by the caller): one forward of the rows whose last token has not
+        been through the model yet, then every row's tokens from its logits (a row just added picks its first
+        from the prompt's), so a token's event never waits for the forward of the next."""
         out, self._ended = self._ended, []
-        t0 = time.perf_counter()
-        for r in list(self._rows.values()):
-            self._take(r, out)
-        if self._timed is not None:  # the last forward's cost, its rewinds (just made) included
-            rows, tokens, secs = self._timed
-            self.plan.record(rows, tokens, secs + time.perf_counter() - t0)
-            self._timed = None
-        go = list(self._rows.values())
+        go = [r for r in self._rows.values() if r.logits is None]
         if self.plan.off():
             for r in go:
                 if r.fixed is None:
                     r.drafter = None
         if go:
             self._forward(go)
+        t0 = time.perf_counter()
+        for r in list(self._rows.values()):
+            self._take(r, out)
+        if self._timed is not None:  # the forward's cost, its rewinds (just made) included
+            rows, tokens, secs = self._timed
+            self.plan.record(rows, tokens, secs + time.perf_counter() - t0)
+            self._timed = None
         if any(ev.response is not None for _r, ev in out):
-            # the disk store's writes of the prompts prefilled since, after an answer as `stream_tokens` does
-            # (and after this step's forward: the other rows' next tokens are not held up by them)
+            # the disk store's writes of the prompts prefilled since, after an answer (not before its tokens)
             self.rt.prompt_cache.flush()
         return out
 
