@@ -5,7 +5,7 @@ Oracle part, on a realistic-shape checkpoint with an MTP layer (real hidden, exp
 experts; random weights). Random weights give an MTP layer that never agrees with the model, so the acceptance is
 set instead: an oracle drafter runs the real MTP layer (its cost is paid) and then proposes the model's own greedy
 continuation, a share 1 - acceptance of the drafts replaced by a wrong token (spread evenly: `OracleDrafter`).
-For each draft count and acceptance, and for the default (`DraftTuner` choosing the count), greedy decode tok/s
+For each draft count and acceptance, and for the default (`DraftPlan` choosing the count), greedy decode tok/s
 (best of `reps`) beside decoding without drafts, in interleaved rounds; the greedy tokens are checked equal to the
 run without drafts. Apart: the cost of a verify of T = 2..4 tokens against one decode step (median of `steps`
 calls each).
@@ -51,7 +51,7 @@ from quantkit.fileio import read_json_bounded
 from quantkit.quantize.run import QuantizeOptions, run_quantize
 from quantkit.recipe import Recipe, build_recipe
 from quantkit.runtime import SamplingParams, load_model
-from quantkit.runtime.speculative import DraftTuner
+from quantkit.runtime.batch_drafts import DraftPlan
 from quantkit.testing.mtp_train import EVAL_SEED, TrainOptions, chat_prompts
 from quantkit.testing.tiny import SIDECAR, make_tiny_model
 from quantkit.threads import torch_threads
@@ -108,7 +108,7 @@ def checkpoint(workdir: Path, layers: int, experts: int, vocab: int, log: Any) -
 
 
 def decode(rt: Any, prompt: list[int], n: int, draft: int | None, reps: int) -> tuple[float, list[int], dict | None]:
-    """Best greedy decode tok/s of `reps`, the tokens, the draft counts (draft None: the runtime's tuner)."""
+    """Best greedy decode tok/s of `reps`, the tokens, the draft counts (draft None: the runtime's plan)."""
     rt.set_mtp(draft)
     best, toks, stats = 0.0, [], None
     for _ in range(reps):
@@ -167,7 +167,7 @@ def run_oracle(workdir: Path, layers: int = 4, experts: int = 64, vocab: int = 2
     base: dict[str, Any] = {"tok_s": 0.0, "rounds": []}
     rows: dict[str, dict[str, Any]] = {}
     auto: dict[float, dict[str, Any]] = {}
-    tuners: dict[float, DraftTuner] = {}
+    plans: dict[float, DraftPlan] = {}
     for rnd in range(rounds):
         log(f"round {rnd + 1}/{rounds}: no drafts")
         tps, ref, _ = decode(rt, prompt, new_tokens, 0, reps)
@@ -183,16 +183,15 @@ def run_oracle(workdir: Path, layers: int = 4, experts: int = 64, vocab: int = 2
                 if tps > r["tok_s"]:
                     r.update(tok_s=tps, drafted=stats["drafted"], accepted=stats["accepted"])
                 r["same_tokens"] = r.get("same_tokens", True) and toks == ref
-        for a in ACCEPTANCES:  # the default: the tuner chooses the count, keeping what it measured across runs
+        for a in ACCEPTANCES:  # the default: the plan chooses the count, keeping what it measured across runs
             rt.model.mtp.draft = OracleDrafter(real, prompt + ref, a, seed=rnd)
-            rt.tuner = tuners.setdefault(a, DraftTuner())
+            plan = rt.draft_plan = plans.setdefault(a, DraftPlan())
             tps, toks, stats = decode(rt, prompt, new_tokens, None, reps)
             r = auto.setdefault(a, {"acceptance": a, "tok_s": 0.0, "rounds": []})
             r["rounds"].append(round(tps, 2))
             if tps > r["tok_s"]:
                 r.update(tok_s=tps, drafted=stats["drafted"], accepted=stats["accepted"])
-            r.update(same_tokens=r.get("same_tokens", True) and toks == ref, draft=rt.tuner.draft(),
-                     tried=sorted(rt.tuner.timed))
+            r.update(same_tokens=r.get("same_tokens", True) and toks == ref, draft=plan.lone(), tried=plan.tried())
         rt.model.mtp.draft = real
     rt.set_mtp(0)
     costs = verify_costs(rt, prompt, steps)
@@ -439,9 +438,10 @@ def render_oracle(d: dict[str, Any]) -> list[str]:
         out.append(f"| {r['draft']} | {r['acceptance']:.2f} | {r['tok_s']:.1f} | {r['speedup']:.2f}x | "
                    f"{r.get('accepted', 0)} / {r.get('drafted', 0)} | {'yes' if r['same_tokens'] else 'NO'} |")
     if d.get("auto_rows"):
-        out += ["", "The default (no `--mtp`): the runtime's tuner times a plain step, tries 1, 2 and 3 drafts for "
-                "a few verifies each while each beats the one before, and keeps the fastest (runtime/speculative.py, "
-                "`DraftTuner`); one tuner per acceptance, kept across its runs as a chat session keeps it:", "",
+        out += ["", "The default (no `--mtp`): the runtime's plan times steps of each shape it runs, tries more drafts "
+                "where they would pay at the last shape's price, and takes the count with the most tokens per second "
+                "at the acceptance measured (runtime/batch_drafts.py, `DraftPlan`); one plan per acceptance, kept "
+                "across its runs as a chat session keeps it:", "",
                 "| acceptance | decode tok/s | vs no MTP | drafts kept (tried) | accepted / drafted | same greedy tokens |",
                 "|---:|---:|---:|---|---:|---|"]
         for r in sorted(d["auto_rows"], key=lambda r: r["acceptance"]):

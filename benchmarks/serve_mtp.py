@@ -7,9 +7,9 @@ by its prompt). The server runs in this process (uvicorn on a loopback port, `cr
 it, the prompt cache off so every request prefills alike) and is asked over HTTP with streamed completions, each
 client its own process:
 - one client on a default server (`--parallel` chosen as `serve` chooses it, MTP at its default) against `generate`
-  with its default MTP (`Runtime.generate_ids`, the `DraftTuner`, settled before the rounds) and with the count
-  that default keeps here on a quiet host (FIXED; the tuner's timing can settle elsewhere when other work shares
-  the cores), decode tok/s of each measured the same way:
+  with its default MTP (`Runtime.generate_ids`, the runtime's `DraftPlan`, warmed before the rounds) and with the
+  count that default keeps here on a quiet host (FIXED; the plan's timing can settle elsewhere when other work
+  shares the cores), decode tok/s of each measured the same way:
   (tokens - 1) / seconds from the first token to the last, in the thread that generates (the server's timings);
 - two clients at once on `--parallel 2`, MTP at its default against `--mtp 0`: the tokens of both after each
   one's first / seconds from the first token either got to the last (the server's timings, on this clock).
@@ -154,7 +154,7 @@ def measure(model_dir: Path | None, workdir: Path, n_threads: int, rounds: int, 
 def _measure(model_dir: Path | None, workdir: Path, n_threads: int, rounds: int, new_tokens: int) -> dict[str, Any]:
     from quantkit.recipe import build_recipe
     from quantkit.runtime import SamplingParams, load_model
-    from quantkit.runtime.speculative import DraftTuner
+    from quantkit.runtime.batch_drafts import DraftPlan
     from quantkit.server.app import ServerConfig, create_app
     from quantkit.server.parallel import choose_parallel
     from quantkit.server.runtime_backend import RuntimeBackend
@@ -175,13 +175,13 @@ def _measure(model_dir: Path | None, workdir: Path, n_threads: int, rounds: int,
     refs = [[e.token for e in run] for run in runs]
     texts = ["".join(e.text for e in run) for run in runs]  # what a client gets of them
     seqs = {len(p): p + r for p, r in zip(prompts, refs, strict=True)}
-    tuner = DraftTuner()
+    plan = DraftPlan()
 
     def generate_once(rnd: int, draft: int | None = None) -> dict[str, Any]:
         rt.model.mtp.draft = RowOracles(real, seqs, ACCEPTANCE, rnd)
         rt.set_mtp(draft)
         if draft is None:
-            rt.tuner = tuner  # the default, what it measured kept across runs as a session keeps it
+            rt.draft_plan = plan  # the default, what it measured kept across runs as a session keeps it
         times, toks, resp = [], [], None
         for e in rt.generate_ids(prompts[0], sp, thinking=False, stop_ids=set()):
             if e.token is not None:
@@ -192,19 +192,17 @@ def _measure(model_dir: Path | None, workdir: Path, n_threads: int, rounds: int,
         return {"tok_s": (len(toks) - 1) / (times[-1] - times[0]), "same": toks == refs[0], "mtp": resp.mtp,
                 "generation_tps": resp.generation_tps}
 
-    for rnd in range(8):  # generate's default settles on its count first, as it keeps it across runs
-        if tuner.settled or tuner.off:
-            break
+    for rnd in range(3):  # generate's default measures its shapes first, as it keeps them across runs
         generate_once(rnd)
     backend = RuntimeBackend(rt, "m")
     slots = choose_parallel(rt, None, backend.max_context)
     one: dict[str, list[dict[str, Any]]] = {"generate": [], "generate_fixed": [], "serve": []}
     with Server(create_app(backend, ServerConfig(parallel=slots))) as s:
-        for rnd in range(rounds + 1):  # the first round warms up (and lets the tuner and the plan measure)
+        for rnd in range(rounds + 1):  # the first round warms up (and lets the plans measure)
             g1 = generate_once(rnd)
             g3 = generate_once(rnd, FIXED)
             rt.model.mtp.draft = RowOracles(real, seqs, ACCEPTANCE, rnd)
-            rt.tuner = DraftTuner()  # the server's default: drafts left to quantkit (its plan is the batch's)
+            rt.draft_plan = DraftPlan()  # the server's default: drafts left to quantkit, measured afresh
             r = clients(s.url, prompts[:1], new_tokens)[0]
             t = r["timings"]
             r1 = {"tok_s": (t["predicted_n"] - 1) / (t["predicted_ms"] / 1e3), "same": r["text"] == texts[0]
@@ -221,7 +219,7 @@ def _measure(model_dir: Path | None, workdir: Path, n_threads: int, rounds: int,
             for side in ("drafts", "no_drafts"):
                 rt.model.mtp.draft = RowOracles(real, seqs, ACCEPTANCE, rnd)
                 if side == "drafts":
-                    rt.tuner = DraftTuner()
+                    rt.draft_plan = DraftPlan()
                 else:
                     rt.set_mtp(0)
                 got = clients(s.url, prompts, new_tokens)
@@ -235,7 +233,7 @@ def _measure(model_dir: Path | None, workdir: Path, n_threads: int, rounds: int,
     rt.model.mtp.draft = real
     return {"route": rt.route()["name"], "slots_default": slots, "recipe": rec.name,
             "one": one, "two": two,
-            "generate_default": tuner.line(),
+            "generate_default": plan.line(),
             "same_tokens": all(x["same"] for side in [*one.values(), *two.values()] for x in side)}
 
 
@@ -297,7 +295,7 @@ def write_report(reports: Path, d: dict[str, Any]) -> None:
              "Decode tok/s: one client, (tokens - 1) / seconds from its first token to its last in the thread that "
              "generates (`generate`: its token events; the server: its timings); two clients, the tokens of both "
              "after each one's first / seconds from the first token either got to the last (sent time plus the "
-             "server's timings). `generate`'s tuner settled on its count before the rounds; the server's plan "
+             "server's timings). `generate`'s plan measured in three runs before the rounds; the server's plan "
              "measured in the warm-up round.", SECTION[1]]
     write_section(reports / "bench-serve.md", "\n".join(lines) + "\n", SECTION)
 

@@ -45,8 +45,10 @@ from quantkit.errors import ArgumentError, ArgumentTypeError, QuantkitError
 from quantkit.runtime import args
 from quantkit.runtime.batch_drafts import DraftPlan, RowDrafter
 from quantkit.runtime.channels import ANSWER, THINKING, ChannelSplitter
+from quantkit.runtime.devices import release_free_heap
 from quantkit.runtime.generate import (
     PREFILL_CHUNK,
+    TRIM_AFTER_PREFILL,
     GenerationResponse,
     SamplingParams,
     TokenEvent,
@@ -96,7 +98,8 @@ class BatchGenerator:
         self._ended: list[tuple[int, TokenEvent]] = []  # rows that ended outside a step (cancelled prefill)
         self._ids = itertools.count()
         self.errors: dict[int, Exception] = {}  # rows that ended with finish_reason "error": what their hook raised
-        self.plan = DraftPlan()  # drafts per row at a step, for rows on the default (auto)
+        # drafts per row at a step, for rows on the default (auto): the runtime's, kept across batches
+        self.plan = rt.draft_plan if rt.draft_plan is not None else DraftPlan()
         self._timed: tuple[int, int, float] | None = None  # the last forward (rows, tokens, seconds), its rewinds due
 
     def __len__(self) -> int:
@@ -155,6 +158,8 @@ class BatchGenerator:
                 drafter = RowDrafter.prefilled(rt.model, list(ids[pre.cached_tokens:]), pre.hidden, capacity,
                                                stats, PREFILL_CHUNK)
             spent = time.perf_counter() - t0  # with the steps run between its chunks, as a server sees it
+            if n - pre.cached_tokens >= TRIM_AFTER_PREFILL:
+                release_free_heap()  # its chunk temporaries (at 35B a 2k prompt's stayed in the heap: bench full-size)
         logits = pre.logits.view(1, -1) if pre.logits is not None else None
         row = _Row(next(self._ids), list(ids), sp, stops, pre.cache, logits, picker(sp, gen, sample), budget,
                    ChannelSplitter(rt.tokenizer, rt.think_ids, enable_thinking), pre.cached_tokens, spent, cancel,
@@ -228,7 +233,7 @@ class BatchGenerator:
         """The runtime's MTP setting for a new row: --mtp N (None: the plan's choice), the counts its response
         reports (None: MTP off) and whether it drafts (not where the plan has turned drafting off)."""
         rt = self.rt
-        fixed = None if rt.tuner is not None else rt.mtp
+        fixed = None if rt.draft_plan is not None else rt.mtp
         if rt.model.mtp is None or fixed == 0:
             return fixed, None, False
         return fixed, DraftStats(fixed or 0, auto=fixed is None), fixed is not None or not self.plan.off()
@@ -239,7 +244,7 @@ class BatchGenerator:
         from the prompt's), so a token's event never waits for the forward of the next."""
         out, self._ended = self._ended, []
         go = [r for r in self._rows.values() if r.logits is None]
-        if self.plan.off():
+        if any(r.drafter is not None and r.fixed is None for r in go) and self.plan.off():
             for r in go:
                 if r.fixed is None:
                     r.drafter = None
@@ -352,7 +357,7 @@ class BatchGenerator:
             yield from self.step()
 
     def _last(self, r: _Row, finish: str) -> TokenEvent:
-        """A row's final event, its response counted as `stream_tokens` counts it."""
+        """A row's final event and its response (generation tok/s over the steps after the first token)."""
         n_gen = len(r.generated)
         steps = max(0, n_gen - 1) if finish != "cancelled" else n_gen
         t_dec, t_pre = r.decode_seconds, r.prefill_seconds

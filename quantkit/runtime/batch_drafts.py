@@ -6,8 +6,8 @@ its sequence), the pairs not fed to it yet, the mark its drafts are rewound to, 
 response `draft_n` / `draft_n_accepted`). A row that decodes without drafts at a step still collects its pair (the
 batch's forward gives the hidden), so a later draft sees the whole sequence; pairs are fed at the row's next draft,
 or in one chunk past CATCH_UP. Its verify is a segment of the batch's one forward (`Model.step_batch`): the row's
-token and its k drafts, positions kept, the cache rewound to the tokens accepted, as `mtp_tokens`
-(runtime/speculative.py) does alone; the tokens are those the row generates alone, drafts or not.
+token and its k drafts, positions kept, the cache rewound to the tokens accepted (runtime/speculative.py: the rule
+that keeps a draft); the tokens are those the row generates without drafts.
 
 `DraftPlan`: drafts per row at a step where the count is left to quantkit (the default; `--mtp N` drafts N a row,
 fewer where its budget ends): the counts with the most tokens per second by what steps of that shape measured:
@@ -18,11 +18,11 @@ counts weighed with all rows'; FIRST_ACCEPTANCE for every row until EXPLORE draf
 them; the total with the best tokens per second is kept. A shape costs at least what a measured shape of as many
 rows and fewer tokens cost (more tokens never cost less); shapes are tried upward from the S rows without drafts,
 measured first: the next shape not measured is tried when it would be best even at the last one's price, then
-judged on its own time. One row alone is `generate`'s case (its `DraftTuner` times each count; the same choice
-from costs here); several rows draft where the larger step still pays (reports/bench-serve-policy.json: at 2 slots
-4 token rows cost little more than 2, at 4 slots 8 cost twice 4). Where even a lone row's best count is 0, the
-plan is `off` for good: new rows carry no drafter (an MTP layer that is rarely right costs a few verifies, as
-with the tuner).
+judged on its own time. One row alone is `generate`'s case (the runtime keeps one plan, `Runtime.draft_plan`,
+across its generations and the server's batch); several rows draft where the larger step still pays
+(reports/bench-serve-policy.json: at 2 slots 4 token rows cost little more than 2, at 4 slots 8 cost twice 4).
+Where even a lone row's best count is 0, the plan is `off` for good: new rows carry no drafter (an MTP layer that
+is rarely right costs a few verifies).
 """
 
 from __future__ import annotations
@@ -164,8 +164,27 @@ class DraftPlan:
 
     def off(self) -> bool:
         """Drafting pays for no row, even one alone, at the acceptance measured (or FIRST_ACCEPTANCE before it
-        is): for good, as `DraftTuner` stops."""
-        return self.cost(1, 1) is not None and self.counts([MAX_DRAFT], [(self.accepted, self.examined)]) == [0]
+        is): for good."""
+        return self.cost(1, 1) is not None and self.lone() == 0
+
+    def lone(self) -> int:
+        """Drafts a row alone takes now, at the pooled acceptance."""
+        return self.counts([MAX_DRAFT], [(self.accepted, self.examined)])[0]
+
+    def tried(self) -> list[int]:
+        """The draft counts a row alone has been measured with."""
+        return sorted(t - 1 for s, t in self.costs if s == 1 and t > 1)
+
+    def line(self) -> str:
+        """The default's state in a few words (the load line and /stats)."""
+        if self.off():
+            return ("auto, off: drafting measured no faster than decoding without drafts here "
+                    "(--mtp N forces N)")
+        if self.cost(1, 1) is None:
+            return "auto: drafts 1-3 tokens per step where that measures faster than without (--mtp 0: off)"
+        k = self.lone()
+        seen = f", {self.accepted / self.examined:.2f} of drafts accepted" if self.examined >= EXPLORE else ""
+        return f"auto: {k} draft{'s' if k != 1 else ''} per step for one conversation now{seen}"
 
     def counts(self, limits: list[int], rows: list[tuple[int, int]]) -> list[int]:
         """Drafts for each row of a step: limits[j] the most row j may draft (its budget, 0: no drafter), rows[j]

@@ -12,17 +12,18 @@ import torch
 from quantkit.errors import QuantkitError
 from quantkit.fileio import read_json_bounded
 from quantkit.runtime import args
+from quantkit.runtime.batch import BatchGenerator
+from quantkit.runtime.batch_drafts import DraftPlan
 from quantkit.runtime.devices import available_bytes
 from quantkit.runtime.generate import (
     GenerationResponse,
     SamplingParams,
     TokenEvent,
     sampling_with,
-    stream_tokens,
 )
 from quantkit.runtime.prompt_disk import default_warn, open_store
 from quantkit.runtime.safe_prompt import render_ids
-from quantkit.runtime.speculative import MAX_DRAFT, DraftTuner
+from quantkit.runtime.speculative import MAX_DRAFT
 from quantkit.runtime.state_cache import PrefixCache
 
 AUTO_CACHE_FRACTION = 4  # the default prompt cache takes 1/4 of the free memory of the states' device
@@ -113,12 +114,13 @@ class Runtime:
         # message boundaries: prefill is cut and snapshots are taken before each <|im_start|>
         self.boundary_ids = frozenset(i for i in (vocab.get("<|im_start|>"),) if i is not None)
         self.prompt_cache = PrefixCache(0)  # off until set_prompt_cache
-        # drafts per verify from the model's MTP layer (runtime/speculative.py): by default as many as measure
-        # fastest here (`DraftTuner`), `set_mtp(N)` fixes N
+        # drafts per step from the model's MTP layer (runtime/batch_drafts.py): by default as many as the measured
+        # step costs say pay (`draft_plan`, kept across generations), `set_mtp(N)` fixes N
         self.mtp = 0
-        self.tuner = DraftTuner() if model.mtp is not None else None
+        self.draft_plan: DraftPlan | None = DraftPlan() if model.mtp is not None else None
         self._cancel = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the model's caches and kernels: one forward (or prefill) at a time
+        self._generating = threading.Lock()  # generate calls: one after the other, as `stop` expects
         self.last: GenerationResponse | None = None
         self.last_prompt_ids: list[int] = []
 
@@ -143,7 +145,7 @@ class Runtime:
             return None
         if not 0 <= draft <= MAX_DRAFT:
             raise QuantkitError(f"--mtp {draft}: draft 0 to {MAX_DRAFT} tokens per step (0 = off)")
-        self.tuner = None
+        self.draft_plan = None
         if draft and self.model.mtp is None:
             self.mtp = 0
             return f"--mtp {draft}: {self.folder.name} has no MTP layer; decoding without drafts"
@@ -154,8 +156,8 @@ class Runtime:
         """Whether decoding drafts with the MTP layer, for the load line and /stats."""
         if self.model.mtp is None:
             return "MTP: none in this model"
-        if self.tuner is not None:
-            return f"MTP: {self.tuner.line()}"
+        if self.draft_plan is not None:
+            return f"MTP: {self.draft_plan.line()}"
         if not self.mtp:
             return "MTP: off (--mtp N drafts N tokens per step with the model's MTP layer)"
         return f"MTP: drafting {self.mtp} token{'s' if self.mtp != 1 else ''} per step"
@@ -248,17 +250,18 @@ class Runtime:
 
     def _generate(self, ids: list[int], sampling: SamplingParams, thinking: bool, cancel: threading.Event | None,
                   stop_ids: set[int] | None) -> Iterator[TokenEvent]:
-        with self._lock:
+        """One generation: the one-row case of the batch engine (runtime/batch.py), so a request alone and in a
+        server's batch run the same loop, drafts and prompt cache."""
+        with self._generating:
             self._cancel.clear()
-            ev = _AnyEvent(self._cancel, cancel)
-            stops = set() if sampling.ignore_eos else self.stop_ids if stop_ids is None else stop_ids
+            batch = BatchGenerator(self)
             try:
-                for e in stream_tokens(self.model, self.tokenizer, ids, sampling=sampling, stop_ids=stops,
-                                       context=self.context, devices=self._io_devices(), thinking=thinking,
-                                       think_ids=self.think_ids, cancel=ev, prefix_cache=self.prompt_cache,
-                                       boundary_ids=self.boundary_ids, mtp=self.mtp,
-                                       tuner=self.tuner):
+                batch.add(ids=ids, sampling=sampling, stop_ids=stop_ids, cancel=_AnyEvent(self._cancel, cancel),
+                          enable_thinking=thinking)
+                for row, e in batch.run():
                     if e.response is not None:
+                        if row in batch.errors:  # the sampling hook raised: the caller gets it, as it gave the hook
+                            raise batch.errors[row]
                         self.last = e.response
                     yield e
             finally:  # a consumer that stops reading (the server at max_tokens) still gets the disk writes

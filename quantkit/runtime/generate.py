@@ -1,13 +1,12 @@
-"""The decoding loop: prefill (restoring a cached prefix, quantkit.runtime.state_cache), sampling, streaming detokenization, thinking vs answer channels.
+"""A generation's parts: prefill (restoring a cached prefix, quantkit.runtime.state_cache), sampling, and what a
+generation yields: a `TokenEvent` per generated token and a last event carrying the `GenerationResponse` (text,
+thinking, token counts, prompt and generation tok/s, peak memory per device, finish reason). Prompt tok/s = prompt
+tokens / prefill seconds; generation tok/s = tokens after the first / seconds of the decode steps that produced
+them (the first token comes from the prefill's logits, as mlx-lm and llama.cpp count it).
 
-`stream_tokens(model, tokenizer, prompt_ids, ...)` yields a `TokenEvent` per generated token and a last
-event carrying the `GenerationResponse` (text, thinking, token counts, prompt and generation tok/s,
-peak memory per device, finish reason). Prompt tok/s = prompt tokens / prefill seconds; generation
-tok/s = tokens after the first / seconds of the decode steps that produced them (the first token comes
-from the prefill's logits, as mlx-lm and llama.cpp count it).
-
-Prefill and decode are one forward (quantkit.runtime.model): the prompt in chunks, then one token per step,
-over one `HybridCache` sized for the prompt and the tokens the generation may reach.
+The loop is the batch engine's (runtime/batch.py, `BatchGenerator`); `Runtime.generate_ids` is its one-row case.
+Prefill and decode are one forward (quantkit.runtime.model): the prompt in chunks, then one token (or a verify of
+drafts) per step, over one `HybridCache` sized for the prompt and the tokens the generation may reach.
 
 Channels ("thinking" and "answer") are decided by token id in quantkit.runtime.channels, the one place
 a generation is split; the tags themselves are not part of either text.
@@ -15,31 +14,18 @@ a generation is split; the tags themselves are not part of either text.
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
 import torch
 
-from quantkit.errors import ArgumentTypeError, QuantkitError
+from quantkit.errors import ArgumentTypeError
 from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK
 from quantkit.runtime import args, cpu_kernel
-from quantkit.runtime.channels import ANSWER, THINKING, ChannelSplitter
-from quantkit.runtime.devices import release_free_heap
 from quantkit.runtime.model.cache import HybridCache
 from quantkit.runtime.model.qwen3_5_moe import Model
-from quantkit.runtime.speculative import (
-    Clock,
-    DraftStats,
-    DraftTuner,
-    mtp_prefill,
-    mtp_tokens,
-    picker,
-    plain_tokens,
-    time_step,
-)
+from quantkit.runtime.speculative import DraftStats
 from quantkit.runtime.state_cache import PrefixCache, prefill_plan, snapshot_points
 
 PREFILL_CHUNK = DEFAULT_PREFILL_CHUNK  # the chunk the planner sizes the activation buffers for
@@ -232,83 +218,3 @@ def prefill(model: Model, prompt_ids: list[int], *, capacity: int = 0, prefix_ca
         assert prefix_cache is not None
         prefix_cache.put(snap, persist=True)
     return Prefill(cache, logits, start, torch.cat(rows) if rows else None)
-
-
-def stream_tokens(model: Model, tokenizer: Any, prompt_ids: list[int], *, sampling: SamplingParams,
-                  stop_ids: set[int], context: int, devices: list[str], thinking: bool,
-                  think_ids: tuple[int | None, int | None] = (None, None),
-                  cancel: threading.Event | None = None, prefix_cache: PrefixCache | None = None,
-                  boundary_ids: frozenset[int] = frozenset(), mtp: int = 0, tuner: DraftTuner | None = None
-                  ) -> Iterator[TokenEvent]:
-    """Generate from `prompt_ids` (already rendered by the chat template). See the module docstring;
-    `prefix_cache` and `boundary_ids` as in `prefill`; `mtp`: drafts per verify from the model's MTP layer
-    (runtime/speculative.py; 0: one forward per token), or `tuner` chooses them (`DraftTuner`, which keeps what it
-    measures across generations)."""
-    sampling.validate()
-    n_prompt = len(prompt_ids)
-    if n_prompt == 0:
-        raise QuantkitError("empty prompt: give some text")
-    if n_prompt >= context:
-        raise QuantkitError(f"the prompt is {n_prompt} tokens; the context holds {context} "
-                            "(shorten it, or run with a larger --context)")
-    gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-    split = ChannelSplitter(tokenizer, think_ids, thinking)
-    generated: list[int] = []
-    finish = "length"
-    tuner = tuner if model.mtp is not None else None
-    if tuner is not None:
-        if tuner.step_s is None:
-            tuner.step_s = time_step(model)
-        mtp = tuner.draft()
-    mtp = mtp if model.mtp is not None else 0
-    stats = DraftStats(mtp, auto=tuner is not None) if mtp or tuner is not None else None
-    clock = Clock()
-    with torch.inference_mode():
-        t0 = time.perf_counter()
-        pre = prefill(model, prompt_ids, capacity=min(context, n_prompt + sampling.max_new_tokens),
-                      prefix_cache=prefix_cache, boundary_ids=boundary_ids, cancel=cancel, hidden=bool(mtp))
-        cache, logits = pre.cache, pre.logits
-        budget = min(sampling.max_new_tokens, context - n_prompt) if logits is not None else 0
-        pick = picker(sampling, gen, sample)
-        if stats is not None and mtp and budget > 1:
-            assert pre.hidden is not None
-            mtp_cache = model.mtp.new_cache(n_prompt + budget)
-            mtp_prefill(model, mtp_cache, prompt_ids[pre.cached_tokens:], pre.hidden, PREFILL_CHUNK)
-            tokens = mtp_tokens(model, cache, mtp_cache, logits, pre.hidden[-1:], mtp, n_prompt + budget, pick, clock,
-                                stats, tuner)
-        else:
-            tokens = plain_tokens(model, cache, logits, pick, clock)
-        t_pre = time.perf_counter() - t0
-        if n_prompt - pre.cached_tokens >= TRIM_AFTER_PREFILL:
-            release_free_heap()  # its chunk temporaries: at 35B a 2k prompt left ~0.5 GB in the heap (bench full-size)
-        if logits is None:
-            finish = "cancelled"
-        for i in range(budget):
-            if cancel is not None and cancel.is_set():
-                finish = "cancelled"
-                break
-            tok, info = next(tokens)
-            generated.append(tok)
-            if tok in stop_ids:
-                finish = "stop"
-                break
-            channel, delta = split.feed(tok)
-            yield TokenEvent(delta, tok, channel, i, cached_tokens=pre.cached_tokens, info=info, drafts=stats)
-            if i == budget - 1:
-                finish = "length" if budget == sampling.max_new_tokens else "context"
-                break
-        tokens.close()
-    t_dec = clock.seconds
-    if prefix_cache is not None:
-        prefix_cache.flush()  # the disk store's writes, after the answer rather than before its first token
-    n_gen = len(generated)
-    steps = max(0, n_gen - 1) if finish != "cancelled" else n_gen
-    resp = GenerationResponse(
-        text=split.text(ANSWER).strip(), thinking=split.text(THINKING),
-        token=generated[-1] if generated else None, prompt_tokens=n_prompt, generation_tokens=n_gen,
-        prompt_tps=(n_prompt - pre.cached_tokens) / t_pre if t_pre > 0 else 0.0,
-        generation_tps=steps / t_dec if t_dec > 0 and steps else 0.0,
-        peak_memory=peak_memory(devices), finish_reason=finish, prefill_seconds=t_pre, decode_seconds=t_dec,
-        token_ids=generated, cached_tokens=pre.cached_tokens, mtp=stats.to_dict() if stats is not None else None,
-    )
-    yield TokenEvent("", None, split.channel, n_gen, resp, pre.cached_tokens)

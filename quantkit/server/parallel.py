@@ -37,4 +37,4 @@ def choose_parallel(runtime: Any, requested: int | None, context: int, free: dic
 def _mtp_device(runtime: Any) -> list[str]:
     """The MTP layer's device where it drafts (each slot then keeps a cache of it), else none."""
     mtp = runtime.model.mtp
-    return [str(mtp.layer.device)] if mtp is not None and (runtime.tuner is not None or runtime.mtp) else []
+    return [str(mtp.layer.device)] if mtp is not None and (runtime.draft_plan is not None or runtime.mtp) else []

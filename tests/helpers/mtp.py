@@ -4,20 +4,28 @@ from __future__ import annotations
 
 from quantkit.kernels import cpu as kernel_cpu
 from quantkit.runtime import SamplingParams
-from quantkit.runtime.generate import stream_tokens
+from quantkit.runtime.batch_drafts import DraftPlan
 
 MTP_ROUTES = ["stack", "torch"] if kernel_cpu.available() else ["torch"]
 
 PROMPT = [{"role": "user", "content": "write a long story about rivers, files and folders"}]
 
 
+def generate_events(rt, ids: list[int], sp: SamplingParams, draft: int, stop_ids: set[int] | None = None) -> list:
+    """The events of `rt.generate_ids` with `draft` drafts a step (0: none; stop_ids None: none), the runtime's own
+    MTP setting put back after."""
+    saved = rt.mtp, rt.draft_plan
+    rt.set_mtp(draft)
+    try:
+        return list(rt.generate_ids(ids, sp, stop_ids=set() if stop_ids is None else stop_ids))
+    finally:
+        rt.mtp, rt.draft_plan = saved
+
+
 def generate_tokens(rt, draft: int, n: int = 40, **kw) -> tuple[list[int], dict | None]:
+    """`PROMPT`'s tokens and MTP counts with `draft` drafts a step (`generate_events`)."""
     sp = SamplingParams(**{"temperature": 0, "max_new_tokens": n, "ignore_eos": True, **kw})
-    ids = rt.render_ids(PROMPT)[1]
-    resp = None
-    for e in stream_tokens(rt.model, rt.tokenizer, ids, sampling=sp, stop_ids=set(), context=512, devices=["cpu"],
-                           thinking=True, mtp=draft):
-        resp = e.response or resp
+    resp = generate_events(rt, rt.render_ids(PROMPT)[1], sp, draft)[-1].response
     return resp.token_ids, resp.mtp
 
 
@@ -52,3 +60,19 @@ class RowOracle:
         monkeypatch.setattr(model.mtp, "new_cache", self.new_cache)
         monkeypatch.setattr(model.mtp, "draft", self)
         return self
+
+
+class PricedPlan(DraftPlan):
+    """The default's plan with each step priced by its shape, not the wall clock, so a loaded machine cannot decide:
+    a forward of R rows carrying T tokens costs a second plus `verify` seconds per draft it checks, a draft `draft`
+    seconds (one draft pays where it is accepted more than verify + draft of the time)."""
+
+    def __init__(self, verify: float = 0.5, draft: float = 0.1):
+        super().__init__()
+        self.verify, self.draft = verify, draft
+
+    def record(self, rows: int, tokens: int, seconds: float) -> None:
+        super().record(rows, tokens, 1.0 + self.verify * (tokens - rows))
+
+    def record_drafts(self, n: int, seconds: float) -> None:
+        super().record_drafts(n, self.draft * n)

@@ -126,7 +126,7 @@ def test_slots_that_draft_count_their_own_mtp_cache(tiny_model_mtp):
     assert drafts.total - plain.total == 3 * per_slot > 0 and drafts.per_slot - plain.per_slot == per_slot
     fit = [n for n in (1, 2, 3) if slots_need(c, n, 256, p.layer_device, p.lm_head, mtp_device="cpu").total
            <= plain.total]
-    assert rt.tuner is not None and choose_parallel(rt, None, 256, {"cpu": plain.total}) == max([1, *fit]) < 3
+    assert rt.draft_plan is not None and choose_parallel(rt, None, 256, {"cpu": plain.total}) == max([1, *fit]) < 3
     rt.set_mtp(0)
     assert choose_parallel(rt, None, 256, {"cpu": plain.total}) == 3
 

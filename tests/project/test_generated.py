@@ -185,12 +185,13 @@ def test_loader_refuses_a_plan_that_does_not_fit_before_reading_a_weight(tmp_pat
 
 
 def test_a_long_prefill_returns_its_temporaries_to_the_system(tmp_path, monkeypatch):
+    import quantkit.runtime.batch as batch
     import quantkit.runtime.generate as generate
     from quantkit.runtime import SamplingParams, load_model
 
     rt = load_model(make_tiny_model(tmp_path / "q", **SMALL, quantized=get_recipe("quality")), context=1024)
     calls = []
-    monkeypatch.setattr(generate, "release_free_heap", lambda: calls.append(1))
+    monkeypatch.setattr(batch, "release_free_heap", lambda: calls.append(1))
     sp = SamplingParams(temperature=0.0, max_new_tokens=2)
     for n, want in ((generate.TRIM_AFTER_PREFILL - 1, 0), (generate.TRIM_AFTER_PREFILL, 1)):
         calls.clear()

@@ -19,9 +19,8 @@ from quantkit.runtime import load_model
 from quantkit.runtime.batch import BatchGenerator
 from quantkit.runtime.batch_drafts import DraftPlan
 from quantkit.runtime.generate import GenerationResponse, SamplingParams
-from quantkit.runtime.speculative import DraftTuner
 
-from helpers.mtp import MTP_ROUTES, RowOracle
+from helpers.mtp import MTP_ROUTES, PricedPlan, RowOracle
 from helpers.runtime import quantized
 
 PROMPTS = ["list the files in this folder, then count them", "write a haiku about rivers",
@@ -420,7 +419,7 @@ def _drafted_batch(rt, monkeypatch, draft: int | None, wrong_every: int) -> None
         want.append(ref)
         stops.append(s)
     if draft is None:
-        rt.tuner = DraftTuner()  # the default: the batch's plan chooses
+        rt.draft_plan = DraftPlan()  # the default: the batch's plan chooses
     else:
         rt.set_mtp(draft)
     oracle = RowOracle(rt.model, wrong_every).install(monkeypatch, rt.model)
@@ -491,18 +490,6 @@ def test_forked_choices_draft_from_a_copy_of_the_prompts_mtp_state(tiny_model_mt
     assert all(last[r].mtp["accepted"] > 0 for r in rows)
 
 
-class _PricedPlan(DraftPlan):
-    """The plan with each step priced by its shape, not the wall clock, so a loaded machine cannot decide: a
-    forward costs a second plus half a second per draft it verifies, a draft a tenth (a draft pays only where more
-    than half are accepted)."""
-
-    def record(self, rows: int, tokens: int, seconds: float) -> None:
-        super().record(rows, tokens, 1.0 + 0.5 * (tokens - rows))
-
-    def record_drafts(self, n: int, seconds: float) -> None:
-        super().record_drafts(n, 0.1 * n)
-
-
 @pytest.mark.parametrize("route", MTP_ROUTES)
 def test_the_default_stops_drafting_with_a_layer_that_is_never_right(tiny_model_mtp, route, one_thread):
     """The tiny model's random MTP layer is almost never accepted: a row alone drafts until the plan has measured
@@ -512,9 +499,8 @@ def test_the_default_stops_drafting_with_a_layer_that_is_never_right(tiny_model_
     sp = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
     rt.set_mtp(0)
     want = [_alone(rt, _ids(rt, p), replace(sp), None).token_ids for p in PROMPTS[:3]]
-    rt.tuner = DraftTuner()
+    rt.draft_plan = PricedPlan()
     batch = BatchGenerator(rt)
-    batch.plan = _PricedPlan()
     last = {}
 
     def run():

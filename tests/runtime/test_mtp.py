@@ -17,12 +17,11 @@ import torch
 from quantkit.formats import QuantSpec, get_format
 from quantkit.kernels import cpu as kernel_cpu
 from quantkit.runtime import SamplingParams, load_model
-from quantkit.runtime.generate import stream_tokens
 from quantkit.runtime.kernels import prepare
 from quantkit.runtime.model.draft_head import DraftHead, compact_copy
 
 from helpers.cli import run_cli
-from helpers.mtp import MTP_ROUTES, PROMPT, generate_tokens
+from helpers.mtp import MTP_ROUTES, PROMPT, PricedPlan, generate_events, generate_tokens
 from helpers.runtime import quantized
 
 
@@ -46,7 +45,7 @@ class Oracle:
 @pytest.mark.parametrize("recipe", ["bf16", "int4"])
 def test_greedy_output_is_identical_with_the_layers_own_drafts(tiny_model_mtp, recipe, route, one_thread):
     rt = load_model(tiny_model_mtp if recipe == "bf16" else quantized(tiny_model_mtp, recipe), forced_route=route)
-    assert rt.model.mtp is not None and rt.tuner is not None  # auto unless asked for
+    assert rt.model.mtp is not None and rt.draft_plan is not None  # auto unless asked for
     want, none = generate_tokens(rt, 0)
     assert none is None and len(want) == 40
     for draft in (1, 2, 3):
@@ -298,10 +297,7 @@ def test_a_stop_token_inside_an_accepted_run_ends_the_generation_there(tiny_mode
     ids = rt.render_ids(PROMPT)[1]
     monkeypatch.setattr(rt.model.mtp, "draft", Oracle(ids + want, 0))
     sp = SamplingParams(temperature=0, max_new_tokens=40)
-    resp = None
-    for e in stream_tokens(rt.model, rt.tokenizer, ids, sampling=sp, stop_ids={stop}, context=512, devices=["cpu"],
-                           thinking=True, mtp=3):
-        resp = e.response or resp
+    resp = generate_events(rt, ids, sp, 3, {stop})[-1].response
     assert resp.finish_reason == "stop" and resp.token_ids == want[:first + 1]
 
 
@@ -323,9 +319,7 @@ def test_sampling_keeps_the_targets_distribution(tiny_model_mtp, one_thread, mon
         counts = torch.zeros(rt.model.vocab)
         for seed in range(600):
             sp = SamplingParams(temperature=1.0, top_k=4, top_p=1.0, seed=seed, max_new_tokens=2, ignore_eos=True)
-            toks = [e.token for e in stream_tokens(rt.model, rt.tokenizer, ids, sampling=sp, stop_ids=set(),
-                                                   context=512, devices=["cpu"], thinking=True, mtp=draft)
-                    if e.token is not None]
+            toks = [e.token for e in generate_events(rt, ids, sp, draft) if e.token is not None]
             counts[toks[1]] += 1
         return counts / counts.sum()
 
@@ -363,94 +357,44 @@ def test_generate_with_a_seed_says_the_same_with_and_without_drafts(tiny_model_m
     assert texts[0] == texts[1] == texts[2]
 
 
-def test_the_tuner_keeps_the_fastest_draft_count_and_stops_drafting_that_does_not_pay():
-    """DraftTuner on measured rates: counts are tried in turn while each beats the one before, the fastest kept;
-    one draft no faster than the plain step stops drafting unless two could pay at its acceptance, and then
-    drafting stops only where no count tried beats the plain step."""
-    from quantkit.runtime.speculative import AUTO_CYCLES, DraftTuner
-
-    def feed(t: DraftTuner, tok_s: dict[int, float], tokens: float = 2.0) -> list[int]:
-        """`tokens` per verify, at the rate `tok_s[k]` with k drafts."""
-        seen = []
-        for _ in range(4 * AUTO_CYCLES):
-            k = t.draft()
-            seen.append(k)
-            if k:
-                t.record(k, tokens / tok_s[k], tokens)
-        return seen
-
-    t = DraftTuner(step_s=1 / 40)
-    seen = feed(t, {1: 55.0, 2: 62.0, 3: 58.0})
-    assert seen[:3 * AUTO_CYCLES] == [1] * AUTO_CYCLES + [2] * AUTO_CYCLES + [3] * AUTO_CYCLES
-    assert t.settled and t.draft() == 2 and set(seen[3 * AUTO_CYCLES:]) == {2}
-    assert t.line() == "auto, kept 2 drafts per step, 1.55x without drafts"
-    t = DraftTuner(step_s=1 / 40)
-    feed(t, {1: 55.0, 2: 50.0, 3: 70.0})  # 2 no better than 1: 3 is not tried
-    assert t.settled and t.draft() == 1 and 3 not in t.timed
-    # one draft at acceptance 0.2 loses; two could add at most 0.04 tokens to its 1.2: not tried
-    t = DraftTuner(step_s=1 / 40)
-    seen = feed(t, {1: 30.0, 2: 90.0, 3: 90.0}, tokens=1.2)
-    assert t.off and t.draft() == 0 and seen == [1] * AUTO_CYCLES + [0] * 3 * AUTO_CYCLES
-    assert t.line().startswith("auto, off: 1 draft per step measured 0.75x decoding without drafts")
-    # a compute-bound verify: one draft at 0.88 loses a little, two win, three win less
-    t = DraftTuner(step_s=1 / 40)
-    seen = feed(t, {1: 38.0, 2: 43.0, 3: 41.0}, tokens=1.88)
-    assert seen[:3 * AUTO_CYCLES] == [1] * AUTO_CYCLES + [2] * AUTO_CYCLES + [3] * AUTO_CYCLES
-    assert t.settled and not t.off and t.draft() == 2
-    # ... and where two lose too, drafting stops after them
-    t = DraftTuner(step_s=1 / 40)
-    seen = feed(t, {1: 38.0, 2: 36.0, 3: 90.0}, tokens=1.88)
-    assert seen == [1] * AUTO_CYCLES + [2] * AUTO_CYCLES + [0] * 2 * AUTO_CYCLES
-    assert t.off and t.settled and 3 not in t.timed
-    assert t.line().startswith("auto, off: 1 draft per step measured 0.95x decoding without drafts")
-
-
 @pytest.mark.parametrize("route", MTP_ROUTES)
 def test_auto_drafting_stops_on_a_layer_that_is_never_right_and_changes_no_token(tiny_model_mtp, route, one_thread):
-    """The default (no --mtp): the tiny model's random MTP layer is almost never accepted, so after the tuner's
-    first verifies decoding goes on without drafts, in this generation and the next; the tokens are those of
-    decoding without drafts, and the counts say auto."""
-    from quantkit.runtime.speculative import AUTO_CYCLES
-
+    """The default (no --mtp): the tiny model's random MTP layer is almost never accepted, so once the plan has
+    measured that (its steps priced by shape: `PricedPlan`), decoding goes on without drafts, in this generation
+    and the next; the tokens are those of decoding without drafts, and the counts say auto."""
     rt = load_model(quantized(tiny_model_mtp, "int4"), forced_route=route)
     want, _ = generate_tokens(rt, 0)
-    for gen in range(2):
+    rt.draft_plan = PricedPlan()
+    drafted = []
+    for _gen in range(2):
         resp = None
         for e in rt.generate_ids(rt.render_ids(PROMPT)[1], SamplingParams(temperature=0, max_new_tokens=40,
                                                                             ignore_eos=True), stop_ids=set()):
             resp = e.response or resp
-        assert resp.token_ids == want
-        assert resp.mtp["auto"] is True and rt.tuner.off and resp.mtp["draft"] == 0
-        assert resp.mtp["drafted"] == (AUTO_CYCLES + 1 if gen == 0 else 0)
-    assert rt.mtp_line().startswith("MTP: auto, off: 1 draft per step measured")
+        assert resp.token_ids == want and resp.mtp["auto"] is True
+        drafted.append(resp.mtp["drafted"])
+    assert rt.draft_plan.off() and drafted[0] > 0 and drafted[1] == 0
+    assert rt.mtp_line().startswith("MTP: auto, off: drafting measured no faster")
 
 
 @pytest.mark.parametrize("route", MTP_ROUTES)
-def test_auto_drafting_that_pays_tries_every_count_and_changes_no_token(
-        tiny_model_mtp, route, one_thread, monkeypatch):
-    """With drafts that pay (the oracle's, every forward said to take a second, so more accepted tokens per verify
-    is faster), the tuner moves from 1 to 3 drafts within a generation and keeps the fastest; the tokens are those
-    of decoding without drafts."""
-    from quantkit.runtime import speculative
-
+def test_auto_drafting_that_pays_drafts_more_and_changes_no_token(tiny_model_mtp, route, one_thread, monkeypatch):
+    """With drafts that pay (the oracle's, right 4 times in 5, a verify priced little above a step), the plan tries
+    counts upward within a generation and ends at 3 drafts a step; the tokens are those of decoding without
+    drafts."""
     rt = load_model(quantized(tiny_model_mtp, "int4"), forced_route=route)
     want, _ = generate_tokens(rt, 0, n=120)
     ids = rt.render_ids(PROMPT)[1]
     monkeypatch.setattr(rt.model.mtp, "draft", Oracle(ids + want, wrong_every=5))
-
-    def a_second(self, fn):
-        self.seconds += 1.0
-        return fn()
-
-    monkeypatch.setattr(speculative.Clock, "time", a_second)
-    rt.tuner.step_s = 1.0
+    rt.draft_plan = PricedPlan(verify=0.1, draft=0.05)
     resp = None
     for e in rt.generate_ids(ids, SamplingParams(temperature=0, max_new_tokens=120, ignore_eos=True),
                              stop_ids=set()):
         resp = e.response or resp
     assert resp.token_ids == want
-    assert rt.tuner.settled and set(rt.tuner.timed) == {1, 2, 3} and not rt.tuner.off and rt.tuner.draft() == 3
-    assert resp.mtp["auto"] and resp.mtp["draft"] == 3 and resp.mtp["accepted"] > 0
+    assert rt.draft_plan.tried() == [1, 2, 3] and rt.draft_plan.lone() == 3
+    assert resp.mtp["auto"] and resp.mtp["accepted"] > resp.generation_tokens // 2
+    assert rt.mtp_line().startswith("MTP: auto: 3 drafts per step for one conversation now")
 
 
 def test_decode_seconds_count_the_rewinds_of_rejected_drafts(tiny_model_mtp, one_thread, monkeypatch):
@@ -472,11 +416,8 @@ def test_decode_seconds_count_the_rewinds_of_rejected_drafts(tiny_model_mtp, one
         return rewind(self, n)
 
     monkeypatch.setattr(HybridCache, "rewind", slow_rewind)
-    resp = None
-    for e in stream_tokens(rt.model, rt.tokenizer, rt.render_ids(PROMPT)[1], stop_ids=set(), context=512,
-                           sampling=SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True),
-                           devices=["cpu"], thinking=True, mtp=1):
-        resp = e.response or resp
+    sp = SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    resp = generate_events(rt, rt.render_ids(PROMPT)[1], sp, 1)[-1].response
     assert resp.token_ids == want and len(slept) >= 5
     assert resp.decode_seconds >= sum(slept)
 
@@ -496,9 +437,9 @@ def test_bad_draft_counts_are_one_line(tiny_model_mtp, capsys, monkeypatch, valu
 
 def test_runtime_set_mtp(tiny_model_mtp, tiny_model):
     rt = load_model(tiny_model_mtp)
-    assert rt.tuner is not None and rt.mtp_line().startswith("MTP: auto: drafts 1-3 tokens per step")
-    assert rt.set_mtp(None) is None and rt.tuner is not None  # no --mtp: auto stays
-    assert rt.set_mtp(3) is None and rt.mtp == 3 and rt.tuner is None
+    assert rt.draft_plan is not None and rt.mtp_line().startswith("MTP: auto: drafts 1-3 tokens per step")
+    assert rt.set_mtp(None) is None and rt.draft_plan is not None  # no --mtp: auto stays
+    assert rt.set_mtp(3) is None and rt.mtp == 3 and rt.draft_plan is None
     assert rt.mtp_line() == "MTP: drafting 3 tokens per step"
     assert rt.set_mtp(0) is None and rt.mtp_line().startswith("MTP: off")
     plain = load_model(tiny_model)
@@ -559,8 +500,9 @@ def test_the_benchs_oracle_gets_the_share_it_is_set_to(acceptance):
 
 
 def test_chat_says_what_the_mtp_layer_does_on_its_first_line_and_in_stats(tiny_model_mtp, tiny_model, one_thread):
-    """The chat's opening line says the MTP mode (auto, until it has measured); /stats says what it decided; a
-    model without the layer says nothing of it on the first line."""
+    """The chat's opening line says the MTP mode (auto, until it has measured); /stats says what it decided (the
+    plan's steps priced by shape, `PricedPlan`, so a loaded machine cannot decide); a model without the layer says
+    nothing of it on the first line."""
     import io
 
     from rich.console import Console
@@ -569,6 +511,8 @@ def test_chat_says_what_the_mtp_layer_does_on_its_first_line_and_in_stats(tiny_m
 
     def run(folder, lines):
         rt, feed, out = load_model(folder), iter(lines), io.StringIO()
+        if rt.draft_plan is not None:
+            rt.draft_plan = PricedPlan()
 
         def read(_p: str) -> str:
             try:
@@ -581,5 +525,5 @@ def test_chat_says_what_the_mtp_layer_does_on_its_first_line_and_in_stats(tiny_m
 
     lines = run(tiny_model_mtp, ["tell me about rivers", "tell me more", "/stats"])
     assert "; MTP: auto: drafts 1-3 tokens per step where that measures faster than without" in lines[0]
-    assert any(line.startswith("MTP: auto, off: 1 draft per step measured") for line in lines)
+    assert any(line.startswith("MTP: auto, off: drafting measured no faster than decoding without") for line in lines)
     assert "MTP" not in run(tiny_model, [])[0]

@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from quantkit.runtime import SamplingParams, load_model
+from quantkit.runtime.batch import BatchGenerator
 from quantkit.runtime.channels import StreamingDetokenizer
 from quantkit.runtime.engine import load_tokenizer
-from quantkit.runtime.generate import sample, stream_tokens
+from quantkit.runtime.generate import sample
+from quantkit.runtime.state_cache import PrefixCache
 
 from helpers.cli import run_cli  # noqa: F401
 from helpers.runtime import quantized
@@ -47,6 +49,26 @@ class Scripted:
         cache.n += len(ids)
         return logits
 
+    def step_batch(self, segs, caches, hidden=False):
+        assert len(segs) == 1 and not hidden
+        return self.forward(segs[0], caches[0]).view(1, -1)
+
+
+class ScriptedRuntime:
+    """What the batch engine reads of a runtime, around a `Scripted` model."""
+
+    def __init__(self, model: Scripted, tok):
+        v = tok.get_vocab()
+        self.model, self.tokenizer, self.think_ids = model, tok, (v["<think>"], v["</think>"])
+        self.prompt_cache, self.boundary_ids, self.context = PrefixCache(0), frozenset(), 4096
+        self.stop_ids, self.draft_plan, self.mtp, self._lock = {v["<|im_end|>"]}, None, 0, threading.Lock()
+
+    def sampling(self, sampling, **overrides):
+        return sampling
+
+    def _io_devices(self):
+        return ["cpu"]
+
 
 def run_script(tok, text_think: str, text_answer: str, stop: bool = True, **kw):
     v = tok.get_vocab()
@@ -54,9 +76,9 @@ def run_script(tok, text_think: str, text_answer: str, stop: bool = True, **kw):
         tok.encode(text_answer, add_special_tokens=False) + ([v["<|im_end|>"]] if stop else [])
     model = Scripted(ids, len(v))
     sp = SamplingParams(temperature=0, max_new_tokens=kw.pop("max_new_tokens", 200))
-    events = list(stream_tokens(model, tok, [1, 2, 3], sampling=sp, stop_ids={v["<|im_end|>"]}, context=4096,
-                                devices=["cpu"], thinking=True, think_ids=(v["<think>"], v["</think>"]), **kw))
-    return events, ids
+    batch = BatchGenerator(ScriptedRuntime(model, tok))
+    batch.add(ids=[1, 2, 3], sampling=sp, **kw)
+    return [e for _row, e in batch.run()], ids
 
 
 def test_thinking_and_answer_channels_and_stop(tiny_model):
@@ -194,3 +216,35 @@ def test_world_prompt(tiny_model):
         assert "<predicted_observation>" in world_prompt(w)
     with pytest.raises(QuantkitError, match="unknown domain"):
         world_prompt("minecraft")
+
+
+def test_a_sampling_hook_that_raises_reaches_the_caller(tiny_model):
+    """A logits hook (a grammar, a penalty) that raises ends the generation with its own exception at the caller,
+    after the tokens before it; the runtime serves the next generation."""
+    class Boom(RuntimeError):
+        pass
+
+    class Hook:
+        def __init__(self):
+            self.n = 0
+
+        def process(self, logits):
+            self.n += 1
+            if self.n == 3:
+                raise Boom("the grammar has no way on")
+            return logits
+
+        def accept(self, tok):
+            return None
+
+    rt = load_model(quantized(tiny_model, "int4"))
+    ids = rt.render_ids([{"role": "user", "content": "hello"}])[1]
+    got = []
+    with pytest.raises(Boom, match="no way on"):
+        for e in rt.generate_ids(ids, SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, hook=Hook()),
+                                 stop_ids=set()):
+            got.append(e)
+    assert [e.token is not None for e in got] == [True, True]
+    resp = [e.response for e in rt.generate_ids(ids, SamplingParams(temperature=0, max_new_tokens=4), stop_ids=set())
+            if e.response is not None][0]
+    assert resp.generation_tokens == 4
