@@ -125,7 +125,7 @@ def record(raw: dict[str, Any], agent: int, turn: int, max_tokens: int) -> dict[
     return {"agent": agent, "turn": turn, "ttft_s": None if raw["first"] is None else raw["first"] - raw["sent"],
             "seconds": raw["end"] - raw["sent"], "tokens": max_tokens if tokens is None else int(tokens),
             "tokens_counted": tokens is not None, "prompt_tokens": prompt, "reused_tokens": reused,
-            "reused_from": source, "answer_chars": len(raw["text"])}
+            "reused_from": source, "cache_n": timings.get("cache_n"), "answer_chars": len(raw["text"])}
 
 
 def rollout(url: str, tag: str, index: int, turns: int, turn_tokens: int) -> tuple[list[dict[str, Any]], list[str]]:
@@ -154,6 +154,9 @@ def figures(requests: list[dict[str, Any]], wall: float) -> dict[str, Any]:
             "ttft_by_turn_s": {str(t): summary([r["ttft_s"] for r in requests if r["turn"] == t and
                                                 r["ttft_s"] is not None]) for t in turns},
             "prompt_tokens": sent, "reused_tokens": got,
+            # llama.cpp's own count beside usage's, where the engine sends timings
+            "cache_n": sum(r["cache_n"] for r in requests) if requests and all(
+                r["cache_n"] is not None for r in requests) else None,
             "reused_pct": 100.0 * got / sent if got is not None and sent else None,
             "reused_from": sorted({r["reused_from"] for r in requests if r["reused_from"]})}
 
@@ -324,6 +327,19 @@ def _x(v: float | None) -> str:
     return "-" if v is None else f"{v:.2f}x"
 
 
+def cache_n_note(d: dict[str, Any]) -> str:
+    """Where an engine sent llama.cpp's timings.cache_n beside usage's cached_tokens: whether the two agree."""
+    both = [r for r in d["rows"] if r.get("cache_n") is not None and r.get("reused_tokens") is not None
+            and r["reused_from"] == ["usage.prompt_tokens_details.cached_tokens"]]
+    if not both:
+        return ""
+    engines = sorted({r["engine"] for r in both})
+    same = all(r["cache_n"] == r["reused_tokens"] for r in both)
+    return (f" {', '.join(engines)}: `timings.cache_n` " + ("equals usage's count in every row." if same else
+            "differs from usage's count: " + "; ".join(f"{r['engine']} {r['agents']}: {r['cache_n']} against "
+                                                       f"{r['reused_tokens']}" for r in both) + "."))
+
+
 def write_report(reports: Path, d: dict[str, Any]) -> None:
     """bench-serve-agents.json, and the --agents section of bench-serve.md (replaced in place, the rest kept)."""
     reports.mkdir(parents=True, exist_ok=True)
@@ -349,7 +365,8 @@ def write_report(reports: Path, d: dict[str, Any]) -> None:
              "TTFT: time to the first text, over every request, in ms. Prompt tokens: as each engine counted them "
              "(same: requests whose count equals the model tokenizer's); reused: the prompt tokens the engine "
              "says it did not prefill (usage `prompt_tokens_details.cached_tokens`, else llama.cpp's "
-             "`timings.cache_n`)." + vnote, "", f"Engines, each with N slots: {cmds}.", ""]
+             "`timings.cache_n`)." + vnote + cache_n_note(d), "", f"Engines, each with N slots (the lines at N = "
+             f"{st['agents'][-1]}): {cmds}.", ""]
     for n in st["agents"]:
         lines += [f"### {n} agent{'s' if n > 1 else ''}", "",
                   "| engine | total tok/s | TTFT p50 | TTFT p95 | TTFT max | prompt tokens | same | reused | reused % |",

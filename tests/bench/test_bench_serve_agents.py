@@ -110,8 +110,10 @@ def test_requests_and_rounds_are_accounted_from_their_streams():
     assert f["reused_pct"] == pytest.approx(100 * 1212 / 1800) and f["ttft_s"]["n"] == 2
     assert f["ttft_s"]["max"] == pytest.approx(1.0) and set(f["ttft_by_turn_s"]) == {"0", "1"}
     assert f["reused_from"] == ["timings.cache_n", "usage.prompt_tokens_details.cached_tokens"]
+    assert (q["cache_n"], ll["cache_n"], f["cache_n"]) == (512, 700, 1212)  # llama.cpp's count kept beside
     v = req(VLLM_STREAM, 9.0, 12.0, 2, 0)
     assert serve_agents.figures([q, v], wall=2.0)["reused_pct"] is None  # one request without: not a total
+    assert serve_agents.figures([q, v], wall=2.0)["cache_n"] is None
 
 
 def test_the_report_states_ratios_and_the_target():
@@ -123,6 +125,12 @@ def test_the_report_states_ratios_and_the_target():
     assert serve_agents.ratio(d, "quantkit", "llama-server", 8) == 2.5
     assert serve_agents.ratio(d, "quantkit", "vLLM", 8) == 1.5
     assert serve_agents.ratio(d, "quantkit", "vLLM", 4) is None
+    assert serve_agents.cache_n_note(d) == ""
+    usage = ["usage.prompt_tokens_details.cached_tokens"]
+    d["rows"][1].update(reused_tokens=50, reused_from=usage, cache_n=50)
+    assert "llama-server: `timings.cache_n` equals usage's count" in serve_agents.cache_n_note(d)
+    d["rows"][1]["cache_n"] = 40
+    assert "llama-server 8: 40 against 50" in serve_agents.cache_n_note(d)
 
 
 def test_agent_counts_are_parsed_strictly():
