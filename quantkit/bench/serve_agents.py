@@ -52,6 +52,7 @@ from quantkit.bench.serve_slots import (
     wait_ready,
 )
 from quantkit.errors import QuantkitError
+from quantkit.export.vllm_cpu import CPU_GROUP
 from quantkit.fileio import atomic_write_json
 
 SECTION = ("<!-- bench serve --agents: begin -->", "<!-- bench serve --agents: end -->")
@@ -62,8 +63,8 @@ MAX_AGENTS = 16
 ENGINES = ("quantkit", "llama-server", "vLLM")
 # vLLM CPU 0.32's int4 MoE kernel (AMX) has no key for group 32 ("kernel does not support quantization scheme
 # QuantKey(uint4b8, ... GroupShape(row=1, col=32))"), the group of llama.cpp's Q4_0 and of the serve checkpoint:
-# its export regroups the experts to 128 (requantized from the same weights)
-VLLM_GROUP = 128
+# its export regroups the experts to the group it loads (requantized from the same weights)
+VLLM_GROUP = CPU_GROUP
 TARGET = ("quantkit 8 agents / llama-server -np 8", 8, "llama-server", 3.0)  # issue 52's
 
 

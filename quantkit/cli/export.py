@@ -18,7 +18,7 @@ from quantkit.export.compressed_tensors import export_vllm
 from quantkit.export.gguf import export_gguf
 from quantkit.export.gguf_types import default_type
 from quantkit.export.launch import export_serve_line
-from quantkit.export.vllm_cpu import TARGETS, check_rest, cpu_backend
+from quantkit.export.vllm_cpu import TARGETS, check_rest, cpu_backend, target_group
 from quantkit.termtext import plural
 from quantkit.threads import set_threads
 
@@ -88,7 +88,7 @@ def export_vllm_cmd(
     out: Path = typer.Argument(..., help="the folder to write"),
     group_size: int = typer.Option(None, "--group-size", parser=GROUP_SIZE,
                                    help="int4 group size for the experts (32, 64, 128); "
-                                   "default: the source's, else 128"),
+                                   "default: the source's, else 128; 128 for vLLM CPU (--target cpu)"),
     rest: str = typer.Option("bf16", "--rest", help="bf16 (every non-expert tensor) or int8 (attention, linear "
                              "attention and shared expert int8 per channel; GPUs only)"),
     target: str = typer.Option(None, "--target", show_default=False,
@@ -102,12 +102,13 @@ def export_vllm_cmd(
     set_threads(threads)  # a bad count is one line
     target = vllm_target(target)
     check_rest(rest, target)  # before anything is written
+    prefer = target_group(group_size, target)
     if target == "cpu":
         console.print(f"target: vLLM CPU. {cpu_backend().note}", highlight=False)
 
     with tensor_progress(err_console) as p:
         res = export_vllm(src, out, group_size=group_size, rest=rest, overwrite=overwrite,
-                          progress=RichProgress(p, "exporting compressed-tensors"))
+                          progress=RichProgress(p, "exporting compressed-tensors"), prefer_group=prefer)
     t = Table(box=box.SIMPLE, title=f"{res.path} ({res.nbytes / 1e6:,.1f} MB in {plural(res.shards, 'shard')}, "
                                     f"{res.seconds:.1f} s)")
     t.add_column("source tensors")
@@ -122,6 +123,9 @@ def export_vllm_cmd(
     console.print(f"experts int4 symmetric group {res.group_size}; rest {res.rest}. Serve with "
                   f"{'vLLM CPU (vllm-cpu)' if target == 'cpu' else 'vLLM on GPUs'}:", highlight=False)
     console.print(line, highlight=False, soft_wrap=True)  # one line, whatever the width: people copy it
+    if prefer is not None and res.group_size != prefer:
+        notes.append(f"the experts' rows do not split into groups of {prefer}, the group vLLM CPU's MoE kernels "
+                     f"load: this folder (group {res.group_size}) may not start there")
     for n in [*notes, *res.notes]:
         console.print(f"note: {n}", highlight=False)
 

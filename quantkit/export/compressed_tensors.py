@@ -115,9 +115,10 @@ def _module_of(name: str) -> str:
     return name[: -len(".weight")] if name.endswith(".weight") else name
 
 
-def _pick_group(src: ExportSource, wanted: int | None) -> int:
-    """One group size for every expert matrix: the requested one, else the source's (int4 symmetric),
-    else the largest of 128/64/32 dividing every expert row length."""
+def _pick_group(src: ExportSource, wanted: int | None, prefer: int | None = None) -> int:
+    """One group size for every expert matrix: the requested one, else `prefer` (the group the target engine
+    loads) where it divides every expert row length, else the source's (int4 symmetric), else the largest of
+    128/64/32 dividing every expert row length."""
     rows = set()
     src_groups = set()
     for t in src.tensors():
@@ -135,6 +136,8 @@ def _pick_group(src: ExportSource, wanted: int | None) -> int:
             raise QuantkitError(f"--group-size {wanted} does not divide the expert row length {bad[0]}; "
                                 f"pick a group size that does")
         return wanted
+    if prefer is not None and all(r % prefer == 0 for r in rows):
+        return prefer
     if len(src_groups) == 1 and all(r % next(iter(src_groups)) == 0 for r in rows):
         return next(iter(src_groups))
     for g in GROUPS:
@@ -323,8 +326,9 @@ def _shards(tensors: list[OutTensor], max_shard: int) -> list[list[OutTensor]]:
 
 def export_vllm(src_path: str | Path, out_dir: str | Path, group_size: int | None = None, rest: str = "bf16",
                 overwrite: bool = False, max_shard_size: int = MAX_SHARD,
-                progress: Progress | None = None) -> VllmResult:
-    """Write `src_path` as a compressed-tensors pack-quantized folder at `out_dir` (atomically)."""
+                progress: Progress | None = None, prefer_group: int | None = None) -> VllmResult:
+    """Write `src_path` as a compressed-tensors pack-quantized folder at `out_dir` (atomically). `prefer_group`:
+    the experts' group where no `group_size` is given and it divides their rows (vLLM CPU's: export/vllm_cpu.py)."""
 
     t0 = time.perf_counter()
     out = Path(out_dir)
@@ -333,7 +337,7 @@ def export_vllm(src_path: str | Path, out_dir: str | Path, group_size: int | Non
     guard_output(out, sources=[src.path], kind="folder", overwrite=overwrite)
     tmp = pid_temp_name(out)
     try:
-        g = _pick_group(src, group_size)
+        g = _pick_group(src, group_size, prefer_group)
         tensors = plan(src, g, rest)
         shards = _shards(tensors, max_shard_size)
         check_free(out, sum(t.nbytes for t in tensors) + (1 << 20), "")

