@@ -11,20 +11,16 @@ two trees' tokens are compared at every round. Writes reports/bench-generate-loo
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import typer
 
-from benchmarks.cli import ROOT, command_line, guard_reports, run_command, shared
-from benchmarks.cli import threads as check_threads
-from quantkit.bench.machine import machine_info
-from quantkit.errors import QuantkitError
+from benchmarks.cli import run_command, shared
+from benchmarks.peer import Worker, start
 from quantkit.fileio import atomic_write_json, write_atomic
 
 PROMPT = 512
@@ -33,43 +29,15 @@ WORKER = Path(__file__).with_name("generate_loop_worker.py")
 FIGURES = ("ttft", "prompt_tps", "decode_tps")
 
 
-class Worker:
-    """One tree's worker process: `generate(r)` -> its figures and digest."""
-
-    def __init__(self, name: str, root: Path, model: Path, n_threads: int):
-        env = {**os.environ, "PYTHONPATH": str(root)}
-        self.name = name
-        self.p = subprocess.Popen([sys.executable, str(WORKER), str(model), str(n_threads), str(PROMPT), str(NEW)],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=root)
-        self.route = self._reply()["route"]
-
-    def _reply(self) -> dict[str, Any]:
-        out: IO[str] = self.p.stdout  # type: ignore[assignment]
-        for line in out:
-            if line.startswith("{"):
-                return json.loads(line)
-        raise QuantkitError(f"the {self.name} worker ended early (exit {self.p.wait()}); its stderr says why")
-
-    def generate(self, r: int) -> dict[str, Any]:
-        assert self.p.stdin is not None
-        self.p.stdin.write(f"{r}\n")
-        self.p.stdin.flush()
-        return self._reply()
-
-    def close(self) -> None:
-        if self.p.stdin is not None:
-            self.p.stdin.close()
-        self.p.wait()
-
-
-def measure(trees: dict[str, Path], model: Path, n_threads: int, rounds: int) -> dict[str, Any]:
-    workers = [Worker(name, root, model, n_threads) for name, root in trees.items()]
+def measure(trees: dict[str, str], model: str, n_threads: int, rounds: int) -> dict[str, Any]:
+    args = [model, str(n_threads), str(PROMPT), str(NEW)]
+    workers = [Worker(name, Path(root), WORKER, args) for name, root in trees.items()]
     runs: dict[str, list[dict[str, Any]]] = {w.name: [] for w in workers}
     differ: list[int] = []
     try:
         for r in range(rounds + 1):
             order = workers if r % 2 == 0 else workers[::-1]
-            got = {w.name: w.generate(r) for w in order}
+            got = {w.name: w.ask(str(r)) for w in order}
             if len({g["digest"] for g in got.values()}) > 1:
                 differ.append(r)
             if r:
@@ -130,19 +98,8 @@ def cli(
     rounds: int = shared("rounds", 8),
 ) -> None:
     """Time one generation in this checkout and in --peer, alternated; writes bench-generate-loop.{md,json}."""
-    if not (peer / "quantkit" / "__init__.py").is_file():
-        raise QuantkitError(f"--peer {peer}: not a quantkit checkout (no quantkit/__init__.py); give its root folder")
-    guard_reports(reports, "generate-loop")
-    n = check_threads(threads)
-    if model is None:
-        from quantkit.bench.serve_checkpoint import prepare
-
-        model = prepare(workdir, print)
-    trees = {"this": ROOT, "peer": peer.resolve()}
-    d: dict[str, Any] = {"command": command_line("generate_loop", sys.argv[1:]), "machine": machine_info(),
-                         "model": str(model), "threads": n, "rounds": rounds,
-                         "trees": {k: str(v) for k, v in trees.items()}}
-    d.update(measure(trees, model, n, rounds))
+    d = start("generate_loop", peer, reports, workdir, model, threads, rounds)
+    d.update(measure(d["trees"], d["model"], d["threads"], rounds))
     d["summary"] = {name: summary(r) for name, r in d["runs"].items()}
     d["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     write_report(reports, d)

@@ -12,21 +12,17 @@ and slowest step, tokens per second (B / best) and the ratio of a step of B rows
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import typer
 
-from benchmarks.cli import ROOT, command_line, guard_reports, run_command, shared
-from benchmarks.cli import threads as check_threads
+from benchmarks.cli import run_command, shared
+from benchmarks.peer import Worker, start
 from quantkit.bench import write_section
-from quantkit.bench.machine import machine_info
-from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json, write_atomic
 
 ROWS = (1, 2, 4, 5, 6, 8, 12, 16)
@@ -35,51 +31,21 @@ PROMPT = 32
 WORKER = Path(__file__).with_name("step_rows_worker.py")
 
 
-class Worker:
-    """One tree's worker process: `step(b)` -> (seconds, digest)."""
-
-    def __init__(self, name: str, root: Path, model: Path, n_threads: int):
-        env = {**os.environ, "PYTHONPATH": str(root)}
-        self.name = name
-        self.p = subprocess.Popen([sys.executable, str(WORKER), str(model), str(n_threads), str(max(ROWS)),
-                                   str(PROMPT)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
-                                  cwd=root)
-        self.route = self._reply()["route"]
-
-    def _reply(self) -> dict[str, Any]:
-        out: IO[str] = self.p.stdout  # type: ignore[assignment]
-        for line in out:
-            if line.startswith("{"):
-                return json.loads(line)
-        raise QuantkitError(f"the {self.name} worker ended early (exit {self.p.wait()}); its stderr says why")
-
-    def step(self, b: int) -> tuple[float, str]:
-        assert self.p.stdin is not None
-        self.p.stdin.write(f"{b}\n")
-        self.p.stdin.flush()
-        r = self._reply()
-        return r["s"], r["digest"]
-
-    def close(self) -> None:
-        if self.p.stdin is not None:
-            self.p.stdin.close()
-        self.p.wait()
-
-
-def measure(trees: dict[str, Path], model: Path, n_threads: int, rounds: int) -> dict[str, Any]:
-    workers = [Worker(name, root, model, n_threads) for name, root in trees.items()]
+def measure(trees: dict[str, str], model: str, n_threads: int, rounds: int) -> dict[str, Any]:
+    args = [model, str(n_threads), str(max(ROWS)), str(PROMPT)]
+    workers = [Worker(name, Path(root), WORKER, args) for name, root in trees.items()]
     times: dict[str, dict[int, list[float]]] = {w.name: {b: [] for b in ROWS} for w in workers}
     differ: list[str] = []
     try:
         for r in range(rounds + 1):
             for i, b in enumerate(ROWS):
                 order = workers if (r + i) % 2 == 0 else workers[::-1]
-                got = {w.name: w.step(b) for w in order}
-                if len({d for _s, d in got.values()}) > 1:
+                got = {w.name: w.ask(str(b)) for w in order}
+                if len({g["digest"] for g in got.values()}) > 1:
                     differ.append(f"round {r}, {b} rows")
                 if r:
-                    for name, (s, _d) in got.items():
-                        times[name][b].append(s)
+                    for name, g in got.items():
+                        times[name][b].append(g["s"])
             print(f"round {r}: " + ", ".join(f"{w.name} {b} rows {times[w.name][b][-1] * 1e3:.1f} ms"
                                               for w in workers for b in (4, 8) if r), flush=True)
     finally:
@@ -130,19 +96,8 @@ def cli(
     rounds: int = shared("rounds", 10),
 ) -> None:
     """Time step_batch of 1..16 rows in this checkout and in --peer, alternated; writes bench-step-rows.{md,json}."""
-    if not (peer / "quantkit" / "__init__.py").is_file():
-        raise QuantkitError(f"--peer {peer}: not a quantkit checkout (no quantkit/__init__.py); give its root folder")
-    guard_reports(reports, "step-rows")
-    n = check_threads(threads)
-    if model is None:
-        from quantkit.bench.serve_checkpoint import prepare
-
-        model = prepare(workdir, print)
-    trees = {"this": ROOT, "peer": peer.resolve()}
-    d: dict[str, Any] = {"command": command_line("step_rows", sys.argv[1:]), "machine": machine_info(),
-                         "model": str(model), "threads": n, "rounds": rounds,
-                         "trees": {k: str(v) for k, v in trees.items()}}
-    d.update(measure(trees, model, n, rounds))
+    d = start("step_rows", peer, reports, workdir, model, threads, rounds)
+    d.update(measure(d["trees"], d["model"], d["threads"], rounds))
     d["summary"] = {name: summary(s) for name, s in d["seconds"].items()}
     d["load_avg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     write_report(reports, d)
