@@ -98,9 +98,14 @@ class BatchGenerator:
         self._ended: list[tuple[int, TokenEvent]] = []  # rows that ended outside a step (cancelled prefill)
         self._ids = itertools.count()
         self.errors: dict[int, Exception] = {}  # rows that ended with finish_reason "error": what their hook raised
-        # drafts per row at a step, for rows on the default (auto): the runtime's, kept across batches
-        self.plan = rt.draft_plan if rt.draft_plan is not None else DraftPlan()
+        self._fixed_plan = DraftPlan()  # the plan's step costs where the runtime's MTP is --mtp N (no plan of its own)
         self._timed: tuple[int, int, float] | None = None  # the last forward (rows, tokens, seconds), its rewinds due
+
+    @property
+    def plan(self) -> DraftPlan:
+        """Drafts per row at a step for rows on the default (auto): the runtime's plan, kept across generations and
+        read at each use, so `Runtime.set_mtp` reaches a batch already running."""
+        return self.rt.draft_plan if self.rt.draft_plan is not None else self._fixed_plan
 
     def __len__(self) -> int:
         """Rows still decoding (or with their last event not yet given out by `step`)."""

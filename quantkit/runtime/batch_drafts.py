@@ -177,12 +177,12 @@ class DraftPlan:
 
     def line(self) -> str:
         """The default's state in a few words (the load line and /stats)."""
-        if self.off():
-            return ("auto, off: drafting measured no faster than decoding without drafts here "
-                    "(--mtp N forces N)")
         if self.cost(1, 1) is None:
             return "auto: drafts 1-3 tokens per step where that measures faster than without (--mtp 0: off)"
         k = self.lone()
+        if k == 0:  # `off`
+            return ("auto, off: drafting measured no faster than decoding without drafts here "
+                    "(--mtp N forces N)")
         seen = f", {self.accepted / self.examined:.2f} of drafts accepted" if self.examined >= EXPLORE else ""
         return f"auto: {k} draft{'s' if k != 1 else ''} per step for one conversation now{seen}"
 
