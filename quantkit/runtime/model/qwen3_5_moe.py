@@ -50,6 +50,46 @@ EMBED_ROWS = 4096  # dequantized embedding rows kept (16 MiB at hidden 2048 in b
 
 
 @dataclass
+class Segment:
+    """One cache's tokens in a batch (docs/engine.md): a decode step ("decode", one token), a speculative verify
+    ("verify", 1 + k drafted tokens, its Gated DeltaNet states kept for `cache.rewind`) or a prompt chunk
+    ("prefill": its tokens computed as one-token steps compute them, so the state after any of them is what a
+    prefill cut there gives: a snapshot may sit at any token). Logits: every row of a step or verify, the last
+    row of a chunk."""
+
+    cache: HybridCache
+    ids: list[int]
+    kind: str = "decode"
+
+    def __post_init__(self) -> None:
+        if self.kind not in SEGMENT_KINDS:
+            raise ValueError(f"segment kind {self.kind!r}: give one of {', '.join(SEGMENT_KINDS)}")
+        if not self.ids or (self.kind == "decode" and len(self.ids) != 1):
+            raise ValueError(f"a {self.kind} segment of {len(self.ids)} tokens")
+
+    @property
+    def keep(self) -> bool:
+        return self.kind == "verify" and len(self.ids) > 1
+
+    @property
+    def out_rows(self) -> int:
+        """Rows of logits this segment gives."""
+        return 1 if self.kind == "prefill" else len(self.ids)
+
+
+SEGMENT_KINDS = ("decode", "verify", "prefill")
+
+
+@dataclass
+class Out:
+    """A segment's result: logits [out_rows, V]; with `hidden`, the final norm's output of every token [T, H]
+    (a prompt chunk's every row: what the MTP layer pairs with its tokens), else None."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+
+@dataclass
 class Prompt:
     """A forward of T tokens on one cache at cache.n .., the layers' T-token path."""
 
@@ -71,18 +111,21 @@ class Steps:
     ops: O.TorchOps
     keep: bool = False
     last_only: bool = False
+    kept_caches: frozenset[int] | None = None  # with keep: only the runs on these caches (by id) are kept
     kept: list[tuple[HybridCache, int, int]] = field(init=False)  # with keep: (cache, first row, rows) of each run
 
     def __post_init__(self) -> None:
         """With `keep`, the runs of consecutive rows on one cache whose states are kept: every run of several rows
-        (a verify inside a batch), or the one run where the rows are all on one cache."""
+        (a verify inside a batch; with `kept_caches`, only those caches' runs: not a prompt chunk's), or the one
+        run where the rows are all on one cache."""
         runs: list[tuple[HybridCache, int, int]] = []
         for j, (c, _pos) in enumerate(self.slots if self.keep else []):
             if runs and runs[-1][0] is c:
                 runs[-1] = (c, runs[-1][1], runs[-1][2] + 1)
             else:
                 runs.append((c, j, 1))
-        self.kept = [r for r in runs if r[2] > 1 or len(runs) == 1]
+        self.kept = [r for r in runs if (r[2] > 1 or len(runs) == 1)
+                     and (self.kept_caches is None or id(r[0]) in self.kept_caches)]
 
 
 # ---- the gated attention layer ----
@@ -418,33 +461,66 @@ class Model:
         x = self._final_rows(x if all_logits or hidden else x[-1:])
         return linear_rows(self.head, x if all_logits else x[-1:]), x
 
+    def forward_batch(self, batch: list[Segment], hidden: bool = False) -> list[Out]:
+        """Every segment of `batch` in one forward (docs/engine.md "One forward"): all rows through each layer
+        once, each row at its cache's position, the dense matrices and the chosen experts read once for all of
+        them; row j bit for bit its result alone (a step, a verify, or the chunk's tokens as steps). Each cache
+        appears once and is advanced by its segment's tokens. `hidden`: each segment's final-norm rows too."""
+        if not batch:
+            raise ValueError("forward_batch of no segments")
+        if len({id(s.cache) for s in batch}) != len(batch):
+            raise ValueError("forward_batch: a cache appears twice in the batch (each segment needs its own)")
+        if len(batch) == 1 and batch[0].kind != "prefill":  # the route's own step or verify (the stack's one call)
+            s = batch[0]
+            got = self.forward(s.ids, s.cache, all_logits=True, keep_positions=s.keep, hidden=hidden)
+            return [Out(*got) if hidden else Out(got)]
+        with cpu_kernel.denormals_flushed():
+            for s in batch:
+                s.cache.reserve(s.cache.n + len(s.ids))
+                s.cache.drop_trail()
+                s.cache.pos = None
+            slots = [(s.cache, s.cache.n + k) for s in batch for k in range(len(s.ids))]
+            keep = any(s.keep for s in batch)
+            kept = frozenset(id(s.cache) for s in batch if s.keep) if keep else None
+            x = self._step_rows(torch.cat([self.embed_tokens(s.ids) for s in batch]), slots, keep, kept)
+            spans = self._spans(batch)
+            need: list[int] = []  # rows whose final norm is taken: every row with `hidden`, else the logits' rows
+            for s, a, t in spans:
+                s.cache.n += t
+                need.extend(range(a, a + t) if hidden or s.kind != "prefill" else [a + t - 1])
+            normed = self._final_rows(x if len(need) == x.shape[0] else x[need])
+            at = {r: i for i, r in enumerate(need)}
+            pick = [at[r] for s, a, t in spans for r in ([a + t - 1] if s.kind == "prefill" else range(a, a + t))]
+            logits = linear_rows(self.head, normed if len(pick) == normed.shape[0] else normed[pick])
+            out, b = [], 0
+            for s, a, t in spans:
+                out.append(Out(logits[b:b + s.out_rows], normed[at[a]:at[a] + t] if hidden else None))
+                b += s.out_rows
+            return out
+
+    @staticmethod
+    def _spans(batch: list[Segment]) -> list[tuple[Segment, int, int]]:
+        """(segment, its first row, its rows) in batch order."""
+        out, a = [], 0
+        for s in batch:
+            out.append((s, a, len(s.ids)))
+            a += len(s.ids)
+        return out
+
     def step_batch(self, ids: list[int] | list[list[int]], caches: list[HybridCache], hidden: bool = False) -> Any:
         """Logits [R, V] of every row: ids[j] (a token, or the tokens of a speculative verify, its Gated DeltaNet
-        states kept for `cache.rewind`) on caches[j], each at its own position, R tokens in all; rows in order,
-        each bit for bit what `forward(ids[j], caches[j], all_logits=True, keep_positions=...)` gives alone, the
-        dense matrices and the chosen experts read once for all rows. hidden: (logits, the final norm's output
-        [R, H]), what the MTP layer drafts from."""
+        states kept for `cache.rewind`) on caches[j]: `forward_batch` of those decode and verify segments, their
+        rows in order. hidden: (logits, the final norm's output [R, H]), what the MTP layer drafts from."""
         segs = [[int(t)] if isinstance(t, int) else [int(x) for x in t] for t in ids]
         if len(segs) != len(caches) or not segs or not all(segs):
             raise ValueError(f"step_batch takes one cache per token (or verify's tokens); got {len(segs)} rows "
                              f"of tokens, {len(caches)} caches")
-        if len({id(c) for c in caches}) != len(caches):
-            raise ValueError("step_batch: a cache appears twice in the batch (each row needs its own)")
-        if len(segs) == 1:  # one row: the route's own step or verify (the stack's one call)
-            return self.forward(segs[0], caches[0], all_logits=True, keep_positions=len(segs[0]) > 1, hidden=hidden)
-        with cpu_kernel.denormals_flushed():
-            for c, s in zip(caches, segs, strict=True):
-                c.reserve(c.n + len(s))
-                c.drop_trail()
-                c.pos = None
-            slots = [(c, c.n + k) for c, s in zip(caches, segs, strict=True) for k in range(len(s))]
-            x = self._step_rows(torch.cat([self.embed_tokens([t]) for s in segs for t in s]), slots,
-                                keep=any(len(s) > 1 for s in segs))
-            for c, s in zip(caches, segs, strict=True):
-                c.n += len(s)
-            x = self._final_rows(x)
-            logits = linear_rows(self.head, x)
-            return (logits, x) if hidden else logits
+        outs = self.forward_batch([Segment(c, s, "decode" if len(s) == 1 else "verify")
+                                   for c, s in zip(caches, segs, strict=True)], hidden=hidden)
+        logits = torch.cat([o.logits for o in outs]) if len(outs) > 1 else outs[0].logits
+        if not hidden:
+            return logits
+        return logits, torch.cat([o.hidden for o in outs]) if len(outs) > 1 else outs[0].hidden
 
     def static_step(self, token: torch.Tensor, cache: HybridCache) -> torch.Tensor:
         """Logits [V] of one token given as a device tensor [1] at the device-side position cache.pos: the same
@@ -456,14 +532,16 @@ class Model:
             x = L(x, Steps([(cache, cache.pos)], cos, sin, self.static_ops))
         return self.head(rms(x.to(self.head_device), self.final, self.eps)).view(-1)
 
-    def _step_rows(self, x: torch.Tensor, slots: list[tuple[HybridCache, int]], keep: bool = False
-                   ) -> torch.Tensor:
-        """Every layer on rows x [R, H] as one-token steps at their slots; the last layer's output on the head's
-        device."""
+    def _step_rows(self, x: torch.Tensor, slots: list[tuple[HybridCache, int]], keep: bool = False,
+                   kept: frozenset[int] | None = None) -> torch.Tensor:
+        """Every layer on rows x [R, H] as one-token steps at their slots (with `keep`, the states of the runs on
+        caches `kept` kept; None: every run's); the last layer's output on the head's device."""
         cos, sin = self.rope_rows(torch.tensor([pos for _c, pos in slots]), x.dtype)
-        p = Steps(slots, cos, sin, self.ops, keep)
+        p = Steps(slots, cos, sin, self.ops, keep, kept_caches=kept)
         for L in self.layers:
             x = L(x, p)
+            if x.shape[0] > STACK_VERIFY_ROWS:
+                self.heap.check()
         return x.to(self.head_device)
 
     def _final_rows(self, x: torch.Tensor) -> torch.Tensor:
