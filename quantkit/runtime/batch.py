@@ -42,8 +42,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from quantkit.errors import ArgumentError, ArgumentTypeError, QuantkitError
-from quantkit.runtime import args
+from quantkit.runtime import args, batch_prompts
 from quantkit.runtime.batch_drafts import DraftPlan, RowDrafter
+from quantkit.runtime.batch_prompts import PromptFeed
 from quantkit.runtime.channels import ANSWER, THINKING, ChannelSplitter
 from quantkit.runtime.devices import release_free_heap
 from quantkit.runtime.generate import (
@@ -57,6 +58,7 @@ from quantkit.runtime.generate import (
     sample,
 )
 from quantkit.runtime.model.cache import HybridCache
+from quantkit.runtime.model.qwen3_5_moe import Segment
 from quantkit.runtime.speculative import MAX_DRAFT, DraftStats, Pick, picker
 
 if TYPE_CHECKING:
@@ -85,6 +87,9 @@ class _Row:
     fixed: int | None = None  # --mtp N for this row (None: the plan's choice)
     stats: DraftStats | None = None  # its drafts' counts (None: MTP off for it)
     hidden: torch.Tensor | None = None  # the final norm's output of the rows of `logits` (what the drafter pairs)
+    feed: PromptFeed | None = None  # the row arithmetic: the prompt still being prefilled in the steps
+    follows: int | None = None  # a fork of a row still prefilling: it takes that row's prompt state when it is in
+    mtp_cache: HybridCache | None = None  # the row arithmetic: its drafter's MTP cache, made when it joined
 
 
 class BatchGenerator:
@@ -152,6 +157,9 @@ class BatchGenerator:
         chunks = _Between(cancel, lambda: between(self._step())) if between is not None else cancel
         fixed, stats, drafts = self._mtp()
         capacity = min(rt.context, n + sp.max_new_tokens)
+        if self.in_steps:
+            return self._add_fed(list(ids), sp, stops, gen, capacity, cancel, stop_ids, fixed, stats, drafts,
+                                 enable_thinking)
         with rt._lock, torch.inference_mode():
             t0 = time.perf_counter()
             pre = prefill(rt.model, list(ids), capacity=capacity, prefix_cache=rt.prompt_cache,
@@ -175,6 +183,37 @@ class BatchGenerator:
             self._rows[row.id] = row
         return row.id
 
+    @property
+    def in_steps(self) -> bool:
+        """Prompts are prefilled inside the steps, packed with the decoding rows (the row arithmetic)."""
+        return self.rt.prefill == "rows"
+
+    def _add_fed(self, ids: list[int], sp: SamplingParams, stops: set[int], gen: torch.Generator | None,
+                 capacity: int, cancel: threading.Event | None, stop_ids: set[int] | None, fixed: int | None,
+                 stats: DraftStats | None, drafts: bool, thinking: bool) -> int:
+        """`add` with the row arithmetic: the row joins with its cache at the longest cached prefix, its prompt's
+        rest prefilled chunk by chunk in the next steps (runtime/batch_prompts.py)."""
+        rt = self.rt
+        n = len(ids)
+        with rt._lock, torch.inference_mode():
+            cache, feed, same = batch_prompts.start(rt.model, ids, capacity, rt.prompt_cache, rt.boundary_ids, drafts)
+        budget = min(sp.max_new_tokens, rt.context - n)
+        row = _Row(next(self._ids), ids, sp, stops, cache, None, picker(sp, gen, sample), budget,
+                   ChannelSplitter(rt.tokenizer, rt.think_ids, thinking), n if same is not None else feed.at,
+                   0.0, cancel, stop_ids=stop_ids, fixed=fixed, stats=stats, feed=feed)
+        if drafts and budget > 1:  # made now, in the order rows join (its prompt pairs go in when the prompt is)
+            row.mtp_cache = rt.model.mtp.new_cache(capacity)
+        if same is not None:  # the same prompt again: its state and last logits, no token to prefill
+            assert same.logits is not None
+            row.logits = same.logits.clone().view(1, -1)
+            if drafts and budget > 1:
+                assert same.hidden is not None
+                with rt._lock, torch.inference_mode():
+                    row.drafter = RowDrafter.prefilled(rt.model, [], same.hidden.clone(), capacity, stats,
+                                                       PREFILL_CHUNK, row.mtp_cache)
+        self._rows[row.id] = row
+        return row.id
+
     def fork(self, row: int, sampling: SamplingParams | None = None, *, stop_ids: set[int] | None = None,
              cancel: threading.Event | None = None, **sampling_kw: Any) -> int:
         """Another choice of `row`'s prompt, without prefilling it again: a new row in a copy of that row's prompt
@@ -190,6 +229,8 @@ class BatchGenerator:
         rt = self.rt
         row = args.whole(row, "row")
         r = self._rows.get(row)
+        if r is not None and (r.feed is not None or r.follows is not None) and not r.generated:
+            return self._follow(r, sampling, stop_ids, cancel, sampling_kw)
         if r is None or r.generated or r.logits is None:
             raise QuantkitError(f"row {row} has no prompt state left to fork: fork before its first step")
         if sampling is None:
@@ -215,6 +256,35 @@ class BatchGenerator:
         new = _Row(next(self._ids), list(r.prompt_ids), sp, stops, cache, logits, picker(sp, gen, sample), budget,
                    ChannelSplitter(rt.tokenizer, rt.think_ids, r.split.channel == THINKING), n, 0.0, cancel,
                    stop_ids=stop_ids, drafter=drafter, fixed=r.fixed, stats=stats)
+        r.forks += 1
+        self._rows[new.id] = new
+        return new.id
+
+    def _follow(self, r: _Row, sampling: SamplingParams | None, stop_ids: set[int] | None,
+                cancel: threading.Event | None, sampling_kw: dict[str, Any]) -> int:
+        """`fork` of a row whose prompt is still being prefilled in the steps: the new row waits, and takes a copy
+        of that row's prompt state (and logits, drafter) at the step its prompt is in."""
+        rt = self.rt
+        if sampling is None:
+            seed = r.sampling.seed
+            sampling = replace(r.sampling, hook=None, seed=None if seed is None else seed + r.forks + 1)
+        sp = rt.sampling(sampling, **sampling_kw)
+        stop_ids = r.stop_ids if stop_ids is None else args.stop_token_ids(stop_ids, rt.model.vocab)
+        args.event(cancel)
+        if self.max_rows is not None and len(self._rows) >= self.max_rows:
+            raise QuantkitError(f"the batch is full ({self.max_rows} rows): wait for a row to end")
+        n = len(r.prompt_ids)
+        stops = set() if sp.ignore_eos else rt.stop_ids if stop_ids is None else stop_ids
+        gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
+        lead = r.follows if r.follows is not None else r.id
+        new = _Row(next(self._ids), list(r.prompt_ids), sp, stops, r.cache, None, picker(sp, gen, sample),
+                   min(sp.max_new_tokens, rt.context - n), ChannelSplitter(rt.tokenizer, rt.think_ids,
+                                                                          r.split.channel == THINKING),
+                   0, 0.0, cancel, stop_ids=stop_ids, fixed=r.fixed,
+                   stats=DraftStats(r.fixed or 0, auto=r.fixed is None) if r.stats is not None else None,
+                   follows=lead)
+        if r.mtp_cache is not None and new.stats is not None and new.budget > 1:
+            new.mtp_cache = rt.model.mtp.new_cache(min(rt.context, n + sp.max_new_tokens))
         r.forks += 1
         self._rows[new.id] = new
         return new.id
@@ -248,16 +318,21 @@ class BatchGenerator:
         been through the model yet, then every row's tokens from its logits (a row just added picks its first
         from the prompt's), so a token's event never waits for the forward of the next."""
         out, self._ended = self._ended, []
-        go = [r for r in self._rows.values() if r.logits is None]
+        for r in list(self._rows.values()):  # a prompt cancelled while it is prefilled ends now
+            if (r.feed is not None or r.follows is not None) and r.cancel is not None and r.cancel.is_set():
+                self._end(r, "cancelled", out)
+        go = [r for r in self._rows.values() if r.logits is None and r.feed is None and r.follows is None]
         if any(r.drafter is not None and r.fixed is None for r in go) and self.plan.off():
             for r in go:
                 if r.fixed is None:
                     r.drafter = None
-        if go:
-            self._forward(go)
+        feeds = [r for r in self._rows.values() if r.feed is not None]
+        if go or feeds:
+            self._forward(go, feeds)
         t0 = time.perf_counter()
         for r in list(self._rows.values()):
-            self._take(r, out)
+            if r.logits is not None or (r.feed is None and r.follows is None):
+                self._take(r, out)
         if self._timed is not None:  # the forward's cost, its rewinds (just made) included
             rows, tokens, secs = self._timed
             self.plan.record(rows, tokens, secs + time.perf_counter() - t0)
@@ -321,10 +396,18 @@ class BatchGenerator:
 
     def _end(self, r: _Row, finish: str, out: list[tuple[int, TokenEvent]]) -> None:
         del self._rows[r.id]
+        heirs = [k for k in self._rows.values() if k.follows == r.id]
+        if heirs and r.feed is not None:  # its forks still wait for the prompt: the first carries it on
+            heirs[0].feed, heirs[0].follows = r.feed, None
+            for k in heirs[1:]:
+                k.follows = heirs[0].id
+        if self.in_steps and finish in ("stop", "length") and r.feed is None and r.follows is None:
+            batch_prompts.answer_snapshot(r.cache, r.prompt_ids, r.generated, self.rt.prompt_cache)
         out.append((r.id, self._last(r, finish)))
 
-    def _forward(self, go: list[_Row]) -> None:
-        """Drafts for the rows the plan gives them to, then one forward of every row's token and drafts."""
+    def _forward(self, go: list[_Row], feeds: list[_Row]) -> None:
+        """Drafts for the rows the plan gives them to, then one forward of every row's token and drafts and of
+        the waiting prompts' chunks (`batch_prompts.plan_chunks`: PREFILL_CHUNK tokens in all)."""
         # no draft for a token past the budget: a verify's k + 1 tokens all within it
         limits = [min(MAX_DRAFT, r.budget - len(r.generated) - 1) if r.drafter is not None else 0 for r in go]
         counts = self.plan.counts(limits, [r.drafter.acceptance if r.drafter is not None else (0, 0) for r in go])
@@ -344,17 +427,45 @@ class BatchGenerator:
         if drafted and short:
             self.plan.record_drafts(drafted, t1 - t0)
         segs = [[r.generated[-1], *(r.drafter.drafts if r.drafter is not None else [])] for r in go]
-        hidden = any(r.drafter is not None for r in go)
-        got = self.rt.model.step_batch(segs, [r.cache for r in go], hidden=hidden)
-        logits, rows = got if hidden else (got, None)
+        chunks = batch_prompts.plan_chunks([r.feed for r in feeds if r.feed is not None], PREFILL_CHUNK)
+        by_feed = {id(r.feed): r for r in feeds}
+        hidden = any(r.drafter is not None for r in go) or any(f.hidden for f, _ids in chunks)
+        batch = [Segment(r.cache, seg, "decode" if len(seg) == 1 else "verify") for r, seg in zip(go, segs, strict=True)]
+        batch += [Segment(by_feed[id(f)].cache, ids, "prefill") for f, ids in chunks]
+        outs = self.rt.model.forward_batch(batch, hidden=hidden)
         t2 = time.perf_counter()
-        self._timed = (len(go), sum(map(len, segs)), t2 - t1)
-        a = 0
-        for r, seg in zip(go, segs, strict=True):
-            r.logits = logits[a:a + len(seg)]
-            r.hidden = rows[a:a + len(seg)] if rows is not None else None
+        if not chunks:  # a step's cost for the draft plan: decode rows alone
+            self._timed = (len(go), sum(map(len, segs)), t2 - t1)
+        for r, o in zip(go, outs[:len(go)], strict=True):
+            r.logits, r.hidden = o.logits, o.hidden
             r.decode_seconds += t2 - t0
-            a += len(seg)
+        for (f, ids), o in zip(chunks, outs[len(go):], strict=True):
+            r = by_feed[id(f)]
+            f.fed(len(ids), r.cache, o.hidden)
+            if f.left == 0:
+                self._prompt_in(r, o.logits)
+
+    def _prompt_in(self, r: _Row, logits: torch.Tensor) -> None:
+        """Row r's prompt is in (the row arithmetic): its snapshots stored, its first token's logits set, its
+        drafter made; the rows that forked it take a copy of its state."""
+        rt, f = self.rt, r.feed
+        assert f is not None
+        rows = batch_prompts.finish(f, r.cache, rt.prompt_cache, logits[-1])
+        r.feed, r.logits, r.cached_tokens = None, logits.view(1, -1), f.cached
+        r.prefill_seconds = time.perf_counter() - f.started
+        capacity = r.cache.capacity
+        if r.stats is not None and rows is not None and r.budget > 1:
+            r.drafter = RowDrafter.prefilled(rt.model, f.ids[f.cached:], rows, capacity, r.stats, PREFILL_CHUNK,
+                                             r.mtp_cache)
+        if len(f.ids) - f.cached >= TRIM_AFTER_PREFILL:
+            release_free_heap()
+        for k in [k for k in self._rows.values() if k.follows == r.id]:
+            k.cache = HybridCache.from_snapshot(r.cache.snapshot(r.prompt_ids), r.cache.cfg, r.cache.devices,
+                                                r.cache.dtype, capacity)
+            k.logits, k.follows, k.cached_tokens = r.logits.clone(), None, r.cached_tokens
+            k.prefill_seconds = r.prefill_seconds
+            if r.drafter is not None and k.stats is not None and k.budget > 1:
+                k.drafter = r.drafter.fork(rt.model, k.stats, k.mtp_cache)
 
     def run(self) -> Iterator[tuple[int, TokenEvent]]:
         """`step` until every row has ended, its events one by one."""

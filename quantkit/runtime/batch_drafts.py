@@ -61,16 +61,18 @@ class RowDrafter:
 
     @classmethod
     def prefilled(cls, model: Any, prompt: list[int], hidden: torch.Tensor, capacity: int, stats: DraftStats,
-                  chunk: int) -> RowDrafter:
-        """A drafter for a prompt prefilled with its hidden rows (`prompt` the prefilled tokens, hidden [T, H])."""
-        cache = model.mtp.new_cache(capacity)
+                  chunk: int, cache: HybridCache | None = None) -> RowDrafter:
+        """A drafter for a prompt prefilled with its hidden rows (`prompt` the prefilled tokens, hidden [T, H]), in
+        `cache` (an empty MTP cache made when the row joined; None: a new one)."""
+        cache = model.mtp.new_cache(capacity) if cache is None else cache
         mtp_prefill(model, cache, prompt, hidden, chunk)
         return cls(cache, stats, [], [hidden[-1:]])
 
-    def fork(self, model: Any, stats: DraftStats) -> RowDrafter:
-        """A copy for another row in a copy of this row's state (its MTP cache copied, its pairs shared)."""
+    def fork(self, model: Any, stats: DraftStats, cache: HybridCache | None = None) -> RowDrafter:
+        """A copy for another row in a copy of this row's state (its MTP cache copied into `cache`, an empty one
+        made when the fork joined, or a new one; its pairs shared)."""
         src = self.cache
-        cache = model.mtp.new_cache(src.capacity)
+        cache = model.mtp.new_cache(src.capacity) if cache is None else cache
         cache.reserve(src.n + 1)
         for i in src.keys:
             cache.keys[i][:, :src.n].copy_(src.keys[i][:, :src.n])

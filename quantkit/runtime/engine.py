@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from quantkit.errors import QuantkitError
+from quantkit.errors import ArgumentError, QuantkitError
 from quantkit.fileio import read_json_bounded
 from quantkit.runtime import args
 from quantkit.runtime.batch import BatchGenerator
@@ -26,6 +26,7 @@ from quantkit.runtime.safe_prompt import render_ids
 from quantkit.runtime.speculative import MAX_DRAFT
 from quantkit.runtime.state_cache import PrefixCache
 
+PREFILL_KINDS = ("tokens", "rows")
 AUTO_CACHE_FRACTION = 4  # the default prompt cache takes 1/4 of the free memory of the states' device
 
 if TYPE_CHECKING:
@@ -117,6 +118,9 @@ class Runtime:
         # drafts per step from the model's MTP layer (runtime/batch_drafts.py): by default as many as the measured
         # step costs say pay (`draft_plan`, kept across generations), `set_mtp(N)` fixes N
         self.mtp = 0
+        # how prompts are prefilled (`set_prefill`): "tokens", the T-token arithmetic, one prompt at a time; "rows",
+        # inside the batch's steps as one-token steps compute them (runtime/batch_prompts.py)
+        self.prefill = "tokens"
         self.draft_plan: DraftPlan | None = DraftPlan() if model.mtp is not None else None
         self._cancel = threading.Event()
         self._lock = threading.Lock()  # the model's caches and kernels: one forward (or prefill) at a time
@@ -151,6 +155,20 @@ class Runtime:
             return f"--mtp {draft}: {self.folder.name} has no MTP layer; decoding without drafts"
         self.mtp = draft
         return None
+
+    def set_prefill(self, kind: str) -> None:
+        """How prompts are prefilled: "tokens" (the T-token arithmetic, transformers' eager path: snapshots at
+        message boundaries and chunk ends) or "rows" (packed into the batch's steps beside the decoding rows, each
+        token as a one-token step computes it: snapshots at any token, the end of every answer included;
+        docs/engine.md). Set it before `set_prompt_cache`: the two arithmetics' snapshots are not each other's."""
+        if kind not in PREFILL_KINDS:
+            raise ArgumentError(f"prefill={kind!r}: give one of {', '.join(PREFILL_KINDS)}")
+        if kind == self.prefill:
+            return
+        if self.prompt_cache.disk is not None:
+            raise QuantkitError("set the prefill before the disk prompt cache: its entries are bound to one")
+        self.prefill = kind
+        self.prompt_cache.clear()
 
     def mtp_line(self) -> str:
         """Whether decoding drafts with the MTP layer, for the load line and /stats."""

@@ -455,6 +455,8 @@ def layout_of(rt: Any) -> Layout:
     layers ran) plus the state layout (layer kinds and shapes, dtype)."""
     ident = {k: v for k, v in identity(rt).items() if k != "placement"}
     ident["layout"] = _hash([state_shapes(rt, 0), str(getattr(rt.model, "dtype", ""))])[:16]
+    if getattr(rt, "prefill", "tokens") != "tokens":  # the row arithmetic's states are not the T-token path's
+        ident["prefill"] = rt.prefill
     cfg = parse_text_config(rt.config)
     kinds = state_shapes(rt, 0)
     return Layout(ident, lambda n: state_shapes(rt, n), lambda n: snapshot_bytes(cfg, n),

@@ -29,10 +29,12 @@ PROMPTS = ["list the files in this folder, then count them", "write a haiku abou
 ROUTES = ["stack", "fused", "torch"]
 
 
-def _load(tiny_model, recipe: str, route: str | None = None):
+def _load(tiny_model, recipe: str, route: str | None = None, prefill: str = "tokens"):
     if route not in (None, "torch") and not cpu_kernel.available():
         pytest.skip("the CPU kernel is not built on this machine")
-    return load_model(tiny_model if recipe == "bf16" else quantized(tiny_model, recipe), forced_route=route)
+    rt = load_model(tiny_model if recipe == "bf16" else quantized(tiny_model, recipe), forced_route=route)
+    rt.set_prefill(prefill)
+    return rt
 
 
 def _ids(rt, text: str) -> list[int]:

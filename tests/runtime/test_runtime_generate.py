@@ -62,6 +62,7 @@ class ScriptedRuntime:
         self.model, self.tokenizer, self.think_ids = model, tok, (v["<think>"], v["</think>"])
         self.prompt_cache, self.boundary_ids, self.context = PrefixCache(0), frozenset(), 4096
         self.stop_ids, self.draft_plan, self.mtp, self._lock = {v["<|im_end|>"]}, None, 0, threading.Lock()
+        self.prefill = "tokens"
 
     def sampling(self, sampling, **overrides):
         return sampling

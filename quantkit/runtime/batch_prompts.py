@@ -1,0 +1,117 @@
+"""Prompts prefilled inside the batch's steps: the row arithmetic (`Runtime.prefill == "rows"`, docs/engine.md).
+
+A row joins the batch with its prompt not yet prefilled: a `PromptFeed` (the prompt, how much of it is in the
+cache, where snapshots are due). Each step, `plan_chunks` gives the waiting prompts chunks of a token budget in
+the order they came (a long prompt holds the decoding rows up by one chunk at most; several short ones share a
+step), and each chunk rides in the step's one `Model.forward_batch` as a "prefill" segment beside the decode
+rows. A chunk's tokens compute as one-token steps do, so the state after any token of a prompt is what a prefill
+cut there gives: a snapshot restored anywhere continues bit for bit (tests/runtime/test_forward_batch.py). So a
+snapshot may sit where the T-token arithmetic cannot put one: at the end of an answer (`answer_snapshot`), and a
+restore is the longest cached prefix at any token (`PrefixCache.lookup` never asked for chunk-aligned cuts).
+
+Snapshots of a prompt: as `generate.prefill` takes them (the last boundaries, checkpoints past them, the whole
+prompt with its last logits), chunks ending where one is due. Entries of the two arithmetics never meet: a
+runtime uses one, and the disk store's identity names it (runtime/prompt_disk.py `layout_of`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from quantkit.runtime.model.cache import HybridCache
+from quantkit.runtime.state_cache import PrefixCache, Snapshot, snapshot_points
+
+
+@dataclass
+class PromptFeed:
+    """A prompt being prefilled in the batch's steps: `ids` the whole prompt, `at` tokens of it in the cache."""
+
+    ids: list[int]
+    at: int
+    points: list[int]  # positions (ascending, past `at`) where a snapshot is due
+    hidden: bool  # keep the final norm's rows (the MTP layer pairs them with the prompt's tokens)
+    cached: int  # tokens restored from the prompt cache
+    started: float = field(default_factory=time.perf_counter)
+    taken: list[tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
+    rows: list[torch.Tensor] = field(default_factory=list)  # with `hidden`: the chunks' final-norm rows
+
+    @property
+    def left(self) -> int:
+        return len(self.ids) - self.at
+
+    def chunk(self, budget: int) -> list[int]:
+        """The next chunk: up to `budget` tokens, ending where the next snapshot is due."""
+        end = min(len(self.ids), self.at + budget)
+        due = [p for p in self.points if self.at < p < end]
+        return self.ids[self.at:due[0] if due else end]
+
+    def fed(self, n: int, cache: HybridCache, hidden: torch.Tensor | None) -> None:
+        """`n` more tokens are in `cache` (their final-norm rows `hidden`); a snapshot taken where one is due."""
+        self.at += n
+        if self.hidden and hidden is not None:
+            self.rows.append(hidden)
+        if self.at in self.points and self.at < len(self.ids):
+            self.taken.append((self.at, cache.linear_copies()))
+
+
+def plan_chunks(feeds: list[PromptFeed], budget: int) -> list[tuple[PromptFeed, list[int]]]:
+    """Chunks of the waiting prompts for one step, `budget` tokens in all, the first come first served."""
+    out = []
+    for f in feeds:
+        if budget <= 0:
+            break
+        ids = f.chunk(budget)
+        out.append((f, ids))
+        budget -= len(ids)
+    return out
+
+
+def start(model: Any, ids: list[int], capacity: int, cache_: PrefixCache, boundary_ids: frozenset[int],
+          hidden: bool) -> tuple[HybridCache, PromptFeed | None, Snapshot | None]:
+    """A row's cache for prompt `ids`: (cache, the feed of what is left, None) from the longest cached prefix (or
+    nothing); or (cache, None, the whole prompt's snapshot) where the same prompt was prefilled before (its logits
+    and, with `hidden`, its last hidden row restored with it: no token to prefill)."""
+    room = max(capacity, len(ids))
+    same = cache_.whole(ids)
+    if same is not None and same.logits is not None and (not hidden or same.hidden is not None):
+        return HybridCache.from_snapshot(same, model.cfg, model.layer_devices, model.dtype, room), None, same
+    snap = cache_.lookup(ids)
+    cache = (HybridCache.from_snapshot(snap, model.cfg, model.layer_devices, model.dtype, room) if snap is not None
+             else model.new_cache(room))
+    at = snap.length if snap is not None else 0
+    points = (snapshot_points(ids, at, boundary_ids, cache_.keep, cache_.every) if cache_.enabled else [])
+    return cache, PromptFeed(list(ids), at, points, hidden, at), None
+
+
+def finish(feed: PromptFeed, cache: HybridCache, cache_: PrefixCache, logits: torch.Tensor) -> torch.Tensor | None:
+    """The prompt is in: its snapshots (and the whole prompt's, with its last logits) to the prompt cache; the
+    final-norm rows of every prefilled token (None without `hidden`)."""
+    rows = torch.cat(feed.rows) if feed.rows else None
+    whole = cache_.max_bytes > 0
+    taken = [*feed.taken, (len(feed.ids), cache.linear_copies())] if whole else feed.taken
+    snaps = cache.snapshots(feed.ids, taken)
+    if whole:
+        snaps[-1].logits = logits.clone()
+        snaps[-1].hidden = rows[-1:].clone() if rows is not None else None
+    for snap in snaps:
+        cache_.put(snap, persist=True)
+    return rows
+
+
+def answer_snapshot(cache: HybridCache, prompt: list[int], generated: list[int], cache_: PrefixCache) -> None:
+    """The state after a finished answer (the prompt and every generated token but the last, which was never fed)
+    to the prompt cache: an agent's next turn, which sends the answer back with its new message, prefills only
+    the new tokens. Drafts fed past it are rewound first."""
+    n = len(prompt) + len(generated) - 1
+    if not cache_.enabled or n <= len(prompt) or cache.n < n:
+        return
+    if cache.n > n:
+        try:
+            cache.rewind(n)
+        except ValueError:  # the drafts' positions were not kept (a row ended before its verify's rewind could)
+            return
+    cache_.put(cache.snapshot([*prompt, *generated][:n]), persist=True)
