@@ -13,6 +13,7 @@ from quantkit.runtime.batch import BatchGenerator
 from quantkit.runtime.channels import StreamingDetokenizer
 from quantkit.runtime.engine import load_tokenizer
 from quantkit.runtime.generate import sample
+from quantkit.runtime.model.qwen3_5_moe import Out
 from quantkit.runtime.state_cache import PrefixCache
 
 from helpers.cli import run_cli  # noqa: F401
@@ -49,9 +50,9 @@ class Scripted:
         cache.n += len(ids)
         return logits
 
-    def step_batch(self, segs, caches, hidden=False):
-        assert len(segs) == 1 and not hidden
-        return self.forward(segs[0], caches[0]).view(1, -1)
+    def forward_batch(self, batch, hidden=False):
+        assert len(batch) == 1 and not hidden and batch[0].kind == "decode"
+        return [Out(self.forward(batch[0].ids, batch[0].cache).view(1, -1))]
 
 
 class ScriptedRuntime:
