@@ -220,13 +220,13 @@ def test_a_schema_that_cannot_compile_is_refused_alone_while_others_decode(backe
     its own 400 naming the schema; the running request goes on and answers what it answers alone. (Each step is
     slowed so that the tiny model is still decoding when the second request arrives.)"""
     model = backend.runtime.model
-    step = model.step_batch
+    step = model.forward_batch
 
     def slow_step(*a, **kw):
         time.sleep(0.01)
         return step(*a, **kw)
 
-    monkeypatch.setattr(model, "step_batch", slow_step)
+    monkeypatch.setattr(model, "forward_batch", slow_step)
     body = {"model": "tiny", "messages": [{"role": "user", "content": TEXTS[1]}], "max_tokens": 300,
             "temperature": 0, "ignore_eos": True}
     bad = {"model": "tiny", "messages": [{"role": "user", "content": TEXTS[2]}], "max_tokens": 4,
