@@ -32,6 +32,7 @@ from quantkit.cli.signals import Terminated, on_sigterm_raise
 from quantkit.errors import QuantkitError
 from quantkit.planner.slots import DEFAULT_PARALLEL_MAX
 from quantkit.runtime.chat import context_line
+from quantkit.runtime.options import PREFILL_KINDS
 from quantkit.server.parallel import choose_parallel
 from quantkit.server.runtime_backend import load_backend
 from quantkit.server.security import API_KEY_ENV, check_api_key, is_loopback
@@ -148,11 +149,17 @@ def serve(
                                           "the free memory of the device holding the states"),
     mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT, help=MTP_HELP),
     prompt_cache_dir: Path = CACHE_DIR, prompt_cache_disk_size: str = DISK_SIZE,
+    prefill: str = typer.Option("tokens", "--prefill", help="how prompts are prefilled: tokens (one prompt at a "
+                                "time, transformers' arithmetic) or rows (new prompts packed into the decoding "
+                                "steps, each token as a decode step computes it; the end of every answer is "
+                                "cached, so an agent's next turn prefills only its new tokens) (docs/engine.md)"),
 ) -> None:
     """Serve MODEL on an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics)."""
     if log_level.lower() not in LOG_LEVELS:
         fail(f"--log-level {log_level!r}: use one of {', '.join(LOG_LEVELS)}")
+    if prefill not in PREFILL_KINDS:
+        fail(f"--prefill {prefill!r}: use one of {', '.join(PREFILL_KINDS)}")
     default_max_tokens = renamed(max_tokens, old_max_tokens, "--max-tokens", "--default-max-tokens")
     host = check_host(host)
     body_limit = parse_size(max_body, "--max-body")
@@ -188,7 +195,7 @@ def serve(
             backend = load_backend(model_dir, plan=plan, model_id=model_name, max_context=context,
                                    prompt_cache_bytes=cache_bytes, prompt_cache_dir=prompt_cache_dir,
                                    prompt_cache_disk_bytes=disk_bytes, warn=warn_line, slots=parallel or 1,
-                                   progress=say)
+                                   progress=say, prefill=prefill)
         parallel = choose_parallel(backend.runtime, parallel, backend.max_context)
         config = ServerConfig(max_queue=max_queue, max_body_bytes=body_limit, default_max_tokens=default_max_tokens,
                               bind_host=host, allowed_hosts=tuple(allowed_hosts), api_key=api_key or None,

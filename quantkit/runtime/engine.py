@@ -21,12 +21,12 @@ from quantkit.runtime.generate import (
     TokenEvent,
     sampling_with,
 )
+from quantkit.runtime.options import PREFILL_KINDS
 from quantkit.runtime.prompt_disk import default_warn, open_store
 from quantkit.runtime.safe_prompt import render_ids
 from quantkit.runtime.speculative import MAX_DRAFT
 from quantkit.runtime.state_cache import PrefixCache
 
-PREFILL_KINDS = ("tokens", "rows")
 AUTO_CACHE_FRACTION = 4  # the default prompt cache takes 1/4 of the free memory of the states' device
 
 if TYPE_CHECKING:

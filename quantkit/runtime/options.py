@@ -23,6 +23,8 @@ from quantkit.kernels.cpu import CPU_ISA_ENV
 ROUTE_ENV = "QUANTKIT_ROUTE"
 MXFP4_ROUTE_ENV = "QUANTKIT_MXFP4_ROUTE"
 MXFP4_ROUTES = ("int4x2", "dequant")
+# how prompts are prefilled (`Runtime.set_prefill`): the T-token arithmetic, or inside the batch's steps as rows
+PREFILL_KINDS = ("tokens", "rows")
 
 
 @dataclass(frozen=True)

@@ -80,15 +80,17 @@ class RuntimeBackend:
 def load_backend(path: str | Path, plan: str | Path | None = None, model_id: str | None = None,
                  max_context: int | None = None, prompt_cache_bytes: int | None = None,
                  prompt_cache_dir: Path | None = None, prompt_cache_disk_bytes: int | None = None,
-                 warn: Any = None, slots: int = 1, progress: Any = None) -> RuntimeBackend:
+                 warn: Any = None, slots: int = 1, progress: Any = None, prefill: str = "tokens") -> RuntimeBackend:
     """Load the checkpoint at `path` once, for serving, with a prompt cache of `prompt_cache_bytes` (0: off,
     None: the runtime's default from free memory), kept on disk in `prompt_cache_dir` too (None: memory only;
     quantkit.runtime.prompt_disk) up to `prompt_cache_disk_bytes`. Without `max_context`, the context is the
-    longest at which `slots` conversations fit (load_model's default); `progress(text)` hears the load's steps."""
+    longest at which `slots` conversations fit (load_model's default); `progress(text)` hears the load's steps;
+    `prefill`: how prompts are prefilled (`Runtime.set_prefill`)."""
     p = Path(path)
     if not p.is_dir():
         raise QuantkitError(f"{p}: not a folder; pass a checkpoint folder made by `quantkit quantize`")
 
     runtime = load_model(p, plan=plan, context=max_context, slots=slots, progress=progress)
+    runtime.set_prefill(prefill)
     runtime.set_prompt_cache(prompt_cache_bytes, prompt_cache_dir, prompt_cache_disk_bytes, warn)
     return RuntimeBackend(runtime, model_id or p.resolve().name, max_context)

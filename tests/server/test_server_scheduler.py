@@ -35,9 +35,12 @@ TEXTS = ["list the files in this folder", "write a haiku about rivers", "what is
 WAIT_S = 120
 
 
-@pytest.fixture(scope="module")
-def backend(tiny_model):
-    return RuntimeBackend(load_model(quantized(tiny_model, "int4")), "tiny")
+@pytest.fixture(scope="module", params=["tokens", "rows"])
+def backend(tiny_model, request):
+    """The tiny int4 model served, its prompts prefilled one at a time (tokens) or inside the steps (rows)."""
+    rt = load_model(quantized(tiny_model, "int4"))
+    rt.set_prefill(request.param)
+    return RuntimeBackend(rt, "tiny")
 
 
 def _prompt(backend, text: str) -> Prompt:
@@ -262,6 +265,13 @@ def test_serve_refuses_a_bad_parallel_in_one_line(tmp_path, capsys, monkeypatch,
     assert "--parallel" in err and needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_serve_refuses_a_bad_prefill_in_one_line(tmp_path, capsys, monkeypatch):
+    code, out, err = run_cli(["serve", str(tmp_path), "--prefill", "chunks"], capsys, monkeypatch)
+    assert code != 0, (out, err)
+    assert "--prefill 'chunks'" in err and "tokens, rows" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
 def test_a_bad_parallel_in_the_config_is_one_line():
     with pytest.raises(QuantkitError, match=f"parallel 0: give 1 to {MAX_SLOTS} slots"):
         ServerConfig(parallel=0)
@@ -279,9 +289,15 @@ def test_the_choices_of_one_prompt_share_one_prefill(backend, monkeypatch, one_t
     params = [replace(seeded, seed=7 + j, max_new_tokens=5 + j) for j in range(3)]
     want = [_alone(backend, prompt, sp) for sp in params]
     want_other = _alone(backend, other, _params()[0])
-    prefills = []
-    real = batch_mod.prefill
-    monkeypatch.setattr(batch_mod, "prefill", lambda *a, **k: prefills.append(len(a[1])) or real(*a, **k))
+    prefills: list[int] = []  # prompt tokens prefilled, per prefill call (tokens) or chunk (rows)
+    if backend.runtime.prefill == "tokens":
+        real = batch_mod.prefill
+        monkeypatch.setattr(batch_mod, "prefill", lambda *a, **k: prefills.append(len(a[1])) or real(*a, **k))
+    else:
+        model = backend.runtime.model
+        step = model.forward_batch
+        monkeypatch.setattr(model, "forward_batch", lambda b, hidden=False: prefills.extend(
+            len(s.ids) for s in b if s.kind == "prefill") or step(b, hidden=hidden))
     sched = BatchScheduler(backend, max_waiting=2, slots=4)
 
     async def main():
@@ -298,7 +314,7 @@ def test_the_choices_of_one_prompt_share_one_prefill(backend, monkeypatch, one_t
         sched.close()
     assert [t for t, _d in got] == [*want, want_other]
     assert all(isinstance(d, Done) and d.finish_reason == "length" for _t, d in got)
-    assert prefills == [len(prompt.ids), len(other.ids)]  # one prefill for the three choices
+    assert sum(prefills) == len(prompt.ids) + len(other.ids)  # one prefill for the three choices
     assert sched.stats.peak_batch == 4
 
 
