@@ -17,10 +17,12 @@ inherits its parent's (temperature, top-p / top-k, max_new_tokens, ignore_eos, s
 seed the parent's + 1, + 2, ... per fork (None stays None) and no hook, unless given (`fork`); a row
 leaves the batch when it ends (stop token, its max_new_tokens, the context, `cancel`, or "error": its sampling
 hook raised, kept in `errors`, the other rows unaffected) and a new one joins
-between steps, its prompt prefilled alone (through the prompt cache, as `Runtime.generate_ids`). A step is one
-`Model.step_batch` over every row still decoding (model/qwen3_5_moe.py): the dense matrices and the chosen
-experts are read once for all rows, and each row's tokens are the ones the same request generates alone,
-greedy or seeded (tests/runtime/test_batch_decode.py).
+between steps, its prompt prefilled alone (through the prompt cache, as `Runtime.generate_ids`), or, with the row
+arithmetic (`Runtime.set_prefill("rows")`), in chunks inside the next steps beside the decoding rows
+(runtime/batch_prompts.py). A step is one `Model.forward_batch` over every row still decoding and those chunks
+(model/qwen3_5_moe.py): the dense matrices and the chosen experts are read once for all rows, and each row's
+tokens are the ones the same request generates alone, greedy or seeded (tests/runtime/test_batch_decode.py,
+test_batch_rows.py).
 
 MTP: on a model with an MTP layer each row has its own drafter (runtime/batch_drafts.py) as the runtime sets it
 (`Runtime.set_mtp`: --mtp N drafts N a row, the default decides per step, 0 none). A row that drafts k tokens
