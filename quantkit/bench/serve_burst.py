@@ -283,20 +283,23 @@ def write_report(reports: Path, d: dict[str, Any]) -> None:
              f"server with {n} slots, after one short warm-up request; {st['rounds']} round(s), the engines "
              "alternated. TTFT: from each request's sending to its first text, in ms (p95 of "
              f"{n} requests interpolates between the two slowest). Wall: from the first sending to the last answer's "
-             "end. Sent within: the spread of the sendings. Prompt tokens: as the engine counted them; same: "
+             "end. Sent within: the spread of the sendings. Each TTFT: the requests' first texts in order (one after another where the "
+             "engine prefills its prompts in turn, together where it batches them). Prompt tokens: as the engine counted them; same: "
              "requests whose count equals the model tokenizer's.", "", f"Engines: {cmds}.", "",
              "| round | engine | load before | prompt tokens | same | TTFT p50 | TTFT p95 | TTFT max | wall s "
-             "| sent within ms |", "|---:|---|---|---|---:|---:|---:|---:|---:|---:|"]
+             "| sent within ms | each TTFT, s |", "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in d["rows"]:
         if "error" in r:
-            lines.append(f"| {r['round'] + 1} | {r['engine']} | failed: {r['error']} | | | | | | | |")
+            lines.append(f"| {r['round'] + 1} | {r['engine']} | failed: {r['error']} | | | | | | | | |")
             continue
         ft, pt = r["ttft_s"], [p for p in r["prompt_tokens"] if p is not None]
         span = "-" if not pt else f"{min(pt):,}" if min(pt) == max(pt) else f"{min(pt):,}-{max(pt):,}"
         same = f"{r['prompt_tokens_same']}/{r['requests']}" if "prompt_tokens_same" in r else "-"
+        each = " ".join(f"{q['ttft_s']:.1f}" for q in sorted(r["per_request"], key=lambda q: q["ttft_s"] or 1e30)
+                        if q["ttft_s"] is not None)
         lines.append(f"| {r['round'] + 1} | {r['engine']} | {r['load_avg_before']} | {span} | {same} | "
                      f"{_ms(ft['p50'])} | {_ms(ft['p95'])} | {_ms(ft['max'])} | {r['wall_s']:.1f} | "
-                     f"{_ms(r['sent_spread_s'])} |")
+                     f"{_ms(r['sent_spread_s'])} | {each} |")
     rs = [x for x in d["ratios"] if x is not None]
     if rs:
         worst = max(rs)

@@ -111,7 +111,8 @@ def test_extra_serve_arguments_are_split_and_the_benchs_own_refused():
 def _report(p95: dict[tuple[int, str], float]) -> dict:
     rows = [{"engine": e, "round": k, "clients": 8, "load_avg_before": [0.5, 0.5, 0.5], "requests": 8,
              "ttft_s": {"p50": v / 2, "p95": v, "max": v * 1.1, "n": 8}, "wall_s": 9.0, "sent_spread_s": 0.002,
-             "prompt_tokens": [2050] * 7 + [2052], "prompt_tokens_same": 8} for (k, e), v in p95.items()]
+             "prompt_tokens": [2050] * 7 + [2052], "prompt_tokens_same": 8,
+             "per_request": [{"ttft_s": None if x is None else v * x} for x in (0.5, None, 0.25, 1.1)]} for (k, e), v in p95.items()]
     d = {"command": "quantkit bench serve --burst 8", "machine": {"cpu": "cpu", "logical_cores": 2,
                                                                   "load_avg_at_start": [0.4, 0.4, 0.4]},
          "load_avg_at_end": [0.6, 0.6, 0.6], "model": "/m", "tokenizer": {"vocab": 10, "tokens": 10},
@@ -130,7 +131,7 @@ def test_the_report_gives_each_rounds_ratio_and_the_target(tmp_path):
     md = (tmp_path / "bench-serve.md").read_text()
     assert md.startswith("# load test") and "kept" in md and "## Burst of new prompts" in md
     assert "round 1 0.80x, round 2 1.20x" in md and "at most 1.0x: not met." in md
-    assert "| 1 | quantkit | [0.5, 0.5, 0.5] | 2,050-2,052 | 8/8 | 2000 | 4000 | 4400 | 9.0 | 2 |" in md
+    assert "| 1 | quantkit | [0.5, 0.5, 0.5] | 2,050-2,052 | 8/8 | 2000 | 4000 | 4400 | 9.0 | 2 | 1.0 2.0 4.4 |" in md
     assert json.loads((tmp_path / "bench-serve-burst.json").read_text()) == json.loads(json.dumps(d))
     met = _report({(0, "quantkit"): 4.0, (0, "llama-server"): 5.0, (1, "quantkit"): 4.5, (1, "llama-server"): 5.0})
     serve_burst.write_report(tmp_path, met)
