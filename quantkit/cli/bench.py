@@ -12,6 +12,7 @@ from quantkit.bench import decode as decode_bench
 from quantkit.bench import engines as engines_bench
 from quantkit.bench import serve as serve_bench
 from quantkit.bench import serve_agents as serve_agents_bench
+from quantkit.bench import serve_burst as serve_burst_bench
 from quantkit.bench import serve_slots as serve_slots_bench
 from quantkit.cli import DEV_PANEL, app, console, fail
 from quantkit.cli.bench_options import BenchGroup, command, shared
@@ -87,9 +88,9 @@ def bench_serve(
                                 help="concurrent clients; a list (1,2,4,8) measures `serve --parallel N` per count "
                                 "instead: total tok/s, time to first token and between tokens, a fifth client's long "
                                 "prompt while four decode (reports/bench-serve-slots.json)"),
-    llama_server: Path = typer.Option(None, "--llama-server", help="with a --clients list or --agents: llama-server "
-                                      "binary run with -np N on the GGUF export of the same codes (default: quantkit "
-                                      "alone)"),
+    llama_server: Path = typer.Option(None, "--llama-server", help="with a --clients list, --agents or --burst: "
+                                      "llama-server binary run with -np N on the GGUF export of the same codes "
+                                      "(default: quantkit alone)"),
     agents: str = typer.Option(None, "--agents", help="agent counts (1,4,8): the agent-rollout load instead, N agents "
                                "x --turns turns over a shared tool prompt and their own histories, streamed "
                                "(reports/bench-serve-agents.json)"),
@@ -114,13 +115,31 @@ def bench_serve(
     single_rounds: int = typer.Option(serve_slots_bench.SINGLE_ROUNDS, "--single-rounds", parser=COUNT0,
                                       help="with a --clients list: 1-client rounds of the default --parallel against "
                                       "--parallel 1, alternated (0: skip)"),
+    burst: int = typer.Option(None, "--burst", parser=COUNT, help="clients (8): each sends a different new prompt "
+                              "of --burst-tokens at the same instant to a fresh `serve --parallel N` (and llama-server "
+                              "-np N): time to first token p50/p95/max (reports/bench-serve-burst.json)"),
+    burst_tokens: int = typer.Option(serve_burst_bench.BURST_TOKENS, "--burst-tokens", parser=COUNT,
+                                     help="with --burst: tokens of each prompt"),
+    quantkit_args: str = typer.Option(None, "--quantkit-args", help="with --burst: more `quantkit serve` arguments, "
+                                      "one shell-quoted string (e.g. \"--prompt-cache-size 0\")"),
 ) -> None:
     """Load and fault test of `quantkit serve`: latency percentiles, throughput, RSS before/after.
 
-    --model: the checkpoint to serve (default: a tiny int4 one made in --workdir; with a --clients list or
-    --agents, a realistic-shape one with the real Qwen tokenizer). --rounds: with a --clients list or --agents,
-    rounds per count on each engine, the best kept (default 3 and 1)."""
+    --model: the checkpoint to serve (default: a tiny int4 one made in --workdir; with a --clients list,
+    --agents or --burst, a realistic-shape one with the real Qwen tokenizer). --rounds: with a --clients list or
+    --agents, rounds per count on each engine, the best kept (default 3 and 1); with --burst, bursts per engine,
+    each on a fresh server, every one shown (default 1)."""
     o = _shared(ctx)
+    if burst is not None:
+        if agents is not None:
+            fail(f"--burst {burst} --agents {agents}: give one of them")
+        serve_burst_bench.run(o.reports, o.model, o.workdir, burst, burst_tokens, context or 4096,
+                              None if o.threads is None else _threads(o.threads), llama_server, quantkit_args,
+                              rounds=o.rounds or serve_burst_bench.ROUNDS, log=console.print)
+        console.print(f"wrote {o.reports / 'bench-serve.md'} and {o.reports / 'bench-serve-burst.json'}")
+        return
+    if quantkit_args is not None:
+        fail(f"--quantkit-args {quantkit_args!r}: only --burst takes it; give --burst too (e.g. --burst 8)")
     if agents is not None:
         counts = serve_agents_bench.parse_agents(agents)
         serve_agents_bench.run(o.reports, o.model, o.workdir, counts, turns, turn_tokens, context or 4096,
