@@ -230,8 +230,12 @@ def _measure(name: str, cmd: list[str], env: dict[str, str] | None, log: Path, n
 
 def run(reports: Path, model_dir: Path | None, workdir: Path, agents: list[int], turns: int, turn_tokens: int,
         context: int, threads: int | None, llama_server: Path | None, vllm: Path | None, rounds: int = ROUNDS,
-        log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every agent count on every engine given (module docstring); the report written."""
+        log: Callable[[str], None] = print, extra: str | None = None) -> dict[str, Any]:
+    """Every agent count on every engine given (module docstring); the report written. `extra`: more `quantkit
+    serve` arguments (--quantkit-args: a setting compared, e.g. `--prefill rows`)."""
+    from quantkit.bench.serve_burst import parse_extra
+
+    more = parse_extra(extra)
     if llama_server is not None and not llama_server.is_file():  # before anything is made
         raise QuantkitError(f"--llama-server {llama_server}: no such file; build one with scripts/build-llama-server.sh")
     if turns < 1 or turn_tokens < 1:
@@ -247,7 +251,8 @@ def run(reports: Path, model_dir: Path | None, workdir: Path, agents: list[int],
         return len(tok.encode(text, add_special_tokens=False))
 
     makers: list[tuple[str, Callable[[int, int], tuple[list[str], dict[str, str] | None]]]] = [
-        ("quantkit", lambda port, n: (quantkit_command(model, port, n, context, threads, prompt_cache=True), None))]
+        ("quantkit", lambda port, n: (quantkit_command(model, port, n, context, threads, prompt_cache=True) + more,
+                                      None))]
     gguf = export = None
     export_notes: list[str] = []
     if llama_server is not None:
@@ -296,7 +301,7 @@ def run(reports: Path, model_dir: Path | None, workdir: Path, agents: list[int],
          "gguf": str(gguf) if gguf else None, "vllm_export": str(export) if export else None,
          "vllm_version": vllm_version, "vllm_export_notes": export_notes, "vllm_prefix_caching": (prefix["on"], prefix["note"]) if vllm else None,
          "settings": {"agents": agents, "turns": turns, "turn_tokens": turn_tokens, "context": context,
-                      "threads": threads, "rounds": rounds},
+                      "threads": threads, "rounds": rounds, "quantkit_args": more},
          "engine_commands": commands, "rows": rows}
     write_report(reports, d)
     return d

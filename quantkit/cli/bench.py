@@ -120,7 +120,7 @@ def bench_serve(
                               "-np N): time to first token p50/p95/max (reports/bench-serve-burst.json)"),
     burst_tokens: int = typer.Option(serve_burst_bench.BURST_TOKENS, "--burst-tokens", parser=COUNT,
                                      help="with --burst: tokens of each prompt"),
-    quantkit_args: str = typer.Option(None, "--quantkit-args", help="with --burst: more `quantkit serve` arguments, "
+    quantkit_args: str = typer.Option(None, "--quantkit-args", help="with --burst or --agents: more `quantkit serve` arguments, "
                                       "one shell-quoted string (e.g. \"--prompt-cache-size 0\")"),
 ) -> None:
     """Load and fault test of `quantkit serve`: latency percentiles, throughput, RSS before/after.
@@ -138,13 +138,13 @@ def bench_serve(
                               rounds=o.rounds or serve_burst_bench.ROUNDS, log=console.print)
         console.print(f"wrote {o.reports / 'bench-serve.md'} and {o.reports / 'bench-serve-burst.json'}")
         return
-    if quantkit_args is not None:
-        fail(f"--quantkit-args {quantkit_args!r}: only --burst takes it; give --burst too (e.g. --burst 8)")
+    if quantkit_args is not None and agents is None:
+        fail(f"--quantkit-args {quantkit_args!r}: only --burst and --agents take it; give one (e.g. --burst 8)")
     if agents is not None:
         counts = serve_agents_bench.parse_agents(agents)
         serve_agents_bench.run(o.reports, o.model, o.workdir, counts, turns, turn_tokens, context or 4096,
                                None if o.threads is None else _threads(o.threads), llama_server, vllm,
-                               rounds=o.rounds or serve_agents_bench.ROUNDS, log=console.print)
+                               rounds=o.rounds or serve_agents_bench.ROUNDS, log=console.print, extra=quantkit_args)
         console.print(f"wrote {o.reports / 'bench-serve.md'} and {o.reports / 'bench-serve-agents.json'}")
         return
     if vllm is not None:

@@ -152,7 +152,7 @@ def test_the_report_gives_each_rounds_ratio_and_the_target(tmp_path):
     (["--burst", "8", "--quantkit-args", "--port 1"], "--port is set by the bench"),
     (["--burst", "8", "--llama-server", "{tmp}/nope"], "--llama-server"),
     (["--burst", "8", "--agents", "1,4"], "give one of them"),
-    (["--clients", "1,2", "--quantkit-args", "--mtp 2"], "give --burst too"),
+    (["--clients", "1,2", "--quantkit-args", "--mtp 2"], "only --burst and --agents take it"),
 ])
 def test_bad_burst_options_are_one_line_and_nothing_is_made(tmp_path, capsys, monkeypatch, args, words):
     args = [a.format(tmp=tmp_path) for a in args]
