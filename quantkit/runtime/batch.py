@@ -131,7 +131,8 @@ class BatchGenerator:
         its first token comes at the next `step`. Sampling as `Runtime.generate_stream` takes it; `stop_ids`
         as `Runtime.generate_ids`. `between`: the rows already decoding take one step between the prompt's
         chunks, and their events go to `between` (a server's running requests are then held up for one chunk at
-        most, not the whole prompt). Returns the row's id. Every argument is checked before the prefill
+        most, not the whole prompt); with the row arithmetic (`in_steps`) nothing is prefilled here: the prompt's
+        chunks ride in the next steps and `between` is not called. Returns the row's id. Every argument is checked before the prefill
         (quantkit/runtime/args.py: ArgumentError / ArgumentTypeError naming it)."""
         rt = self.rt
         if (messages is None) == (ids is None):
@@ -333,7 +334,7 @@ class BatchGenerator:
             self._forward(go, feeds)
         t0 = time.perf_counter()
         for r in list(self._rows.values()):
-            if r.logits is not None or (r.feed is None and r.follows is None):
+            if r.feed is None and r.follows is None:  # not a prompt still being prefilled
                 self._take(r, out)
         if self._timed is not None:  # the forward's cost, its rewinds (just made) included
             rows, tokens, secs = self._timed
