@@ -200,6 +200,8 @@ class BatchGenerator:
         n = len(ids)
         with rt._lock, torch.inference_mode():
             cache, feed, same = batch_prompts.start(rt.model, ids, capacity, rt.prompt_cache, rt.boundary_ids, drafts)
+        if feed is not None:  # a prompt being prefilled now that shares its start: wait for it where they part
+            batch_prompts.join(feed, [r.feed for r in self._rows.values() if r.feed is not None])
         budget = min(sp.max_new_tokens, rt.context - n)
         row = _Row(next(self._ids), ids, sp, stops, cache, None, picker(sp, gen, sample), budget,
                    ChannelSplitter(rt.tokenizer, rt.think_ids, thinking), n if same is not None else feed.at,
@@ -401,9 +403,13 @@ class BatchGenerator:
         del self._rows[r.id]
         heirs = [k for k in self._rows.values() if k.follows == r.id]
         if heirs and r.feed is not None:  # its forks still wait for the prompt: the first carries it on
-            heirs[0].feed, heirs[0].follows = r.feed, None
+            heirs[0].feed, heirs[0].follows, heirs[0].cache = r.feed, None, r.cache
             for k in heirs[1:]:
                 k.follows = heirs[0].id
+        elif r.feed is not None:  # prompts that waited for this one's start prefill it themselves
+            for k in self._rows.values():
+                if k.feed is not None and k.feed.waits is r.feed:
+                    k.feed.waits = None
         if self.in_steps and finish in ("stop", "length") and r.feed is None and r.follows is None:
             batch_prompts.answer_snapshot(r.cache, r.prompt_ids, r.generated, self.rt.prompt_cache)
         out.append((r.id, self._last(r, finish)))
@@ -445,8 +451,29 @@ class BatchGenerator:
         for (f, ids), o in zip(chunks, outs[len(go):], strict=True):
             r = by_feed[id(f)]
             f.fed(len(ids), r.cache, o.hidden)
+            self._part(r)
             if f.left == 0:
                 self._prompt_in(r, o.logits)
+
+    def _part(self, r: _Row) -> None:
+        """The prompts waiting for row r's where it is now (they share its tokens so far) restore its state there:
+        a snapshot, kept in the prompt cache too (the point where prompts part)."""
+        f = r.feed
+        assert f is not None
+        rows = [k for k in self._rows.values() if k.feed is not None]
+        waiting = batch_prompts.waiting_for(f, [k.feed for k in rows if k.feed is not None])
+        if not waiting:
+            return
+        snap = r.cache.snapshot(f.ids[:f.at])
+        self.rt.prompt_cache.put(snap, persist=True)
+        for k in rows:
+            w = k.feed
+            if w in waiting:
+                assert w is not None
+                k.cache = HybridCache.from_snapshot(snap, r.cache.cfg, r.cache.devices, r.cache.dtype,
+                                                    k.cache.capacity)
+                w.at = w.cached = f.at
+                w.waits = None
 
     def _prompt_in(self, r: _Row, logits: torch.Tensor) -> None:
         """Row r's prompt is in (the row arithmetic): its snapshots stored, its first token's logits set, its

@@ -9,6 +9,11 @@ cut there gives: a snapshot restored anywhere continues bit for bit (tests/runti
 snapshot may sit where the T-token arithmetic cannot put one: at the end of an answer (`answer_snapshot`), and a
 restore is the longest cached prefix at any token (`PrefixCache.lookup` never asked for chunk-aligned cuts).
 
+Prompts that arrive together and share a prefix (agents over one tool prompt) part where they differ: a new feed
+whose prompt shares at least MIN_SHARED more tokens with one being prefilled `waits` for it (`join`); that one
+takes a snapshot where they part, which the waiting one restores (and the prompt cache keeps), so the shared
+tokens are prefilled once.
+
 Snapshots of a prompt: as `generate.prefill` takes them (the last boundaries, checkpoints past them, the whole
 prompt with its last logits), chunks ending where one is due. Entries of the two arithmetics never meet: a
 runtime uses one, and the disk store's identity names it (runtime/prompt_disk.py `layout_of`).
@@ -25,8 +30,10 @@ import torch
 from quantkit.runtime.model.cache import HybridCache
 from quantkit.runtime.state_cache import PrefixCache, Snapshot, snapshot_points
 
+MIN_SHARED = 32  # tokens a prompt must share with one being prefilled to wait for it rather than prefill them
 
-@dataclass
+
+@dataclass(eq=False)  # a feed is itself: compared by identity
 class PromptFeed:
     """A prompt being prefilled in the batch's steps: `ids` the whole prompt, `at` tokens of it in the cache."""
 
@@ -38,6 +45,8 @@ class PromptFeed:
     started: float = field(default_factory=time.perf_counter)
     taken: list[tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
     rows: list[torch.Tensor] = field(default_factory=list)  # with `hidden`: the chunks' final-norm rows
+    waits: PromptFeed | None = None  # the feed prefilling this one's first `part` tokens (`join`)
+    part: int = 0
 
     @property
     def left(self) -> int:
@@ -58,12 +67,43 @@ class PromptFeed:
             self.taken.append((self.at, cache.linear_copies()))
 
 
+def shared(a: list[int], b: list[int]) -> int:
+    """Tokens a and b share from the start."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def join(feed: PromptFeed, feeds: list[PromptFeed]) -> None:
+    """Make `feed` wait for the feed in `feeds` (not itself waiting, not yet past the parting point) it shares
+    the most tokens with, where that is MIN_SHARED more than it holds: that feed then takes a snapshot where they
+    part (its chunks end there)."""
+    best, part = None, feed.at + MIN_SHARED - 1
+    for f in feeds:
+        n = min(shared(feed.ids, f.ids), len(feed.ids) - 1)  # at least one token of its own left, for the logits
+        if f is not feed and f.waits is None and n > part and f.at < n:
+            best, part = f, n
+    if best is not None:
+        feed.waits, feed.part = best, part
+        best.points = sorted({*best.points, part})
+
+
+def waiting_for(feed: PromptFeed, feeds: list[PromptFeed]) -> list[PromptFeed]:
+    """The feeds in `feeds` that wait for `feed` where it is now."""
+    return [w for w in feeds if w.waits is feed and w.part == feed.at]
+
+
 def plan_chunks(feeds: list[PromptFeed], budget: int) -> list[tuple[PromptFeed, list[int]]]:
-    """Chunks of the waiting prompts for one step, `budget` tokens in all, the first come first served."""
+    """Chunks of the prompts being prefilled for one step, `budget` tokens in all, the first come first served
+    (a feed that waits for another takes none)."""
     out = []
     for f in feeds:
         if budget <= 0:
             break
+        if f.waits is not None:
+            continue
         ids = f.chunk(budget)
         out.append((f, ids))
         budget -= len(ids)

@@ -189,3 +189,45 @@ def test_plan_chunks_shares_the_budget_first_come_first_served():
     feeds[1].at = 5
     assert feeds[1].chunk(100) == list(range(5, 12))  # a chunk ends where a snapshot is due
     assert PREFILL_CHUNK >= 256
+
+
+def test_prompts_arriving_together_prefill_their_shared_start_once(tiny_model, monkeypatch, one_thread):
+    """Agents over one tool prompt arrive together: the shared start is prefilled once, the others restore the
+    state where they part (and the prompt cache keeps it), and every agent's tokens are its tokens alone."""
+    rt = _load(tiny_model, "int4", prefill="rows")
+    monkeypatch.setattr("quantkit.runtime.batch.PREFILL_CHUNK", 16)
+    system = "You are an agent with tools: list, read, write, search and run. " * 3
+    prompts = [rt.render_ids([{"role": "system", "content": system}, {"role": "user", "content": p}])[1]
+               for p in PROMPTS[:3]]
+    common = batch_prompts.shared(prompts[0], prompts[1])
+    assert common > batch_prompts.MIN_SHARED and batch_prompts.shared(prompts[0], prompts[2]) == common
+    sp = SamplingParams(max_new_tokens=5, **GREEDY)
+    want = [_alone(rt, ids, replace(sp), None) for ids in prompts]
+    rt.set_prompt_cache(1 << 28)
+    calls = _spy(monkeypatch, rt)
+    batch = BatchGenerator(rt)
+    rows = [batch.add(ids=ids, sampling=replace(sp)) for ids in prompts]
+    last = _run(batch)
+    prefilled = sum(t for c in calls for k, t in c if k == "prefill")
+    assert prefilled == sum(map(len, prompts)) - 2 * common  # the shared start once
+    assert [last[r].token_ids for r in rows] == [w.token_ids for w in want]
+    assert [last[r].cached_tokens for r in rows] == [0, common, common]
+    assert rt.prompt_cache.peek(prompts[0][:common] + [1]) is not None  # the parting point, kept
+
+
+def test_a_prompt_waiting_for_a_cancelled_one_prefills_its_start_itself(tiny_model, monkeypatch, one_thread):
+    rt = _load(tiny_model, "int4", prefill="rows")
+    monkeypatch.setattr("quantkit.runtime.batch.PREFILL_CHUNK", 8)
+    system = "You are an agent with tools: list, read, write, search and run. " * 3
+    prompts = [rt.render_ids([{"role": "system", "content": system}, {"role": "user", "content": p}])[1]
+               for p in PROMPTS[:2]]
+    sp = SamplingParams(max_new_tokens=4, **GREEDY)
+    want = _alone(rt, prompts[1], replace(sp), None)
+    batch = BatchGenerator(rt)
+    first = batch.add(ids=prompts[0], sampling=replace(sp))
+    second = batch.add(ids=prompts[1], sampling=replace(sp))
+    batch.step()
+    batch.cancel(first)
+    last = _run(batch)
+    assert last[first].finish_reason == "cancelled" and last[second].token_ids == want.token_ids
+    assert last[second].cached_tokens == 0
