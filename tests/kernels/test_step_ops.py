@@ -113,11 +113,11 @@ def test_gdn_step_matches_the_torch_route(qk):
 
 
 @pytest.mark.parametrize("keep", [True, False])
-@pytest.mark.parametrize("t", [2, 3, 4])
+@pytest.mark.parametrize("t", [2, 3, 4, 9])
 def test_gdn_rows_are_gdn_steps_bit_for_bit(qk, t, keep):
-    """A verify's T tokens through a Gated DeltaNet core (`gdn_rows`: each head's state carried through the T tokens
-    while it is in cache) give T gdn_steps' outputs, conv window and states, bit for bit; with no states kept
-    between (empty `states`, a verify's case), each block of a head's columns goes through the T tokens at once."""
+    """A verify's or a prompt chunk's T tokens through a Gated DeltaNet core (`gdn_rows`: each head's state carried
+    through the T tokens while it is in cache) give T gdn_steps' outputs, conv window and states, bit for bit; with
+    no states kept between (empty `states`), each block of a head's columns goes through up to 4 tokens at once."""
     m, inp = _linear_layer(30 + t)
     c, hv = inp["qkv"].shape[1], m.hv
     qkv, z, b, a = _bf16(t, c, seed=1), _bf16(t, hv * m.dv, seed=2), _bf16(t, hv, seed=3), _bf16(t, hv, seed=4)
@@ -188,6 +188,37 @@ def test_attn_step_matches_the_torch_route(qk):
     _close(got, want, SHARE)
 
 
+def _attn_rows_inputs(rows: int, n: int, heads: int, kv: int, hd: int, rot: int, seed: int) -> tuple:
+    """A gated attention layer's projections of `rows` tokens at positions n.., its constants, the rotary of
+    those positions and K/V buffers with room for them (filled with noise, as a cache's unwritten tail may be)."""
+    qo, ko, vo = _bf16(rows, heads * 2 * hd, seed=seed), _bf16(rows, kv * hd, seed=seed + 1), _bf16(rows, kv * hd,
+                                                                                                       seed=seed + 2)
+    qk_scale = 1.0 + _bf16(heads + kv, hd, scale=0.1, seed=seed + 3).float()
+    freqs = torch.arange(n, n + rows).float().view(-1, 1) * (10000.0 ** -(torch.arange(rot // 2).float() / rot * 2))
+    cos, sin = torch.cat([freqs.cos()] * 2, 1).to(torch.bfloat16), torch.cat([freqs.sin()] * 2, 1).to(torch.bfloat16)
+    cap = n + rows + 3
+    return qo, ko, vo, qk_scale, cos, sin, _bf16(kv, cap, hd, seed=seed + 4), _bf16(kv, cap, hd, seed=seed + 5)
+
+
+@pytest.mark.parametrize("shape", [(16, 2, 256, 64), (4, 2, 16, 4), (6, 2, 32, 8)], ids=["real", "tiny", "odd-group"])
+@pytest.mark.parametrize("n", [0, 100])
+@pytest.mark.parametrize("rows", [1, 3, 17, 64])
+def test_attn_rows_are_attn_steps_bit_for_bit(qk, rows, n, shape):
+    """R consecutive tokens of one cache through a gated attention layer in one call (`attn_rows`: each block of keys
+    and values read once for a tile of rows) give R attn_steps, each after the rows before it: outputs and K/V
+    buffers bit for bit, at the real model's heads (8 query heads per kv head, 256 wide), the tiny models' (2 per
+    kv head, 16 wide) and an odd group (3 per kv head); from position 0 and past several blocks of keys."""
+    heads, kv, hd, rot = shape
+    qo, ko, vo, qk_scale, cos, sin, keys, values = _attn_rows_inputs(rows, n, heads, kv, hd, rot, seed=rows + n)
+    ks, vs, kr, vr = keys.clone(), values.clone(), keys.clone(), values.clone()
+    want = torch.cat([qk.attn_step(qo[j:j + 1], ko[j:j + 1], vo[j:j + 1], qk_scale, cos[j], sin[j], ks, vs, n + j,
+                                   hd ** -0.5, 1e-6) for j in range(rows)])
+    got = qk.attn_rows(qo, ko, vo, qk_scale, cos, sin, kr, vr, n, hd ** -0.5, 1e-6)
+    assert torch.equal(got, want)
+    assert torch.equal(kr, ks) and torch.equal(vr, vs)
+    assert torch.equal(kr[:, n + rows:], keys[:, n + rows:])  # nothing written past the last row
+
+
 def test_bad_inputs_are_one_line_errors(qk):
     m, inp = _linear_layer(40)
     st = inp["state"].view(m.hv, m.dk, m.dv)
@@ -204,6 +235,12 @@ def test_bad_inputs_are_one_line_errors(qk):
         k = _bf16(2, 8, 256)
         qk.attn_step(_bf16(1, 16 * 512), _bf16(1, 512), _bf16(1, 512), torch.ones(18, 256), _bf16(64), _bf16(64),
                          k, k.clone(), 8, 0.06, 1e-6)
+    qo, ko, vo, qk_scale, cos, sin, keys, values = _attn_rows_inputs(5, 10, 4, 2, 16, 4, seed=0)
+    with pytest.raises(RuntimeError, match=r"qk_attn_rows: shapes do not fit \(rotary width 4, positions 14..18 of a "
+                                           r"capacity of 18\)"):
+        qk.attn_rows(qo, ko, vo, qk_scale, cos, sin, keys, values, 14, 0.25, 1e-6)
+    with pytest.raises(RuntimeError, match="qk_attn_rows: q .R, heads . 2 hd. with cos and sin .R, rot."):
+        qk.attn_rows(qo, ko, vo, qk_scale, cos[:4], sin[:4], keys, values, 10, 0.25, 1e-6)
 
 
 def _table(*rows: tuple[torch.Tensor, int]) -> torch.Tensor:

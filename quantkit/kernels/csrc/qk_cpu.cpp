@@ -766,6 +766,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("gdn_batch", &qk_gdn_batch, "a decode batch's tokens through gdn_step, each on its own window and state");
   mod.def("gdn_rows", &qk_gdn_rows, "T tokens of gdn_step, keeping the state after each but the last (or none)");
   mod.def("attn_step", &qk_attn_step, "a gated attention layer between its projections, one token");
+  mod.def("attn_rows", &qk_attn_rows, "R consecutive tokens of one cache through attn_step, in one call");
   mod.def("delta_step", &qk_delta_step, "one token of the gated delta rule, state updated in place");
   mod.def("argmax", &qk_argmax, "torch.argmax of a contiguous bf16 or fp32 tensor (its first maximum)");
   mod.def("flush_denormals", &qk_flush_denormals, "FTZ and DAZ on every thread of torch's pool (or off): were they on");

@@ -76,6 +76,11 @@ struct Ops {
   // of G * n floats, acc of G * hd; out [G, hd] bf16
   void (*attend_head)(int G, const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t n, int64_t hd,
                       float scaling, float* s, float* acc, uint16_t* out);
+  // attend_head of T rows of one kv head at once, each row's bits its own call's: row t's G query heads at
+  // q + t * qs against rows 0..n0+t-1, its out at out + t * os; each block of k and v read once for the T rows.
+  // s scratch of T * G * (n0 + T - 1) floats, acc of T * G * hd
+  void (*attend_rows)(int G, int64_t T, const uint16_t* q, int64_t qs, const uint16_t* k, const uint16_t* v,
+                      int64_t n0, int64_t hd, float scaling, float* s, float* acc, uint16_t* out, int64_t os);
   // bf16 rows, torch's roundings (qk_step.cpp states each)
   void (*rms_row)(const uint16_t* x, int64_t n, const float* scale, float eps, uint16_t* y);
   void (*add_bf16)(const uint16_t* x, const uint16_t* a, int64_t n, uint16_t* y);

@@ -1166,12 +1166,17 @@ inline __m512bh row32(const uint16_t* p, int64_t d, int64_t hd) {
   return (__m512bh)(d + 32 <= hd ? _mm512_loadu_si512(p + d) : _mm512_maskz_loadu_epi16(0xFFFFu, p + d));
 }
 
+// keys j0..j1-1 of the scores of a row of n keys (s [G, n]); j0 a multiple of 16 (or past the batches): the keys
+// are batched exactly where attend_scores on all n batches them (from key 0, up to n rounded down to R), so any
+// split of 0..n at such points gives attend_scores's bits
 template <int G>
-void attend_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t hd, float scaling, float* s) {
+void scores_range(const uint16_t* q, const uint16_t* k, int64_t j0, int64_t j1, int64_t n, int64_t hd, float scaling,
+                  float* s) {
   constexpr int R = 16 / G;  // key rows per batch: 16 dot products reduced together
   const __m512 sc = _mm512_set1_ps(scaling);
-  int64_t j = 0;
-  for (; j + R <= n; j += R) {
+  const int64_t batched = imin(j1, n / R * R);
+  int64_t j = j0;
+  for (; j + R <= batched; j += R) {
     __m512 acc[16];
     for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t d = 0; d < hd; d += 32) {
@@ -1187,7 +1192,7 @@ void attend_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t hd, 
     for (int r = 0; r < R; ++r)
       for (int h = 0; h < G; ++h) s[h * n + j + r] = out[r * G + h];
   }
-  for (; j < n; ++j)
+  for (; j < j1; ++j)
     for (int h = 0; h < G; ++h) {
       __m512 a = _mm512_setzero_ps();
       for (int64_t d = 0; d < hd; d += 32)
@@ -1198,8 +1203,9 @@ void attend_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t hd, 
 #else
 // bf16 widened to fp32: per key row, its W-wide pieces against the G query rows (each read once per row)
 template <int G>
-void attend_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t hd, float scaling, float* s) {
-  for (int64_t j = 0; j < n; ++j) {
+void scores_range(const uint16_t* q, const uint16_t* k, int64_t j0, int64_t j1, int64_t n, int64_t hd, float scaling,
+                  float* s) {
+  for (int64_t j = j0; j < j1; ++j) {
     vf acc[G];
     for (int h = 0; h < G; ++h) acc[h] = vzero();
     for (int64_t d = 0; d < hd; d += W) {
@@ -1210,6 +1216,11 @@ void attend_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t hd, 
   }
 }
 #endif
+
+template <int G>
+void attend_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t hd, float scaling, float* s) {
+  scores_range<G>(q, k, 0, n, n, hd, scaling, s);
+}
 
 // in place: each row of s [G, n] -> bf16(softmax) in fp32
 void attend_softmax(float* s, int64_t g, int64_t n) {
@@ -1236,28 +1247,39 @@ void attend_softmax(float* s, int64_t g, int64_t n) {
 
 // acc [G, hd] = p [G, n] @ v [n, hd] in fp32, rows in order; blocks of 64 value rows stay in L1 while
 // C chunks of W columns of the G outputs sit in registers
+constexpr int64_t kSumRows = 64;
+
+// acc [G, hd] += p [G, n] (columns j0..j1-1) @ v [j0..j1-1, hd], value rows in order
+template <int G, int C>
+void sum_block(const float* p, const uint16_t* v, int64_t n, int64_t j0, int64_t j1, int64_t hd, float* acc) {
+  for (int64_t d = 0; d < hd; d += W * C) {
+    vf a[G][C];
+    for (int h = 0; h < G; ++h)
+      for (int c = 0; c < C; ++c) a[h][c] = vld(acc + h * hd + d + W * c);
+    for (int64_t j = j0; j < j1; ++j) {
+      vf vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = vld16(v + j * hd + d + W * c);
+      for (int h = 0; h < G; ++h) {
+        const vf w = vset(p[h * n + j]);
+        for (int c = 0; c < C; ++c) a[h][c] = vfma(w, vv[c], a[h][c]);
+      }
+    }
+    for (int h = 0; h < G; ++h)
+      for (int c = 0; c < C; ++c) vst(acc + h * hd + d + W * c, a[h][c]);
+  }
+}
+
 template <int G, int C>
 void attend_sum(const float* p, const uint16_t* v, int64_t n, int64_t hd, float* acc) {
-  constexpr int64_t kRows = 64;
   for (int64_t i = 0; i < G * hd; ++i) acc[i] = 0.f;
-  for (int64_t j0 = 0; j0 < n; j0 += kRows) {
-    const int64_t j1 = imin(n, j0 + kRows);
-    for (int64_t d = 0; d < hd; d += W * C) {
-      vf a[G][C];
-      for (int h = 0; h < G; ++h)
-        for (int c = 0; c < C; ++c) a[h][c] = vld(acc + h * hd + d + W * c);
-      for (int64_t j = j0; j < j1; ++j) {
-        vf vv[C];
-        for (int c = 0; c < C; ++c) vv[c] = vld16(v + j * hd + d + W * c);
-        for (int h = 0; h < G; ++h) {
-          const vf w = vset(p[h * n + j]);
-          for (int c = 0; c < C; ++c) a[h][c] = vfma(w, vv[c], a[h][c]);
-        }
-      }
-      for (int h = 0; h < G; ++h)
-        for (int c = 0; c < C; ++c) vst(acc + h * hd + d + W * c, a[h][c]);
-    }
-  }
+  for (int64_t j0 = 0; j0 < n; j0 += kSumRows) sum_block<G, C>(p, v, n, j0, imin(n, j0 + kSumRows), hd, acc);
+}
+
+// two chunks of W columns in registers where they and the G accumulators fit (32 zmm, 16 ymm)
+template <int G>
+bool sum_two(int64_t hd) {
+  constexpr bool two = W == 16 ? G <= 8 : G <= 4;
+  return two && hd % (2 * W) == 0;
 }
 
 template <int G>
@@ -1265,10 +1287,35 @@ void attend_group(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64
                   float* s, float* acc, uint16_t* out) {
   attend_scores<G>(q, k, n, hd, scaling, s);
   attend_softmax(s, G, n);
-  // two chunks of W columns in registers where they and the G accumulators fit (32 zmm, 16 ymm)
-  constexpr bool two = W == 16 ? G <= 8 : G <= 4;
-  if (two && hd % (2 * W) == 0) attend_sum<G, 2>(s, v, n, hd, acc); else attend_sum<G, 1>(s, v, n, hd, acc);
+  if (sum_two<G>(hd)) attend_sum<G, 2>(s, v, n, hd, acc); else attend_sum<G, 1>(s, v, n, hd, acc);
   to_bf16_row(acc, G * hd, out);
+}
+
+// T rows of G query heads against one kv head, row t (q + t * qs [G, hd]) over keys 0..n0+t-1, out + t * os [G,
+// hd]: each row attend_group's bits (its scores, softmax and value rows in attend_group's order), but each block
+// of keys and of values is read from memory once for the T rows. s holds T rows of G * (n0 + T - 1) scores, acc
+// T rows of G * hd.
+template <int G>
+void attend_rows_group(int64_t T, const uint16_t* q, int64_t qs, const uint16_t* k, const uint16_t* v, int64_t n0,
+                       int64_t hd, float scaling, float* s, float* acc, uint16_t* out, int64_t os) {
+  constexpr int64_t kKeys = 64;  // keys per block: a multiple of 16 (scores_range's split points)
+  const int64_t nl = n0 + T - 1, ss = G * nl;
+  // row t has n0 + t keys: a block starting at j0 is read by the rows from max(0, j0 - n0 + 1) on
+  for (int64_t j0 = 0; j0 < nl; j0 += kKeys)
+    for (int64_t t = j0 < n0 ? 0 : j0 - n0 + 1; t < T; ++t)
+      scores_range<G>(q + t * qs, k, j0, imin(j0 + kKeys, n0 + t), n0 + t, hd, scaling, s + t * ss);
+  for (int64_t t = 0; t < T; ++t) {
+    attend_softmax(s + t * ss, G, n0 + t);
+    for (int64_t i = 0; i < G * hd; ++i) acc[t * G * hd + i] = 0.f;
+  }
+  const bool two = sum_two<G>(hd);
+  for (int64_t j0 = 0; j0 < nl; j0 += kSumRows)
+    for (int64_t t = j0 < n0 ? 0 : j0 - n0 + 1; t < T; ++t) {
+      const int64_t n = n0 + t, j1 = imin(n, j0 + kSumRows);
+      if (two) sum_block<G, 2>(s + t * ss, v, n, j0, j1, hd, acc + t * G * hd);
+      else sum_block<G, 1>(s + t * ss, v, n, j0, j1, hd, acc + t * G * hd);
+    }
+  for (int64_t t = 0; t < T; ++t) to_bf16_row(acc + t * G * hd, G * hd, out + t * os);
 }
 
 // G query heads q [G, hd] against rows 0..n-1 of k and v [cap, hd]; out [G, hd] bf16
@@ -1287,6 +1334,26 @@ void attend_head(int G, const uint16_t* q, const uint16_t* k, const uint16_t* v,
     case 4: attend_group<4>(q, k, v, n, hd, scaling, s, acc, out); break;
     case 2: attend_group<2>(q, k, v, n, hd, scaling, s, acc, out); break;
     default: attend_group<1>(q, k, v, n, hd, scaling, s, acc, out); break;
+  }
+}
+
+// attend_head of T rows of one kv head (attend_rows_group), row t's G query heads at q + t * qs with n0 + t keys,
+// its output at out + t * os
+void attend_rows(int G, int64_t T, const uint16_t* q, int64_t qs, const uint16_t* k, const uint16_t* v, int64_t n0,
+                 int64_t hd, float scaling, float* s, float* acc, uint16_t* out, int64_t os) {
+  switch (G) {
+#if QK_NATIVE_BF16
+    case 16: attend_rows_group<16>(T, q, qs, k, v, n0, hd, scaling, s, acc, out, os); break;
+#else
+    case 16:  // as attend_head: two groups of 8
+      attend_rows_group<8>(T, q, qs, k, v, n0, hd, scaling, s, acc, out, os);
+      attend_rows_group<8>(T, q + 8 * hd, qs, k, v, n0, hd, scaling, s, acc, out + 8 * hd, os);
+      break;
+#endif
+    case 8: attend_rows_group<8>(T, q, qs, k, v, n0, hd, scaling, s, acc, out, os); break;
+    case 4: attend_rows_group<4>(T, q, qs, k, v, n0, hd, scaling, s, acc, out, os); break;
+    case 2: attend_rows_group<2>(T, q, qs, k, v, n0, hd, scaling, s, acc, out, os); break;
+    default: attend_rows_group<1>(T, q, qs, k, v, n0, hd, scaling, s, acc, out, os); break;
   }
 }
 
@@ -1488,7 +1555,7 @@ void bit_range(const U* __restrict x, int64_t n, int32_t* out) {
 
 // constant-initialised: loading the module runs none of this unit's code
 constexpr qk::Ops kOps = {QK_NAME,    QK_LEVEL,  quantize_row, tile,     to_bf16_row, silu_mul32,
-                          sum_f32,    delta_head, attend_head, rms_row,  add_bf16,    silu_mul_bf16,
+                          sum_f32,    delta_head, attend_head, attend_rows, rms_row,  add_bf16,    silu_mul_bf16,
                           exp_shifted, moe_out,   gate_mul,    gdn_conv, gdn_head,    gdn_head_rows, norm_rotate,
                           qkq::int4_sym<uint16_t>, qkq::int4_sym<float>, qkq::int8_row, bit_range<int16_t, uint16_t>,
                           bit_range<int32_t, uint32_t>};

@@ -9,7 +9,7 @@
 // - gdn_step: a Gated DeltaNet layer between its input and output projections (conv window, SiLU, gates,
 //   q/k l2-norm, state update, gated RMSNorm); gdn_batch: the same for a decode batch, each row on its own state;
 // - attn_step: a gated attention layer between its projections (q/k RMSNorm, rotary, the K/V write,
-//   attention, sigmoid gate);
+//   attention, sigmoid gate); attn_rows: the same for R consecutive tokens of one cache, each row attn_step's;
 // - argmax: the greedy token of a row of logits.
 // Every op runs on each ISA's table (qk_ops_impl.h); this file checks the tensors, splits the work over
 // torch's threads and calls the table.
@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -257,7 +258,7 @@ GdnArgs gdn_layer_args(const torch::Tensor& conv, const torch::Tensor& conv_w, c
 }
 
 void gdn_rows_into(const GdnArgs& g0, int64_t t, float* kept, uint16_t* op, const float* from, uint16_t* xs) {
-  TORCH_CHECK(t >= 1 && t <= kMaxRows, "qk_gdn_rows: 1..", kMaxRows, " tokens");
+  TORCH_CHECK(t >= 1, "qk_gdn_rows: no tokens");
   thread_local std::vector<uint16_t> tl_x;
   if (!xs) {
     tl_x.resize(t * g0.channels);
@@ -273,13 +274,15 @@ void gdn_rows_into(const GdnArgs& g0, int64_t t, float* kept, uint16_t* op, cons
 }
 
 // Each head goes through the t tokens while its state is in cache. Where no state before the last is kept, each
-// block of the state's columns goes through every token in L1 (gdn_head_rows) and only the last state is written,
-// so a verify writes to memory what one step writes; a last state written out of place (a verify's, a replay's)
-// streams past the cache.
+// block of the state's columns goes through up to kMaxDeltaRows tokens at a time in L1 (gdn_head_rows), so a
+// verify writes to memory what one step writes and a prompt chunk's tokens pass the head's state in cache; a last
+// state written out of place (a verify's, a replay's) streams past the cache.
 void gdn_heads_into(const GdnArgs& g0, int64_t t, const uint16_t* x, const float* from, float* kept, uint16_t* op) {
   const int64_t hs = g0.dk * g0.dv, n = g0.hv * hs, od = g0.hv * g0.dv;
-  TORCH_CHECK(t >= 1 && t <= kMaxRows, "qk_gdn_rows: 1..", kMaxRows, " tokens");
-  GdnArgs g[kMaxRows];
+  TORCH_CHECK(t >= 1, "qk_gdn_rows: no tokens");
+  GdnArgs stack[kMaxRows];
+  std::vector<GdnArgs> heap(t > kMaxRows ? t : 0);  // a prompt chunk's rows; a verify's stay on the stack
+  GdnArgs* g = t > kMaxRows ? heap.data() : stack;
   for (int64_t j = 0; j < t; ++j) {
     g[j] = g0;
     g[j].z = g0.z + j * od;
@@ -287,16 +290,20 @@ void gdn_heads_into(const GdnArgs& g0, int64_t t, const uint16_t* x, const float
     g[j].a = g0.a + j * g0.hv;
   }
   const Ops& f = ops();
-  static_assert(kMaxRows <= kMaxDeltaRows, "gdn_head_rows takes fewer tokens than a verify");
-  if (!kept && t > 1 && g0.dv % 16 == 0) {  // every block of a head's state through the t tokens in L1
-    uint16_t* outs[kMaxRows];
+  if (!kept && t > 1 && g0.dv % 16 == 0) {  // every block of a head's state through the tokens in L1
+    std::vector<uint16_t*> outs(t);
     for (int64_t j = 0; j < t; ++j) outs[j] = op + j * od;
+    const int64_t most = std::min<int64_t>(t, kMaxDeltaRows);
     at::parallel_for(0, g0.hv, 1, [&](int64_t lo, int64_t hi) {
       thread_local std::vector<float> tl_scratch;
-      tl_scratch.resize(t * (2 * g0.dk + 3 * g0.dv) + g0.dk * kDeltaBlockCols);
+      tl_scratch.resize(most * (2 * g0.dk + 3 * g0.dv) + g0.dk * kDeltaBlockCols);
       uint16_t ob[kMaxHeadDim];
       for (int64_t h = lo; h < hi; ++h)
-        f.gdn_head_rows(g, t, x, h, from + h * hs, g0.state + h * hs, true, tl_scratch.data(), ob, outs);
+        for (int64_t j = 0; j < t; j += kMaxDeltaRows) {  // the state in place between runs, in cache
+          const int64_t r = std::min<int64_t>(kMaxDeltaRows, t - j);
+          f.gdn_head_rows(g + j, r, x + j * g0.channels, h, j == 0 ? from + h * hs : g0.state + h * hs,
+                          g0.state + h * hs, j + r == t, tl_scratch.data(), ob, outs.data() + j);
+        }
     });
     return;
   }
@@ -358,14 +365,14 @@ torch::Tensor qk_gdn_step(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, t
 
 // T tokens through a Gated DeltaNet layer's core, bit for bit T calls of qk_gdn_step (its arguments, with qkv
 // [T, C], z [T, Hv*Dv], b and a [T, Hv]), keeping the state after each token but the last in `states` [T - 1,
-// Hv, Dk, Dv] fp32 (the last goes to `state`). Why not T calls: each head's state goes through the T tokens while
-// it is in cache, where T calls read and write the whole state from memory per token and the trail took a copy
-// of it after each. Returns [T, Hv*Dv] bf16.
+// Hv, Dk, Dv] fp32 (the last goes to `state`), or none (empty `states`: a verify's case, a prompt chunk's). Why not
+// T calls: each head's state goes through the T tokens while it is in cache, where T calls read and write the
+// whole state from memory per token and the trail took a copy of it after each. Returns [T, Hv*Dv] bf16.
 torch::Tensor qk_gdn_rows(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, torch::Tensor a, torch::Tensor conv,
                           torch::Tensor conv_w, torch::Tensor neg_a, torch::Tensor dt_bias, torch::Tensor norm_w,
                           bool norm_w_bf16, torch::Tensor state, torch::Tensor states, int64_t hk, double eps) {
   const int64_t t = qkv.size(0);
-  TORCH_CHECK(qkv.dim() == 2 && t >= 1 && t <= kMaxRows, "qk_gdn_rows: qkv must be [T, C], T <= ", kMaxRows);
+  TORCH_CHECK(qkv.dim() == 2 && t >= 1, "qk_gdn_rows: qkv must be [T, C], T >= 1");
   const GdnArgs g0 = gdn_args(qkv, z, b, a, conv, conv_w, neg_a, dt_bias, norm_w, norm_w_bf16, state, hk, eps, t);
   const bool keep = states.numel() > 0;
   TORCH_CHECK(!keep || (states.scalar_type() == torch::kFloat && states.is_contiguous() && states.dim() == 4 &&
@@ -437,6 +444,30 @@ torch::Tensor qk_attn_step(torch::Tensor qo, torch::Tensor ko, torch::Tensor vo,
   return out;
 }
 
+// R consecutive tokens of one cache through a gated attention layer between its projections (a prompt chunk,
+// a verify): qo [R, heads * 2 hd], ko and vo [R, kv * hd], cos and sin [R, rot], row j at position n + j; the
+// other arguments as qk_attn_step's. Row j is bit for bit qk_attn_step on row j after rows 0..j-1 were stepped
+// (its K/V written at n + j, its query over positions 0..n + j). Why one call: R calls read the whole K/V R
+// times; here each block of keys and values is read once for a tile of rows while it is in cache, and the
+// threads split (tiles x kv heads) where a step splits only the kv heads. Returns [R, heads * hd] bf16.
+torch::Tensor qk_attn_rows(torch::Tensor qo, torch::Tensor ko, torch::Tensor vo, torch::Tensor qk_scale,
+                           torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values, int64_t n,
+                           double scaling, double eps) {
+  for (const auto& [t, what] : {std::pair{&qo, "qk_attn_rows: q"}, {&ko, "qk_attn_rows: k"}, {&vo, "qk_attn_rows: v"},
+                                {&cos, "qk_attn_rows: cos"}, {&sin, "qk_attn_rows: sin"}})
+    check_bf16(*t, what);
+  TORCH_CHECK(qo.dim() == 2 && qo.size(0) >= 1 && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
+              cos.size(0) == qo.size(0), "qk_attn_rows: q [R, heads * 2 hd] with cos and sin [R, rot]");
+  const int64_t rows = qo.size(0);
+  const AttnArgs at = attn_layer_args(qk_scale, keys, values, scaling, eps, qo.size(1));
+  TORCH_CHECK(ko.numel() == rows * at.kv * at.hd && vo.numel() == rows * at.kv * at.hd,
+              "qk_attn_rows: shapes do not fit");
+  torch::Tensor out = torch::empty({rows, at.heads * at.hd}, torch::kBFloat16);
+  attn_rows_into(at, rows, bf16_ptr(qo), bf16_ptr(ko), bf16_ptr(vo), bf16_ptr(cos), bf16_ptr(sin), cos.size(1), n,
+                 bf16_ptr(out));
+  return out;
+}
+
 namespace qk {
 
 AttnArgs attn_layer_args(const torch::Tensor& qk_scale, const torch::Tensor& keys, const torch::Tensor& values,
@@ -479,6 +510,55 @@ void attn_into(const AttnArgs& at, const uint16_t* qo, const uint16_t* ko, const
   }
   attend_heads(q.data(), at.keys, at.values, heads, kv, cap, hd, n + 1, at.scaling, op);
   for (int64_t h = 0; h < heads; ++h) f.gate_mul(op + h * hd, qo + h * 2 * hd + hd, hd);
+}
+
+void attn_rows_into(const AttnArgs& at, int64_t rows, const uint16_t* qo, const uint16_t* ko, const uint16_t* vo,
+                    const uint16_t* cos, const uint16_t* sin, int64_t rot, int64_t n, uint16_t* op) {
+  TORCH_CHECK(rot % 2 == 0 && rot <= at.hd && n >= 0 && rows >= 1 && n + rows <= at.cap, "qk_attn_rows: shapes do "
+              "not fit (rotary width ", rot, ", positions ", n, "..", n + rows - 1, " of a capacity of ", at.cap, ")");
+  const int64_t heads = at.heads, kv = at.kv, hd = at.hd, cap = at.cap, g = heads / kv;
+  std::vector<uint16_t> q(rows * heads * hd);
+  const Ops& f = ops();
+  // every row's q and k normed and rotated, its K/V written: a row reads only positions up to its own, so the
+  // writes of the rows after it change nothing it reads
+  at::parallel_for(0, rows, 1, [&](int64_t lo, int64_t hi) {
+    uint16_t nrm[kMaxHeadDim], k[kMaxHeadDim];
+    for (int64_t t = lo; t < hi; ++t) {
+      f.norm_rotate(qo + t * heads * 2 * hd, 2 * hd, heads, hd, at.qk_scale, cos + t * rot, sin + t * rot, rot,
+                    at.eps, nrm, q.data() + t * heads * hd);
+      for (int64_t h = 0; h < kv; ++h) {
+        f.norm_rotate(ko + (t * kv + h) * hd, hd, 1, hd, at.qk_scale + (heads + h) * hd, cos + t * rot,
+                      sin + t * rot, rot, at.eps, nrm, k);
+        std::memcpy(at.keys + (h * cap + n + t) * hd, k, hd * sizeof(uint16_t));
+        std::memcpy(at.values + (h * cap + n + t) * hd, vo + (t * kv + h) * hd, hd * sizeof(uint16_t));
+      }
+    }
+  });
+  // work items (tile of rows, kv head, group of G query heads), the longest rows first, taken in turn by the
+  // threads: the rows' costs grow with their positions, so a static split would leave one thread the last tiles
+  const int G = g % 16 == 0 ? 16 : g % 8 == 0 ? 8 : g % 4 == 0 ? 4 : g % 2 == 0 ? 2 : 1;  // as attend_heads
+  const int64_t threads = at::get_num_threads(), groups = g / G;
+  // tiles of up to kTileRows rows, smaller where that leaves a thread without two items
+  constexpr int64_t kTileRows = 16;
+  const int64_t per = std::max<int64_t>(1, (2 * threads + kv * groups - 1) / (kv * groups));
+  const int64_t tile = std::clamp<int64_t>((rows + per - 1) / per, 1, kTileRows);
+  const int64_t tiles = (rows + tile - 1) / tile, items = tiles * kv * groups;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    thread_local std::vector<float> tl_s, tl_acc;
+    tl_s.resize(tile * G * (n + rows));
+    tl_acc.resize(tile * G * hd);
+    for (int64_t i = next++; i < items; i = next++) {
+      const int64_t tl = tiles - 1 - i / (kv * groups), h = i / groups % kv, q0 = h * g + i % groups * G;
+      const int64_t t0 = tl * tile, nt = std::min(tile, rows - t0);
+      f.attend_rows(G, nt, q.data() + t0 * heads * hd + q0 * hd, heads * hd, at.keys + h * cap * hd,
+                    at.values + h * cap * hd, n + t0 + 1, hd, at.scaling, tl_s.data(), tl_acc.data(),
+                    op + t0 * heads * hd + q0 * hd, heads * hd);
+      for (int64_t t = t0; t < t0 + nt; ++t)
+        for (int64_t qh = q0; qh < q0 + G; ++qh)
+          f.gate_mul(op + (t * heads + qh) * hd, qo + t * heads * 2 * hd + qh * 2 * hd + hd, hd);
+    }
+  });
 }
 
 }  // namespace qk

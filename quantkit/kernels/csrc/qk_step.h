@@ -29,6 +29,9 @@ torch::Tensor qk_gdn_batch(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, 
 torch::Tensor qk_attn_step(torch::Tensor qo, torch::Tensor ko, torch::Tensor vo, torch::Tensor qk_scale,
                            torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values, int64_t n,
                            double scaling, double eps);
+torch::Tensor qk_attn_rows(torch::Tensor qo, torch::Tensor ko, torch::Tensor vo, torch::Tensor qk_scale,
+                           torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values, int64_t n,
+                           double scaling, double eps);
 int64_t qk_argmax(torch::Tensor x);
 
 // The pointer-level cores beneath the ops above, which run no torch op (qk_layers.cpp runs a decode step of them).
@@ -51,6 +54,10 @@ AttnArgs attn_layer_args(const torch::Tensor& qk_scale, const torch::Tensor& key
 // one token at position n: qo [heads * 2 hd], ko and vo [kv * hd], cos and sin [rot] (bf16); out [heads * hd]
 void attn_into(const AttnArgs& at, const uint16_t* qo, const uint16_t* ko, const uint16_t* vo, const uint16_t* cos,
                const uint16_t* sin, int64_t rot, int64_t n, uint16_t* out);
+// rows tokens at positions n .. n + rows - 1 (qo, ko, vo, cos, sin their rows, contiguous): out [rows, heads * hd],
+// row j attn_into's after rows 0..j-1
+void attn_rows_into(const AttnArgs& at, int64_t rows, const uint16_t* qo, const uint16_t* ko, const uint16_t* vo,
+                    const uint16_t* cos, const uint16_t* sin, int64_t rot, int64_t n, uint16_t* out);
 // a Gated DeltaNet layer's fixed arguments (qkv, z, b, a are the caller's, per call)
 GdnArgs gdn_layer_args(const torch::Tensor& conv, const torch::Tensor& conv_w, const torch::Tensor& neg_a,
                        const torch::Tensor& dt_bias, const torch::Tensor& norm_w, bool norm_w_bf16,
