@@ -3,9 +3,11 @@ routed-experts op of each MoE block (`experts_op`), chosen once per layer.
 
 Every op object has the same methods: `rms`, `add_rms` (the residual add and the post-attention norm), `attention`
 and `gdn` (one token's attention core and Gated DeltaNet core between the projections; `gdn_rows`: a decode batch's
-rows, each on its own cache), `topk` (the router's softmax, top-k and renormalisation, each row of its logits),
-`silu_mul` and `combine` (x + routed + sigmoid(gate) * shared). The model (model/qwen3_5_moe.py) calls them row by
-row (the kernel's `gdn_rows` and `topk` take every row in one call, each row's bits its own call's) and never asks
+rows, each on its own cache; `attention_rows` and `gdn_run`: a run of consecutive rows on one cache, a prompt
+chunk's or a verify's, each row as `attention` / `gdn` computes it after the rows before it), `topk` (the router's
+softmax, top-k and renormalisation, each row of its logits), `silu_mul` and `combine` (x + routed + sigmoid(gate) *
+shared). The model (model/qwen3_5_moe.py) calls them row by row or run by run (`runs_of`; the kernel's `gdn_rows`,
+`attention_rows`, `gdn_run` and `topk` take every row in one call, each row's bits its own call's) and never asks
 which it holds:
 - `TorchOps`: torch ops, transformers' eager arithmetic dtype for dtype (a GPU, a CPU without quantkit's kernel);
 - `KernelOps`: quantkit's CPU kernel's fused one-token ops (csrc/qk_step.cpp) on the `stack` and `fused` routes;
@@ -82,6 +84,18 @@ def cat_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def runs_of(slots: list[tuple[Any, Any]]) -> list[tuple[Any, int, int]]:
+    """The runs of consecutive rows on one cache in a step's slots [(cache, position), ..]: (cache, first row, rows)
+    in row order (a cache's rows are consecutive and at consecutive positions: `Steps`)."""
+    runs: list[tuple[Any, int, int]] = []
+    for j, (c, _pos) in enumerate(slots):
+        if runs and runs[-1][0] is c:
+            runs[-1] = (c, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((c, j, 1))
+    return runs
+
+
 def project_rows(p: Projections, h: torch.Tensor) -> list[torch.Tensor]:
     """Every matrix of `p` on all rows of h, each row's sums those of the row alone: on the CPU kernel one call
     for any count of rows, every matrix read once for all of them (`Projections.rows`)."""
@@ -114,9 +128,28 @@ class TorchOps:
         masked = torch.arange(span, device=q.device) > n if span > n + 1 else None
         return attend(q[0], keys[:, :span], values[:, :span], m.scaling, masked) * torch.sigmoid(gate)
 
+    def attention_rows(self, m: Any, qo: torch.Tensor, ko: torch.Tensor, vo: torch.Tensor, keys: torch.Tensor,
+                       values: torch.Tensor, n: Any, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """R rows of one cache at positions n, n + 1, ..: row j `attention` after rows 0..j-1. [R, heads * hd]."""
+        if qo.shape[0] == 1:
+            return self.attention(m, qo, ko, vo, keys, values, n, cos, sin)
+        return cat_rows([self.attention(m, qo[r], ko[r], vo[r], keys, values, n + j, cos[r], sin[r])
+                         for j, r in enumerate(row_slices(qo))])
+
     def gdn(self, m: Any, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
             window: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         return m.core(qkv, z, b, a, window, state)[0]
+
+    def gdn_run(self, m: Any, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                window: torch.Tensor, state: torch.Tensor, keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """T rows of one cache through `gdn` in order, its window and state carried on: (the outputs [T, Hv * Dv],
+        with `keep` the state after each row but the last [T - 1, Hv, Dk, Dv], else None)."""
+        out, states = [], []
+        for j, r in enumerate(row_slices(qkv)):
+            out.append(self.gdn(m, qkv[r], z[r], b[r], a[r], window, state))
+            if keep and j + 1 < qkv.shape[0]:
+                states.append(state.clone())
+        return cat_rows(out), (torch.stack(states) if states else None)
 
     def gdn_rows(self, m: Any, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                  windows: list[torch.Tensor], states: list[torch.Tensor]) -> torch.Tensor:
@@ -156,6 +189,24 @@ class KernelOps(TorchOps):
             return super().attention(m, qo, ko, vo, keys, values, n, cos, sin)
         return self.mod.attn_step(qo, ko, vo, m.qk_scale, cos.reshape(-1), sin.reshape(-1), keys, values, n,
                                   m.scaling, m.eps)
+
+    def attention_rows(self, m: Any, qo: torch.Tensor, ko: torch.Tensor, vo: torch.Tensor, keys: torch.Tensor,
+                       values: torch.Tensor, n: Any, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if not m.kernel_attends or qo.shape[0] == 1:
+            return super().attention_rows(m, qo, ko, vo, keys, values, n, cos, sin)
+        # one kernel call: each block of K/V read once for a tile of rows, each row's bits its attn_step's
+        return self.mod.attn_rows(qo.contiguous(), ko.contiguous(), vo.contiguous(), m.qk_scale, cos.contiguous(),
+                                  sin.contiguous(), keys, values, n, m.scaling, m.eps)
+
+    def gdn_run(self, m: Any, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
+                window: torch.Tensor, state: torch.Tensor, keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # one kernel call: each head's state through the rows while it is in cache, each row's bits its gdn_step's
+        t = qkv.shape[0]
+        kept = torch.empty((t - 1, *state.shape), dtype=state.dtype) if keep and t > 1 else torch.empty(0)
+        out = self.mod.gdn_rows(qkv.contiguous(), z.contiguous(), b.contiguous(), a.contiguous(), window, m.conv_taps,
+                                m.neg_a, m.dt_bias, m.norm_wf, m.norm_w.dtype == torch.bfloat16, state, kept, m.hk,
+                                m.eps)
+        return out, (kept if kept.numel() else None)
 
     def gdn(self, m: Any, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
             window: torch.Tensor, state: torch.Tensor) -> torch.Tensor:

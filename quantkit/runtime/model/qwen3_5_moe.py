@@ -158,8 +158,9 @@ class Attention:
 
     def steps(self, h: torch.Tensor, p: Steps, i: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         qo, ko, vo = project_rows(self.qkv_in, h)
-        core = [p.ops.attention(self, qo[r], ko[r], vo[r], c.keys[i], c.values[i], pos, cos[r], sin[r])
-                for r, (c, pos) in zip(row_slices(h), p.slots, strict=True)]
+        # each run of rows on one cache (a step, a prompt chunk, a verify) in one call
+        core = [p.ops.attention_rows(self, qo[j:j + t], ko[j:j + t], vo[j:j + t], c.keys[i], c.values[i],
+                                     p.slots[j][1], cos[j:j + t], sin[j:j + t]) for c, j, t in O.runs_of(p.slots)]
         return linear_rows(self.o, cat_rows(core))
 
     def core(self, qo: torch.Tensor, ko: torch.Tensor, vo: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -230,20 +231,24 @@ class DeltaNet:
         """Each row through its own cache's conv window and state; for each run `p.kept` the window before and
         the state after every row but its last (the cache's own) left in the cache's trail for `rewind`."""
         qkv, z, b, a = project_rows(self.proj_in, h)
-        if not p.keep and len({id(c) for c, _pos in p.slots}) == len(p.slots):  # a batch: each row its own cache
-            core = p.ops.gdn_rows(self, qkv, z, b, a, [c.conv[i] for c, _ in p.slots], [c.state[i] for c, _ in p.slots])
-            return linear_rows(self.out, core)
-        before = [c.conv[i].clone() for c, _j, _t in p.kept]
-        keeps = {j: k for k, (_c, j0, t) in enumerate(p.kept) for j in range(j0, j0 + t - 1)}
-        core: list[torch.Tensor] = []
-        states: list[list[torch.Tensor]] = [[] for _ in p.kept]
-        for j, (r, (c, _pos)) in enumerate(zip(row_slices(h), p.slots, strict=True)):
-            core.append(p.ops.gdn(self, qkv[r], z[r], b[r], a[r], c.conv[i], c.state[i]))
-            if j in keeps:
-                states[keeps[j]].append(c.state[i].clone())
-        for (c, j0, t), bf, st in zip(p.kept, before, states, strict=True):
-            c.trail[i] = Trail(c.n, torch.cat([bf, qkv[j0:j0 + t].to(bf.dtype)]), torch.stack(st) if st else None)
-        return linear_rows(self.out, cat_rows(core))
+        runs, kept = O.runs_of(p.slots), {j0 for _c, j0, _t in p.kept}
+        # rows alone on their cache (a decode batch's) in one call; each run of several rows (a prompt chunk, a
+        # verify) in one call of its own; the outputs back in row order
+        alone = [j for _c, j, t in runs if t == 1 and j not in kept]
+        parts: dict[int, torch.Tensor] = {}
+        if alone:
+            xs = [qkv, z, b, a] if len(alone) == len(runs) else [x[alone] for x in (qkv, z, b, a)]
+            core = p.ops.gdn_rows(self, *xs, [p.slots[j][0].conv[i] for j in alone],
+                                  [p.slots[j][0].state[i] for j in alone])
+            parts.update((j, core[k:k + 1]) for k, j in enumerate(alone))
+        for c, j, t in runs:
+            if j in parts:
+                continue
+            r, before = slice(j, j + t), c.conv[i].clone() if j in kept else None
+            parts[j], states = p.ops.gdn_run(self, qkv[r], z[r], b[r], a[r], c.conv[i], c.state[i], j in kept)
+            if before is not None:
+                c.trail[i] = Trail(c.n, torch.cat([before, qkv[r].to(before.dtype)]), states)
+        return linear_rows(self.out, cat_rows([parts[j] for _c, j, _t in runs]))
 
     def core(self, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, window: torch.Tensor,
              state: torch.Tensor, keep: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
