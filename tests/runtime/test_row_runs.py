@@ -1,5 +1,6 @@
 """Runs of consecutive rows on one cache in the row path (model/qwen3_5_moe.py `Attention.steps`,
-`DeltaNet.steps`; model/ops.py `runs_of`): a prompt chunk or a verify goes through the attention layer in one
+`DeltaNet.steps`; model/ops.py `runs_of`), as `forward_batch` and a verify make them: a prompt chunk or a verify
+goes through the attention layer in one
 `attention_rows` call (the kernel's `attn_rows`) and through each Gated DeltaNet layer in one `gdn_run` call (the
 kernel's `gdn_rows`), the rows alone on their cache through `gdn_rows` (the kernel's `gdn_batch`). Whatever the
 grouping, every row is bit for bit the one-token step it stands for: logits, K/V, conv windows, states and the
@@ -12,9 +13,9 @@ import pytest
 import torch
 
 from quantkit.kernels import cpu as cpu_kernel
-from quantkit.runtime import cpu_kernel as runtime_kernel
 from quantkit.runtime import load_model
-from quantkit.runtime.model.ops import linear_rows, runs_of
+from quantkit.runtime.model.ops import runs_of
+from quantkit.runtime.model.qwen3_5_moe import Segment
 
 from helpers.runtime import quantized
 
@@ -48,24 +49,17 @@ def _primed(m, n: int, seed: int):
     return c
 
 
-def _stepped(m, c, ids: list[int]) -> torch.Tensor:
-    """Logits [T, V] of ids as T single-token forwards on c: what every row must equal."""
-    return torch.stack([m.forward([t], c) for t in ids])
+def _stepped(m, c, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits [T, V], final-norm rows [T, H]) of ids as T single-token forwards on c: what every row must equal."""
+    outs = [m.forward([t], c, hidden=True) for t in ids]
+    return torch.stack([lg for lg, _h in outs]), torch.cat([h for _lg, h in outs])
 
 
-def _rows(m, segs: list[list[int]], caches: list) -> torch.Tensor:
-    """Logits [R, V] of segs[j] on caches[j] as one forward of rows with no state kept (`_step_rows`, the row
-    path a prompt chunk packed beside decode rows takes): each cache's rows one run."""
-    with runtime_kernel.denormals_flushed():
-        for c, s in zip(caches, segs, strict=True):
-            c.reserve(c.n + len(s))
-            c.drop_trail()
-            c.pos = None
-        slots = [(c, c.n + k) for c, s in zip(caches, segs, strict=True) for k in range(len(s))]
-        x = m._step_rows(torch.cat([m.embed_tokens([t]) for s in segs for t in s]), slots)
-        for c, s in zip(caches, segs, strict=True):
-            c.n += len(s)
-        return linear_rows(m.head, m._final_rows(x))
+def _rows(m, segs: list[list[int]], caches: list) -> list:
+    """`forward_batch` of segs[j] on caches[j] in one forward of rows, nothing kept: a prompt chunk ("prefill")
+    where a segment has several tokens, else a decode step."""
+    return m.forward_batch([Segment(c, s, "prefill" if len(s) > 1 else "decode")
+                            for c, s in zip(caches, segs, strict=True)], hidden=True)
 
 
 def test_runs_of_groups_consecutive_rows_of_one_cache():
@@ -76,21 +70,20 @@ def test_runs_of_groups_consecutive_rows_of_one_cache():
 
 
 def _check_chunk(rt, start: int, t: int) -> None:
-    """A chunk of t tokens at position `start` through the rows (`_as_steps`, nothing kept) and as a verify
-    (states kept) against t single-token forwards: logits and caches bit for bit, and the verify rewound to a
-    position inside it equals the steps that stopped there."""
+    """A chunk of t tokens at position `start` through the rows (a prompt chunk, nothing kept) and as a verify
+    (states kept) against t single-token forwards: every row's final-norm output, the logits and the caches bit for
+    bit, and the verify rewound to a position inside it equals the steps that stopped there."""
     m = rt.model
     ids = _tokens(t, 7 + start)
     with torch.inference_mode():
         ref = _primed(m, start, 1)
-        want = _stepped(m, ref, ids)
+        want, want_h = _stepped(m, ref, ids)
         rows = _primed(m, start, 1)
-        got = _rows(m, [ids], [rows])
-        assert torch.equal(got, want)
+        got = _rows(m, [ids], [rows])[0]
+        assert torch.equal(got.hidden, want_h) and torch.equal(got.logits, want[-1:])
         assert _same_state(rows, ref)
         ver = _primed(m, start, 1)
-        got = m.forward(ids, ver, all_logits=True, keep_positions=True)
-        assert torch.equal(got, want)
+        assert torch.equal(m.forward(ids, ver, all_logits=True, keep_positions=True), want)
         assert _same_state(ver, ref)
         keep = t // 2 + 1
         ver.rewind(start + keep)
@@ -113,8 +106,9 @@ def test_a_chunk_through_the_rows_on_every_op_table(tiny_model, recipe, kernel_t
 
 
 def _check_mixed(rt) -> None:
-    """One forward of rows holding a chunk of 9 tokens, two single decode rows and a run of 3 on four caches:
-    each row's logits and each cache bit for bit its own tokens stepped one at a time; then a step of all four."""
+    """One forward of rows holding a chunk of 9 tokens, two single decode rows and a chunk of 3 on four caches:
+    each row's final-norm output and each cache bit for bit its own tokens stepped one at a time; then a step of
+    all four."""
     m = rt.model
     starts, lengths = [12, 30, 0, 21], [9, 1, 3, 1]
     with torch.inference_mode():
@@ -122,11 +116,10 @@ def _check_mixed(rt) -> None:
         batch = [_primed(m, s, 60 + j) for j, s in enumerate(starts)]
         alone = [_primed(m, s, 60 + j) for j, s in enumerate(starts)]
         got = _rows(m, segs, batch)
-        a = 0
         for j, seg in enumerate(segs):
-            assert torch.equal(got[a:a + len(seg)], _stepped(m, alone[j], seg)), f"row {j} of {lengths}"
+            want, want_h = _stepped(m, alone[j], seg)
+            assert torch.equal(got[j].hidden, want_h) and torch.equal(got[j].logits, want[-1:]), f"row {j}"
             assert _same_state(batch[j], alone[j]), f"cache {j} of {lengths}"
-            a += len(seg)
         nxt = _tokens(4, 70)
         got = m.step_batch(nxt, batch)
         for j in range(4):
