@@ -1226,10 +1226,14 @@ void attend_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t hd, 
 void attend_softmax(float* s, int64_t g, int64_t n) {
   for (int64_t h = 0; h < g; ++h) {
     float* sh = s + h * n;
-    float mx = -INFINITY;
-    for (int64_t j = 0; j < n; ++j) mx = fmaxf(mx, sh[j]);
-    float sum = 0.f;
+    // the max W lanes at a time (a NaN score ignored, as fmaxf ignores it: vmax keeps its second operand)
+    vf mv = vset(-INFINITY);
     int64_t j = 0;
+    for (; j + W <= n; j += W) mv = vmax(vld(sh + j), mv);
+    float mx = vmaxr(mv);
+    for (; j < n; ++j) mx = fmaxf(mx, sh[j]);
+    float sum = 0.f;
+    j = 0;
     for (; j + W <= n; j += W) {
       const vf e = vexp(vsub(vld(sh + j), vset(mx)));
       vst(sh + j, e);

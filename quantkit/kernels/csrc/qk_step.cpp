@@ -539,7 +539,7 @@ void attn_rows_into(const AttnArgs& at, int64_t rows, const uint16_t* qo, const 
   const int G = g % 16 == 0 ? 16 : g % 8 == 0 ? 8 : g % 4 == 0 ? 4 : g % 2 == 0 ? 2 : 1;  // as attend_heads
   const int64_t threads = at::get_num_threads(), groups = g / G;
   // tiles of up to kTileRows rows, smaller where that leaves a thread without two items
-  constexpr int64_t kTileRows = 16;
+  constexpr int64_t kTileRows = 8;  // a tile keeps rows x heads x keys scores: smaller ones stay nearer the core
   const int64_t per = std::max<int64_t>(1, (2 * threads + kv * groups - 1) / (kv * groups));
   const int64_t tile = std::clamp<int64_t>((rows + per - 1) / per, 1, kTileRows);
   const int64_t tiles = (rows + tile - 1) / tile, items = tiles * kv * groups;
