@@ -46,6 +46,7 @@ from quantkit.bench.serve import free_port
 from quantkit.bench.serve_slots import (
     llama_command,
     parse_clients,
+    parse_extra,
     quantkit_command,
     served_checkpoint,
     summary,
@@ -233,8 +234,6 @@ def run(reports: Path, model_dir: Path | None, workdir: Path, agents: list[int],
         log: Callable[[str], None] = print, extra: str | None = None) -> dict[str, Any]:
     """Every agent count on every engine given (module docstring); the report written. `extra`: more `quantkit
     serve` arguments (--quantkit-args: a setting compared, e.g. `--prefill rows`)."""
-    from quantkit.bench.serve_burst import parse_extra
-
     more = parse_extra(extra)
     if llama_server is not None and not llama_server.is_file():  # before anything is made
         raise QuantkitError(f"--llama-server {llama_server}: no such file; build one with scripts/build-llama-server.sh")

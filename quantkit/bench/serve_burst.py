@@ -42,6 +42,7 @@ from quantkit.bench.serve_agents import last_error, read_stream, record, start, 
 from quantkit.bench.serve_slots import (
     llama_command,
     long_prompt_text,
+    parse_extra,
     quantkit_command,
     served_checkpoint,
     summary,
@@ -57,7 +58,6 @@ ANSWER = 8  # tokens each request generates: a few, so the round is the prefills
 ROOM = 16  # the markup's tokens and a word that crosses the count
 ROUNDS = 1
 ENGINES = ("quantkit", "llama-server")
-SET_BY_BENCH = ("--port", "--host", "--parallel", "--context", "-c")  # --quantkit-args may not give these
 TARGET = 1.0  # issue 52: quantkit's TTFT p95 / llama-server -np N's, at most
 
 
@@ -65,21 +65,6 @@ def check_count(n: int) -> int:
     if not 1 <= n <= MAX_SLOTS:
         raise QuantkitError(f"--burst {n}: give a client count from 1 to {MAX_SLOTS}, e.g. 8")
     return n
-
-
-def parse_extra(text: str | None) -> list[str]:
-    """--quantkit-args as `quantkit serve` arguments, or one clear error (bad quoting, an option the bench sets)."""
-    if not text:
-        return []
-    try:
-        args = shlex.split(text)
-    except ValueError as e:
-        raise QuantkitError(f"--quantkit-args {text!r}: {e}; quote it as a shell would") from None
-    for a in args:
-        if a.split("=", 1)[0] in SET_BY_BENCH:
-            raise QuantkitError(f"--quantkit-args {text!r}: {a.split('=', 1)[0]} is set by the bench; leave it out "
-                                "(--context is the bench's own option)")
-    return args
 
 
 def burst_prompts(count: Callable[[str], int], n: int, tokens: int, seed: int = 0) -> list[str]:

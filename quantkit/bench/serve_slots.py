@@ -76,6 +76,9 @@ def parse_clients(text: str, most: int = MAX_SLOTS, flag: str = "--clients") -> 
     return out
 
 
+SET_BY_BENCH = ("--port", "--host", "--parallel", "--context", "-c")  # --quantkit-args may not give these
+
+
 def quantkit_command(model: Path, port: int, slots: int | None, context: int, threads: int | None,
                      prompt_cache: bool = False) -> list[str]:
     """`quantkit serve` with `slots` slots (None: its default --parallel); its prompt cache off (every prompt
@@ -85,6 +88,21 @@ def quantkit_command(model: Path, port: int, slots: int | None, context: int, th
            *([] if prompt_cache else ["--prompt-cache-size", "0"])]
     cmd += ["--parallel", str(slots)] if slots is not None else []
     return cmd + (["--threads", str(threads)] if threads else [])
+
+
+def parse_extra(text: str | None) -> list[str]:
+    """--quantkit-args as `quantkit serve` arguments, or one clear error (bad quoting, an option the bench sets)."""
+    if not text:
+        return []
+    try:
+        args = shlex.split(text)
+    except ValueError as e:
+        raise QuantkitError(f"--quantkit-args {text!r}: {e}; quote it as a shell would") from None
+    for a in args:
+        if a.split("=", 1)[0] in SET_BY_BENCH:
+            raise QuantkitError(f"--quantkit-args {text!r}: {a.split('=', 1)[0]} is set by the bench; leave it out "
+                                "(--context is the bench's own option)")
+    return args
 
 
 def llama_command(binary: Path, gguf: Path, port: int, slots: int, context: int, threads: int | None) -> list[str]:
