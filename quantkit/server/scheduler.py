@@ -5,8 +5,9 @@ The same contract as `GenerationQueue` (quantkit/server/queue.py: `submit`, `adm
 or `Failed` through the job's asyncio queue), but up to `slots` requests generate at once: one worker thread runs
 a `BatchGenerator` (quantkit/runtime/batch.py) over the backend's runtime. Waiting requests take the free slots
 between two steps, all of them before the next step (a burst decodes together); a prompt is prefilled chunk
-by chunk with one batch step of the running slots between chunks, so a long prompt holds them up for one chunk
-at most; each step is one forward over the next token of every decoding slot, and its MTP drafts where the batch
+by chunk, its chunks inside the running slots' steps (the runtime's `prefill` "rows", serve's default: new
+prompts prefilled together, a shared start once) or with one batch step of the running slots between chunks
+("tokens"), so a long prompt holds them up for one chunk at most; each step is one forward over the next token of every decoding slot, and its MTP drafts where the batch
 drafts them (runtime/batch_drafts.py: one slot drafts as `generate` does, several where the larger step still
 pays); a slot is freed at the step after its request ends (stop, length, cancel, client gone). `--parallel 1`
 runs here too: one slot.
