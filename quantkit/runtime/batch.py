@@ -234,9 +234,9 @@ class BatchGenerator:
         rt = self.rt
         row = args.whole(row, "row")
         r = self._rows.get(row)
-        if r is not None and (r.feed is not None or r.follows is not None) and not r.generated:
-            return self._follow(r, sampling, stop_ids, cancel, sampling_kw)
-        if r is None or r.generated or r.logits is None:
+        # the row arithmetic: a prompt still being prefilled is forked by waiting for it (`_prompt_in` copies it)
+        waits = r is not None and not r.generated and (r.feed is not None or r.follows is not None)
+        if r is None or r.generated or (r.logits is None and not waits):
             raise QuantkitError(f"row {row} has no prompt state left to fork: fork before its first step")
         if sampling is None:
             seed = r.sampling.seed
@@ -249,47 +249,27 @@ class BatchGenerator:
         n = len(r.prompt_ids)
         stops = set() if sp.ignore_eos else rt.stop_ids if stop_ids is None else stop_ids
         gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
-        with rt._lock, torch.inference_mode():
-            src = r.cache
-            cache = HybridCache.from_snapshot(src.snapshot(r.prompt_ids), src.cfg, src.devices, src.dtype,
-                                              min(rt.context, n + sp.max_new_tokens))
-            logits = r.logits.clone()
-            budget = min(sp.max_new_tokens, rt.context - n)
-            stats = DraftStats(r.fixed or 0, auto=r.fixed is None) if r.stats is not None else None
-            drafter = (r.drafter.fork(rt.model, stats) if r.drafter is not None and stats is not None and budget > 1
-                       else None)
-        new = _Row(next(self._ids), list(r.prompt_ids), sp, stops, cache, logits, picker(sp, gen, sample), budget,
-                   ChannelSplitter(rt.tokenizer, rt.think_ids, r.split.channel == THINKING), n, 0.0, cancel,
-                   stop_ids=stop_ids, drafter=drafter, fixed=r.fixed, stats=stats)
-        r.forks += 1
-        self._rows[new.id] = new
-        return new.id
-
-    def _follow(self, r: _Row, sampling: SamplingParams | None, stop_ids: set[int] | None,
-                cancel: threading.Event | None, sampling_kw: dict[str, Any]) -> int:
-        """`fork` of a row whose prompt is still being prefilled in the steps: the new row waits, and takes a copy
-        of that row's prompt state (and logits, drafter) at the step its prompt is in."""
-        rt = self.rt
-        if sampling is None:
-            seed = r.sampling.seed
-            sampling = replace(r.sampling, hook=None, seed=None if seed is None else seed + r.forks + 1)
-        sp = rt.sampling(sampling, **sampling_kw)
-        stop_ids = r.stop_ids if stop_ids is None else args.stop_token_ids(stop_ids, rt.model.vocab)
-        args.event(cancel)
-        if self.max_rows is not None and len(self._rows) >= self.max_rows:
-            raise QuantkitError(f"the batch is full ({self.max_rows} rows): wait for a row to end")
-        n = len(r.prompt_ids)
-        stops = set() if sp.ignore_eos else rt.stop_ids if stop_ids is None else stop_ids
-        gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
-        lead = r.follows if r.follows is not None else r.id
-        new = _Row(next(self._ids), list(r.prompt_ids), sp, stops, r.cache, None, picker(sp, gen, sample),
-                   min(sp.max_new_tokens, rt.context - n), ChannelSplitter(rt.tokenizer, rt.think_ids,
-                                                                          r.split.channel == THINKING),
-                   0, 0.0, cancel, stop_ids=stop_ids, fixed=r.fixed,
-                   stats=DraftStats(r.fixed or 0, auto=r.fixed is None) if r.stats is not None else None,
-                   follows=lead)
-        if r.mtp_cache is not None and new.stats is not None and new.budget > 1:
-            new.mtp_cache = rt.model.mtp.new_cache(min(rt.context, n + sp.max_new_tokens))
+        capacity = min(rt.context, n + sp.max_new_tokens)
+        budget = min(sp.max_new_tokens, rt.context - n)
+        stats = DraftStats(r.fixed or 0, auto=r.fixed is None) if r.stats is not None else None
+        split = ChannelSplitter(rt.tokenizer, rt.think_ids, r.split.channel == THINKING)
+        if waits:
+            new = _Row(next(self._ids), list(r.prompt_ids), sp, stops, r.cache, None, picker(sp, gen, sample), budget,
+                       split, 0, 0.0, cancel, stop_ids=stop_ids, fixed=r.fixed, stats=stats,
+                       follows=r.follows if r.follows is not None else r.id)
+            if r.mtp_cache is not None and stats is not None and budget > 1:
+                new.mtp_cache = rt.model.mtp.new_cache(capacity)
+        else:
+            with rt._lock, torch.inference_mode():
+                src = r.cache
+                cache = HybridCache.from_snapshot(src.snapshot(r.prompt_ids), src.cfg, src.devices, src.dtype,
+                                                  capacity)
+                assert r.logits is not None
+                logits = r.logits.clone()
+                drafter = (r.drafter.fork(rt.model, stats) if r.drafter is not None and stats is not None
+                           and budget > 1 else None)
+            new = _Row(next(self._ids), list(r.prompt_ids), sp, stops, cache, logits, picker(sp, gen, sample),
+                       budget, split, n, 0.0, cancel, stop_ids=stop_ids, drafter=drafter, fixed=r.fixed, stats=stats)
         r.forks += 1
         self._rows[new.id] = new
         return new.id
