@@ -22,6 +22,7 @@ from quantkit.runtime.generate import GenerationResponse, SamplingParams
 
 from helpers.mtp import MTP_ROUTES, PricedPlan, RowOracle
 from helpers.runtime import quantized
+from helpers.states import random_tokens, same_state
 
 PROMPTS = ["list the files in this folder, then count them", "write a haiku about rivers",
            "what is 17 times 23?", "name three colours", "summarise the plot of a short story in one line",
@@ -41,24 +42,11 @@ def _ids(rt, text: str) -> list[int]:
     return rt.encode(rt.render([{"role": "user", "content": text}]))
 
 
-def _tokens(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return [int(t) for t in torch.randint(0, 700, (n,), generator=g)]
-
-
-def _same_state(a, b) -> bool:
-    if a.n != b.n:
-        return False
-    lin = all(torch.equal(a.conv[i], b.conv[i]) and torch.equal(a.state[i], b.state[i]) for i in a.conv)
-    return lin and all(torch.equal(a.keys[i][:, :a.n], b.keys[i][:, :b.n]) and
-                       torch.equal(a.values[i][:, :a.n], b.values[i][:, :b.n]) for i in a.keys)
-
-
 def _check_steps(rt, rows: int, steps: int = 3) -> None:
     """`rows` caches at different positions (prompts of different lengths), stepped together and alone."""
     m = rt.model
     with torch.inference_mode():
-        prompts = [_ids(rt, PROMPTS[j % len(PROMPTS)]) + _tokens(j, 10 + j) for j in range(rows)]
+        prompts = [_ids(rt, PROMPTS[j % len(PROMPTS)]) + random_tokens(j, 10 + j) for j in range(rows)]
         batch, alone = [], []
         for p in prompts:
             for group in (batch, alone):
@@ -66,13 +54,13 @@ def _check_steps(rt, rows: int, steps: int = 3) -> None:
                 m.forward(p, c)
                 group.append(c)
         for s in range(steps):
-            toks = _tokens(rows, 100 + s)
+            toks = random_tokens(rows, 100 + s)
             got = m.step_batch(toks, batch)
             assert got.shape == (rows, m.vocab)
             for j in range(rows):
                 want = m.forward([toks[j]], alone[j])
                 assert torch.equal(got[j], want), f"row {j} of {rows}, step {s}"
-                assert _same_state(batch[j], alone[j])
+                assert same_state(batch[j], alone[j])
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -365,8 +353,8 @@ def _check_verifies(rt, lengths: list[int]) -> None:
     the same rewind gives alone."""
     m = rt.model
     with torch.inference_mode():
-        prompts = [_ids(rt, PROMPTS[j % len(PROMPTS)]) + _tokens(j, 20 + j) for j in range(len(lengths))]
-        segs = [_tokens(t, 200 + j) for j, t in enumerate(lengths)]
+        prompts = [_ids(rt, PROMPTS[j % len(PROMPTS)]) + random_tokens(j, 20 + j) for j in range(len(lengths))]
+        segs = [random_tokens(t, 200 + j) for j, t in enumerate(lengths)]
         for keep_of in range(max(lengths)):
             batch, alone = [], []
             for p in prompts:
@@ -385,8 +373,8 @@ def _check_verifies(rt, lengths: list[int]) -> None:
                 keep = min(keep_of + 1, len(seg))  # tokens of the row kept, as a verify's acceptance leaves it
                 for c in (batch[j], alone[j]):
                     c.rewind(c.n - len(seg) + keep)
-                assert _same_state(batch[j], alone[j]), f"row {j} of {lengths} rewound to {keep}"
-            nxt = _tokens(len(segs), 300 + keep_of)  # the next step from the rewound states
+                assert same_state(batch[j], alone[j]), f"row {j} of {lengths} rewound to {keep}"
+            nxt = random_tokens(len(segs), 300 + keep_of)  # the next step from the rewound states
             got = m.step_batch(nxt, batch)
             for j in range(len(segs)):
                 assert torch.equal(got[j], m.forward([nxt[j]], alone[j]))

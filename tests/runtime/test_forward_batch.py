@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_batch_decode import ROUTES, _ids, _load, _same_state, _tokens
+from test_batch_decode import ROUTES, _ids, _load
 
 from quantkit.runtime.model.qwen3_5_moe import Segment
+
+from helpers.states import random_tokens, same_state
 
 PROMPTS = ["list the files in this folder, then count them", "write a haiku about rivers", "name three colours"]
 
@@ -28,7 +30,7 @@ def test_a_chunk_cut_anywhere_equals_the_prompt_in_one_chunk(tiny_model, recipe,
     rt = _load(tiny_model, recipe, route)
     m = rt.model
     with torch.inference_mode():
-        ids = _ids(rt, PROMPTS[0]) + _tokens(23, 1)
+        ids = _ids(rt, PROMPTS[0]) + random_tokens(23, 1)
         whole = m.new_cache(len(ids))
         want = m.forward_batch([Segment(whole, ids, "prefill")])[0].logits
         assert want.shape == (1, m.vocab)
@@ -37,7 +39,7 @@ def test_a_chunk_cut_anywhere_equals_the_prompt_in_one_chunk(tiny_model, recipe,
             m.forward_batch([Segment(c, ids[:cut], "prefill")])
             got = m.forward_batch([Segment(c, ids[cut:], "prefill")])[0].logits
             assert torch.equal(got, want), f"cut at {cut}"
-            assert _same_state(c, whole)
+            assert same_state(c, whole)
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -52,7 +54,7 @@ def test_a_chunk_computes_its_tokens_as_steps_do(tiny_model, route, one_thread):
         c = m.new_cache(len(ids))
         got = m.forward_batch([Segment(c, ids, "prefill")])[0].logits[0]
         assert torch.equal(got, want)
-        assert _same_state(c, steps)
+        assert same_state(c, steps)
 
 
 def test_the_t_token_path_differs_only_within_rounding(tiny_model, one_thread):
@@ -61,7 +63,7 @@ def test_the_t_token_path_differs_only_within_rounding(tiny_model, one_thread):
     rt = _load(tiny_model, "int4")
     m = rt.model
     with torch.inference_mode():
-        ids = _ids(rt, PROMPTS[2]) + _tokens(40, 3)
+        ids = _ids(rt, PROMPTS[2]) + random_tokens(40, 3)
         rows = m.forward_batch([Segment(m.new_cache(len(ids)), ids, "prefill")])[0].logits[0]
         tokens = m.forward(ids, m.new_cache(len(ids)))
         assert int(rows.argmax()) == int(tokens.argmax())
@@ -74,10 +76,10 @@ def test_a_mixed_batch_gives_each_segment_its_result_alone(tiny_model, route, on
     m = rt.model
     with torch.inference_mode():
         base = [_ids(rt, p) for p in PROMPTS]
-        chunk = _tokens(9, 7)
+        chunk = random_tokens(9, 7)
         batch_caches = [_cache(m, base[0], 16), _cache(m, base[1], 16), _cache(m, base[2], 16), m.new_cache(20)]
         alone_caches = [_cache(m, base[0], 16), _cache(m, base[1], 16), _cache(m, base[2], 16), m.new_cache(20)]
-        shapes = [([5], "decode"), ([6, 7, 8], "verify"), (chunk, "prefill"), (_tokens(12, 8), "prefill")]
+        shapes = [([5], "decode"), ([6, 7, 8], "verify"), (chunk, "prefill"), (random_tokens(12, 8), "prefill")]
         got = m.forward_batch([Segment(c, ids, kind) for c, (ids, kind) in zip(batch_caches, shapes, strict=True)],
                               hidden=True)
         for j, (c, (ids, kind)) in enumerate(zip(alone_caches, shapes, strict=True)):
@@ -86,11 +88,11 @@ def test_a_mixed_batch_gives_each_segment_its_result_alone(tiny_model, route, on
             assert got[j].hidden is not None and want.hidden is not None
             assert torch.equal(got[j].hidden, want.hidden), f"segment {j} ({kind}) hidden"
             assert got[j].hidden.shape[0] == len(ids)
-            assert _same_state(batch_caches[j], c)
+            assert same_state(batch_caches[j], c)
         # the verify's states kept: rewound to one token, it is the decode of that token
         batch_caches[1].rewind(batch_caches[1].n - 2)
         alone_caches[1].rewind(alone_caches[1].n - 2)
-        assert _same_state(batch_caches[1], alone_caches[1])
+        assert same_state(batch_caches[1], alone_caches[1])
 
 
 def test_a_batch_refuses_a_cache_twice_and_bad_segments(tiny_model):

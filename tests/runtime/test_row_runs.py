@@ -11,41 +11,21 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_batch_decode import _load
 
-from quantkit.kernels import cpu as cpu_kernel
-from quantkit.runtime import load_model
 from quantkit.runtime.model.ops import runs_of
 from quantkit.runtime.model.qwen3_5_moe import Segment
 
-from helpers.runtime import quantized
+from helpers.states import random_tokens, same_state
 
 ROUTES = ["stack", "fused", "torch"]
-
-
-def _load(tiny_model, recipe: str, route: str):
-    if route != "torch" and not cpu_kernel.available():
-        pytest.skip("the CPU kernel is not built on this machine")
-    return load_model(tiny_model if recipe == "bf16" else quantized(tiny_model, recipe), forced_route=route)
-
-
-def _tokens(n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return [int(t) for t in torch.randint(0, 700, (n,), generator=g)]
-
-
-def _same_state(a, b) -> bool:
-    if a.n != b.n:
-        return False
-    lin = all(torch.equal(a.conv[i], b.conv[i]) and torch.equal(a.state[i], b.state[i]) for i in a.conv)
-    return lin and all(torch.equal(a.keys[i][:, :a.n], b.keys[i][:, :b.n]) and
-                       torch.equal(a.values[i][:, :a.n], b.values[i][:, :b.n]) for i in a.keys)
 
 
 def _primed(m, n: int, seed: int):
     """A cache after a prompt of n tokens (none: a fresh cache), with room for 64 more."""
     c = m.new_cache(n + 64)
     if n:
-        m.forward(_tokens(n, seed), c)
+        m.forward(random_tokens(n, seed), c)
     return c
 
 
@@ -74,22 +54,22 @@ def _check_chunk(rt, start: int, t: int) -> None:
     (states kept) against t single-token forwards: every row's final-norm output, the logits and the caches bit for
     bit, and the verify rewound to a position inside it equals the steps that stopped there."""
     m = rt.model
-    ids = _tokens(t, 7 + start)
+    ids = random_tokens(t, 7 + start)
     with torch.inference_mode():
         ref = _primed(m, start, 1)
         want, want_h = _stepped(m, ref, ids)
         rows = _primed(m, start, 1)
         got = _rows(m, [ids], [rows])[0]
         assert torch.equal(got.hidden, want_h) and torch.equal(got.logits, want[-1:])
-        assert _same_state(rows, ref)
+        assert same_state(rows, ref)
         ver = _primed(m, start, 1)
         assert torch.equal(m.forward(ids, ver, all_logits=True, keep_positions=True), want)
-        assert _same_state(ver, ref)
+        assert same_state(ver, ref)
         keep = t // 2 + 1
         ver.rewind(start + keep)
         short = _primed(m, start, 1)
         _stepped(m, short, ids[:keep])
-        assert _same_state(ver, short)
+        assert same_state(ver, short)
 
 
 @pytest.mark.parametrize("route", ROUTES)
@@ -112,15 +92,15 @@ def _check_mixed(rt) -> None:
     m = rt.model
     starts, lengths = [12, 30, 0, 21], [9, 1, 3, 1]
     with torch.inference_mode():
-        segs = [_tokens(t, 50 + j) for j, t in enumerate(lengths)]
+        segs = [random_tokens(t, 50 + j) for j, t in enumerate(lengths)]
         batch = [_primed(m, s, 60 + j) for j, s in enumerate(starts)]
         alone = [_primed(m, s, 60 + j) for j, s in enumerate(starts)]
         got = _rows(m, segs, batch)
         for j, seg in enumerate(segs):
             want, want_h = _stepped(m, alone[j], seg)
             assert torch.equal(got[j].hidden, want_h) and torch.equal(got[j].logits, want[-1:]), f"row {j}"
-            assert _same_state(batch[j], alone[j]), f"cache {j} of {lengths}"
-        nxt = _tokens(4, 70)
+            assert same_state(batch[j], alone[j]), f"cache {j} of {lengths}"
+        nxt = random_tokens(4, 70)
         got = m.step_batch(nxt, batch)
         for j in range(4):
             assert torch.equal(got[j], m.forward([nxt[j]], alone[j]))
@@ -152,7 +132,7 @@ def test_each_run_is_one_call(tiny_model, route, monkeypatch, one_thread):
         monkeypatch.setattr(ops, name, spy)
     with torch.inference_mode():
         caches = [_primed(m, s, 80 + j) for j, s in enumerate((5, 0, 11))]
-        _rows(m, [_tokens(9, 90), [3], [4]], caches)
+        _rows(m, [random_tokens(9, 90), [3], [4]], caches)
     attn = sum(L.mixer.kind == "attention" for L in m.layers)
     assert calls["attention_rows"] == [9, 1, 1] * attn
     assert calls["gdn_run"] == [9] * (len(m.layers) - attn)
