@@ -444,7 +444,7 @@ class BatchGenerator:
         waiting = batch_prompts.waiting_for(f, [k.feed for k in rows if k.feed is not None])
         if not waiting:
             return
-        snap = r.cache.snapshot(f.ids[:f.at])
+        snap = batch_prompts.parting_snapshot(f, r.cache)
         self.rt.prompt_cache.put(snap, persist=True)
         for k in rows:
             w = k.feed

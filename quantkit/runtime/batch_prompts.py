@@ -95,6 +95,13 @@ def waiting_for(feed: PromptFeed, feeds: list[PromptFeed]) -> list[PromptFeed]:
     return [w for w in feeds if w.waits is feed and w.part == feed.at]
 
 
+def parting_snapshot(feed: PromptFeed, cache: HybridCache) -> Snapshot:
+    """The state where `feed` is now, for the feeds waiting there: from the linear copies `fed` took at that point
+    (a snapshot was due there since `join`), which `finish` then does not store again."""
+    lin = feed.taken.pop() if feed.taken and feed.taken[-1][0] == feed.at else (feed.at, cache.linear_copies())
+    return cache.snapshots(feed.ids, [lin])[0]
+
+
 def plan_chunks(feeds: list[PromptFeed], budget: int) -> list[tuple[PromptFeed, list[int]]]:
     """Chunks of the prompts being prefilled for one step, `budget` tokens in all, the first come first served
     (a feed that waits for another takes none)."""
