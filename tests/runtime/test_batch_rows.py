@@ -16,6 +16,7 @@ from quantkit.errors import QuantkitError
 from quantkit.runtime import batch_prompts
 from quantkit.runtime.batch import BatchGenerator
 from quantkit.runtime.generate import PREFILL_CHUNK, SamplingParams
+from quantkit.runtime.model.qwen3_5_moe import Segment
 
 from helpers.mtp import MTP_ROUTES
 
@@ -133,8 +134,6 @@ def test_the_answer_snapshot_equals_a_cold_prefill_to_the_same_token(tiny_model,
     ids = turn1 + ans.token_ids[:-1]
     snap = rt.prompt_cache.peek(ids + [0])
     assert snap is not None and list(snap.ids) == ids
-    from quantkit.runtime.model.qwen3_5_moe import Segment
-
     with torch.inference_mode():
         cold = m.new_cache(len(ids))
         m.forward_batch([Segment(cold, ids, "prefill")])
