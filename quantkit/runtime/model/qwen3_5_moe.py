@@ -2,16 +2,15 @@
 the MoE block (router, routed experts, shared expert), final norm and head, and the MTP layer that drafts.
 
 Contract:
-- `Model.forward(ids, cache)`: the T tokens at positions cache.n .. cache.n + T - 1, cache.n advanced; the
-  logits of the last token ([V]; all_logits: [T, V]; hidden: also the final norm's output [T, H]).
-  A prompt (T > 1) runs the T-token path (`Layer.tokens`): transformers' eager arithmetic dtype for dtype, so
-  the tests hold it to transformers layer by layer. A one-token step and a speculative verify (keep_positions:
-  the Gated DeltaNet states after every position kept for `cache.rewind`) run as one-token steps, row by row
-  (`Layer.steps`), bit for bit T single steps.
-- `Model.step_batch(ids, caches)`: token ids[j] (or a verify's tokens) on caches[j], each row at its own position;
-  the same row-by-row code as a step, each dense matrix read once for all the rows (any count), the routed
-  experts of all rows grouped in one call and, without a verify, the Gated DeltaNet cores of all rows in one
-  call, so row j is bit for bit its step (or verify) alone.
+- `Model.forward_batch(segments)`: the one path of every call. A segment is one cache's tokens at positions
+  cache.n .. (cache.n advanced): a one-token step, a speculative verify (the Gated DeltaNet states after every
+  position kept for `cache.rewind`), a prompt chunk in the row arithmetic ("prefill"), or a prompt in the T-token
+  arithmetic ("prompt", `Layer.tokens`: transformers' eager arithmetic dtype for dtype, so the tests hold it to
+  transformers layer by layer). Steps, verifies and row chunks run together as one-token steps (`Layer.steps`):
+  each dense matrix read once for all rows (any count), the routed experts of all rows grouped in one call, the
+  Gated DeltaNet cores and each cache's attention run in one call, so row j is bit for bit its step alone.
+- `Model.forward(ids, cache)` (one segment: a step, a verify with keep_positions, else a prompt) and
+  `Model.step_batch(ids, caches)` (decode and verify segments) are its callers.
 - `MTP.forward` / `MTP.draft`: the MTP layer after the main model's hidden states, as speculative decoding's
   drafter (drafts only decide how many tokens a verify accepts, never which: runtime/speculative.py).
 How a row's ops compute is chosen once, when the route is set (model/route.py, `Model.set_route`): the op
@@ -52,14 +51,16 @@ EMBED_ROWS = 4096  # dequantized embedding rows kept (16 MiB at hidden 2048 in b
 @dataclass
 class Segment:
     """One cache's tokens in a batch (docs/engine.md): a decode step ("decode", one token), a speculative verify
-    ("verify", 1 + k drafted tokens, its Gated DeltaNet states kept for `cache.rewind`) or a prompt chunk
-    ("prefill": its tokens computed as one-token steps compute them, so the state after any of them is what a
-    prefill cut there gives: a snapshot may sit at any token). Logits: every row of a step or verify, the last
-    row of a chunk."""
+    ("verify", 1 + k drafted tokens, its Gated DeltaNet states kept for `cache.rewind`), a prompt chunk in the row
+    arithmetic ("prefill": its tokens computed as one-token steps compute them, so the state after any of them is
+    what a prefill cut there gives: a snapshot may sit at any token) or in the T-token arithmetic ("prompt":
+    transformers' eager arithmetic, the path the tests hold to transformers; a snapshot only at its end).
+    Logits: every row of a step or verify, the last row of a chunk (every row with `all_logits`)."""
 
     cache: HybridCache
     ids: list[int]
     kind: str = "decode"
+    all_logits: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in SEGMENT_KINDS:
@@ -74,10 +75,10 @@ class Segment:
     @property
     def out_rows(self) -> int:
         """Rows of logits this segment gives."""
-        return 1 if self.kind == "prefill" else len(self.ids)
+        return 1 if self.kind in ("prefill", "prompt") and not self.all_logits else len(self.ids)
 
 
-SEGMENT_KINDS = ("decode", "verify", "prefill")
+SEGMENT_KINDS = ("decode", "verify", "prefill", "prompt")
 
 
 @dataclass
@@ -421,28 +422,49 @@ class Model:
 
     def forward(self, ids: list[int] | torch.Tensor, cache: HybridCache, *, all_logits: bool = False,
                 keep_positions: bool = False, hidden: bool = False) -> Any:
-        """Logits [V] of the last of the T tokens `ids` (all_logits: [T, V]), cache advanced by T.
-        keep_positions: a speculative verify (T one-token steps' logits bit for bit, the Gated DeltaNet states
-        after every position kept for `cache.rewind`). hidden: (logits, the final norm's output [T, H] of every
-        token), what the MTP layer drafts from. CPU work runs with denormals flushed (`denormals_flushed`)."""
-        t = len(ids) if isinstance(ids, list) else int(ids.numel())
-        if t == 0:
+        """Logits [V] of the last of the T tokens `ids` (all_logits: [T, V]), cache advanced by T: `forward_batch`
+        of one segment, a step (T = 1), a verify (keep_positions: T one-token steps' logits bit for bit, the Gated
+        DeltaNet states after every position kept for `cache.rewind`) or a prompt (the T-token path). hidden:
+        (logits, the final norm's output [T, H] of every token), what the MTP layer drafts from."""
+        ids = ids.view(-1).tolist() if isinstance(ids, torch.Tensor) else ids
+        if not ids:
             raise ValueError("forward of no tokens")
-        with cpu_kernel.denormals_flushed():
-            cache.reserve(cache.n + t)
-            cache.drop_trail()
-            if keep_positions or t == 1:
-                logits, x = self._as_steps(ids, cache, keep_positions, all_logits, hidden)
-            else:
-                logits, x = self._prompt(ids, cache, all_logits, hidden)
-            logits = logits if all_logits else logits[-1]
-            return (logits, x) if hidden else logits
+        kind = "verify" if keep_positions else "decode" if len(ids) == 1 else "prompt"
+        out = self.forward_batch([Segment(cache, ids, kind, all_logits)], hidden=hidden)[0]
+        logits = out.logits if all_logits else out.logits[-1]
+        return (logits, out.hidden) if hidden else logits
 
-    def _prompt(self, ids: list[int] | torch.Tensor, cache: HybridCache, all_logits: bool, hidden: bool
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The T-token path: (logits, the final norm's output) of every token or of the last (module docstring)."""
+    def forward_batch(self, batch: list[Segment], hidden: bool = False) -> list[Out]:
+        """Every segment of `batch` in one forward (docs/engine.md "One forward"), the one path of every call: all
+        rows of the steps, verifies and row-arithmetic chunks through each layer once, each row at its cache's
+        position, the dense matrices and the chosen experts read once for all of them; row j bit for bit its result
+        alone. A step or verify alone runs in the route's executor where it takes it (the stack's one call); a
+        "prompt" segment runs the layers' T-token path. Each cache appears once and is advanced by its segment's
+        tokens. CPU work runs with denormals flushed. `hidden`: each segment's final-norm rows too."""
+        if not batch:
+            raise ValueError("forward_batch of no segments")
+        if len({id(s.cache) for s in batch}) != len(batch):
+            raise ValueError("forward_batch: a cache appears twice in the batch (each segment needs its own)")
+        with cpu_kernel.denormals_flushed():
+            for s in batch:
+                s.cache.reserve(s.cache.n + len(s.ids))
+                s.cache.drop_trail()
+            rows = [s for s in batch if s.kind != "prompt"]
+            done = {id(s): self._prompt(s, hidden) for s in batch if s.kind == "prompt"}
+            if len(rows) == 1 and rows[0].kind != "prefill":  # the route's own step or verify, where it takes it
+                s = rows[0]
+                got = take(self.executor, s.ids, s.cache, s.keep, hidden)
+                if got is not None:
+                    done[id(s)], rows = Out(*got), []
+            if rows:
+                done.update(zip(map(id, rows), self._run_rows(rows, hidden), strict=True))
+            return [done[id(s)] for s in batch]
+
+    def _prompt(self, s: Segment, hidden: bool) -> Out:
+        """The T-token path of a "prompt" segment (module docstring)."""
+        cache, ids, t = s.cache, s.ids, len(s.ids)
         cache.pos = None
-        x, t = self.embed_tokens(ids), len(ids)
+        x = self.embed_tokens(ids)
         cos, sin = self.rope_rows(torch.arange(cache.n, cache.n + t), x.dtype)
         for L in self.layers:
             x = L(x, Prompt(cache, cos, sin))
@@ -450,58 +472,32 @@ class Model:
                 self.heap.check()
         cache.n += t
         x = x.to(self.head_device)
-        x = x if all_logits or hidden else x[-1:]
+        x = x if s.all_logits or hidden else x[-1:]
         x = self._final_rows(x) if x.shape[0] == 1 else rms(x, self.final, self.eps)
-        return self.head(x if all_logits else x[-1:]), x
+        return Out(self.head(x if s.all_logits else x[-1:]), x if hidden else None)
 
-    def _as_steps(self, ids: list[int] | torch.Tensor, cache: HybridCache, keep: bool, all_logits: bool,
-                  hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """T tokens as T one-token steps: in the route's executor where it takes them, else the layers' rows."""
-        out = take(self.executor, ids, cache, keep, hidden)
-        if out is not None:
-            return out
-        cache.pos = None
-        x = self._step_rows(self.embed_tokens(ids), [(cache, cache.n + j) for j in range(len(ids))], keep)
-        cache.n += len(ids)
-        x = self._final_rows(x if all_logits or hidden else x[-1:])
-        return linear_rows(self.head, x if all_logits else x[-1:]), x
-
-    def forward_batch(self, batch: list[Segment], hidden: bool = False) -> list[Out]:
-        """Every segment of `batch` in one forward (docs/engine.md "One forward"): all rows through each layer
-        once, each row at its cache's position, the dense matrices and the chosen experts read once for all of
-        them; row j bit for bit its result alone (a step, a verify, or the chunk's tokens as steps). Each cache
-        appears once and is advanced by its segment's tokens. `hidden`: each segment's final-norm rows too."""
-        if not batch:
-            raise ValueError("forward_batch of no segments")
-        if len({id(s.cache) for s in batch}) != len(batch):
-            raise ValueError("forward_batch: a cache appears twice in the batch (each segment needs its own)")
-        if len(batch) == 1 and batch[0].kind != "prefill":  # the route's own step or verify (the stack's one call)
-            s = batch[0]
-            got = self.forward(s.ids, s.cache, all_logits=True, keep_positions=s.keep, hidden=hidden)
-            return [Out(*got) if hidden else Out(got)]
-        with cpu_kernel.denormals_flushed():
-            for s in batch:
-                s.cache.reserve(s.cache.n + len(s.ids))
-                s.cache.drop_trail()
-                s.cache.pos = None
-            slots = [(s.cache, s.cache.n + k) for s in batch for k in range(len(s.ids))]
-            keep = any(s.keep for s in batch)
-            kept = frozenset(id(s.cache) for s in batch if s.keep) if keep else None
-            x = self._step_rows(torch.cat([self.embed_tokens(s.ids) for s in batch]), slots, keep, kept)
-            spans = self._spans(batch)
-            need: list[int] = []  # rows whose final norm is taken: every row with `hidden`, else the logits' rows
-            for s, a, t in spans:
-                s.cache.n += t
-                need.extend(range(a, a + t) if hidden or s.kind != "prefill" else [a + t - 1])
-            normed = self._final_rows(x if len(need) == x.shape[0] else x[need])
-            at = {r: i for i, r in enumerate(need)}
-            pick = [at[r] for s, a, t in spans for r in ([a + t - 1] if s.kind == "prefill" else range(a, a + t))]
-            logits = linear_rows(self.head, normed if len(pick) == normed.shape[0] else normed[pick])
-            out, b = [], 0
-            for s, a, t in spans:
-                out.append(Out(logits[b:b + s.out_rows], normed[at[a]:at[a] + t] if hidden else None))
-                b += s.out_rows
-            return out
+    def _run_rows(self, batch: list[Segment], hidden: bool) -> list[Out]:
+        """Segments of one-token-step rows through the layers together (`forward_batch`)."""
+        for s in batch:
+            s.cache.pos = None
+        slots = [(s.cache, s.cache.n + k) for s in batch for k in range(len(s.ids))]
+        keep = any(s.keep for s in batch)
+        kept = frozenset(id(s.cache) for s in batch if s.keep) if keep else None
+        x = self._step_rows(torch.cat([self.embed_tokens(s.ids) for s in batch]), slots, keep, kept)
+        spans = self._spans(batch)
+        need: list[int] = []  # rows whose final norm is taken: every row with `hidden`, else the logits' rows
+        for s, a, t in spans:
+            s.cache.n += t
+            need.extend(range(a, a + t) if hidden or s.out_rows == t else [a + t - 1])
+        normed = self._final_rows(x if len(need) == x.shape[0] else x[need])
+        at = {r: i for i, r in enumerate(need)}
+        pick = [at[r] for s, a, t in spans for r in range(a + t - s.out_rows, a + t)]
+        logits = linear_rows(self.head, normed if len(pick) == normed.shape[0] else normed[pick])
+        out, b = [], 0
+        for s, a, t in spans:
+            out.append(Out(logits[b:b + s.out_rows], normed[at[a]:at[a] + t] if hidden else None))
+            b += s.out_rows
+        return out
 
     @staticmethod
     def _spans(batch: list[Segment]) -> list[tuple[Segment, int, int]]:
