@@ -4,7 +4,7 @@
 
     rt = load_model("/tmp/q4")
     batch = BatchGenerator(rt)
-    a = batch.add(messages_a, temperature=0, max_new_tokens=64)          # prefilled alone, joins the next step
+    a = batch.add(messages_a, temperature=0, max_new_tokens=64)          # prefilled in the next steps
     b = batch.add(messages_b, seed=1, max_new_tokens=32, stop_ids=set())
     b2 = batch.fork(b)                                                   # another choice, its prompt not prefilled again
     while batch:
@@ -16,13 +16,12 @@ Each row has its own sampling (temperature, top-k / top-p, seed, hook), stop tok
 inherits its parent's (temperature, top-p / top-k, max_new_tokens, ignore_eos, stop tokens, thinking), with the
 seed the parent's + 1, + 2, ... per fork (None stays None) and no hook, unless given (`fork`); a row
 leaves the batch when it ends (stop token, its max_new_tokens, the context, `cancel`, or "error": its sampling
-hook raised, kept in `errors`, the other rows unaffected) and a new one joins
-between steps, its prompt prefilled alone (through the prompt cache, as `Runtime.generate_ids`), or, with the row
-arithmetic (`Runtime.set_prefill("rows")`), in chunks inside the next steps beside the decoding rows
-(runtime/batch_prompts.py). A step is one `Model.forward_batch` over every row still decoding and those chunks
-(model/qwen3_5_moe.py): the dense matrices and the chosen experts are read once for all rows, and each row's
-tokens are the ones the same request generates alone, greedy or seeded (tests/runtime/test_batch_decode.py,
-test_batch_rows.py).
+hook raised, kept in `errors`, the other rows unaffected) and a new one joins between steps, its prompt (past
+the longest prefix the prompt cache holds) prefilled in chunks inside the next steps beside the decoding rows,
+in the runtime's arithmetic (`Runtime.set_prefill`, runtime/batch_prompts.py). A step is one
+`Model.forward_batch` over every row still decoding and those chunks (model/qwen3_5_moe.py): the dense matrices
+and the chosen experts are read once for all rows, and each row's tokens are the ones the same request generates
+alone, greedy or seeded (tests/runtime/test_batch_decode.py, test_batch_rows.py).
 
 MTP: on a model with an MTP layer each row has its own drafter (runtime/batch_drafts.py) as the runtime sets it
 (`Runtime.set_mtp`: --mtp N drafts N a row, the default decides per step, 0 none). A row that drafts k tokens
@@ -37,7 +36,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -56,7 +55,6 @@ from quantkit.runtime.generate import (
     SamplingParams,
     TokenEvent,
     peak_memory,
-    prefill,
     sample,
 )
 from quantkit.runtime.model.cache import HybridCache
@@ -125,14 +123,11 @@ class BatchGenerator:
     def add(self, messages: list[dict[str, Any]] | None = None, *, ids: list[int] | None = None,
             tools: list[dict[str, Any]] | None = None, enable_thinking: bool = True,
             sampling: SamplingParams | None = None, stop_ids: set[int] | None = None,
-            cancel: threading.Event | None = None, between: Callable[[list[tuple[int, TokenEvent]]], None] | None = None,
-            **sampling_kw: Any) -> int:
-        """Prefill a conversation (chat `messages`, or prompt `ids` already rendered) and add it to the batch;
-        its first token comes at the next `step`. Sampling as `Runtime.generate_stream` takes it; `stop_ids`
-        as `Runtime.generate_ids`. `between`: the rows already decoding take one step between the prompt's
-        chunks, and their events go to `between` (a server's running requests are then held up for one chunk at
-        most, not the whole prompt); with the row arithmetic (`in_steps`) nothing is prefilled here: the prompt's
-        chunks ride in the next steps and `between` is not called. Returns the row's id. Every argument is checked before the prefill
+            cancel: threading.Event | None = None, **sampling_kw: Any) -> int:
+        """Add a conversation (chat `messages`, or prompt `ids` already rendered) to the batch: its cache starts
+        at the longest prefix the prompt cache holds, the rest of its prompt is prefilled in chunks inside the next
+        steps, and its first token comes at the step that ends the prompt. Sampling as `Runtime.generate_stream`
+        takes it; `stop_ids` as `Runtime.generate_ids`. Returns the row's id. Every argument is checked here
         (quantkit/runtime/args.py: ArgumentError / ArgumentTypeError naming it)."""
         rt = self.rt
         if (messages is None) == (ids is None):
@@ -140,7 +135,6 @@ class BatchGenerator:
         sp = rt.sampling(sampling, **sampling_kw)
         stop_ids = args.stop_token_ids(stop_ids, rt.model.vocab)
         args.event(cancel)
-        args.callback(between, "between")
         if messages is not None:
             ids = rt.render_ids(messages, tools, enable_thinking)[1]
         else:
@@ -157,55 +151,19 @@ class BatchGenerator:
                                 "(shorten it, or run with a larger --context)")
         stops = set() if sp.ignore_eos else rt.stop_ids if stop_ids is None else stop_ids
         gen = torch.Generator().manual_seed(sp.seed) if sp.seed is not None else None
-        chunks = _Between(cancel, lambda: between(self._step())) if between is not None else cancel
         fixed, stats, drafts = self._mtp()
         capacity = min(rt.context, n + sp.max_new_tokens)
-        if self.in_steps:
-            return self._add_fed(list(ids), sp, stops, gen, capacity, cancel, stop_ids, fixed, stats, drafts,
-                                 enable_thinking)
+        ids = list(ids)
         with rt._lock, torch.inference_mode():
-            t0 = time.perf_counter()
-            pre = prefill(rt.model, list(ids), capacity=capacity, prefix_cache=rt.prompt_cache,
-                          boundary_ids=rt.boundary_ids, cancel=chunks, hidden=drafts)
-            budget = min(sp.max_new_tokens, rt.context - n) if pre.logits is not None else 0
-            drafter = None
-            if drafts and budget > 1:
-                assert pre.hidden is not None
-                drafter = RowDrafter.prefilled(rt.model, list(ids[pre.cached_tokens:]), pre.hidden, capacity,
-                                               stats, PREFILL_CHUNK)
-            spent = time.perf_counter() - t0  # with the steps run between its chunks, as a server sees it
-            if n - pre.cached_tokens >= TRIM_AFTER_PREFILL:
-                release_free_heap()  # its chunk temporaries (at 35B a 2k prompt's stayed in the heap: bench full-size)
-        logits = pre.logits.view(1, -1) if pre.logits is not None else None
-        row = _Row(next(self._ids), list(ids), sp, stops, pre.cache, logits, picker(sp, gen, sample), budget,
-                   ChannelSplitter(rt.tokenizer, rt.think_ids, enable_thinking), pre.cached_tokens, spent, cancel,
-                   stop_ids=stop_ids, drafter=drafter, fixed=fixed, stats=stats)
-        if row.budget == 0:
-            self._ended.append((row.id, self._last(row, "cancelled")))
-        else:
-            self._rows[row.id] = row
-        return row.id
-
-    @property
-    def in_steps(self) -> bool:
-        """Prompts are prefilled inside the steps, packed with the decoding rows (the row arithmetic)."""
-        return self.rt.prefill == "rows"
-
-    def _add_fed(self, ids: list[int], sp: SamplingParams, stops: set[int], gen: torch.Generator | None,
-                 capacity: int, cancel: threading.Event | None, stop_ids: set[int] | None, fixed: int | None,
-                 stats: DraftStats | None, drafts: bool, thinking: bool) -> int:
-        """`add` with the row arithmetic: the row joins with its cache at the longest cached prefix, its prompt's
-        rest prefilled chunk by chunk in the next steps (runtime/batch_prompts.py)."""
-        rt = self.rt
-        n = len(ids)
-        with rt._lock, torch.inference_mode():
-            cache, feed, same = batch_prompts.start(rt.model, ids, capacity, rt.prompt_cache, rt.boundary_ids, drafts)
-        if feed is not None:  # a prompt being prefilled now that shares its start: wait for it where they part
+            cache, feed, same = batch_prompts.start(rt.model, ids, capacity, rt.prompt_cache, rt.boundary_ids, drafts,
+                                                    0 if self.row_arithmetic else PREFILL_CHUNK)
+        if feed is not None and self.row_arithmetic:  # one being prefilled shares its start: wait where they part
             batch_prompts.join(feed, [r.feed for r in self._rows.values() if r.feed is not None])
         budget = min(sp.max_new_tokens, rt.context - n)
         row = _Row(next(self._ids), ids, sp, stops, cache, None, picker(sp, gen, sample), budget,
-                   ChannelSplitter(rt.tokenizer, rt.think_ids, thinking), n if same is not None else feed.at,
-                   0.0, cancel, stop_ids=stop_ids, fixed=fixed, stats=stats, feed=feed)
+                   ChannelSplitter(rt.tokenizer, rt.think_ids, enable_thinking),
+                   n if same is not None else feed.at, 0.0, cancel, stop_ids=stop_ids, fixed=fixed, stats=stats,
+                   feed=feed)
         if drafts and budget > 1:  # made now, in the order rows join (its prompt pairs go in when the prompt is)
             row.mtp_cache = rt.model.mtp.new_cache(capacity)
         if same is not None:  # the same prompt again: its state and last logits, no token to prefill
@@ -218,6 +176,12 @@ class BatchGenerator:
                                                        PREFILL_CHUNK, row.mtp_cache)
         self._rows[row.id] = row
         return row.id
+
+    @property
+    def row_arithmetic(self) -> bool:
+        """Prompts compute as one-token steps (`Runtime.set_prefill("rows")`): snapshots anywhere, shared starts
+        prefilled once, answers snapshotted."""
+        return self.rt.prefill == "rows"
 
     def fork(self, row: int, sampling: SamplingParams | None = None, *, stop_ids: set[int] | None = None,
              cancel: threading.Event | None = None, **sampling_kw: Any) -> int:
@@ -305,6 +269,8 @@ class BatchGenerator:
         out, self._ended = self._ended, []
         for r in list(self._rows.values()):  # a prompt cancelled while it is prefilled ends now
             if (r.feed is not None or r.follows is not None) and r.cancel is not None and r.cancel.is_set():
+                if r.feed is not None:
+                    batch_prompts.abandon(r.feed, r.cache, self.rt.prompt_cache)
                 self._end(r, "cancelled", out)
         go = [r for r in self._rows.values() if r.logits is None and r.feed is None and r.follows is None]
         if any(r.drafter is not None and r.fixed is None for r in go) and self.plan.off():
@@ -390,7 +356,7 @@ class BatchGenerator:
             for k in self._rows.values():
                 if k.feed is not None and k.feed.waits is r.feed:
                     k.feed.waits = None
-        if self.in_steps and finish in ("stop", "length") and r.feed is None and r.follows is None:
+        if self.row_arithmetic and finish in ("stop", "length") and r.feed is None and r.follows is None:
             batch_prompts.answer_snapshot(r.cache, r.prompt_ids, r.generated, self.rt.prompt_cache)
         out.append((r.id, self._last(r, finish)))
 
@@ -420,7 +386,7 @@ class BatchGenerator:
         by_feed = {id(r.feed): r for r in feeds}
         hidden = any(r.drafter is not None for r in go) or any(f.hidden for f, _ids in chunks)
         batch = [Segment(r.cache, seg, "decode" if len(seg) == 1 else "verify") for r, seg in zip(go, segs, strict=True)]
-        batch += [Segment(by_feed[id(f)].cache, ids, "prefill") for f, ids in chunks]
+        batch += [Segment(by_feed[id(f)].cache, ids, f.kind) for f, ids in chunks]
         outs = self.rt.model.forward_batch(batch, hidden=hidden)
         t2 = time.perf_counter()
         if not chunks:  # a step's cost for the draft plan: decode rows alone
@@ -498,19 +464,3 @@ class BatchGenerator:
             mtp=r.stats.to_dict() if r.stats is not None else None)
         r.cache = None  # type: ignore[assignment]  # the row's state is given back now, not when the batch goes
         return TokenEvent("", None, r.split.channel, n_gen, resp, r.cached_tokens)
-
-
-class _Between:
-    """What `prefill` is given as its `cancel`: it asks `is_set()` before each chunk of the prompt, so that is
-    where the rows already decoding take their step (none before the first chunk: the prompt was just admitted)."""
-
-    def __init__(self, cancel: threading.Event | None, step: Callable[[], None]):
-        self.cancel, self.step, self.asked = cancel, step, 0
-
-    def is_set(self) -> bool:
-        if self.cancel is not None and self.cancel.is_set():
-            return True
-        if self.asked:
-            self.step()
-        self.asked += 1
-        return False

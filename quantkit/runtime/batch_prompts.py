@@ -1,22 +1,19 @@
-"""Prompts prefilled inside the batch's steps: the row arithmetic (`Runtime.prefill == "rows"`, docs/engine.md).
-
-A row joins the batch with its prompt not yet prefilled: a `PromptFeed` (the prompt, how much of it is in the
-cache, where snapshots are due). Each step, `plan_chunks` gives the waiting prompts chunks of a token budget in
-the order they came (a long prompt holds the decoding rows up by one chunk at most; several short ones share a
-step), and each chunk rides in the step's one `Model.forward_batch` as a "prefill" segment beside the decode
-rows. A chunk's tokens compute as one-token steps do, so the state after any token of a prompt is what a prefill
-cut there gives: a snapshot restored anywhere continues bit for bit (tests/runtime/test_forward_batch.py). So a
-snapshot may sit where the T-token arithmetic cannot put one: at the end of an answer (`answer_snapshot`), and a
-restore is the longest cached prefix at any token (`PrefixCache.lookup` never asked for chunk-aligned cuts).
-
-Prompts that arrive together and share a prefix (agents over one tool prompt) part where they differ: a new feed
-whose prompt shares at least MIN_SHARED more tokens with one being prefilled `waits` for it (`join`); that one
-takes a snapshot where they part, which the waiting one restores (and the prompt cache keeps), so the shared
-tokens are prefilled once.
-
-Snapshots of a prompt: as `generate.prefill` takes them (the last boundaries, checkpoints past them, the whole
-prompt with its last logits), chunks ending where one is due. Entries of the two arithmetics never meet: a
-runtime uses one, and the disk store's identity names it (runtime/prompt_disk.py `layout_of`).
+"""Prompts prefilled inside the batch's steps (docs/engine.md): a row joins the batch with its prompt not yet
+prefilled, a `PromptFeed` (the prompt, how much of it is in the cache, where snapshots are due). Each step,
+`plan_chunks` gives the waiting prompts chunks of a token budget in the order they came (a long prompt holds the
+decoding rows up by one chunk at most; several short ones share a step), and each chunk rides in the step's one
+`Model.forward_batch` beside the decode rows, in the runtime's arithmetic (`Runtime.set_prefill`):
+- "rows" ("prefill" segments): a chunk's tokens compute as one-token steps do, so the state after any token is
+  what a prefill cut there gives and a snapshot may sit anywhere: at the end of an answer (`answer_snapshot`),
+  and where prompts that arrive together part. A new feed sharing at least MIN_SHARED more tokens with one being
+  prefilled `waits` for it (`join`); that one takes a snapshot where they part, which the waiting one restores (and
+  the prompt cache keeps), so the shared tokens are prefilled once.
+- "tokens" ("prompt" segments, transformers' eager arithmetic): a chunk's bits depend on where it is cut, so the
+  cuts are the prompt's own plan (`state_cache.prefill_plan`: boundaries, then every PREFILL_CHUNK tokens), never
+  the budget's, and a request's tokens never depend on its neighbours.
+Snapshots of a prompt: the last boundaries, checkpoints past them, the whole prompt with its last logits; chunks
+end where one is due. A prompt cancelled part way keeps those it passed (`abandon`). Entries of the two
+arithmetics never meet: a runtime uses one, and the disk store's identity names it (prompt_disk.py `layout_of`).
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ from typing import Any
 import torch
 
 from quantkit.runtime.model.cache import HybridCache
-from quantkit.runtime.state_cache import PrefixCache, Snapshot, snapshot_points
+from quantkit.runtime.state_cache import PrefixCache, Snapshot, prefill_plan, snapshot_points
 
 MIN_SHARED = 32  # tokens a prompt must share with one being prefilled to wait for it rather than prefill them
 
@@ -47,13 +44,22 @@ class PromptFeed:
     rows: list[torch.Tensor] = field(default_factory=list)  # with `hidden`: the chunks' final-norm rows
     waits: PromptFeed | None = None  # the feed prefilling this one's first `part` tokens (`join`)
     part: int = 0
+    cuts: list[int] | None = None  # the T-token arithmetic: where its chunks end (None: the row arithmetic)
+
+    @property
+    def kind(self) -> str:
+        """Its chunks' `Segment` kind."""
+        return "prefill" if self.cuts is None else "prompt"
 
     @property
     def left(self) -> int:
         return len(self.ids) - self.at
 
     def chunk(self, budget: int) -> list[int]:
-        """The next chunk: up to `budget` tokens, ending where the next snapshot is due."""
+        """The next chunk: up to `budget` tokens, ending where the next snapshot is due (the T-token arithmetic:
+        its plan's next chunk, whatever the budget)."""
+        if self.cuts is not None:
+            return self.ids[self.at:next(p for p in self.cuts if p > self.at)]
         end = min(len(self.ids), self.at + budget)
         due = [p for p in self.points if self.at < p < end]
         return self.ids[self.at:due[0] if due else end]
@@ -104,7 +110,7 @@ def parting_snapshot(feed: PromptFeed, cache: HybridCache) -> Snapshot:
 
 def plan_chunks(feeds: list[PromptFeed], budget: int) -> list[tuple[PromptFeed, list[int]]]:
     """Chunks of the prompts being prefilled for one step, `budget` tokens in all, the first come first served
-    (a feed that waits for another takes none)."""
+    (a feed that waits for another takes none; a planned chunk past what is left waits for the next step)."""
     out = []
     for f in feeds:
         if budget <= 0:
@@ -112,16 +118,19 @@ def plan_chunks(feeds: list[PromptFeed], budget: int) -> list[tuple[PromptFeed, 
         if f.waits is not None:
             continue
         ids = f.chunk(budget)
+        if out and len(ids) > budget:
+            break
         out.append((f, ids))
         budget -= len(ids)
     return out
 
 
 def start(model: Any, ids: list[int], capacity: int, cache_: PrefixCache, boundary_ids: frozenset[int],
-          hidden: bool) -> tuple[HybridCache, PromptFeed | None, Snapshot | None]:
+          hidden: bool, chunk: int = 0) -> tuple[HybridCache, PromptFeed | None, Snapshot | None]:
     """A row's cache for prompt `ids`: (cache, the feed of what is left, None) from the longest cached prefix (or
     nothing); or (cache, None, the whole prompt's snapshot) where the same prompt was prefilled before (its logits
-    and, with `hidden`, its last hidden row restored with it: no token to prefill)."""
+    and, with `hidden`, its last hidden row restored with it: no token to prefill). `chunk`: the T-token
+    arithmetic, its chunks cut by the prompt's plan at most `chunk` tokens long (0: the row arithmetic)."""
     room = max(capacity, len(ids))
     same = cache_.whole(ids)
     if same is not None and same.logits is not None and (not hidden or same.hidden is not None):
@@ -131,7 +140,8 @@ def start(model: Any, ids: list[int], capacity: int, cache_: PrefixCache, bounda
              else model.new_cache(room))
     at = snap.length if snap is not None else 0
     points = (snapshot_points(ids, at, boundary_ids, cache_.keep, cache_.every) if cache_.enabled else [])
-    return cache, PromptFeed(list(ids), at, points, hidden, at), None
+    cuts = [b for _a, b in prefill_plan(ids, at, boundary_ids, chunk)] if chunk else None
+    return cache, PromptFeed(list(ids), at, points, hidden, at, cuts=cuts), None
 
 
 def finish(feed: PromptFeed, cache: HybridCache, cache_: PrefixCache, logits: torch.Tensor) -> torch.Tensor | None:
@@ -147,6 +157,13 @@ def finish(feed: PromptFeed, cache: HybridCache, cache_: PrefixCache, logits: to
     for snap in snaps:
         cache_.put(snap, persist=True)
     return rows
+
+
+def abandon(feed: PromptFeed, cache: HybridCache, cache_: PrefixCache) -> None:
+    """A prompt cancelled part way: the snapshots it passed to the prompt cache (a resend prefills the rest)."""
+    for snap in cache.snapshots(feed.ids, feed.taken):
+        cache_.put(snap, persist=True)
+    feed.taken = []
 
 
 def answer_snapshot(cache: HybridCache, prompt: list[int], generated: list[int], cache_: PrefixCache) -> None:

@@ -24,9 +24,9 @@ from quantkit.errors import ArgumentTypeError
 from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK
 from quantkit.runtime import args, cpu_kernel
 from quantkit.runtime.model.cache import HybridCache
-from quantkit.runtime.model.qwen3_5_moe import Model
+from quantkit.runtime.model.qwen3_5_moe import Model, Segment
 from quantkit.runtime.speculative import DraftStats
-from quantkit.runtime.state_cache import PrefixCache, prefill_plan, snapshot_points
+from quantkit.runtime.state_cache import PrefixCache
 
 PREFILL_CHUNK = DEFAULT_PREFILL_CHUNK  # the chunk the planner sizes the activation buffers for
 
@@ -176,45 +176,27 @@ class Prefill:
 
 def prefill(model: Model, prompt_ids: list[int], *, capacity: int = 0, prefix_cache: PrefixCache | None = None,
             boundary_ids: frozenset[int] = frozenset(), cancel: Any = None, hidden: bool = False) -> Prefill:
-    """Restore the longest cached prefix of `prompt_ids` (if any), prefill the rest chunk by chunk on the
-    boundary-aligned plan (quantkit.runtime.state_cache), and store snapshots at the last boundaries
-    passed. `capacity`: the positions the cache is made for (at least the prompt). A set `cancel` stops
-    between chunks; the snapshots already passed are kept. `hidden`: keep the final norm's output of every
-    prefilled token (what the MTP layer drafts from). The same prompt prefilled before is restored whole from its
-    snapshot with its last logits (`PrefixCache.whole`): no token prefilled, `hidden` that snapshot's last row."""
-    room = max(capacity, len(prompt_ids))
-    same = prefix_cache.whole(prompt_ids) if prefix_cache is not None else None
-    if same is not None and same.logits is not None and (not hidden or same.hidden is not None):
-        cache = HybridCache.from_snapshot(same, model.cfg, model.layer_devices, model.dtype, room)
+    """One prompt alone in the T-token arithmetic, as the batch prefills it (runtime/batch_prompts.py): the
+    longest cached prefix of `prompt_ids` restored (the same prompt prefilled before: whole, with its last logits
+    and, with `hidden`, its last hidden row), the rest chunk by chunk on the boundary-aligned plan, snapshots at the
+    last boundaries passed. `capacity`: the positions the cache is made for (at least the prompt). A set `cancel`
+    stops between chunks; the snapshots already passed are kept. `hidden`: keep the final norm's output of every
+    prefilled token (what the MTP layer drafts from)."""
+    from quantkit.runtime import batch_prompts
+
+    store = prefix_cache if prefix_cache is not None else PrefixCache(0)
+    cache, feed, same = batch_prompts.start(model, list(prompt_ids), capacity, store, boundary_ids, hidden,
+                                            PREFILL_CHUNK)
+    if feed is None:
+        assert same is not None and same.logits is not None
         return Prefill(cache, same.logits.clone(), len(prompt_ids), same.hidden.clone() if hidden else None)
-    snap = prefix_cache.lookup(prompt_ids) if prefix_cache is not None else None
-    cache = (HybridCache.from_snapshot(snap, model.cfg, model.layer_devices, model.dtype, room) if snap is not None
-             else model.new_cache(room))
-    start = snap.length if snap is not None else 0
-    points = set(snapshot_points(prompt_ids, start, boundary_ids, prefix_cache.keep, prefix_cache.every)) \
-        if prefix_cache is not None and prefix_cache.enabled else set()
-    logits, taken, rows = None, [], []
-    for a, b in prefill_plan(prompt_ids, start, boundary_ids, PREFILL_CHUNK):
-        if cancel is not None and cancel.is_set():
-            logits = None
-            break
-        if hidden:
-            logits, h = model.forward(prompt_ids[a:b], cache, hidden=True)
-            rows.append(h)
-        else:
-            logits = model.forward(prompt_ids[a:b], cache)
-        if b in points:
-            taken.append((b, cache.linear_copies()))
-    whole = logits is not None and prefix_cache is not None and prefix_cache.max_bytes > 0
-    if whole:
-        taken.append((len(prompt_ids), cache.linear_copies()))
-    snaps = cache.snapshots(prompt_ids, taken)
-    if whole:
-        last = snaps.pop()
-        last.logits = logits.clone()
-        last.hidden = rows[-1][-1:].clone() if rows else None
-        snaps.append(last)
-    for snap in snaps:
-        assert prefix_cache is not None
-        prefix_cache.put(snap, persist=True)
-    return Prefill(cache, logits, start, torch.cat(rows) if rows else None)
+    logits = None
+    while feed.left and not (cancel is not None and cancel.is_set()):
+        ids = feed.chunk(PREFILL_CHUNK)
+        out = model.forward_batch([Segment(cache, ids, "prompt")], hidden=hidden)[0]
+        feed.fed(len(ids), cache, out.hidden)
+        logits = out.logits[-1]
+    if feed.left or logits is None:
+        batch_prompts.abandon(feed, cache, store)
+        return Prefill(cache, None, feed.cached, torch.cat(feed.rows) if feed.rows else None)
+    return Prefill(cache, logits, feed.cached, batch_prompts.finish(feed, cache, store, logits))

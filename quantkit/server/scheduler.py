@@ -5,10 +5,9 @@ The same contract as `GenerationQueue` (quantkit/server/queue.py: `submit`, `adm
 or `Failed` through the job's asyncio queue), but up to `slots` requests generate at once: one worker thread runs
 a `BatchGenerator` (quantkit/runtime/batch.py) over the backend's runtime. Waiting requests take the free slots
 between two steps, all of them before the next step (a burst decodes together); a prompt is prefilled chunk
-by chunk, its chunks inside the running slots' steps (the runtime's `prefill` "rows", serve's default: new
-prompts prefilled together, a shared start once) or with one batch step of the running slots between chunks
-("tokens"), so a long prompt holds them up for one chunk at most; each step is one forward over the next token of every decoding slot, and its MTP drafts where the batch
-drafts them (runtime/batch_drafts.py: one slot drafts as `generate` does, several where the larger step still
+by chunk inside the running slots' steps (runtime/batch_prompts.py; with serve's default `--prefill rows`, a
+shared start once), so a long prompt holds them up for one chunk at most; each step is one forward over the next
+token of every decoding slot, the waiting prompts' chunks and its MTP drafts where the batch drafts them (runtime/batch_drafts.py: one slot drafts as `generate` does, several where the larger step still
 pays); a slot is freed at the step after its request ends (stop, length, cancel, client gone). `--parallel 1`
 runs here too: one slot.
 The `n` choices of one prompt (`submit_group`) are prefilled once: each choice that finds a free slot decodes
@@ -94,10 +93,9 @@ class BatchScheduler(JobLine):
                 self._guarded(lambda: self._deliver(self._batch.step()))
 
     def _admit(self, job: Job) -> None:
-        """Prefill the job's prompt alone (the running slots stepping between its chunks) into a free slot."""
+        """The job's prompt into a free slot: a batch row whose prompt is prefilled inside the next steps."""
         row = self._seat(job, lambda: self._batch.add(
-            ids=job.prompt.ids, sampling=job.params, cancel=job.cancel, enable_thinking=job.prompt.opens_reasoning,
-            between=self._deliver))
+            ids=job.prompt.ids, sampling=job.params, cancel=job.cancel, enable_thinking=job.prompt.opens_reasoning))
         if row is not None:
             self._fork_siblings(job, row)
 

@@ -162,8 +162,7 @@ def test_batch_add_refuses_each_bad_argument_and_adds_no_row(rt, greedy, one_thr
         finally:
             assert not batch and batch.rows == [] and batch.step() == []
 
-    _each(SAMPLING + PROMPT + IDS + [({"between": "each chunk"}, T, "between"),
-                                     ({"messages": M, "ids": [1, 2]}, T, "messages or ids")], call)
+    _each(SAMPLING + PROMPT + IDS + [({"messages": M, "ids": [1, 2]}, T, "messages or ids")], call)
     row = batch.add(M, temperature=0, max_new_tokens=6, ignore_eos=True)
     assert [ev.response.token_ids for r, ev in batch.run() if ev.response is not None and r == row] == [greedy]
 

@@ -224,13 +224,14 @@ def test_a_cancelled_row_leaves_and_the_others_go_on(tiny_model, one_thread):
     rows = [batch.add(ids=_ids(rt, p), sampling=sp) for p in PROMPTS[:3]]
     with pytest.raises(QuantkitError, match="batch is full"):
         batch.add(ids=_ids(rt, PROMPTS[3]), sampling=sp)
-    last = {}
-    for k in range(20):
-        if k == 3:
-            batch.cancel(rows[1])
+    last, seen = {}, 0
+    for _k in range(20):
         for row, ev in batch.step():
             if ev.response is not None:
                 last[row] = ev.response
+            seen += row == rows[1] and ev.token is not None
+        if seen == 3 and rows[1] in batch.rows:  # its third token out: it ends at the next step
+            batch.cancel(rows[1])
         if not batch:
             break
     assert last[rows[1]].finish_reason == "cancelled" and last[rows[1]].token_ids == refs[1][:3]
@@ -253,35 +254,42 @@ def test_a_batch_refuses_bad_rows_in_one_line(tiny_model, one_thread):
     assert not batch and batch.step() == []
 
 
-def test_running_rows_step_between_the_chunks_of_a_new_prompt(tiny_model, monkeypatch, one_thread):
-    """A long prompt joining the batch is prefilled chunk by chunk, the running rows taking a step between two
-    chunks (their tokens unchanged), so they wait one chunk at a time, not for the whole prompt."""
-    from quantkit.runtime import generate
+def test_a_new_prompt_rides_in_the_running_rows_steps_one_planned_chunk_each(tiny_model, monkeypatch, one_thread):
+    """A long prompt joining the batch (the T-token arithmetic) is prefilled inside the running rows' steps, one
+    chunk of its own plan per step (cut where it is cut alone, whatever else rides), so the running rows wait one
+    chunk at a time, not for the whole prompt; every row's tokens are the ones it gets alone."""
     from quantkit.runtime.state_cache import prefill_plan
 
     rt = _load(tiny_model, "int4")
     sp = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
     long_ids = _ids(rt, " ".join(PROMPTS))
+    monkeypatch.setattr("quantkit.runtime.batch.PREFILL_CHUNK", 8)
+    monkeypatch.setattr("quantkit.runtime.generate.PREFILL_CHUNK", 8)
     refs = [_alone(rt, _ids(rt, p), sp, None).token_ids for p in PROMPTS[:2]] + [_alone(rt, long_ids, sp, None).token_ids]
-    monkeypatch.setattr(generate, "PREFILL_CHUNK", 8)
-    chunks = len(list(prefill_plan(long_ids, 0, rt.boundary_ids, 8)))
-    assert chunks > 3
+    plan = [b - a for a, b in prefill_plan(long_ids, 0, rt.boundary_ids, 8)]
+    assert len(plan) > 3
     batch = BatchGenerator(rt)
     rows = [batch.add(ids=_ids(rt, p), sampling=sp) for p in PROMPTS[:2]]
     got: dict[int, list[int]] = {r: [] for r in rows}
+    seen: list[list[tuple[str, int]]] = []
+    real = rt.model.forward_batch
+    monkeypatch.setattr(rt.model, "forward_batch", lambda segs, hidden=False: (
+        seen.append([(s.kind, len(s.ids)) for s in segs]), real(segs, hidden=hidden))[1])
 
     def take(events):
         for row, ev in events:
             if ev.token is not None:
-                got[row].append(ev.token)
+                got.setdefault(row, []).append(ev.token)
 
-    take(batch.step())
-    seen = []
-    new = batch.add(ids=long_ids, sampling=sp, between=lambda ev: (seen.append(len(ev)), take(ev)))
-    assert seen == [2] * (chunks - 1)  # one step of both running rows between every two chunks
-    got[new] = []
+    while not all(got[r] for r in rows):  # both prompts in: the rows decode
+        take(batch.step())
+    seen.clear()
+    new = batch.add(ids=long_ids, sampling=sp)
     while batch:
         take(batch.step())
+    chunks = [[n for kind, n in step if kind == "prompt"] for step in seen]
+    assert [c for c in chunks if c] == [[n] for n in plan]  # its plan's chunks, one a step
+    assert all(("decode", 1) in step for step in seen[:len(plan)])  # the running rows stepped beside each
     assert [got[r] for r in (*rows, new)] == refs
 
 
@@ -316,8 +324,6 @@ def test_forked_choices_share_one_prefill_and_generate_what_each_generates_alone
                                                                                    one_thread):
     """`n` choices of one prompt: the prompt prefilled once, each choice a row in a copy of its state, decoded
     together; each choice's tokens (greedy, and seeded per choice) are the ones it generates alone."""
-    import quantkit.runtime.batch as batch_mod
-
     rt = _load(tiny_model, "int4")
     ids = _ids(rt, PROMPTS[0])
     seeded = dict(temperature=0.9, top_p=0.9, top_k=20, ignore_eos=True)
@@ -325,9 +331,10 @@ def test_forked_choices_share_one_prefill_and_generate_what_each_generates_alone
            SamplingParams(temperature=0, max_new_tokens=7, ignore_eos=True)]
     want = [_alone(rt, ids, replace(sp), None).token_ids for sp in sps]
     assert want[0] != want[1]  # the seeds differ, so do the choices
-    prefills = []
-    real = batch_mod.prefill
-    monkeypatch.setattr(batch_mod, "prefill", lambda *a, **k: prefills.append(1) or real(*a, **k))
+    prefilled = []  # the prompt tokens that went through the model
+    real = rt.model.forward_batch
+    monkeypatch.setattr(rt.model, "forward_batch", lambda segs, hidden=False: (
+        prefilled.extend(t for s in segs if s.kind == "prompt" for t in s.ids), real(segs, hidden=hidden))[1])
     batch = BatchGenerator(rt, max_rows=3)
     first = batch.add(ids=ids, sampling=replace(sps[0]))
     rows = [first, *(batch.fork(first, replace(sp)) for sp in sps[1:])]
@@ -339,7 +346,7 @@ def test_forked_choices_share_one_prefill_and_generate_what_each_generates_alone
         for row, ev in batch.step():
             if ev.response is not None:
                 last[row] = ev.response
-    assert len(prefills) == 1 and sizes[0] == 3
+    assert prefilled == ids and sizes[0] == 3
     assert [last[r].token_ids for r in rows] == want
     with pytest.raises(QuantkitError, match="no prompt state left"):
         batch.fork(first, replace(sps[0]))

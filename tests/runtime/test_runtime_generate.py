@@ -25,7 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 class _Count:
     """A cache that only counts tokens (what the loop reads of one)."""
 
-    n = 0
+    n = capacity = 0
 
     def snapshots(self, _ids, taken):
         assert not taken
@@ -51,7 +51,7 @@ class Scripted:
         return logits
 
     def forward_batch(self, batch, hidden=False):
-        assert len(batch) == 1 and not hidden and batch[0].kind == "decode"
+        assert len(batch) == 1 and not hidden and batch[0].kind in ("decode", "prompt")
         return [Out(self.forward(batch[0].ids, batch[0].cache).view(1, -1))]
 
 

@@ -76,8 +76,8 @@ def _held(backend: RuntimeBackend, monkeypatch: pytest.MonkeyPatch, slots: int, 
     if slots == 1:
         held = HeldBackend(backend)
         return GenerationQueue(held, max_waiting), held.gate
-    gate = Gate(batch_mod.prefill)
-    monkeypatch.setattr(batch_mod, "prefill", gate)
+    gate = Gate(batch_mod.batch_prompts.start)
+    monkeypatch.setattr(batch_mod.batch_prompts, "start", gate)
     return BatchScheduler(backend, max_waiting, slots), gate
 
 

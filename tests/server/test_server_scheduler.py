@@ -37,7 +37,7 @@ WAIT_S = 120
 
 @pytest.fixture(scope="module", params=["tokens", "rows"])
 def backend(tiny_model, request):
-    """The tiny int4 model served, its prompts prefilled one at a time (tokens) or inside the steps (rows)."""
+    """The tiny int4 model served, its prompts prefilled in the T-token (tokens) or the row arithmetic (rows)."""
     rt = load_model(quantized(tiny_model, "int4"))
     rt.set_prefill(request.param)
     return RuntimeBackend(rt, "tiny")
@@ -282,22 +282,17 @@ def test_a_bad_parallel_in_the_config_is_one_line():
 def test_the_choices_of_one_prompt_share_one_prefill(backend, monkeypatch, one_thread):
     """`submit_group`: the prompt prefilled once, each choice decoded from a copy of its state, beside the
     other request's; each choice's tokens (seeded per choice, as the server derives them) are its tokens alone."""
-    import quantkit.runtime.batch as batch_mod
 
     prompt, other = _prompt(backend, TEXTS[1]), _prompt(backend, TEXTS[2])
     seeded = _params()[1]
     params = [replace(seeded, seed=7 + j, max_new_tokens=5 + j) for j in range(3)]
     want = [_alone(backend, prompt, sp) for sp in params]
     want_other = _alone(backend, other, _params()[0])
-    prefills: list[int] = []  # prompt tokens prefilled, per prefill call (tokens) or chunk (rows)
-    if backend.runtime.prefill == "tokens":
-        real = batch_mod.prefill
-        monkeypatch.setattr(batch_mod, "prefill", lambda *a, **k: prefills.append(len(a[1])) or real(*a, **k))
-    else:
-        model = backend.runtime.model
-        step = model.forward_batch
-        monkeypatch.setattr(model, "forward_batch", lambda b, hidden=False: prefills.extend(
-            len(s.ids) for s in b if s.kind == "prefill") or step(b, hidden=hidden))
+    prefills: list[int] = []  # prompt tokens prefilled, per chunk (either arithmetic)
+    model = backend.runtime.model
+    step = model.forward_batch
+    monkeypatch.setattr(model, "forward_batch", lambda b, hidden=False: prefills.extend(
+        len(s.ids) for s in b if s.kind in ("prefill", "prompt")) or step(b, hidden=hidden))
     sched = BatchScheduler(backend, max_waiting=2, slots=4)
 
     async def main():
