@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 import typer
 from rich.text import Text
 
+from quantkit.checkpoint.spec import TextConfig
 from quantkit.cli import app, console, err_console, fail
 from quantkit.cli.options import (
     CONTEXT,
@@ -30,6 +31,7 @@ from quantkit.cli.prompt_cache_options import CACHE_DIR, DISK_SIZE, parse_disk_c
 from quantkit.cli.runtime import parse_cache_size, warn_line
 from quantkit.cli.signals import Terminated, on_sigterm_raise
 from quantkit.errors import QuantkitError
+from quantkit.planner.budget import SNAPSHOTS_PER_PROMPT, states_held
 from quantkit.planner.slots import DEFAULT_PARALLEL_MAX
 from quantkit.runtime.chat import context_line
 from quantkit.runtime.options import PREFILL_KINDS
@@ -208,6 +210,10 @@ def serve(
                                     f"{format_size(backend.cache_summary()['max_bytes'])})"), highlight=False,
                       soft_wrap=True)
         disk = backend.cache_summary().get("disk")
+        note = small_cache_note(backend.runtime.model.cfg.text, backend.cache_summary()["max_bytes"], parallel,
+                                bool(disk))
+        if note:
+            err_console.print(note, highlight=False, markup=False, soft_wrap=True)
         if disk:
             console.print(f"prompt cache on disk: {disk['dir']} ({plural(disk['entries'], 'entry', 'entries')} of "
                           f"these weights, up to {format_size(disk['max_bytes'])})", highlight=False)
@@ -227,3 +233,15 @@ def serve(
     finally:
         sock.close()
     console.print("server stopped")
+
+
+def small_cache_note(text: TextConfig, max_bytes: int, slots: int, disk: bool) -> str | None:
+    """A note where the prompt cache in memory holds fewer conversation states than SNAPSHOTS_PER_PROMPT per slot
+    (the last turn of each slot's conversation), with no disk tier to fall back on: agents that resend their
+    history then find it evicted between turns and prefill it again."""
+    held, per = states_held(text, max_bytes)
+    if disk or max_bytes <= 0 or per == 0 or held >= SNAPSHOTS_PER_PROMPT * slots:
+        return None
+    return (f"note: the prompt cache holds about {held} conversation states ({format_size(per)} each), fewer than "
+            f"{SNAPSHOTS_PER_PROMPT} for each of {slots} slots: histories resent turn after turn may be evicted "
+            f"and prefilled again; --prompt-cache-size SIZE or --prompt-cache-dir DIR keeps more")

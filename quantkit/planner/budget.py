@@ -134,6 +134,14 @@ def snapshot_bytes(c: TextConfig, tokens: int, dtype: str = "bf16") -> int:
     return n_lin * (rec + conv) + kv_bytes_per_token(c, dtype, n_full) * tokens
 
 
+def states_held(c: TextConfig, max_bytes: int) -> tuple[int, int]:
+    """(conversation states a prompt cache of `max_bytes` holds, the bytes of one): each snapshot's own copy of
+    the Gated DeltaNet states, their attention KV shared (`snapshot_bytes` at no token). (0, 0) for a model
+    without recurrent layers: its snapshots are KV alone."""
+    per = snapshot_bytes(c, 0)
+    return (max_bytes // per, per) if per else (0, 0)
+
+
 def activation_bytes_per_token(c: TextConfig) -> int:
     """Peak live bf16 activations per token inside one decoder layer: residual + normed hidden, plus the
     largest of the linear-attention projections (qkv, conv output, z, core output, gated norm), the
