@@ -74,7 +74,8 @@ class LogitsHook:
         self.constraint = constraint
         self._counts: torch.Tensor | None = None  # [V] tokens generated so far
         self._seen: torch.Tensor | None = None  # [V] in the prompt or generated (repetition penalty)
-        self._logprobs: torch.Tensor | None = None
+        self._raw: torch.Tensor | None = None  # the last logits processed, for their logprobs
+        self._lse = torch.zeros(())  # their logsumexp
 
     def _state(self, v: int, device: torch.device) -> None:
         if self._counts is None:  # kept on the logits' device: no per-token copies
@@ -84,10 +85,13 @@ class LogitsHook:
             self._seen[ids] = True
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
-        x = logits.float().flatten().clone()
-        if self.top_logprobs is not None:
-            self._logprobs = torch.log_softmax(x, dim=-1)
+        x = logits.float().flatten()
+        if self.top_logprobs is not None:  # the raw distribution: x - logsumexp(x), taken at `accept` where asked
+            self._raw, self._lse = x, torch.logsumexp(x, dim=-1)
         p = self.p
+        if p.neutral and self.constraint is None:
+            return x  # nothing to change: sampling reads the logits as they are (it never writes them)
+        x = x.clone()
         if p.presence or p.frequency or p.repetition != 1:
             self._state(x.numel(), x.device)
             assert self._counts is not None and self._seen is not None
@@ -117,14 +121,14 @@ class LogitsHook:
             self._seen[token] = True
         if self.constraint is not None:
             self.constraint.accept(token)
-        if self.top_logprobs is None or self._logprobs is None:
+        if self.top_logprobs is None or self._raw is None:
             return None
-        lp = self._logprobs
+        raw, lse = self._raw, float(self._lse)
         top: list[tuple[int, float]] = []
         if self.top_logprobs > 0:
-            v, i = torch.topk(lp, min(self.top_logprobs, lp.numel()))
-            top = [(int(a), float(b)) for a, b in zip(i.tolist(), v.tolist(), strict=True)]
-        return TokenLogprob(token, float(lp[token]), top)
+            v, i = torch.topk(raw, min(self.top_logprobs, raw.numel()))
+            top = [(int(a), float(b) - lse) for a, b in zip(i.tolist(), v.tolist(), strict=True)]
+        return TokenLogprob(token, float(raw[token]) - lse, top)
 
 
 def _byte_decoder() -> dict[str, int]:
