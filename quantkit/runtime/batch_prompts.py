@@ -12,7 +12,8 @@ decoding rows up by one chunk at most; several short ones share a step), and eac
   cuts are the prompt's own plan (`state_cache.prefill_plan`: boundaries, then every PREFILL_CHUNK tokens), never
   the budget's, and a request's tokens never depend on its neighbours.
 Snapshots of a prompt: the last boundaries, checkpoints past them, the whole prompt with its last logits; chunks
-end where one is due. A prompt cancelled part way keeps those it passed (`abandon`). Entries of the two
+end where one is due. All but the last point enter the prompt cache as spare (evicted first, with the whole
+prompt's): the last is where the conversation's next turn continues. A prompt cancelled part way keeps those it passed (`abandon`). Entries of the two
 arithmetics never meet: a runtime uses one, and the disk store's identity names it (prompt_disk.py `layout_of`).
 """
 
@@ -154,8 +155,9 @@ def finish(feed: PromptFeed, cache: HybridCache, cache_: PrefixCache, logits: to
     if whole:
         snaps[-1].logits = logits.clone()
         snaps[-1].hidden = rows[-1:].clone() if rows is not None else None
-    for snap in snaps:
-        cache_.put(snap, persist=True)
+    last = len(feed.taken) - 1  # the point nearest the prompt's end: where its next turn continues
+    for i, snap in enumerate(snaps):
+        cache_.put(snap, persist=True, spare=i < last)
     return rows
 
 

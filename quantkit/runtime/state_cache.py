@@ -262,9 +262,10 @@ class PrefixCache:
             self.stats.reused_tokens += snap.length
         return snap
 
-    def put(self, snap: Snapshot, persist: bool = False) -> bool:
+    def put(self, snap: Snapshot, persist: bool = False, spare: bool = False) -> bool:
         """Store `snap` (replacing one of the same ids); evict LRU entries to fit. False if it cannot fit.
-        `persist`: also write it to the disk store at the next `flush`."""
+        `persist`: also write it to the disk store at the next `flush`. `spare`: it enters as the least recently
+        used, as a whole prompt's does (a prompt's points before its last: the next turn continues from the last)."""
         if persist and self.disk is not None:
             with self._lock:
                 self._pending.append(snap)
@@ -278,8 +279,9 @@ class PrefixCache:
             if key in self._entries:
                 self._drop(key)
             self._entries[key] = entry
-            if snap.logits is not None:
-                # only a repeat of the same prompt uses it: the first to go, never a prefix another prompt needs
+            if snap.logits is not None or spare:
+                # only a repeat of the same prompt uses it (or an edit of the last message): the first to go, never
+                # the point another turn continues from
                 self._entries.move_to_end(key, last=False)
             self._bytes += entry.state_bytes
             for k, nb in entry.storages.items():

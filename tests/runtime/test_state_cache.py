@@ -187,6 +187,27 @@ def test_a_whole_prompt_is_restored_only_as_itself_and_evicted_first():
     assert {s.ids for s in c.snapshots()} == {(1, 2), (5, 6), (7, 8)} and c.stats.evictions == 1
 
 
+def test_a_prompts_earlier_points_go_before_the_point_its_next_turn_continues_from(rt):
+    """`spare` entries enter as the least recently used; a prefill stores its points before the last as spare, so
+    a full cache gives up the start of a prompt's last message (and its whole-prompt entry) before the start of
+    the generation prompt, where the next turn of that conversation continues."""
+    def snap(ids):
+        return Snapshot(tuple(ids), [("linear", torch.zeros(10), torch.zeros(10))])
+    c = PrefixCache(3 * 80 + 20)
+    assert c.put(snap([1, 2]), spare=True) and c.put(snap([1, 2, 3]))
+    assert c.put(snap([5, 6])) and c.put(snap([7, 8]))  # room for three: the spare goes, not the older point
+    assert {s.ids for s in c.snapshots()} == {(1, 2, 3), (5, 6), (7, 8)} and c.stats.evictions == 1
+    store = PrefixCache(1 << 30)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "list the files"}]
+    with torch.inference_mode():
+        ids = rt.encode(rt.render(msgs))
+        prefill(rt.model, ids, prefix_cache=store, boundary_ids=rt.boundary_ids)
+    points = [p for p in range(1, len(ids)) if ids[p] in rt.boundary_ids][-2:]
+    assert len(points) == 2
+    order = [(len(s.ids), s.logits is not None) for s in store.snapshots()]  # least recently used first
+    assert order == [(len(ids), True), (points[0], False), (points[1], False)]
+
+
 def test_planned_snapshot_bytes_match_the_cache(rt):
     """The plan's prompt-cache budget (3 snapshots = one conversation: two boundaries and the whole prompt with
     its logits, their KV shared, up to the context) is what the runtime's cache holds when the longest snapshot
