@@ -216,6 +216,27 @@ def test_batched_rows_on_every_op_table(tiny_model, recipe, kernel_table, one_th
     _check_batch(_load(tiny_model, recipe, "stack"))
 
 
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("recipe", ["bf16", "int4"])
+def test_a_prompt_whose_plan_ends_in_one_token_computes_it_as_a_step(tiny_model, recipe, route, monkeypatch,
+                                                                      one_thread):
+    """The T-token arithmetic's last chunk of one token (a prompt one past a chunk) is a step, as a forward of one
+    token always was: a generation gives the tokens of the prompt forwarded chunk by chunk, then stepped."""
+    rt = _load(tiny_model, recipe, route)
+    monkeypatch.setattr("quantkit.runtime.batch.PREFILL_CHUNK", 8)
+    m = rt.model
+    ids = [5 + 7 * k for k in range(17)]  # no boundary token: chunks of 8, 8 and 1
+    with torch.inference_mode():
+        c = m.new_cache(len(ids) + 4)
+        m.forward(ids[:8], c)
+        m.forward(ids[8:16], c)
+        want = [int(torch.argmax(m.forward(ids[16:], c)))]
+        for _ in range(3):
+            want.append(int(torch.argmax(m.forward([want[-1]], c))))
+    sp = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    assert _alone(rt, ids, sp, set()).token_ids == want
+
+
 def test_a_cancelled_row_leaves_and_the_others_go_on(tiny_model, one_thread):
     rt = _load(tiny_model, "int4")
     sp = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)

@@ -449,8 +449,9 @@ class Model:
             for s in batch:
                 s.cache.reserve(s.cache.n + len(s.ids))
                 s.cache.drop_trail()
-            rows = [s for s in batch if s.kind != "prompt"]
-            done = {id(s): self._prompt(s, hidden) for s in batch if s.kind == "prompt"}
+            # a one-token prompt is a step: the T-token path is for T > 1 (a forward of one token always stepped)
+            rows = [s for s in batch if s.kind != "prompt" or len(s.ids) == 1]
+            done = {id(s): self._prompt(s, hidden) for s in batch if s.kind == "prompt" and len(s.ids) > 1}
             if len(rows) == 1 and rows[0].kind != "prefill":  # the route's own step or verify, where it takes it
                 s = rows[0]
                 got = take(self.executor, s.ids, s.cache, s.keep, hidden)
