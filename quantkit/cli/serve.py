@@ -151,10 +151,10 @@ def serve(
                                           "the free memory of the device holding the states"),
     mtp: int = typer.Option(None, "--mtp", parser=MTP_DRAFT, help=MTP_HELP),
     prompt_cache_dir: Path = CACHE_DIR, prompt_cache_disk_size: str = DISK_SIZE,
-    prefill: str = typer.Option("rows", "--prefill", help="how prompts are prefilled: rows (new prompts packed "
-                                "into the decoding steps, each token as a decode step computes it; prompts that "
-                                "share a start prefill it once; the end of every answer is cached) or tokens (one "
-                                "prompt at a time, transformers' arithmetic) (docs/engine.md)"),
+    prefill: str = typer.Option("rows", "--prefill", help="how prompts compute, packed into the decoding steps "
+                                "either way: rows (each token as a decode step computes it; prompts that share a "
+                                "start prefill it once; the end of every answer is cached) or tokens "
+                                "(transformers' arithmetic, faster on a lone long prompt) (docs/engine.md)"),
 ) -> None:
     """Serve MODEL on an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models,
     /health, /metrics)."""

@@ -13,8 +13,9 @@ decoding rows up by one chunk at most; several short ones share a step), and eac
   the budget's, and a request's tokens never depend on its neighbours.
 Snapshots of a prompt: the last boundaries, checkpoints past them, the whole prompt with its last logits; chunks
 end where one is due. All but the last point enter the prompt cache as spare (evicted first, with the whole
-prompt's): the last is where the conversation's next turn continues. A prompt cancelled part way keeps those it passed (`abandon`). Entries of the two
-arithmetics never meet: a runtime uses one, and the disk store's identity names it (prompt_disk.py `layout_of`).
+prompt's): the last is where the conversation's next turn continues. A prompt cancelled part way keeps those it
+passed (`abandon`). Entries of the two arithmetics never meet: a runtime uses one, and the disk store's identity
+names it (prompt_disk.py `layout_of`).
 """
 
 from __future__ import annotations

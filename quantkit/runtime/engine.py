@@ -118,8 +118,8 @@ class Runtime:
         # drafts per step from the model's MTP layer (runtime/batch_drafts.py): by default as many as the measured
         # step costs say pay (`draft_plan`, kept across generations), `set_mtp(N)` fixes N
         self.mtp = 0
-        # how prompts are prefilled (`set_prefill`): "tokens", the T-token arithmetic, one prompt at a time; "rows",
-        # inside the batch's steps as one-token steps compute them (runtime/batch_prompts.py)
+        # how prompts compute inside the batch's steps (`set_prefill`, runtime/batch_prompts.py): "tokens", the
+        # T-token arithmetic; "rows", as one-token steps compute them
         self.prefill = "tokens"
         self.draft_plan: DraftPlan | None = DraftPlan() if model.mtp is not None else None
         self._cancel = threading.Event()
@@ -157,10 +157,10 @@ class Runtime:
         return None
 
     def set_prefill(self, kind: str) -> None:
-        """How prompts are prefilled: "tokens" (the T-token arithmetic, transformers' eager path: snapshots at
-        message boundaries and chunk ends) or "rows" (packed into the batch's steps beside the decoding rows, each
-        token as a one-token step computes it: snapshots at any token, the end of every answer included;
-        docs/engine.md). Set it before `set_prompt_cache`: the two arithmetics' snapshots are not each other's."""
+        """How prompts compute, both packed into the batch's steps beside the decoding rows: "tokens" (the T-token
+        arithmetic, transformers' eager path, cut where the prompt's own plan cuts it: snapshots at message
+        boundaries and chunk ends) or "rows" (each token as a one-token step computes it: snapshots at any token,
+        the end of every answer included, shared starts prefilled once; docs/engine.md). Set it before `set_prompt_cache`: the two arithmetics' snapshots are not each other's."""
         if kind not in PREFILL_KINDS:
             raise ArgumentError(f"prefill={kind!r}: give one of {', '.join(PREFILL_KINDS)}")
         if kind == self.prefill:

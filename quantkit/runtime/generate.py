@@ -22,7 +22,7 @@ import torch
 
 from quantkit.errors import ArgumentTypeError
 from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK
-from quantkit.runtime import args, cpu_kernel
+from quantkit.runtime import args, batch_prompts, cpu_kernel
 from quantkit.runtime.model.cache import HybridCache
 from quantkit.runtime.model.qwen3_5_moe import Model, Segment
 from quantkit.runtime.speculative import DraftStats
@@ -182,8 +182,6 @@ def prefill(model: Model, prompt_ids: list[int], *, capacity: int = 0, prefix_ca
     last boundaries passed. `capacity`: the positions the cache is made for (at least the prompt). A set `cancel`
     stops between chunks; the snapshots already passed are kept. `hidden`: keep the final norm's output of every
     prefilled token (what the MTP layer drafts from)."""
-    from quantkit.runtime import batch_prompts
-
     store = prefix_cache if prefix_cache is not None else PrefixCache(0)
     cache, feed, same = batch_prompts.start(model, list(prompt_ids), capacity, store, boundary_ids, hidden,
                                             PREFILL_CHUNK)

@@ -23,7 +23,7 @@ from quantkit.kernels.cpu import CPU_ISA_ENV
 ROUTE_ENV = "QUANTKIT_ROUTE"
 MXFP4_ROUTE_ENV = "QUANTKIT_MXFP4_ROUTE"
 MXFP4_ROUTES = ("int4x2", "dequant")
-# how prompts are prefilled (`Runtime.set_prefill`): the T-token arithmetic, or inside the batch's steps as rows
+# how prompts compute in the batch's steps (`Runtime.set_prefill`): the T-token arithmetic, or as rows
 PREFILL_KINDS = ("tokens", "rows")
 
 
