@@ -1,4 +1,4 @@
-"""`python -m benchmarks.full_size_agents --workdir DIR`: the agent-rollout load (`quantkit bench serve --agents`)
+"""`python -m benchmarks.full_size_agents [--workdir DIR]`: the agent-rollout load (`quantkit bench serve --agents`)
 on the whole 35B shape, quantkit alone.
 
 1. The folder: `quantkit tiny-model --full-size --quantized quality` (random weights in the stored format, the
@@ -53,7 +53,7 @@ def qwen_tokenizer_into(folder: Path) -> None:
     (folder / DONE).write_text("the tokenizer and token ids are the real Qwen3.5 ones\n")
 
 
-def cli(workdir: Path = shared("workdir", Path("/work/fullsize")),
+def cli(workdir: Path = shared("workdir", Path("/tmp/quantkit-bench-full-size")),
         reports: Path = shared("reports", Path("reports/full-size-agents")),
         n_threads: int = shared("threads", None), rounds: int = shared("rounds", 1),
         agents: str = typer.Option("4", "--agents", help="agent counts, as `bench serve --agents`"),
