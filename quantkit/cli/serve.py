@@ -31,7 +31,7 @@ from quantkit.cli.prompt_cache_options import CACHE_DIR, DISK_SIZE, parse_disk_c
 from quantkit.cli.runtime import parse_cache_size, warn_line
 from quantkit.cli.signals import Terminated, on_sigterm_raise
 from quantkit.errors import QuantkitError
-from quantkit.planner.budget import SNAPSHOTS_PER_PROMPT, states_held
+from quantkit.planner.budget import states_held
 from quantkit.planner.slots import DEFAULT_PARALLEL_MAX
 from quantkit.runtime.chat import context_line
 from quantkit.runtime.options import PREFILL_KINDS
@@ -42,6 +42,9 @@ from quantkit.sizes import format_size, parse_size
 from quantkit.termtext import plural
 from quantkit.threads import set_threads
 
+# the states a conversation's next turn resumes from, kept per slot: the start of its generation prompt and the
+# end of its answer (a prompt's other points are evicted first: runtime/state_cache.py `put(spare=)`)
+STATES_PER_SLOT = 2
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 _HOSTNAME = re.compile(r"^(?=.{1,253}$)([a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)(\.[a-z0-9]([a-z0-9-]{0,61}[a-z0-9])?)*$",
                        re.I)
@@ -236,12 +239,12 @@ def serve(
 
 
 def small_cache_note(text: TextConfig, max_bytes: int, slots: int, disk: bool) -> str | None:
-    """A note where the prompt cache in memory holds fewer conversation states than SNAPSHOTS_PER_PROMPT per slot
-    (the last turn of each slot's conversation), with no disk tier to fall back on: agents that resend their
-    history then find it evicted between turns and prefill it again."""
+    """A note where the prompt cache in memory holds fewer conversation states than STATES_PER_SLOT per slot, with
+    no disk tier to fall back on: agents that resend their history then find where they left off evicted between
+    turns and prefill it again."""
     held, per = states_held(text, max_bytes)
-    if disk or max_bytes <= 0 or per == 0 or held >= SNAPSHOTS_PER_PROMPT * slots:
+    if disk or max_bytes <= 0 or per == 0 or held >= STATES_PER_SLOT * slots:
         return None
     return (f"note: the prompt cache holds about {held} conversation states ({format_size(per)} each), fewer than "
-            f"{SNAPSHOTS_PER_PROMPT} for each of {slots} slots: histories resent turn after turn may be evicted "
+            f"{STATES_PER_SLOT} for each of {slots} slots: histories resent turn after turn may be evicted "
             f"and prefilled again; --prompt-cache-size SIZE or --prompt-cache-dir DIR keeps more")

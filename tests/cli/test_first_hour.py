@@ -139,8 +139,8 @@ def test_serve_says_its_context_and_loads_with_progress(tiny_model, capsys, monk
 
 
 def test_serve_notes_a_prompt_cache_too_small_for_its_slots(tiny_model, tmp_path, capsys, monkeypatch):
-    """Fewer conversation states in the prompt cache than 3 a slot, no disk tier: one note naming the sizes and the
-    two options; with room enough, or a disk tier to fall back on, none."""
+    """Fewer conversation states in the prompt cache than 2 a slot (where a turn resumes), no disk tier: one note
+    naming the sizes and the two options; with room enough, or a disk tier to fall back on, none."""
     import uvicorn
 
     from quantkit.checkpoint.spec import parse_text_config
@@ -150,13 +150,13 @@ def test_serve_notes_a_prompt_cache_too_small_for_its_slots(tiny_model, tmp_path
     _held, per = states_held(parse_text_config(json.loads((Path(q) / "config.json").read_text())), 1)
     assert per > 0
     monkeypatch.setattr(uvicorn.Server, "run", lambda self, sockets=None: None)  # start-up only
-    small = ["serve", q, "--port", "0", "--parallel", "4", "--prompt-cache-size", f"{11 * per}B"]
+    small = ["serve", q, "--port", "0", "--parallel", "4", "--prompt-cache-size", f"{7 * per}B"]
     code, _out, err = run_cli(small, capsys, monkeypatch)
     assert code == 0, err
     note = [ln for ln in err.splitlines() if ln.startswith("note: the prompt cache")]
-    assert len(note) == 1 and "about 11 conversation states" in note[0] and "each of 4 slots" in note[0]
+    assert len(note) == 1 and "about 7 conversation states" in note[0] and "2 for each of 4 slots" in note[0]
     assert "--prompt-cache-size SIZE or --prompt-cache-dir DIR" in note[0]
-    for more in (["--prompt-cache-size", f"{12 * per}B"], ["--prompt-cache-dir", str(tmp_path / "pc")]):
+    for more in (["--prompt-cache-size", f"{8 * per}B"], ["--prompt-cache-dir", str(tmp_path / "pc")]):
         code, _out, err = run_cli([*small, *more], capsys, monkeypatch)
         assert code == 0 and "note: the prompt cache" not in err, (more, err)
 
