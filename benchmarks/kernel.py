@@ -14,7 +14,8 @@ every route sees the same draws). Routes, one run, same threads:
 The bound: bytes of the k experts' codes and scales / read bandwidth, for a fixed reference bandwidth
 (`REFERENCE_GBPS`, so runs on different days compare) and for the bandwidth measured in this run (a streaming
 read of 512 MB, same threads; other jobs on the machine lower it).
-Then one decode token's attention over 64-8192 cached tokens: the model's torch route against `qk.attend`.
+Then one decode token's attention layer core over 64-8192 cached tokens: the model's torch route against
+`qk.attn_rows`.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from quantkit.formats import QuantSpec
 from quantkit.formats.int4 import int4_to_q4_0_blocks
 from quantkit.kernels import cpu as cpu_kernel
 from quantkit.runtime.kernels import prepare, slice_parts
-from quantkit.runtime.model.ops import attend
+from quantkit.runtime.model.ops import TORCH
+from quantkit.runtime.model.qwen3_5_moe import Attention
 from quantkit.runtime.qexperts import ExpertGroup, QuantExperts
 
 DEFAULTS = {"hidden": 2048, "inter": 512, "experts": 64, "top_k": 8, "layers": 4, "tokens": 24, "reps": 5}
@@ -250,22 +252,27 @@ ATTENTION_TOKENS = (64, 512, 2048, 8192)
 
 
 def time_attention(reps: int, lengths: tuple[int, ...] = ATTENTION_TOKENS) -> list[dict[str, Any]]:
-    """One decode token's attention over n cached tokens in the real model's shapes (16 query heads on 2 kv
-    heads of 256, bf16): the model's torch route (`quantkit.runtime.model.ops.attend`) against
-    quantkit's `qk.attend`, best of `reps` interleaved passes each; [] where the kernel has no AVX512-BF16
-    route."""
+    """One decode token's attention layer core (q/k norms, rotary, K/V write, attention over n cached tokens,
+    gate) in the real model's shapes (16 query heads on 2 kv heads of 256, a quarter rotated, bf16): the model's
+    torch route (`TorchOps.attention`) against quantkit's `qk.attn_rows` of one row, best of `reps` interleaved
+    passes each; [] where the kernel has no AVX512-BF16 route."""
     mod = cpu_kernel.module()
     if mod is None or not cpu_kernel.bf16_available():
         return []
-    heads, kv, hd = 16, 2, 256
+    heads, kv, hd, rot = 16, 2, 256, 64
     g = torch.Generator().manual_seed(2)
+    scale = torch.ones(heads + kv, hd)
+    layer = Attention(None, None, None, None, scale, heads, kv, hd, rot, 1e-6)
+    qo = torch.randn(1, heads * 2 * hd, generator=g).to(torch.bfloat16)
+    ko, vo = (torch.randn(1, kv * hd, generator=g).to(torch.bfloat16) for _ in range(2))
+    cos, sin = torch.ones(1, rot, dtype=torch.bfloat16), torch.zeros(1, rot, dtype=torch.bfloat16)
     out = []
     for n in lengths:
         keys = torch.randn(kv, n, hd, generator=g).to(torch.bfloat16)
         values = torch.randn(kv, n, hd, generator=g).to(torch.bfloat16)
-        q = torch.randn(heads, hd, generator=g).to(torch.bfloat16)
-        routes = {"torch": lambda q=q, k=keys, v=values: attend(q, k, v, hd ** -0.5),
-                  "qk": lambda q=q, k=keys, v=values, n=n: mod.attend(q, k, v, n, hd ** -0.5)}
+        routes = {"torch": lambda k=keys, v=values, n=n: TORCH.attention(layer, qo, ko, vo, k, v, n - 1, cos, sin),
+                  "qk": lambda k=keys, v=values, n=n: mod.attn_rows(qo, ko, vo, scale, cos, sin, k, v, n - 1, hd ** -0.5,
+                                                                   1e-6)}
         best = {name: float("inf") for name in routes}
         for _ in range(reps):
             for name, fn in routes.items():
@@ -323,7 +330,7 @@ def run(reports: Path, threads: int, layers: int = DEFAULTS["layers"], tokens: i
             rows.append({"format": fmt, "route": name, "kernel": route, "ms": ms, "layers": nl, "bound_ms_ref": bound_ref,
                          "bound_ms_run": bound_run, "layer_bytes": nbytes})
         del lays
-    log("attention over the cache: torch route vs qk.attend")
+    log("attention over the cache: torch route vs qk.attn_rows")
     attention = time_attention(reps)
     d = {"command": f"python -m benchmarks.kernel --threads {threads} --layers {layers} --new-tokens {tokens} --reps {reps}",
          "machine": machine, "threads": threads, "read_gbps": gbps, "reference_gbps": REFERENCE_GBPS,
@@ -379,12 +386,12 @@ def render(d: dict[str, Any]) -> str:
         out += [
             "## Attention over the cache at decode",
             "",
-            "One token's attention in the real model's shapes (16 query heads on 2 kv heads of 256, bf16) over n "
-            "cached tokens: the model's torch route (`quantkit.runtime.model.ops.attend`: transformers' eager "
-            "roundings) against quantkit's `qk.attend` (same roundings, fp32 sums in another order), best of the "
-            "passes.",
+            "One token's attention layer core in the real model's shapes (16 query heads on 2 kv heads of 256, "
+            "bf16) over n cached tokens: the model's torch route (`TorchOps.attention`: transformers' eager "
+            "roundings) against quantkit's `qk.attn_rows` of one row (same roundings, fp32 sums in another order), "
+            "best of the passes.",
             "",
-            "| cached tokens | K+V MB | torch us | qk.attend us | speed-up | qk.attend GB/s |",
+            "| cached tokens | K+V MB | torch us | qk.attn_rows us | speed-up | qk.attn_rows GB/s |",
             "|---:|---:|---:|---:|---:|---:|",
         ]
         for a in d["attention"]:

@@ -34,10 +34,7 @@ for _r in range(20):
         ids = torch.stack([torch.randperm(64, generator=g)[:8] for _ in range(t)])
         w = torch.full((t, 8), 0.125)
         t0 = time.perf_counter()
-        if t == 1:
-            mod.moe(x, etab, ids[0], w[0])
-        else:
-            mod.moe_rows(x, etab, ids, w)
+        mod.moe(x, etab, ids, w)
         res.setdefault(f"moe{t}", []).append(time.perf_counter() - t0)
 for k, v in res.items():
     print(k, f"{statistics.median(v) * 1e3:.2f} ms min {min(v) * 1e3:.2f}")

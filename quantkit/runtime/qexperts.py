@@ -9,7 +9,7 @@ how the experts are split (bit for bit, as the tests check).
 Decode (one token) touches only the k routed experts and sums their weighted outputs in slot order as it
 goes (no buffer: the same fp32 operations in the same order); prefill sorts the (token, slot) pairs by
 expert and runs one matmul per hit expert over all its tokens, or, where every expert is an int4/int8 CPU
-kernel, one `qk.moe_rows` call for all T tokens (each expert read once for its tokens; each row bit for bit
+kernel, one `qk.moe` call for all T tokens (each expert read once for its tokens; each row bit for bit
 what decode gives it).
 
 Fused CPU decode: where the routed experts' kernels are quantkit's C++ kernel (`QKernel`: int4/int8 on
@@ -97,12 +97,12 @@ class QuantExperts(nn.Module):
         return self._fused or None
 
     def _rows_call(self) -> Any:
-        """`qk.moe_rows` bound to this layer's table where every expert is an int4/int8 CPU kernel (bf16 experts
+        """`qk.moe` bound to this layer's table where every expert is an int4/int8 CPU kernel (bf16 experts
         keep torch's GEMM per expert, faster on many rows than the kernel's row-by-row bf16 tile), else None."""
         if self._rows is None:
             fused = self._fused_table()
             ok = fused is not None and all(fused[2]) and bool((fused[1][:, :, 3] != 16).all())
-            self._rows = (lambda x, ids, wts, f=fused[0].moe_rows, table=fused[1]: f(x, table, ids, wts)) if ok else False
+            self._rows = (lambda x, ids, wts, f=fused[0].moe, table=fused[1]: f(x, table, ids, wts)) if ok else False
         return self._rows or None
 
     @property

@@ -136,31 +136,6 @@ def test_projections_on_one_input_equal_their_kernels(isa, dtype):
     assert torch.equal(odd(x)[0], kernels[0](x))
 
 
-@pytest.mark.parametrize("heads,kv,hd,n", [(16, 2, 256, 1), (16, 2, 256, 300), (16, 2, 256, 1500), (4, 2, 16, 9),
-                                           (3, 3, 32, 17), (32, 2, 128, 64), (6, 1, 48, 5), (32, 1, 64, 40)])
-def test_decode_attention_matches_the_torch_route(isa, heads, kv, hd, n):
-    """`qk.attend` against the model's torch attention (transformers' eager roundings) over the first n
-    rows of larger K/V buffers: equal but for the order of fp32 sums (1 bf16 ulp on a few outputs)."""
-    from quantkit.runtime.model.ops import attend
-
-    g = torch.Generator().manual_seed(n + hd)
-    cap = n + 7
-    keys = torch.randn(kv, cap, hd, generator=g).bfloat16()
-    values = torch.randn(kv, cap, hd, generator=g).bfloat16()
-    keys[:, n:], values[:, n:] = 1e4, 1e4  # rows past n must not count
-    q = torch.randn(heads, hd, generator=g).bfloat16()
-    ref = attend(q, keys[:, :n], values[:, :n], hd ** -0.5).reshape(heads, hd)
-    got = kernel_cpu.module().attend(q, keys, values, n, hd ** -0.5)
-    assert got.dtype == torch.bfloat16 and got.shape == (heads, hd)
-    # one bf16 ulp of the output, or of a probability that flipped times the head's largest output
-    r = ref.float().abs()
-    tol = r * 2 ** -7 + r.amax(dim=-1, keepdim=True) * 2 ** -8
-    assert bool(((got.float() - ref.float()).abs() <= tol).all())
-    assert float((got != ref).float().mean()) < 0.01
-    with pytest.raises(RuntimeError, match="do not fit"):
-        kernel_cpu.module().attend(q, keys, values, cap + 1, 1.0)
-
-
 def test_outliers_and_zero_blocks(isa):
     """A block of zeros (scale 0) gives exact zeros; a large outlier only coarsens its own block."""
     shape = (32, 256)
@@ -307,9 +282,9 @@ def test_fused_moe_is_the_same_on_any_thread_count(spec):
 
 
 @pytest.mark.parametrize("spec", [*SPECS, None], ids=[*SPEC_IDS, "bf16"])
-def test_moe_rows_is_moe_row_by_row_bit_for_bit(isa, spec):
-    """qk.moe_rows (a verify's T tokens, each expert of the rows' union read once) gives each row the sums
-    qk.moe gives it alone, bit for bit: rows sharing experts, rows with none in common, an expert in different
+def test_moe_of_rows_is_moe_row_by_row_bit_for_bit(isa, spec):
+    """qk.moe of T rows (a verify's or a batch's, each expert of the rows' union read once) gives each row the
+    sums qk.moe gives it alone, bit for bit: rows sharing experts, rows with none in common, an expert in different
     slots of different rows, and threads splitting the work unevenly."""
     q, _gu, _dn = experts(spec)
     mod, table, _ok = q._fused_table()
@@ -324,13 +299,13 @@ def test_moe_rows_is_moe_row_by_row_bit_for_bit(isa, spec):
                 if t > 1:
                     ids[1] = ids[0].flip(0)  # the same experts in other slots
                 wts = torch.softmax(torch.randn(t, TOPK, generator=g), -1)
-                got = mod.moe_rows(x, table, ids, wts)
-                want = torch.stack([mod.moe(x[j:j + 1], table, ids[j], wts[j]) for j in range(t)])
+                got = mod.moe(x, table, ids, wts)
+                want = torch.cat([mod.moe(x[j], table, ids[j], wts[j]) for j in range(t)])
                 assert got.shape == (t, H) and torch.equal(got, want), (threads, t)
     finally:
         torch.set_num_threads(before)
-    with pytest.raises(RuntimeError, match="qk_moe_rows: expert id out of range"):
-        mod.moe_rows(x, table, torch.full((t, TOPK), E), wts)
+    with pytest.raises(RuntimeError, match="qk_moe: expert id out of range"):
+        mod.moe(x, table, torch.full((t, TOPK), E), wts)
 
 
 @pytest.mark.usefixtures("isa")

@@ -1,4 +1,4 @@
-"""The model's fused one-token ops (csrc/qk_step.cpp), on every op table the CPU can run (generic, AVX2,
+"""The model's fused ops (csrc/qk_step.cpp), on every op table the CPU can run (generic, AVX2,
 AVX512, AVX512-BF16: conftest.kernel_table), against the torch ops they replace (runtime/model/ops.py
 `TorchOps`), at the real model's sizes (hidden 2048, Gated DeltaNet 16 k-heads / 32 v-heads x 128 with a
 4-tap conv, 16 q / 2 kv heads x 256 with a quarter of each head rotated, 256 experts, top 8).
@@ -75,11 +75,19 @@ def test_silu_mul_and_moe_out(qk):
 def test_route(qk, experts):
     logits = _bf16(1, experts, scale=2, seed=experts)
     wts, ids = qk.route(logits, 8)
+    assert wts.shape == ids.shape == (1, 8)
+    wts, ids = wts.view(-1), ids.view(-1)
     probs = torch.softmax(logits, dtype=torch.float, dim=-1)
     top, want_ids = torch.topk(probs, 8, dim=-1)
     want = (top / top.sum(dim=-1, keepdim=True)).to(torch.bfloat16).reshape(-1).float()
     assert ids.dtype == torch.long and torch.equal(ids, want_ids.reshape(-1))
     _close(wts, want, 1 / 8)
+
+
+def _gdn_one(qk, m: DeltaNet, qkv, z, b, a, conv, state) -> torch.Tensor:
+    """One token through `gdn_rows` (a step: one row, no states kept between)."""
+    return qk.gdn_rows(qkv, z, b, a, conv, m.conv_taps, m.neg_a, m.dt_bias, m.norm_wf, True, state, torch.empty(0),
+                       m.hk, 1e-6)
 
 
 def _linear_layer(seed: int) -> tuple[DeltaNet, dict[str, torch.Tensor]]:
@@ -97,15 +105,14 @@ def _linear_layer(seed: int) -> tuple[DeltaNet, dict[str, torch.Tensor]]:
     return m, inputs
 
 
-def test_gdn_step_matches_the_torch_route(qk):
+def test_gdn_one_row_matches_the_torch_route(qk):
     m, inp = _linear_layer(20)
     state_t, state_k = inp["state"][0].clone(), inp["state"][0].clone()
     conv_t, conv_k = inp["conv"][0].t().contiguous(), inp["conv"][0].t().contiguous()  # [K, C], as the cache holds it
     for step in range(3):  # the conv window and the state carry over between tokens
         qkv, z, b, a = (_bf16(*inp[k].shape, seed=100 * step + i) for i, k in enumerate(("qkv", "z", "b", "a")))
         want, _ = m.core(qkv, z, b, a, conv_t, state_t)
-        got = qk.gdn_step(qkv, z, b, a, conv_k, m.conv_taps, m.neg_a, m.dt_bias, m.norm_wf, True, state_k, m.hk,
-                          1e-6)
+        got = _gdn_one(qk, m, qkv, z, b, a, conv_k, state_k)
         assert torch.equal(conv_k, conv_t)  # the window shift is exact
         _close(got, want, SHARE)
         err = float((state_k - state_t).norm() / state_t.norm())
@@ -114,9 +121,9 @@ def test_gdn_step_matches_the_torch_route(qk):
 
 @pytest.mark.parametrize("keep", [True, False])
 @pytest.mark.parametrize("t", [2, 3, 4, 9])
-def test_gdn_rows_are_gdn_steps_bit_for_bit(qk, t, keep):
+def test_gdn_rows_are_one_row_calls_bit_for_bit(qk, t, keep):
     """A verify's or a prompt chunk's T tokens through a Gated DeltaNet core (`gdn_rows`: each head's state carried
-    through the T tokens while it is in cache) give T gdn_steps' outputs, conv window and states, bit for bit; with
+    through the T tokens while it is in cache) give T one-row calls' outputs, conv window and states, bit for bit; with
     no states kept between (empty `states`), each block of a head's columns goes through up to 4 tokens at once."""
     m, inp = _linear_layer(30 + t)
     c, hv = inp["qkv"].shape[1], m.hv
@@ -125,8 +132,7 @@ def test_gdn_rows_are_gdn_steps_bit_for_bit(qk, t, keep):
     state_r, conv_r = state_s.clone(), conv_s.clone()
     want, kept_want = [], []
     for j in range(t):
-        want.append(qk.gdn_step(qkv[j:j + 1], z[j:j + 1], b[j:j + 1], a[j:j + 1], conv_s, m.conv_taps, m.neg_a,
-                                m.dt_bias, m.norm_wf, True, state_s, m.hk, 1e-6))
+        want.append(_gdn_one(qk, m, qkv[j:j + 1], z[j:j + 1], b[j:j + 1], a[j:j + 1], conv_s, state_s))
         kept_want.append(state_s.clone())
     kept = torch.full((t - 1, hv, m.dk, m.dv), float("nan")) if keep else torch.empty(0)
     got = qk.gdn_rows(qkv, z, b, a, conv_r, m.conv_taps, m.neg_a, m.dt_bias, m.norm_wf, True, state_r, kept, m.hk, 1e-6)
@@ -135,9 +141,9 @@ def test_gdn_rows_are_gdn_steps_bit_for_bit(qk, t, keep):
 
 
 @pytest.mark.parametrize("rows", [1, 3, 5])
-def test_gdn_batch_is_each_rows_gdn_step_bit_for_bit(qk, rows):
+def test_gdn_batch_is_each_rows_own_call_bit_for_bit(qk, rows):
     """A decode batch's rows through a Gated DeltaNet core in one call (`gdn_batch`), each row on its own conv
-    window and state, give each row's gdn_step alone: output, window and state, bit for bit, over steps that carry
+    window and state, give each row's `gdn_rows` alone: output, window and state, bit for bit, over steps that carry
     the windows and states on."""
     m, inp = _linear_layer(50 + rows)
     c, hv = inp["qkv"].shape[1], m.hv
@@ -148,8 +154,8 @@ def test_gdn_batch_is_each_rows_gdn_step_bit_for_bit(qk, rows):
     for step in range(2):
         qkv, z = _bf16(rows, c, seed=10 * step + 1), _bf16(rows, hv * m.dv, seed=10 * step + 2)
         b, a = _bf16(rows, hv, seed=10 * step + 3), _bf16(rows, hv, seed=10 * step + 4)
-        want = torch.cat([qk.gdn_step(qkv[j:j + 1], z[j:j + 1], b[j:j + 1], a[j:j + 1], convs[j], m.conv_taps,
-                                      m.neg_a, m.dt_bias, m.norm_wf, True, states[j], m.hk, 1e-6) for j in range(rows)])
+        want = torch.cat([_gdn_one(qk, m, qkv[j:j + 1], z[j:j + 1], b[j:j + 1], a[j:j + 1], convs[j], states[j])
+                          for j in range(rows)])
         got = qk.gdn_batch(qkv, z, b, a, convs_b, m.conv_taps, m.neg_a, m.dt_bias, m.norm_wf, True, states_b, m.hk,
                            1e-6)
         assert torch.equal(got, want)
@@ -161,30 +167,37 @@ def test_gdn_batch_is_each_rows_gdn_step_bit_for_bit(qk, rows):
                          [states_b[0]] * rows, m.hk, 1e-6)
 
 
-def test_route_rows_is_each_rows_route(qk):
+def test_route_of_rows_is_each_rows_route(qk):
     logits = _bf16(6, 256, scale=2, seed=70)
-    wts, ids = qk.route_rows(logits, 8)
+    wts, ids = qk.route(logits, 8)
     assert wts.shape == ids.shape == (6, 8)
     for j in range(6):
         w1, i1 = qk.route(logits[j], 8)
-        assert torch.equal(wts[j], w1) and torch.equal(ids[j], i1)
-    with pytest.raises(RuntimeError, match="qk_route_rows: logits must be"):
-        qk.route_rows(logits[0], 8)
+        assert torch.equal(wts[j:j + 1], w1) and torch.equal(ids[j:j + 1], i1)
+    with pytest.raises(RuntimeError, match="qk_route: logits must be"):
+        qk.route(logits.view(2, 3, 256), 8)
 
 
-def test_attn_step_matches_the_torch_route(qk):
-    heads, kv, hd, rot, cap, n = 16, 2, 256, 64, 96, 70
+@pytest.mark.parametrize("heads,kv,hd,n", [(16, 2, 256, 0), (16, 2, 256, 70), (16, 2, 256, 1500), (4, 2, 16, 9),
+                                           (3, 3, 32, 17), (32, 2, 128, 64), (6, 1, 48, 5), (32, 1, 64, 40)])
+def test_attn_rows_of_one_row_matches_the_torch_route(qk, heads, kv, hd, n):
+    """One token through `attn_rows` against the model's torch route (transformers' eager roundings) at position n
+    of larger K/V buffers: equal but for the order of fp32 sums (one bf16 step on a few outputs); the positions
+    after n never count, and only position n is written."""
+    rot = max(2, hd // 4)
     qo, ko, vo = _bf16(1, heads * 2 * hd, seed=30), _bf16(1, kv * hd, seed=31), _bf16(1, kv * hd, seed=32)
     qk_scale = 1.0 + _bf16(heads + kv, hd, scale=0.1, seed=33).float()
     freqs = torch.arange(rot // 2).float() * 0.37
     cos, sin = torch.cat([freqs.cos()] * 2).to(torch.bfloat16), torch.cat([freqs.sin()] * 2).to(torch.bfloat16)
+    cap = n + 7
     keys, values = _bf16(kv, cap, hd, seed=34), _bf16(kv, cap, hd, seed=35)
+    keys[:, n + 1:], values[:, n + 1:] = 1e4, 1e4  # positions past n must not count
     kc, vc = keys.clone(), values.clone()
-    got = qk.attn_step(qo, ko, vo, qk_scale, cos, sin, kc, vc, n, hd ** -0.5, 1e-6)
+    got = qk.attn_rows(qo, ko, vo, qk_scale, cos.view(1, -1), sin.view(1, -1), kc, vc, n, hd ** -0.5, 1e-6)
     m = Attention(None, None, None, None, qk_scale, heads, kv, hd, rot, 1e-6)
     want = TorchOps().attention(m, qo, ko, vo, keys, values, n, cos.view(1, -1), sin.view(1, -1))  # the torch route
     _close(kc[:, n], keys[:, n], SHARE)  # normalised and rotated k
-    assert torch.equal(vc, values)
+    assert torch.equal(vc, values) and torch.equal(kc[:, n + 1:], keys[:, n + 1:])
     _close(got, want, SHARE)
 
 
@@ -203,16 +216,16 @@ def _attn_rows_inputs(rows: int, n: int, heads: int, kv: int, hd: int, rot: int,
 @pytest.mark.parametrize("shape", [(16, 2, 256, 64), (4, 2, 16, 4), (6, 2, 32, 8)], ids=["real", "tiny", "odd-group"])
 @pytest.mark.parametrize("n", [0, 100])
 @pytest.mark.parametrize("rows", [1, 3, 17, 64])
-def test_attn_rows_are_attn_steps_bit_for_bit(qk, rows, n, shape):
+def test_attn_rows_are_one_row_calls_bit_for_bit(qk, rows, n, shape):
     """R consecutive tokens of one cache through a gated attention layer in one call (`attn_rows`: each block of keys
-    and values read once for a tile of rows) give R attn_steps, each after the rows before it: outputs and K/V
+    and values read once for a tile of rows) give R one-row calls, each after the rows before it: outputs and K/V
     buffers bit for bit, at the real model's heads (8 query heads per kv head, 256 wide), the tiny models' (2 per
     kv head, 16 wide) and an odd group (3 per kv head); from position 0 and past several blocks of keys."""
     heads, kv, hd, rot = shape
     qo, ko, vo, qk_scale, cos, sin, keys, values = _attn_rows_inputs(rows, n, heads, kv, hd, rot, seed=rows + n)
     ks, vs, kr, vr = keys.clone(), values.clone(), keys.clone(), values.clone()
-    want = torch.cat([qk.attn_step(qo[j:j + 1], ko[j:j + 1], vo[j:j + 1], qk_scale, cos[j], sin[j], ks, vs, n + j,
-                                   hd ** -0.5, 1e-6) for j in range(rows)])
+    want = torch.cat([qk.attn_rows(qo[j:j + 1], ko[j:j + 1], vo[j:j + 1], qk_scale, cos[j:j + 1], sin[j:j + 1], ks,
+                                   vs, n + j, hd ** -0.5, 1e-6) for j in range(rows)])
     got = qk.attn_rows(qo, ko, vo, qk_scale, cos, sin, kr, vr, n, hd ** -0.5, 1e-6)
     assert torch.equal(got, want)
     assert torch.equal(kr, ks) and torch.equal(vr, vs)
@@ -222,19 +235,18 @@ def test_attn_rows_are_attn_steps_bit_for_bit(qk, rows, n, shape):
 def test_bad_inputs_are_one_line_errors(qk):
     m, inp = _linear_layer(40)
     st = inp["state"].view(m.hv, m.dk, m.dv)
-    with pytest.raises(RuntimeError, match="qk_gdn_step: shapes do not match the layer"):
-        qk.gdn_step(inp["qkv"][:, :-16], inp["z"], inp["b"], inp["a"], inp["conv"][0].t().contiguous(), m.conv_taps,
-                    m.neg_a, m.dt_bias, m.norm_wf, True, st, m.hk, 1e-6)
+    with pytest.raises(RuntimeError, match="qk_gdn: shapes do not match the layer"):
+        _gdn_one(qk, m, inp["qkv"][:, :-16], inp["z"], inp["b"], inp["a"], inp["conv"][0].t().contiguous(), st)
     with pytest.raises(RuntimeError, match="qk_rms: scale must be contiguous fp32 with 2048 values"):
         qk.rms(_bf16(1, H), torch.ones(H - 1), 1e-6)
     with pytest.raises(RuntimeError, match="qk_add_rms: x must be a contiguous bf16 CPU tensor"):
         qk.add_rms(torch.ones(1, H), _bf16(1, H), torch.ones(H), 1e-6)
     with pytest.raises(RuntimeError, match="qk_route: top_k must be in 1..64"):
         qk.route(_bf16(1, 64), 65)
-    with pytest.raises(RuntimeError, match="qk_attn_step: shapes do not fit"):
+    with pytest.raises(RuntimeError, match="qk_attn_rows: shapes do not fit"):
         k = _bf16(2, 8, 256)
-        qk.attn_step(_bf16(1, 16 * 512), _bf16(1, 512), _bf16(1, 512), torch.ones(18, 256), _bf16(64), _bf16(64),
-                         k, k.clone(), 8, 0.06, 1e-6)
+        qk.attn_rows(_bf16(1, 16 * 512), _bf16(1, 512), _bf16(1, 512), torch.ones(18, 256), _bf16(1, 64),
+                     _bf16(1, 64), k, k.clone(), 8, 0.06, 1e-6)
     qo, ko, vo, qk_scale, cos, sin, keys, values = _attn_rows_inputs(5, 10, 4, 2, 16, 4, seed=0)
     with pytest.raises(RuntimeError, match=r"qk_attn_rows: shapes do not fit \(rotary width 4, positions 14..18 of a "
                                            r"capacity of 18\)"):

@@ -143,7 +143,7 @@ def test_placement_errors():
 @pytest.mark.skipif(cpu_kernel.module() is None, reason="quantkit's CPU kernel is not built here")
 @pytest.mark.parametrize("spec", [QuantSpec("int4", 32), QuantSpec("int8")], ids=["int4", "int8"])
 def test_fused_prefill_rows_are_decode_rows_bit_for_bit(spec):
-    """Experts that are all CPU kernels run a prefill in one `moe_rows` call, and each of its rows is what
+    """Experts that are all CPU kernels run a prefill in one `qk.moe` call, and each of its rows is what
     a one-token decode of that row gives (the per-expert path rounded gate/up to bf16 and summed otherwise)."""
     q = build(reference_experts(), [("cpu", [0, 1, 2]), ("cpu", [3, 4, 5, 6, 7])], spec)
     assert q._rows_call() is not None

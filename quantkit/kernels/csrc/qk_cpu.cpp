@@ -428,112 +428,10 @@ std::vector<torch::Tensor> qk_linear_many(torch::Tensor x, torch::Tensor table) 
 
 namespace qk {
 
-// One token xf [H] fp32 through ns routed experts: y [H] fp32 = sum_slot wts[slot] * down_e(silu(gate_e(x)) * up_e(x)),
-// e = ids[slot]. `table` [experts, 2, 8]: per expert, gate_up then down, each a descriptor row (mat_from_row).
-// Slots are summed in slot order.
-void moe_into(const float* xf, int64_t hdim, const int64_t* tb, int64_t experts, const int64_t* ids, const float* wp,
-              int64_t ns, float* yp) {
-  TORCH_CHECK(ns > 0, "qk_moe: no experts chosen");
-  // a thread's buffers, reused (a lambda below reads them through these references, not as its own thread's)
-  thread_local std::vector<QMat> tl_gu, tl_dn;
-  thread_local QActBuf tl_xa, tl_aa;
-  std::vector<QMat>&gu = tl_gu, &dn = tl_dn;
-  QActBuf &xa = tl_xa, &aa = tl_aa;
-  gu.resize(ns);
-  dn.resize(ns);
-  for (int64_t s = 0; s < ns; ++s) {
-    const int64_t e = ids[s];
-    TORCH_CHECK(e >= 0 && e < experts, "qk_moe: expert id out of range");
-    for (int j = 0; j < 2; ++j) {
-      const int64_t* f = tb + (e * 2 + j) * 8;
-      TORCH_CHECK(f[0] != 0, "qk_moe: expert ", e, " has no fused kernel");
-      (j == 0 ? gu[s] : dn[s]) = mat_from_row(f);
-    }
-  }
-  const int64_t inter = dn[0].k;
-  for (int64_t s = 0; s < ns; ++s)
-    TORCH_CHECK(gu[s].k == hdim && gu[s].n == 2 * inter && dn[s].k == inter && dn[s].n == hdim,
-                "qk_moe: expert shapes do not match the hidden size");
-  bool gu16 = false, dn16 = false;
-  for (int64_t s = 0; s < ns; ++s) {
-    gu16 = gu16 || gu[s].fmt == 16;
-    dn16 = dn16 || dn[s].fmt == 16;
-  }
-  quantize_rows(xf, 1, hdim, xa, gu16);
-  const QAct x0 = xa.row(0, hdim);
-  // gate_up, SiLU x up and the int8 blocks of the result in one pass. A work item is a run of `run` tiles
-  // of one expert's gate rows and the matching run of its up rows; the SiLU x up values it makes are
-  // quantized per 32. The longer the runs, the less the read switches between the gate and up streams:
-  // whole experts per item read faster than runs of 2 tiles (one MoE layer, top-8 of 64, weights out of
-  // cache, interleaved A/B rounds; same sums). Runs halve until every thread has two items.
-  TORCH_CHECK(inter % kBlock == 0, "qk_moe: the expert width must be a multiple of 32");
-  const int64_t nj = inter / kBlock, ntg = inter / kTile;
-  int64_t run = ntg;
-  while (run % 4 == 0 && ns * (ntg / run) < 2 * at::get_num_threads()) run /= 2;
-  const int64_t nrun = ntg / run;
-  aa.resize(ns, inter);
-  const Ops& f = ops();
-  at::parallel_for(0, ns * nrun, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> h(2 * run * kTile);
-    float act[kBlock];
-    for (int64_t i = lo; i < hi; ++i) {
-      const int64_t s = i / nrun, j = i % nrun;
-      for (int64_t r = 0; r < run; ++r) f.tile(gu[s], run * j + r, &x0, 1, h.data() + r * kTile);
-      for (int64_t r = 0; r < run; ++r) f.tile(gu[s], ntg + run * j + r, &x0, 1, h.data() + (run + r) * kTile);
-      for (int64_t c = 0; c < run / 2; ++c) {
-        f.silu_mul32(h.data() + c * kBlock, h.data() + run * kTile + c * kBlock, act);
-        const int64_t b = s * nj + j * (run / 2) + c;
-        f.quantize_row(act, kBlock, aa.q.data() + b * kBlock, aa.d.data() + b, aa.s.data() + b, aa.ds.data() + b);
-        if (dn16) f.to_bf16_row(act, kBlock, aa.xb.data() + b * kBlock);
-      }
-    }
-  });
-  std::vector<QAct> acts(ns);
-  for (int64_t s = 0; s < ns; ++s) acts[s] = aa.row(s, inter);
-  const int64_t nt2 = tiles(dn[0]);
-  // each thread owns a run of output tiles and reads each expert's rows of that run as one stream (its
-  // tiles are contiguous), expert after expert: 4 KB per tile and expert, so a tile-outer loop hopped
-  // between k streams and read slower (measured in interleaved A/B rounds)
-  at::parallel_for(0, nt2, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> acc((hi - lo) * kTile, 0.f);
-    float tmp[kTile];
-    for (int64_t s = 0; s < ns; ++s)
-      for (int64_t t = lo; t < hi; ++t) {
-        f.tile(dn[s], t, &acts[s], 1, tmp);
-        float* a = acc.data() + (t - lo) * kTile;
-        for (int r = 0; r < kTile; ++r) a[r] += wp[s] * tmp[r];
-      }
-    for (int64_t t = lo; t < hi; ++t) {
-      const int64_t valid = std::min<int64_t>(kTile, hdim - t * kTile);
-      std::memcpy(yp + t * kTile, acc.data() + (t - lo) * kTile, valid * sizeof(float));
-    }
-  });
-}
-
-}  // namespace qk
-
-// One token through k routed experts (`moe_into` on tensors): x [1, H] or [H], ids int64 [k], weights fp32 [k].
-torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, torch::Tensor wts) {
-  TORCH_CHECK(table.scalar_type() == torch::kLong && table.dim() == 3 && table.size(1) == 2 && table.size(2) == 8 &&
-              table.is_contiguous(), "qk_moe: table must be int64 [E, 2, 8]");
-  const torch::Tensor idc = ids.scalar_type() == torch::kLong && ids.is_contiguous() ? ids : ids.to(torch::kLong).contiguous();
-  const torch::Tensor wc = wts.scalar_type() == torch::kFloat && wts.is_contiguous() ? wts : wts.to(torch::kFloat).contiguous();
-  TORCH_CHECK(wc.numel() == idc.numel() && idc.numel() > 0, "qk_moe: ids and weights differ in length");
-  std::vector<float> xbuf;
-  torch::Tensor keep;
-  const float* xf = f32_values(x, xbuf, keep);
-  torch::Tensor y = torch::empty({x.numel()}, torch::kFloat);
-  moe_into(xf, x.numel(), table.data_ptr<int64_t>(), table.size(0), idc.data_ptr<int64_t>(), wc.data_ptr<float>(),
-           idc.numel(), y.data_ptr<float>());
-  return y;
-}
-
-namespace qk {
-
-// T tokens xf [T, H] fp32 through their routed experts (ids, wts [T, ks]) into y [T, H] fp32 (see qk_moe_rows).
+// T tokens xf [T, H] fp32 through their routed experts (ids, wts [T, ks]) into y [T, H] fp32 (see qk_moe).
 void moe_rows_into(const float* xf, int64_t T, int64_t hdim, const int64_t* tb, int64_t experts, const int64_t* ip,
                    const float* wp, int64_t ks, float* yp) {
-  TORCH_CHECK(T >= 1 && ks >= 1, "qk_moe_rows: no rows or no experts chosen");
+  TORCH_CHECK(T >= 1 && ks >= 1, "qk_moe: no rows or no experts chosen");
   const int64_t nr = T * ks;
   // the union of the rows' experts, first seen first, and per expert the (row, slot) pairs that chose it
   std::vector<int64_t> uniq, user_first{0}, users;  // users: row * ks + slot, grouped by expert
@@ -542,7 +440,7 @@ void moe_rows_into(const float* xf, int64_t T, int64_t hdim, const int64_t* tb, 
     std::vector<int64_t> where(experts, -1);
     for (int64_t i = 0; i < nr; ++i) {
       const int64_t e = ip[i];
-      TORCH_CHECK(e >= 0 && e < experts, "qk_moe_rows: expert id out of range");
+      TORCH_CHECK(e >= 0 && e < experts, "qk_moe: expert id out of range");
       if (where[e] < 0) {
         where[e] = static_cast<int64_t>(uniq.size());
         uniq.push_back(e);
@@ -562,29 +460,34 @@ void moe_rows_into(const float* xf, int64_t T, int64_t hdim, const int64_t* tb, 
   for (int64_t u = 0; u < nu; ++u)
     for (int j = 0; j < 2; ++j) {
       const int64_t* f = tb + (uniq[u] * 2 + j) * 8;
-      TORCH_CHECK(f[0] != 0, "qk_moe_rows: expert ", uniq[u], " has no fused kernel");
+      TORCH_CHECK(f[0] != 0, "qk_moe: expert ", uniq[u], " has no fused kernel");
       (j == 0 ? gu[u] : dn[u]) = mat_from_row(f);
     }
   const int64_t inter = dn[0].k;
   bool gu16 = false, dn16 = false;
   for (int64_t u = 0; u < nu; ++u) {
     TORCH_CHECK(gu[u].k == hdim && gu[u].n == 2 * inter && dn[u].k == inter && dn[u].n == hdim,
-                "qk_moe_rows: expert shapes do not match the hidden size");
+                "qk_moe: expert shapes do not match the hidden size");
     gu16 = gu16 || gu[u].fmt == 16;
     dn16 = dn16 || dn[u].fmt == 16;
   }
-  TORCH_CHECK(inter % kBlock == 0, "qk_moe_rows: the expert width must be a multiple of 32");
-  QActBuf xa;
+  TORCH_CHECK(inter % kBlock == 0, "qk_moe: the expert width must be a multiple of 32");
+  // the calling thread's buffers, reused (the lambdas below read them through these references)
+  thread_local QActBuf tl_xa, tl_aa;
+  QActBuf &xa = tl_xa, &aa = tl_aa;
   quantize_rows(xf, T, hdim, xa, gu16);
   // per expert, the activation rows of its users (x's rows for gate_up; their SiLU x up rows for down)
-  QActBuf aa;
   aa.resize(nr, inter);
   std::vector<QAct> xin(users.size()), ain(users.size());
   for (size_t i = 0; i < users.size(); ++i) {
     xin[i] = xa.row(users[i] / ks, hdim);
     ain[i] = aa.row(users[i], inter);
   }
-  // gate_up, SiLU x up and the int8 blocks, in runs of tiles per expert as qk_moe runs them
+  // gate_up, SiLU x up and the int8 blocks of the result in one pass. A work item is a run of `run` tiles of one
+  // expert's gate rows and the matching run of its up rows, for every row that chose the expert. The longer the
+  // runs, the less the read switches between the gate and up streams: whole experts per item read faster than
+  // runs of 2 tiles (one MoE layer, top-8 of 64, weights out of cache, interleaved A/B rounds; same sums). Runs
+  // halve until every thread has two items.
   const int64_t nj = inter / kBlock, ntg = inter / kTile;
   int64_t run = ntg;
   while (run % 4 == 0 && nu * (ntg / run) < 2 * at::get_num_threads()) run /= 2;
@@ -645,16 +548,21 @@ void moe_rows_into(const float* xf, int64_t T, int64_t hdim, const int64_t* tb, 
 
 }  // namespace qk
 
-// T tokens (a speculative verify, T = 2..4) through their routed experts: y [T, H] fp32, row r exactly
-// qk_moe(x[r], table, ids[r], wts[r]). Why not T calls of qk_moe: the rows' choices overlap, and each expert
-// of their union is read once here for all the rows that chose it (the multi-row tiles take up to 4
-// activation rows; a row's sums in a tile do not depend on the other rows). Each row's slots are summed in
-// slot order, as qk_moe sums them, so the result is qk_moe's bit for bit.
-torch::Tensor qk_moe_rows(torch::Tensor x, torch::Tensor table, torch::Tensor ids, torch::Tensor wts) {
+// T tokens (a step's row, a verify's or a batch's rows) through their routed experts: x [T, H] (or one row, x [H]
+// or [1, H] with ids and weights [k]), ids int64 and weights fp32 [T, k]; y [T, H] fp32, row r's sum sum_slot wts[r, slot] * down_e(silu(gate_e(x[r])) * up_e(x[r]))
+// in slot order, e = ids[r, slot]; `table` [experts, 2, 8]: per expert, gate_up then down, each a descriptor row
+// (mat_from_row). Each expert of the rows' union is read once for all the rows that chose it, and a row's sums in
+// a tile do not depend on the other rows, so row r is bit for bit its result alone (one op for every row count).
+torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, torch::Tensor wts) {
   TORCH_CHECK(table.scalar_type() == torch::kLong && table.dim() == 3 && table.size(1) == 2 && table.size(2) == 8 &&
-              table.is_contiguous(), "qk_moe_rows: table must be int64 [E, 2, 8]");
+              table.is_contiguous(), "qk_moe: table must be int64 [E, 2, 8]");
+  if (ids.dim() == 1 && wts.dim() == 1) {  // one row
+    x = x.view({1, -1});
+    ids = ids.view({1, -1});
+    wts = wts.view({1, -1});
+  }
   TORCH_CHECK(x.dim() == 2 && ids.dim() == 2 && ids.sizes() == wts.sizes() && ids.size(0) == x.size(0) &&
-              x.size(0) >= 1 && ids.size(1) >= 1, "qk_moe_rows: x [T, H], ids and weights [T, k]");
+              x.size(0) >= 1 && ids.size(1) >= 1, "qk_moe: x [T, H], ids and weights [T, k] (or [H] and [k])");
   const torch::Tensor idc = ids.to(torch::kLong).contiguous(), wc = wts.to(torch::kFloat).contiguous();
   std::vector<float> xbuf;
   torch::Tensor keep;
@@ -755,18 +663,14 @@ std::tuple<double, double> qk_quant_int8(torch::Tensor x, torch::Tensor q, torch
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
-  mod.def("attend", &qk_attend, "one decode token's attention over a layer's K/V buffers (bf16)");
   mod.def("rms", &qk_rms, "RMSNorm of bf16 rows with the (1 + w) multiplier precomputed");
   mod.def("add_rms", &qk_add_rms, "a residual add and the next RMSNorm: (x + a, rms(x + a))");
   mod.def("silu_mul", &qk_silu_mul, "bf16(bf16(silu(gate)) * up)");
-  mod.def("route", &qk_route, "softmax, top-k and renormalisation of a router's logits: (weights, ids)");
-  mod.def("route_rows", &qk_route_rows, "route for each row of a decode batch's logits [B, E]");
+  mod.def("route", &qk_route, "softmax, top-k and renormalisation of each row of a router's logits: (weights, ids)");
   mod.def("moe_out", &qk_moe_out, "x + routed + sigmoid(sg) * shared, a MoE block's output on the residual");
-  mod.def("gdn_step", &qk_gdn_step, "a Gated DeltaNet layer between its projections, one token");
-  mod.def("gdn_batch", &qk_gdn_batch, "a decode batch's tokens through gdn_step, each on its own window and state");
-  mod.def("gdn_rows", &qk_gdn_rows, "T tokens of gdn_step, keeping the state after each but the last (or none)");
-  mod.def("attn_step", &qk_attn_step, "a gated attention layer between its projections, one token");
-  mod.def("attn_rows", &qk_attn_rows, "R consecutive tokens of one cache through attn_step, in one call");
+  mod.def("gdn_batch", &qk_gdn_batch, "a decode batch's tokens through gdn_rows, each on its own window and state");
+  mod.def("gdn_rows", &qk_gdn_rows, "T tokens of one cache through a Gated DeltaNet layer's core, keeping the states between (or none)");
+  mod.def("attn_rows", &qk_attn_rows, "R consecutive tokens of one cache through a gated attention layer's core, in one call");
   mod.def("delta_step", &qk_delta_step, "one token of the gated delta rule, state updated in place");
   mod.def("argmax", &qk_argmax, "torch.argmax of a contiguous bf16 or fp32 tensor (its first maximum)");
   mod.def("flush_denormals", &qk_flush_denormals, "FTZ and DAZ on every thread of torch's pool (or off): were they on");
@@ -782,8 +686,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("cpu_features", &qk_cpu_features, "what this CPU and its OS can run: avx2, avxvnni, avx512, avx512bf16");
   mod.def("linear", &qk_linear, "y [M, N] fp32 = x [M, K] @ W^T from repacked int4/int8 tiles");
   mod.def("linear_many", &qk_linear_many, "several matrices on one input: one quantization, one parallel region");
-  mod.def("moe", &qk_moe, "one token through k routed experts in one call");
-  mod.def("moe_rows", &qk_moe_rows, "T tokens through their routed experts, each expert read once for its rows");
+  mod.def("moe", &qk_moe, "T tokens through their routed experts, each expert read once for its rows");
   mod.def("linear_bf16", &qk_linear_bf16, "y [M, N] fp32 = x [M, K] @ W^T, W row-major bf16");
   mod.def("quant_int4", &qk_quant_int4, "rows to symmetric int4 with the clip search: (squared error, sum x^2)");
   mod.def("quant_int8", &qk_quant_int8, "bf16 rows to int8 per row: (squared error, sum x^2)");

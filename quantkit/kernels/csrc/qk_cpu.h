@@ -10,7 +10,6 @@
 
 std::vector<torch::Tensor> qk_linear_many(torch::Tensor x, torch::Tensor table);
 torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, torch::Tensor wts);
-torch::Tensor qk_moe_rows(torch::Tensor x, torch::Tensor table, torch::Tensor ids, torch::Tensor wts);
 
 namespace qk {
 
@@ -20,8 +19,6 @@ constexpr int64_t kMaxMats = 8;  // matrices in one linear_many call (a layer's 
 QMat mat_from_row(const int64_t* f);
 void linear_many_into(const float* xf, int64_t rows, int64_t k, const QMat* mats, int64_t np, void* const* outs,
                       bool bf16);
-void moe_into(const float* xf, int64_t hdim, const int64_t* table, int64_t experts, const int64_t* ids,
-              const float* wts, int64_t ns, float* y);
 void moe_rows_into(const float* xf, int64_t rows, int64_t hdim, const int64_t* table, int64_t experts,
                    const int64_t* ids, const float* wts, int64_t ks, float* y);
 

@@ -176,7 +176,7 @@ class Layers {
   // rows row .. row + T - 1 of cos and sin [R, rot]) through every layer, the final norm and the head, with the
   // logits T calls of `step` give, bit for bit. Why here and not T steps: every matrix but the Gated DeltaNet
   // recurrence and the attention's scores is read once for the T rows (the multi-row tiles; a row's sums do
-  // not depend on the others), and the routed experts once for the union of the rows' choices (moe_rows). The
+  // not depend on the others), and the routed experts once for the union of the rows' choices (moe_rows_into). The
   // mixers' cores, norms, routing and the MoE sum run row by row as `step` runs them. Each Gated DeltaNet layer
   // writes its state after the T tokens to a second buffer, which becomes the layer's state, and keeps the one
   // before, from which `rewind` replays the tokens kept (the state after every position, written out, cost 3-
@@ -349,11 +349,9 @@ class Layers {
     linear(L.in, h, t, w_.proj.data());
     const uint16_t *q = w_.proj.data(), *k = q + t * L.in.n(0), *v = k + t * L.in.n(1);
     const uint16_t *cp = bf16_ptr(cos) + row * rot, *sp = bf16_ptr(sin) + row * rot;
-    for (int64_t j = 0; j < t; ++j)  // every pair writes its K/V; the last one's output goes on
-      attn_into(L.at, q + j * L.in.n(0), k + j * L.in.n(1), v + j * L.in.n(2), cp + j * rot, sp + j * rot, rot,
-                n + j, core);
+    attn_rows_into(L.at, t, q, k, v, cp, sp, rot, n, core);  // every pair writes its K/V; the last one's output goes on
     uint16_t* y = w_.x[1].data();
-    mix_out_and_moe(L, x + (t - 1) * H, core, 1, y);
+    mix_out_and_moe(L, x + (t - 1) * H, core + (t - 1) * L.out.k, 1, y);
     f.rms_row(y, H, final_scale_.data_ptr<float>(), draft_eps_, hf);
     linear(hm, hf, 1, nullptr, dst);
   }
@@ -489,9 +487,7 @@ class Layers {
           gdn_rows_into(g, t, nullptr, core);
         }
       } else {
-        for (int64_t j = 0; j < t; ++j)
-          attn_into(L.at, p + j * L.in.n(0), p1 + j * L.in.n(1), p2 + j * L.in.n(2), cos + j * rot, sin + j * rot,
-                    rot, n + j, core + j * L.out.k);
+        attn_rows_into(L.at, t, p, p1, p2, cos, sin, rot, n, core);
       }
       uint16_t* y = w_.x[cur].data();
       mix_out_and_moe(L, x, core, t, y);
@@ -523,8 +519,7 @@ class Layers {
     float* xf = w_.xf.data();
     widen(nrm, t * H, xf);
     const int64_t* table = L.experts.data_ptr<int64_t>();
-    if (t == 1) moe_into(xf, H, table, L.experts.size(0), ids, wts, k, routed);
-    else moe_rows_into(xf, t, H, table, L.experts.size(0), ids, wts, k, routed);
+    moe_rows_into(xf, t, H, table, L.experts.size(0), ids, wts, k, routed);
     for (int64_t j = 0; j < t; ++j)
       f.moe_out(res + j * H, routed + j * H, shared + j * H, moe_gate(sg[j]), H, y + j * H);
   }

@@ -37,7 +37,7 @@ struct QAct {
   const uint16_t* xb;
 };
 
-// A Gated DeltaNet layer's core for one token (qk_gdn_step's arguments as pointers).
+// A Gated DeltaNet layer's core for one token (qk_gdn_rows's arguments as pointers, at one row).
 struct GdnArgs {
   const uint16_t *qkv, *z, *b, *a;
   uint16_t* conv;  // [K, C] bf16, oldest tap first
@@ -72,13 +72,9 @@ struct Ops {
   // of place is written past the cache); kv scratch of V
   void (*delta_head)(const float* Sin, float* S, int64_t K, int64_t V, const float* q, const float* k, const float* v,
                      float decay, float beta, float* kv, float* out, bool stream);
-  // G query heads (1, 2, 4, 8 or 16) against rows 0..n-1 of one kv head's k, v [cap, hd] (bf16); s scratch
-  // of G * n floats, acc of G * hd; out [G, hd] bf16
-  void (*attend_head)(int G, const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t n, int64_t hd,
-                      float scaling, float* s, float* acc, uint16_t* out);
-  // attend_head of T rows of one kv head at once, each row's bits its own call's: row t's G query heads at
-  // q + t * qs against rows 0..n0+t-1, its out at out + t * os; each block of k and v read once for the T rows.
-  // s scratch of T * G * (n0 + T - 1) floats, acc of T * G * hd
+  // T rows of G query heads (1, 2, 4, 8 or 16) against one kv head's k, v [cap, hd] (bf16), each row's bits its
+  // own call's: row t's at q + t * qs against rows 0..n0+t-1, its out [G, hd] bf16 at out + t * os; each block of
+  // k and v read once for the T rows. s scratch of T * G * (n0 + T - 1) floats, acc of T * G * hd
   void (*attend_rows)(int G, int64_t T, const uint16_t* q, int64_t qs, const uint16_t* k, const uint16_t* v,
                       int64_t n0, int64_t hd, float scaling, float* s, float* acc, uint16_t* out, int64_t os);
   // bf16 rows, torch's roundings (qk_step.cpp states each)

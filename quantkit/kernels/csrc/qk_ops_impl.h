@@ -1167,8 +1167,8 @@ inline __m512bh row32(const uint16_t* p, int64_t d, int64_t hd) {
 }
 
 // keys j0..j1-1 of the scores of a row of n keys (s [G, n]); j0 a multiple of 16 (or past the batches): the keys
-// are batched exactly where attend_scores on all n batches them (from key 0, up to n rounded down to R), so any
-// split of 0..n at such points gives attend_scores's bits
+// are batched where a range over all n batches them (from key 0, up to n rounded down to R), so any split of 0..n
+// at such points gives the same bits
 template <int G>
 void scores_range(const uint16_t* q, const uint16_t* k, int64_t j0, int64_t j1, int64_t n, int64_t hd, float scaling,
                   float* s) {
@@ -1216,11 +1216,6 @@ void scores_range(const uint16_t* q, const uint16_t* k, int64_t j0, int64_t j1, 
   }
 }
 #endif
-
-template <int G>
-void attend_scores(const uint16_t* q, const uint16_t* k, int64_t n, int64_t hd, float scaling, float* s) {
-  scores_range<G>(q, k, 0, n, n, hd, scaling, s);
-}
 
 // in place: each row of s [G, n] -> bf16(softmax) in fp32
 void attend_softmax(float* s, int64_t g, int64_t n) {
@@ -1273,12 +1268,6 @@ void sum_block(const float* p, const uint16_t* v, int64_t n, int64_t j0, int64_t
   }
 }
 
-template <int G, int C>
-void attend_sum(const float* p, const uint16_t* v, int64_t n, int64_t hd, float* acc) {
-  for (int64_t i = 0; i < G * hd; ++i) acc[i] = 0.f;
-  for (int64_t j0 = 0; j0 < n; j0 += kSumRows) sum_block<G, C>(p, v, n, j0, imin(n, j0 + kSumRows), hd, acc);
-}
-
 // two chunks of W columns in registers where they and the G accumulators fit (32 zmm, 16 ymm)
 template <int G>
 bool sum_two(int64_t hd) {
@@ -1286,18 +1275,9 @@ bool sum_two(int64_t hd) {
   return two && hd % (2 * W) == 0;
 }
 
-template <int G>
-void attend_group(const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t n, int64_t hd, float scaling,
-                  float* s, float* acc, uint16_t* out) {
-  attend_scores<G>(q, k, n, hd, scaling, s);
-  attend_softmax(s, G, n);
-  if (sum_two<G>(hd)) attend_sum<G, 2>(s, v, n, hd, acc); else attend_sum<G, 1>(s, v, n, hd, acc);
-  to_bf16_row(acc, G * hd, out);
-}
-
 // T rows of G query heads against one kv head, row t (q + t * qs [G, hd]) over keys 0..n0+t-1, out + t * os [G,
-// hd]: each row attend_group's bits (its scores, softmax and value rows in attend_group's order), but each block
-// of keys and of values is read from memory once for the T rows. s holds T rows of G * (n0 + T - 1) scores, acc
+// hd]: each row's bits its own (T = 1) call's (its scores, softmax and value rows in the same order), but each
+// block of keys and of values is read from memory once for the T rows. s holds T rows of G * (n0 + T - 1) scores, acc
 // T rows of G * hd.
 template <int G>
 void attend_rows_group(int64_t T, const uint16_t* q, int64_t qs, const uint16_t* k, const uint16_t* v, int64_t n0,
@@ -1322,34 +1302,15 @@ void attend_rows_group(int64_t T, const uint16_t* q, int64_t qs, const uint16_t*
   for (int64_t t = 0; t < T; ++t) to_bf16_row(acc + t * G * hd, G * hd, out + t * os);
 }
 
-// G query heads q [G, hd] against rows 0..n-1 of k and v [cap, hd]; out [G, hd] bf16
-void attend_head(int G, const uint16_t* q, const uint16_t* k, const uint16_t* v, int64_t n, int64_t hd,
-                 float scaling, float* s, float* acc, uint16_t* out) {
-  switch (G) {
-#if QK_NATIVE_BF16
-    case 16: attend_group<16>(q, k, v, n, hd, scaling, s, acc, out); break;
-#else
-    case 16:  // sixteen accumulators do not fit the registers of the widening scores: two groups of 8
-      attend_group<8>(q, k, v, n, hd, scaling, s, acc, out);
-      attend_group<8>(q + 8 * hd, k, v, n, hd, scaling, s, acc, out + 8 * hd);
-      break;
-#endif
-    case 8: attend_group<8>(q, k, v, n, hd, scaling, s, acc, out); break;
-    case 4: attend_group<4>(q, k, v, n, hd, scaling, s, acc, out); break;
-    case 2: attend_group<2>(q, k, v, n, hd, scaling, s, acc, out); break;
-    default: attend_group<1>(q, k, v, n, hd, scaling, s, acc, out); break;
-  }
-}
-
-// attend_head of T rows of one kv head (attend_rows_group), row t's G query heads at q + t * qs with n0 + t keys,
-// its output at out + t * os
+// T rows of G query heads (1, 2, 4, 8 or 16) against one kv head (attend_rows_group), row t's at q + t * qs with
+// n0 + t keys, its output at out + t * os
 void attend_rows(int G, int64_t T, const uint16_t* q, int64_t qs, const uint16_t* k, const uint16_t* v, int64_t n0,
                  int64_t hd, float scaling, float* s, float* acc, uint16_t* out, int64_t os) {
   switch (G) {
 #if QK_NATIVE_BF16
     case 16: attend_rows_group<16>(T, q, qs, k, v, n0, hd, scaling, s, acc, out, os); break;
 #else
-    case 16:  // as attend_head: two groups of 8
+    case 16:  // sixteen accumulators do not fit the registers of the widening scores: two groups of 8
       attend_rows_group<8>(T, q, qs, k, v, n0, hd, scaling, s, acc, out, os);
       attend_rows_group<8>(T, q + 8 * hd, qs, k, v, n0, hd, scaling, s, acc, out + 8 * hd, os);
       break;
@@ -1559,7 +1520,7 @@ void bit_range(const U* __restrict x, int64_t n, int32_t* out) {
 
 // constant-initialised: loading the module runs none of this unit's code
 constexpr qk::Ops kOps = {QK_NAME,    QK_LEVEL,  quantize_row, tile,     to_bf16_row, silu_mul32,
-                          sum_f32,    delta_head, attend_head, attend_rows, rms_row,  add_bf16,    silu_mul_bf16,
+                          sum_f32,    delta_head, attend_rows, rms_row,  add_bf16,    silu_mul_bf16,
                           exp_shifted, moe_out,   gate_mul,    gdn_conv, gdn_head,    gdn_head_rows, norm_rotate,
                           qkq::int4_sym<uint16_t>, qkq::int4_sym<float>, qkq::int8_row, bit_range<int16_t, uint16_t>,
                           bit_range<int32_t, uint32_t>};

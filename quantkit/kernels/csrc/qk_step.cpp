@@ -1,15 +1,15 @@
-// The decode step's pieces besides the matrices, for quantkit's lean batch-1 step
-// (runtime/model/). Each replaces a run of small torch ops: an op costs a few microseconds of
-// dispatch on a CPU, as much as reading a small matrix, and a Qwen3.5-MoE layer ran about forty of them
-// (the per-layer overhead in reports/bench-decode.md, measured with every matrix stubbed).
+// A layer's pieces besides the matrices, for quantkit's rows (runtime/model/: a step is one row, a verify or a
+// prompt chunk several rows of one cache, a batch rows of many). Each replaces a run of small torch ops: an op
+// costs a few microseconds of dispatch on a CPU, as much as reading a small matrix, and a Qwen3.5-MoE layer ran
+// about forty of them (the per-layer overhead in reports/bench-decode.md, measured with every matrix stubbed).
+// Each takes any count of rows, row j bit for bit its call alone: one op for every kind of call.
 // - delta_step: the Gated DeltaNet state update of one token (torch: six ops, four passes over the state);
-// - attend: one token's attention over the cached K/V;
 // - rms, add_rms, silu_mul, route, moe_out: a layer's norms, the shared expert's activation, the router's
 //   softmax / top-k / renormalisation and the MoE block's sum with the residual;
-// - gdn_step: a Gated DeltaNet layer between its input and output projections (conv window, SiLU, gates,
-//   q/k l2-norm, state update, gated RMSNorm); gdn_batch: the same for a decode batch, each row on its own state;
-// - attn_step: a gated attention layer between its projections (q/k RMSNorm, rotary, the K/V write,
-//   attention, sigmoid gate); attn_rows: the same for R consecutive tokens of one cache, each row attn_step's;
+// - gdn_rows: a Gated DeltaNet layer between its input and output projections (conv window, SiLU, gates,
+//   q/k l2-norm, state update, gated RMSNorm) for T tokens of one cache; gdn_batch: rows each on its own cache;
+// - attn_rows: a gated attention layer between its projections (q/k RMSNorm, rotary, the K/V write,
+//   attention, sigmoid gate) for R consecutive tokens of one cache;
 // - argmax: the greedy token of a row of logits.
 // Every op runs on each ISA's table (qk_ops_impl.h); this file checks the tensors, splits the work over
 // torch's threads and calls the table.
@@ -40,23 +40,6 @@ uint16_t* bf16_ptr(const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(
 // 1 / (1 + e^-x) of one value in fp32 (torch's sigmoid, before its bf16 rounding)
 inline float sigmoid1(float x) { return 1.f / (1.f + std::exp(-x)); }
 
-// heads query rows q [heads, hd] against rows 0..n-1 of keys and values [kv, cap, hd] (all bf16) into
-// out [heads, hd] bf16; threads split the kv heads
-void attend_heads(const uint16_t* qp, const uint16_t* kp, const uint16_t* vp, int64_t heads, int64_t kv, int64_t cap,
-                  int64_t hd, int64_t n, float sc, uint16_t* op) {
-  const int64_t g = heads / kv;
-  // query heads per kv head in groups of G (16, 8, 4, 2 or 1: the widest dividing g)
-  const int G = g % 16 == 0 ? 16 : g % 8 == 0 ? 8 : g % 4 == 0 ? 4 : g % 2 == 0 ? 2 : 1;
-  const Ops& f = ops();
-  at::parallel_for(0, kv, 1, [&](int64_t lo, int64_t hi) {
-    std::vector<float> s(G * n), acc(G * hd);
-    for (int64_t h = lo; h < hi; ++h)
-      for (int64_t q0 = h * g; q0 < (h + 1) * g; q0 += G)
-        f.attend_head(G, qp + q0 * hd, kp + h * cap * hd, vp + h * cap * hd, n, hd, sc, s.data(), acc.data(),
-                      op + q0 * hd);
-  });
-}
-
 }  // namespace
 
 // The gated delta rule for one token over H heads (runtime/linear_attn.py): q, k [H, K] (normalised,
@@ -84,26 +67,6 @@ torch::Tensor qk_delta_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
       f.delta_head(sp + h * K * V, sp + h * K * V, K, V, qp + h * K, kp + h * K, vp + h * V, dp[h], bp[h], kv.data(),
                    op + h * V, false);
   });
-  return out;
-}
-
-// One decode token's attention over the first n positions of a layer's K/V buffers: q [heads, hd] bf16,
-// keys and values [kv, cap, hd] bf16 (contiguous), query heads h*g .. h*g+g-1 on kv head h. The roundings
-// of the torch route it replaces (runtime/decode_step.attend, transformers' eager attention): scores
-// rounded to bf16, scaled in bf16, softmax in fp32 rounded to bf16, the weighted sum in fp32 rounded to
-// bf16; only the order of the fp32 sums and the exp differ. Each key and value row is read from memory
-// once for its g query heads. Returns [heads, hd] bf16. Threads split the kv heads.
-torch::Tensor qk_attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t n, double scaling) {
-  TORCH_CHECK(q.scalar_type() == torch::kBFloat16 && keys.scalar_type() == torch::kBFloat16 &&
-              values.scalar_type() == torch::kBFloat16 && q.is_contiguous() && keys.is_contiguous() &&
-              values.is_contiguous() && q.dim() == 2 && keys.dim() == 3 && keys.sizes() == values.sizes(),
-              "qk_attend: q [heads, hd], keys and values [kv, cap, hd], contiguous bf16");
-  const int64_t heads = q.size(0), hd = q.size(1), kv = keys.size(0), cap = keys.size(1);
-  TORCH_CHECK(keys.size(2) == hd && hd % 16 == 0 && kv > 0 && heads % kv == 0 && n >= 1 && n <= cap,
-              "qk_attend: shapes do not fit (head_dim a multiple of 16, 1 <= n <= capacity)");
-  torch::Tensor out = torch::empty({heads, hd}, torch::kBFloat16);
-  attend_heads(bf16_ptr(q), bf16_ptr(keys), bf16_ptr(values), heads, kv, cap, hd, n, static_cast<float>(scaling),
-               bf16_ptr(out));
   return out;
 }
 
@@ -156,9 +119,9 @@ torch::Tensor qk_silu_mul(torch::Tensor gate, torch::Tensor up) {
   return y;
 }
 
-// transformers' Qwen3_5MoeTopKRouter after its linear: softmax over the experts in fp32, the k largest
-// (largest first, the lower id first on a tie), renormalised to sum 1, rounded to the logits' bf16.
-// Returns (weights fp32 [k], ids int64 [k]).
+// transformers' Qwen3_5MoeTopKRouter after its linear on one row of e logits: softmax over the experts in fp32, the
+// k largest (largest first, the lower id first on a tie), renormalised to sum 1, rounded to the logits' bf16, into
+// w [k] fp32 and ids [k].
 namespace qk {
 
 void route_into(const uint16_t* lp, int64_t e, int64_t k, float* w, int64_t* ids) {
@@ -187,22 +150,14 @@ float moe_gate(uint16_t sg) { return through_bf16(sigmoid1(bf16_value(sg))); }
 
 }  // namespace qk
 
+// route_into on each row of logits [B, E] (a step's, a verify's or a batch's; [E]: one row): (weights fp32 [B, k],
+// ids int64 [B, k]), each row as it is alone
 std::vector<torch::Tensor> qk_route(torch::Tensor logits, int64_t k) {
   check_bf16(logits, "qk_route: logits");
-  const int64_t e = logits.numel();
-  TORCH_CHECK(k >= 1 && k <= e, "qk_route: top_k must be in 1..", e);
-  torch::Tensor w = torch::empty({k}, torch::kFloat), ids = torch::empty({k}, torch::kLong);
-  route_into(bf16_ptr(logits), e, k, w.data_ptr<float>(), ids.data_ptr<int64_t>());
-  return {w, ids};
-}
-
-// qk_route of each row of logits [B, E] (a decode batch's): (weights fp32 [B, k], ids int64 [B, k]), row j as
-// qk_route gives it alone
-std::vector<torch::Tensor> qk_route_rows(torch::Tensor logits, int64_t k) {
-  check_bf16(logits, "qk_route_rows: logits");
-  TORCH_CHECK(logits.dim() == 2 && logits.size(0) >= 1, "qk_route_rows: logits must be [B, E]");
+  if (logits.dim() == 1) logits = logits.view({1, -1});
+  TORCH_CHECK(logits.dim() == 2 && logits.size(0) >= 1, "qk_route: logits must be [B, E] or [E]");
   const int64_t rows = logits.size(0), e = logits.size(1);
-  TORCH_CHECK(k >= 1 && k <= e, "qk_route_rows: top_k must be in 1..", e);
+  TORCH_CHECK(k >= 1 && k <= e, "qk_route: top_k must be in 1..", e);
   torch::Tensor w = torch::empty({rows, k}, torch::kFloat), ids = torch::empty({rows, k}, torch::kLong);
   for (int64_t j = 0; j < rows; ++j)
     route_into(bf16_ptr(logits) + j * e, e, k, w.data_ptr<float>() + j * k, ids.data_ptr<int64_t>() + j * k);
@@ -229,9 +184,9 @@ namespace qk {
 GdnArgs gdn_layer_args(const torch::Tensor& conv, const torch::Tensor& conv_w, const torch::Tensor& neg_a,
                        const torch::Tensor& dt_bias, const torch::Tensor& norm_w, bool norm_w_bf16,
                        const torch::Tensor& state, int64_t hk, double eps) {
-  check_bf16(conv, "qk_gdn_step: conv");
+  check_bf16(conv, "qk_gdn: conv");
   TORCH_CHECK(state.scalar_type() == torch::kFloat && state.is_contiguous() && state.dim() == 3 && conv.dim() == 2,
-              "qk_gdn_step: state fp32 [Hv, Dk, Dv], conv [K, C]");
+              "qk_gdn: state fp32 [Hv, Dk, Dv], conv [K, C]");
   GdnArgs g{};
   g.hv = state.size(0);
   g.dk = state.size(1);
@@ -240,12 +195,12 @@ GdnArgs gdn_layer_args(const torch::Tensor& conv, const torch::Tensor& conv_w, c
   g.taps = conv.size(0);
   g.channels = conv.size(1);
   TORCH_CHECK(hk >= 1 && g.hv % hk == 0 && g.channels == 2 * hk * g.dk + g.hv * g.dv && g.taps >= 1,
-              "qk_gdn_step: shapes do not match the layer");
-  TORCH_CHECK(g.dk <= kMaxHeadDim && g.dv <= kMaxHeadDim, "qk_gdn_step: head dims above ", kMaxHeadDim);
-  check_f32(conv_w, g.taps * g.channels, "qk_gdn_step: conv_w");
-  check_f32(neg_a, g.hv, "qk_gdn_step: neg_a");
-  check_f32(dt_bias, g.hv, "qk_gdn_step: dt_bias");
-  check_f32(norm_w, g.dv, "qk_gdn_step: norm_w");
+              "qk_gdn: shapes do not match the layer");
+  TORCH_CHECK(g.dk <= kMaxHeadDim && g.dv <= kMaxHeadDim, "qk_gdn: head dims above ", kMaxHeadDim);
+  check_f32(conv_w, g.taps * g.channels, "qk_gdn: conv_w");
+  check_f32(neg_a, g.hv, "qk_gdn: neg_a");
+  check_f32(dt_bias, g.hv, "qk_gdn: dt_bias");
+  check_f32(norm_w, g.dv, "qk_gdn: norm_w");
   g.conv = bf16_ptr(conv);
   g.conv_w = conv_w.data_ptr<float>();
   g.neg_a = neg_a.data_ptr<float>();
@@ -335,11 +290,11 @@ GdnArgs gdn_args(const torch::Tensor& qkv, const torch::Tensor& z, const torch::
                  const torch::Tensor& dt_bias, const torch::Tensor& norm_w, bool norm_w_bf16,
                  const torch::Tensor& state, int64_t hk, double eps, int64_t rows) {
   GdnArgs g = gdn_layer_args(conv, conv_w, neg_a, dt_bias, norm_w, norm_w_bf16, state, hk, eps);
-  for (const auto& [t, what] : {std::pair{&qkv, "qk_gdn_step: qkv"}, {&z, "qk_gdn_step: z"}, {&b, "qk_gdn_step: b"},
-                                {&a, "qk_gdn_step: a"}})
+  for (const auto& [t, what] : {std::pair{&qkv, "qk_gdn: qkv"}, {&z, "qk_gdn: z"}, {&b, "qk_gdn: b"},
+                                {&a, "qk_gdn: a"}})
     check_bf16(*t, what);
   TORCH_CHECK(qkv.numel() == rows * g.channels && z.numel() == rows * g.hv * g.dv && b.numel() == rows * g.hv &&
-              a.numel() == rows * g.hv, "qk_gdn_step: shapes do not match the layer");
+              a.numel() == rows * g.hv, "qk_gdn: shapes do not match the layer");
   g.qkv = bf16_ptr(qkv);
   g.z = bf16_ptr(z);
   g.b = bf16_ptr(b);
@@ -349,25 +304,15 @@ GdnArgs gdn_args(const torch::Tensor& qkv, const torch::Tensor& z, const torch::
 
 }  // namespace
 
-// A Gated DeltaNet layer between its projections (runtime/decode_step.linear_mixer): qkv [1, C], z [1, Hv*Dv],
-// b and a [1, Hv] (bf16, the in_proj outputs); conv [K, C] bf16, the conv window (updated in place);
-// conv_w fp32 [K, C]; neg_a = -exp(A_log), dt_bias fp32 [Hv]; norm_w fp32 [Dv] (`norm_w_bf16`: the
-// model's weight is bf16, so w * y rounds); state fp32 [Hv, Dk, Dv] (updated in place). Returns the
-// gated-norm output [1, Hv*Dv] bf16, the input of out_proj. Threads split the value heads.
-torch::Tensor qk_gdn_step(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, torch::Tensor a, torch::Tensor conv,
-                          torch::Tensor conv_w, torch::Tensor neg_a, torch::Tensor dt_bias, torch::Tensor norm_w,
-                          bool norm_w_bf16, torch::Tensor state, int64_t hk, double eps) {
-  const GdnArgs g = gdn_args(qkv, z, b, a, conv, conv_w, neg_a, dt_bias, norm_w, norm_w_bf16, state, hk, eps, 1);
-  torch::Tensor out = torch::empty({1, g.hv * g.dv}, torch::kBFloat16);
-  gdn_rows_into(g, 1, nullptr, bf16_ptr(out));
-  return out;
-}
-
-// T tokens through a Gated DeltaNet layer's core, bit for bit T calls of qk_gdn_step (its arguments, with qkv
-// [T, C], z [T, Hv*Dv], b and a [T, Hv]), keeping the state after each token but the last in `states` [T - 1,
-// Hv, Dk, Dv] fp32 (the last goes to `state`), or none (empty `states`: a verify's case, a prompt chunk's). Why not
-// T calls: each head's state goes through the T tokens while it is in cache, where T calls read and write the
-// whole state from memory per token and the trail took a copy of it after each. Returns [T, Hv*Dv] bf16.
+// T tokens of one cache (a step's one, a verify's, a prompt chunk's) through a Gated DeltaNet layer between its
+// projections: qkv [T, C], z [T, Hv*Dv], b and a [T, Hv] (bf16, the in_proj outputs); conv [K, C] bf16, the conv
+// window (updated in place); conv_w fp32 [K, C]; neg_a = -exp(A_log), dt_bias fp32 [Hv]; norm_w fp32 [Dv]
+// (`norm_w_bf16`: the model's weight is bf16, so w * y rounds); state fp32 [Hv, Dk, Dv] (updated in place): conv
+// window, SiLU, gates, q/k l2-norm, state update, gated RMSNorm, row j bit for bit this call on row j alone after
+// rows 0..j-1. Keeps the state after each token but the last in `states` [T - 1,
+// Hv, Dk, Dv] fp32 (the last goes to `state`), or none (empty `states`: a step's, a verify's, a prompt chunk's).
+// Why one call: each head's state goes through the T tokens while it is in cache, where T calls read and write
+// the whole state from memory per token. Threads split the value heads. Returns [T, Hv*Dv] bf16.
 torch::Tensor qk_gdn_rows(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, torch::Tensor a, torch::Tensor conv,
                           torch::Tensor conv_w, torch::Tensor neg_a, torch::Tensor dt_bias, torch::Tensor norm_w,
                           bool norm_w_bf16, torch::Tensor state, torch::Tensor states, int64_t hk, double eps) {
@@ -386,7 +331,7 @@ torch::Tensor qk_gdn_rows(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, t
 
 // B tokens of a decode batch through a Gated DeltaNet layer's core, each on its own cache: qkv [B, C], z [B, Hv*Dv],
 // b and a [B, Hv] (bf16, row j the in_proj outputs of row j), convs[j] and states[j] row j's conv window and state
-// (updated in place), the layer's other arguments as qk_gdn_step's. Row j bit for bit qk_gdn_step on row j alone.
+// (updated in place), the layer's other arguments as qk_gdn_rows's. Row j bit for bit qk_gdn_rows on row j alone.
 // Why one call: one parallel region over every row's heads, where B calls fork and join the pool B times.
 // Returns [B, Hv*Dv] bf16.
 torch::Tensor qk_gdn_batch(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, torch::Tensor a,
@@ -424,38 +369,26 @@ torch::Tensor qk_gdn_batch(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, 
   return out;
 }
 
-// A gated attention layer between its projections (runtime/decode_step.LeanDecoder._attention): qo
-// [1, heads * 2 hd] (per head its query then its gate), ko and vo [1, kv * hd] (bf16); qk_scale fp32
-// [heads + kv, hd] (q_norm's then k_norm's (1 + w)); cos and sin bf16 [rot]; the layer's K/V buffers
-// [kv, cap, hd] bf16, where position n is written; attention over positions 0..n. Returns
-// bf16(attention * bf16(sigmoid(gate))) [1, heads * hd], the input of o_proj.
-torch::Tensor qk_attn_step(torch::Tensor qo, torch::Tensor ko, torch::Tensor vo, torch::Tensor qk_scale,
-                           torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values, int64_t n,
-                           double scaling, double eps) {
-  for (const auto& [t, what] : {std::pair{&qo, "qk_attn_step: q"}, {&ko, "qk_attn_step: k"}, {&vo, "qk_attn_step: v"},
-                                {&cos, "qk_attn_step: cos"}, {&sin, "qk_attn_step: sin"}})
-    check_bf16(*t, what);
-  const AttnArgs at = attn_layer_args(qk_scale, keys, values, scaling, eps, qo.numel());
-  TORCH_CHECK(ko.numel() == at.kv * at.hd && vo.numel() == at.kv * at.hd && sin.numel() == cos.numel(),
-              "qk_attn_step: shapes do not fit");
-  torch::Tensor out = torch::empty({1, at.heads * at.hd}, torch::kBFloat16);
-  attn_into(at, bf16_ptr(qo), bf16_ptr(ko), bf16_ptr(vo), bf16_ptr(cos), bf16_ptr(sin), cos.numel(), n,
-            bf16_ptr(out));
-  return out;
-}
-
-// R consecutive tokens of one cache through a gated attention layer between its projections (a prompt chunk,
-// a verify): qo [R, heads * 2 hd], ko and vo [R, kv * hd], cos and sin [R, rot], row j at position n + j; the
-// other arguments as qk_attn_step's. Row j is bit for bit qk_attn_step on row j after rows 0..j-1 were stepped
-// (its K/V written at n + j, its query over positions 0..n + j). Why one call: R calls read the whole K/V R
-// times; here each block of keys and values is read once for a tile of rows while it is in cache, and the
-// threads split (tiles x kv heads) where a step splits only the kv heads. Returns [R, heads * hd] bf16.
+// R consecutive tokens of one cache (a step's one, a verify's, a prompt chunk's) through a gated attention layer
+// between its projections: qo [R, heads * 2 hd] (per head its query then its gate), ko and vo [R, kv * hd] (bf16);
+// qk_scale fp32 [heads + kv, hd] (q_norm's then k_norm's (1 + w)); cos and sin bf16 [R, rot], row j at position
+// n + j; the layer's K/V buffers [kv, cap, hd] bf16, where row j's K/V are written at n + j and its query attends
+// over positions 0..n + j. The roundings of transformers' eager route: scores rounded to bf16, scaled in bf16,
+// softmax in fp32 rounded to bf16, the weighted sum in fp32 rounded to bf16, then times bf16(sigmoid(gate)); only
+// the order of fp32 sums and the exp differ. Row j is bit for bit this call on row j alone after rows 0..j-1: each
+// block of keys and values is read once for a tile of rows while it is in cache (R calls would read the whole
+// K/V R times). Returns [R, heads * hd] bf16, the input of o_proj.
 torch::Tensor qk_attn_rows(torch::Tensor qo, torch::Tensor ko, torch::Tensor vo, torch::Tensor qk_scale,
                            torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values, int64_t n,
                            double scaling, double eps) {
   for (const auto& [t, what] : {std::pair{&qo, "qk_attn_rows: q"}, {&ko, "qk_attn_rows: k"}, {&vo, "qk_attn_rows: v"},
                                 {&cos, "qk_attn_rows: cos"}, {&sin, "qk_attn_rows: sin"}})
     check_bf16(*t, what);
+  if (qo.dim() == 1 && cos.dim() == 1) {  // one row
+    qo = qo.view({1, -1});
+    cos = cos.view({1, -1});
+    sin = sin.view({1, -1});
+  }
   TORCH_CHECK(qo.dim() == 2 && qo.size(0) >= 1 && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
               cos.size(0) == qo.size(0), "qk_attn_rows: q [R, heads * 2 hd] with cos and sin [R, rot]");
   const int64_t rows = qo.size(0);
@@ -472,44 +405,23 @@ namespace qk {
 
 AttnArgs attn_layer_args(const torch::Tensor& qk_scale, const torch::Tensor& keys, const torch::Tensor& values,
                          double scaling, double eps, int64_t q_width) {
-  check_bf16(keys, "qk_attn_step: keys");
-  check_bf16(values, "qk_attn_step: values");
-  TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes(), "qk_attn_step: keys and values [kv, cap, hd]");
+  check_bf16(keys, "qk_attn_rows: keys");
+  check_bf16(values, "qk_attn_rows: values");
+  TORCH_CHECK(keys.dim() == 3 && keys.sizes() == values.sizes(), "qk_attn_rows: keys and values [kv, cap, hd]");
   AttnArgs at{};
   at.kv = keys.size(0);
   at.cap = keys.size(1);
   at.hd = keys.size(2);
   at.heads = q_width / (2 * at.hd);
   TORCH_CHECK(at.hd % 16 == 0 && at.hd <= kMaxHeadDim && at.heads >= 1 && at.heads % at.kv == 0 &&
-              q_width == at.heads * 2 * at.hd, "qk_attn_step: shapes do not fit (head_dim a multiple of 16)");
-  check_f32(qk_scale, (at.heads + at.kv) * at.hd, "qk_attn_step: qk_scale");
+              q_width == at.heads * 2 * at.hd, "qk_attn_rows: shapes do not fit (head_dim a multiple of 16)");
+  check_f32(qk_scale, (at.heads + at.kv) * at.hd, "qk_attn_rows: qk_scale");
   at.qk_scale = qk_scale.data_ptr<float>();
   at.keys = bf16_ptr(keys);
   at.values = bf16_ptr(values);
   at.scaling = static_cast<float>(scaling);
   at.eps = static_cast<float>(eps);
   return at;
-}
-
-void attn_into(const AttnArgs& at, const uint16_t* qo, const uint16_t* ko, const uint16_t* vo, const uint16_t* cos,
-               const uint16_t* sin, int64_t rot, int64_t n, uint16_t* op) {
-  TORCH_CHECK(rot % 2 == 0 && rot <= at.hd && n >= 0 && n < at.cap, "qk_attn_step: shapes do not fit (rotary width ", rot,
-              ", position ", n, " of a capacity of ", at.cap, ")");
-  const int64_t heads = at.heads, kv = at.kv, hd = at.hd, cap = at.cap;
-  thread_local std::vector<uint16_t> tl_q, tl_k;
-  std::vector<uint16_t>&q = tl_q, &k = tl_k;
-  q.resize(heads * hd);
-  k.resize(kv * hd);
-  uint16_t nrm[kMaxHeadDim];
-  const Ops& f = ops();
-  f.norm_rotate(qo, 2 * hd, heads, hd, at.qk_scale, cos, sin, rot, at.eps, nrm, q.data());
-  f.norm_rotate(ko, hd, kv, hd, at.qk_scale + heads * hd, cos, sin, rot, at.eps, nrm, k.data());
-  for (int64_t h = 0; h < kv; ++h) {
-    std::memcpy(at.keys + (h * cap + n) * hd, k.data() + h * hd, hd * sizeof(uint16_t));
-    std::memcpy(at.values + (h * cap + n) * hd, vo + h * hd, hd * sizeof(uint16_t));
-  }
-  attend_heads(q.data(), at.keys, at.values, heads, kv, cap, hd, n + 1, at.scaling, op);
-  for (int64_t h = 0; h < heads; ++h) f.gate_mul(op + h * hd, qo + h * 2 * hd + hd, hd);
 }
 
 void attn_rows_into(const AttnArgs& at, int64_t rows, const uint16_t* qo, const uint16_t* ko, const uint16_t* vo,
@@ -534,9 +446,10 @@ void attn_rows_into(const AttnArgs& at, int64_t rows, const uint16_t* qo, const 
       }
     }
   });
+  // query heads per kv head in groups of G (16, 8, 4, 2 or 1: the widest dividing g)
+  const int G = g % 16 == 0 ? 16 : g % 8 == 0 ? 8 : g % 4 == 0 ? 4 : g % 2 == 0 ? 2 : 1;
   // work items (tile of rows, kv head, group of G query heads), the longest rows first, taken in turn by the
   // threads: the rows' costs grow with their positions, so a static split would leave one thread the last tiles
-  const int G = g % 16 == 0 ? 16 : g % 8 == 0 ? 8 : g % 4 == 0 ? 4 : g % 2 == 0 ? 2 : 1;  // as attend_heads
   const int64_t threads = at::get_num_threads(), groups = g / G;
   // tiles of up to kTileRows rows, smaller where that leaves a thread without two items
   constexpr int64_t kTileRows = 8;  // a tile keeps rows x heads x keys scores: smaller ones stay nearer the core

@@ -9,16 +9,11 @@
 
 torch::Tensor qk_delta_step(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor decay,
                             torch::Tensor beta, torch::Tensor state);
-torch::Tensor qk_attend(torch::Tensor q, torch::Tensor keys, torch::Tensor values, int64_t n, double scaling);
 torch::Tensor qk_rms(torch::Tensor x, torch::Tensor scale, double eps);
 std::vector<torch::Tensor> qk_add_rms(torch::Tensor x, torch::Tensor a, torch::Tensor scale, double eps);
 torch::Tensor qk_silu_mul(torch::Tensor gate, torch::Tensor up);
 std::vector<torch::Tensor> qk_route(torch::Tensor logits, int64_t k);
-std::vector<torch::Tensor> qk_route_rows(torch::Tensor logits, int64_t k);
 torch::Tensor qk_moe_out(torch::Tensor x, torch::Tensor routed, torch::Tensor shared, torch::Tensor sg);
-torch::Tensor qk_gdn_step(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, torch::Tensor a, torch::Tensor conv,
-                          torch::Tensor conv_w, torch::Tensor neg_a, torch::Tensor dt_bias, torch::Tensor norm_w,
-                          bool norm_w_bf16, torch::Tensor state, int64_t hk, double eps);
 torch::Tensor qk_gdn_rows(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, torch::Tensor a, torch::Tensor conv,
                           torch::Tensor conv_w, torch::Tensor neg_a, torch::Tensor dt_bias, torch::Tensor norm_w,
                           bool norm_w_bf16, torch::Tensor state, torch::Tensor states, int64_t hk, double eps);
@@ -26,9 +21,6 @@ torch::Tensor qk_gdn_batch(torch::Tensor qkv, torch::Tensor z, torch::Tensor b, 
                            std::vector<torch::Tensor> convs, torch::Tensor conv_w, torch::Tensor neg_a,
                            torch::Tensor dt_bias, torch::Tensor norm_w, bool norm_w_bf16,
                            std::vector<torch::Tensor> states, int64_t hk, double eps);
-torch::Tensor qk_attn_step(torch::Tensor qo, torch::Tensor ko, torch::Tensor vo, torch::Tensor qk_scale,
-                           torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values, int64_t n,
-                           double scaling, double eps);
 torch::Tensor qk_attn_rows(torch::Tensor qo, torch::Tensor ko, torch::Tensor vo, torch::Tensor qk_scale,
                            torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values, int64_t n,
                            double scaling, double eps);
@@ -51,11 +43,8 @@ struct AttnArgs {
 
 AttnArgs attn_layer_args(const torch::Tensor& qk_scale, const torch::Tensor& keys, const torch::Tensor& values,
                          double scaling, double eps, int64_t q_width);
-// one token at position n: qo [heads * 2 hd], ko and vo [kv * hd], cos and sin [rot] (bf16); out [heads * hd]
-void attn_into(const AttnArgs& at, const uint16_t* qo, const uint16_t* ko, const uint16_t* vo, const uint16_t* cos,
-               const uint16_t* sin, int64_t rot, int64_t n, uint16_t* out);
 // rows tokens at positions n .. n + rows - 1 (qo, ko, vo, cos, sin their rows, contiguous): out [rows, heads * hd],
-// row j attn_into's after rows 0..j-1
+// row j its one-row call's after rows 0..j-1 (qk_attn_rows)
 void attn_rows_into(const AttnArgs& at, int64_t rows, const uint16_t* qo, const uint16_t* ko, const uint16_t* vo,
                     const uint16_t* cos, const uint16_t* sin, int64_t rot, int64_t n, uint16_t* out);
 // a Gated DeltaNet layer's fixed arguments (qkv, z, b, a are the caller's, per call)
@@ -70,7 +59,7 @@ void gdn_rows_into(const GdnArgs& g0, int64_t t, float* kept, uint16_t* out, con
                    uint16_t* xs = nullptr);
 // the heads of t tokens whose conv outputs are x [t, C] (g0's z, b, a at their rows), as gdn_rows_into
 void gdn_heads_into(const GdnArgs& g0, int64_t t, const uint16_t* x, const float* from, float* kept, uint16_t* out);
-// qk_route on a row of e bf16 logits: w [k] fp32, ids [k]
+// qk_route on one row of e bf16 logits: w [k] fp32, ids [k]
 void route_into(const uint16_t* logits, int64_t e, int64_t k, float* w, int64_t* ids);
 // the shared expert's gate bf16(sigmoid(sg)) as qk_moe_out applies it
 float moe_gate(uint16_t sg);

@@ -183,24 +183,18 @@ class KernelOps(TorchOps):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.mod.add_rms(x, a, w, eps)
 
-    def attention(self, m: Any, qo: torch.Tensor, ko: torch.Tensor, vo: torch.Tensor, keys: torch.Tensor,
-                  values: torch.Tensor, n: Any, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if not m.kernel_attends:
-            return super().attention(m, qo, ko, vo, keys, values, n, cos, sin)
-        return self.mod.attn_step(qo, ko, vo, m.qk_scale, cos.reshape(-1), sin.reshape(-1), keys, values, n,
-                                  m.scaling, m.eps)
-
     def attention_rows(self, m: Any, qo: torch.Tensor, ko: torch.Tensor, vo: torch.Tensor, keys: torch.Tensor,
                        values: torch.Tensor, n: Any, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if not m.kernel_attends or qo.shape[0] == 1:
+        if not m.kernel_attends:
             return super().attention_rows(m, qo, ko, vo, keys, values, n, cos, sin)
-        # one kernel call: each block of K/V read once for a tile of rows, each row's bits its attn_step's
-        return self.mod.attn_rows(qo.contiguous(), ko.contiguous(), vo.contiguous(), m.qk_scale, cos.contiguous(),
-                                  sin.contiguous(), keys, values, n, m.scaling, m.eps)
+        # one kernel call: each block of K/V read once for a tile of rows, each row's bits its own call's
+        return self.mod.attn_rows(qo.contiguous(), ko.contiguous(), vo.contiguous(), m.qk_scale,
+                                  cos.reshape(qo.shape[0], -1).contiguous(), sin.reshape(qo.shape[0], -1).contiguous(),
+                                  keys, values, n, m.scaling, m.eps)
 
     def gdn_run(self, m: Any, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                 window: torch.Tensor, state: torch.Tensor, keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # one kernel call: each head's state through the rows while it is in cache, each row's bits its gdn_step's
+        # one kernel call: each head's state through the rows while it is in cache, each row's bits its own call's
         t = qkv.shape[0]
         kept = torch.empty((t - 1, *state.shape), dtype=state.dtype) if keep and t > 1 else torch.empty(0)
         out = self.mod.gdn_rows(qkv.contiguous(), z.contiguous(), b.contiguous(), a.contiguous(), window, m.conv_taps,
@@ -208,24 +202,17 @@ class KernelOps(TorchOps):
                                 m.eps)
         return out, (kept if kept.numel() else None)
 
-    def gdn(self, m: Any, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
-            window: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        return self.mod.gdn_step(qkv, z, b, a, window, m.conv_taps, m.neg_a, m.dt_bias, m.norm_wf,
-                                 m.norm_w.dtype == torch.bfloat16, state, m.hk, m.eps)
-
     def gdn_rows(self, m: Any, qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor,
                  windows: list[torch.Tensor], states: list[torch.Tensor]) -> torch.Tensor:
-        # one kernel call: every row's heads in one parallel region, each row's bits its gdn_step's
+        # one kernel call: every row's heads in one parallel region, each row's bits its own gdn_run's
         return self.mod.gdn_batch(qkv.contiguous(), z.contiguous(), b.contiguous(), a.contiguous(), windows,
                                   m.conv_taps, m.neg_a, m.dt_bias, m.norm_wf, m.norm_w.dtype == torch.bfloat16, states,
                                   m.hk, m.eps)
 
     def topk(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if logits.shape[0] > 1:  # every row of a batch in one call, each as `route` picks it alone
-            w, ids = self.mod.route_rows(logits.contiguous(), k)
-            return w, ids
-        w, ids = self.mod.route(logits, k)
-        return w.view(1, -1), ids.view(1, -1)
+        # every row in one call, each as it is picked alone
+        w, ids = self.mod.route(logits.reshape(-1, logits.shape[-1]).contiguous(), k)
+        return w, ids
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.mod.silu_mul(gate, up)
@@ -281,8 +268,8 @@ def for_route(kind: str) -> TorchOps:
 # ---- a MoE block's routed experts, one token (or one row) at a time ----
 class FusedExperts:
     """Every expert of the layer an int4 / int8 / bf16 matrix of the CPU kernel: a row in one `qk.moe` call (the
-    fp32 sum as the kernel leaves it), several rows in one `qk.moe_rows` call where its experts are int4/int8
-    (each chosen expert read once for the rows that chose it, each row's sum bit for bit `qk.moe`'s)."""
+    fp32 sum as the kernel leaves it), several rows in one call where its experts are int4/int8 (each chosen
+    expert read once for the rows that chose it, each row's sum bit for bit its own call's)."""
 
     def __init__(self, experts: QuantExperts):
         self.experts = experts
