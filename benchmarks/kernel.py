@@ -271,8 +271,8 @@ def time_attention(reps: int, lengths: tuple[int, ...] = ATTENTION_TOKENS) -> li
         keys = torch.randn(kv, n, hd, generator=g).to(torch.bfloat16)
         values = torch.randn(kv, n, hd, generator=g).to(torch.bfloat16)
         routes = {"torch": lambda k=keys, v=values, n=n: TORCH.attention(layer, qo, ko, vo, k, v, n - 1, cos, sin),
-                  "qk": lambda k=keys, v=values, n=n: mod.attn_rows(qo, ko, vo, scale, cos, sin, k, v, n - 1, hd ** -0.5,
-                                                                   1e-6)}
+                  "qk": lambda k=keys, v=values, n=n: mod.attn_rows(qo, ko, vo, scale, cos, sin, k, v, n - 1,
+                                                                   hd ** -0.5, 1e-6)}
         best = {name: float("inf") for name in routes}
         for _ in range(reps):
             for name, fn in routes.items():

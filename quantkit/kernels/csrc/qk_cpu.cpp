@@ -548,11 +548,12 @@ void moe_rows_into(const float* xf, int64_t T, int64_t hdim, const int64_t* tb, 
 
 }  // namespace qk
 
-// T tokens (a step's row, a verify's or a batch's rows) through their routed experts: x [T, H] (or one row, x [H]
-// or [1, H] with ids and weights [k]), ids int64 and weights fp32 [T, k]; y [T, H] fp32, row r's sum sum_slot wts[r, slot] * down_e(silu(gate_e(x[r])) * up_e(x[r]))
-// in slot order, e = ids[r, slot]; `table` [experts, 2, 8]: per expert, gate_up then down, each a descriptor row
-// (mat_from_row). Each expert of the rows' union is read once for all the rows that chose it, and a row's sums in
-// a tile do not depend on the other rows, so row r is bit for bit its result alone (one op for every row count).
+// T tokens (a step's row, a verify's or a batch's rows) through their routed experts: x [T, H], ids int64 and
+// weights fp32 [T, k] (one row: x [H] or [1, H] with ids and weights [k]); y [T, H] fp32, row r's
+// sum_slot wts[r, slot] * down_e(silu(gate_e(x[r])) * up_e(x[r])) in slot order, e = ids[r, slot]. `table`
+// [experts, 2, 8]: per expert, gate_up then down, each a descriptor row (mat_from_row). Each expert of the rows'
+// union is read once for all the rows that chose it, and a row's sums in a tile do not depend on the other rows,
+// so row r is bit for bit its result alone (one op for every row count).
 torch::Tensor qk_moe(torch::Tensor x, torch::Tensor table, torch::Tensor ids, torch::Tensor wts) {
   TORCH_CHECK(table.scalar_type() == torch::kLong && table.dim() == 3 && table.size(1) == 2 && table.size(2) == 8 &&
               table.is_contiguous(), "qk_moe: table must be int64 [E, 2, 8]");
@@ -669,8 +670,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("route", &qk_route, "softmax, top-k and renormalisation of each row of a router's logits: (weights, ids)");
   mod.def("moe_out", &qk_moe_out, "x + routed + sigmoid(sg) * shared, a MoE block's output on the residual");
   mod.def("gdn_batch", &qk_gdn_batch, "a decode batch's tokens through gdn_rows, each on its own window and state");
-  mod.def("gdn_rows", &qk_gdn_rows, "T tokens of one cache through a Gated DeltaNet layer's core, keeping the states between (or none)");
-  mod.def("attn_rows", &qk_attn_rows, "R consecutive tokens of one cache through a gated attention layer's core, in one call");
+  mod.def("gdn_rows", &qk_gdn_rows,
+          "T tokens of one cache through a Gated DeltaNet layer's core, keeping the states between (or none)");
+  mod.def("attn_rows", &qk_attn_rows, "R consecutive tokens of one cache through a gated attention layer's core");
   mod.def("delta_step", &qk_delta_step, "one token of the gated delta rule, state updated in place");
   mod.def("argmax", &qk_argmax, "torch.argmax of a contiguous bf16 or fp32 tensor (its first maximum)");
   mod.def("flush_denormals", &qk_flush_denormals, "FTZ and DAZ on every thread of torch's pool (or off): were they on");

@@ -176,8 +176,9 @@ class Layers {
   // rows row .. row + T - 1 of cos and sin [R, rot]) through every layer, the final norm and the head, with the
   // logits T calls of `step` give, bit for bit. Why here and not T steps: every matrix but the Gated DeltaNet
   // recurrence and the attention's scores is read once for the T rows (the multi-row tiles; a row's sums do
-  // not depend on the others), and the routed experts once for the union of the rows' choices (moe_rows_into). The
-  // mixers' cores, norms, routing and the MoE sum run row by row as `step` runs them. Each Gated DeltaNet layer
+  // not depend on the others), and the routed experts once for the union of the rows' choices (moe_rows_into).
+  // The mixers' cores take the T rows in one call each (gdn_rows_into, attn_rows_into: row j bit for bit its call
+  // alone); norms, routing and the MoE sum run row by row as `step` runs them. Each Gated DeltaNet layer
   // writes its state after the T tokens to a second buffer, which becomes the layer's state, and keeps the one
   // before, from which `rewind` replays the tokens kept (the state after every position, written out, cost 3-
   // and 4-token verifies more: reports/mtp-verify-states/). Returns the logits [T, V], the final norm's output [T, H]
@@ -349,7 +350,7 @@ class Layers {
     linear(L.in, h, t, w_.proj.data());
     const uint16_t *q = w_.proj.data(), *k = q + t * L.in.n(0), *v = k + t * L.in.n(1);
     const uint16_t *cp = bf16_ptr(cos) + row * rot, *sp = bf16_ptr(sin) + row * rot;
-    attn_rows_into(L.at, t, q, k, v, cp, sp, rot, n, core);  // every pair writes its K/V; the last one's output goes on
+    attn_rows_into(L.at, t, q, k, v, cp, sp, rot, n, core);  // every pair writes its K/V; the last one's goes on
     uint16_t* y = w_.x[1].data();
     mix_out_and_moe(L, x + (t - 1) * H, core + (t - 1) * L.out.k, 1, y);
     f.rms_row(y, H, final_scale_.data_ptr<float>(), draft_eps_, hf);

@@ -1277,8 +1277,8 @@ bool sum_two(int64_t hd) {
 
 // T rows of G query heads against one kv head, row t (q + t * qs [G, hd]) over keys 0..n0+t-1, out + t * os [G,
 // hd]: each row's bits its own (T = 1) call's (its scores, softmax and value rows in the same order), but each
-// block of keys and of values is read from memory once for the T rows. s holds T rows of G * (n0 + T - 1) scores, acc
-// T rows of G * hd.
+// block of keys and of values is read from memory once for the T rows. s holds T rows of G * (n0 + T - 1)
+// scores, acc T rows of G * hd.
 template <int G>
 void attend_rows_group(int64_t T, const uint16_t* q, int64_t qs, const uint16_t* k, const uint16_t* v, int64_t n0,
                        int64_t hd, float scaling, float* s, float* acc, uint16_t* out, int64_t os) {

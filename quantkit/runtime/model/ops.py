@@ -10,7 +10,8 @@ shared). The model (model/qwen3_5_moe.py) calls them row by row or run by run (`
 `attention_rows`, `gdn_run` and `topk` take every row in one call, each row's bits its own call's) and never asks
 which it holds:
 - `TorchOps`: torch ops, transformers' eager arithmetic dtype for dtype (a GPU, a CPU without quantkit's kernel);
-- `KernelOps`: quantkit's CPU kernel's fused one-token ops (csrc/qk_step.cpp) on the `stack` and `fused` routes;
+- `KernelOps`: quantkit's CPU kernel's fused row ops (csrc/qk_step.cpp; a step is their one-row case) on the
+  `stack` and `fused` routes;
 - `GraphOps`: the torch ops with the position on the device (`Model.static_step`, what a CUDA graph captures).
 An experts op takes one row, `one(h [1, H], wts [1, k], ids [1, k])`, and, where one kernel call takes every row
 of a B-row step bit for bit as B one-row calls, `rows(h, wts, ids)` (else None: the model runs them one by one).
@@ -168,8 +169,8 @@ class TorchOps:
 
 
 class KernelOps(TorchOps):
-    """quantkit's CPU kernel's fused one-token ops (bf16 rows on the CPU: what the `stack` and `fused` routes
-    guarantee); an attention layer the kernel cannot take (`kernel_attends` False) keeps torch's."""
+    """quantkit's CPU kernel's fused row ops (bf16 rows on the CPU: what the `stack` and `fused` routes guarantee);
+    an attention layer the kernel cannot take (`kernel_attends` False) keeps torch's."""
 
     joint_router = True
 
