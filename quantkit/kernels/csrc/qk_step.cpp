@@ -384,11 +384,6 @@ torch::Tensor qk_attn_rows(torch::Tensor qo, torch::Tensor ko, torch::Tensor vo,
   for (const auto& [t, what] : {std::pair{&qo, "qk_attn_rows: q"}, {&ko, "qk_attn_rows: k"}, {&vo, "qk_attn_rows: v"},
                                 {&cos, "qk_attn_rows: cos"}, {&sin, "qk_attn_rows: sin"}})
     check_bf16(*t, what);
-  if (qo.dim() == 1 && cos.dim() == 1) {  // one row
-    qo = qo.view({1, -1});
-    cos = cos.view({1, -1});
-    sin = sin.view({1, -1});
-  }
   TORCH_CHECK(qo.dim() == 2 && qo.size(0) >= 1 && cos.dim() == 2 && cos.sizes() == sin.sizes() &&
               cos.size(0) == qo.size(0), "qk_attn_rows: q [R, heads * 2 hd] with cos and sin [R, rot]");
   const int64_t rows = qo.size(0);
