@@ -160,7 +160,8 @@ class Runtime:
         """How prompts compute, both packed into the batch's steps beside the decoding rows: "tokens" (the T-token
         arithmetic, transformers' eager path, cut where the prompt's own plan cuts it: snapshots at message
         boundaries and chunk ends) or "rows" (each token as a one-token step computes it: snapshots at any token,
-        the end of every answer included, shared starts prefilled once; docs/engine.md). Set it before `set_prompt_cache`: the two arithmetics' snapshots are not each other's."""
+        the end of every answer included, shared starts prefilled once; docs/engine.md). Set it before
+        `set_prompt_cache`: the two arithmetics' snapshots are not each other's."""
         if kind not in PREFILL_KINDS:
             raise ArgumentError(f"prefill={kind!r}: give one of {', '.join(PREFILL_KINDS)}")
         if kind == self.prefill:

@@ -7,8 +7,9 @@ a `BatchGenerator` (quantkit/runtime/batch.py) over the backend's runtime. Waiti
 between two steps, all of them before the next step (a burst decodes together); a prompt is prefilled chunk
 by chunk inside the running slots' steps (runtime/batch_prompts.py; with serve's default `--prefill rows`, a
 shared start once), so a long prompt holds them up for one chunk at most; each step is one forward over the next
-token of every decoding slot, the waiting prompts' chunks and its MTP drafts where the batch drafts them (runtime/batch_drafts.py: one slot drafts as `generate` does, several where the larger step still
-pays); a slot is freed at the step after its request ends (stop, length, cancel, client gone). `--parallel 1`
+token of every decoding slot, the waiting prompts' chunks and its MTP drafts where the batch drafts them
+(runtime/batch_drafts.py: one slot drafts as `generate` does, several where the larger step still pays); a slot
+is freed at the step after its request ends (stop, length, cancel, client gone). `--parallel 1`
 runs here too: one slot.
 The `n` choices of one prompt (`submit_group`) are prefilled once: each choice that finds a free slot decodes
 from a copy of the first one's prompt state.
