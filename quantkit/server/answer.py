@@ -1,9 +1,8 @@
 """Running a request's choices through the queue and writing them as OpenAI objects or SSE chunks.
 
-One request asks for `n` choices of one or more prompts; each choice is one `Job` on the generation queue,
-run one after another by the one-at-a-time queue (later choices reuse the prompt's state from the prompt
-cache), or all submitted at once to a scheduler with slots (`--parallel`), which prefills each prompt once for
-its choices and decodes them together. `ChatFormat` and `CompletionFormat` write the two endpoints' shapes; the flow
+One request asks for `n` choices of one or more prompts; each choice is one `Job`, all submitted at once to
+the scheduler (quantkit/server/scheduler.py), which prefills each prompt once for its choices and decodes them
+in its slots. `ChatFormat` and `CompletionFormat` write the two endpoints' shapes; the flow
 (collect or stream, disconnects, failures, usage) is shared:
 - a streamed answer sends a role chunk per choice (chat), its text as it comes, one finish chunk per choice,
   then a usage-only chunk (`choices: []`) only when `stream_options.include_usage` is true, then `[DONE]`;
@@ -252,7 +251,6 @@ class CompletionFormat:
 
 
 Format = ChatFormat | CompletionFormat
-Submit = Callable[[ChoiceSpec], Job]
 OnDone = Callable[[Answer], None]
 
 
@@ -260,23 +258,14 @@ OnDone = Callable[[Answer], None]
 class Run:
     """One request's choices, ready to run."""
     specs: list[ChoiceSpec]
+    jobs: list[Job]  # choice i's job, all submitted before the response starts (429 there)
     fmt: Format
     rid: str
     created: int
     model: str
     logprobs: bool
     include_usage: bool
-    submit: Submit
     on_done: OnDone
-    first: Job | None = None  # the first choice's job, submitted before the response starts (429 there)
-    jobs: list[Job] = field(default_factory=list)  # every choice's job, when all were submitted at once
-
-    def job(self, i: int, spec: ChoiceSpec) -> Job:
-        if self.jobs:
-            return self.jobs[i]
-        if i == 0 and self.first is not None:
-            return self.first
-        return self.submit(spec)
 
 
 def _error_event(message: str, type_: str = "server_error", code: str | None = None) -> str:
@@ -305,7 +294,7 @@ async def complete(run: Run, listener: Listener) -> JSONResponse:
     answers, choices = [], []
     try:
         for i, spec in enumerate(run.specs):
-            job = run.job(i, spec)
+            job = run.jobs[i]
             listener.job = job
             a = Answer(spec, job)
             parts: list[OutputDelta] = []
@@ -346,7 +335,7 @@ async def stream(run: Run, listener: Listener) -> AsyncIterator[str]:
     try:
         for i, spec in enumerate(run.specs):
             try:
-                job = run.job(i, spec)
+                job = run.jobs[i]
             except ApiError as e:
                 yield _error_event(e.message, e.type, e.code)
                 yield "data: [DONE]\n\n"

@@ -1,8 +1,8 @@
 """The OpenAI-compatible HTTP app (FastAPI): /v1/chat/completions and /v1/completions (plain and SSE),
 /v1/models, /health, /metrics.
 
-`create_app(backend, config)` serves one loaded model through a `BatchScheduler` of `parallel` slots (a `Backend`
-without quantkit's runtime through a `GenerationQueue`, one request at a time). Every error is an OpenAI
+`create_app(backend, config)` serves one model loaded on quantkit's runtime through a `BatchScheduler` of
+`parallel` slots (the one loop: one slot is its one-row case). Every error is an OpenAI
 error object (`{"error": {"message", "type", "param", "code"}}`) with its HTTP status: 400 for malformed
 JSON, a missing or wrong-typed field, an unknown role, `max_tokens` < 1, `n` over the limit, a tool or
 schema of the wrong shape (quantkit/server/schema_check.py), a schema the grammar engine cannot compile or a
@@ -59,7 +59,7 @@ from quantkit.server.grammar import GrammarError
 from quantkit.server.metrics import CONTENT_TYPE, CountRequests, Metrics
 from quantkit.server.options import MAX_N, GenOptions, response_format_schema, sampling_temperature
 from quantkit.server.parsing import OutputParser
-from quantkit.server.queue import GenerationQueue, Job, JobLine, QueueClosed, QueueFull, Ticket
+from quantkit.server.queue import Job, JobLine, QueueClosed, QueueFull, Ticket
 from quantkit.server.scheduler import BatchScheduler
 from quantkit.server.schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from quantkit.server.security import allowed_host_names
@@ -84,7 +84,7 @@ class ServerConfig:
     aliases: tuple[str, ...] = ()  # more model names listed by /v1/models
     cors_origins: tuple[str, ...] = ()  # origins a browser page may call from (none: CORS off)
     max_n: int = MAX_N  # choices per request
-    parallel: int = 1  # requests decoded together (quantkit/server/scheduler.py); 1: one at a time
+    parallel: int = 1  # requests decoded together (quantkit/server/scheduler.py): its slots
 
     def __post_init__(self) -> None:
         if self.max_queue < 1:
@@ -176,11 +176,8 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         state["closing"] = asyncio.Event()  # set by `shutdown`: bodies still being read are cut off
-        # quantkit's runtime decodes on the batch loop whatever the slot count (MTP drafts per slot inside it);
-        # the one-at-a-time queue serves a Backend without one
-        one = config.parallel == 1 and getattr(backend, "runtime", None) is None
-        state["queue"] = app.state.queue = GenerationQueue(backend, config.max_queue) if one \
-            else BatchScheduler(backend, config.max_queue, config.parallel)
+        # every slot count decodes on the batch loop (MTP drafts per slot inside it)
+        state["queue"] = app.state.queue = BatchScheduler(backend, config.max_queue, config.parallel)
         try:
             yield
         finally:
@@ -326,19 +323,9 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
                            param="messages", code="context_length_exceeded")
         return max_tokens
 
-    def submitter(ticket: Ticket) -> ans.Submit:
-        def submit(spec: ans.ChoiceSpec) -> Job:
-            job = Job(prompt=spec.prompt, params=spec.params, loop=asyncio.get_running_loop(), ticket=ticket)
-            submit_jobs(state["queue"], [job])
-            return job
-        return submit
-
     def submit_jobs(queue: Any, jobs: list[Job]) -> None:
         try:
-            if len(jobs) == 1:
-                queue.submit(jobs[0])
-            else:
-                queue.submit_group(jobs)
+            queue.submit_group(jobs)
         except QueueFull as e:
             raise ApiError(429, f"server busy: {e}", "rate_limit_error", code="queue_full",
                            headers={"Retry-After": str(config.retry_after_s)}) from None
@@ -374,24 +361,19 @@ def create_app(backend: Backend, config: ServerConfig | None = None) -> FastAPI:
                       prefix: str, want_lp: bool, place: Place):
         ticket = place.ticket
         ticket.jobs = len(specs_)  # the place is the queue's to give back once every choice has ended
-        run = ans.Run(specs=specs_, fmt=fmt, rid=prefix + uuid.uuid4().hex, created=int(time.time()),
-                      model=req.model, logprobs=want_lp, include_usage=req.include_usage, submit=submitter(ticket),
-                      on_done=on_done)
+        # every choice at once: those of one prompt prefilled once and decoded together
+        groups = {pi: object() for pi in dict.fromkeys(sp.prompt_index for sp in specs_)}
+        jobs = [Job(prompt=sp.prompt, params=sp.params, loop=asyncio.get_running_loop(), group=groups[sp.prompt_index],
+                    ticket=ticket) for sp in specs_]
         queue = place.queue
-        if len(specs_) > 1 and hasattr(queue, "submit_group"):
-            # slots: every choice at once, those of one prompt prefilled once and decoded together
-            groups = {pi: object() for pi in dict.fromkeys(sp.prompt_index for sp in specs_)}
-            run.jobs = [Job(prompt=sp.prompt, params=sp.params, loop=asyncio.get_running_loop(),
-                            group=groups[sp.prompt_index], ticket=ticket) for sp in specs_]
-            submit_jobs(queue, run.jobs)
-            run.first = run.jobs[0]
-        else:
-            run.first = run.submit(specs_[0])
+        submit_jobs(queue, jobs)
+        run = ans.Run(specs=specs_, jobs=jobs, fmt=fmt, rid=prefix + uuid.uuid4().hex, created=int(time.time()),
+                      model=req.model, logprobs=want_lp, include_usage=req.include_usage, on_done=on_done)
         # from here the answer gives the place back when it ends (or its client leaves), whichever way
         listener = ans.Listener(request, on_end=lambda: queue.release(ticket))
         place.handed = True
-        listener.job = run.first
-        listener.others = run.jobs[1:]
+        listener.job = jobs[0]
+        listener.others = jobs[1:]
         if req.stream:
             return StreamingResponse(ans.stream(run, listener), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -4,9 +4,9 @@ The generation vocabulary is the runtime's (quantkit.runtime.generate): `Samplin
 temperature, top_p, top_k, seed, ignore_eos) and `TokenEvent` (text, token, channel, cached_tokens, and the
 closing event's response), so there is one definition of each.
 
-`Backend` is the small protocol the HTTP layer and the queue are written against; `RuntimeBackend`
-(quantkit/server/runtime_backend.py) implements it on quantkit's quantized runtime. One backend serves
-one request at a time (the queue's worker thread is its only caller).
+`Backend` is the small protocol the HTTP layer and the scheduler are written against; `RuntimeBackend`
+(quantkit/server/runtime_backend.py) implements it on quantkit's quantized runtime, whose batch loop the
+scheduler's worker thread runs (its only caller).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ class Prompt:
 class Backend(Protocol):
     model_id: str
     max_context: int
+    runtime: Any  # quantkit.runtime.Runtime: the scheduler's batch loop runs on it
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                enable_thinking: bool) -> Prompt:
@@ -44,9 +45,10 @@ class Backend(Protocol):
         ...
 
     def generate(self, prompt: Prompt, params: SamplingParams, cancel: threading.Event) -> Iterator[TokenEvent]:
-        """The runtime's token events: one per generated token, ending at an end-of-turn token (not yielded
-        unless `params.ignore_eos`), after `params.max_new_tokens`, or soon after `cancel` is set; a last
-        event with `token` None carries the runtime's GenerationResponse."""
+        """One request alone, outside the scheduler (a bench's count, the tests' reference): the runtime's token
+        events, one per generated token, ending at an end-of-turn token (not yielded unless `params.ignore_eos`),
+        after `params.max_new_tokens`, or soon after `cancel` is set; a last event with `token` None carries the
+        runtime's GenerationResponse."""
         ...
 
     def cache_summary(self) -> dict[str, Any] | None:

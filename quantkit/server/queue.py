@@ -1,16 +1,14 @@
-"""One model, one worker thread, a bounded line of requests.
+"""The server's line of requests: jobs, admission and shutdown (`JobLine`); quantkit/server/scheduler.py's
+`BatchScheduler` is the one line, its worker thread running the batch loop over `slots` rows.
 
-The model is loaded once and generates for one request at a time on a worker thread (the runtime's
-caches are per sequence and torch releases the GIL in its kernels, so the event loop stays responsive).
 Each job carries a cancel flag: the HTTP layer sets it when the client goes away or a stop string is seen, a
 waiting job is then skipped and a running one ends at its next token. Events reach the request's coroutine
 through its own asyncio queue.
 
-Admission, the one 429 bound (`JobLine.admit`, for this queue and the scheduler with slots alike): a request is
-admitted before its body is read and holds its place (a `Ticket`) until it ends. With `slots` requests decoding
-at once (1 here) and `max_waiting` (--max-queue), a request is admitted while the requests holding no slot, it
-included, are at most `max_waiting` plus the free slots: `slots` run and `max_waiting` wait, however fast the
-worker seats them, and a request about to take a free slot is not counted as waiting. `stats.waiting` is the
+Admission, the one 429 bound (`JobLine.admit`): a request is admitted before its body is read and holds its
+place (a `Ticket`) until it ends. With `slots` requests decoding at once and `max_waiting` (--max-queue), a
+request is admitted while the requests holding no slot, it included, are at most `max_waiting` plus the free
+slots: `slots` run and `max_waiting` wait, however fast the worker seats them, and a request about to take a free slot is not counted as waiting. `stats.waiting` is the
 requests that find no free slot (at most `max_waiting`), `stats.running` the slots in use. A request's `n`
 choices are one request; each choice takes its own slot.
 
@@ -23,14 +21,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from quantkit.runtime.generate import SamplingParams
-from quantkit.server.backend import Backend, Prompt
+from quantkit.server.backend import Prompt
 
 
 class QueueFull(Exception):
@@ -118,7 +115,7 @@ class QueueStats:
 
 
 class JobLine:
-    """What both schedulers share: a line of waiting jobs, one worker thread, admission (the module docstring;
+    """The scheduler's line: waiting jobs, one worker thread, admission (the module docstring;
     `QueueFull` past it), the slots in use and a drain that ends everything. A subclass fills `stats` (with its
     `slots`), then calls `_start`; its worker takes a job from the line with its slot (`_take`) and gives the
     slot back when the job's last event is out (`_ended`)."""
@@ -241,74 +238,3 @@ class JobLine:
         self.drain()
         self._thread.join(timeout)
         return not self._thread.is_alive()
-
-
-class GenerationQueue(JobLine):
-    def __init__(self, backend: Backend, max_waiting: int = 8):
-        if max_waiting < 1:
-            raise ValueError("max_waiting must be >= 1")
-        self.backend = backend
-        self.stats = QueueStats(max_waiting=max_waiting)
-        self._start("quantkit-generate")
-
-    def _next(self) -> Job | None:
-        with self._cv:
-            while not self._line and not self._closed:
-                self._cv.wait()
-            if not self._line:
-                return None
-            return self._take()
-
-    def _work(self) -> None:
-        while True:
-            job = self._next()
-            if job is None:
-                return
-            self._run(job)
-
-    def _end(self, job: Job, last: Done | Failed) -> None:
-        """The slot given back, then the job's last event (its client sees the slot free when it has its answer)."""
-        with self._cv:
-            self._ended(job)
-        job._put(last)
-
-    def _run(self, job: Job) -> None:
-        start = time.perf_counter()
-        queue_s = start - job.submitted
-        n, first, last, cached, drafts = 0, None, start, 0, None
-        if self._closed:
-            job.stop()
-        try:
-            if not job.cancel.is_set():
-                # closed explicitly so the backend's own cleanup (its lock, its cache) runs now
-                with contextlib.closing(self.backend.generate(job.prompt, job.params, job.cancel)) as events:
-                    for ev in events:
-                        cached = ev.cached_tokens
-                        drafts = ev.drafts.to_dict() if ev.drafts is not None else drafts
-                        if ev.token is None:  # the runtime's closing summary: the Done below replaces it
-                            continue
-                        n += 1
-                        last = time.perf_counter()
-                        if first is None:
-                            first = last
-                        job._put(ev)
-                        if job.cancel.is_set() or n >= job.params.max_new_tokens:
-                            break
-        except Exception as e:  # a failed generation answers its request; the server keeps serving
-            with self._cv:
-                self.stats.failed += 1
-            self._end(job, Failed(f"generation failed: {type(e).__name__}: {e}"))
-            return
-        if job.cancel.is_set():
-            reason = job.stop_reason
-        else:
-            reason = "length" if n >= job.params.max_new_tokens else "stop"
-        with self._cv:
-            self.stats.generated_tokens += n
-            if reason == "cancelled":
-                self.stats.cancelled += 1
-                self.stats.last_cancelled_tokens = n
-            else:
-                self.stats.completed += 1
-        first = first if first is not None else last
-        self._end(job, Done(reason, len(job.prompt.ids), n, queue_s, first - start, last - first, cached, drafts))

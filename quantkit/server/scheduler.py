@@ -1,8 +1,8 @@
-"""`BatchScheduler`: the server's queue with N slots decoded together (`quantkit serve --parallel N`).
+"""`BatchScheduler`: the server's one queue, N slots decoded together (`quantkit serve --parallel N`).
 
-The same contract as `GenerationQueue` (quantkit/server/queue.py: `submit`, `admit`, `drain`, `close`, `stats`,
-`accepting`; a bounded FIFO of waiting requests, 429 beyond it; each job's cancel flag; events and a last `Done`
-or `Failed` through the job's asyncio queue), but up to `slots` requests generate at once: one worker thread runs
+`JobLine`'s contract (quantkit/server/queue.py: `submit`, `admit`, `drain`, `close`, `stats`, `accepting`; a
+bounded FIFO of waiting requests, 429 beyond it; each job's cancel flag; events and a last `Done` or `Failed`
+through the job's asyncio queue), with up to `slots` requests generating at once: one worker thread runs
 a `BatchGenerator` (quantkit/runtime/batch.py) over the backend's runtime. Waiting requests take the free slots
 between two steps, all of them before the next step (a burst decodes together); a prompt is prefilled chunk
 by chunk inside the running slots' steps (runtime/batch_prompts.py; with serve's default `--prefill rows`, a

@@ -1,6 +1,6 @@
-"""Hostile requests to the server (issue 14), against the real app on a small stand-in backend (no model:
-fast): foreign Host headers, non-JSON content types, missing or wrong API keys, out-of-range and unsupported
-fields, bodies too long to tokenize, generated request bodies. Every answer must be the right status with an
+"""Hostile requests to the server (issue 14), against the real app serving the tiny int4 model: foreign Host
+headers, non-JSON content types, missing or wrong API keys, out-of-range and unsupported fields, bodies too long
+to tokenize, generated request bodies. Every answer must be the right status with an
 OpenAI error object, never a 500. Control tokens in user and tool text are checked on the tiny model's own
 tokenizer and chat template."""
 
@@ -18,54 +18,50 @@ from hypothesis import strategies as st
 
 from quantkit.errors import QuantkitError
 from quantkit.server.app import ServerConfig, create_app
-from quantkit.server.backend import Prompt, SamplingParams, TokenEvent
+from quantkit.server.backend import Prompt, SamplingParams
 
 from helpers.probe import count
 
 
-class StandIn:
-    """A Backend without a model: the prompt is the messages' JSON, one token per 4 bytes."""
+class Counted:
+    """The tiny int4 model's backend (its context cut to 512), counting the prompts it renders."""
 
-    model_id = "m"
-    max_context = 512
-    max_token_bytes = 8
-
-    def __init__(self) -> None:
-        self.renders = 0
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.renders = inner, 0
 
     def render(self, messages: list[dict[str, Any]], tools: Any, enable_thinking: bool) -> Prompt:
         self.renders += 1
-        text = json.dumps(messages)
-        return Prompt(text, list(range(len(text) // 4 + 1)))
+        return self.inner.render(messages, tools, enable_thinking)
 
-    def sampling(self, **overrides: Any) -> SamplingParams:
-        return SamplingParams(**{k: v for k, v in overrides.items() if v is not None})
-
-    def generate(self, prompt: Prompt, params: SamplingParams, cancel: threading.Event) -> Iterator[TokenEvent]:
-        for i in range(params.max_new_tokens):
-            if cancel.is_set():
-                return
-            yield TokenEvent("ok ", i, "answer", i)
-
-    def cache_summary(self) -> dict[str, Any] | None:
-        return None
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
-OK = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+OK = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0}
 JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
-def backend() -> StandIn:
-    return StandIn()
+def backend(q4) -> Counted:
+    from quantkit.server.runtime_backend import load_backend
+
+    return Counted(load_backend(q4, model_id="m", max_context=512))
 
 
-def _client(backend: StandIn, **cfg: Any) -> TestClient:
+@pytest.fixture(scope="module")
+def answer(backend: Counted) -> str:
+    """OK's answer as the runtime gives it alone (greedy, 2 tokens)."""
+    prompt = backend.render(OK["messages"], None, True)
+    events = backend.generate(prompt, SamplingParams(max_new_tokens=2, temperature=0), threading.Event())
+    return "".join(e.text for e in events if e.token is not None and e.channel == "answer")
+
+
+def _client(backend: Counted, **cfg: Any) -> TestClient:
     return TestClient(create_app(backend, ServerConfig(max_body_bytes=64_000, **cfg)), base_url="http://127.0.0.1:8000")
 
 
 @pytest.fixture(scope="module")
-def client(backend: StandIn) -> Iterator[TestClient]:
+def client(backend: Counted) -> Iterator[TestClient]:
     with _client(backend) as c:
         yield c
 
@@ -85,9 +81,9 @@ def _error(r, status: int, needle: str | None = None) -> dict:
     return err
 
 
-def test_the_stand_in_answers(client):
+def test_the_model_answers_as_alone(client, answer):
     r = _post(client, OK)
-    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok ok "
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == answer
 
 
 @pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.1.evil.example",
@@ -121,12 +117,12 @@ def test_a_web_page_must_send_json_content_type(client, ctype):
 
 
 @pytest.mark.parametrize("ctype", ["application/x-www-form-urlencoded", "text/plain", ""])
-def test_a_client_without_origin_may_leave_the_content_type_out(client, ctype):
+def test_a_client_without_origin_may_leave_the_content_type_out(client, answer, ctype):
     """curl -d (a form content type) and bare clients, as llama-server accepts them: the body is JSON all the same."""
     count()
     headers = {"content-type": ctype} if ctype else {}
     r = client.post("/v1/chat/completions", content=json.dumps(OK).encode(), headers=headers)
-    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "ok ok "
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == answer
     r = client.post("/v1/chat/completions", content=b"model=m&max_tokens=2", headers=headers)
     _error(r, 400, "malformed JSON")
 

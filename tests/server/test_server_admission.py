@@ -21,7 +21,7 @@ import quantkit.runtime.batch as batch_mod
 from quantkit.runtime import load_model
 from quantkit.runtime.generate import SamplingParams
 from quantkit.server.app import ServerConfig, create_app
-from quantkit.server.queue import Closed, Done, Failed, GenerationQueue, Job, JobLine, QueueClosed, QueueFull
+from quantkit.server.queue import Closed, Done, Failed, Job, JobLine, QueueClosed, QueueFull
 from quantkit.server.runtime_backend import RuntimeBackend
 from quantkit.server.scheduler import BatchScheduler
 
@@ -55,27 +55,10 @@ class Gate:
         self.opened.set()
 
 
-class HeldBackend:
-    """`backend`, its first generation held by `gate` (the one-at-a-time queue's worker)."""
-
-    def __init__(self, backend: RuntimeBackend):
-        self.inner, self.gate = backend, Gate(lambda: None)
-
-    def generate(self, prompt, params, cancel):
-        self.gate()
-        yield from self.inner.generate(prompt, params, cancel)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-
 def _held(backend: RuntimeBackend, monkeypatch: pytest.MonkeyPatch, slots: int, max_waiting: int
           ) -> tuple[JobLine, Gate]:
-    """The server's queue for `slots` (1: GenerationQueue, as `serve --parallel 1` runs), its worker to be held
-    inside the first request's prefill (or generation) by the gate returned."""
-    if slots == 1:
-        held = HeldBackend(backend)
-        return GenerationQueue(held, max_waiting), held.gate
+    """The server's queue with `slots` slots, its worker to be held inside the first request's prefill by the
+    gate returned."""
     gate = Gate(batch_mod.batch_prompts.start)
     monkeypatch.setattr(batch_mod.batch_prompts, "start", gate)
     return BatchScheduler(backend, max_waiting, slots), gate

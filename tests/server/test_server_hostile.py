@@ -1,8 +1,8 @@
 """Hostile requests that used to reach generation or slip past the Host check (issue 43), against the real app
-on a backend without a model: the tiny tokenizer's own chat template renders the prompt and the grammar engine
-builds on its token table, and each token is drawn by the runtime's own `sample` from random logits after the
-request's logits hook, as the runtime does. So a bad tool schema meets the real grammar builder and parser, and
-an extreme penalty or temperature meets the real sampling arithmetic.
+serving the tiny int4 model: its tokenizer's chat template renders the prompt, the grammar engine builds on its
+token table, and each token comes through the server's batch loop, the request's logits hook and the runtime's
+`sample`. So a bad tool schema meets the real grammar builder and parser, and an extreme penalty or temperature
+meets the real sampling arithmetic.
 
 The test client re-raises any exception inside the app: a request that only avoided a 500 by a traceback in
 the log fails here too. After every refused request the server must still answer /health."""
@@ -10,7 +10,6 @@ the log fails here too. After every refused request the server must still answer
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from quantkit.errors import QuantkitError
-from quantkit.runtime.generate import SamplingParams, TokenEvent, sample
-from quantkit.runtime.safe_prompt import render_ids
+from quantkit.runtime.generate import SamplingParams, sample
 from quantkit.server.app import ServerConfig, create_app
-from quantkit.server.backend import Prompt
 from quantkit.server.logits import MAX_LOGIT, LogitsHook, Penalties
 
 from helpers.cli import run_cli
@@ -34,73 +31,21 @@ from helpers.probe import count, expect_one_line
 ORIGIN = "http://localhost:3000"
 
 
-class Sampler:
-    """A Backend whose logits are random (seeded per request) and whose tokens go through the request's hook
-    and the runtime's `sample`; the prompt is the tiny tokenizer's chat template."""
-
-    model_id = "m"
-    max_context = 2048
-
-    def __init__(self, tok: Any):
-        self.tokenizer = tok
-        self.vocab_size = len(tok)
-        self.max_token_bytes = max(len(t) for t in tok.get_vocab())
-
-    def render(self, messages: list[dict[str, Any]], tools: Any, enable_thinking: bool) -> Prompt:
-        def template(m: list[dict[str, Any]], t: Any) -> str:
-            return self.tokenizer.apply_chat_template(m, tools=t, add_generation_prompt=True, tokenize=False,
-                                                      enable_thinking=enable_thinking)
-        return Prompt(*render_ids(self.tokenizer, template, messages, tools))
-
-    def encode(self, text: str) -> Prompt:
-        return Prompt(text, list(self.tokenizer.encode(text, add_special_tokens=False)))
-
-    def decode_prompt(self, ids: list[int]) -> Prompt:
-        return Prompt(self.tokenizer.decode(ids), ids)
-
-    def sampling(self, **overrides: Any) -> SamplingParams:
-        return SamplingParams(**{k: v for k, v in overrides.items() if v is not None})
-
-    def generate(self, prompt: Prompt, params: SamplingParams, cancel: threading.Event) -> Iterator[TokenEvent]:
-        g = torch.Generator().manual_seed(len(prompt.ids))
-        for i in range(params.max_new_tokens):
-            if cancel.is_set():
-                return
-            x = torch.randn(self.vocab_size, generator=g) * 4
-            if params.hook is not None:
-                x = params.hook.process(x)
-            t = sample(x, params, g)
-            info = params.hook.accept(t) if params.hook is not None else None
-            yield TokenEvent(self.tokenizer.decode([t]), t, "answer", i, info=info)
-
-    def cache_summary(self) -> dict[str, Any] | None:
-        return None
-
-    def grammars(self) -> Any:
-        from quantkit.server.grammar import Grammars
-
-        tok = self.tokenizer
-        return Grammars(tok, [tok.convert_tokens_to_ids("<|im_end|>")], tok.convert_tokens_to_ids("</think>"))
-
-
 @pytest.fixture(scope="module")
-def backend(tmp_path_factory: pytest.TempPathFactory) -> Sampler:
-    from transformers import AutoTokenizer
+def backend(q4: Path) -> Any:
+    """The tiny int4 model's backend, served as `quantkit serve` serves it."""
+    from quantkit.server.runtime_backend import load_backend
 
-    from quantkit.testing.tokenizer import write_tokenizer
-
-    out = tmp_path_factory.mktemp("tok")
-    write_tokenizer(Path(out))
-    return Sampler(AutoTokenizer.from_pretrained(out))
+    return load_backend(q4, model_id="m", max_context=2048)
 
 
-def _client(backend: Sampler, **cfg: Any) -> TestClient:
+def _client(backend: Any, **cfg: Any) -> TestClient:
     return TestClient(create_app(backend, ServerConfig(max_body_bytes=256_000, **cfg)),
                       base_url="http://127.0.0.1:8000")
 
 
 @pytest.fixture(scope="module")
-def client(backend: Sampler) -> Iterator[TestClient]:
+def client(backend: Any) -> Iterator[TestClient]:
     with _client(backend) as c:
         yield c
 

@@ -22,7 +22,7 @@ from quantkit.runtime import load_model
 from quantkit.runtime.generate import SamplingParams
 from quantkit.server.app import ServerConfig, create_app
 from quantkit.server.backend import Prompt
-from quantkit.server.queue import Done, Failed, GenerationQueue, Job, QueueFull
+from quantkit.server.queue import Done, Failed, Job, QueueFull
 from quantkit.server.runtime_backend import RuntimeBackend
 from quantkit.server.scheduler import BatchScheduler
 
@@ -96,13 +96,17 @@ def test_every_request_gets_the_tokens_it_gets_alone(backend, one_thread):
     assert sched.stats.completed == 5 and sched.stats.running == 0 and sched.stats.generated_tokens == sum(map(len, want))
 
 
-def test_one_slot_serves_as_the_one_request_queue(backend, one_thread):
+def test_one_slot_serves_the_requests_one_after_another_as_alone(backend, one_thread):
+    """`--parallel 1`: the one queue with one slot; each request waits for the one before it, and gets the
+    tokens it gets alone."""
     prompts, params = [_prompt(backend, t) for t in TEXTS[:3]], _params()[:3]
-    _j, one = _serve(GenerationQueue(backend, 8), prompts, params)
-    _j, batch = _serve(BatchScheduler(backend, 8, slots=1), prompts, params)
-    assert [t for t, _d in one] == [t for t, _d in batch]
-    assert [(d.finish_reason, d.completion_tokens) for _t, d in one] == \
-        [(d.finish_reason, d.completion_tokens) for _t, d in batch]
+    want = [_alone(backend, p, sp) for p, sp in zip(prompts, params, strict=True)]
+    sched = BatchScheduler(backend, 8, slots=1)
+    sizes = []
+    _j, got = _serve(sched, prompts, params, lambda job, n: sizes.append(sched.stats.batch_size))
+    assert [t for t, _d in got] == want
+    assert [(d.finish_reason, d.completion_tokens) for _t, d in got] == [("length", sp.max_new_tokens) for sp in params]
+    assert max(sizes) == 1
 
 
 def test_a_cancelled_request_ends_alone(backend, one_thread):
@@ -210,7 +214,7 @@ def _answers(backend, parallel: int) -> tuple[list[tuple[str, int]], dict]:
 
 def test_serve_parallel_answers_each_request_as_alone(backend, one_thread):
     """Concurrent requests on two slots (greedy, seeded, one with a JSON grammar, one with logprobs and a
-    penalty) answer what one-at-a-time serving answers; /health shows the slots."""
+    penalty) answer what one slot answers; /health shows the slots."""
     one, _h = _answers(backend, 1)
     two, health = _answers(backend, 2)
     assert two == one and one[5][2] != "null"  # the logprobs came back, and the same
