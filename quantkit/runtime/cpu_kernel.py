@@ -41,6 +41,16 @@ def argmax(x: torch.Tensor) -> int:
     return int(torch.argmax(x))
 
 
+def logsumexp(x: torch.Tensor) -> torch.Tensor:
+    """torch.logsumexp(x.float(), -1) of [V] logits (a 0-d fp32 tensor), by the kernel's `logsumexp` on a contiguous
+    bf16 CPU tensor: torch's exp takes a scalar route for each element far below the max, and a vocabulary's
+    logits spread that far. The table's exp and sum order: within a few fp32 ulps of torch's."""
+    mod = cpu.module()
+    if mod is not None and x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.is_contiguous():
+        return mod.logsumexp(x.reshape(1, -1))[0]
+    return torch.logsumexp(x.float(), dim=-1)
+
+
 @contextlib.contextmanager
 def denormals_flushed() -> Iterator[None]:
     """Within the block fp32 denormals are flushed to zero on every thread torch computes on (the kernel's

@@ -28,6 +28,8 @@ from typing import Any, Protocol
 
 import torch
 
+from quantkit.runtime import cpu_kernel
+
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for chat top_logprobs
 MIN_REPETITION = 1e-20  # a smaller repetition penalty acts as this one (see the module docstring)
 MAX_LOGIT = 1e33  # float32's largest is 3.4e38: a logit this large divided by a temperature of 1e-5 still fits
@@ -85,13 +87,13 @@ class LogitsHook:
             self._seen[ids] = True
 
     def process(self, logits: torch.Tensor) -> torch.Tensor:
-        x = logits.float().flatten()
-        if self.top_logprobs is not None:  # the raw distribution: x - logsumexp(x), taken at `accept` where asked
-            self._raw, self._lse = x, torch.logsumexp(x, dim=-1)
+        raw = logits.flatten()
+        if self.top_logprobs is not None:  # the raw distribution: raw - logsumexp(raw), taken at `accept` where asked
+            self._raw, self._lse = raw, cpu_kernel.logsumexp(raw)
         p = self.p
         if p.neutral and self.constraint is None:
-            return x  # nothing to change: sampling reads the logits as they are (it never writes them)
-        x = x.clone()
+            return raw  # nothing to change: sampling reads the logits as they are (it never writes them)
+        x = raw.to(torch.float32, copy=True)
         if p.presence or p.frequency or p.repetition != 1:
             self._state(x.numel(), x.device)
             assert self._counts is not None and self._seen is not None

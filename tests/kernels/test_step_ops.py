@@ -12,6 +12,8 @@ and order of experts is exact where no two probabilities tie.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -350,3 +352,23 @@ def test_argmax_is_torchs(qk, dtype):
         assert qk.argmax(c) == int(torch.argmax(c))
     with pytest.raises(RuntimeError, match="qk_argmax: x must be a non-empty contiguous bf16 or fp32 tensor"):
         qk.argmax(torch.zeros(4, 3, dtype=dtype).t())
+
+
+def test_logsumexp_is_the_float64_one(qk):
+    """qk.logsumexp of bf16 logits [B, V] or [V] is log(sum(exp(x))) within fp32's rounding at every spread (torch's
+    exp leaves each element far below the max to a scalar route; the table's clamps it), -inf elements add nothing,
+    and a row whose max is not finite gives that max."""
+    g = torch.Generator().manual_seed(3)
+    for scale in (0.5, 3.0, 30.0, 300.0):
+        x = (torch.randn(3, 248320, generator=g) * scale).bfloat16()
+        want = torch.logsumexp(x.double(), -1)
+        torch.testing.assert_close(qk.logsumexp(x).double(), want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(qk.logsumexp(x[1]).double(), want[1:2], rtol=1e-6, atol=1e-6)
+    rows = torch.zeros(5, 4099).bfloat16()  # a last partial chunk
+    rows[0], rows[1, 3], rows[2, 4098], rows[3, :4000] = float("-inf"), float("nan"), float("inf"), float("-inf")
+    got = qk.logsumexp(rows)
+    assert got[0] == float("-inf") and torch.isnan(got[1]) and got[2] == float("inf")
+    assert math.isclose(float(got[3]), math.log(99), rel_tol=1e-6) and math.isclose(float(got[4]), math.log(4099),
+                                                                                      rel_tol=1e-6)
+    with pytest.raises(RuntimeError, match="qk_logsumexp: x must be a contiguous bf16 CPU tensor"):
+        qk.logsumexp(torch.zeros(4, 3).bfloat16().t())

@@ -53,6 +53,24 @@ def test_logit_bias_and_logprobs_of_the_raw_distribution():
     assert LogitsHook([], top_logprobs=None).accept(0) is None
 
 
+def test_logprobs_of_bf16_logits_over_a_vocabulary_spread_wide():
+    """The runtime's bf16 logits: their logprobs are the float64 log-softmax's within fp32 rounding however far the
+    logits spread (quantkit.runtime.cpu_kernel.logsumexp), and with nothing to change the hook hands sampling the
+    logits themselves, not a copy."""
+    g = torch.Generator().manual_seed(5)
+    for scale in (1.0, 40.0):
+        logits = (torch.randn(1, 248320, generator=g) * scale).bfloat16()
+        hook = LogitsHook([], top_logprobs=3)
+        out = hook.process(logits[0])
+        assert out.data_ptr() == logits.data_ptr() and out.dtype == torch.bfloat16
+        tok = int(torch.argmax(out))
+        lp = hook.accept(tok)
+        want = torch.log_softmax(logits[0].double(), -1)
+        assert math.isclose(lp.logprob, float(want[tok]), rel_tol=1e-6, abs_tol=1e-5)
+        assert [t for t, _ in lp.top][0] == tok
+        assert all(math.isclose(v, float(want[t]), rel_tol=1e-6, abs_tol=1e-5) for t, v in lp.top)
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory):
     from transformers import AutoTokenizer

@@ -675,6 +675,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, mod) {
   mod.def("attn_rows", &qk_attn_rows, "R consecutive tokens of one cache through a gated attention layer's core");
   mod.def("delta_step", &qk_delta_step, "one token of the gated delta rule, state updated in place");
   mod.def("argmax", &qk_argmax, "torch.argmax of a contiguous bf16 or fp32 tensor (its first maximum)");
+  mod.def("logsumexp", &qk_logsumexp, "torch.logsumexp over the last dim of a contiguous bf16 [B, V] or [V]: fp32 [B]");
   mod.def("flush_denormals", &qk_flush_denormals, "FTZ and DAZ on every thread of torch's pool (or off): were they on");
   mod.def("stream_sum", &qk_stream_sum, "sum of an fp32 tensor at streaming speed (the read-bandwidth probe)");
   mod.def("isa", &qk_isa, "the instruction set level in use: 2 AVX512, 1 AVX2, 0 generic");

@@ -10,7 +10,7 @@
 //   q/k l2-norm, state update, gated RMSNorm) for T tokens of one cache; gdn_batch: rows each on its own cache;
 // - attn_rows: a gated attention layer between its projections (q/k RMSNorm, rotary, the K/V write,
 //   attention, sigmoid gate) for R consecutive tokens of one cache;
-// - argmax: the greedy token of a row of logits.
+// - argmax, logsumexp: the greedy token of a row of logits, and the log of its softmax's denominator.
 // Every op runs on each ISA's table (qk_ops_impl.h); this file checks the tensors, splits the work over
 // torch's threads and calls the table.
 // They keep the torch route's dtypes and roundings (bf16 activations rounded where torch rounds them, fp32
@@ -27,6 +27,10 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
 
 #include "qk_common.h"
 #include "qk_step.h"
@@ -520,4 +524,37 @@ int64_t qk_argmax(torch::Tensor x) {
   const Ops& f = ops();
   if (x.scalar_type() == torch::kBFloat16) return argmax_bits<int16_t>(bf16_ptr(x), x.numel(), f.bit_range16);
   return argmax_bits<int32_t>(reinterpret_cast<const uint32_t*>(x.data_ptr<float>()), x.numel(), f.bit_range32);
+}
+
+// log(sum(exp(x))) of each row of a contiguous bf16 tensor [B, V] (or [V], one row), fp32 [B]: the row's max
+// (argmax_bf16) plus the log of the table's exp_shifted sums (per chunk, so each fp32 lane adds a few hundred
+// terms; the chunks' sums in double). Why not torch.logsumexp: its vectorised exp leaves
+// every element more than about 87 below the max to a scalar route, and a vocabulary's logits spread that far,
+// so it cost the server's logprobs more than the rest of sampling (reports/bench-serve.md); the table's exp clamps
+// there, and denormal terms (far below the max, none of them moves the sum) are flushed while it runs. A row
+// whose max is not finite gives that max (NaN; +inf; -inf where every element is -inf).
+torch::Tensor qk_logsumexp(torch::Tensor x) {
+  check_bf16(x, "qk_logsumexp: x");
+  TORCH_CHECK(x.dim() >= 1 && x.numel() > 0, "qk_logsumexp: x must be [B, V] or [V], not empty");
+  const int64_t n = x.size(-1), rows = x.numel() / n;
+  torch::Tensor out = torch::empty({rows}, torch::kFloat);
+  constexpr int64_t kChunk = 4096;
+  thread_local std::vector<float> tl_p;
+  tl_p.resize(std::min(n, kChunk));
+#if defined(__x86_64__) || defined(__i386__)
+  const unsigned csr = _mm_getcsr();
+  _mm_setcsr(csr | 0x8040);  // FTZ | DAZ on this thread, as qk_flush_denormals sets them
+#endif
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* row = bf16_ptr(x) + r * n;
+    const float mx = bf16_value(row[argmax_bf16(row, n)]);
+    double sum = 0.0;
+    for (int64_t i = 0; std::isfinite(mx) && i < n; i += kChunk)
+      sum += ops().exp_shifted(row + i, std::min(kChunk, n - i), mx, tl_p.data());
+    out.data_ptr<float>()[r] = std::isfinite(mx) ? static_cast<float>(mx + std::log(sum)) : mx;
+  }
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_setcsr(csr);
+#endif
+  return out;
 }

@@ -25,6 +25,7 @@ torch::Tensor qk_attn_rows(torch::Tensor qo, torch::Tensor ko, torch::Tensor vo,
                            torch::Tensor cos, torch::Tensor sin, torch::Tensor keys, torch::Tensor values, int64_t n,
                            double scaling, double eps);
 int64_t qk_argmax(torch::Tensor x);
+torch::Tensor qk_logsumexp(torch::Tensor x);
 
 // The pointer-level cores beneath the ops above, which run no torch op (qk_layers.cpp runs a decode step of them).
 namespace qk {
