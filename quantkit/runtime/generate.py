@@ -32,6 +32,7 @@ PREFILL_CHUNK = DEFAULT_PREFILL_CHUNK  # the chunk the planner sizes the activat
 
 # prefilled tokens after which the heap's freed temporaries are returned (a trim costs milliseconds)
 TRIM_AFTER_PREFILL = 256
+TOPK_CHUNK = 1024  # elements per chunk whose max bounds top_values' search
 
 
 @dataclass
@@ -121,7 +122,7 @@ def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor | 
     logits = logits.float()
     ids = None
     if p.top_k and p.top_k < logits.numel():
-        kth = torch.topk(logits, p.top_k).values[-1]
+        kth = top_values(logits, p.top_k)[-1]
         ids = (logits >= kth).nonzero().squeeze(1)  # ties with the k-th stay, as a mask would keep them
         logits = logits[ids]
     logits = logits / p.temperature
@@ -129,7 +130,7 @@ def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor | 
         probs = torch.softmax(logits, dim=-1)  # the mass top-p is measured in
         k = 64
         while ids is None and k < probs.numel():
-            top = torch.topk(probs, k).values
+            top = top_values(probs, k)
             if float(top.sum()) > p.top_p:
                 ids = (probs >= top[-1]).nonzero().squeeze(1)
                 logits, probs = logits[ids], probs[ids]
@@ -141,13 +142,44 @@ def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor | 
     return ids, torch.softmax(logits, dim=-1)
 
 
+def top_values(x: torch.Tensor, k: int) -> torch.Tensor:
+    """torch.topk(x, k).values of a 1-D x (the k largest, largest first), by topk on fewer elements: each of the k
+    largest is at least the k-th largest of the maxima of TOPK_CHUNK-element chunks. Why: torch.topk reads a 248k
+    vocabulary several times over (reports/one-engine/sampling.md). torch.topk over all of x where there are fewer
+    than k chunks, or a NaN."""
+    n, c = x.numel(), TOPK_CHUNK
+    if k > n // c:
+        return torch.topk(x, k).values
+    m = x[: n - n % c].view(-1, c).amax(1)
+    if n % c:
+        m = torch.cat([m, x[n - n % c:].amax().view(1)])
+    if bool(m.isnan().any()):  # torch.topk ranks a NaN first; no bound by comparison keeps it
+        return torch.topk(x, k).values
+    return torch.topk(x[x >= torch.topk(m, k).values[-1]], k).values
+
+
 def sample(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator | None) -> int:
     """One token from [V] logits: greedy at temperature 0, else top-k, then top-p, then temperature."""
     if p.temperature == 0:
         return cpu_kernel.argmax(logits)
     ids, probs = candidates(logits, p)
-    j = int(torch.multinomial(probs, 1, generator=gen))
+    j = draw(probs, gen)
     return int(ids[j]) if ids is not None else j
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator | None) -> int:
+    """An index i of [N] probabilities, drawn with chance probs[i] / probs.sum() (torch.multinomial(probs, 1)'s
+    distribution), by the inverse CDF: one uniform draw below the float64 running sum's total, and the first index
+    whose running sum passes it, so an index of probability 0 is never drawn. Why not torch.multinomial: it reads
+    a 248k vocabulary many times over (reports/one-engine/sampling.md). A total that is not finite and positive
+    (NaN or inf probabilities, all zero) raises ValueError, as torch.multinomial refuses such a tensor."""
+    c = probs.detach().to("cpu", torch.float64).cumsum(-1)
+    total = float(c[-1])
+    if not 0 < total < float("inf"):
+        raise ValueError(f"sampling: the probabilities sum to {total}")
+    u = torch.rand(1, generator=gen, dtype=torch.float64) * total
+    i = min(int(torch.searchsorted(c, u, right=True)), c.numel() - 1)
+    return i if c[i] > (c[i - 1] if i else 0) else int(torch.nonzero(probs).max())  # u rounded up to the total
 
 
 def peak_memory(devices: list[str]) -> dict[str, int]:

@@ -124,6 +124,49 @@ def test_sampling_rules():
         SamplingParams(top_p=0).validate()
 
 
+def test_draw_is_the_multinomial_distribution(monkeypatch):
+    """`draw` picks index i with chance p_i / sum(p) (within 5 standard deviations over 40,000 seeded draws), never
+    an index of probability 0, the same indices for the same seed, and refuses a total that is not positive."""
+    from quantkit.runtime.generate import draw
+
+    p = torch.tensor([0.1, 0.0, 0.3, 0.0, 0.6, 0.0]) * 7  # unnormalised, zeros inside and at the end
+    g = torch.Generator().manual_seed(11)
+    n = 40_000
+    got = torch.bincount(torch.tensor([draw(p, g) for _ in range(n)]), minlength=6).double()
+    want = p.double() / p.sum() * n
+    assert got[1] == got[3] == got[5] == 0
+    assert ((got - want).abs() <= 5 * (want * (1 - want / n)).sqrt()).all(), (got, want)
+    a, b = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    assert [draw(p, a) for _ in range(50)] == [draw(p, b) for _ in range(50)]
+    for bad in (torch.zeros(4), torch.tensor([0.5, float("nan")]), torch.tensor([float("inf"), 1.0])):
+        with pytest.raises(ValueError, match="sampling: the probabilities sum to"):
+            draw(bad, g)
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1, dtype=torch.float64))  # u rounded up to the total
+    assert draw(p, g) == 4
+
+
+@pytest.mark.parametrize("n", [248320, 248320 - 7, 3000])
+def test_top_values_are_torchs_topk_values(n):
+    """`top_values` (topk over the elements at or above the k-th largest chunk maximum) gives torch.topk's values
+    bit for bit: a vocabulary, one with a partial last chunk, one with fewer chunks than k (torch.topk itself);
+    ties at the k-th, -inf, the largest values in one chunk, a NaN."""
+    from quantkit.runtime.generate import top_values
+
+    g = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=g) * 3).bfloat16().float()  # bf16 values: many ties
+    cases = [x, x.abs().neg(), torch.zeros(n)]
+    y = x.clone()
+    y[:2000] = -float("inf")
+    y[5000:5064] = 50.0  # the 64 largest in one chunk
+    cases.append(y)
+    y = x.clone()
+    y[n - 1] = float("nan")
+    cases.append(y)
+    for c in cases:
+        for k in (1, 20, 64, 200):
+            torch.testing.assert_close(top_values(c, k), torch.topk(c, k).values, rtol=0, atol=0, equal_nan=True)
+
+
 def _reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     """The sampling distribution over the whole vocabulary, by masking (the textbook way)."""
     x = logits.float() / p.temperature
