@@ -334,12 +334,7 @@ async def stream(run: Run, listener: Listener) -> AsyncIterator[str]:
     answers: list[Answer] = []
     try:
         for i, spec in enumerate(run.specs):
-            try:
-                job = run.jobs[i]
-            except ApiError as e:
-                yield _error_event(e.message, e.type, e.code)
-                yield "data: [DONE]\n\n"
-                return
+            job = run.jobs[i]
             listener.job = job
             a = Answer(spec, job)
             n_calls = [0]

@@ -528,11 +528,11 @@ int64_t qk_argmax(torch::Tensor x) {
 
 // log(sum(exp(x))) of each row of a contiguous bf16 tensor [B, V] (or [V], one row), fp32 [B]: the row's max
 // (argmax_bf16) plus the log of the table's exp_shifted sums (per chunk, so each fp32 lane adds a few hundred
-// terms; the chunks' sums in double). Why not torch.logsumexp: its vectorised exp leaves
-// every element more than about 87 below the max to a scalar route, and a vocabulary's logits spread that far,
-// so it cost the server's logprobs more than the rest of sampling (reports/bench-serve.md); the table's exp clamps
-// there, and denormal terms (far below the max, none of them moves the sum) are flushed while it runs. A row
-// whose max is not finite gives that max (NaN; +inf; -inf where every element is -inf).
+// terms; the chunks' sums in double). Why not torch.logsumexp: its vectorised exp leaves every element more than
+// about 87 below the max to a scalar route, and a vocabulary's logits spread that far, so it cost the server's
+// logprobs more than the rest of sampling (reports/one-engine/server-logprobs.md). The table's exp clamps there,
+// and the denormal terms (far below the max: none moves the sum) are flushed while it runs. A row whose max is
+// not finite gives that max (NaN; +inf; -inf where every element is -inf).
 torch::Tensor qk_logsumexp(torch::Tensor x) {
   check_bf16(x, "qk_logsumexp: x");
   TORCH_CHECK(x.dim() >= 1 && x.numel() > 0, "qk_logsumexp: x must be [B, V] or [V], not empty");
