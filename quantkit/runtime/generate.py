@@ -33,6 +33,7 @@ PREFILL_CHUNK = DEFAULT_PREFILL_CHUNK  # the chunk the planner sizes the activat
 # prefilled tokens after which the heap's freed temporaries are returned (a trim costs milliseconds)
 TRIM_AFTER_PREFILL = 256
 TOPK_CHUNK = 1024  # elements per chunk whose max bounds top_values' search
+EXP_RANGE = 87.0  # e^-87 is about fp32's smallest normal (1.2e-38)
 
 
 @dataclass
@@ -118,7 +119,9 @@ def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor | 
     Top-p never sorts the vocabulary: after top-k only those k tokens (and ties with the k-th) remain;
     without top-k, the largest probabilities are taken 64, 512, ... at a time until they hold more than
     top_p (then no token outside them can be in the nucleus): a sort of a 248k vocabulary per token would
-    cost more than the rest of sampling."""
+    cost more than the rest of sampling. Without top-k, a token more than EXP_RANGE below the largest scaled
+    logit has probability 0: e^-EXP_RANGE is below fp32's smallest normal, so nothing it adds moves a sum of at
+    least 1, and torch's softmax takes a scalar route for each such element (reports/one-engine/sampling.md)."""
     logits = logits.float()
     ids = None
     if p.top_k and p.top_k < logits.numel():
@@ -126,13 +129,17 @@ def candidates(logits: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor | 
         ids = (logits >= kth).nonzero().squeeze(1)  # ties with the k-th stay, as a mask would keep them
         logits = logits[ids]
     logits = logits / p.temperature
+    if ids is None:
+        low, high = torch.aminmax(logits)
+        if bool(low < high - EXP_RANGE):
+            logits = logits.masked_fill(logits < high - EXP_RANGE, float("-inf"))
     if p.top_p < 1.0:
         probs = torch.softmax(logits, dim=-1)  # the mass top-p is measured in
         k = 64
         while ids is None and k < probs.numel():
             top = top_values(probs, k)
-            if float(top.sum()) > p.top_p:
-                ids = (probs >= top[-1]).nonzero().squeeze(1)
+            if float(top.sum()) > p.top_p:  # (a probability of 0 is never in the nucleus)
+                ids = (probs >= top[-1] if top[-1] > 0 else probs > 0).nonzero().squeeze(1)
                 logits, probs = logits[ids], probs[ids]
             k *= 8
         sorted_l, order = torch.sort(logits, descending=True, stable=True)  # ties: lower id first

@@ -180,7 +180,8 @@ def _reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("top_k,top_p,spread", [(20, 0.95, 3), (20, 1.0, 3), (1, 0.5, 3), (0, 0.9, 3), (5, 0.3, 3),
-                                                (0, 0.9, 1), (0, 0.95, 8), (0, 0.5, 20), (0, 0.999, 0.1)])
+                                                (0, 0.9, 1), (0, 0.95, 8), (0, 0.5, 20), (0, 0.999, 0.1),
+                                                (0, 1.0, 200), (0, 0.999, 200)])
 def test_candidates_are_the_masked_distribution(top_k, top_p, spread):
     """Flat logits (spread 1) make the nucleus most of the vocabulary, peaked ones a few tokens."""
     from quantkit.runtime.generate import candidates
