@@ -49,11 +49,21 @@ def backend(q4) -> Counted:
 
 
 @pytest.fixture(scope="module")
-def answer(backend: Counted) -> str:
-    """OK's answer as the runtime gives it alone (greedy, 2 tokens)."""
+def answer(backend: Counted) -> dict[str, str]:
+    """OK's message as the runtime gives it alone (greedy, 2 tokens): its content and its reasoning_content (the
+    template opens a think block, so the tiny model's tokens are reasoning)."""
     prompt = backend.render(OK["messages"], None, True)
-    events = backend.generate(prompt, SamplingParams(max_new_tokens=2, temperature=0), threading.Event())
-    return "".join(e.text for e in events if e.token is not None and e.channel == "answer")
+    texts = {"thinking": "", "answer": ""}
+    for e in backend.generate(prompt, SamplingParams(max_new_tokens=2, temperature=0), threading.Event()):
+        if e.token is not None:
+            texts[e.channel] += e.text
+    assert texts["thinking"] + texts["answer"]
+    return {"content": texts["answer"], "reasoning_content": texts["thinking"]}
+
+
+def _said(r) -> dict[str, str]:
+    m = r.json()["choices"][0]["message"]
+    return {"content": m.get("content") or "", "reasoning_content": m.get("reasoning_content") or ""}
 
 
 def _client(backend: Counted, **cfg: Any) -> TestClient:
@@ -83,7 +93,7 @@ def _error(r, status: int, needle: str | None = None) -> dict:
 
 def test_the_model_answers_as_alone(client, answer):
     r = _post(client, OK)
-    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == answer
+    assert r.status_code == 200 and _said(r) == answer
 
 
 @pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.1.evil.example",
@@ -122,7 +132,7 @@ def test_a_client_without_origin_may_leave_the_content_type_out(client, answer, 
     count()
     headers = {"content-type": ctype} if ctype else {}
     r = client.post("/v1/chat/completions", content=json.dumps(OK).encode(), headers=headers)
-    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == answer
+    assert r.status_code == 200 and _said(r) == answer
     r = client.post("/v1/chat/completions", content=b"model=m&max_tokens=2", headers=headers)
     _error(r, 400, "malformed JSON")
 
