@@ -44,6 +44,7 @@ from quantkit.bench.agent_texts import Agent
 from quantkit.bench.machine import machine_info
 from quantkit.bench.serve import free_port
 from quantkit.bench.serve_slots import (
+    http,
     llama_command,
     parse_clients,
     parse_extra,
@@ -100,7 +101,7 @@ def stream_completion(url: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     body = {"model": "bench", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     sent = time.perf_counter()
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=900) as r:
+    with http().stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise QuantkitError(f"{url}: status {r.status_code}: {r.read()[:300]!r}")
         got = read_stream(r.iter_lines())

@@ -25,6 +25,7 @@ Figures go to reports/bench-serve-slots.json and a section of reports/bench-serv
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -112,6 +113,15 @@ def llama_command(binary: Path, gguf: Path, port: int, slots: int, context: int,
     return cmd + (["-t", str(threads)] if threads else [])
 
 
+@functools.cache
+def http() -> httpx.Client:
+    """The one client that every request of a run goes through, its connections kept open between requests, as
+    an agent's SDK keeps its client. Made once, by `wait_ready`, before any round is timed: a client per request
+    built an SSL context on each client's thread inside the timed round, CPU taken from the engines' two cores
+    (reports/one-engine/bench-client.md)."""
+    return httpx.Client(timeout=900, limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+
+
 def wait_ready(base: str, proc: subprocess.Popen, log: Path, timeout: float = 900) -> None:
     """Until /health answers 200 (both engines answer 503 while loading)."""
     deadline = time.monotonic() + timeout
@@ -119,7 +129,7 @@ def wait_ready(base: str, proc: subprocess.Popen, log: Path, timeout: float = 90
         if proc.poll() is not None:
             raise QuantkitError(f"the server exited while starting (code {proc.returncode}); see {log}")
         try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
+            if http().get(base + "/health", timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
@@ -145,7 +155,7 @@ def stream_request(url: str, prompt: str, max_tokens: int, on_chunk: Callable[[i
             "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
             "logprobs": True, "chat_template_kwargs": {"enable_thinking": False}}
     sent, chunks, usage, hung_up = time.perf_counter(), [], None, False
-    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=900) as r:
+    with http().stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise QuantkitError(f"{url}: status {r.status_code}: {r.read()[:200]!r}")
         for line in r.iter_lines():
