@@ -115,11 +115,12 @@ def llama_command(binary: Path, gguf: Path, port: int, slots: int, context: int,
 
 @functools.cache
 def http() -> httpx.Client:
-    """The one client that every request of a run goes through, its connections kept open between requests, as
-    an agent's SDK keeps its client. Made once, by `wait_ready`, before any round is timed: a client per request
-    built an SSL context on each client's thread inside the timed round, CPU taken from the engines' two cores
-    (reports/one-engine/bench-client.md)."""
-    return httpx.Client(timeout=900, limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+    """The one client that every request of a run goes through, made once, by `wait_ready`, before any round is
+    timed: a client per request built an SSL context on each client's thread inside the timed round, CPU taken from
+    the engines' two cores (reports/one-engine/bench-client.md). Each request still has a connection of its own,
+    closed after it: llama-server dropped kept connections that were reused ("Server disconnected without sending
+    a response")."""
+    return httpx.Client(timeout=900, limits=httpx.Limits(max_connections=64, max_keepalive_connections=0))
 
 
 def wait_ready(base: str, proc: subprocess.Popen, log: Path, timeout: float = 900) -> None:
