@@ -7,9 +7,10 @@ import sys
 
 import httpx
 
-from quantkit.bench import serve_slots
+from quantkit.bench import serve_agents, serve_slots
 from quantkit.cli import main
 
-serve_slots.http = lambda: httpx.Client(timeout=900)  # what `httpx.stream(...)` made for every request
+# what `httpx.stream(...)` made for every request
+serve_slots.http = serve_agents.http = lambda: httpx.Client(timeout=900)
 sys.argv = ["quantkit", *sys.argv[1:]]
 main()

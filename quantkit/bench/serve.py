@@ -15,6 +15,7 @@ called in-process without HTTP (same prompt, same token count), so the server's 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shlex
@@ -28,6 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from quantkit.bench.machine import machine_info
 from quantkit.errors import QuantkitError
@@ -81,16 +84,24 @@ def stop_server(proc: subprocess.Popen, timeout: float = 60) -> None:
         proc.wait()
 
 
+@functools.cache
+def http() -> httpx.Client:
+    """The one client that every request of a bench run goes through, made once, by the first wait for a server's
+    health, before any request is timed: a client per request built an SSL context on each client's thread inside
+    the timed request, CPU taken from the engines' cores (reports/one-engine/bench-client.md). Each request still
+    has a connection of its own, closed after it: llama-server dropped kept connections that were reused ("Server
+    disconnected without sending a response")."""
+    return httpx.Client(timeout=900, limits=httpx.Limits(max_connections=64, max_keepalive_connections=0))
+
+
 def wait_for_health(base: str, proc: subprocess.Popen, server_log: Path, timeout: float = 600) -> dict[str, Any]:
     """Poll /health until the server says ok (its JSON), or fail with one line naming its log."""
-    import httpx
-
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
             raise QuantkitError(f"the server exited ({proc.returncode}): see {server_log}")
         try:
-            h = httpx.get(base + "/health", timeout=2).json()
+            h = http().get(base + "/health", timeout=2).json()
             if h.get("status") == "ok":
                 return h
         except httpx.HTTPError:
@@ -185,8 +196,6 @@ class RssSampler(threading.Thread):
 
 def one_request(url: str, model: str, prompt: str, stream: bool, max_tokens: int, retries: int,
                 timeout: float) -> Outcome:
-    import httpx
-
     body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "stream": stream, "ignore_eos": True}
     if stream:
@@ -197,12 +206,12 @@ def one_request(url: str, model: str, prompt: str, stream: bool, max_tokens: int
         attempts += 1
         try:
             if not stream:
-                r = httpx.post(url, json=body, timeout=timeout)
+                r = http().post(url, json=body, timeout=timeout)
                 status, payload = r.status_code, r.json()
                 ttft, events = None, None
             else:
                 ttft, events = None, []
-                with httpx.stream("POST", url, json=body, timeout=timeout) as r:
+                with http().stream("POST", url, json=body, timeout=timeout) as r:
                     status = r.status_code
                     if status != 200:
                         r.read()
@@ -258,12 +267,10 @@ def run_load(url: str, model: str, clients: int, requests: int, max_tokens: int,
 
 def run_faults(base: str, model: str, n_disconnects: int, max_body: int) -> dict[str, Any]:
     """Hang-ups mid-stream and bad requests, concurrently; each bad request must get its error status."""
-    import httpx
-
     url = base + "/v1/chat/completions"
     # far more tokens than the hang-up reads, yet within the context: prompt + max_tokens over it is a 400
     # (context_length_exceeded, as vLLM and OpenAI answer), and PROMPTS render to well under 100 tokens
-    long = httpx.get(base + "/health", timeout=10).json()["max_context"] - 100
+    long = http().get(base + "/health", timeout=10).json()["max_context"] - 100
     statuses: list[tuple[str, int]] = []
     lock = threading.Lock()
 
@@ -271,7 +278,7 @@ def run_faults(base: str, model: str, n_disconnects: int, max_body: int) -> dict
         body = {"model": model, "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}],
                 "max_tokens": long, "stream": True, "ignore_eos": True}
         try:
-            with httpx.stream("POST", url, json=body, timeout=300) as r:
+            with http().stream("POST", url, json=body, timeout=300) as r:
                 lines = r.iter_lines()
                 seen = 0
                 for line in lines:
@@ -295,7 +302,7 @@ def run_faults(base: str, model: str, n_disconnects: int, max_body: int) -> dict
         t.start()
     wrong = []
     for name, data, want in bad:
-        r = httpx.post(url, content=data, headers={"content-type": "application/json"}, timeout=60)
+        r = http().post(url, content=data, headers={"content-type": "application/json"}, timeout=60)
         if r.status_code != want or not _is_error(r.json(), r.status_code):
             wrong.append(f"{name}: HTTP {r.status_code} {r.text[:120]}")
     for t in threads:
@@ -361,8 +368,6 @@ def prepare_model(workdir: Path, log) -> Path:
 
 def run(reports: Path, model_dir: Path | None, workdir: Path, clients: int, requests: int, max_tokens: int,
         max_queue: int, retries: int, disconnects: int, context: int | None, log=print) -> dict[str, Any]:
-    import httpx
-
 
     command = " ".join(["quantkit bench serve", *(shlex.quote(a) for a in sys.argv[3:])])
     machine = machine_info()
@@ -403,7 +408,7 @@ def run(reports: Path, model_dir: Path | None, workdir: Path, clients: int, requ
         faults = run_faults(base, model_id, disconnects, max_body)
         deadline = time.monotonic() + 120
         while True:
-            q = httpx.get(base + "/health", timeout=10).json()["queue"]
+            q = http().get(base + "/health", timeout=10).json()["queue"]
             if (q["running"] == 0 and q["waiting"] == 0) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
@@ -411,7 +416,7 @@ def run(reports: Path, model_dir: Path | None, workdir: Path, clients: int, requ
         time.sleep(2.0)
         rss_end = sampler.rss()
         sampler.stop()
-        health = httpx.get(base + "/health", timeout=10).json()
+        health = http().get(base + "/health", timeout=10).json()
     finally:
         stop_server(proc)
     log("direct runtime (no HTTP, own process), same prompt and token count")

@@ -42,9 +42,8 @@ import httpx
 from quantkit.bench import vllm_server, write_section
 from quantkit.bench.agent_texts import Agent
 from quantkit.bench.machine import machine_info
-from quantkit.bench.serve import free_port
+from quantkit.bench.serve import free_port, http
 from quantkit.bench.serve_slots import (
-    http,
     llama_command,
     parse_clients,
     parse_extra,

@@ -25,7 +25,6 @@ Figures go to reports/bench-serve-slots.json and a section of reports/bench-serv
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -45,7 +44,7 @@ import httpx
 
 from quantkit.bench import write_section
 from quantkit.bench.machine import machine_info
-from quantkit.bench.serve import free_port, percentile, stop_server
+from quantkit.bench.serve import free_port, http, percentile, stop_server
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json
 from quantkit.planner.budget import DEFAULT_PREFILL_CHUNK
@@ -111,16 +110,6 @@ def llama_command(binary: Path, gguf: Path, port: int, slots: int, context: int,
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
            "-c", str(context * slots)]
     return cmd + (["-t", str(threads)] if threads else [])
-
-
-@functools.cache
-def http() -> httpx.Client:
-    """The one client that every request of a run goes through, made once, by `wait_ready`, before any round is
-    timed: a client per request built an SSL context on each client's thread inside the timed round, CPU taken from
-    the engines' two cores (reports/one-engine/bench-client.md). Each request still has a connection of its own,
-    closed after it: llama-server dropped kept connections that were reused ("Server disconnected without sending
-    a response")."""
-    return httpx.Client(timeout=900, limits=httpx.Limits(max_connections=64, max_keepalive_connections=0))
 
 
 def wait_ready(base: str, proc: subprocess.Popen, log: Path, timeout: float = 900) -> None:
