@@ -35,7 +35,6 @@ import httpx
 from quantkit.bench.machine import machine_info
 from quantkit.errors import QuantkitError
 from quantkit.fileio import atomic_write_json
-from quantkit.server.backend import SamplingParams
 from quantkit.server.runtime_backend import load_backend
 
 PROMPTS = [
@@ -312,26 +311,23 @@ def run_faults(base: str, model: str, n_disconnects: int, max_body: int) -> dict
 
 def direct_peer(model_dir: Path, prompt: str, max_tokens: int, reps: int, context: int | None) -> dict[str, Any]:
     """The same generation through the runtime in this process (no HTTP, no queue)."""
-    import threading as th
-
-
     b = load_backend(model_dir, max_context=context)
     p = b.render([{"role": "user", "content": prompt}], None, True)
-    sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    sp = b.sampling(max_new_tokens=max_tokens, ignore_eos=True)  # the server's defaults, as the load's requests get
     times: list[float] = []
     counts: list[int] = []
 
     def work() -> None:
         for i in range(2 + reps):  # two warm-ups, as the server had (first kernel calls are slow)
             t0 = time.perf_counter()
-            n = sum(1 for e in b.generate(p, sp, th.Event()) if e.token_id >= 0)
+            n = sum(1 for e in b.generate(p, sp, threading.Event()) if e.token is not None)
             if i >= 2:
                 times.append(time.perf_counter() - t0)
                 counts.append(n)
 
     # on a worker thread like the server's: measured here, torch's CPU thread pool behaves differently
     # from the main thread when the machine is oversubscribed (2-10x), so the threads must match
-    t = th.Thread(target=work)
+    t = threading.Thread(target=work)
     t.start()
     t.join()
     if any(n != max_tokens for n in counts):

@@ -336,6 +336,14 @@ def test_concurrent_clients_each_get_a_complete_answer_or_a_clean_429(server, q4
     assert _post(server, _ok_body(q4)).status_code == 200
 
 
+def test_the_direct_peer_generates_the_asked_tokens_with_the_servers_defaults(q4):
+    """`bench serve`'s peer: the same prompt through the runtime alone, every token asked for counted."""
+    from quantkit.bench.serve import direct_peer
+
+    got = direct_peer(q4, "hello", max_tokens=5, reps=1, context=256)
+    assert got["reps"] == 1 and got["median_s"] > 0 and got["tok_s"] == pytest.approx(5 / got["median_s"])
+
+
 def test_the_load_checkers_catch_incomplete_answers():
     from quantkit.bench.serve import check_plain, check_stream
 
