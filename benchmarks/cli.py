@@ -57,11 +57,13 @@ def llama_option(default: bool = True) -> Any:
 
 def guard_reports(reports: Path, name: str) -> Path:
     """The files bench-NAME.{md,json,png} in `reports` go through the output guard before the bench runs: a
-    file of that name that a bench did not write (its JSON records the command) is never replaced."""
+    file of that name that a bench did not write (its JSON records the command) is never replaced. A missing folder
+    is made now, so that a long run does not end on it."""
     owned = json_with_keys("command")
     for ext in (".md", ".json", ".png"):
         guard_output(reports / f"bench-{name}{ext}", overwrite=True, create_parents=True, flag="--reports ",
                      owned=lambda p: owned(p if p.suffix == ".json" else p.with_suffix(".json")))
+    reports.mkdir(parents=True, exist_ok=True)
     return reports
 
 

@@ -104,6 +104,7 @@ def main() -> None:
     out = {"command": " ".join(["python", *sys.argv]),
            "machine": machine_info(), "load_avg": os.getloadavg(), "model": str(model), "route": rt.route()["name"],
            "threads": a.threads, "read_gbs_1_thread": bw1, "read_gbs": bw, "bytes": b, "rows": rows}
+    a.out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(a.out / "step-bytes.json", out)
 
 
