@@ -18,6 +18,7 @@ import typer
 from quantkit.cli import ClickException, UsageError, err_console, error_line
 from quantkit.cli.options import COUNT, COUNT0
 from quantkit.errors import QuantkitError
+from quantkit.fileio import atomic_write_json
 from quantkit.outputs import guard_output, json_with_keys
 from quantkit.threads import resolve_threads
 
@@ -57,14 +58,19 @@ def llama_option(default: bool = True) -> Any:
 
 def guard_reports(reports: Path, name: str) -> Path:
     """The files bench-NAME.{md,json,png} in `reports` go through the output guard before the bench runs: a
-    file of that name that a bench did not write (its JSON records the command) is never replaced. A missing folder
-    is made now, so that a long run does not end on it."""
+    file of that name that a bench did not write (its JSON records the command) is never replaced."""
     owned = json_with_keys("command")
     for ext in (".md", ".json", ".png"):
         guard_output(reports / f"bench-{name}{ext}", overwrite=True, create_parents=True, flag="--reports ",
                      owned=lambda p: owned(p if p.suffix == ".json" else p.with_suffix(".json")))
-    reports.mkdir(parents=True, exist_ok=True)
     return reports
+
+
+def write_json(path: Path, data: Any) -> None:
+    """A bench's JSON written atomically, its folder made first (the guard allowed a missing one; a long run must
+    not end on it), as `write_atomic` does for the markdown."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, data)
 
 
 def threads(n: int | None) -> int:

@@ -19,9 +19,9 @@ from typing import Any
 
 import typer
 
-from benchmarks.cli import run_command, shared
+from benchmarks.cli import run_command, shared, write_json
 from benchmarks.peer import Worker, start
-from quantkit.fileio import atomic_write_json, write_atomic
+from quantkit.fileio import write_atomic
 
 PROMPT = 512
 NEW = 48
@@ -61,7 +61,7 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def write_report(reports: Path, d: dict[str, Any]) -> None:
-    atomic_write_json(reports / "bench-generate-loop.json", d)
+    write_json(reports / "bench-generate-loop.json", d)
     m, s = d["machine"], d["summary"]
     lines = ["# One generation alone: this tree against its peer", "",
              f"Command: `{d['command']}`. Machine: {m.get('cpu', '?')}, {m.get('logical_cores', '?')} logical cores, "

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.cli import command_line, guard_reports, run_command, shared, threads
+from benchmarks.cli import command_line, guard_reports, run_command, shared, threads, write_json
 from quantkit.bench.machine import machine_info
 from quantkit.errors import QuantkitError
-from quantkit.fileio import atomic_write_json
 
 DEPTHS = (0, 2048, 3584)
 CHUNK = 512
@@ -66,7 +65,7 @@ def cli(model: Path = shared("model", None), reps: int = shared("reps", 3),
             rows.append({"depth": depth, "tokens_tps": round(tok, 1), "rows_tps": round(row, 1),
                          "rows_over_tokens": round(row / tok, 3)})
             print(f"depth {depth}: T-token {tok:.0f} tok/s, rows {row:.0f} tok/s, rows / T-token {row / tok:.2f}")
-    atomic_write_json(reports / "bench-prefill-rows.json", {
+    write_json(reports / "bench-prefill-rows.json", {
         "command": command_line("prefill_rows", sys.argv[1:]), "machine": machine_info(), "chunk": CHUNK,
         "load_avg": {"before": load_before, "after": [round(x, 2) for x in os.getloadavg()]}, "rows": rows})
 

@@ -33,12 +33,11 @@ from typing import Any
 
 import torch
 
-from benchmarks.cli import command_line, guard_reports, run_command, shared
+from benchmarks.cli import command_line, guard_reports, run_command, shared, write_json
 from benchmarks.cli import threads as check_threads
 from benchmarks.mtp import NEW_TOKENS, OracleDrafter, checkpoint
 from quantkit.bench import write_section
 from quantkit.bench.machine import machine_info
-from quantkit.fileio import atomic_write_json
 
 SECTION = ("<!-- serve mtp: begin -->", "<!-- serve mtp: end -->")
 ACCEPTANCE = 0.88
@@ -261,7 +260,7 @@ def summarise(d: dict[str, Any]) -> dict[str, Any]:
 
 def write_report(reports: Path, d: dict[str, Any]) -> None:
     reports.mkdir(parents=True, exist_ok=True)
-    atomic_write_json(reports / "bench-serve-mtp.json", d)
+    write_json(reports / "bench-serve-mtp.json", d)
     m, s, mm = d["machine"], d["summary"], d["measured"]
     one, two = s["one_client"], s["two_slots"]
 

@@ -23,11 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.cli import command_line, guard_reports, run_command, shared
+from benchmarks.cli import command_line, guard_reports, run_command, shared, write_json
 from benchmarks.cli import threads as check_threads
 from quantkit.bench import write_section
 from quantkit.bench.machine import machine_info
-from quantkit.fileio import atomic_write_json
 
 SECTION = ("<!-- serve policy: begin -->", "<!-- serve policy: end -->")
 MAX_ROWS = 8
@@ -128,7 +127,7 @@ def policies(med: dict[str, float]) -> list[dict[str, Any]]:
 
 
 def write_report(reports: Path, d: dict[str, Any]) -> None:
-    atomic_write_json(reports / "bench-serve-policy.json", d)
+    write_json(reports / "bench-serve-policy.json", d)
     med, m = d["measured"]["best_s"], d["machine"]
     ms = [f"{med[f'step_batch_{b}'] * 1000:.1f}" for b in range(1, MAX_ROWS + 1)]
     mid = [f"{d['measured']['median_s'][f'step_batch_{b}'] * 1000:.1f}" for b in range(1, MAX_ROWS + 1)]

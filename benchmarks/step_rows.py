@@ -20,10 +20,10 @@ from typing import Any
 
 import typer
 
-from benchmarks.cli import run_command, shared
+from benchmarks.cli import run_command, shared, write_json
 from benchmarks.peer import Worker, start
 from quantkit.bench import write_section
-from quantkit.fileio import atomic_write_json, write_atomic
+from quantkit.fileio import write_atomic
 
 ROWS = (1, 2, 4, 5, 6, 8, 12, 16)
 SECTION = ("<!-- step rows: begin -->", "<!-- step rows: end -->")
@@ -66,7 +66,7 @@ def summary(seconds: dict[str, list[float]]) -> dict[str, Any]:
 
 def write_report(reports: Path, d: dict[str, Any]) -> None:
     """bench-step-rows.json, and the measured section of bench-step-rows.md (the text around it is kept)."""
-    atomic_write_json(reports / "bench-step-rows.json", d)
+    write_json(reports / "bench-step-rows.json", d)
     m = d["machine"]
     lines = [SECTION[0], "## The measured run", "",
              f"Command: `{d['command']}`. Machine: {m.get('cpu', '?')}, {m.get('logical_cores', '?')} logical cores, "

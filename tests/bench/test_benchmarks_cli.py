@@ -1,18 +1,23 @@
-"""The lab benches' shared reports guard (benchmarks/cli.py): a run must not end on a folder it could have made at
-its start, and never replaces a file a bench did not write."""
+"""The lab benches' reports (benchmarks/cli.py): the guard leaves a missing folder alone (a bench that refuses
+makes nothing) and never replaces a file a bench did not write; the writer makes the folder, so a long run does not
+end on it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from benchmarks.cli import guard_reports
+from benchmarks.cli import guard_reports, write_json
 from quantkit.errors import QuantkitError
 
 
-def test_guard_reports_makes_a_missing_folder_before_the_run(tmp_path):
+def test_guard_allows_a_missing_folder_and_the_writer_makes_it(tmp_path):
     reports = tmp_path / "new" / "reports"
     assert guard_reports(reports, "step-rows") == reports
-    assert reports.is_dir()
+    assert not reports.exists()  # nothing made before the bench has run
+    write_json(reports / "bench-step-rows.json", {"command": "x"})
+    assert json.loads((reports / "bench-step-rows.json").read_text()) == {"command": "x"}
 
 
 def test_guard_reports_keeps_a_file_no_bench_wrote(tmp_path):
