@@ -64,6 +64,23 @@ def test_rms_and_add_rms(qk):
     _close(qk.rms(rows, sc, 1e-6), rms(rows, sc, 1e-6), SHARE)
 
 
+def test_add_rms_and_moe_out_take_rows_each_as_alone(qk):
+    """A step's rows in one call: row j bit for bit the call on row j alone."""
+    r = 5
+    x, a = _bf16(r, H, seed=12), _bf16(r, H, scale=0.3, seed=13)
+    shared, sg = _bf16(r, H, scale=0.2, seed=14), _bf16(r, 1, seed=15)
+    routed = torch.randn(r, H, generator=torch.Generator().manual_seed(16)) * 0.2
+    scale = 1.0 + _bf16(H, scale=0.1, seed=17).float()
+    s, y = qk.add_rms(x, a, scale, 1e-6)
+    out = qk.moe_out(x, routed.view(-1), shared, sg)
+    for j in range(r):
+        s1, y1 = qk.add_rms(x[j:j + 1], a[j:j + 1], scale, 1e-6)
+        assert torch.equal(s[j:j + 1], s1) and torch.equal(y[j:j + 1], y1)
+        assert torch.equal(out[j:j + 1], qk.moe_out(x[j:j + 1], routed[j], shared[j:j + 1], sg[j:j + 1]))
+    with pytest.raises(RuntimeError, match="qk_moe_out: shapes do not match"):
+        qk.moe_out(x, routed.view(-1), shared, sg[:1])
+
+
 def test_silu_mul_and_moe_out(qk):
     g, u = _bf16(1, 512, scale=2, seed=6), _bf16(1, 512, seed=7)
     _close(qk.silu_mul(g, u), F.silu(g) * u, SHARE)

@@ -100,16 +100,17 @@ torch::Tensor qk_rms(torch::Tensor x, torch::Tensor scale, double eps) {
   return y;
 }
 
-// (s, rms(s)) for s = x + a (one residual add rounded to bf16, then the next norm): both [1, H] bf16
+// (s, rms(s)) for s = x + a (one residual add rounded to bf16, then the next norm), each row [.., H] bf16 alone
 std::vector<torch::Tensor> qk_add_rms(torch::Tensor x, torch::Tensor a, torch::Tensor scale, double eps) {
   check_bf16(x, "qk_add_rms: x");
   check_bf16(a, "qk_add_rms: a");
-  const int64_t h = x.numel();
-  TORCH_CHECK(a.numel() == h, "qk_add_rms: x and a differ in size");
+  const int64_t h = x.size(-1), rows = x.numel() / h;
+  TORCH_CHECK(a.numel() == x.numel(), "qk_add_rms: x and a differ in size");
   check_f32(scale, h, "qk_add_rms: scale");
   torch::Tensor s = torch::empty_like(x), y = torch::empty_like(x);
-  ops().add_bf16(bf16_ptr(x), bf16_ptr(a), h, bf16_ptr(s));
-  ops().rms_row(bf16_ptr(s), h, scale.data_ptr<float>(), static_cast<float>(eps), bf16_ptr(y));
+  ops().add_bf16(bf16_ptr(x), bf16_ptr(a), x.numel(), bf16_ptr(s));
+  for (int64_t r = 0; r < rows; ++r)
+    ops().rms_row(bf16_ptr(s) + r * h, h, scale.data_ptr<float>(), static_cast<float>(eps), bf16_ptr(y) + r * h);
   return {s, y};
 }
 
@@ -169,17 +170,19 @@ std::vector<torch::Tensor> qk_route(torch::Tensor logits, int64_t k) {
 }
 
 // x + bf16(bf16(routed) + bf16(bf16(sigmoid(sg)) * shared)): a MoE block's output added to the residual
-// stream; x, shared [1, H] bf16, routed fp32 [H] (qk.moe's sum), sg [1, 1] bf16 (the shared expert's gate)
+// stream, row by row; x, shared [R, H] bf16, routed fp32 [R * H] (qk.moe's sums), sg [R, 1] bf16 (each row's
+// shared expert gate)
 torch::Tensor qk_moe_out(torch::Tensor x, torch::Tensor routed, torch::Tensor shared, torch::Tensor sg) {
   check_bf16(x, "qk_moe_out: x");
   check_bf16(shared, "qk_moe_out: shared");
   check_bf16(sg, "qk_moe_out: sg");
-  const int64_t h = x.numel();
-  check_f32(routed, h, "qk_moe_out: routed");
-  TORCH_CHECK(shared.numel() == h && sg.numel() == 1, "qk_moe_out: shapes do not match");
-  const float gate = moe_gate(bf16_ptr(sg)[0]);
+  const int64_t h = x.size(-1), rows = x.numel() / h;
+  check_f32(routed, x.numel(), "qk_moe_out: routed");
+  TORCH_CHECK(shared.numel() == x.numel() && sg.numel() == rows, "qk_moe_out: shapes do not match");
   torch::Tensor y = torch::empty_like(x);
-  ops().moe_out(bf16_ptr(x), routed.data_ptr<float>(), bf16_ptr(shared), gate, h, bf16_ptr(y));
+  for (int64_t r = 0; r < rows; ++r)
+    ops().moe_out(bf16_ptr(x) + r * h, routed.data_ptr<float>() + r * h, bf16_ptr(shared) + r * h,
+                  moe_gate(bf16_ptr(sg)[r]), h, bf16_ptr(y) + r * h);
   return y;
 }
 

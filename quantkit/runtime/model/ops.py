@@ -110,15 +110,19 @@ def linear_rows(k: Kernel, h: torch.Tensor) -> torch.Tensor:
 
 # ---- a row's ops ----
 class TorchOps:
+    """A step's row ops in torch. rms, add_rms, silu_mul and combine take rows [R, ..] and compute each as it would
+    alone: torch's elementwise kernels take a vector or a scalar route by the tensor's size, so they run row by row
+    here (the kernel's ops below take all rows in one call, each row its own loop)."""
+
     joint_router = False  # a step's router logits in the shared expert's kernel call (the kernel's bf16 product)
 
     def rms(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        return rms(x, w, eps)
+        return cat_rows([rms(x[r], w, eps) for r in row_slices(x)])
 
     def add_rms(self, x: torch.Tensor, a: torch.Tensor, w: torch.Tensor, eps: float
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         x = x + a
-        return x, rms(x, w, eps)
+        return x, self.rms(x, w, eps)
 
     def attention(self, m: Any, qo: torch.Tensor, ko: torch.Tensor, vo: torch.Tensor, keys: torch.Tensor,
                   values: torch.Tensor, n: Any, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -162,10 +166,10 @@ class TorchOps:
         return top_k(logits, k)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return F.silu(gate) * up
+        return cat_rows([F.silu(gate[r]) * up[r] for r in row_slices(gate)])
 
     def combine(self, x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor, sg: torch.Tensor) -> torch.Tensor:
-        return x + (routed.to(x.dtype) + torch.sigmoid(sg) * shared)
+        return cat_rows([x[r] + (routed[r].to(x.dtype) + torch.sigmoid(sg[r]) * shared[r]) for r in row_slices(x)])
 
 
 class KernelOps(TorchOps):
@@ -219,8 +223,8 @@ class KernelOps(TorchOps):
         return self.mod.silu_mul(gate, up)
 
     def combine(self, x: torch.Tensor, routed: torch.Tensor, shared: torch.Tensor, sg: torch.Tensor) -> torch.Tensor:
-        # the routed sum as its op left it (the fused experts' fp32): moe_out rounds it once
-        return self.mod.moe_out(x, routed.float().view(-1), shared, sg)
+        # the routed sums as their op left them (the fused experts' fp32): moe_out rounds each once
+        return self.mod.moe_out(x, routed.float().contiguous().view(-1), shared.contiguous(), sg.contiguous())
 
 
 class GraphOps(TorchOps):

@@ -310,12 +310,10 @@ class MoE:
 
     def steps(self, x: torch.Tensor, h: torch.Tensor, ops: O.TorchOps) -> torch.Tensor:
         """x + the block on h, each row as a one-token step computes it (its top-k from its own router logits)."""
-        rows = row_slices(h)
         gate, up, sg, logits = self.inputs(h)
         wts, ids = self.route(logits, ops)
-        shared = linear_rows(self.shared_down, cat_rows([ops.silu_mul(gate[r], up[r]) for r in rows]))
-        routed = self.routed_rows(h, wts, ids)
-        return cat_rows([ops.combine(x[r], routed[r], shared[r], sg[r]) for r in rows])
+        shared = linear_rows(self.shared_down, ops.silu_mul(gate, up))
+        return ops.combine(x, self.routed_rows(h, wts, ids), shared, sg)
 
     def route(self, logits: torch.Tensor, ops: O.TorchOps) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's top-k of its own router logits: fp32 weights and int64 ids, [R, k] each."""
@@ -363,11 +361,10 @@ class Layer:
         return self.moe.tokens(x, rms(x, self.post, self.eps))
 
     def steps(self, x: torch.Tensor, p: Steps, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        rows = row_slices(x)
-        h = cat_rows([p.ops.rms(x[r], self.pre, self.eps) for r in rows])
-        a = self.mixer.steps(h, p, self.index, cos, sin)
-        post = [p.ops.add_rms(x[r], a[r], self.post, self.eps) for r in (rows[-1:] if p.last_only else rows)]
-        return self.moe.steps(cat_rows([q[0] for q in post]), cat_rows([q[1] for q in post]), p.ops)
+        a = self.mixer.steps(p.ops.rms(x, self.pre, self.eps), p, self.index, cos, sin)
+        if p.last_only:
+            x, a = x[-1:], a[-1:]
+        return self.moe.steps(*p.ops.add_rms(x, a, self.post, self.eps), p.ops)
 
 
 # ---- the model ----
@@ -548,7 +545,7 @@ class Model:
 
     def _final_rows(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm of rows x, each as its step norms it."""
-        return cat_rows([self.final_ops.rms(x[r], self.final, self.eps) for r in row_slices(x)])
+        return self.final_ops.rms(x, self.final, self.eps)
 
     def embed_tokens(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
         """[T, H] rows. A quantized table on the CPU dequantizes a row in a dozen small ops, so the rows of steps
