@@ -111,8 +111,8 @@ def linear_rows(k: Kernel, h: torch.Tensor) -> torch.Tensor:
 # ---- a row's ops ----
 class TorchOps:
     """A step's row ops in torch. rms, add_rms, silu_mul and combine take rows [R, ..] and compute each as it would
-    alone: torch's elementwise kernels take a vector or a scalar route by the tensor's size, so they run row by row
-    here (the kernel's ops below take all rows in one call, each row its own loop)."""
+    alone: torch's exp, sigmoid and reductions take a vector or a scalar route by the tensor's size, so those run row
+    by row here (the kernel's ops below take all rows in one call, each row its own loop)."""
 
     joint_router = False  # a step's router logits in the shared expert's kernel call (the kernel's bf16 product)
 
